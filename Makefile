@@ -1,0 +1,67 @@
+# Distributed training from scratch: every command a learner or a CI needs.
+#
+#   make run     every stage in order on Gloo/CPU, small sizes (a few minutes on a laptop)
+#   make test    the test suite (pytest, Gloo/CPU)
+#   make bench   the measurements worth making on a GPU box (small sizes on CPU)
+#   make 01 ... make 07   one stage
+#
+# Python: PYTHON=... on the command line wins (e.g. `make bench PYTHON=python3` on a box whose
+# Python already has torch). Otherwise: the project's .venv if it exists, else a python3 that
+# already imports torch, tabulate and numpy, else a new .venv made by `make install`.
+
+VENV          := .venv
+TORCH_VERSION ?= 2.13.0
+# The CPU wheel of torch==$(TORCH_VERSION); the other dependencies follow pyproject.toml.
+DEPS          := "tabulate>=0.9" "numpy>=1.24" "pytest>=7" "matplotlib>=3.7"
+
+ifeq ($(origin PYTHON), undefined)
+  PYTHON := $(shell if [ -x $(VENV)/bin/python ]; then echo $(VENV)/bin/python; \
+              elif python3 -c "import torch, tabulate, numpy" >/dev/null 2>&1; then echo python3; \
+              else echo $(VENV)/bin/python; fi)
+endif
+
+.PHONY: install run test bench clean 01 02 03 04 05 06 07
+
+install:
+	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
+	    echo "install: $(PYTHON) already has torch $$($(PYTHON) -c 'import torch; print(torch.__version__)'), nothing to do"; \
+	else \
+	    echo "install: creating $(VENV) with torch==$(TORCH_VERSION) (CPU build) and tabulate, numpy, pytest, matplotlib"; \
+	    python3 -m venv $(VENV) && \
+	    $(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION) && \
+	    $(VENV)/bin/pip install --quiet --disable-pip-version-check $(DEPS); \
+	fi
+	@$(PYTHON) -c "import pytest" >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "pytest>=7"
+
+run: install
+	@for stage in 01 02 03 04 05 06 07; do $(MAKE) --no-print-directory $$stage PYTHON=$(PYTHON) || exit 1; done
+
+test: install
+	$(PYTHON) -m pytest tests -q
+
+01: install
+	$(PYTHON) 01_collectives/collectives.py --world-size 4 --backend gloo --device cpu
+
+02: install
+	$(PYTHON) 02_allreduce_bench/allreduce_bench.py --backend gloo --device cpu --sizes 64KB,1MB,10MB --world-sizes 2,4
+
+03: install
+	$(PYTHON) 03_naive_ddp/naive_ddp.py --backend gloo --device cpu
+
+04: install
+	$(PYTHON) 04_flat_ddp/flat_ddp.py --backend gloo --device cpu
+
+05: install
+	$(PYTHON) 05_overlap_ddp/overlap_ddp.py --backend gloo --device cpu
+
+06: install
+	$(PYTHON) 06_bucketed_ddp/bucketed_ddp.py --backend gloo --device cpu
+
+07: install
+	$(PYTHON) 07_parallelism/tensor_parallel.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/pipeline_parallel.py --backend gloo --device cpu
+
+clean:
+	rm -rf .pytest_cache traces
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	find results -type f ! -name .gitkeep -delete

@@ -1,0 +1,84 @@
+"""Timing done right for distributed code: warm up, synchronise, take medians, report the slowest rank.
+
+Why each rule:
+* warm-up: the first calls pay for lazy initialisation (CUDA context, NCCL communicators,
+  Gloo's buffers, allocator growth) that steady-state training never sees again;
+* ``torch.cuda.synchronize()`` before reading a clock: CUDA calls return before the GPU has
+  finished, so without it you time the launch, not the work;
+* the median over several iterations: robust to the odd slow iteration (a page fault, a
+  neighbour process) that would drag a mean;
+* the slowest rank: a collective or a training step finishes when its last rank finishes,
+  so the slowest rank's median is the figure the whole job feels.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work so a clock read afterwards means something. No-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
+            barrier: bool = False) -> list[float]:
+    """Call ``fn()`` ``warmup`` times untimed, then ``iters`` times; return seconds per call.
+
+    With ``barrier=True`` the ranks line up (``dist.barrier``) before each timed call, so
+    each rank's clock starts when the slowest rank is ready, not while it waits for it.
+    """
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        if barrier:
+            dist.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Per-configuration summary across ranks. Times are in seconds."""
+
+    median: float          # the slowest rank's median: the headline figure
+    min: float             # fastest single iteration on any rank
+    max: float             # slowest single iteration on any rank
+    slowest_rank: int
+    rank_medians: tuple[float, ...]
+
+
+def summarize(times_per_rank: list[list[float]]) -> Stats:
+    """Reduce a (rank x iteration) table of times to :class:`Stats` (pure, no process group)."""
+    medians = [statistics.median(t) for t in times_per_rank]
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    flat = [x for t in times_per_rank for x in t]
+    return Stats(median=medians[slowest], min=min(flat), max=max(flat),
+                 slowest_rank=slowest, rank_medians=tuple(medians))
+
+
+def gather_times(times: list[float], group=None) -> Stats:
+    """All-gather every rank's list of times (same length on every rank) and summarise.
+
+    Every rank gets the same :class:`Stats`, so any rank may print or write it. Uses a
+    tensor all-gather (not ``all_gather_object``) so it needs neither numpy nor pickling.
+    """
+    world_size = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor(times, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine, group=group)
+    return summarize([t.tolist() for t in everyone])

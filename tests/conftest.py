@@ -1,0 +1,20 @@
+"""Make every stage's module importable by its file name (``import collectives``) and the
+repo's ``common`` package importable, and keep test results out of ``results/``."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STAGE_DIRS = sorted(p for p in REPO.iterdir() if p.is_dir() and p.name[:2].isdigit())
+for path in [REPO, *STAGE_DIRS]:
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+# Spawned workers inherit sys.path from the parent, so they can import the same modules.
+
+
+@pytest.fixture(autouse=True)
+def _results_in_tmp(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path / "results"))
