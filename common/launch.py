@@ -172,6 +172,9 @@ def _spawned_entry(local_rank: int, worker, world_size: int, backend: str, devic
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
+    # Share the cores instead of every rank starting one thread per core (torchrun does the
+    # same with OMP_NUM_THREADS=1): oversubscribed ranks would time each other's contention.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     _run_worker(worker, local_rank, world_size, local_rank, backend, device, args)
 
 
