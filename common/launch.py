@@ -23,13 +23,15 @@ import datetime
 import os
 import socket
 import sys
+import tempfile
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.multiprocessing.spawn import ProcessException
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 # Collectives and rendezvous give up after this long instead of waiting forever on a dead
 # peer. Generous, because a 1 GB all-reduce on Gloo/CPU takes seconds. Override with
@@ -54,7 +56,8 @@ class Dist:
     def print(self, *parts, all_ranks: bool = True) -> None:
         """print() prefixed with the rank, flushed so that ranks interleave line by line."""
         if all_ranks or self.is_main:  # one write per line, so ranks do not interleave mid-line
-            print(" ".join([f"[rank {self.rank}]", *map(str, parts)]), flush=True)
+            sys.stdout.write(" ".join([f"[rank {self.rank}]", *map(str, parts)]) + "\n")
+            sys.stdout.flush()
 
 
 @dataclass(frozen=True)
@@ -151,7 +154,7 @@ def _device_for(local_rank: int, device: str) -> torch.device:
 
 
 def _run_worker(worker, rank: int, world_size: int, local_rank: int,
-                backend: str, device: str, args: tuple):
+                backend: str, device: str, args: tuple, on_error=None):
     dev = _device_for(local_rank, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -162,12 +165,16 @@ def _run_worker(worker, rank: int, world_size: int, local_rank: int,
     dist.init_process_group(**init)  # env:// rendezvous: MASTER_ADDR / MASTER_PORT
     try:
         return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
+    except BaseException:
+        if on_error is not None:
+            on_error()
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def _spawned_entry(local_rank: int, worker, world_size: int, backend: str, device: str,
-                   addr: str, port: int, args: tuple):
+                   addr: str, port: int, args: tuple, error_dir: str):
     # Set the same variables torchrun would, so code below cannot tell the two apart.
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(local_rank),
                       LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world_size),
@@ -175,7 +182,41 @@ def _spawned_entry(local_rank: int, worker, world_size: int, backend: str, devic
     # Share the cores instead of every rank starting one thread per core (torchrun does the
     # same with OMP_NUM_THREADS=1): oversubscribed ranks would time each other's contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    _run_worker(worker, local_rank, world_size, local_rank, backend, device, args)
+
+    def record_failure():
+        # When one rank fails, its peers fail moments later ("connection closed by peer").
+        # Record when and how each failed, so the parent can name the rank that failed first.
+        # Written before the process group is torn down, and renamed into place atomically.
+        path = os.path.join(error_dir, f"rank{local_rank}.err")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)
+
+    _run_worker(worker, local_rank, world_size, local_rank, backend, device, args, record_failure)
+
+
+def _report_failure(error: ProcessException, error_dir: str) -> None:
+    """Print the root cause: a rank killed by a signal, else the earliest Python traceback."""
+    failures = []
+    for name in os.listdir(error_dir):
+        if not name.endswith(".err"):
+            continue
+        with open(os.path.join(error_dir, name)) as f:
+            stamp, _, tb = f.read().partition("\n")
+        failures.append((float(stamp), int(name[4:-4]), tb))
+    failures.sort()
+    if isinstance(error, ProcessExitedException) and error.error_index not in {r for _, r, _ in failures}:
+        print(f"error: {error}", file=sys.stderr)  # died without a traceback (signal, os._exit)
+    if failures:
+        _, rank, tb = failures[0]
+        print(f"error: rank {rank} failed first:\n{tb}", file=sys.stderr, end="")
+        later = sorted(r for _, r, _ in failures[1:])
+        if later:
+            print(f"(then rank(s) {later} failed too, usually because a peer went away)",
+                  file=sys.stderr)
+    elif not isinstance(error, ProcessExitedException):
+        print(f"error: {error}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
@@ -192,10 +233,16 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
 
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or free_port())
-    context = mp.start_processes(
-        _spawned_entry,
-        args=(worker, config.world_size, config.backend, config.device, addr, port, args),
-        nprocs=config.world_size, join=False, start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="launch-errors-") as error_dir:
+        context = mp.start_processes(
+            _spawned_entry,
+            args=(worker, config.world_size, config.backend, config.device, addr, port, args,
+                  error_dir),
+            nprocs=config.world_size, join=False, start_method="spawn")
+        _join(context, timeout_s, error_dir)
+
+
+def _join(context, timeout_s: float | None, error_dir: str) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         # join() returns True when all exited cleanly; it raises as soon as one fails,
@@ -209,5 +256,5 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
                       file=sys.stderr, flush=True)
                 raise SystemExit(1)
     except ProcessException as e:  # raised (with traceback) or exited/killed by a signal
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        _report_failure(e, error_dir)
         raise SystemExit(1) from None
