@@ -65,3 +65,6 @@ clean:
 	rm -rf .pytest_cache traces
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	find results -type f ! -name .gitkeep -delete
+
+bench: install
+	$(PYTHON) -m common.bench

@@ -58,6 +58,12 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return tensor
+    if tensor.is_cuda and dist.get_backend(group) == "gloo":
+        # Gloo's send/recv cannot read GPU memory ("writev: Bad address"); stage through host
+        # memory, as Gloo's own all-reduce does internally for CUDA tensors.
+        host = tensor.cpu()
+        ring_all_reduce(host, group)
+        return tensor.copy_(host)
     rank = dist.get_rank(group)
     right, left = _peer(group, (rank + 1) % world_size), _peer(group, (rank - 1) % world_size)
 
