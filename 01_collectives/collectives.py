@@ -33,6 +33,11 @@ def _peer(group, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
+def _grouped_p2p(group) -> bool:
+    """Whether the ring must post each step's send and receive as one batch (NCCL does)."""
+    return dist.get_backend(group) == "nccl"
+
+
 def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks of ``group``, in place, like ``dist.all_reduce``.
 
@@ -72,16 +77,28 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     chunks = torch.tensor_split(work, world_size)  # views into `work`
     incoming = torch.empty_like(chunks[0])  # chunk 0 is the largest
 
+    grouped = _grouped_p2p(group)
+
     def exchange(send_chunk: torch.Tensor, recv_into: torch.Tensor) -> None:
         # Post both before waiting on either: with blocking send/recv every rank would send
         # first and, on some backends, wait forever for a receiver that is itself sending.
         # Empty chunks (tensor smaller than the ring) are skipped; sizes are the same on every
         # rank, so sender and receiver skip together.
-        requests = []
+        ops = []
         if send_chunk.numel():
-            requests.append(dist.isend(send_chunk, right))
+            ops.append((dist.isend, send_chunk, right))
         if recv_into.numel():
-            requests.append(dist.irecv(recv_into, left))
+            ops.append((dist.irecv, recv_into, left))
+        if grouped and ops:
+            # NCCL runs the sends and receives between two ranks in order on one stream, and a
+            # send blocks until the peer posts the matching receive. Posted one by one, each
+            # rank's receive waits behind its own send, which waits for the neighbour's
+            # receive, queued behind the neighbour's send (with 2 ranks, left == right):
+            # deadlock. batch_isend_irecv posts both as one NCCL group, progressed together.
+            requests = dist.batch_isend_irecv(
+                [dist.P2POp(op, t, peer, group) for op, t, peer in ops])
+        else:  # Gloo: every isend/irecv makes progress on its own
+            requests = [op(t, peer, group) for op, t, peer in ops]
         for request in requests:
             request.wait()
 

@@ -8,8 +8,10 @@ Used by the ``--profile`` flag of stages 03, 05 and 06::
 
 For each case, every rank trains the Transformer LM of ``--model`` (the step-benchmark flags
 of common/step_bench.py) for a few warm-up steps, then profiles ``PROFILED_STEPS`` steps with
-``torch.profiler`` and writes a Chrome-format trace per rank, ``<trace-dir>/<name>/<case>_rank<r>.json``
-(open it in https://ui.perfetto.dev or chrome://tracing). Each step is labelled with
+``torch.profiler`` and writes a Chrome-format trace per rank,
+``<trace-dir>/<name>/<slug>_rank<r>.json``, the slug being the case's label made safe for
+a file name ("naive (03)" -> ``naive_03_rank0.json``; the picture keeps the label). Open a
+trace in https://ui.perfetto.dev or chrome://tracing. Each step is labelled with
 ``record_function`` ranges ``ddp:forward``, ``ddp:backward``, ``ddp:finish`` (the wait for the
 gradient communication left after backward) and ``ddp:optimizer``.
 
@@ -24,6 +26,7 @@ that ran during backward and after it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -42,6 +45,11 @@ PHASE_COLORS = {"ddp:forward": "#9ecae1", "ddp:backward": "#3182bd",
 COMM_COLOR = "#e6550d"
 WARMUP_STEPS = 3
 PROFILED_STEPS = 2
+
+
+def slug(label: str) -> str:
+    """A file-name-safe form of a case label: 'bucketed (06, 25 MB)' -> 'bucketed_06_25_mb'."""
+    return re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_.") or "case"
 
 
 def add_profile_args(parser):
@@ -115,7 +123,8 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
     paths = []
     for label, factory in cases:
         t = time.perf_counter()
-        path = profile_case(ctx, factory, args, out_dir / f"{label}_rank{ctx.rank}.json")
+        # the label ("naive (03)") names the case in the picture; the file gets a slug of it
+        path = profile_case(ctx, factory, args, out_dir / f"{slug(label)}_rank{ctx.rank}.json")
         paths.append((label, path))
         ctx.print(f"profiled {label}: trace {path} ({time.perf_counter() - t:.1f} s)")
     dist.barrier()  # every rank's trace is on disk

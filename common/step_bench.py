@@ -21,7 +21,7 @@ Returns True when every check passed on every rank.
 
 Benchmark (a stage's ``--bench``)::
 
-    add_step_bench_args(parser)          # --model --batch-size --context-length --steps --warmup
+    add_step_bench_args(parser)          # --model --batch-size --context-length --steps --warmup --rounds
     check_step_bench_args(args, config)  # in main(), before launch: one-line error, exit 2
     rows = run_step_bench(ctx, [("naive", None, make_naive_ddp),
                                 ("bucketed", 10, partial(make_bucketed, bucket_size_mb=10)),
@@ -30,7 +30,7 @@ Benchmark (a stage's ``--bench``)::
 ``run_step_bench`` adds the two references to the same run unless listed: ``none`` (no
 wrapper, no communication: each rank steps on its local batch) and ``torch_ddp`` with
 torch's default bucket size (25 MB, ``bucket_mb`` column 25), which is the denominator of
-``ratio_vs_torch_ddp``. For each case ``bench_step`` builds the LM (seed 0 on every rank),
+``ratio_vs_torch_ddp``. For each case ``time_steps`` builds the LM (seed 0 on every rank),
 AdamW, the rank's slice of one random global batch, runs ``--warmup`` untimed steps, then
 ``--steps`` timed ones, each split as
 
@@ -39,9 +39,11 @@ AdamW, the rank's slice of one random global batch, runs ``--warmup`` untimed st
     optimizer_ms            optimizer.step()
     step_ms                 all of the above
 
-(with ``torch.cuda.synchronize`` before every clock read on GPU). Each figure is the
-slowest rank's median (common.timing.gather_times); ``comm_share`` = comm_after_backward /
-step. Communication that overlaps backward (stages 05, 06, torch DDP) hides inside
+(with ``torch.cuda.synchronize`` before every clock read on GPU). ``--rounds R`` runs the
+whole list R times and pools each case's timed steps, so background load on a shared
+machine hits every case alike. ``make_row`` turns the pooled times into the row; each
+figure is the slowest rank's median (common.timing.gather_times); ``comm_share`` =
+comm_after_backward / step. Communication that overlaps backward (stages 05, 06, torch DDP) hides inside
 fwd_bwd_ms; what is left after backward is what the step pays for it. Rank 0 prints the
 table and upserts ``results/ddp_step.csv`` (SPEC section 3) keyed on
 ``backend, device, world_size, model, impl, bucket_mb``.
@@ -53,6 +55,7 @@ import functools
 import gc
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -62,6 +65,10 @@ import torch.nn.functional as F
 from common import launch, models, results, timing
 
 CSV_NAME = "ddp_step.csv"
+# The plain runs of 05/06 (``make run``) end with a quick demo benchmark on small defaults.
+# Its rows go to their own file, so a demo never replaces the rows of a real ``--bench``
+# of the same model (same CSV key) in ddp_step.csv; same columns, same key.
+DEMO_CSV_NAME = "ddp_step_demo.csv"
 CSV_COLUMNS = ["backend", "device", "world_size", "model", "impl", "bucket_mb", "step_ms",
                "fwd_bwd_ms", "comm_after_backward_ms", "optimizer_ms", "comm_share",
                "ratio_vs_torch_ddp"]
@@ -258,6 +265,9 @@ def add_step_bench_args(parser, model: str = "tiny", batch_size: int = 8,
                    help="tokens per sequence")
     g.add_argument("--steps", type=int, default=steps, help="timed training steps")
     g.add_argument("--warmup", type=int, default=warmup, help="untimed warm-up steps first")
+    g.add_argument("--rounds", type=int, default=1,
+                   help="run the whole list of cases this many times and pool the timed steps "
+                        "(fairer ratios on a machine with background load)")
     return g
 
 
@@ -304,6 +314,8 @@ def check_step_bench_args(args, config) -> None:
         launch.usage_error(f"--context-length must be >= 1, got {args.context_length}")
     if args.steps < 1:
         launch.usage_error(f"--steps must be >= 1, got {args.steps}")
+    if args.rounds < 1:
+        launch.usage_error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 0:
         launch.usage_error(f"--warmup must be >= 0, got {args.warmup}")
     if args.model not in models.PRESETS:
@@ -321,10 +333,9 @@ def check_step_bench_args(args, config) -> None:
 # --------------------------------------------------------------------------- benchmark
 
 
-def bench_step(ctx, factory, model_name: str, args, impl: str, bucket_mb=None) -> dict:
-    """Time ``--steps`` training steps of the LM under ``factory`` (None: no wrapper at all).
-
-    Call on every rank; every rank returns the same row (slowest rank's medians)."""
+def time_steps(ctx, factory, model_name: str, args) -> tuple[list[float], ...]:
+    """Build the LM under ``factory`` (None: no wrapper), run ``args.warmup`` untimed and
+    ``args.steps`` timed steps; return this rank's (fwd_bwd, comm, optimizer, step) seconds."""
     dev, ws, rank = ctx.device, ctx.world_size, ctx.rank
     torch.manual_seed(0)  # the same model on every rank, as after a broadcast
     model = models.TransformerLM(model_name, context_length=args.context_length).to(dev)
@@ -353,27 +364,41 @@ def bench_step(ctx, factory, model_name: str, args, impl: str, bucket_mb=None) -
     for _ in range(args.warmup):
         one_step()
     dist.barrier()  # start the timed steps together
-    fwd_bwd, comm, opt, step = zip(*(one_step() for _ in range(args.steps)))
-    s_fb, s_comm, s_opt, s_step = (timing.gather_times(list(t)) for t in (fwd_bwd, comm, opt, step))
-    n_params = sum(p.numel() for p in model.parameters())
-    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    times = tuple(list(t) for t in zip(*(one_step() for _ in range(args.steps))))
     del wrapper, model, optimizer
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    return times
+
+
+def make_row(ctx, model_name: str, args, impl: str, bucket_mb, times) -> dict:
+    """The CSV row for one case from its (fwd_bwd, comm, optimizer, step) lists of seconds.
+
+    Calls gather_times, so every rank must call it; every rank gets the same row."""
+    s_fb, s_comm, s_opt, s_step = (timing.gather_times(list(t)) for t in times)
+    params = models.lm_parameter_count(model_name, context_length=args.context_length)
     ms = 1e3
     return {
-        "backend": ctx.backend, "device": dev.type, "world_size": ws, "model": model_name,
-        "impl": impl, "bucket_mb": "" if bucket_mb is None else bucket_mb,
+        "backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
+        "model": model_name, "impl": impl, "bucket_mb": "" if bucket_mb is None else bucket_mb,
         "step_ms": s_step.median * ms, "fwd_bwd_ms": s_fb.median * ms,
         "comm_after_backward_ms": s_comm.median * ms, "optimizer_ms": s_opt.median * ms,
         "comm_share": s_comm.median / s_step.median, "ratio_vs_torch_ddp": None,
         # more columns may follow the contract's twelve
         "step_ms_min": s_step.min * ms, "step_ms_max": s_step.max * ms,
         "slowest_rank": s_step.slowest_rank, "batch_size": args.batch_size,
-        "context_length": args.context_length, "steps": args.steps, "warmup": args.warmup,
-        "params": n_params, "grad_tensors": n_tensors, "machine": results.machine_name(),
+        "context_length": args.context_length, "steps": len(times[0]), "warmup": args.warmup,
+        "params": params, "machine": results.machine_name(),
     }
+
+
+def bench_step(ctx, factory, model_name: str, args, impl: str, bucket_mb=None) -> dict:
+    """Time one case (see :func:`time_steps`) and return its row (slowest rank's medians).
+
+    Call on every rank; every rank returns the same row (``ratio_vs_torch_ddp`` unset)."""
+    return make_row(ctx, model_name, args, impl, bucket_mb,
+                    time_steps(ctx, factory, model_name, args))
 
 
 def _normalise_cases(cases) -> list[tuple]:
@@ -396,7 +421,8 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
     """Benchmark every case plus the ``none`` and ``torch_ddp`` references in one run.
 
     ``cases``: a list of ``(impl, bucket_mb, factory)`` or a dict ``{impl: (factory,
-    bucket_mb)}``. Prints the table on rank 0, upserts ``results/ddp_step.csv``, returns rows.
+    bucket_mb)}``. Prints the table on rank 0, upserts ``results/<csv_name>`` (default
+    ``ddp_step.csv``; the plain-run demos pass ``DEMO_CSV_NAME``), returns rows.
     """
     cases = _normalise_cases(cases)
     params = models.lm_parameter_count(args.model, context_length=args.context_length)
@@ -405,14 +431,22 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
               f"({args.batch_size // ctx.world_size}/rank), context {args.context_length}, "
               f"{args.warmup} warm-up + {args.steps} timed steps, AdamW, {ctx.world_size} ranks, "
               f"{ctx.backend}/{ctx.device.type}", all_ranks=False)
-    rows = []
-    for impl, bucket_mb, factory in cases:
-        t = time.perf_counter()
-        row = bench_step(ctx, factory, args.model, args, impl, bucket_mb)
-        ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
-                  f"{row['step_ms']:.1f} ms/step ({time.perf_counter() - t:.1f} s)",
-                  all_ranks=False)
-        rows.append(row)
+    # With --rounds R the whole list runs R times (a fresh model each time) and each case's
+    # timed steps are pooled: background load then hits every case alike, not just one.
+    rounds = getattr(args, "rounds", 1)
+    pooled = [([], [], [], []) for _ in cases]
+    for round_ in range(rounds):
+        for (impl, bucket_mb, factory), pool in zip(cases, pooled):
+            t = time.perf_counter()
+            times = time_steps(ctx, factory, args.model, args)
+            for acc, new in zip(pool, times):
+                acc.extend(new)
+            ctx.print(f"  {'' if rounds == 1 else f'round {round_ + 1}: '}{impl}"
+                      f"{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
+                      f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0 "
+                      f"({time.perf_counter() - t:.1f} s)", all_ranks=False)
+    rows = [make_row(ctx, args.model, args, impl, bucket_mb, pool)
+            for (impl, bucket_mb, _), pool in zip(cases, pooled)]
     ref = next(r for r in rows
                if r["impl"] == "torch_ddp" and r["bucket_mb"] == TORCH_DDP_DEFAULT_BUCKET_MB)
     for r in rows:

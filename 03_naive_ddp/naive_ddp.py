@@ -1,0 +1,163 @@
+"""Stage 03: naive data-parallel training (DDP), one all-reduce per gradient.
+
+What it teaches. Data parallelism in its plainest form: every rank holds a full copy of the
+model, trains on its own slice of the global batch, and after ``backward()`` the ranks
+average their gradients so that every copy takes the same optimizer step. Three rules make
+the copies stay identical:
+
+1. start equal: broadcast rank 0's parameters *and buffers* when wrapping the model;
+2. see different data: rank r gets the r-th slice of each global batch;
+3. step equal: all-reduce (sum) every gradient, divide by ``world_size``, then step.
+
+Why averaging gives single-process training: with the loss a mean over the batch and equal
+slices of size b = B / world_size,
+
+    grad L(B) = (1/B) sum_i grad l_i = (1/world_size) sum_r [ (1/b) sum_{i in slice r} grad l_i ]
+              = mean over ranks of each rank's local gradient.
+
+"Naive" because it calls ``all_reduce`` once per parameter, after the whole backward pass:
+a model with P parameter tensors pays P call latencies, and the network idles while
+backward runs. Stage 04 makes one call; stages 05 and 06 overlap it with backward.
+
+Run it:
+    python 03_naive_ddp/naive_ddp.py                      # verify vs single process, 2 ranks
+    python 03_naive_ddp/naive_ddp.py --world-size 3
+    python 03_naive_ddp/naive_ddp.py --bench              # time a training step (tiny LM)
+    python 03_naive_ddp/naive_ddp.py --bench --model small --batch-size 8 --context-length 256
+    python 03_naive_ddp/naive_ddp.py --profile            # trace per rank + timeline picture
+    torchrun --nproc-per-node=2 03_naive_ddp/naive_ddp.py
+
+Use it in your own loop (this file needs only torch; copy it anywhere):
+    model = NaiveDDP(model)                  # after dist.init_process_group(...)
+    loss_fn(model(x_local), y_local).backward()
+    model.finish_gradient_synchronization()  # after backward, before optimizer.step()
+    optimizer.step()
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# --------------------------------------------------------------------------- the algorithm
+
+
+def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters and buffers into every rank's module, in place.
+
+    Buffers too (BatchNorm's running mean/var): they are state, and ranks that started from
+    different random seeds would otherwise disagree forever. Frozen parameters are included
+    for the same reason. (Repeated in stages 04-06 on purpose, so each file stays copyable.)
+    """
+    with torch.no_grad():
+        for tensor in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(tensor.data, src=src)
+
+
+class NaiveDDP(nn.Module):
+    """Wrap ``module`` for data-parallel training: one ``all_reduce`` per gradient.
+
+    The wrapped model stays reachable as ``.module``; ``forward`` calls it unchanged. Call
+    :meth:`finish_gradient_synchronization` after ``backward()`` and before
+    ``optimizer.step()``; afterwards every rank holds the gradient averaged over ranks.
+
+    Parameters with ``requires_grad=False`` are never synchronised (they have no gradient).
+    A parameter whose gradient is ``None`` on some ranks this step (a branch of the model
+    that those ranks skipped) counts as a zero gradient there, like torch DDP with
+    ``find_unused_parameters=True``; one that is ``None`` on every rank stays ``None``, so
+    the optimizer skips it as it would in single-process training.
+    """
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("NaiveDDP needs an initialised process group: call "
+                               "torch.distributed.init_process_group(...) first")
+        self.module = module
+        # parameters() yields a tied (shared) weight once, so it is reduced once, not twice.
+        self._trainable = [p for p in module.parameters() if p.requires_grad]
+        if not self._trainable:
+            raise ValueError("NaiveDDP: the module has no parameters that require grad, so "
+                             "there is nothing to synchronise; wrap a trainable model")
+        broadcast_module_state(module)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def finish_gradient_synchronization(self) -> None:
+        world_size = dist.get_world_size()
+        params = self._trainable
+        # Which parameters got a gradient this step, on any rank? Every rank must make the
+        # same sequence of all_reduce calls or the collectives pair up wrongly and hang, so
+        # the ranks first agree on it with one small all-reduce of 0/1 flags.
+        has_grad = torch.tensor([p.grad is not None for p in params],
+                                dtype=torch.float32, device=params[0].device)
+        dist.all_reduce(has_grad)
+        for p, used_somewhere in zip(params, has_grad.tolist()):
+            if used_somewhere == 0:
+                continue  # no rank used it: leave it None, as single-process training would
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # skipped here, used elsewhere: contributes 0
+            dist.all_reduce(p.grad)  # sum over ranks, one call per parameter (the "naive")
+            p.grad.div_(world_size)  # ... / world_size = the average
+
+
+# --------------------------------------------------------------------------- demo and benchmark
+
+
+def _common():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from common import launch, profiling, step_bench
+    return launch, profiling, step_bench
+
+
+def make_naive_ddp(module: nn.Module) -> NaiveDDP:
+    """Module-level factory (workers are pickled by reference for spawn)."""
+    return NaiveDDP(module)
+
+
+def data_parallel_main(ctx) -> None:
+    """Plain run: train toy models and the LM briefly under NaiveDDP, compare with one process."""
+    _, _, step_bench = _common()
+    if not step_bench.verify_ddp(ctx, make_naive_ddp, "NaiveDDP"):
+        raise SystemExit(1)
+
+
+def step_bench_main(ctx, args) -> None:
+    """--bench: time a training step of the LM, with no-communication and torch DDP beside it."""
+    _, _, step_bench = _common()
+    step_bench.run_step_bench(ctx, [("naive", None, make_naive_ddp)], args)
+
+
+def profile_main(ctx, args) -> None:
+    """--profile: a torch.profiler trace per rank and a timeline: all communication after backward."""
+    _, profiling, _ = _common()
+    summaries = profiling.profile_ddp(ctx, [("naive (03)", make_naive_ddp)], args,
+                                      name="03_naive_ddp")
+    if ctx.is_main:
+        profiling.print_summary(summaries)
+
+
+def main(argv=None) -> None:
+    launch, profiling, step_bench = _common()
+    parser = launch.make_parser(__doc__)
+    parser.add_argument("--bench", action="store_true",
+                        help="time a training step of the Transformer LM instead of verifying")
+    step_bench.add_step_bench_args(parser)
+    profiling.add_profile_args(parser)
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    if args.bench or args.profile:
+        step_bench.check_step_bench_args(args, config)
+        launch.launch(step_bench_main if args.bench else profile_main, config, args)
+    else:
+        launch.launch(data_parallel_main, config)
+
+
+if __name__ == "__main__":
+    main()

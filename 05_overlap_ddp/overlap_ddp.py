@@ -1,0 +1,259 @@
+"""Stage 05: overlap gradient communication with the backward pass.
+
+Stages 03 and 04 wait until ``loss.backward()`` has finished and only then start talking to
+the other ranks, so every millisecond of communication is added to the step. But backward
+produces gradients one layer at a time, last layer first: the last layer's gradient is final
+long before the first layer's has even been computed. ``OverlapDDP`` starts an asynchronous
+all-reduce (``async_op=True``) for each gradient the moment autograd has finished writing it
+(``register_post_accumulate_grad_hook``), so communication runs *while* backward computes the
+rest; ``finish_gradient_synchronization()`` only waits for what is still in flight.
+
+The class is a drop-in for ``NaiveDDP`` (stage 03): ``.module``, forward delegation, rank 0's
+parameters and buffers broadcast at construction, ``finish_gradient_synchronization()``
+between ``backward()`` and ``optimizer.step()``, and ``no_sync()`` for gradient accumulation.
+
+Run it (verify against single-process training, then a short demo):
+
+    python 05_overlap_ddp/overlap_ddp.py --world-size 2
+    python 05_overlap_ddp/overlap_ddp.py --bench              # step time vs stages 03 and 04
+    python 05_overlap_ddp/overlap_ddp.py --profile            # torch.profiler traces + timeline
+    torchrun --nproc-per-node=2 05_overlap_ddp/overlap_ddp.py
+
+The class below needs only torch: copy this file into another project and
+``from overlap_ddp import OverlapDDP``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# --------------------------------------------------------------------------- the algorithm
+
+
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Make every rank start from rank 0's parameters and buffers (same code in 03-06 on purpose,
+    so each file stays copyable on its own)."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=src, group=group)
+
+
+class OverlapDDP(nn.Module):
+    """Data parallelism that all-reduces each gradient as soon as backward has produced it.
+
+    Usage, per step::
+
+        loss = loss_fn(ddp(x), y)
+        loss.backward()                         # all-reduces start inside backward
+        ddp.finish_gradient_synchronization()   # wait for them; grads now hold the mean
+        optimizer.step()
+
+    Invariants that keep every rank in step (collectives are matched by the ORDER in which each
+    rank issues them, not by name or by tensor):
+
+    1. Every rank launches exactly one all-reduce per trainable parameter per synchronised
+       step, in the same fixed order: reverse registration order, roughly the order in which
+       backward produces the gradients. A gradient that arrives "early" (before one that comes
+       earlier in that order) waits until all earlier ones have been launched.
+    2. A parameter that gets no gradient in this backward on this rank (an unused branch) never
+       fires its hook, so it and everything after it is launched by
+       ``finish_gradient_synchronization()``, still in the fixed order, with zeros standing in
+       for the missing gradient. Every rank therefore issues the same sequence of calls.
+    3. ``finish_gradient_synchronization()`` always ends with one small all-reduce of "had a
+       gradient" flags (one int per parameter), so a rank can tell "missing here only" (the
+       gradient is the mean with zeros for the ranks that lacked it) from "missing on every
+       rank" (``.grad`` stays ``None``, as in single-process training). That is the same rule
+       as stages 03 and 04.
+    """
+
+    def __init__(self, module: nn.Module, process_group=None):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("OverlapDDP needs an initialised process group: call "
+                               "torch.distributed.init_process_group(...) first")
+        if not any(p.requires_grad for p in module.parameters()):
+            raise ValueError("OverlapDDP: the module has no parameters that require grad, so "
+                             "there is nothing to synchronise; wrap a trainable model")
+        self.module = module
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        broadcast_module_state(module, process_group)
+
+        # module.parameters() yields a tied (shared) parameter once, so it is reduced once.
+        # Reversed: backward runs from the output back to the input, so the last registered
+        # parameters usually get their gradients first.
+        self._params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            for i, p in enumerate(self._params)]
+        # Flags travel on the GPU only where the backend demands it (NCCL); on Gloo a CPU
+        # tensor avoids a device round trip.
+        backend = dist.get_backend(process_group)
+        self._flag_device = (self._params[0].device if backend == "nccl" and self._params
+                             else torch.device("cpu"))
+        self._require_sync = True
+        self._reset_step_state()
+
+    def _reset_step_state(self) -> None:
+        self._ready = [False] * len(self._params)  # hook fired in this synchronised backward
+        self._next = 0                             # index of the next parameter to launch
+        self._works: list[tuple[int, torch.Tensor, dist.Work]] = []
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (no communication) for the backwards run inside.
+
+        For gradient accumulation: k micro-batches inside ``no_sync()``, then one more backward
+        outside it and ``finish_gradient_synchronization()``; that last backward all-reduces the
+        accumulated sum, once.
+        """
+        previous, self._require_sync = self._require_sync, False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    # -- inside backward ---------------------------------------------------------------
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        # The post-accumulate hook gets the parameter (its .grad is final for this backward)
+        # and fires on EVERY backward, also inside no_sync(): hence the gate.
+        if not self._require_sync:
+            return
+        if self._ready[index]:
+            raise RuntimeError(
+                "OverlapDDP: a gradient became ready twice before finish_gradient_synchronization(); "
+                "call it after every synchronised backward (or run extra backwards inside no_sync())")
+        self._ready[index] = True
+        self._launch_ready_in_order()
+
+    def _launch_ready_in_order(self) -> None:
+        # Invariant 1: launch strictly in index order, so that every rank issues the same
+        # sequence however its own gradients happen to arrive.
+        while self._next < len(self._params) and self._ready[self._next]:
+            grad = self._params[self._next].grad
+            work = dist.all_reduce(grad, group=self.process_group, async_op=True)
+            self._works.append((self._next, grad, work))
+            self._next += 1
+
+    # -- after backward ----------------------------------------------------------------
+
+    def finish_gradient_synchronization(self) -> None:
+        """Launch what backward did not, wait for every all-reduce, and average."""
+        if not self._require_sync or not self._params:  # inside no_sync(): nothing to do
+            return
+        # Invariant 2: what is left is launched in the same order on every rank. A parameter
+        # without a gradient here contributes zeros (or whatever .grad already holds, e.g.
+        # gradients accumulated under no_sync() or zeros left by zero_grad(set_to_none=False)).
+        for index in range(self._next, len(self._params)):
+            param = self._params[index]
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            work = dist.all_reduce(grad, group=self.process_group, async_op=True)
+            self._works.append((index, grad, work))
+        self._next = len(self._params)
+
+        # Invariant 3: one int per parameter, "I had a gradient", summed over ranks.
+        flags = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32,
+                             device=self._flag_device)
+        flag_work = dist.all_reduce(flags, group=self.process_group, async_op=True)
+
+        missing_here = []
+        for index, grad, work in self._works:  # in launch order: the first finishes first
+            work.wait()
+            param = self._params[index]
+            if param.grad is None:
+                missing_here.append((param, grad))
+            else:
+                param.grad.div_(self.world_size)  # SUM -> mean; .grad was reduced in place
+        flag_work.wait()
+        if missing_here:  # only ranks that lacked a gradient need to read the flags
+            had_grad = dict(zip(map(id, self._params), flags.tolist()))
+            for param, grad in missing_here:
+                if had_grad[id(param)] > 0:  # someone had one: the mean, zeros for us
+                    param.grad = grad.div_(self.world_size)
+                # else: missing on every rank, .grad stays None (single-process behaviour)
+        self._reset_step_state()
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def _common():
+    """The repo's shared helpers and the stages this one is compared with (harness only)."""
+    root = Path(__file__).resolve().parents[1]
+    for path in (root, root / "03_naive_ddp", root / "04_flat_ddp"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    from common import launch, profiling, step_bench
+    return launch, profiling, step_bench
+
+
+def make_overlap_ddp(module: nn.Module) -> OverlapDDP:
+    """Module-level factory (workers are pickled by reference for spawn)."""
+    return OverlapDDP(module)
+
+
+def data_parallel_main(ctx, args) -> None:
+    """Plain run: verify against one process, then a quick step benchmark beside 03 and 04."""
+    _, _, step_bench = _common()
+    if not step_bench.verify_ddp(ctx, make_overlap_ddp, "OverlapDDP"):
+        raise SystemExit(1)
+    ctx.print("\nquick demo (tiny LM; --bench for the real benchmark):", all_ranks=False)
+    # The demo's rows go to results/ddp_step_demo.csv, not ddp_step.csv: a `make run` must
+    # not replace the rows of a real --bench of the same model.
+    step_bench_main(ctx, args, csv_name=step_bench.DEMO_CSV_NAME)
+
+
+def step_bench_main(ctx, args, csv_name: str | None = None) -> None:
+    """--bench: step time of 05 against 03 and 04 (and no-communication and torch DDP)."""
+    _, _, step_bench = _common()
+    from flat_ddp import FlatDDP
+    from naive_ddp import NaiveDDP
+    step_bench.run_step_bench(ctx, [("naive", None, NaiveDDP), ("flat", None, FlatDDP),
+                                    ("overlap", None, make_overlap_ddp)], args,
+                              csv_name=csv_name or step_bench.CSV_NAME)
+
+
+def profile_main(ctx, args) -> None:
+    """--profile: traces per rank and a timeline, NaiveDDP (03) above OverlapDDP (05)."""
+    _, profiling, _ = _common()
+    from naive_ddp import NaiveDDP
+    summaries = profiling.profile_ddp(
+        ctx, [("naive (03)", NaiveDDP), ("overlap (05)", make_overlap_ddp)], args,
+        name="05_overlap_ddp")
+    if ctx.is_main:
+        profiling.print_summary(summaries)
+
+
+def main(argv=None) -> None:
+    launch, profiling, step_bench = _common()
+    parser = launch.make_parser(__doc__)
+    parser.add_argument("--bench", action="store_true",
+                        help="time a training step of the Transformer LM: 05 vs 03 and 04")
+    step_bench.add_step_bench_args(parser)
+    profiling.add_profile_args(parser)
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    step_bench.check_step_bench_args(args, config)
+    if args.bench:
+        launch.launch(step_bench_main, config, args)
+    elif args.profile:
+        launch.launch(profile_main, config, args)
+    else:  # the plain run's demo is a short one
+        args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 2)
+        launch.launch(data_parallel_main, config, args)
+
+
+if __name__ == "__main__":
+    main()
