@@ -307,7 +307,10 @@ def allreduce_sweep(ctx, plan: dict) -> None:
             ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
             # Only this rank's own GPU is asked: asking every GPU would start a CUDA context
             # on each of them from every rank.
-            gpu_free = [torch.cuda.mem_get_info(dev)[0]] if dev.type == "cuda" else None
+            gpu_free = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()  # else the last size's cached blocks count as used
+                gpu_free = [torch.cuda.mem_get_info(dev)[0]]
             short = memory_shortfall(nbytes, ranks_here, dev.type, "ring" in todo,
                                      ctx.backend, gpu_free)
             if _agree_max(1.0 if short else 0.0, dev) > 0:

@@ -26,8 +26,8 @@ The class below needs only torch: copy this file into another project and
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -44,6 +44,22 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=src, group=group)
+
+def weak_hook(ddp: nn.Module, *args):
+    """A post-accumulate-grad hook calling ``ddp._on_grad_ready(*args, param)`` that does not
+    keep ``ddp`` alive. Hooks live in autograd's C++ state, which Python's garbage collector
+    cannot see into: a hook holding the wrapper (which holds the model, whose parameters hold
+    the hook) is a cycle the collector never frees, so every wrapper built and dropped, with
+    its model and buffers, would leak. A weak reference breaks the cycle. (Same code in 05
+    and 06 on purpose, so each file stays copyable on its own.)"""
+    ddp_ref = weakref.ref(ddp)
+
+    def hook(param: torch.Tensor) -> None:
+        live = ddp_ref()
+        if live is not None:  # the wrapper is gone: leave the gradient alone
+            live._on_grad_ready(*args, param)
+
+    return hook
 
 
 class OverlapDDP(nn.Module):
@@ -92,7 +108,7 @@ class OverlapDDP(nn.Module):
         # parameters usually get their gradients first.
         self._params = [p for p in reversed(list(module.parameters())) if p.requires_grad]
         self._hooks = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+            p.register_post_accumulate_grad_hook(weak_hook(self, i))
             for i, p in enumerate(self._params)]
         # Flags travel on the GPU only where the backend demands it (NCCL); on Gloo a CPU
         # tensor avoids a device round trip.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 import math
 import numbers
 import sys
@@ -47,6 +48,22 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=src, group=group)
+
+def weak_hook(ddp: nn.Module, *args):
+    """A post-accumulate-grad hook calling ``ddp._on_grad_ready(*args, param)`` that does not
+    keep ``ddp`` alive. Hooks live in autograd's C++ state, which Python's garbage collector
+    cannot see into: a hook holding the wrapper (which holds the model, whose parameters hold
+    the hook) is a cycle the collector never frees, so every wrapper built and dropped, with
+    its model and buffers, would leak. A weak reference breaks the cycle. (Same code in 05
+    and 06 on purpose, so each file stays copyable on its own.)"""
+    ddp_ref = weakref.ref(ddp)
+
+    def hook(param: torch.Tensor) -> None:
+        live = ddp_ref()
+        if live is not None:  # the wrapper is gone: leave the gradient alone
+            live._on_grad_ready(*args, param)
+
+    return hook
 
 
 def check_bucket_size_mb(bucket_size_mb) -> float | None:
@@ -174,7 +191,7 @@ class BucketedDDP(nn.Module):
         self._hooks = []
         for bucket in self.buckets:
             for slot, p in enumerate(bucket.params):
-                hook = functools.partial(self._on_grad_ready, bucket, slot)
+                hook = weak_hook(self, bucket.index, slot)  # indices, not objects: see weak_hook
                 self._hooks.append(p.register_post_accumulate_grad_hook(hook))
         backend = dist.get_backend(process_group)
         self._flag_device = (self._params[0].device if backend == "nccl" and self._params
@@ -196,7 +213,8 @@ class BucketedDDP(nn.Module):
 
     # -- inside backward ---------------------------------------------------------------
 
-    def _on_grad_ready(self, bucket: _Bucket, slot: int, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, bucket_index: int, slot: int, param: torch.Tensor) -> None:
+        bucket = self.buckets[bucket_index]
         # The hook gets the parameter, not the gradient, and fires on every backward.
         if not self._require_sync:
             return

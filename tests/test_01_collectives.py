@@ -69,6 +69,15 @@ def ring_matches_all_reduce(ctx, sizes, dtypes):
         collectives.ring_all_reduce(t, group=group)
         assert torch.equal(t, torch.full((5,), float(sum(members))))
 
+    # Many segments per chunk (the pipelined exchange), including a last, shorter segment:
+    # tiny segments make the 1000003-element case run thousands of them.
+    for numel, segment_numel in ((1000, 7), (1000003, 4096)):
+        x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank), dtype=torch.float64)
+        reference = x.clone()
+        dist.all_reduce(reference)
+        collectives.ring_all_reduce(x, segment_numel=segment_numel)
+        torch.testing.assert_close(x, reference, rtol=1e-12, atol=1e-12)
+
     # The batched exchange the ring uses on NCCL (batch_isend_irecv), run here on Gloo, which
     # supports it too: no GPU needed to check that path's arithmetic.
     collectives._grouped_p2p = lambda group: True  # this spawned rank's copy only

@@ -14,9 +14,11 @@ group.
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import shutil
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -352,12 +354,28 @@ def ddp_cases_worker(ctx):
         for bucket in ddp.buckets:
             assert len({p.dtype for p in bucket.params}) == 1
         assert {b.buffer.dtype for b in ddp.buckets} == {torch.float32, torch.float64}
+    # A dropped wrapper and its model are freed: the hooks (held by autograd in C++, out of
+    # the garbage collector's sight) must not keep them alive in a reference cycle.
+    for name, wrap in WRAPPERS.items():
+        model = ToyModel()
+        ddp = wrap(model)
+        x, y = random_regression_data(4, seed=3)
+        F.mse_loss(ddp(x), y).backward()
+        ddp.finish_gradient_synchronization()
+        refs = [weakref.ref(model), weakref.ref(ddp)]
+        del model, ddp
+        gc.collect()
+        assert all(r() is None for r in refs), f"{name}: a dropped wrapper stays alive (leak)"
     # Forgetting finish_gradient_synchronization() is an error, not silent corruption.
     ddp = OverlapDDP(ToyModel())
     x, y = random_regression_data(4, seed=2)
     F.mse_loss(ddp(x), y).backward()
     with pytest.raises(RuntimeError, match="ready twice"):
         F.mse_loss(ddp(x), y).backward()
+    # The first backward's all-reduces are still in flight: wait for them before the worker
+    # returns, or Gloo tears down under running work and aborts the process.
+    ddp.finish_gradient_synchronization()
+    dist.barrier()
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
