@@ -337,6 +337,8 @@ def parse_bucket_sizes(text: str) -> list[float]:
 
 def measure_latency_bandwidth(ctx, sizes_bytes=(2**12, 2**16, 2**20, 2**22, 2**24)) -> dict:
     """Fit t = a + N / w from a quick all-reduce sweep, when stage 02 left no fit behind."""
+    # Stage 02's least-squares fit (pure arithmetic, not its harness): the same t = a + N / w
+    # whether stage 02 or this fallback measured the points.
     from allreduce_bench import fit_latency_bandwidth
     from common import timing
     times = []
