@@ -402,8 +402,8 @@ def pipeline_parallel_main(ctx, cfg: dict) -> None:
         print(f"\nwrote {path}")
     if problems:
         raise AssertionError("pipeline check failed:\n  " + "\n  ".join(problems))
-    ctx.print(f"gradients match single-process for every schedule and m; peak held as "
-              f"promised", all_ranks=False)
+    ctx.print("gradients match single-process for every schedule and m; peak held as "
+              "promised", all_ranks=False)
 
 
 def _int_list(text: str) -> list[int]:

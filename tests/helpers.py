@@ -13,3 +13,10 @@ def run_script(*argv, timeout=180, env=None, cwd=REPO):
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, *map(str, argv)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def assert_usage_error(result, *needles):
+    """Bad input: exit status 2 and exactly one line on stderr that contains every needle."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), result.stderr

@@ -27,7 +27,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import bucketed_ddp
-import overlap_ddp
 from bucketed_ddp import BucketedDDP, assign_buckets, best_bucket_size_bytes, check_bucket_size_mb
 from common import launch
 from common.models import TiedModel, ToyModel, random_regression_data

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import pipeline_parallel as pp
 from common import launch
-from helpers import REPO, run_script
+from helpers import REPO, assert_usage_error, run_script
 
 SCRIPT = REPO / "07_parallelism" / "pipeline_parallel.py"
 CFG = dict(layers=8, d_model=16, hidden=32, batch=16)  # batch divides by 1, 2, 4, 8
@@ -104,9 +104,7 @@ def test_gradients_match_single_process(stages):
 ])
 def test_bad_input_one_line_exit_2(argv, needle):
     r = run_script(SCRIPT, *argv, "--backend", "gloo", "--device", "cpu", timeout=60)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "divisible" in lines[0], r.stderr
+    assert_usage_error(r, needle, "divisible")
 
 
 def test_copy_one_file(tmp_path):

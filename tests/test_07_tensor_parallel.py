@@ -12,7 +12,7 @@ import pytest
 
 import tensor_parallel as tp
 from common import launch
-from helpers import REPO, run_script
+from helpers import REPO, assert_usage_error, run_script
 
 SCRIPT = REPO / "07_parallelism" / "tensor_parallel.py"
 
@@ -77,9 +77,7 @@ def test_predicted_bytes():
 ])
 def test_bad_input_one_line_exit_2(argv, needle):
     r = run_script(SCRIPT, *argv, "--backend", "gloo", "--device", "cpu", timeout=60)
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0] and "divisible" in lines[0], r.stderr
+    assert_usage_error(r, needle, "divisible")
 
 
 def test_copy_one_file(tmp_path):
