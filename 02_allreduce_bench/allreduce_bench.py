@@ -170,8 +170,9 @@ def memory_shortfall(nbytes: int, ranks_here: int, device: str, ring: bool,
     else:  # CUDA tensors: Gloo stages through (pinned) host memory, and so does the ring
         host_ring = nbytes + ring_chunk if ring and backend == "gloo" else 0
         host_need = ranks_here * (2 * nbytes + host_ring + 512 * MB)
-    host_free = _host_available_bytes()
-    if host_free is not None and host_need > 0.9 * host_free:
+    launch, _, _ = _common()
+    host_free = launch.host_available_bytes()
+    if host_need > 0.9 * host_free:
         return (f"needs about {format_size(host_need)} of host memory, "
                 f"{format_size(host_free)} available")
     if device == "cuda":
@@ -210,23 +211,14 @@ def _gpu_free_bytes() -> list[int] | None:
     return _GPU_FREE
 
 
-def _host_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # not Linux: free pages, a lower bound of what could be had
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+def _pattern_tile(buf: torch.Tensor) -> torch.Tensor:
+    # The buffer is filled and checked chunk by chunk from this small tile (0..6 repeated),
+    # so a 1 GB buffer needs no 1 GB index tensor.
+    return (torch.arange(PATTERN_PERIOD * 2**17, device=buf.device) % PATTERN_PERIOD).to(buf.dtype)
 
 
 def _fill_check_pattern(buf: torch.Tensor, rank: int) -> None:
-    # Chunk by chunk from a small tile, so a 1 GB buffer needs no 1 GB index tensor.
-    tile = (torch.arange(PATTERN_PERIOD * 2**17, device=buf.device) % PATTERN_PERIOD).to(buf.dtype)
+    tile = _pattern_tile(buf)
     for start in range(0, buf.numel(), tile.numel()):
         seg = buf[start:start + tile.numel()]
         seg.copy_(tile[:seg.numel()]).add_(rank)
@@ -234,11 +226,10 @@ def _fill_check_pattern(buf: torch.Tensor, rank: int) -> None:
 
 def _check_sum(buf: torch.Tensor, world_size: int) -> float:
     """Max |buf - expected| for the all-reduced check pattern: n (i % 7) + n(n-1)/2."""
-    tile = (torch.arange(PATTERN_PERIOD * 2**17, device=buf.device) % PATTERN_PERIOD).to(buf.dtype)
-    expected = tile * world_size + world_size * (world_size - 1) / 2
+    expected = _pattern_tile(buf) * world_size + world_size * (world_size - 1) / 2
     worst = 0.0
-    for start in range(0, buf.numel(), tile.numel()):
-        seg = buf[start:start + tile.numel()]
+    for start in range(0, buf.numel(), expected.numel()):
+        seg = buf[start:start + expected.numel()]
         worst = max(worst, (seg - expected[:seg.numel()]).abs().max().item())
     return worst
 
@@ -252,15 +243,6 @@ def _agree_max(value: float, device: torch.device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
-
-def _timed_call(fn, device) -> float:
-    from common.timing import synchronize
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
 
 
 def allreduce_sweep(ctx, plan: dict) -> None:
@@ -329,7 +311,8 @@ def allreduce_sweep(ctx, plan: dict) -> None:
         for impl in todo:
             fn = (lambda: dist.all_reduce(buf)) if impl == "backend" else (lambda: ring(buf))
             _fill_check_pattern(buf, ctx.rank)
-            probe[impl] = _agree_max(_timed_call(fn, dev), dev)  # also a first time estimate
+            one_call = timing.measure(fn, dev, warmup=0, iters=1)[0]
+            probe[impl] = _agree_max(one_call, dev)  # also a first time estimate
             err = _check_sum(buf, ws)
             if impl == "ring" and "backend" in todo:
                 err = max(err, 0.0 if torch.equal(buf, reference) else math.inf)

@@ -82,8 +82,8 @@ class FlatDDP(nn.Module):
                              "there is nothing to synchronise; wrap a trainable model")
         self._groups = list(groups.values())
         # One flat buffer per group, allocated at the first step and reused: a fresh buffer
-        # of every gradient's bytes each step costs page faults and zeroing (measured: ~250 ms
-        # for the 383 MB of the `small` LM on a 2-core CPU VM, more than the all-reduce).
+        # of every gradient's bytes each step costs page faults and zeroing (for the 383 MB of
+        # the `small` LM it made flat slower than naive on a 2-core CPU VM: see the README).
         self._flat_buffers: list[torch.Tensor | None] = [None] * len(self._groups)
         broadcast_module_state(module)
 

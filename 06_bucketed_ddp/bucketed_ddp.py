@@ -111,20 +111,6 @@ def assign_buckets(params: list[torch.Tensor], bucket_size_mb: float | None) -> 
     return [b["indices"] for b in closed]
 
 
-def bucket_size_mb_for(params: list[torch.Tensor], n_buckets: int) -> float:
-    """The smallest cap (MiB) at which :func:`assign_buckets` makes at most ``n_buckets``
-    buckets (a bucket always closes after a contiguous run, so the answer is one of the
-    contiguous runs' sizes: tried in increasing order; quadratic, meant for small models)."""
-    if not params:
-        return 1.0  # nothing to bucket; any valid cap will do
-    sizes = [p.numel() * p.element_size() for p in reversed(params)]
-    runs = sorted({sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)})
-    for cap in runs:
-        if len(assign_buckets(params, cap / MIB)) <= n_buckets:
-            return cap / MIB
-    return runs[-1] / MIB
-
-
 class _Bucket:
     """One flat buffer and the parameters whose gradients live in it during communication."""
 

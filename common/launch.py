@@ -100,6 +100,18 @@ def make_parser(doc: str | None, world_size: int = 2) -> Parser:
     return parser
 
 
+def host_available_bytes() -> int:
+    """Host memory a new allocation can still get: Linux's MemAvailable, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 

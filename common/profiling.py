@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from common import models, results, timing
+from common import models, results, step_bench, timing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PHASES = ("ddp:forward", "ddp:backward", "ddp:finish", "ddp:optimizer")
@@ -66,17 +66,13 @@ def add_profile_args(parser):
 # --------------------------------------------------------------------------- recording
 
 
-def _finish_fn(wrapper):
-    return getattr(wrapper, "finish_gradient_synchronization", None) or (lambda: None)
-
-
 def profile_case(ctx, factory, args, trace_path: Path) -> Path:
     """Profile a few LM training steps under ``factory``; write this rank's trace."""
     dev, ws, rank = ctx.device, ctx.world_size, ctx.rank
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length).to(dev)
     wrapper = factory(model)
-    finish = _finish_fn(wrapper)
+    finish = step_bench.finish_fn(wrapper)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     local = args.batch_size // ws
     x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=dev)

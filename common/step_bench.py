@@ -279,17 +279,7 @@ def _available_bytes(config) -> tuple[int, int, str]:
         n_gpus = torch.cuda.device_count()
         total = torch.cuda.get_device_properties(0).total_memory
         return int(total * 0.9), math.ceil(ranks_here / n_gpus), "GPU memory"
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    if avail is None:
-        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return int(avail * 0.9), ranks_here, "available RAM"
+    return int(launch.host_available_bytes() * 0.9), ranks_here, "available RAM"
 
 
 def estimate_bytes_per_rank(model: str, local_batch: int, context_length: int) -> int:
@@ -393,17 +383,8 @@ def make_row(ctx, model_name: str, args, impl: str, bucket_mb, times) -> dict:
     }
 
 
-def bench_step(ctx, factory, model_name: str, args, impl: str, bucket_mb=None) -> dict:
-    """Time one case (see :func:`time_steps`) and return its row (slowest rank's medians).
-
-    Call on every rank; every rank returns the same row (``ratio_vs_torch_ddp`` unset)."""
-    return make_row(ctx, model_name, args, impl, bucket_mb,
-                    time_steps(ctx, factory, model_name, args))
-
-
-def _normalise_cases(cases) -> list[tuple]:
-    if isinstance(cases, dict):  # {impl: (factory, bucket_mb)}
-        cases = [(impl, bucket_mb, factory) for impl, (factory, bucket_mb) in cases.items()]
+def _with_references(cases) -> list[tuple]:
+    """The cases, after the ``none`` and default ``torch_ddp`` references unless listed."""
     cases = list(cases)
     for impl, _, _ in cases:
         if impl not in IMPLS:
@@ -420,11 +401,10 @@ def _normalise_cases(cases) -> list[tuple]:
 def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
     """Benchmark every case plus the ``none`` and ``torch_ddp`` references in one run.
 
-    ``cases``: a list of ``(impl, bucket_mb, factory)`` or a dict ``{impl: (factory,
-    bucket_mb)}``. Prints the table on rank 0, upserts ``results/<csv_name>`` (default
+    ``cases``: a list of ``(impl, bucket_mb, factory)``. Prints the table on rank 0, upserts ``results/<csv_name>`` (default
     ``ddp_step.csv``; the plain-run demos pass ``DEMO_CSV_NAME``), returns rows.
     """
-    cases = _normalise_cases(cases)
+    cases = _with_references(cases)
     params = models.lm_parameter_count(args.model, context_length=args.context_length)
     ctx.print(f"step benchmark: LM {args.model} ({params / 1e6:.1f}M params, "
               f"{params * 4 / 2**20:.1f} MB of fp32 gradients), global batch {args.batch_size} "

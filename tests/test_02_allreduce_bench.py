@@ -86,7 +86,7 @@ def test_memory_guard_and_missing_matplotlib(tmp_path, capsys, monkeypatch):
     assert reason and "host memory" in reason
     # gloo/cuda: the ring's host staging counts against host memory; the GPU side is checked
     # against the free bytes given (a rank passes only its own GPU's), no CUDA needed here.
-    monkeypatch.setattr(bench, "_host_available_bytes", lambda: 100 * GB)
+    monkeypatch.setattr(launch, "host_available_bytes", lambda: 100 * GB)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     n = 16 * GB  # 2 ranks x (2 N + 0.5 GB) = 65 GB fits in 90 GB; x (3.5 N + 0.5 GB) = 113 GB not
     assert bench.memory_shortfall(n, 2, "cuda", False, "gloo", gpu_free=[2**50]) is None

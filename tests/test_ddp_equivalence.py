@@ -48,6 +48,20 @@ class TorchDDPControl(nn.parallel.DistributedDataParallel):
         pass
 
 
+def bucket_size_mb_for(params: list[torch.Tensor], n_buckets: int) -> float:
+    """The smallest cap (MiB) at which ``assign_buckets`` makes at most ``n_buckets``
+    buckets (a bucket always closes after a contiguous run, so the answer is one of the
+    contiguous runs' sizes: tried in increasing order; quadratic, meant for small models)."""
+    if not params:
+        return 1.0  # nothing to bucket; any valid cap will do
+    sizes = [p.numel() * p.element_size() for p in reversed(params)]
+    runs = sorted({sum(sizes[i:j]) for i in range(len(sizes)) for j in range(i + 1, len(sizes) + 1)})
+    for cap in runs:
+        if len(bucketed_ddp.assign_buckets(params, cap / 2**20)) <= n_buckets:
+            return cap / 2**20
+    return runs[-1] / 2**20
+
+
 # name -> factory(module) -> wrapper with .module and finish_gradient_synchronization().
 DDP_CASES = {
     "naive": lambda m: naive_ddp.NaiveDDP(m),
@@ -55,7 +69,7 @@ DDP_CASES = {
     "overlap": lambda m: overlap_ddp.OverlapDDP(m),
     # bucket sizes that give the toy models one bucket, two, and one per parameter
     "bucketed_one": lambda m: bucketed_ddp.BucketedDDP(m, bucket_size_mb=None),
-    "bucketed_two": lambda m: bucketed_ddp.BucketedDDP(m, bucket_size_mb=bucketed_ddp.bucket_size_mb_for(
+    "bucketed_two": lambda m: bucketed_ddp.BucketedDDP(m, bucket_size_mb=bucket_size_mb_for(
         [p for p in m.parameters() if p.requires_grad], n_buckets=2)),
     "bucketed_per_param": lambda m: bucketed_ddp.BucketedDDP(m, bucket_size_mb=1e-9),
     "torch_ddp": lambda m: TorchDDPControl(m, find_unused_parameters=True),
