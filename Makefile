@@ -8,6 +8,8 @@
 # Python: PYTHON=... on the command line wins (e.g. `make bench PYTHON=python3` on a box whose
 # Python already has torch). Otherwise: the project's .venv if it exists, else a python3 that
 # already imports torch, tabulate and numpy, else a new .venv made by `make install`.
+# `make bench` is content with a python3 that imports torch alone (tabulate, numpy and
+# matplotlib are optional there), so it runs offline on a GPU box without creating a venv.
 
 VENV          := .venv
 TORCH_VERSION ?= 2.13.0
@@ -18,6 +20,11 @@ ifeq ($(origin PYTHON), undefined)
   PYTHON := $(shell if [ -x $(VENV)/bin/python ]; then echo $(VENV)/bin/python; \
               elif python3 -c "import torch, tabulate, numpy" >/dev/null 2>&1; then echo python3; \
               else echo $(VENV)/bin/python; fi)
+  BENCH_PYTHON := $(shell if [ -x $(VENV)/bin/python ]; then echo $(VENV)/bin/python; \
+              elif python3 -c "import torch" >/dev/null 2>&1; then echo python3; \
+              else echo $(VENV)/bin/python; fi)
+else
+  BENCH_PYTHON := $(PYTHON)
 endif
 
 .PHONY: install run test bench clean 01 02 03 04 05 06 07
@@ -61,10 +68,12 @@ test: install
 	$(PYTHON) 07_parallelism/tensor_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/pipeline_parallel.py --backend gloo --device cpu
 
+# keeps the committed bench report (results/README.md, results/bench_*.png)
 clean:
-	rm -rf .pytest_cache traces
+	rm -rf .pytest_cache traces results/traces
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
-	find results -type f ! -name .gitkeep -delete
+	find results -type f ! -name .gitkeep ! -name README.md ! -name 'bench_*.png' -delete
 
-bench: install
-	$(PYTHON) -m common.bench
+bench:
+	@$(BENCH_PYTHON) -c "import torch" >/dev/null 2>&1 || $(MAKE) --no-print-directory install
+	$(BENCH_PYTHON) bench/make_bench.py

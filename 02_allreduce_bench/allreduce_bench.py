@@ -33,7 +33,6 @@ import math
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -441,6 +440,8 @@ def report(rows: list[dict], machine: str, plot: bool = True) -> None:
         if any(f["a_s"] < 0 for f in fits.values()):
             print("note: a negative latency a means the small sizes were too noisy or too few "
                   "to pin it down; add smaller sizes")
+        for f in fits.values():
+            f["run_id"] = rows[0]["run_id"]
         merged = {**(results.read_json(FIT_NAME) or {}), **fits}  # keep other runs' keys
         print(f"fit written to {results.write_json(FIT_NAME, merged)}")
     else:
@@ -619,7 +620,7 @@ def main(argv=None) -> None:
         elif is_main:
             print(f"note: no ring_all_reduce in {STAGE01}; timing the backend only")
     machine = results.machine_name()
-    run_id = time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
+    run_id = results.run_id()  # marks this run's rows in the shared CSV
     total = len(configs) * len(args.sizes) * len(impls)
     if is_main:
         print(f"all_reduce sweep on {machine}: {len(configs)} backend/device/world-size "

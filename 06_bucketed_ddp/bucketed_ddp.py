@@ -404,7 +404,7 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict,
         "measured_best_bucket_mb": float(by_step["bucket_mb"]),
         "measured_best_step_ms": by_step["measured_step_ms"],
         "neighbour_range_mb": [lo, hi], "prediction_within_neighbours": within,
-        "sweep": rows, "machine": results.machine_name(),
+        "sweep": rows, "machine": results.machine_name(), "run_id": results.run_id(),
         "backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
     }
     if ctx.is_main:

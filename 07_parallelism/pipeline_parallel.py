@@ -341,7 +341,7 @@ def check_pass(stage: nn.Module, want: list[torch.Tensor], result: dict, schedul
 def pipeline_parallel_main(ctx, cfg: dict) -> None:
     """Verify gradients for every (schedule, m), measure the bubble, print tables + timelines."""
     _setup_common()
-    from common.results import machine_name, print_table, upsert_csv
+    from common.results import machine_name, print_table, run_id, upsert_csv
 
     p, rank, device = ctx.world_size, ctx.rank, ctx.device
     model = build_model(cfg["layers"], cfg["d_model"], cfg["hidden"]).to(device)
@@ -395,7 +395,8 @@ def pipeline_parallel_main(ctx, cfg: dict) -> None:
                      "schedule": r["schedule"], "micro_batches": r["m"], "rank": k,
                      "idle_share": r["idle"][k], "idle_share_simulated": r["sim"][k],
                      "idle_share_formula": r["formula"], "peak_held": r["peak"][k],
-                     "step_ms": r["step_ms"]} for r in rows for k in range(p)]
+                     "step_ms": r["step_ms"], "run_id": run_id()}
+                    for r in rows for k in range(p)]
         path = upsert_csv("pipeline_bubble.csv", csv_rows,
                           key=["backend", "device", "world_size", "layers", "d_model", "hidden",
                                "batch", "schedule", "micro_batches", "rank"])

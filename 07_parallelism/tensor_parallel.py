@@ -388,10 +388,42 @@ def train_losses(model: nn.Module, steps: int, d_model: int, batch: int, seq: in
     return losses
 
 
+def time_forward_backward(ctx, cfg: dict) -> list[dict]:
+    """Median forward+backward time of the single-process MLP (rank 0 alone, the others
+    wait) and of each tensor-parallel variant (all ranks), slowest rank's figure, ms."""
+    from common import timing
+
+    device = ctx.device
+    torch.manual_seed(0)
+    full = MLP(cfg["d_model"], cfg["d_ff"]).to(device)
+    x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=device)
+    models = {"single": full, **{v: VARIANTS[v](full) for v in cfg["variants"]}}
+    rows = []
+    for name, model in models.items():
+        def fwd_bwd():
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+        if name == "single":  # one device doing the whole layer, the yardstick: rank 0
+            # alone (the rows are rank 0's to print), the others wait so they take no share
+            # of a CPU or GPU they would share with it
+            times = timing.measure(fwd_bwd, device, warmup=3, iters=cfg["time_iters"]) \
+                if ctx.rank == 0 else [0.0]
+            dist.barrier()
+            stats = timing.summarize([times])
+        else:
+            stats = timing.gather_times(timing.measure(fwd_bwd, device, warmup=3,
+                                                       iters=cfg["time_iters"], barrier=True))
+        rows.append({"variant": name, "ranks_working": 1 if name == "single" else ctx.world_size,
+                     "fwd_bwd_ms": stats.median * 1e3, "fwd_bwd_ms_min": stats.min * 1e3})
+    for r in rows:  # (only rank 0 timed "single")
+        r["speedup_vs_single"] = rows[0]["fwd_bwd_ms"] / r["fwd_bwd_ms"] if ctx.is_main else None
+    return rows
+
+
 def tensor_parallel_main(ctx, cfg: dict) -> None:
     """Verify both variants, print the byte table, train a few steps. Raises on any mismatch."""
     _setup_common()
-    from common.results import machine_name, print_table, upsert_csv
+    from common.results import machine_name, print_table, run_id, upsert_csv
 
     n, device = ctx.world_size, ctx.device
     tokens = cfg["batch"] * cfg["seq"]
@@ -418,7 +450,7 @@ def tensor_parallel_main(ctx, cfg: dict) -> None:
             byte_rows.append(row)
             csv_rows.append({"backend": ctx.backend, "device": device.type, "world_size": n,
                              "tokens": tokens, "d_model": cfg["d_model"], "d_ff": cfg["d_ff"],
-                             **row})
+                             **row, "run_id": run_id()})
 
     # Training: the same few SGD steps single-process and tensor-parallel, same start.
     losses = {}
@@ -437,6 +469,7 @@ def tensor_parallel_main(ctx, cfg: dict) -> None:
     loss_rows = [{"step": i, **{k: v[i] for k, v in losses.items()}}
                  for i in range(cfg["steps"])]
     falls = losses["single"][-1] < losses["single"][0]
+    time_rows = time_forward_backward(ctx, cfg) if cfg["time_iters"] else []
 
     if ctx.is_main:
         print(f"Tensor parallel MLP: world_size={n}, d_model={cfg['d_model']}, "
@@ -454,6 +487,17 @@ def tensor_parallel_main(ctx, cfg: dict) -> None:
                           key=["backend", "device", "world_size", "tokens", "d_model", "d_ff",
                                "variant", "layer", "phase"])
         print(f"\nwrote {path}")
+        if time_rows:
+            print()
+            print_table(time_rows, f"Forward + backward of the MLP, slowest rank's median of "
+                                   f"{cfg['time_iters']} after 3 warm-up ({machine_name()}):",
+                        floatfmt=".3f")
+            path = upsert_csv("tensor_parallel_time.csv", [
+                {"backend": ctx.backend, "device": device.type, "world_size": n,
+                 "tokens": tokens, "d_model": cfg["d_model"], "d_ff": cfg["d_ff"], **r,
+                 "machine": machine_name(), "run_id": run_id()} for r in time_rows],
+                key=["backend", "device", "world_size", "tokens", "d_model", "d_ff", "variant"])
+            print(f"wrote {path}")
     if not falls:
         failures.append(f"rank {ctx.rank}: the training loss did not fall")
     if failures:
@@ -473,6 +517,9 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="SGD steps in the training demo")
     parser.add_argument("--variants", default="megatron,allgather",
                         help="comma-separated subset of: " + ", ".join(VARIANTS))
+    parser.add_argument("--time-iters", type=int, default=10,
+                        help="timed forward+backward passes per variant and for one process "
+                             "alone (0: no timing)")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     n = config.world_size
@@ -484,6 +531,8 @@ def main(argv=None) -> None:
                         ("--batch", args.batch), ("--seq", args.seq), ("--steps", args.steps)):
         if value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+    if args.time_iters < 0:
+        parser.error(f"--time-iters must be >= 0, got {args.time_iters}")
     if args.d_ff % n:
         parser.error(f"--d-ff {args.d_ff} is not divisible by the tensor-parallel size "
                      f"(world size) {n}")
@@ -491,7 +540,7 @@ def main(argv=None) -> None:
         parser.error(f"--d-model {args.d_model} is not divisible by the tensor-parallel size "
                      f"(world size) {n} (the all-gather variant splits fc2's outputs)")
     cfg = dict(d_model=args.d_model, d_ff=args.d_ff, batch=args.batch, seq=args.seq,
-               steps=args.steps, variants=variants)
+               steps=args.steps, variants=variants, time_iters=args.time_iters)
     launch.launch(tensor_parallel_main, config, cfg)
 
 

@@ -20,7 +20,7 @@ threads and the profiler records it there as ``gloo:all_reduce`` (from when the 
 it up until it completes); NCCL runs it as a GPU kernel (``ncclDevKernel_AllReduce...``).
 Rank 0 then renders the last profiled step of every case, one panel per case, as a PNG
 (matplotlib, Agg backend) and always prints a text timeline, with the communication time
-that ran during backward and after it.
+that ran during backward and after it; those figures also go to ``results/ddp_profile.csv``.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ PHASE_LABELS = {"ddp:forward": "forward", "ddp:backward": "backward",
 PHASE_COLORS = {"ddp:forward": "#9ecae1", "ddp:backward": "#3182bd",
                 "ddp:finish": "#fdae6b", "ddp:optimizer": "#a1d99b"}
 COMM_COLOR = "#e6550d"
+PROFILE_CSV = "ddp_profile.csv"  # rank 0's summary per case, for the make bench report
 WARMUP_STEPS = 3
 PROFILED_STEPS = 2
 
@@ -130,6 +131,12 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
                  f"context {args.context_length}), rank 0, {ctx.world_size} ranks "
                  f"{ctx.backend}/{ctx.device.type}")
         summaries = render_timeline(paths, out_dir / "timeline.png", title)
+        results.upsert_csv(PROFILE_CSV, [
+            {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
+             "model": args.model, "batch_size": args.batch_size,
+             "context_length": args.context_length, "stage": name, **s,
+             "timeline_png": str(out_dir / "timeline.png"), "run_id": results.run_id()}
+            for s in summaries], key=["backend", "device", "world_size", "model", "stage", "case"])
     return summaries
 
 

@@ -1,7 +1,9 @@
 """Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/``.
 
 Result files are shared by several stages (SPEC section 3), so writing is an upsert: a run
-replaces the rows whose key columns match its own and keeps every other row.
+replaces the rows whose key columns match its own and keeps every other row. Every row a
+benchmark writes carries ``run_id()``, so a report can pick out the rows of one run
+(``make bench`` sets ``RESULTS_RUN_ID`` for every script it starts).
 ``RESULTS_DIR`` in the environment redirects the folder (the tests use a temporary one).
 """
 
@@ -13,8 +15,14 @@ import os
 import platform
 from pathlib import Path
 
+import time
+
 import torch
-from tabulate import tabulate
+
+try:
+    from tabulate import tabulate
+except ImportError:  # a GPU box whose Python has torch but not tabulate: plain tables
+    tabulate = None
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,6 +31,19 @@ def results_dir() -> Path:
     path = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+_RUN_ID = None
+
+
+def run_id() -> str:
+    """Names the run a result row came from: ``$RESULTS_RUN_ID``, else this process's start
+    time and pid (the same for every call in one process)."""
+    global _RUN_ID
+    if _RUN_ID is None:
+        _RUN_ID = os.environ.get("RESULTS_RUN_ID") or (
+            time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
+    return _RUN_ID
 
 
 def machine_name() -> str:
@@ -36,7 +57,13 @@ def machine_name() -> str:
 
 def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g") -> str:
     """Print ``rows`` (dicts with the same keys) as a table; return the text too."""
-    text = tabulate(rows, headers="keys", floatfmt=floatfmt, tablefmt="github")
+    if tabulate is not None:
+        text = tabulate(rows, headers="keys", floatfmt=floatfmt, tablefmt="github")
+    else:
+        keys = list(rows[0]) if rows else []
+        cell = lambda v: format(v, floatfmt) if isinstance(v, float) else str(v)  # noqa: E731
+        text = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+                         + ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows])
     if title:
         text = f"{title}\n{text}"
     print(text, flush=True)

@@ -268,6 +268,9 @@ def add_step_bench_args(parser, model: str = "tiny", batch_size: int = 8,
     g.add_argument("--rounds", type=int, default=1,
                    help="run the whole list of cases this many times and pool the timed steps "
                         "(fairer ratios on a machine with background load)")
+    g.add_argument("--case-budget-s", type=float, default=120.0,
+                   help="at most this many seconds per case (all rounds together): when the "
+                        "warm-up steps say the timed steps would take longer, fewer are timed")
     return g
 
 
@@ -308,6 +311,8 @@ def check_step_bench_args(args, config) -> None:
         launch.usage_error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 0:
         launch.usage_error(f"--warmup must be >= 0, got {args.warmup}")
+    if getattr(args, "case_budget_s", 1) <= 0:
+        launch.usage_error(f"--case-budget-s must be > 0, got {args.case_budget_s:g}")
     if args.model not in models.PRESETS:
         launch.usage_error(f"unknown --model {args.model!r}; choose from {', '.join(models.PRESETS)}")
     need = estimate_bytes_per_rank(args.model, args.batch_size // ws, args.context_length)
@@ -323,9 +328,21 @@ def check_step_bench_args(args, config) -> None:
 # --------------------------------------------------------------------------- benchmark
 
 
+def steps_within_budget(steps: int, warmup_step_s: float, budget_s: float) -> int:
+    """How many timed steps fit in ``budget_s`` at the warm-up's pace (at least 2, at most
+    ``steps``). Every rank must pass the same ``warmup_step_s`` (the slowest rank's): ranks
+    that time different numbers of steps would wait on each other's collectives forever."""
+    if warmup_step_s <= 0:
+        return steps
+    return max(2, min(steps, int(budget_s / warmup_step_s)))
+
+
 def time_steps(ctx, factory, model_name: str, args) -> tuple[list[float], ...]:
     """Build the LM under ``factory`` (None: no wrapper), run ``args.warmup`` untimed and
-    ``args.steps`` timed steps; return this rank's (fwd_bwd, comm, optimizer, step) seconds."""
+    ``args.steps`` timed steps; return this rank's (fwd_bwd, comm, optimizer, step) seconds.
+
+    ``args.case_budget_s`` (per round: divided by ``args.rounds``) caps the timed steps at
+    the pace of the last warm-up step, so no configuration runs for more than its budget."""
     dev, ws, rank = ctx.device, ctx.world_size, ctx.rank
     torch.manual_seed(0)  # the same model on every rank, as after a broadcast
     model = models.TransformerLM(model_name, context_length=args.context_length).to(dev)
@@ -351,10 +368,20 @@ def time_steps(ctx, factory, model_name: str, args) -> tuple[list[float], ...]:
         t3 = time.perf_counter()
         return t1 - t0, t2 - t1, t3 - t2, t3 - t0
 
+    last_warmup = 0.0
     for _ in range(args.warmup):
-        one_step()
-    dist.barrier()  # start the timed steps together
-    times = tuple(list(t) for t in zip(*(one_step() for _ in range(args.steps))))
+        last_warmup = one_step()[3]
+    pace = torch.tensor([last_warmup], dtype=torch.float64,
+                        device=dev if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(pace, op=dist.ReduceOp.MAX)  # the slowest rank's pace, same on every rank
+    budget = getattr(args, "case_budget_s", math.inf) / getattr(args, "rounds", 1)
+    steps = steps_within_budget(args.steps, pace.item(), budget)
+    if steps < args.steps:
+        ctx.print(f"  note: {steps} timed steps instead of {args.steps}: at "
+                  f"{pace.item():.2f} s/step the case would pass its {budget:.0f} s budget",
+                  all_ranks=False)
+    dist.barrier()  # start the timed steps together (this all-reduce also lines them up)
+    times = tuple(list(t) for t in zip(*(one_step() for _ in range(steps))))
     del wrapper, model, optimizer
     gc.collect()
     if dev.type == "cuda":
@@ -379,7 +406,7 @@ def make_row(ctx, model_name: str, args, impl: str, bucket_mb, times) -> dict:
         "step_ms_min": s_step.min * ms, "step_ms_max": s_step.max * ms,
         "slowest_rank": s_step.slowest_rank, "batch_size": args.batch_size,
         "context_length": args.context_length, "steps": len(times[0]), "warmup": args.warmup,
-        "params": params, "machine": results.machine_name(),
+        "params": params, "machine": results.machine_name(), "run_id": results.run_id(),
     }
 
 

@@ -32,12 +32,15 @@ def test_plain_run_verifies_against_single_process(impl):
 
 
 def test_bench_rows_upserted_by_both_stages(tmp_path):
-    env = {"RESULTS_DIR": str(tmp_path)}
-    for impl in ["flat", "naive"]:  # 04 writes naive+flat+references; 03 then replaces its own
+    for impl, extra in [("flat", []),  # 04 writes naive+flat+references; 03 then its own,
+                        ("naive", ["--steps", "5", "--case-budget-s", "1e-6"])]:  # capped
+        env = {"RESULTS_DIR": str(tmp_path), "RESULTS_RUN_ID": f"run-{impl}"}
         r = run_script(SCRIPTS[impl], "--bench", "--world-size", "2", "--backend", "gloo",
-                       "--device", "cpu", *QUICK_BENCH, env=env)
+                       "--device", "cpu", *QUICK_BENCH, *extra, env=env)
         assert r.returncode == 0, r.stdout + r.stderr
         assert "ms/step" in r.stdout and "vs_torch_ddp" in r.stdout
+    # the per-case budget: 2 timed steps (the minimum) instead of 5, and said so
+    assert "note: 2 timed steps instead of 5" in r.stdout, r.stdout
     with (tmp_path / "ddp_step.csv").open(newline="") as f:
         reader = csv.DictReader(f)
         columns, rows = reader.fieldnames, list(reader)
@@ -50,6 +53,9 @@ def test_bench_rows_upserted_by_both_stages(tmp_path):
         assert float(r["step_ms"]) > 0 and 0 <= float(r["comm_share"]) <= 1
         assert float(r["comm_after_backward_ms"]) <= float(r["step_ms"])
     by_impl = {r["impl"]: r for r in rows}
+    assert by_impl["flat"]["run_id"] == "run-flat"  # each row says which run wrote it
+    assert {by_impl[i]["run_id"] for i in ("naive", "none", "torch_ddp")} == {"run-naive"}
+    assert {r["steps"] for r in rows} == {"2"}
     assert float(by_impl["torch_ddp"]["ratio_vs_torch_ddp"]) == 1.0
     assert by_impl["torch_ddp"]["bucket_mb"] == "25" and by_impl["naive"]["bucket_mb"] == ""
 

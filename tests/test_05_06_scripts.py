@@ -23,7 +23,7 @@ import pytest
 import bucketed_ddp
 import naive_ddp
 import overlap_ddp
-from common import launch
+from common import launch, profiling, results
 from helpers import REPO, run_script
 
 TINY = ["--backend", "gloo", "--device", "cpu", "--world-size", "2", "--model", "tiny",
@@ -125,6 +125,14 @@ def test_profile_03_and_05(tmp_path, monkeypatch, capfd):
                         r"backward ([\d.]+) ms", stdout)
     assert sorted(label for label, _ in during) == ["naive (03)", "naive (03)", "overlap (05)"]
     assert all(float(ms) == 0.0 for label, ms in during if label == "naive (03)"), during
+    # the same summary, as rows for the make bench report
+    rows = {(r["stage"], r["case"]): r for r in results.read_csv(profiling.PROFILE_CSV)}
+    assert set(rows) == {("03_naive_ddp", "naive (03)"), ("05_overlap_ddp", "naive (03)"),
+                         ("05_overlap_ddp", "overlap (05)")}
+    for (stage, case), r in rows.items():
+        assert float(r["step_ms"]) > 0 and int(r["all_reduces"]) >= 1, r
+        if case == "naive (03)":
+            assert float(r["comm_during_backward_ms"]) == 0.0, r
 
 
 @pytest.mark.parametrize("main, argv, needle", [

@@ -3,6 +3,7 @@
 One process launch per world size; the worker loops over every case and asserts inside.
 """
 
+import csv
 import shutil
 import subprocess
 import sys
@@ -71,13 +72,33 @@ def test_predicted_bytes():
     assert tp.ring_bytes_per_rank("all_gather", 1000, 4) == 750
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--world-size", "4", "--d-ff", "250"], "250"),
-    (["--world-size", "4", "--d-model", "30"], "30"),
+@pytest.mark.parametrize("argv, needles", [
+    (["--world-size", "4", "--d-ff", "250"], ["250", "divisible"]),
+    (["--world-size", "4", "--d-model", "30"], ["30", "divisible"]),
+    (["--time-iters", "-1"], ["--time-iters", ">= 0"]),
 ])
-def test_bad_input_one_line_exit_2(argv, needle):
+def test_bad_input_one_line_exit_2(argv, needles):
     r = run_script(SCRIPT, *argv, "--backend", "gloo", "--device", "cpu", timeout=60)
-    assert_usage_error(r, needle, "divisible")
+    assert_usage_error(r, *needles)
+
+
+def test_script_writes_bytes_and_times(tmp_path):
+    """The plain run as make bench runs it: both CSVs, this run's id on every row."""
+    env = {"RESULTS_DIR": str(tmp_path), "RESULTS_RUN_ID": "tp-test"}
+    r = run_script(SCRIPT, "--world-size", "2", "--backend", "gloo", "--device", "cpu",
+                   "--d-model", "32", "--d-ff", "64", "--time-iters", "3", env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with (tmp_path / "tensor_parallel.csv").open(newline="") as f:
+        byte_rows = list(csv.DictReader(f))
+    with (tmp_path / "tensor_parallel_time.csv").open(newline="") as f:
+        time_rows = {row["variant"]: row for row in csv.DictReader(f)}
+    assert {row["run_id"] for row in byte_rows} == {"tp-test"} and len(byte_rows) == 8
+    assert all(row["bytes_counted"] == row["bytes_predicted"] for row in byte_rows)
+    assert set(time_rows) == {"single", "megatron", "allgather"}
+    assert float(time_rows["single"]["speedup_vs_single"]) == 1.0
+    for row in time_rows.values():
+        assert float(row["fwd_bwd_ms"]) > 0 and row["run_id"] == "tp-test", row
+    assert time_rows["megatron"]["ranks_working"] == "2"
 
 
 def test_copy_one_file(tmp_path):

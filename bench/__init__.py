@@ -1,0 +1,1 @@
+"""``make bench``: the driver (make_bench.py) and the report writer (report.py)."""
