@@ -8,8 +8,8 @@
 # Python: PYTHON=... on the command line wins (e.g. `make bench PYTHON=python3` on a box whose
 # Python already has torch). Otherwise: the project's .venv if it exists, else a python3 that
 # already imports torch, tabulate and numpy, else a new .venv made by `make install`.
-# `make bench` is content with a python3 that imports torch alone (tabulate, numpy and
-# matplotlib are optional there), so it runs offline on a GPU box without creating a venv.
+# `make bench` takes a python3 that imports torch as it is (tabulate and matplotlib are
+# optional there), so it runs offline on a GPU box without creating a venv.
 
 VENV          := .venv
 TORCH_VERSION ?= 2.13.0

@@ -518,8 +518,9 @@ def plan_configurations(args) -> list[tuple[str, str, int]]:
                     "use --backend gloo")
     if devices and "cuda" in devices and n_gpus == 0:
         usage_error("--device cuda needs a GPU and none is visible: use --device cpu")
-    backends = backends or (["gloo", "nccl"] if nccl_ok else ["gloo"])
-    devices = devices or (["cpu", "cuda"] if n_gpus else ["cpu"])
+    # GPU first: if the sweep is cut short, the figures that matter on a GPU box exist
+    backends = backends or (["nccl", "gloo"] if nccl_ok else ["gloo"])
+    devices = devices or (["cuda", "cpu"] if n_gpus else ["cpu"])
     if backends == ["nccl"] and devices == ["cpu"]:
         usage_error("--backend nccl needs --device cuda (NCCL moves GPU memory only)")
     plan = []

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import weakref
 import math
 import numbers
+import os
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -349,7 +350,10 @@ def latency_bandwidth(ctx, results) -> dict:
     decision = [None]  # rank 0's answer: the fit to use, or the reason to measure
     if ctx.is_main:
         fit = (results.read_json("allreduce_fit.json") or {}).get(key)
-        if fit and fit.get("a_s", 0) > 0 and 0 < fit.get("w_bytes_per_s", 0) < math.inf:
+        run = os.environ.get("RESULTS_RUN_ID")  # set by make bench: only this run's fit counts
+        if fit and run and fit.get("run_id") != run:
+            decision[0] = f"the fit for {key} is from another run"
+        elif fit and fit.get("a_s", 0) > 0 and 0 < fit.get("w_bytes_per_s", 0) < math.inf:
             decision[0] = {"a_s": fit["a_s"], "w_bytes_per_s": fit["w_bytes_per_s"],
                            "source": f"results/allreduce_fit.json [{key}] (stage 02)"}
         else:

@@ -397,9 +397,9 @@ def time_forward_backward(ctx, cfg: dict) -> list[dict]:
     torch.manual_seed(0)
     full = MLP(cfg["d_model"], cfg["d_ff"]).to(device)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=device)
-    models = {"single": full, **{v: VARIANTS[v](full) for v in cfg["variants"]}}
+    mlps = {"single": full, **{v: VARIANTS[v](full) for v in cfg["variants"]}}
     rows = []
-    for name, model in models.items():
+    for name, model in mlps.items():
         def fwd_bwd():
             model.zero_grad(set_to_none=True)
             model(x).square().mean().backward()

@@ -16,8 +16,9 @@ In order: stage 02's all-reduce sweep; stages 03-06 on the LM with torch DDP bes
 and 06's bucket sweep with the bucket-size model (all one run of ``06 --bench``: step-time
 ratios are fair only within one run); stage 05's profile of naive against overlapped DDP (the
 overlap timeline); stage 07's tensor- and pipeline-parallel measurements. Each stage script
-runs as its own process with a wall-clock cap, and no single configuration runs past two
-minutes (stage 02's ``--budget-s``, the step harness's ``--case-budget-s``). Every script
+runs as its own process with a wall-clock cap inside one budget for the whole run
+(``BENCH_BUDGET_S``, ``run_all``), and no single configuration runs past two minutes (stage
+02's ``--budget-s``, the step harness's ``--case-budget-s``). Every script
 runs with ``RESULTS_RUN_ID`` set, so the report (``bench/report.py``) takes this run's rows
 from the shared CSVs and nothing older. This driver imports no stage: it runs their scripts.
 """
@@ -41,7 +42,9 @@ from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
 RUN_FILE = "bench_run.json"     # what ran: the report is written from it and the CSVs
-GRACE_S = 30                    # after a cap's Ctrl-C, how long a script gets to write rows
+GRACE_S = 15                    # after a cap's Ctrl-C, how long a script gets to write rows
+KILL_WAIT_S = 5                 # ... and after the kill that follows
+MIN_STEP_S = 15                 # a step with less time than this left is skipped, not started
 
 
 @dataclass
@@ -96,10 +99,11 @@ def bench_model(setup: Setup, quick: bool) -> str:
 
 
 def budget_s(quick: bool) -> float:
-    """``BENCH_BUDGET_S``, else 150 s quick / 540 s full: the whole run's wall-clock limit."""
+    """``BENCH_BUDGET_S``, else 130 s quick / 510 s full: the whole run's wall-clock limit
+    (the issue: about two minutes, and under nine; the report and start-up fit in the rest)."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
     if not text:
-        return 150.0 if quick else 540.0
+        return 130.0 if quick else 510.0
     try:
         value = float(text)
     except ValueError:
@@ -115,7 +119,13 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     ``trace_dir``: where stage 05 writes its raw profiler traces (not part of the report)."""
     gpus = setup.gpus
     where = ["--backend", setup.backend, "--device", setup.device]
+    # Caps, seconds: (02, 03-06, profile, each TP run, PP). On a 2-core CPU VM the full plan's
+    # steps took 38, 63, 21, 16 + 25, 35 s. On one H100 (16 cores) nothing is measured yet; the
+    # estimate is 02 about 150 s (Gloo through host memory at 1 GB dominates), 03-06 about
+    # 150 s (12 cases x 2 rounds x 8 steps of a 100M-parameter LM, ~0.3 s a step over Gloo),
+    # 15-30 s for each later script, most of it starting CUDA in each rank.
     if gpus == 0:
+        caps = (60, 60, 45, 30, 45) if quick else (120, 180, 60, 60, 90)
         ar_where = ["--backend", "gloo", "--device", "cpu"]
         ar_sizes = "64KB,1MB,10MB" if quick else "64KB,1MB,10MB,100MB"
         ar_world = "2" if quick else "2,4"
@@ -126,6 +136,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128"]
         pp_ws, pp = 4, ["--d-model", "256", "--hidden", "1024", "--batch", "64"]
     else:
+        caps = (45, 45, 30, 25, 30) if quick else (200, 200, 60, 45, 60)
         ar_where = ["--backend", "all", "--device", "all"]  # 02 picks what the box runs
         ar_sizes = "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB"
         if gpus == 1:  # ranks share the GPU: 2 and 4 of them
@@ -139,7 +150,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         ddp = ["--batch-size", str(4 if model == "course" else 8), "--context-length", "256"]
         ddp_steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "6", "--warmup", "2", "--rounds", "2"]
-        buckets = "1,25,100" if quick else "1,10,25,100,1000"
+        buckets = "1,25,100" if quick else "1,5,25,100"
         tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256"]
         pp_ws = 4 if gpus == 1 or gpus >= 4 else 2
         pp = ["--d-model", "1024", "--hidden", "4096", "--batch", "128"]
@@ -151,20 +162,21 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     steps = [
         Step("allreduce", "02 all-reduce sweep",
              ["02_allreduce_bench/allreduce_bench.py", *ar_where, "--sizes", ar_sizes,
-              "--world-sizes", ar_world, "--budget-s", "120"], 150 if quick else 300),
+              "--world-sizes", ar_world, "--budget-s", "120"], caps[0]),
         Step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
              ["06_bucketed_ddp/bucketed_ddp.py", "--bench", "--world-size", str(ddp_ws),
               *where, *lm, *ddp_steps, "--bucket-sizes", buckets, "--case-budget-s", "120"],
-             150 if quick else 300),
+             caps[1]),
         Step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
              ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ddp_ws), *where,
-              *lm, "--trace-dir", trace_dir], 120),
+              *lm, "--trace-dir", trace_dir], caps[2]),
         *[Step(f"tp{n}", f"07 tensor parallel, {n} ranks",
-               ["07_parallelism/tensor_parallel.py", "--world-size", str(n), *where, *tp], 90)
+               ["07_parallelism/tensor_parallel.py", "--world-size", str(n), *where, *tp],
+               caps[3])
           for n in tp_world],
         Step("pp", f"07 pipeline parallel, {pp_ws} stages",
              ["07_parallelism/pipeline_parallel.py", "--world-size", str(pp_ws), *where,
-              *pp, "--micro-batches", micro, "--warmup", "1", "--iters", "3"], 120),
+              *pp, "--micro-batches", micro, "--warmup", "1", "--iters", "3"], caps[4]),
     ]
     return steps
 
@@ -193,7 +205,7 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, 10)):
+    for sig, wait in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
         try:
             os.killpg(proc.pid, sig)
             proc.wait(timeout=wait)
@@ -202,6 +214,28 @@ def _stop(proc: subprocess.Popen) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def run_all(steps: list[Step], budget: float, run, clock=time.monotonic) -> None:
+    """Run the steps in order within ``budget`` seconds; ``run(step, cap)`` runs one.
+
+    A step may overrun its cap by the Ctrl-C grace and the kill wait, so its cap is what is
+    left minus that overrun, minus ``MIN_STEP_S`` for each step still to come (a chance for
+    every one of them); a step with less than ``MIN_STEP_S`` left is skipped. So every step
+    ends by ``start + budget``, whatever the scripts do."""
+    start = clock()
+    for i, step in enumerate(steps, 1):
+        left = budget - (clock() - start)
+        cap = min(step.cap_s, left - GRACE_S - KILL_WAIT_S - MIN_STEP_S * (len(steps) - i))
+        if cap < MIN_STEP_S:
+            step.status = "skipped: the time budget was spent"
+            print(f"\n[bench {i}/{len(steps)}] {step.title}: {step.status}", flush=True)
+            continue
+        print(f"\n[bench {i}/{len(steps)}] {step.title} (cap {cap:.0f} s, "
+              f"{clock() - start:.0f} s elapsed)\n  $ python {' '.join(step.argv)}", flush=True)
+        run(step, cap)
+        print(f"[bench {i}/{len(steps)}] {step.title}: {step.status} in {step.seconds:.0f} s",
+              flush=True)
 
 
 def copy_pictures(out: Path, trace_dir: Path) -> None:
@@ -229,8 +263,10 @@ def main() -> None:
     budget = budget_s(quick)
     run_id = "bench-" + time.strftime("%Y%m%d-%H%M%S")
     env = {**os.environ, "RESULTS_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
-    for stale in out.glob("bench_*.png"):  # a report shows this run's pictures or none
-        stale.unlink()
+    # a report shows this run's pictures or none: clear the ones copied into it too
+    for stale in [*out.glob("bench_*.png"), out / "allreduce_busbw.png",
+                  trace_dir / "05_overlap_ddp" / "timeline.png"]:
+        stale.unlink(missing_ok=True)
     print(f"make bench ({'quick' if quick else 'full'}) on {results.machine_name()}\n"
           f"{setup.picked}\nLM for stages 03-06: {model}. Run id {run_id}; results in {out}; "
           f"time budget {budget:.0f} s (BENCH_BUDGET_S).\nPlan:", flush=True)
@@ -240,16 +276,7 @@ def main() -> None:
     start, started_utc = time.monotonic(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     interrupted = False
     try:
-        for i, step in enumerate(steps, 1):
-            left = budget - (time.monotonic() - start)
-            later = sum(min(20, s.cap_s) for s in steps[i:])  # keep a little for the rest
-            cap = max(20.0, min(step.cap_s, left - later))
-            print(f"\n[bench {i}/{len(steps)}] {step.title} (cap {cap:.0f} s, "
-                  f"{time.monotonic() - start:.0f} s elapsed)\n  $ python {' '.join(step.argv)}",
-                  flush=True)
-            run_step(step, env, cap)
-            print(f"[bench {i}/{len(steps)}] {step.title}: {step.status} in "
-                  f"{step.seconds:.0f} s", flush=True)
+        run_all(steps, budget, lambda step, cap: run_step(step, env, cap))
     except KeyboardInterrupt:
         interrupted = True
         print("\ninterrupted: writing the report from what finished", flush=True)

@@ -157,14 +157,24 @@ def allreduce_section(out: Path, run_id: str) -> tuple[str, list]:
         parts += ["### Latency-bandwidth fit: t = a + N / w\n",
                   md_table(["backend/device", "ranks", "a (us)", "w (GB/s)",
                             "N where a = N / w", "worst point error"], ft)]
-        f0 = fits[0]
-        parts.append(
-            f"Each group's times are fitted by t = a + N/w (least squares on relative error). "
-            f"For {f0['backend']}/{f0['device']} with {f0['world_size']} ranks a call costs "
-            f"about {f0['a_s'] * 1e6:.0f} us before any byte moves and then "
-            f"{f0['w_bytes_per_s'] / 1e9:.2f} GB/s, so below about "
-            f"{size_text(max(f0['a_s'], 0) * f0['w_bytes_per_s'])} latency dominates. Stage 06 "
-            "takes o = a and w from here for its bucket-size model.\n")
+        # describe the group the DDP stages ran on (stage 06 took its o and w from it)
+        ddp = load_rows(out, "ddp_step.csv", run_id)
+        ddp_key = (ddp[0]["backend"], ddp[0]["device"], int(ddp[0]["world_size"])) if ddp else None
+        f0 = next((f for f in fits if (f["backend"], f["device"], f["world_size"]) == ddp_key),
+                  fits[0])
+        words = [f"Each group's times are fitted by t = a + N/w (least squares on relative "
+                 f"error). For {f0['backend']}/{f0['device']} with {f0['world_size']} ranks"]
+        if f0["a_s"] > 0:
+            words.append(f"a call costs about {f0['a_s'] * 1e6:.0f} us before any byte moves "
+                         f"and then {f0['w_bytes_per_s'] / 1e9:.2f} GB/s, so below about "
+                         f"{size_text(f0['a_s'] * f0['w_bytes_per_s'])} latency dominates.")
+        else:
+            words.append(f"the bandwidth is {f0['w_bytes_per_s'] / 1e9:.2f} GB/s but the "
+                         "latency could not be pinned down (a <= 0: even the smallest size "
+                         "measured is bandwidth-bound; add smaller sizes).")
+        if f0 is not fits[0] or ddp_key == (f0["backend"], f0["device"], f0["world_size"]):
+            words.append("Stage 06's bucket-size model takes o = a and w from this group.")
+        parts.append(" ".join(words) + "\n")
     return "\n".join(parts), headline
 
 
@@ -228,8 +238,10 @@ def ddp_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
     parts.append(
         f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
         f"{r0['batch_size']}, context {r0['context_length']}, AdamW, {r0['world_size']} ranks on "
-        f"{r0['backend']}/{r0['device']}; {r0['steps']} timed steps per case (pooled over the "
-        f"run's rounds, each after {r0['warmup']} warm-up steps), slowest rank's median. All cases ran in one process group, "
+        f"{r0['backend']}/{r0['device']}; {span([int(r['steps']) for r in rows], '', 'd')} timed "
+        f"steps per case (pooled over the run's rounds, each after {r0['warmup']} warm-up "
+        "steps), slowest rank's median (each part's median, so the parts need not add up "
+        "exactly to the step's). All cases ran in one process group, "
         "so their ratios are fair.\n")
     parts.append(md_table(
         ["implementation", "step ms", "fwd+bwd ms", "comm after backward ms", "optimizer ms",
@@ -259,8 +271,9 @@ def ddp_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
             f"{num(best_bucketed, 'comm_after_backward_ms'):.1f} ms. Overlap and bucketed "
             "start their all-reduces inside backward; "
             + (f"against naive, that took {' and '.join(hidden)} off the wait."
-               if hidden else "here that took nothing off naive's wait, because "
-               "communication and backward compete for the same cores.")
+               if hidden else "here that took nothing off naive's wait"
+               + (", because communication and backward compete for the same cores."
+                  if r0["backend"] == "gloo" else "."))
             + " Communication that runs during backward shows up as a longer fwd+bwd "
             "column, not in the exposed one.")
         if comm["overlap"] > comm["flat"]:
@@ -280,7 +293,7 @@ def ddp_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
         headline += [["BucketedDDP (best bucket) vs torch DDP, step time",
                       f"{ratio:.2f}x ({num(best_bucketed, 'step_ms'):.1f} vs "
                       f"{num(torch_default, 'step_ms'):.1f} ms, LM {r0['model']})"],
-                     ["communication left after backward: naive, flat, overlap, bucketed",
+                     ["communication left after backward: " + ", ".join([*comm, "bucketed"]),
                       ", ".join(f"{v:.1f}" for v in comm.values())
                       + f", {num(best_bucketed, 'comm_after_backward_ms'):.1f} ms"]]
     if info["setup"]["gpus"] == 1 and r0["model"] == "course":
@@ -349,12 +362,23 @@ def bucket_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
         f"bucket's transfer plus a per-call cost o that does not overlap), smallest at "
         f"n_b = sqrt(s/(w o)). With o = {m['o_s'] * 1e6:.0f} us and w = "
         f"{m['w_bytes_per_s'] / 1e9:.2f} GB/s from {m['fit_source']} it predicts "
-        f"{m['predicted_best_n_buckets']:.1f} buckets of {m['predicted_best_bucket_mb']:.3g} MiB; "
+        + (f"{m['predicted_best_n_buckets']:.1f} buckets of {m['predicted_best_bucket_mb']:.3g} MiB; "
+           if m["predicted_best_n_buckets"] >= 1 else
+           "a single bucket (the optimum n_b is below one: latency dominates); ") +
         f"the measured best step time was at {m['measured_best_bucket_mb']:g} MB, and the "
         f"prediction lies {'within' if m['prediction_within_neighbours'] else 'outside'} that "
-        f"size and its neighbours [{lo:g}, {hi:g}] MB. Where the measured exposed "
-        "communication sits above the model, backward and communication compete for the "
-        "same cores or GPU, which the model (fitted on an idle machine) does not see.\n")
+        f"size and its neighbours [{lo:g}, {hi:g}] MB.")
+    above = sum(float(x["measured_comm_after_bwd_ms"]) > float(x["model_comm_after_bwd_ms"])
+                for x in sweep)
+    if above:
+        contention = ("backward and communication compete for the same cores"
+                      if m["device"] == "cpu" else
+                      "communication competes with backward for the GPU" +
+                      (" and for the host copies Gloo makes" if m["backend"] == "gloo" else ""))
+        parts[-1] += (f" The measured exposed communication sits above the model at {above} of "
+                      f"{len(sweep)} sizes: {contention}, which the model, fitted on an idle "
+                      "machine, does not see.")
+    parts[-1] += "\n"
     parts.append(picture(out, "bench_bucket_sweep.png", "bucket sweep with the model"))
     headline = [["bucket size: model's best vs measured best",
                  f"{m['predicted_best_bucket_mb']:.3g} MiB vs {m['measured_best_bucket_mb']:g} MB "
@@ -429,11 +453,16 @@ def tensor_parallel_section(out: Path, run_id: str) -> tuple[str, list]:
                      "ships the d_ff-wide activation.")
     if times:
         shared = r0["backend"] == "gloo"
-        words.append("Here the ranks share " + ("this machine's CPU cores" if r0["device"] == "cpu"
-                                                 else "one GPU") +
-                     (" and talk through Gloo, so the times show what the communication costs "
-                      "more than the speed-up tensor parallelism brings across separate devices."
-                      if shared else ", one GPU each over NCCL."))
+        if r0["device"] == "cpu":
+            words.append("Here the ranks share this machine's CPU cores (each rank, and the "
+                         "single process on rank 0, runs cores / ranks threads), so compare the "
+                         "variants with each other rather than with one process.")
+        elif shared:
+            words.append("Here the ranks share one GPU and talk through Gloo, so the times show "
+                         "what the communication costs more than the speed-up tensor "
+                         "parallelism brings across separate GPUs.")
+        else:
+            words.append("Each rank has its own GPU and the collectives run over NCCL.")
     parts.append(" ".join(words) + "\n")
     headline = []
     if mg and ag:
@@ -505,14 +534,23 @@ def pipeline_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
              f"{(p - 1) / (m_max + p - 1):.2f} with {m_max}."]
     g, f = agg.get(("gpipe", m_max)), agg.get(("1f1b", m_max))
     if g and f:
-        words.append(f"Measured at m = {m_max}: GPipe {g['idle']:.2f}, 1F1B {f['idle']:.2f}; "
-                     "above the formula where sends, receives and per-micro-batch overheads "
-                     "add time the unit-time model does not count" +
-                     (", and more so here where the stages share the same cores or GPU."
+        formula = (p - 1) / (m_max + p - 1)
+        text = f"Measured at m = {m_max}: GPipe {g['idle']:.2f}, 1F1B {f['idle']:.2f}"
+        if min(g["idle"], f["idle"]) > formula + 0.02:
+            text += ("; above the formula, because sends, receives and per-micro-batch "
+                     "overheads add time the unit-time model does not count" +
+                     (f", and more so here where the stages share the same "
+                      f"{'cores' if r0['device'] == 'cpu' else 'GPU'}."
                       if r0["backend"] == "gloo" else "."))
-        words.append(f"Both have the same bubble, but GPipe holds all {max(g['peaks'])} "
-                     f"micro-batches' activations at its peak and 1F1B at most "
-                     f"{max(f['peaks'])}: that memory is what 1F1B buys.")
+        else:
+            text += ", close to the formula."
+        words.append(text)
+        same = abs(g["idle"] - f["idle"]) < 0.05
+        words.append(("Their bubbles are about the same" if same else
+                      f"{'1F1B' if f['idle'] < g['idle'] else 'GPipe'} idled less here") +
+                     f"; the difference that matters is memory: GPipe holds all "
+                     f"{max(g['peaks'])} micro-batches' activations at its peak and 1F1B at most "
+                     f"{max(f['peaks'])}.")
     parts += [" ".join(words) + "\n",
               picture(out, "bench_pipeline_bubble.png", "pipeline idle share against micro-batches")]
     headline = []
@@ -547,9 +585,14 @@ def write_report(out: Path) -> Path:
     info = json.loads((out / RUN_FILE).read_text())
     run_id = info["run_id"]
     sections, headline = [], []
-    for text, head in (allreduce_section(out, run_id), ddp_section(out, run_id, info),
-                       bucket_section(out, run_id, info), overlap_section(out, run_id),
-                       tensor_parallel_section(out, run_id), pipeline_section(out, run_id, info)):
+    for section, args in ((allreduce_section, ()), (ddp_section, (info,)),
+                          (bucket_section, (info,)), (overlap_section, ()),
+                          (tensor_parallel_section, ()), (pipeline_section, (info,))):
+        try:
+            text, head = section(out, run_id, *args)
+        except Exception as e:  # one odd file must not cost the whole report
+            text, head = (f"## {section.__name__}\n\n_This section failed: "
+                          f"{type(e).__name__}: {e}_\n"), []
         sections.append(text)
         headline += head
     runs = md_table(["step", "outcome", "seconds", "command"],

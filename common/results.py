@@ -13,9 +13,8 @@ import csv
 import json
 import os
 import platform
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import torch
 
@@ -61,7 +60,9 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
         text = tabulate(rows, headers="keys", floatfmt=floatfmt, tablefmt="github")
     else:
         keys = list(rows[0]) if rows else []
-        cell = lambda v: format(v, floatfmt) if isinstance(v, float) else str(v)  # noqa: E731
+
+        def cell(v):
+            return format(v, floatfmt) if isinstance(v, float) else str(v)
         text = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
                          + ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows])
     if title:

@@ -425,6 +425,17 @@ def _with_references(cases) -> list[tuple]:
     return refs + cases
 
 
+def _rows_so_far(ctx, cases, pooled, args) -> list[dict]:
+    """One row per case from its pooled steps, with the ratio to torch DDP at 25 MB."""
+    rows = [make_row(ctx, args.model, args, impl, bucket_mb, pool)
+            for (impl, bucket_mb, _), pool in zip(cases, pooled)]
+    ref = next(r for r in rows
+               if r["impl"] == "torch_ddp" and r["bucket_mb"] == TORCH_DDP_DEFAULT_BUCKET_MB)
+    for r in rows:
+        r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"]
+    return rows
+
+
 def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
     """Benchmark every case plus the ``none`` and ``torch_ddp`` references in one run.
 
@@ -452,12 +463,9 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
                       f"{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
                       f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0 "
                       f"({time.perf_counter() - t:.1f} s)", all_ranks=False)
-    rows = [make_row(ctx, args.model, args, impl, bucket_mb, pool)
-            for (impl, bucket_mb, _), pool in zip(cases, pooled)]
-    ref = next(r for r in rows
-               if r["impl"] == "torch_ddp" and r["bucket_mb"] == TORCH_DDP_DEFAULT_BUCKET_MB)
-    for r in rows:
-        r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"]
+        rows = _rows_so_far(ctx, cases, pooled, args)
+        if ctx.is_main and round_ < rounds - 1:  # a run stopped later keeps these rounds
+            results.upsert_csv(csv_name, rows, key=CSV_KEY)
     if ctx.is_main:
         shown = [{"impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],
                   "fwd_bwd_ms": r["fwd_bwd_ms"], "comm_after_bwd_ms": r["comm_after_backward_ms"],

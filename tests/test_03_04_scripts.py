@@ -33,7 +33,8 @@ def test_plain_run_verifies_against_single_process(impl):
 
 def test_bench_rows_upserted_by_both_stages(tmp_path):
     for impl, extra in [("flat", []),  # 04 writes naive+flat+references; 03 then its own,
-                        ("naive", ["--steps", "5", "--case-budget-s", "1e-6"])]:  # capped
+                        ("naive", ["--steps", "5", "--case-budget-s", "1e-6",  # capped,
+                                   "--rounds", "2"])]:  # and written after each round
         env = {"RESULTS_DIR": str(tmp_path), "RESULTS_RUN_ID": f"run-{impl}"}
         r = run_script(SCRIPTS[impl], "--bench", "--world-size", "2", "--backend", "gloo",
                        "--device", "cpu", *QUICK_BENCH, *extra, env=env)
@@ -55,7 +56,8 @@ def test_bench_rows_upserted_by_both_stages(tmp_path):
     by_impl = {r["impl"]: r for r in rows}
     assert by_impl["flat"]["run_id"] == "run-flat"  # each row says which run wrote it
     assert {by_impl[i]["run_id"] for i in ("naive", "none", "torch_ddp")} == {"run-naive"}
-    assert {r["steps"] for r in rows} == {"2"}
+    assert {r["steps"] for r in rows if r["impl"] == "flat"} == {"2"}
+    assert {r["steps"] for r in rows if r["impl"] != "flat"} == {"4"}  # 2 rounds x 2, pooled
     assert float(by_impl["torch_ddp"]["ratio_vs_torch_ddp"]) == 1.0
     assert by_impl["torch_ddp"]["bucket_mb"] == "25" and by_impl["naive"]["bucket_mb"] == ""
 

@@ -325,6 +325,15 @@ def check_latency_bandwidth_decided_by_rank0(ctx):
                 assert "stage 02" in got["source"] and got["a_s"] == 1e-4, got
             else:
                 assert got["source"] == "measured in this run" and got["w_bytes_per_s"] > 0, got
+        # under make bench (RESULTS_RUN_ID set) a fit written by another run is not used
+        if ctx.is_main:
+            results.write_json("allreduce_fit.json", {key: {**fit[key], "run_id": "old"}})
+        os.environ["RESULTS_RUN_ID"] = "new"
+        try:
+            got = bucketed_ddp.latency_bandwidth(ctx, results)
+        finally:
+            os.environ.pop("RESULTS_RUN_ID")
+        assert got["source"] == "measured in this run", got
     finally:
         for made in made_dirs:
             shutil.rmtree(made, ignore_errors=True)
