@@ -452,11 +452,9 @@ def report(rows: list[dict], machine: str, plot: bool = True) -> None:
 
 def plot_busbw(rows: list[dict], path: Path, machine: str) -> Path | None:
     """busbw against size, one line per backend/device and world size (ring dashed)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-    except ImportError:
+    _, results, _ = _common()
+    plt = results.pyplot()
+    if plt is None:
         print(f"plot: matplotlib is not installed, so no {path.name} "
               "(pip install matplotlib to get it)", flush=True)
         return None

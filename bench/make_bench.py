@@ -37,11 +37,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.report import write_report  # noqa: E402
+from bench.report import RUN_FILE, write_report  # noqa: E402
 from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
-RUN_FILE = "bench_run.json"     # what ran: the report is written from it and the CSVs
 GRACE_S = 15                    # after a cap's Ctrl-C, how long a script gets to write rows
 KILL_WAIT_S = 5                 # ... and after the kill that follows
 MIN_STEP_S = 15                 # a step with less time than this left is skipped, not started
@@ -238,14 +237,11 @@ def run_all(steps: list[Step], budget: float, run, clock=time.monotonic) -> None
               flush=True)
 
 
-def copy_pictures(out: Path, trace_dir: Path) -> None:
-    """Give the stage scripts' pictures the report's own names (``bench_*.png``), so that
-    ``make run`` (which redraws ``allreduce_busbw.png``) never touches the report's."""
-    for src, dst in ((out / "allreduce_busbw.png", out / "bench_allreduce_busbw.png"),
-                     (trace_dir / "05_overlap_ddp" / "timeline.png",
-                      out / "bench_overlap_timeline.png")):
-        if src.exists():
-            shutil.copyfile(src, dst)
+def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, Path]]:
+    """(drawn by a stage script, its copy in the report). The report's own names
+    (``bench_*.png``) keep ``make run``, which redraws ``allreduce_busbw.png``, off them."""
+    return [(out / "allreduce_busbw.png", out / "bench_allreduce_busbw.png"),
+            (trace_dir / "05_overlap_ddp" / "timeline.png", out / "bench_overlap_timeline.png")]
 
 
 def main() -> None:
@@ -264,8 +260,7 @@ def main() -> None:
     run_id = "bench-" + time.strftime("%Y%m%d-%H%M%S")
     env = {**os.environ, "RESULTS_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
     # a report shows this run's pictures or none: clear the ones copied into it too
-    for stale in [*out.glob("bench_*.png"), out / "allreduce_busbw.png",
-                  trace_dir / "05_overlap_ddp" / "timeline.png"]:
+    for stale in [*out.glob("bench_*.png"), *(src for src, _ in stage_pictures(out, trace_dir))]:
         stale.unlink(missing_ok=True)
     print(f"make bench ({'quick' if quick else 'full'}) on {results.machine_name()}\n"
           f"{setup.picked}\nLM for stages 03-06: {model}. Run id {run_id}; results in {out}; "
@@ -282,7 +277,9 @@ def main() -> None:
         print("\ninterrupted: writing the report from what finished", flush=True)
     total = time.monotonic() - start
 
-    copy_pictures(out, trace_dir)
+    for src, dst in stage_pictures(out, trace_dir):
+        if src.exists():
+            shutil.copyfile(src, dst)
     info = {"run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
             "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
             "torch": torch.__version__, "started_utc": started_utc,

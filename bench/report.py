@@ -4,18 +4,23 @@
 
 Reads ``results/bench_run.json`` (what ran, on what, for how long; written by
 ``bench/make_bench.py``) and, from each stage's shared CSV/JSON file, only the rows carrying
-this run's ``run_id``. Each table and plot gets a short reading computed from the same
+this run's ``run_id``. The CSVs keep one row per configuration, so a later run of the same
+configuration (``make 02`` after ``make bench``, say) replaces a row, and a report rewritten
+after that shows the section shorter or empty: rewrite it right after the run. Each table and
+plot gets a short reading computed from the same
 numbers, so the words cannot drift from the figures. Plots (``bench_*.png``) need matplotlib;
 without it the report says so and keeps every table.
 """
 
 from __future__ import annotations
 
-import csv
-import json
 import statistics
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import results  # noqa: E402
 
 RUN_FILE = "bench_run.json"
 REPORT = "README.md"
@@ -30,16 +35,13 @@ IMPL_LABEL = {"none": "no communication", "torch_ddp": "torch DDP (25 MB buckets
 
 
 def load_rows(out: Path, name: str, run_id: str) -> list[dict]:
-    path = out / name
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r.get("run_id") == run_id]
+    """This run's rows of a shared CSV under ``out``."""
+    return [r for r in results.read_csv(name, out) if r.get("run_id") == run_id]
 
 
 def load_entries(out: Path, name: str, run_id: str) -> list[dict]:
-    path = out / name
-    data = json.loads(path.read_text()) if path.exists() else {}
+    """This run's entries of a shared JSON file (a dict keyed by configuration) under ``out``."""
+    data = results.read_json(name, out) or {}
     return [v for _, v in sorted(data.items()) if v.get("run_id") == run_id]
 
 
@@ -48,6 +50,8 @@ def num(row: dict, key: str) -> float:
 
 
 def size_text(nbytes: float) -> str:
+    """65536 -> '64KB' (binary units). Stage 02's format_size, repeated: the report imports
+    no stage."""
     for unit, scale in (("GB", 2 ** 30), ("MB", MB), ("KB", 2 ** 10)):
         if nbytes >= scale:
             v = nbytes / scale
@@ -69,16 +73,6 @@ def md_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
-
-
-def _pyplot():
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        return None
 
 
 def picture(out: Path, name: str, alt: str) -> str:
@@ -172,14 +166,10 @@ def allreduce_section(out: Path, run_id: str) -> tuple[str, list]:
             words.append(f"the bandwidth is {f0['w_bytes_per_s'] / 1e9:.2f} GB/s but the "
                          "latency could not be pinned down (a <= 0: even the smallest size "
                          "measured is bandwidth-bound; add smaller sizes).")
-        if f0 is not fits[0] or ddp_key == (f0["backend"], f0["device"], f0["world_size"]):
+        if ddp_key == (f0["backend"], f0["device"], f0["world_size"]):
             words.append("Stage 06's bucket-size model takes o = a and w from this group.")
         parts.append(" ".join(words) + "\n")
     return "\n".join(parts), headline
-
-
-def _ddp_rows(out: Path, run_id: str) -> list[dict]:
-    return load_rows(out, "ddp_step.csv", run_id)
 
 
 def _bucket(r: dict) -> float | None:
@@ -187,7 +177,7 @@ def _bucket(r: dict) -> float | None:
 
 
 def plot_ddp(out: Path, shown: list[tuple[str, dict]], title: str) -> None:
-    plt = _pyplot()
+    plt = results.pyplot()
     if plt is None or not shown:
         return
     labels = [label for label, _ in shown]
@@ -212,45 +202,8 @@ def plot_ddp(out: Path, shown: list[tuple[str, dict]], title: str) -> None:
     plt.close(fig)
 
 
-def ddp_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
-    rows = _ddp_rows(out, run_id)
-    parts = ["## Data-parallel training step (stages 03-06, torch DDP beside them)\n"]
-    if not rows:
-        return "\n".join(parts + [NO_ROWS]), []
-    r0 = rows[0]
-    by = {}
-    for r in rows:
-        by.setdefault(r["impl"], []).append(r)
-    torch_default = next((r for r in by.get("torch_ddp", []) if _bucket(r) == 25), None)
-    best_bucketed = min(by.get("bucketed", []), key=lambda r: num(r, "step_ms"), default=None)
-    shown = []
-    for impl in IMPL_ORDER:
-        if impl == "torch_ddp":
-            r = torch_default
-        elif impl == "bucketed":
-            r = best_bucketed
-        else:
-            r = by.get(impl, [None])[0]
-        if r is not None:
-            label = IMPL_LABEL[impl] + (f", best of sweep: {r['bucket_mb']} MB"
-                                        if impl == "bucketed" else "")
-            shown.append((label, r))
-    parts.append(
-        f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
-        f"{r0['batch_size']}, context {r0['context_length']}, AdamW, {r0['world_size']} ranks on "
-        f"{r0['backend']}/{r0['device']}; {span([int(r['steps']) for r in rows], '', 'd')} timed "
-        f"steps per case (pooled over the run's rounds, each after {r0['warmup']} warm-up "
-        "steps), slowest rank's median (each part's median, so the parts need not add up "
-        "exactly to the step's). All cases ran in one process group, "
-        "so their ratios are fair.\n")
-    parts.append(md_table(
-        ["implementation", "step ms", "fwd+bwd ms", "comm after backward ms", "optimizer ms",
-         "comm share", "vs torch DDP"],
-        [[label, num(r, "step_ms"), num(r, "fwd_bwd_ms"), num(r, "comm_after_backward_ms"),
-          num(r, "optimizer_ms"), f"{num(r, 'comm_share'):.0%}",
-          f"{num(r, 'ratio_vs_torch_ddp'):.2f}x"] for label, r in shown]))
-    plot_ddp(out, shown, f"training step, LM {r0['model']}, {r0['world_size']} ranks "
-                         f"{r0['backend']}/{r0['device']}\n{info['machine']}")
+def ddp_reading(by: dict, torch_default, best_bucketed, r0: dict, info: dict):
+    """The sentences under the DDP table and its headline rows, from the same rows."""
     step = {impl: num(by[impl][0], "step_ms") for impl in ("none", "naive", "flat", "overlap")
             if impl in by}
     comm = {impl: num(by[impl][0], "comm_after_backward_ms")
@@ -301,13 +254,56 @@ def ddp_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
                      "project (2 ranks over Gloo, d_model 512, 4 layers, context 256, batch 4) "
                      "took 8.4 ms/step without communication, 71.4 ms naive and 45.4 ms with "
                      "torch DDP.")
+    return words, headline
+
+
+def ddp_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
+    rows = load_rows(out, "ddp_step.csv", run_id)
+    parts = ["## Data-parallel training step (stages 03-06, torch DDP beside them)\n"]
+    if not rows:
+        return "\n".join(parts + [NO_ROWS]), []
+    r0 = rows[0]
+    by = {}
+    for r in rows:
+        by.setdefault(r["impl"], []).append(r)
+    torch_default = next((r for r in by.get("torch_ddp", []) if _bucket(r) == 25), None)
+    best_bucketed = min(by.get("bucketed", []), key=lambda r: num(r, "step_ms"), default=None)
+    shown = []
+    for impl in IMPL_ORDER:
+        if impl == "torch_ddp":
+            r = torch_default
+        elif impl == "bucketed":
+            r = best_bucketed
+        else:
+            r = by.get(impl, [None])[0]
+        if r is not None:
+            label = IMPL_LABEL[impl] + (f", best of sweep: {r['bucket_mb']} MB"
+                                        if impl == "bucketed" else "")
+            shown.append((label, r))
+    parts.append(
+        f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
+        f"{r0['batch_size']}, context {r0['context_length']}, AdamW, {r0['world_size']} ranks on "
+        f"{r0['backend']}/{r0['device']}; {span([int(r['steps']) for r in rows], '', 'd')} timed "
+        f"steps per case (pooled over the run's rounds, each after {r0['warmup']} warm-up "
+        "steps), slowest rank's median (each part's median, so the parts need not add up "
+        "exactly to the step's). All cases ran in one process group, "
+        "so their ratios are fair.\n")
+    parts.append(md_table(
+        ["implementation", "step ms", "fwd+bwd ms", "comm after backward ms", "optimizer ms",
+         "comm share", "vs torch DDP"],
+        [[label, num(r, "step_ms"), num(r, "fwd_bwd_ms"), num(r, "comm_after_backward_ms"),
+          num(r, "optimizer_ms"), f"{num(r, 'comm_share'):.0%}",
+          f"{num(r, 'ratio_vs_torch_ddp'):.2f}x"] for label, r in shown]))
+    plot_ddp(out, shown, f"training step, LM {r0['model']}, {r0['world_size']} ranks "
+                         f"{r0['backend']}/{r0['device']}\n{info['machine']}")
+    words, headline = ddp_reading(by, torch_default, best_bucketed, r0, info)
     parts += [" ".join(words) + "\n",
               picture(out, "bench_ddp_step.png", "DDP step time, compute vs exposed communication")]
     return "\n".join(parts), headline
 
 
 def plot_buckets(out: Path, sweep: list[dict], torch_steps: dict, model: dict, title: str):
-    plt = _pyplot()
+    plt = results.pyplot()
     if plt is None or not sweep:
         return
     xs = [float(s["bucket_mb"]) for s in sweep]
@@ -344,7 +340,7 @@ def bucket_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
     if not entries:
         return "\n".join(parts + [NO_ROWS]), []
     m = entries[0]
-    torch_steps = {_bucket(r): num(r, "step_ms") for r in _ddp_rows(out, run_id)
+    torch_steps = {_bucket(r): num(r, "step_ms") for r in load_rows(out, "ddp_step.csv", run_id)
                    if r["impl"] == "torch_ddp"}
     sweep = sorted(m["sweep"], key=lambda s: float(s["bucket_mb"]))
     parts.append(md_table(
@@ -421,26 +417,23 @@ def tensor_parallel_section(out: Path, run_id: str) -> tuple[str, list]:
     sums: dict[tuple, dict] = {}
     for r in byte_rows:
         key = (int(r["world_size"]), r["variant"])
-        d = sums.setdefault(key, {"forward": 0, "backward": 0, "row": r})
+        d = sums.setdefault(key, {"forward": 0, "backward": 0})
         d[r["phase"]] += int(r["bytes_counted"])
     times = {(int(r["world_size"]), r["variant"]): r for r in time_rows}
     table = []
     for (ws, variant), d in sorted(sums.items()):
-        t = times.get((ws, variant))
+        t, single = times.get((ws, variant)), times.get((ws, "single"))  # each run's yardstick
         table.append([ws, variant, size_text(d["forward"]), size_text(d["backward"]),
                       num(t, "fwd_bwd_ms") if t else "",
+                      num(single, "fwd_bwd_ms") if single else "",
                       f"{num(t, 'speedup_vs_single'):.2f}x" if t else ""])
-    for (ws, variant), t in sorted(times.items()):
-        if variant == "single":
-            table.append([1, "one process, whole MLP", "-", "-", num(t, "fwd_bwd_ms"), "1.00x"])
-            break
     r0 = byte_rows[0]
     parts.append(f"MLP d_model {r0['d_model']} -> d_ff {r0['d_ff']} -> d_model over "
                  f"{r0['tokens']} tokens, float32, {r0['backend']}/{r0['device']}. Bytes are the "
                  "collectives' payloads per forward and per backward, counted by the autograd "
                  "functions (and equal to the prediction, which the script checks).\n")
     parts.append(md_table(["ranks", "variant", "forward bytes", "backward bytes",
-                           "fwd+bwd ms", "vs one process"], table))
+                           "fwd+bwd ms", "one process ms", "vs one process"], table))
     mg = [d for (ws, v), d in sums.items() if v == "megatron"]
     ag = [d for (ws, v), d in sums.items() if v == "allgather"]
     words = []
@@ -452,12 +445,11 @@ def tensor_parallel_section(out: Path, run_id: str) -> tuple[str, list]:
                      f"layer moves {size_text(a_b)}, {a_b / m_b:.1f}x as much, because it also "
                      "ships the d_ff-wide activation.")
     if times:
-        shared = r0["backend"] == "gloo"
         if r0["device"] == "cpu":
             words.append("Here the ranks share this machine's CPU cores (each rank, and the "
                          "single process on rank 0, runs cores / ranks threads), so compare the "
                          "variants with each other rather than with one process.")
-        elif shared:
+        elif r0["backend"] == "gloo":
             words.append("Here the ranks share one GPU and talk through Gloo, so the times show "
                          "what the communication costs more than the speed-up tensor "
                          "parallelism brings across separate GPUs.")
@@ -473,7 +465,7 @@ def tensor_parallel_section(out: Path, run_id: str) -> tuple[str, list]:
 
 
 def plot_pipeline(out: Path, agg: dict, stages: int, title: str) -> None:
-    plt = _pyplot()
+    plt = results.pyplot()
     if plt is None or not agg:
         return
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -529,12 +521,11 @@ def pipeline_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
     plot_pipeline(out, agg, p, f"pipeline bubble, {p} stages, {r0['backend']}/{r0['device']}\n"
                                f"{info['machine']}")
     m_max = max(m for _, m in agg)
+    formula = num(agg[order[-1]]["row"], "idle_share_formula")  # (p-1)/(m+p-1) at m_max
     words = [f"With p = {p} stages the ideal schedule leaves each stage idle (p-1)/(m+p-1) of "
-             f"the step: {(p - 1) / p:.2f} with one micro-batch, "
-             f"{(p - 1) / (m_max + p - 1):.2f} with {m_max}."]
+             f"the step: {(p - 1) / p:.2f} with one micro-batch, {formula:.2f} with {m_max}."]
     g, f = agg.get(("gpipe", m_max)), agg.get(("1f1b", m_max))
     if g and f:
-        formula = (p - 1) / (m_max + p - 1)
         text = f"Measured at m = {m_max}: GPipe {g['idle']:.2f}, 1F1B {f['idle']:.2f}"
         if min(g["idle"], f["idle"]) > formula + 0.02:
             text += ("; above the formula, because sends, receives and per-micro-batch "
@@ -556,7 +547,7 @@ def pipeline_section(out: Path, run_id: str, info: dict) -> tuple[str, list]:
     headline = []
     if g and f:
         headline.append([f"pipeline idle share, {p} stages, m = {m_max}: GPipe, 1F1B, formula",
-                         f"{g['idle']:.2f}, {f['idle']:.2f}, {(p - 1) / (m_max + p - 1):.2f}"])
+                         f"{g['idle']:.2f}, {f['idle']:.2f}, {formula:.2f}"])
     return "\n".join(parts), headline
 
 
@@ -582,7 +573,7 @@ def machine_section(info: dict) -> str:
 
 
 def write_report(out: Path) -> Path:
-    info = json.loads((out / RUN_FILE).read_text())
+    info = results.read_json(RUN_FILE, out)
     run_id = info["run_id"]
     sections, headline = [], []
     for section, args in ((allreduce_section, ()), (ddp_section, (info,)),
@@ -619,6 +610,4 @@ def write_report(out: Path) -> Path:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from common.results import results_dir
-    print(f"report: {write_report(results_dir())}")
+    print(f"report: {write_report(results.results_dir())}")

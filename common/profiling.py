@@ -235,14 +235,11 @@ def render_timeline(paths, out_png: Path, title: str = "") -> list[dict]:
                           "all_reduces": tl["comm_calls"],
                           "comm_during_backward_ms": tl["comm_during_backward_ms"],
                           "comm_after_backward_ms": tl["comm_after_backward_ms"]})
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError:
+    plt = results.pyplot()
+    if plt is None:
         print("(matplotlib not installed: text timeline only)", flush=True)
         return summaries
+    from matplotlib.patches import Patch
     span = max(tl["step_ms"] for _, tl in timelines)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.0 + 1.25 * len(timelines)),
                              sharex=True, squeeze=False)

@@ -98,8 +98,8 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
     return path
 
 
-def read_csv(name: str) -> list[dict]:
-    path = results_dir() / name
+def read_csv(name: str, folder: Path | None = None) -> list[dict]:
+    path = (folder or results_dir()) / name
     if not path.exists():
         return []
     with path.open(newline="") as f:
@@ -114,6 +114,18 @@ def write_json(name: str, obj) -> Path:
     return path
 
 
-def read_json(name: str):
-    path = results_dir() / name
+def read_json(name: str, folder: Path | None = None):
+    path = (folder or results_dir()) / name
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not
+    installed (it is optional: the tables never need it)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt

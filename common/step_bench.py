@@ -21,7 +21,8 @@ Returns True when every check passed on every rank.
 
 Benchmark (a stage's ``--bench``)::
 
-    add_step_bench_args(parser)          # --model --batch-size --context-length --steps --warmup --rounds
+    add_step_bench_args(parser)          # --model --batch-size --context-length --steps --warmup
+                                         # --rounds --case-budget-s
     check_step_bench_args(args, config)  # in main(), before launch: one-line error, exit 2
     rows = run_step_bench(ctx, [("naive", None, make_naive_ddp),
                                 ("bucketed", 10, partial(make_bucketed, bucket_size_mb=10)),
@@ -311,7 +312,7 @@ def check_step_bench_args(args, config) -> None:
         launch.usage_error(f"--rounds must be >= 1, got {args.rounds}")
     if args.warmup < 0:
         launch.usage_error(f"--warmup must be >= 0, got {args.warmup}")
-    if getattr(args, "case_budget_s", 1) <= 0:
+    if args.case_budget_s <= 0:
         launch.usage_error(f"--case-budget-s must be > 0, got {args.case_budget_s:g}")
     if args.model not in models.PRESETS:
         launch.usage_error(f"unknown --model {args.model!r}; choose from {', '.join(models.PRESETS)}")
@@ -374,7 +375,7 @@ def time_steps(ctx, factory, model_name: str, args) -> tuple[list[float], ...]:
     pace = torch.tensor([last_warmup], dtype=torch.float64,
                         device=dev if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(pace, op=dist.ReduceOp.MAX)  # the slowest rank's pace, same on every rank
-    budget = getattr(args, "case_budget_s", math.inf) / getattr(args, "rounds", 1)
+    budget = args.case_budget_s / args.rounds
     steps = steps_within_budget(args.steps, pace.item(), budget)
     if steps < args.steps:
         ctx.print(f"  note: {steps} timed steps instead of {args.steps}: at "
@@ -451,7 +452,7 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
               f"{ctx.backend}/{ctx.device.type}", all_ranks=False)
     # With --rounds R the whole list runs R times (a fresh model each time) and each case's
     # timed steps are pooled: background load then hits every case alike, not just one.
-    rounds = getattr(args, "rounds", 1)
+    rounds = args.rounds
     pooled = [([], [], [], []) for _ in cases]
     for round_ in range(rounds):
         for (impl, bucket_mb, factory), pool in zip(cases, pooled):
