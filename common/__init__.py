@@ -1,6 +1,26 @@
-"""Small shared helpers for the stages: launch, timing, models/data, results.
+"""Small shared helpers for the stages: launch, timing, models/data, results, counting.
 
 Only what two or more stages need lives here, and nothing here imports a stage. A stage's
-algorithm never imports ``common`` at module top level (it must stay copyable on its own);
-only its demo/benchmark harness does.
+algorithm never imports ``common`` (it must stay copyable on its own); only its harness does,
+after putting the repository root on ``sys.path``.
 """
+
+import importlib
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def import_stage(script: str):
+    """Import a sibling stage's script, e.g. ``import_stage("03_naive_ddp/naive_ddp")``.
+
+    The one way a harness reaches another stage: stage folders are not packages, so the
+    folder goes on ``sys.path`` and the script is imported by its file name. Spawned workers
+    inherit ``sys.path``, so classes from it unpickle there too.
+    """
+    folder, name = script.rsplit("/", 1)
+    path = str(REPO_ROOT / folder)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(name)

@@ -83,6 +83,58 @@ def usage_error(message: str, prog: str | None = None) -> None:
     raise SystemExit(2)
 
 
+# Flag types. argparse calls them on the text and turns their ArgumentTypeError into the
+# one-line usage error above. Each rejects what makes no sense (NaN, infinities, empty lists), so no flag
+# can switch a check off by accident.
+
+
+def _number(text: str, kind, lowest, what: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if value != value or value in (float("inf"), float("-inf")) or value < lowest:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, 1, "a whole number >= 1")
+
+
+def non_negative_int(text: str) -> int:
+    return _number(text, int, 0, "a whole number >= 0")
+
+
+def positive_float(text: str) -> float:
+    value = _number(text, float, 0.0, "a finite number > 0")
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number > 0")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]: whole numbers >= 1, at least one, duplicates dropped."""
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("empty list: give comma-separated whole numbers >= 1, "
+                                         "e.g. 1,2,4")
+    return list(dict.fromkeys(positive_int(s) for s in items))
+
+
+def choice_list(allowed):
+    """A flag type: a non-empty comma-separated subset of ``allowed``, in the order given."""
+    def parse(text: str) -> list[str]:
+        items = list(dict.fromkeys(s.strip() for s in text.split(",") if s.strip()))
+        bad = [s for s in items if s not in allowed]
+        if not items or bad:
+            raise argparse.ArgumentTypeError(f"{(bad or [text])[0]!r} is not allowed: give a "
+                                             f"comma-separated subset of {', '.join(allowed)}")
+        return items
+    parse.__name__ = "list"
+    return parse
+
+
 def make_parser(doc: str | None, world_size: int = 2) -> Parser:
     """A parser with the flags every stage shares: --world-size, --backend, --device."""
     first_line = (doc or "").strip().splitlines()[0] if doc else None

@@ -15,6 +15,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # --------------------------------------------------------------------------- toy models
 
@@ -120,15 +121,21 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Decoder-only LM: token + position embeddings, blocks, final norm, vocabulary head."""
+    """Decoder-only LM: token + position embeddings, blocks, final norm, vocabulary head.
+
+    ``checkpoint_activations``: run each block under ``torch.utils.checkpoint`` (non-reentrant):
+    backward keeps only each block's input and recomputes the block's forward to get the rest,
+    trading one more forward of compute for most of the activation memory.
+    """
 
     def __init__(self, preset: str = "tiny", vocab_size: int = VOCAB_SIZE,
-                 context_length: int = CONTEXT_LENGTH):
+                 context_length: int = CONTEXT_LENGTH, checkpoint_activations: bool = False):
         super().__init__()
         if preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")
         p = PRESETS[preset]
         self.preset, self.context_length = preset, context_length
+        self.checkpoint_activations = checkpoint_activations
         self.token_embedding = nn.Embedding(vocab_size, p["d_model"])
         self.position_embedding = nn.Embedding(context_length, p["d_model"])
         self.blocks = nn.ModuleList(Block(p["d_model"], p["d_ff"], p["num_heads"])
@@ -145,7 +152,12 @@ class TransformerLM(nn.Module):
         positions = torch.arange(t, device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                # looked up on the module at call time, so common/ledger.py can count the
+                # inputs a checkpoint keeps alive
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.norm(x))  # logits: (batch, time, vocab)
 
 
