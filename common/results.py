@@ -1,18 +1,25 @@
 """Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/``.
 
-Result files are shared by several stages (SPEC section 3), so writing is an upsert: a run
-replaces the rows whose key columns match its own and keeps every other row. Every row a
-benchmark writes carries ``run_id()``, so a report can pick out the rows of one run
-(``make bench`` sets ``RESULTS_RUN_ID`` for every script it starts).
+Result files are shared by several stages and runs, so writing is an upsert: a run replaces
+the rows whose key columns match its own and keeps every other row. Writers take a lock on
+the file and write a uniquely named temporary file that replaces the old one at once, so two
+runs side by side lose no row and a reader never sees half a file. A file that cannot be read
+(corrupt, truncated) is named in a one-line warning and treated as empty.
+Every row a benchmark writes carries ``run_id()``, so a report can pick out the rows of one
+run (``make bench`` sets ``RESULTS_RUN_ID`` for every script it starts).
 ``RESULTS_DIR`` in the environment redirects the folder (the tests use a temporary one).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import json
 import os
 import platform
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -71,6 +78,44 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
     return text
 
 
+def check_writable() -> Path:
+    """The results folder, or a one-line error (exit 2) when it cannot be written: called
+    before the first configuration, not after it."""
+    path = results_dir()
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as e:
+        print(f"error: cannot write results to {path}: {e.strerror}; set RESULTS_DIR to a "
+              "writable folder", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on ``path`` (through a ``.lock`` file beside it) for a read-modify-write."""
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _replace(path: Path, write) -> None:
+    """Write through ``write(file)`` into a unique temporary file, then rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _warn(path: Path, problem: str) -> None:
+    print(f"warning: ignoring {path}: {problem}", file=sys.stderr, flush=True)
+
+
 def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
     """Write ``rows`` into ``results/<name>``, replacing existing rows with the same ``key``.
 
@@ -78,23 +123,19 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
     file written by several stages keeps a stable column order.
     """
     path = results_dir() / name
-    old_rows: list[dict] = []
-    columns: list[str] = []
-    if path.exists():
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            columns = list(reader.fieldnames or [])
-            old_rows = list(reader)
-    new_keys = {tuple(str(r[k]) for k in key) for r in rows}
-    kept = [r for r in old_rows if tuple(str(r.get(k, "")) for k in key) not in new_keys]
-    for r in rows:
-        columns += [c for c in r if c not in columns]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows(kept + rows)
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    with _locked(path):
+        old_rows = read_csv(name)
+        columns = [c for r in old_rows[:1] for c in r]
+        new_keys = {tuple(str(r[k]) for k in key) for r in rows}
+        kept = [r for r in old_rows if tuple(str(r.get(k, "")) for k in key) not in new_keys]
+        for r in kept + rows:
+            columns += [c for c in r if c not in columns]
+
+        def write(f):
+            writer = csv.DictWriter(f, fieldnames=columns, restval="")
+            writer.writeheader()
+            writer.writerows(kept + rows)
+        _replace(path, write)
     return path
 
 
@@ -102,21 +143,45 @@ def read_csv(name: str, folder: Path | None = None) -> list[dict]:
     path = (folder or results_dir()) / name
     if not path.exists():
         return []
-    with path.open(newline="") as f:
-        return list(csv.DictReader(f))
+    try:
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    except (csv.Error, UnicodeDecodeError, OSError) as e:
+        _warn(path, str(e))
+        return []
+    if any(None in r or None in r.values() for r in rows):  # ragged: a torn or mangled file
+        _warn(path, "rows with a different number of fields than the header")
+        return []
+    return rows
 
 
 def write_json(name: str, obj) -> Path:
     path = results_dir() / name
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    _replace(path, lambda f: f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n"))
     return path
 
 
-def read_json(name: str, folder: Path | None = None):
+def update_json(name: str, entries: dict) -> Path:
+    """Merge ``entries`` into the dict in ``results/<name>`` under its lock (other keys kept)."""
+    path = results_dir() / name
+    with _locked(path):
+        return write_json(name, {**read_json(name), **entries})
+
+
+def read_json(name: str, folder: Path | None = None) -> dict:
+    """The dict in a results JSON file; {} when it is missing, or corrupt (with a warning)."""
     path = (folder or results_dir()) / name
-    return json.loads(path.read_text()) if path.exists() else None
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, OSError) as e:
+        _warn(path, f"not valid JSON ({e})")
+        return {}
+    if not isinstance(data, dict):
+        _warn(path, f"expected a JSON object, found {type(data).__name__}")
+        return {}
+    return data
 
 
 def pyplot():
@@ -129,3 +194,28 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def plot_lines(path: Path, lines: dict, xlabel: str, ylabel: str, title: str,
+               xticks: dict | None = None) -> Path | None:
+    """A log-x line plot: ``lines`` maps a label to (xs, ys, matplotlib format string).
+    ``xticks``: {x: label}. Returns the path, or None (with a note) without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        print(f"plot: matplotlib is not installed, so no {Path(path).name}", flush=True)
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (xs, ys, fmt) in lines.items():
+        ax.plot(xs, ys, fmt, marker="o", label=label)
+    ax.set_xscale("log")
+    if xticks:
+        ax.set_xticks(list(xticks), list(xticks.values()), minor=False)
+    ax.set(xlabel=xlabel, ylabel=ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot written to {path}", flush=True)
+    return Path(path)
