@@ -46,16 +46,14 @@ import torch.nn as nn
 # --------------------------------------------------------------------------- the algorithm
 
 
-def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameters and buffers into every rank's module, in place.
-
-    Buffers too (BatchNorm's running mean/var): they are state, and ranks that started from
-    different random seeds would otherwise disagree forever. Frozen parameters are included
-    for the same reason. (Repeated in stages 04-06 on purpose, so each file stays copyable.)
-    """
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Make every rank start from rank 0's parameters and buffers: buffers too (BatchNorm's
+    running statistics) and frozen parameters, since they are state as much as the weights.
+    (The same code in stages 03-06, on purpose: each file stays copyable on its own.)"""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=src)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=src, group=group)
 
 
 class NaiveDDP(nn.Module):
@@ -107,44 +105,41 @@ class NaiveDDP(nn.Module):
             p.grad.div_(world_size)  # ... / world_size = the average
 
 
-# --------------------------------------------------------------------------- demo and benchmark
+# --------------------------------------------------------------------------- harness
 
 
-def _common():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from common import launch, profiling, step_bench
-    return launch, profiling, step_bench
+def _repo() -> None:
+    """The harness needs the repository's common/ package; the class above does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common" / "launch.py").exists():
+        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+                         "demo and benchmark need the repository around this file (common/)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
 
-def make_naive_ddp(module: nn.Module) -> NaiveDDP:
-    """Module-level factory (workers are pickled by reference for spawn)."""
-    return NaiveDDP(module)
-
-
-def data_parallel_main(ctx) -> None:
-    """Plain run: train toy models and the LM briefly under NaiveDDP, compare with one process."""
-    _, _, step_bench = _common()
-    if not step_bench.verify_ddp(ctx, make_naive_ddp, "NaiveDDP"):
+def verify_main(ctx) -> None:
+    """Plain run: train three models under NaiveDDP beside one process (common/verify.py)."""
+    from common import verify
+    if not verify.verify_ddp(ctx, NaiveDDP, "NaiveDDP"):
         raise SystemExit(1)
 
 
-def step_bench_main(ctx, args) -> None:
-    """--bench: time a training step of the LM, with no-communication and torch DDP beside it."""
-    _, _, step_bench = _common()
-    step_bench.run_step_bench(ctx, [("naive", None, make_naive_ddp)], args)
+def bench_main(ctx, args) -> None:
+    """--bench: the LM's step time, with no communication and torch DDP beside it."""
+    from common import step_bench
+    step_bench.run_step_bench(ctx, [("naive", None, NaiveDDP)], args)
 
 
 def profile_main(ctx, args) -> None:
-    """--profile: a torch.profiler trace per rank and a timeline: all communication after backward."""
-    _, profiling, _ = _common()
-    summaries = profiling.profile_ddp(ctx, [("naive (03)", make_naive_ddp)], args,
-                                      name="03_naive_ddp")
-    if ctx.is_main:
-        profiling.print_summary(summaries)
+    """--profile: a trace per rank and a timeline: all communication after backward."""
+    from common import profiling
+    profiling.profile_ddp(ctx, [("naive (03)", NaiveDDP)], args, name="03_naive_ddp")
 
 
 def main(argv=None) -> None:
-    launch, profiling, step_bench = _common()
+    _repo()
+    from common import launch, profiling, step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="time a training step of the Transformer LM instead of verifying")
@@ -154,9 +149,9 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     if args.bench or args.profile:
         step_bench.check_step_bench_args(args, config)
-        launch.launch(step_bench_main if args.bench else profile_main, config, args)
+        launch.launch(bench_main if args.bench else profile_main, config, args)
     else:
-        launch.launch(data_parallel_main, config)
+        launch.launch(verify_main, config)
 
 
 if __name__ == "__main__":

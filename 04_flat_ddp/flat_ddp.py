@@ -43,15 +43,14 @@ from torch._utils import _unflatten_dense_tensors
 # --------------------------------------------------------------------------- the algorithm
 
 
-def broadcast_module_state(module: nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s parameters and buffers into every rank's module, in place.
-
-    Buffers too (BatchNorm's running mean/var), and frozen parameters: they are state.
-    (Repeated from stage 03 on purpose, so each file stays copyable on its own.)
-    """
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Make every rank start from rank 0's parameters and buffers: buffers too (BatchNorm's
+    running statistics) and frozen parameters, since they are state as much as the weights.
+    (The same code in stages 03-06, on purpose: each file stays copyable on its own.)"""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=src)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=src, group=group)
 
 
 class FlatDDP(nn.Module):
@@ -82,8 +81,7 @@ class FlatDDP(nn.Module):
                              "there is nothing to synchronise; wrap a trainable model")
         self._groups = list(groups.values())
         # One flat buffer per group, allocated at the first step and reused: a fresh buffer
-        # of every gradient's bytes each step costs page faults and zeroing (for the 383 MB of
-        # the `small` LM it made flat slower than naive on a 2-core CPU VM: see the README).
+        # of every gradient's bytes each step costs page faults and zeroing (see the README).
         self._flat_buffers: list[torch.Tensor | None] = [None] * len(self._groups)
         broadcast_module_state(module)
 
@@ -122,43 +120,36 @@ class FlatDDP(nn.Module):
                     p.grad = g
 
 
-# --------------------------------------------------------------------------- demo and benchmark
+# --------------------------------------------------------------------------- harness
 
 
-def _common():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from common import launch, step_bench
-    return launch, step_bench
+def _repo() -> None:
+    """The harness needs the repository's common/ package; the class above does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common" / "launch.py").exists():
+        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+                         "demo and benchmark need the repository around this file (common/)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
 
-def make_flat_ddp(module: nn.Module) -> FlatDDP:
-    """Module-level factory (workers are pickled by reference for spawn)."""
-    return FlatDDP(module)
-
-
-def make_naive_ddp(module: nn.Module) -> nn.Module:
-    """Stage 03's wrapper, imported only for the side-by-side benchmark."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "03_naive_ddp"))
-    from naive_ddp import NaiveDDP
-    return NaiveDDP(module)
-
-
-def data_parallel_main(ctx) -> None:
-    """Plain run: train toy models and the LM briefly under FlatDDP, compare with one process."""
-    _, step_bench = _common()
-    if not step_bench.verify_ddp(ctx, make_flat_ddp, "FlatDDP"):
+def verify_main(ctx) -> None:
+    """Plain run: train three models under FlatDDP beside one process (common/verify.py)."""
+    from common import verify
+    if not verify.verify_ddp(ctx, FlatDDP, "FlatDDP"):
         raise SystemExit(1)
 
 
-def step_bench_main(ctx, args) -> None:
-    """--bench: flat next to naive, no-communication and torch DDP, in the same run."""
-    _, step_bench = _common()
-    step_bench.run_step_bench(
-        ctx, [("naive", None, make_naive_ddp), ("flat", None, make_flat_ddp)], args)
+def bench_main(ctx, args) -> None:
+    """--bench: flat beside naive (stage 03), no communication and torch DDP, in one run."""
+    from common import import_stage, step_bench
+    naive = import_stage("03_naive_ddp/naive_ddp").NaiveDDP
+    step_bench.run_step_bench(ctx, [("naive", None, naive), ("flat", None, FlatDDP)], args)
 
 
 def main(argv=None) -> None:
-    launch, step_bench = _common()
+    _repo()
+    from common import launch, step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="time a training step of the Transformer LM instead of verifying")
@@ -167,9 +158,9 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     if args.bench:
         step_bench.check_step_bench_args(args, config)
-        launch.launch(step_bench_main, config, args)
+        launch.launch(bench_main, config, args)
     else:
-        launch.launch(data_parallel_main, config)
+        launch.launch(verify_main, config)
 
 
 if __name__ == "__main__":

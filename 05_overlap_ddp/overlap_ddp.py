@@ -38,12 +38,14 @@ import torch.nn as nn
 
 
 def broadcast_module_state(module: nn.Module, group=None) -> None:
-    """Make every rank start from rank 0's parameters and buffers (same code in 03-06 on purpose,
-    so each file stays copyable on its own)."""
+    """Make every rank start from rank 0's parameters and buffers: buffers too (BatchNorm's
+    running statistics) and frozen parameters, since they are state as much as the weights.
+    (The same code in stages 03-06, on purpose: each file stays copyable on its own.)"""
     src = 0 if group is None else dist.get_global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.detach(), src=src, group=group)
+
 
 def weak_hook(ddp: nn.Module, *args):
     """A post-accumulate-grad hook calling ``ddp._on_grad_ready(*args, param)`` that does not
@@ -113,8 +115,7 @@ class OverlapDDP(nn.Module):
         # Flags travel on the GPU only where the backend demands it (NCCL); on Gloo a CPU
         # tensor avoids a device round trip.
         backend = dist.get_backend(process_group)
-        self._flag_device = (self._params[0].device if backend == "nccl" and self._params
-                             else torch.device("cpu"))
+        self._flag_device = self._params[0].device if backend == "nccl" else torch.device("cpu")
         self._require_sync = True
         self._reset_step_state()
 
@@ -167,7 +168,7 @@ class OverlapDDP(nn.Module):
 
     def finish_gradient_synchronization(self) -> None:
         """Launch what backward did not, wait for every all-reduce, and average."""
-        if not self._require_sync or not self._params:  # inside no_sync(): nothing to do
+        if not self._require_sync:  # inside no_sync(): nothing to do
             return
         # Invariant 2: what is left is launched in the same order on every rank. A parameter
         # without a gradient here contributes zeros (or whatever .grad already holds, e.g.
@@ -205,55 +206,50 @@ class OverlapDDP(nn.Module):
 # --------------------------------------------------------------------------- harness
 
 
-def _common():
-    """The repo's shared helpers and the stages this one is compared with (harness only)."""
+def _repo() -> None:
+    """The harness needs the repository's common/ package; the class above does not."""
     root = Path(__file__).resolve().parents[1]
-    for path in (root, root / "03_naive_ddp", root / "04_flat_ddp"):
-        if str(path) not in sys.path:
-            sys.path.insert(0, str(path))
-    from common import launch, profiling, step_bench
-    return launch, profiling, step_bench
+    if not (root / "common" / "launch.py").exists():
+        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+                         "demo and benchmark need the repository around this file (common/)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
 
-def make_overlap_ddp(module: nn.Module) -> OverlapDDP:
-    """Module-level factory (workers are pickled by reference for spawn)."""
-    return OverlapDDP(module)
+def earlier_stages():
+    """Stages 03 and 04's classes, for the side-by-side benchmark and profile."""
+    from common import import_stage
+    return (import_stage("03_naive_ddp/naive_ddp").NaiveDDP,
+            import_stage("04_flat_ddp/flat_ddp").FlatDDP)
 
 
-def data_parallel_main(ctx, args) -> None:
+def verify_main(ctx, args) -> None:
     """Plain run: verify against one process, then a quick step benchmark beside 03 and 04."""
-    _, _, step_bench = _common()
-    if not step_bench.verify_ddp(ctx, make_overlap_ddp, "OverlapDDP"):
+    from common import step_bench, verify
+    if not verify.verify_ddp(ctx, OverlapDDP, "OverlapDDP"):
         raise SystemExit(1)
     ctx.print("\nquick demo (tiny LM; --bench for the real benchmark):", all_ranks=False)
-    # The demo's rows go to results/ddp_step_demo.csv, not ddp_step.csv: a `make run` must
-    # not replace the rows of a real --bench of the same model.
-    step_bench_main(ctx, args, csv_name=step_bench.DEMO_CSV_NAME)
+    bench_main(ctx, args, csv_name=step_bench.DEMO_CSV_NAME)  # never replaces a real --bench
 
 
-def step_bench_main(ctx, args, csv_name: str | None = None) -> None:
-    """--bench: step time of 05 against 03 and 04 (and no-communication and torch DDP)."""
-    _, _, step_bench = _common()
-    from flat_ddp import FlatDDP
-    from naive_ddp import NaiveDDP
-    step_bench.run_step_bench(ctx, [("naive", None, NaiveDDP), ("flat", None, FlatDDP),
-                                    ("overlap", None, make_overlap_ddp)], args,
-                              csv_name=csv_name or step_bench.CSV_NAME)
+def bench_main(ctx, args, csv_name: str = "ddp_step.csv") -> None:
+    """--bench: step time of 05 against 03 and 04 (and no communication, and torch DDP)."""
+    from common import step_bench
+    naive, flat = earlier_stages()
+    step_bench.run_step_bench(ctx, [("naive", None, naive), ("flat", None, flat),
+                                    ("overlap", None, OverlapDDP)], args, csv_name=csv_name)
 
 
 def profile_main(ctx, args) -> None:
     """--profile: traces per rank and a timeline, NaiveDDP (03) above OverlapDDP (05)."""
-    _, profiling, _ = _common()
-    from naive_ddp import NaiveDDP
-    summaries = profiling.profile_ddp(
-        ctx, [("naive (03)", NaiveDDP), ("overlap (05)", make_overlap_ddp)], args,
-        name="05_overlap_ddp")
-    if ctx.is_main:
-        profiling.print_summary(summaries)
+    from common import profiling
+    profiling.profile_ddp(ctx, [("naive (03)", earlier_stages()[0]), ("overlap (05)", OverlapDDP)],
+                          args, name="05_overlap_ddp")
 
 
 def main(argv=None) -> None:
-    launch, profiling, step_bench = _common()
+    _repo()
+    from common import launch, profiling, step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="time a training step of the Transformer LM: 05 vs 03 and 04")
@@ -263,12 +259,12 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     step_bench.check_step_bench_args(args, config)
     if args.bench:
-        launch.launch(step_bench_main, config, args)
+        launch.launch(bench_main, config, args)
     elif args.profile:
         launch.launch(profile_main, config, args)
     else:  # the plain run's demo is a short one
         args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 2)
-        launch.launch(data_parallel_main, config, args)
+        launch.launch(verify_main, config, args)
 
 
 if __name__ == "__main__":

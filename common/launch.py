@@ -122,13 +122,18 @@ def positive_float(text: str) -> float:
     return value
 
 
-def int_list(text: str) -> list[int]:
-    """'1,2,4' -> [1, 2, 4]: whole numbers >= 1, at least one, duplicates dropped."""
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    if not items:
-        raise argparse.ArgumentTypeError("empty list: give comma-separated whole numbers >= 1, "
-                                         "e.g. 1,2,4")
-    return list(dict.fromkeys(positive_int(s) for s in items))
+def list_of(item):
+    """A flag type: a non-empty comma-separated list of ``item`` values, duplicates dropped."""
+    def parse(text: str) -> list:
+        items = [s.strip() for s in text.split(",") if s.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"empty list: give comma-separated values, e.g. 1,2,4")
+        return list(dict.fromkeys(item(s) for s in items))
+    parse.__name__ = "list"
+    return parse
+
+
+int_list = list_of(positive_int)  # '1,2,4' -> [1, 2, 4]
 
 
 def choice_list(allowed):

@@ -1,0 +1,101 @@
+"""The claim of stages 03-06, checked: data-parallel training equals training on one process.
+
+Why it should hold. With the loss a mean over the batch and every rank given an equal slice
+of size b = B / world_size,
+
+    grad L(B) = (1/B) sum_i grad l_i = (1/world_size) sum_r [(1/b) sum_{i in slice r} grad l_i],
+
+the mean over ranks of each rank's own gradient. So if every rank starts from the same
+weights (the broadcast), averages its gradient with the others (the all-reduce) and takes
+the same optimizer step, every rank's model stays equal to a model trained on one process
+on the whole batch: up to float32 rounding (the sums run in another order) against that
+model, and bitwise across ranks (every rank adds the same numbers in the same order).
+
+``check_ddp`` below runs exactly that experiment; ``verify_ddp`` runs it on three models and
+prints one line each. The test suite adds the edge cases (a branch some ranks skip,
+BatchNorm buffers, several bucket layouts, world size 3).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common import models
+
+
+def check_ddp(ctx, wrap, build, make_optimizer, make_batch, steps: int,
+              rtol: float, atol: float) -> tuple[bool, bool, float]:
+    """Train ``wrap(build())`` and a one-process copy side by side for ``steps`` steps.
+
+    ``make_batch(step) -> (x, y, loss_fn)``: the global batch, the same on every rank.
+    Returns (allclose to one process after every step, bitwise equal across ranks, the
+    largest difference seen).
+    """
+    torch.manual_seed(1000 + ctx.rank)  # every rank starts somewhere else ...
+    model = build().to(ctx.device)
+    ddp = wrap(model)                    # ... until the wrapper broadcasts rank 0's weights
+    torch.manual_seed(1000)              # the reference starts where rank 0 started
+    reference = build().to(ctx.device)
+    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
+    close, same, worst = True, True, 0.0
+    for step in range(steps):
+        x, y, loss_fn = make_batch(step)
+        b = len(x) // ctx.world_size
+        mine = slice(ctx.rank * b, (ctx.rank + 1) * b)
+
+        optimizer.zero_grad(set_to_none=True)             # data parallel: my slice,
+        loss_fn(ddp(x[mine]), y[mine]).backward()
+        ddp.finish_gradient_synchronization()             # the averaged gradient,
+        optimizer.step()                                  # the same step everywhere
+
+        ref_optimizer.zero_grad(set_to_none=True)         # one process: the whole batch
+        loss_fn(reference(x), y).backward()
+        ref_optimizer.step()
+
+        for p, q in zip(model.parameters(), reference.parameters()):
+            worst = max(worst, (p - q).abs().max().item())
+            close &= torch.allclose(p, q, rtol=rtol, atol=atol)
+        mine_flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        everyone = [torch.empty_like(mine_flat) for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, mine_flat)
+        same &= all(torch.equal(e, everyone[0]) for e in everyone)
+    return close, same, worst
+
+
+def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
+    """``check_ddp`` on the toy model (a frozen parameter and a bias that does not train),
+    the tied model (one weight used twice) and the tiny Transformer LM. Prints one line per
+    model on rank 0 (every rank prints a failure); True when every check passed everywhere."""
+    data_x, data_y = (t.to(ctx.device) for t in models.random_regression_data(64, seed=7))
+    toy_batch = lambda step: (data_x[8 * step:8 * step + 8], data_y[8 * step:8 * step + 8],  # noqa: E731
+                              F.mse_loss)
+    lm_batch = lambda step: (*models.random_tokens(4, 32, seed=step, device=ctx.device),  # noqa: E731
+                             models.lm_loss)
+    # (label, model, optimizer, batches, steps, tolerance). The LM's longer sums round more,
+    # and AdamW turns any gradient, however small, into a step of about lr: 3 steps there.
+    cases = [
+        ("ToyModel + SGD", models.ToyModel,
+         lambda m: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1,
+                                   momentum=0.9), toy_batch, steps, (1e-5, 1e-6)),
+        ("TiedModel + AdamW", models.TiedModel,
+         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2), toy_batch, steps, (1e-5, 1e-6)),
+        ("TransformerLM tiny + AdamW", lambda: models.TransformerLM("tiny", context_length=32),
+         lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3), lm_batch, 3, (1e-4, 1e-5)),
+    ]
+    ctx.print(f"{name} on {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}) against one "
+              f"process on the whole batch:", all_ranks=False)
+    all_ok = True
+    for label, build, make_optimizer, make_batch, n, (rtol, atol) in cases:
+        close, same, worst = check_ddp(ctx, wrap, build, make_optimizer, make_batch, n,
+                                       rtol, atol)
+        flag = torch.tensor([float(close and same)],
+                            device=ctx.device if ctx.backend == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # ok only if ok on every rank
+        ok = bool(flag.item())
+        all_ok &= ok
+        ctx.print(f"  [{'ok' if ok else 'FAIL'}] {label:<27} {n} steps: max |weight - one "
+                  f"process| {worst:.1e} (allclose rtol={rtol:g} atol={atol:g}: {close}); "
+                  f"bitwise equal across ranks: {same}", all_ranks=not (close and same))
+    return all_ok
