@@ -4,6 +4,7 @@
 #   make test    the test suite (pytest, Gloo/CPU)
 #   make bench   the measurements worth making on a GPU box (small sizes on CPU)
 #   make 01 ... make 07   one stage
+#   make diff S=04   what the algorithm changed from the stage before (03 -> 04 -> 05 -> 06)
 #
 # Python: PYTHON=... on the command line wins (e.g. `make bench PYTHON=python3` on a box whose
 # Python already has torch). Otherwise: the project's .venv if it exists, else a python3 that
@@ -27,7 +28,8 @@ else
   BENCH_PYTHON := $(PYTHON)
 endif
 
-.PHONY: install run test bench clean 01 02 03 04 05 06 07
+SHELL := /bin/bash
+.PHONY: install run test bench clean diff 01 02 03 04 05 06 07
 
 install:
 	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
@@ -67,6 +69,13 @@ test: install
 07: install
 	$(PYTHON) 07_parallelism/tensor_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/pipeline_parallel.py --backend gloo --device cpu
+
+# The algorithm part of a stage file: from its imports to the harness marker.
+ALGORITHM = sed -n '/^from __future__/,/^\# -* harness/p'
+diff:
+	@case "$(S)" in 04|05|06) ;; *) echo "make diff S=04|05|06: the algorithm diff from the stage before" >&2; exit 2;; esac
+	@prev=$$(ls 0$$(( $(S) - 1 ))_*/*_ddp.py); this=$$(ls $(S)_*/*_ddp.py); \
+	diff -u --label "$$prev" --label "$$this" <($(ALGORITHM) $$prev) <($(ALGORITHM) $$this); true
 
 # keeps the committed bench report (results/README.md, results/bench_*.png)
 clean:

@@ -269,7 +269,7 @@ def plan_configurations(args) -> list[tuple[str, str, int]]:
                 if backend == "nccl":
                     runs = device == "cuda" and ws <= nccl_gpus
                 elif device == "cuda" and not args.backend:
-                    runs = ws > nccl_gpus  # default: GPU tensors over Gloo only where shared
+                    runs = runs and ws > nccl_gpus  # default: over Gloo only where shared
                 if runs:
                     plan.append((backend, device, ws))
     if not plan or (args.backend and {b for b, _, _ in plan} != set(args.backend)):

@@ -1,9 +1,12 @@
-"""Helpers for the tests: run a stage script in a fresh interpreter, with a timeout."""
+"""Helpers for the tests: run a script in a fresh interpreter with a timeout, and check the
+one-line usage errors (exit status 2) that bad input must get."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -16,7 +19,21 @@ def run_script(*argv, timeout=180, env=None, cwd=REPO):
 
 
 def assert_usage_error(result, *needles):
-    """Bad input: exit status 2 and exactly one line on stderr that contains every needle."""
+    """Bad input (a finished subprocess): exit status 2 and exactly one line on stderr that
+    contains every needle."""
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2, result.stderr
     assert len(lines) == 1 and all(n in lines[0] for n in needles), result.stderr
+
+
+def assert_main_usage_error(main, argv, capsys, *needles):
+    """Bad input, in this process: ``main(argv)`` exits 2 with one stderr line containing
+    every needle, before any worker starts (a launch would print rank lines to stdout)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert e.value.code == 2, err
+    assert len(lines) == 1 and all(n in lines[0] for n in needles), err
+    assert "[rank" not in out
+    return lines[0]

@@ -1,0 +1,209 @@
+"""Stages 03-06 as a user meets them: a plain run, ``06 --bench`` (stages 03-05, torch DDP
+and the bucket model in one run), ``--profile`` as the proof of overlap, the check that can
+fail, the demo files kept apart from --bench's, and bad input. (The classes' equivalence with
+single-process training is tests/test_ddp.py.)
+
+The profile assertions are the ones that cannot flake on a loaded machine: WHERE each
+all-reduce is launched (the ``c10d::allreduce_`` op on the main thread, inside the
+``ddp:backward`` range or not) is decided by the code, not by timing. Whether the Gloo thread
+actually ran during backward is timing, so it is asserted over both ranks and both profiled
+steps together; the exact-zero case (NaiveDDP launches after backward) everywhere.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import bucketed_ddp
+import flat_ddp
+import naive_ddp
+import overlap_ddp
+from common import launch, profiling, results, step_bench, verify
+from helpers import REPO, assert_main_usage_error, run_script
+
+TINY = ["--backend", "gloo", "--device", "cpu", "--world-size", "2", "--model", "tiny",
+        "--batch-size", "4", "--context-length", "16"]
+
+
+def test_plain_run_of_03_prints_the_proof():
+    r = run_script(REPO / "03_naive_ddp" / "naive_ddp.py", "--world-size", "2", "--backend",
+                   "gloo", "--device", "cpu")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("[ok]") == 3 and "FAIL" not in r.stdout, r.stdout
+    for what in ("ToyModel + SGD", "TiedModel + AdamW", "TransformerLM tiny + AdamW",
+                 "bitwise equal across ranks: True"):
+        assert what in r.stdout, what
+
+
+def test_06_bench_runs_every_stage_and_the_model(tmp_path):
+    env = {"RESULTS_DIR": str(tmp_path), "RESULTS_RUN_ID": "run-06"}
+    r = run_script(REPO / "06_bucketed_ddp" / "bucketed_ddp.py", "--bench", *TINY,
+                   "--bucket-sizes", "0.01,1", "--steps", "4", "--warmup", "1", "--rounds", "2",
+                   "--case-budget-s", "1e-6", env=env, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "note: 2 timed steps instead of 4" in r.stdout  # the per-case budget, said so
+    with (tmp_path / "ddp_step.csv").open(newline="") as f:
+        reader = csv.DictReader(f)
+        columns, rows = reader.fieldnames, list(reader)
+    assert columns[:12] == ["backend", "device", "world_size", "model", "impl", "bucket_mb",
+                            "step_ms", "fwd_bwd_ms", "comm_after_backward_ms", "optimizer_ms",
+                            "comm_share", "ratio_vs_torch_ddp"]
+    assert sorted((r["impl"], r["bucket_mb"]) for r in rows) == sorted([
+        ("none", ""), ("naive", ""), ("flat", ""), ("overlap", ""), ("bucketed", "0.01"),
+        ("bucketed", "1.0"), ("torch_ddp", "25"), ("torch_ddp", "0.01"), ("torch_ddp", "1.0")])
+    for row in rows:
+        assert row["run_id"] == "run-06" and row["steps"] == "4"  # 2 rounds x 2 steps, pooled
+        assert 0 < float(row["comm_after_backward_ms"]) <= float(row["step_ms"])
+    assert {float(r["ratio_vs_torch_ddp"]) for r in rows if r["impl"] == "torch_ddp"
+            and r["bucket_mb"] == "25"} == {1.0}
+    model = json.loads((tmp_path / "bucket_model.json").read_text())["gloo/cpu/2/tiny"]
+    assert model["fit_source"] == "measured in this run"  # no stage 02 fit in this folder
+    assert [row["bucket_mb"] for row in model["sweep"]] == [0.01, 1.0]
+    assert model["predicted_best_bucket_mb"] > 0 and "model vs measured" in r.stdout
+
+
+def _steps(trace: Path) -> list[dict]:
+    """Per profiled step of one rank's trace: all-reduce launches (main thread), how many
+    inside ddp:backward, and how long Gloo's all-reduces ran during it (us)."""
+    data = json.loads(trace.read_text())
+    xs = [e for e in (data["traceEvents"] if isinstance(data, dict) else data)
+          if e.get("ph") == "X" and "dur" in e]
+    forwards = sorted(e["ts"] for e in xs if e["name"] == "ddp:forward")
+    backwards = sorted((e for e in xs if e["name"] == "ddp:backward"), key=lambda e: e["ts"])
+    launches = [e for e in xs if e["name"] == "c10d::allreduce_"]
+    gloo = [e for e in xs if e["name"] == "gloo:all_reduce"]
+    assert forwards and len(forwards) == len(backwards) and launches and gloo, trace.name
+    steps = []
+    for i, bwd in enumerate(backwards):
+        lo, hi = forwards[i], (forwards[i + 1] if i + 1 < len(forwards) else float("inf"))
+        b0, b1 = bwd["ts"], bwd["ts"] + bwd["dur"]
+        mine = [e for e in launches if lo <= e["ts"] < hi]
+        steps.append({"launches": len(mine),
+                      "in_backward": sum(b0 <= e["ts"] and e["ts"] + e["dur"] <= b1 for e in mine),
+                      "gloo_in_backward_us": sum(max(0.0, min(e["ts"] + e["dur"], b1) - max(e["ts"], b0))
+                                                 for e in gloo if lo <= e["ts"] < hi)})
+    return steps
+
+
+class SumNotMeanDDP(nn.Module):
+    """A broken DDP: sums gradients instead of averaging them. The proof must catch it."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = naive_ddp.NaiveDDP(module).module
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+
+
+def profiles_and_proof_worker(ctx, runs):
+    for worker, args in runs:  # 03 --profile and 05 --profile, as their main() parsed them
+        worker(ctx, *args)
+    assert verify.verify_ddp(ctx, SumNotMeanDDP, "SumNotMeanDDP") is False
+
+
+def _parsed_run(monkeypatch, main, argv):
+    """What ``main(argv)`` would launch, parsed and checked by the script but not started."""
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(launch, "launch", lambda worker, config, *args, **kw:
+                  calls.append((worker, config, args)))
+        main(argv)
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+def test_profile_03_and_05_and_a_broken_ddp_fails_the_proof(tmp_path, monkeypatch, capfd):
+    w3, config, a3 = _parsed_run(monkeypatch, naive_ddp.main,
+                                 ["--profile", *TINY, "--trace-dir", str(tmp_path)])
+    w5, _, a5 = _parsed_run(monkeypatch, overlap_ddp.main,
+                            ["--profile", *TINY, "--trace-dir", str(tmp_path)])
+    launch.launch(profiles_and_proof_worker, config, [(w3, a3), (w5, a5)], timeout_s=180)
+    out = capfd.readouterr().out
+    assert "[FAIL] ToyModel + SGD" in out  # the proof prints what differed, by how much
+    assert "compute |" in out and "comm    |" in out  # the text timeline, always
+    out3, out5 = tmp_path / "03_naive_ddp", tmp_path / "05_overlap_ddp"
+    for trace in [out3 / f"naive_03_rank{r}.json" for r in (0, 1)] + \
+                 [out5 / f"naive_03_rank{r}.json" for r in (0, 1)]:
+        for step in _steps(trace):  # naive: every all-reduce after backward, none ran in it
+            assert step["launches"] >= 1 and step["in_backward"] == 0, (trace, step)
+            assert step["gloo_in_backward_us"] == 0, (trace, step)
+    overlap_us = 0.0
+    for rank in (0, 1):  # overlap: all launched by hooks inside backward, but the flags
+        for step in _steps(out5 / f"overlap_05_rank{rank}.json"):
+            assert step["in_backward"] >= step["launches"] - 1 >= 1, step
+            overlap_us += step["gloo_in_backward_us"]
+    assert overlap_us > 0, "Gloo never ran an all-reduce during backward (any rank, step)"
+    try:
+        import matplotlib  # noqa: F401
+        assert (out5 / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    except ImportError:
+        pass
+    rows = {(r["stage"], r["case"]): r for r in results.read_csv(profiling.PROFILE_CSV)}
+    assert set(rows) == {("03_naive_ddp", "naive (03)"), ("05_overlap_ddp", "naive (03)"),
+                         ("05_overlap_ddp", "overlap (05)")}
+    assert all(float(r["comm_during_backward_ms"]) == 0 for (_, c), r in rows.items()
+               if c == "naive (03)")
+
+
+def test_plain_run_demos_do_not_touch_bench_results(monkeypatch):
+    """The plain runs' quick demos (make run) write ddp_step_demo.csv and
+    bucket_model_demo.json; only --bench writes ddp_step.csv and bucket_model.json.
+    No process group: the benchmark is replaced by a recorder."""
+    import bucket_model
+    csv_names = []
+
+    def fake_run_step_bench(ctx, cases, args, csv_name=step_bench.CSV_NAME):
+        csv_names.append(csv_name)
+        return [{"impl": "bucketed", "bucket_mb": size, "step_ms": 10.0 + size,
+                 "comm_after_backward_ms": 1.0, "ratio_vs_torch_ddp": 1.0}
+                for size in args.bucket_sizes] + [{"impl": "torch_ddp", "bucket_mb": 25,
+                                                   "step_ms": 10.0}]
+    monkeypatch.setattr(step_bench, "run_step_bench", fake_run_step_bench)
+    monkeypatch.setattr(verify, "verify_ddp", lambda *a, **k: True)
+    monkeypatch.setattr(bucket_model, "latency_bandwidth",
+                        lambda ctx: {"a_s": 1e-4, "w_bytes_per_s": 1e9, "source": "test"})
+    ctx = types.SimpleNamespace(is_main=True, rank=0, world_size=2, backend="gloo",
+                                device=torch.device("cpu"), print=lambda *a, **k: None)
+    args = types.SimpleNamespace(model="tiny", context_length=16, bucket_sizes=[0.25, 1.0, 4.0])
+    overlap_ddp.verify_main(ctx, args)
+    bucketed_ddp.verify_main(ctx, args)
+    assert csv_names == [step_bench.DEMO_CSV_NAME] * 2
+    assert results.read_json("bucket_model_demo.json") and not results.read_json("bucket_model.json")
+    overlap_ddp.bench_main(ctx, args)
+    bucketed_ddp.bench_main(ctx, args)
+    assert csv_names[2:] == [step_bench.CSV_NAME] * 2 and results.read_json("bucket_model.json")
+
+
+@pytest.mark.parametrize("main, argv, needle", [
+    (naive_ddp.main, ["--bench", "--batch-size", "3"], "not divisible by world size 2"),
+    (naive_ddp.main, ["--bench", "--model", "huge"], "invalid choice: 'huge'"),
+    (naive_ddp.main, ["--bench", "--steps", "0"], "'0' is not a whole number >= 1"),
+    (flat_ddp.main, ["--bench", "--model", "2.7B", "--world-size", "64", "--batch-size", "64"],
+     "GiB"),
+    (flat_ddp.main, ["--world-size", "1000"], "1000 ranks need about"),
+    (overlap_ddp.main, ["--batch-size", "3", "--profile"], "3"),
+    (overlap_ddp.main, ["--case-budget-s", "nan"], "'nan' is not a finite number > 0"),
+    (bucketed_ddp.main, ["--bucket-sizes", "0"], "'0' is not a finite number > 0"),
+    (bucketed_ddp.main, ["--bucket-sizes", "abc"], "'abc'"),
+    (bucketed_ddp.main, ["--bucket-sizes", ""], "empty list"),
+    (bucketed_ddp.main, ["--bucket-sizes", "1,-5"], "'-5'"),
+    (bucketed_ddp.main, ["--bucket-size-mb", "inf", "--profile"], "'inf'"),
+])
+def test_bad_input_one_line_exit_2(capsys, main, argv, needle):
+    assert_main_usage_error(main, ["--backend", "gloo", "--device", "cpu", "--world-size", "2",
+                                   *argv], capsys, needle)
