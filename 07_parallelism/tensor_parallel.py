@@ -335,6 +335,8 @@ def main(argv=None) -> None:
     if "allgather" in args.variants and args.d_model % n:
         parser.error(f"--d-model {args.d_model} is not divisible by the world size {n} (the "
                      "all-gather variant splits fc2's outputs)")
+    from common import results
+    results.check_writable()
     launch.launch(tensor_parallel_main, config, vars(args))
 
 

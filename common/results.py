@@ -34,9 +34,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def results_dir() -> Path:
-    path = Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    return Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 
 
 _RUN_ID = None
@@ -83,11 +81,12 @@ def check_writable() -> Path:
     before the first configuration, not after it."""
     path = results_dir()
     try:
+        path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
             pass
     except OSError as e:
-        print(f"error: cannot write results to {path}: {e.strerror}; set RESULTS_DIR to a "
-              "writable folder", file=sys.stderr, flush=True)
+        print(f"error: cannot write results to {path}: {e.strerror or e}; set RESULTS_DIR "
+              "to a writable folder", file=sys.stderr, flush=True)
         raise SystemExit(2)
     return path
 
@@ -95,6 +94,7 @@ def check_writable() -> Path:
 @contextlib.contextmanager
 def _locked(path: Path):
     """An exclusive lock on ``path`` (through a ``.lock`` file beside it) for a read-modify-write."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
@@ -102,6 +102,7 @@ def _locked(path: Path):
 
 def _replace(path: Path, write) -> None:
     """Write through ``write(file)`` into a unique temporary file, then rename it over ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", newline="") as f:

@@ -1,6 +1,9 @@
 """A tiny launcher client for the fault tests: one rank misbehaves while the others wait.
 
-    python tests/fault_worker.py --world-size 3 --fault raise|kill --bad-rank 1
+    python tests/fault_worker.py --world-size 3 --fault raise|kill|stop|none|busy --bad-rank 1
+
+raise: the bad rank raises; kill: it SIGKILLs itself; stop: it SIGSTOPs itself (stalls);
+busy: every rank keeps meeting at barriers for a minute (something to stop from outside).
 """
 
 import os
@@ -17,19 +20,25 @@ from common import launch  # noqa: E402
 
 def faulty_main(ctx, fault: str, bad_rank: int) -> None:
     dist.barrier()
+    if fault == "busy":
+        print(f"[rank {ctx.rank}] pid {os.getpid()} busy", flush=True)
+        for _ in range(600):
+            dist.barrier()
+            time.sleep(0.1)
     if ctx.rank == bad_rank:
         print(f"planting {fault} at {time.time()!r}", flush=True)
         if fault == "raise":
             raise ValueError(f"planted failure on rank {ctx.rank}")
-        if fault == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+        if fault in ("kill", "stop"):
+            os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
     dist.barrier()  # the healthy ranks wait here for the bad one, forever if nobody acts
     ctx.print("passed the second barrier")
 
 
 if __name__ == "__main__":
     parser = launch.make_parser(__doc__)
-    parser.add_argument("--fault", choices=["raise", "kill", "none"], default="raise")
+    parser.add_argument("--fault", choices=["raise", "kill", "stop", "none", "busy"],
+                        default="raise")
     parser.add_argument("--bad-rank", type=int, default=1)
     args = parser.parse_args()
     launch.launch(faulty_main, launch.resolve(args), args.fault, args.bad_rank)
