@@ -1,5 +1,5 @@
-"""What fits: memory checks made before any worker starts, so a run that cannot fit is
-refused with one line (exit 2) instead of dying of an out-of-memory kill half way through."""
+"""What fits: memory checks before workers start (a run that cannot fit is refused with one
+line, exit 2, instead of an out-of-memory kill half way) and between configurations."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""Models and random data shared by the stages (SPEC section 6).
-
-* :class:`ToyModel`: a small MLP with the two kinds of parameter a DDP must leave alone: a
-  frozen parameter and a bias that does not require grad.
-* :class:`TiedModel`: one weight used twice in a forward pass (its gradient is the sum of
-  both uses, and it must be all-reduced once, not twice).
-* :class:`TransformerLM`: a decoder-only Transformer language model with size presets, the
-  workload for the step benchmarks. Plain pre-norm GPT blocks, nothing clever.
-"""
+"""Models and random data shared by the stages: toy models whose corners a data-parallel
+wrapper must get right (a frozen parameter, a bias that does not train, a weight used twice,
+a branch some ranks skip, buffers), and a plain pre-norm GPT-style Transformer LM with size
+presets, the workload of the benchmarks."""
 
 from __future__ import annotations
 
@@ -16,9 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-
-# --------------------------------------------------------------------------- toy models
-
 
 class ToyModel(nn.Module):
     """x -> fc1 -> ReLU -> (* frozen scale) -> fc2. ``fc2.bias`` requires no grad."""
@@ -60,10 +52,8 @@ def random_regression_data(n: int, in_features: int = 10, out_features: int = 5,
 
 # --------------------------------------------------------------------------- Transformer LM
 
-# d_model / d_ff / layers / heads. The named sizes follow the GPT-2 family (small ... xl)
-# and a 2.7B configuration; "course" is the configuration of the course material whose
-# reference figures the READMEs quote (d_model 512, 4 layers, 16 heads, d_ff 1344);
-# "tiny" is for tests.
+# d_model / d_ff / layers / heads: GPT-2's small ... xl and a 2.7B configuration; "course" is
+# the shape whose reference figures the READMEs quote; "tiny" is for tests.
 PRESETS: dict[str, dict[str, int]] = {
     "tiny":   dict(d_model=64,   d_ff=256,   num_layers=2,  num_heads=4),
     "course": dict(d_model=512,  d_ff=1344,  num_layers=4,  num_heads=16),
@@ -175,13 +165,8 @@ def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH,
     return tokens[:, :-1], tokens[:, 1:]
 
 
-# --------------------------------------------------------------------------- more toy models
-# (added for the DDP stages 03-06 and their tests)
-
-
 class BatchNormModel(nn.Module):
-    """x -> fc1 -> BatchNorm1d -> ReLU -> fc2: a model with buffers (running mean/var and an
-    int64 ``num_batches_tracked``) that a DDP must broadcast along with the parameters."""
+    """x -> fc1 -> BatchNorm1d -> ReLU -> fc2: buffers a DDP must broadcast too."""
 
     def __init__(self, in_features: int = 10, hidden: int = 16, out_features: int = 5):
         super().__init__()
@@ -194,12 +179,8 @@ class BatchNormModel(nn.Module):
 
 
 class BranchModel(nn.Module):
-    """x -> trunk -> ReLU -> (+ tanh(branch(h)) only if ``use_branch``) -> head.
-
-    On a step where a rank passes ``use_branch=False`` the branch's parameters get no
-    gradient there (``.grad`` stays ``None``): the "unused parameters" case of torch DDP's
-    ``find_unused_parameters=True``.
-    """
+    """x -> trunk -> ReLU -> (+ tanh(branch(h)) only if ``use_branch``) -> head: with
+    ``use_branch=False`` the branch gets no gradient (torch DDP's "unused parameters")."""
 
     def __init__(self, in_features: int = 10, hidden: int = 16, out_features: int = 5):
         super().__init__()

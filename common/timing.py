@@ -1,14 +1,10 @@
-"""Timing done right for distributed code: warm up, synchronise, take medians, report the slowest rank.
-
-Why each rule:
-* warm-up: the first calls pay for lazy initialisation (CUDA context, NCCL communicators,
-  Gloo's buffers, allocator growth) that steady-state training never sees again;
+"""Timing done right for distributed code, and why each rule:
+* warm-up: the first calls pay for lazy set-up (CUDA context, NCCL communicators, Gloo's
+  buffers, allocator growth) that steady-state training never sees again;
 * ``torch.cuda.synchronize()`` before reading a clock: CUDA calls return before the GPU has
   finished, so without it you time the launch, not the work;
-* the median over several iterations: robust to the odd slow iteration (a page fault, a
-  neighbour process) that would drag a mean;
-* the slowest rank: a collective or a training step finishes when its last rank finishes,
-  so the slowest rank's median is the figure the whole job feels.
+* the median of several iterations: robust to the odd slow one (a page fault, a neighbour);
+* the slowest rank: a collective or a step finishes when its last rank does.
 """
 
 from __future__ import annotations
@@ -30,10 +26,8 @@ def synchronize(device: torch.device) -> None:
 def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
             barrier: bool = False) -> list[float]:
     """Call ``fn()`` ``warmup`` times untimed, then ``iters`` times; return seconds per call.
-
-    With ``barrier=True`` the ranks line up (``dist.barrier``) before each timed call, so
-    each rank's clock starts when the slowest rank is ready, not while it waits for it.
-    """
+    ``barrier=True`` lines the ranks up before each timed call, so no clock starts while its
+    rank waits for a slower one."""
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -70,11 +64,8 @@ def summarize(times_per_rank: list[list[float]]) -> Stats:
 
 
 def gather_times(times: list[float], group=None) -> Stats:
-    """All-gather every rank's list of times (same length on every rank) and summarise.
-
-    Every rank gets the same :class:`Stats`, so any rank may print or write it. Uses a
-    tensor all-gather (not ``all_gather_object``) so it needs neither numpy nor pickling.
-    """
+    """All-gather every rank's list of times (same length everywhere) and summarise: every
+    rank gets the same :class:`Stats`, so any rank may print or write it."""
     world_size = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
