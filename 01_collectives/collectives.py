@@ -220,8 +220,8 @@ def _show(rank, world_size, name, before, after, memory):
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (_text(before), _text(after)))
     if rank == 0:
-        print(f"{name:<26} {' '.join(b for b, _ in everyone):<24} -> "
-              f"{' '.join(a for _, a in everyone):<40} [{memory}]", flush=True)
+        print(f"{name:<25} {memory:<46} {' '.join(b for b, _ in everyone)} -> "
+              f"{' '.join(a for _, a in everyone)}", flush=True)
 
 
 def collectives_demo(rank: int, world_size: int, backend: str) -> None:
@@ -230,8 +230,8 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     T = lambda *values: torch.tensor(values, dtype=torch.float32, device=dev)  # noqa: E731
     if r == 0:
-        print(f"{n} ranks, {backend}, tensors on {dev}; each line: every rank's tensor "
-              f"before -> after", flush=True)
+        print(f"{n} ranks, {backend}, tensors on {dev}\n{'collective':<25} {'memory':<46} "
+              f"every rank's tensor before -> after", flush=True)
 
     t = T(10.0 * r); before = t.clone(); dist.broadcast(t, src=0)  # noqa: E702
     assert t.tolist() == [0.0]

@@ -56,14 +56,18 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
 class FlatDDP(nn.Module):
     """Wrap ``module`` for data-parallel training: one ``all_reduce`` of all gradients.
 
-    Same contract as stage 03's ``NaiveDDP``: ``.module`` is the wrapped model, ``forward``
-    calls it, :meth:`finish_gradient_synchronization` goes after ``backward()`` and before
-    ``optimizer.step()``. Parameters with ``requires_grad=False`` are never touched; a
-    gradient that is ``None`` on some ranks counts as zero there, and one that is ``None``
-    on every rank stays ``None`` (torch DDP with ``find_unused_parameters=True``).
+    The wrapped model stays reachable as ``.module``; ``forward`` calls it unchanged. Call
+    :meth:`finish_gradient_synchronization` after ``backward()`` and before
+    ``optimizer.step()``; afterwards every rank holds the gradient averaged over ranks.
 
-    A flat buffer holds one dtype on one device, so parameters are grouped by
-    (device, dtype): one all-reduce per group, i.e. exactly one for an ordinary model.
+    Parameters with ``requires_grad=False`` are never synchronised (they have no gradient).
+    A parameter whose gradient is ``None`` on some ranks this step (a branch of the model
+    that those ranks skipped) counts as a zero gradient there, like torch DDP with
+    ``find_unused_parameters=True``; one that is ``None`` on every rank stays ``None``, so
+    the optimizer skips it as it would in single-process training.
+
+    A flat buffer holds one dtype on one device, so parameters are grouped by (device,
+    dtype): one all-reduce per group, which is exactly one for an ordinary model.
     """
 
     def __init__(self, module: nn.Module):
@@ -72,8 +76,9 @@ class FlatDDP(nn.Module):
             raise RuntimeError("FlatDDP needs an initialised process group: call "
                                "torch.distributed.init_process_group(...) first")
         self.module = module
+        # parameters() yields a tied (shared) weight once, so it is reduced once, not twice.
         groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
-        for p in module.parameters():  # a tied (shared) weight appears once
+        for p in module.parameters():
             if p.requires_grad:
                 groups[(p.device, p.dtype)].append(p)
         if not groups:

@@ -49,11 +49,10 @@ def broadcast_module_state(module: nn.Module, group=None) -> None:
 
 def weak_hook(ddp: nn.Module, *args):
     """A post-accumulate-grad hook calling ``ddp._on_grad_ready(*args, param)`` that does not
-    keep ``ddp`` alive. Hooks live in autograd's C++ state, which Python's garbage collector
-    cannot see into: a hook holding the wrapper (which holds the model, whose parameters hold
-    the hook) is a cycle the collector never frees, so every wrapper built and dropped, with
-    its model and buffers, would leak. A weak reference breaks the cycle. (Same code in 05
-    and 06 on purpose, so each file stays copyable on its own.)"""
+    keep ``ddp`` alive. Hooks live in autograd's C++ state, where Python's garbage collector
+    cannot see: a hook holding the wrapper (which holds the model, which holds the hook) is a
+    cycle never freed, and every wrapper dropped would leak its model. A weak reference breaks
+    it. (The same code in 05 and 06, on purpose: each file stays copyable on its own.)"""
     ddp_ref = weakref.ref(ddp)
 
     def hook(param: torch.Tensor) -> None:
