@@ -118,10 +118,10 @@ def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1) -> list[r
 # --------------------------------------------------------------------------- the executor
 
 
-def run_schedule(chunks, steps: list[schedules.Step], micro_inputs, micro_targets,
+def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, micro_targets,
                  activation_shape, device: torch.device, loss_fn=F.mse_loss,
                  emulate_s: float = 0.0) -> dict:
-    """Execute one rank's steps; gradients accumulate in the chunks' parameters.
+    """Run this rank's steps of ``schedule`` (all ranks' step lists); gradients accumulate.
 
     ``chunks``: the rank's model chunk(s), a module or a list indexed by ``Step.chunk``;
     ``micro_inputs`` / ``micro_targets``: m tensors on the first / last stage, else None.
@@ -129,44 +129,46 @@ def run_schedule(chunks, steps: list[schedules.Step], micro_inputs, micro_target
     ``emulate_s`` > 0: every F, B, W only waits that long (the messages stay real). Returns
     busy and wall seconds, the most (chunk, micro-batch) pairs held at once, the summed loss.
 
-    A step's input is received right before it, its output posted with the next step's
-    receive: on NCCL in one ``batch_isend_irecv`` group (a send there waits for its receive:
-    two ranks sending to each other first would wait forever; ``check_grouped_p2p`` proves a
-    schedule safe), on Gloo as an asynchronous isend through CPU memory.
+    Messages follow ``p2p_plan``: groups posted as one ``batch_isend_irecv`` each, in an
+    order that cannot deadlock even where a send waits for its receive (NCCL); a receive is
+    waited for right before its step. Gloo sends through CPU memory: tensors go there.
     """
     chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
+    rank, p, nccl = dist.get_rank(), len(schedule), dist.get_backend() == "nccl"
+    steps, plan = schedule[rank], schedules.p2p_plan(schedule)[rank]
     m = sum(s.op == FORWARD and s.chunk == 0 for s in steps)
-    rank, nccl = dist.get_rank(), dist.get_backend() == "nccl"
     comm_device = device if nccl else torch.device("cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     defer = any(s.op == WEIGHT for s in steps)   # ZB: B leaves the weight gradients to W
     inputs, outputs, stored = {}, {}, {}         # (chunk, micro-batch) -> x / y / W's work
-    to_self, pending, sends = [], [], []         # to_self: chunk c -> c+1 when p = 1
+    inbox, outbox, arriving, sends = {}, {}, {}, []   # message -> tensor / tensor / recv work
     placeholder = torch.zeros(activation_shape, device=device)
     peak, busy, loss_sum = 0, 0.0, torch.zeros((), device=device)
 
-    def communicate(recv_from):
-        if recv_from == rank:                    # p = 1: every message is to this rank itself
-            return to_self.pop(0)
-        buf = None if recv_from is None else torch.empty(activation_shape, device=comm_device)
-        if nccl:
-            ops = [dist.P2POp(dist.isend, t, dst) for t, dst in pending]
-            ops += [dist.P2POp(dist.irecv, buf, recv_from)] if buf is not None else []
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                work.wait()                      # orders our CUDA stream after it; the host goes on
-        else:
-            sends.extend((dist.isend(t, dst), t) for t, dst in pending)
-            if buf is not None:
-                dist.recv(buf, src=recv_from)
-        pending.clear()
-        return None if buf is None else buf.to(device)
+    def post(groups):
+        for group in groups:
+            ops = [dist.P2POp(dist.isend, outbox.pop(msg), peer) if kind == "send" else
+                   dist.P2POp(dist.irecv, inbox.setdefault(
+                       msg, torch.empty(activation_shape, device=comm_device)), peer)
+                   for kind, peer, msg in group]
+            for (kind, _, msg), op, work in zip(group, ops, dist.batch_isend_irecv(ops)):
+                if nccl:
+                    work.wait()                  # orders our CUDA stream after it; the host goes on
+                if kind == "recv":
+                    arriving[msg] = work
+                else:
+                    sends.append((work, op.tensor))
 
     sync()
     dist.barrier()
     start = time.perf_counter()
-    for step in steps:
+    for k, step in enumerate(steps):
         key, chunk = (step.chunk, step.micro_batch), chunks[step.chunk]
-        received = communicate(step.recv_from)
+        post(plan[k])
+        msg = schedules.message(step, rank, p)
+        if msg in arriving:                      # from another rank (else from itself, p = 1)
+            arriving.pop(msg).wait()
+        received = inbox.pop(msg).to(device) if step.recv_from is not None else None
         sync()
         t0 = time.perf_counter()
         if emulate_s:
@@ -193,16 +195,15 @@ def run_schedule(chunks, steps: list[schedules.Step], micro_inputs, micro_target
         peak = max(peak, len(outputs) + len(stored))
         sync()
         busy += time.perf_counter() - t0
-        if step.send_to == rank:
-            to_self.append(out)
-        elif step.send_to is not None:
-            pending.append((out.to(comm_device).contiguous(), step.send_to))
-    communicate(None)                            # post the last step's send
+        if step.send_to is not None:
+            box = inbox if step.send_to == rank else outbox
+            box[schedules.message(step, rank, p, True)] = out.to(comm_device).contiguous()
+    post(plan[len(steps)])                       # the last sends
     for work, _ in sends:
         work.wait()
-    if outputs or stored or to_self:
+    if outputs or stored or inbox or outbox:
         raise RuntimeError(f"rank {rank}: the steps left work behind: {sorted(outputs)}, "
-                           f"{sorted(stored)}, {len(to_self)} messages to itself")
+                           f"{sorted(stored)}, {list(inbox)}, {list(outbox)}")
     sync()
     dist.barrier()                               # the pass ends when the slowest rank ends
     return {"busy_s": busy, "total_s": time.perf_counter() - start, "peak_held": peak,
@@ -241,15 +242,14 @@ def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict, emula
     x, target = make_data(cfg["batch"], cfg["d_model"], ctx.device)
     model.zero_grad(set_to_none=True)
     return run_schedule([model[r.start:r.stop] for r in chunk_layers(cfg["layers"], p, rank, v)],
-                        schedules.schedule_steps(name, rank, p, m, v),
+                        schedules.all_ranks(name, p, m, v),
                         list(x.chunk(m)) if rank == 0 else None,
                         list(target.chunk(m)) if rank == p - 1 else None,
                         (cfg["batch"] // m, cfg["d_model"]), ctx.device, emulate_s=emulate_ms / 1e3)
 
 
 def pipeline_parallel_main(ctx, cfg: dict) -> None:
-    """Every schedule and m: gradients and activations held checked, then the bubble measured
-    (real and emulated compute; each rank's median idle, the slowest rank's median pass)."""
+    """Every schedule and m: gradients and memory checked, the bubble measured (real, emulated)."""
     _repo()
     from common.timing import gather_times
     p, rank, problems, rows = ctx.world_size, ctx.rank, [], []
@@ -338,8 +338,7 @@ def main(argv=None) -> None:
     args.v = {name: args.chunks if name == "interleaved" else 1 for name in args.schedules}
     for name, m in [(name, m) for name in args.schedules for m in args.micro_batches]:
         try:
-            schedules.check_setting(name, p, m, args.v[name], args.layers, args.batch,
-                                    nccl=config.backend == "nccl")
+            schedules.check_setting(name, p, m, args.v[name], args.layers, args.batch)
         except ValueError as e:
             launch.usage_error(f"--schedules {name} --micro-batches {m}: {e}")
     launch.launch(pipeline_parallel_main, config, vars(args))

@@ -133,10 +133,10 @@ def all_ranks(name: str, stages: int, micro_batches: int, chunks: int = 1) -> li
 
 
 def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
-                  layers: int | None = None, batch: int | None = None, nccl: bool = False) -> None:
+                  layers: int | None = None, batch: int | None = None) -> None:
     """Raise ValueError, in one line, if this setting cannot run: layers that do not split
-    into p*v chunks, a batch that does not split into m, a schedule's own constraint (m a
-    multiple of p for interleaved), a broken order of events, a deadlock under NCCL."""
+    into p*v chunks, a batch that does not split into m, the schedule's own constraint (m a
+    multiple of p for interleaved), a broken order of events, a deadlock."""
     if layers is not None and layers % (stages * chunks):
         raise ValueError(f"--layers {layers} is not divisible by {stages * chunks} "
                          f"({stages} stages x {chunks} chunks per stage)")
@@ -145,11 +145,9 @@ def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
     lists = all_ranks(name, stages, micro_batches, chunks)
     check_order(lists)
     try:
-        simulate(lists)
-        if nccl:
-            check_grouped_p2p(lists)
+        check_grouped_p2p(lists)                     # simulates too: deadlocks either way
     except RuntimeError as e:
-        raise ValueError(f"{e}{' with NCCL (use gloo, or more stages)' if nccl else ''}") from None
+        raise ValueError(str(e)) from None
 
 
 def peak_held(steps: list[Step]) -> int:
@@ -181,7 +179,7 @@ def bubble_formula(name: str, stages: int, micro_batches: int, chunks: int = 1) 
 # --------------------------------------------------------------------------- checks, simulator
 
 
-def _message(step: Step, rank: int, stages: int, sending: bool) -> tuple:
+def message(step: Step, rank: int, stages: int, sending: bool = False) -> tuple:
     """What travels: (op, micro-batch, virtual stage that receives it)."""
     s = step.chunk * stages + rank
     if sending:
@@ -220,9 +218,9 @@ def check_order(lists: list[list[Step]]) -> None:
                 raise ValueError(f"rank {r} runs {_label(s, v)} before "
                                  f"{before}{s.micro_batch} of the same chunk")
             if s.send_to is not None:
-                sent.setdefault((r, s.send_to), []).append(_message(s, r, p, True))
+                sent.setdefault((r, s.send_to), []).append(message(s, r, p, True))
             if s.recv_from is not None:
-                received.setdefault((s.recv_from, r), []).append(_message(s, r, p, False))
+                received.setdefault((s.recv_from, r), []).append(message(s, r, p, False))
     for (src, dst) in sorted(set(sent) | set(received)):
         a, b = sent.get((src, dst), []), received.get((src, dst), [])
         for n in range(max(len(a), len(b))):
@@ -248,14 +246,14 @@ def simulate(lists: list[list[Step]], cost: dict | None = None) -> list[list[tup
                 step = lists[r][pos[r]]
                 start = free[r]
                 if step.recv_from is not None:
-                    key = _message(step, r, p, False)
+                    key = message(step, r, p, False)
                     if key not in arrives:
                         break                            # its message is not sent yet
                     start = max(start, arrives[key])
                 free[r] = start + cost[step.op]
                 out[r].append((start, free[r], step))
                 if step.send_to is not None:
-                    arrives[_message(step, r, p, True)] = free[r]
+                    arrives[message(step, r, p, True)] = free[r]
                 pos[r] += 1
                 moved = True
         if not moved:
@@ -265,40 +263,53 @@ def simulate(lists: list[list[Step]], cost: dict | None = None) -> list[list[tup
     return out
 
 
-def check_grouped_p2p(lists: list[list[Step]]) -> None:
-    """Deadlock check for the NCCL path, where a send completes only once the receiver has
-    posted its receive. The executor issues, before step k, one group {send of step k-1's
-    output, receive of step k's input}; a group completes when both peers have posted the
-    groups holding the matching halves. Raises RuntimeError if the groups wait in a cycle."""
-    p = len(lists)
-    where: dict[tuple, int] = {}                         # message -> group that sends/recvs it
+def p2p_plan(lists: list[list[Step]]) -> list[list[list[list[tuple]]]]:
+    """[rank][k]: the message groups to post before step k (k = len: after the last step),
+    each group a list of ("send" | "recv", peer, message), posted as one batch.
+
+    Rounds of the unit-time simulation: a message made at the end of time unit t is sent and
+    received in round t, by both ranks, so each rank's round-t group matches its peers'
+    round-t groups. A receive is thus posted early and waited for when its step comes; and
+    where a send completes only once its receive is posted (NCCL), ranks posting rounds in
+    order cannot wait on each other in a cycle. Messages to oneself (p = 1) stay local."""
+    p, timed = len(lists), simulate(lists)
+    rounds: list[dict[float, list]] = [{} for _ in range(p)]
+    for r, row in enumerate(timed):
+        for _, end, s in row:
+            if s.send_to not in (None, r):
+                rounds[r].setdefault(end, []).append(("send", s.send_to, message(s, r, p, True)))
+                rounds[s.send_to].setdefault(end, []).append(("recv", r, message(s, r, p, True)))
+    starts = [[-1.0] + [start for start, _, _ in row] + [float("inf")] for row in timed]
+    return [[[rounds[r][t] for t in sorted(rounds[r]) if starts[r][k] < t <= starts[r][k + 1]]
+             for k in range(len(timed[r]) + 1)] for r in range(p)]
+
+
+def check_grouped_p2p(lists: list[list[Step]], plan: list | None = None) -> None:
+    """Raise RuntimeError unless ``plan`` (default: ``p2p_plan``) posts every receive before
+    its step and every send after its step, and cannot deadlock where a send completes only
+    once the peer has posted the matching receive (NCCL): rank by rank, the groups complete
+    in order, each once every peer has posted the group holding its other halves."""
+    p, plan = len(lists), plan or p2p_plan(lists)
+    seq = [[(k, g) for k, groups in enumerate(plan[r]) for g in groups] for r in range(p)]
+    where = {(kind, msg): n for r in range(p) for n, (_, g) in enumerate(seq[r])
+             for kind, _, msg in g}
     for r, steps in enumerate(lists):
         for k, s in enumerate(steps):
-            if s.send_to is not None:
-                where[("send",) + _message(s, r, p, True)] = k + 1
-            if s.recv_from is not None:
-                where[("recv",) + _message(s, r, p, False)] = k
-    posted = [0] * p                                     # the group each rank is waiting in
-    while any(posted[r] <= len(lists[r]) for r in range(p)):
-        moved = False
-        for r, steps in enumerate(lists):
-            k = posted[r]
-            if k > len(steps):
-                continue
-            ok = True
-            if k > 0 and steps[k - 1].send_to not in (None, r):   # to itself: a local hand-off
-                s = steps[k - 1]
-                ok = posted[s.send_to] >= where[("recv",) + _message(s, r, p, True)]
-            if k < len(steps) and steps[k].recv_from is not None:
-                s = steps[k]
-                ok = ok and posted[s.recv_from] >= where[("send",) + _message(s, r, p, False)]
-            if ok:
-                posted[r] += 1
-                moved = True
-        if not moved:
+            for kind, peer, later in (("recv", s.recv_from, False), ("send", s.send_to, True)):
+                n = where.get((kind, message(s, r, p, later)))
+                if peer not in (None, r) and (n is None or (seq[r][n][0] > k) != later):
+                    raise RuntimeError(f"rank {r}: the {kind} of {_label(s, s.chunk + 1)} is not "
+                                       f"planned {'after' if later else 'before'} its step")
+    done = [0] * p                                       # groups completed, rank by rank
+    while any(done[r] < len(seq[r]) for r in range(p)):
+        ready = [r for r in range(p) if done[r] < len(seq[r]) and all(
+            done[peer] >= where[("recv" if kind == "send" else "send", msg)]
+            for kind, peer, msg in seq[r][done[r]][1])]
+        if not ready:
             raise RuntimeError("grouped send/receive deadlocks: " + ", ".join(
-                f"rank {r} waits in group {posted[r]}" for r in range(p)
-                if posted[r] <= len(lists[r])))
+                f"rank {r} waits in group {done[r]}" for r in range(p) if done[r] < len(seq[r])))
+        for r in ready:
+            done[r] += 1
 
 
 def idle_shares(timed: list[list[tuple]]) -> list[float]:
