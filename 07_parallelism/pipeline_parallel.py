@@ -288,8 +288,8 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
     """Rank 0: the table, the emulated-compute verdict, the timelines, the CSV."""
     from common.results import machine_name, print_table, run_id, upsert_csv
     p, size = ctx.world_size, {k: cfg[k] for k in ("layers", "d_model", "hidden", "batch")}
-    print(f"Pipeline parallel, {p} stages, {ctx.backend}/{ctx.device.type}, {size}, "
-          f"{machine_name()}\n")
+    print(f"Pipeline parallel, {p} stages, " + ", ".join(f"{k} {v}" for k, v in size.items())
+          + f"; {ctx.backend}/{ctx.device.type}, {machine_name()}\n")
     print_table([{"schedule": r["schedule"], "m": r["m"], "v": r["v"],
                   "compute": f"emulated {r['emulated_ms']:g} ms" if r["emulated_ms"] else "real",
                   "idle per rank": " ".join(f"{x:.3f}" for x in r["idle"]),
@@ -299,8 +299,9 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
                 f"Idle share per rank (median of {cfg['iters']} passes) beside the unit-time "
                 "simulation and the formula; activations held at once:", floatfmt=".3f")
     gap = max(r["gap"] for r in rows if r["emulated_ms"])
-    print(f"\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
-          f"{'yes' if gap <= 0.05 else 'no'} (largest gap {gap:.3f})")
+    print("\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
+          + (f"yes (largest gap {gap:.3f})" if gap <= 0.05 else f"no, {gap:.3f} (each message's "
+             "delay on a busy box adds to it; a larger --emulate-ms shrinks its share)"))
     for name in cfg["schedules"]:
         print("\n" + schedules.describe(name, p, max(cfg["micro_batches"]), cfg["v"][name]))
     path = upsert_csv("pipeline_bubble.csv", [dict(

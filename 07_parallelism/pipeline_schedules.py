@@ -4,7 +4,8 @@ A schedule is a pure function of (rank, stages, micro_batches) (interleaved: als
 that returns the rank's ordered list of ``Step``s. This file has no torch in it: the lists
 are checked here for order of events (every F before its B before its W, every send matched
 by a receive in the same order, no deadlock), run in unit time by a small simulator (the
-ideal idle share and the text timeline), and set beside each schedule's idle formula.
+ideal idle share and the text timeline), set beside each schedule's idle formula, and
+planned into groups of sends and receives that cannot deadlock (``p2p_plan``).
 ``pipeline_parallel.py`` executes the same lists with real tensors.
 
 Words: p stages (ranks), m micro-batches, v model chunks per rank (interleaved only). The

@@ -1,9 +1,10 @@
 """Stage 07b: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1 as data, one executor).
 
 The schedules are tested as pure data, without processes: order of events, matched sends,
-deadlocks, the unit-time simulator against each formula, the activations held. The executor
-runs once per stage count (every schedule and m inside that one launch); the script runs
-once, small; bad input is checked in-process.
+deadlocks (with Gloo's and with NCCL's send semantics), the unit-time simulator against each
+formula, the activations held. The executor runs once per stage count, every schedule and m
+inside that one launch; the 4-stage launch also runs the script's own worker (table, CSV).
+Bad input is checked in-process; the copy test imports both files from an empty folder.
 """
 
 import csv
@@ -21,7 +22,6 @@ import pipeline_schedules as ps
 from common import launch
 from helpers import REPO
 
-SCRIPT = REPO / "07_parallelism" / "pipeline_parallel.py"
 CFG = dict(layers=8, d_model=16, hidden=32, batch=16, chunks=2)  # batch divides by 1, 2, 4, 8
 
 
