@@ -267,7 +267,7 @@ def pipeline_parallel_main(ctx, cfg: dict) -> None:
         if result["peak_held"] != promised:
             problems.append(f"{name} m={m}: held {result['peak_held']}, schedule {promised}")
         peak = [int(x) for x in gather_times([result["peak_held"]]).rank_medians]
-        for ms in (0.0, cfg["emulate_ms"]):   # real compute, then emulated (warm by then)
+        for ms in (0.0, cfg["emulate_ms"]):   # real compute, then emulated; warm by then
             runs = [pipeline_pass(model, name, ctx, m, cfg, ms) for _ in range(
                 cfg["iters"] + (0 if ms else cfg["warmup"]))][-cfg["iters"]:]   # the timed ones
             idle = gather_times([1 - r["busy_s"] / r["total_s"] for r in runs]).rank_medians
@@ -329,7 +329,7 @@ def main(argv=None) -> None:
         ("--chunks", launch.positive_int, 2, "v, model chunks per rank (interleaved only)"),
         ("--emulate-ms", launch.positive_float, 20.0, "measure also with every F, B, W "
          "replaced by a wait of this many ms (emulated compute; the messages stay real)"),
-        ("--warmup", launch.non_negative_int, 1, "untimed passes before the timed ones"),
+        ("--warmup", launch.non_negative_int, 0, "untimed passes besides the checked one"),
         ("--iters", launch.positive_int, 3, "timed passes per setting")]:
         parser.add_argument(flag, type=kind, default=default, help=text)
     args = parser.parse_args(argv)
