@@ -151,9 +151,11 @@ def _events(trace_path: Path) -> list[dict]:
 
 def _is_comm(e: dict) -> bool:
     name = str(e.get("name", "")).lower()
-    if name.startswith("gloo:") and ("all_reduce" in name or "allreduce" in name):
+    if name.startswith("gloo:") and any(op in name for op in (
+            "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter")):
         return True  # runs on a Gloo worker thread: the collective itself
-    return e.get("cat") == "kernel" and "nccl" in name  # the collective as a GPU kernel
+    # the collective as a GPU kernel: ncclDevKernel_AllReduce_..., _AllGather_..., _ReduceScatter_...
+    return e.get("cat") == "kernel" and "nccl" in name
 
 
 def step_timeline(trace_path: Path) -> dict:
