@@ -17,7 +17,6 @@ The algorithm needs torch alone: copy this file into a project and ``from fsdp i
 
 from __future__ import annotations
 
-import functools
 import sys
 import weakref
 from pathlib import Path
@@ -31,13 +30,11 @@ import torch.nn as nn
 
 # Async; looked up at each call, so a counter that swaps torch.distributed's functions sees them.
 def all_gather(out, shard, group):  # out <- [rank 0's shard, rank 1's, ...]
-    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    return gather(out, shard, group=group, async_op=True)
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard, group=group, async_op=True)
 
 
 def reduce_scatter(out, full, group):  # out <- this rank's block of the sum over ranks
-    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-    return scatter(out, full, group=group, async_op=True)
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group, async_op=True)
 
 
 def copy_rows(full: torch.Tensor, blocks: torch.Tensor, into_blocks: bool) -> None:
@@ -51,9 +48,9 @@ def copy_rows(full: torch.Tensor, blocks: torch.Tensor, into_blocks: bool) -> No
 
 
 def plan_units(module: nn.Module, unit_modules) -> list[tuple[list, list]]:
-    """[(roots, slots)]: roots gather the unit in their forward; a slot (owner, name, weight)
-    holds a weight of 2+ dims. A weight joins the nearest named unit above its owner, else
-    its owner's; units sharing a weight (tied embedding / output layer) merge into one."""
+    """[(roots, slots)]: roots gather the unit in their forward, a slot (owner, name, weight)
+    holds a weight of 2+ dims. A weight joins the nearest named unit above its owner, else its
+    owner's own; units that share a weight (tied embedding and output layer) merge."""
     home, parent, roots, units = {}, {}, {}, {}
     for unit in sorted(unit_modules, key=lambda m: -len(list(m.modules()))):  # outer first
         home.update({id(m): unit for m in unit.modules()})  # an inner unit overrides
@@ -79,8 +76,7 @@ class _Unit:
     """A unit's flat shard (its weights become views of it), full weights, communication state."""
 
     def __init__(self, slots, rank, world_size, compute_dtype):
-        self.slots = slots
-        self.owners = list({id(m): m for m, _, _ in slots}.values())
+        self.slots, self.owners = slots, list({id(m): m for m, _, _ in slots}.values())
         self.casts = [(m, n, p) for m in self.owners for n, p in m._parameters.items()
                       if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
         self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
@@ -101,31 +97,29 @@ class _Unit:
         self.gathered, self.work, self.buffer, self.grad_buffer = False, None, None, None
 
 
-def _weak(obj, method: str, *bound):
-    """A hook calling obj.method(*bound, *args) without keeping obj alive (see 05's weak_hook)."""
+def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook)
     ref = weakref.ref(obj)
     return lambda *args, **kw: None if ref() is None else getattr(ref(), method)(*bound, *args, **kw)
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallelism. Make the optimizer on ``fsdp.parameters()`` (shards)
-    after wrapping; per step: forward, backward(), finish_gradient_synchronization(), step().
-    ``units``: modules gathered as one (e.g. each Transformer block); other weights get a
-    unit per owning module. ``compute_dtype`` (float16/bfloat16): weights are cast before
-    the all-gather; modules owning weight matrices get inputs and biases cast; norm gains
-    and the float32 masters are not. ``reduce_dtype``: the reduce-scatter's dtype. Every rank
-    runs the same units (collectives pair up by order); an unused weight gets zero gradient."""
+    """Fully sharded data parallelism: optimizer on ``fsdp.parameters()`` (shards), made after
+    wrapping; per step forward, backward(), finish_gradient_synchronization(), step().
+    ``units``: modules gathered as one (e.g. Transformer blocks); other weights: a unit per
+    owner. ``compute_dtype`` (float16/bfloat16) casts weights before the all-gather, and the
+    inputs and biases of modules owning weight matrices; norm gains and masters stay float32.
+    Ranks must run the same units (collectives pair by order); unused weights get zero grads."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
         super().__init__()
         for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise TypeError(f"FSDP: {what} must be a floating dtype (torch.float16, "
-                                f"torch.bfloat16, torch.float32) or None, got {dtype!r}")
+                raise TypeError(f"FSDP: {what} must be a floating dtype (torch.float16, torch.bfloat16, "
+                                f"torch.float32) or None, got {dtype!r}")
         if not any(p.dim() >= 2 for p in module.parameters()):
-            raise ValueError(f"FSDP: {type(module).__name__} has no parameter of 2 or more "
-                             "dimensions, so nothing to shard; use a DDP (stages 03-06)")
+            raise ValueError(f"FSDP: {type(module).__name__} has no parameter of 2+ dimensions to "
+                             "shard; use a DDP (03-06)")
         if any(all(u is not m for m in module.modules()) for u in units):
             raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
         self.module, self.group, self.compute_dtype = module, process_group, compute_dtype
@@ -148,7 +142,7 @@ class FSDP(nn.Module):
                 owner.register_forward_pre_hook(_weak(self, "_cast_inputs"), with_kwargs=True)
         self._replicated = [p for p in module.parameters() if p.dim() < 2 and p.requires_grad]
         self._uses, self._recording, self._next_in_backward, self._reducing = [], True, {}, []
-        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # of full weights alive at once
 
     def forward(self, *args, **kwargs):
         self._pos = 0
@@ -158,10 +152,6 @@ class FSDP(nn.Module):
             self._next_in_backward = dict(zip(order, order[1:]))
         return out
 
-    def _count(self, nbytes: int) -> None:  # bytes of full weights and gather buffers alive
-        self.gathered_bytes += nbytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-
     def _gather(self, u: _Unit, wait: bool = True) -> None:
         """Start the unit's all-gather unless in flight; with ``wait``, fill its full weights."""
         if u.gathered:
@@ -170,22 +160,21 @@ class FSDP(nn.Module):
             send = u.flat_shard.to(u.full[0].dtype)  # cast first: 16-bit weights travel in 16 bits
             u.buffer = send.new_empty(self.world_size * send.numel())
             u.work = all_gather(u.buffer, send, self.group)
-            self._count(u.buffer.nbytes)
         if wait:
             u.work.wait()
             for full, off, numel in zip(u.full, u.offsets, u.numels):
                 full.untyped_storage().resize_(full.nbytes)
                 # via .data: refilling a tensor autograd saved must not bump its version
                 copy_rows(full.data.view(-1), u.buffer.view(self.world_size, -1)[:, off:off + numel], False)
-            self._count(u.full_bytes - u.buffer.nbytes)
+            self.gathered_bytes += u.full_bytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
             u.gathered, u.work, u.buffer = True, None, None
 
     def _reshard(self, u: _Unit) -> None:
         if u.gathered:
             for full in u.full:
                 full.untyped_storage().resize_(0)
-            self._count(-u.full_bytes)
-            u.gathered = False
+            self.gathered_bytes, u.gathered = self.gathered_bytes - u.full_bytes, False
 
     def _swap(self, u: _Unit, to_full: bool) -> None:
         for owner, name, p in u.slots:
@@ -213,8 +202,8 @@ class FSDP(nn.Module):
         self._swap(u, to_full=False)
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute in backward: keep the weights, this unit's backward is next
-        last = not self._recording and self._pos == len(self._uses) and self._uses[-1] is u
-        if not (last and torch.is_grad_enabled()):  # backward starts with the last: keep it
+        # keep the units that end forward after the last one began: backward starts with them
+        if self._recording or self._pos < len(self._uses) or not torch.is_grad_enabled():
             self._reshard(u)
         for t in output if isinstance(output, (tuple, list)) else [output]:
             if torch.is_tensor(t) and t.requires_grad:  # fires when backward reaches this unit
@@ -313,64 +302,55 @@ def tiny_lm(checkpoint: bool = False, tied: bool = False) -> nn.Module:
     return lm
 
 
-def against_one_process(ctx, build, per_block: bool, steps: int = 3) -> dict:
-    """Train FSDP(build()) and build() on the whole batch side by side (AdamW); after each
-    step compare gather_full_params() with the reference (float32 tolerance) and across ranks."""
-    from common import models
-    torch.manual_seed(1 + ctx.rank)  # a different model on every rank: the wrap broadcasts rank 0's
-    model, _ = build(), torch.manual_seed(1)
-    reference, fsdp = build(), FSDP(model, units=list(model.blocks) if per_block else ())
-    # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients (rare tokens)
-    # into updates of order lr, for torch DDP exactly as much as here
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
-    found, mine = dict(max_diff=0.0, ok=True, bitwise=True, fsdp=fsdp), slice(2 * ctx.rank, 2 * ctx.rank + 2)
-    for step in range(steps):
-        x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
-        for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
-            opt.zero_grad(set_to_none=True)
-            models.lm_loss(m(xs), ys).backward()
-            getattr(m, "finish_gradient_synchronization", lambda: None)()
-            opt.step()
-        got = fsdp.gather_full_params()
-        for name, p in reference.named_parameters():
-            found["max_diff"] = max(found["max_diff"], (got[name] - p).abs().max().item())
-            found["ok"] &= torch.allclose(got[name], p, rtol=1e-4, atol=1e-5)
-        flat = torch.cat([t.flatten() for t in got.values()])
-        everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
-        dist.all_gather(everyone, flat)
-        found["bitwise"] &= all(torch.equal(everyone[0], t) for t in everyone)
-    return found
-
-
 def verify_main(ctx, args) -> None:
-    """Plain run: the tiny LM under FSDP against one process; a table; exit 1 on a failure."""
-    from common import results
-    rows = []
-    for label, build, per_block in (
-            ("tiny LM, a unit per block", tiny_lm, True),
-            ("+ activation checkpointing", functools.partial(tiny_lm, checkpoint=True), True),
-            ("tied embedding/output, unit per layer", functools.partial(tiny_lm, tied=True), False)):
-        f = against_one_process(ctx, build, per_block)
-        rows.append({"case": label, "units": len(f["fsdp"].units), "max |diff|": f["max_diff"],
-                     "bitwise across ranks": f["bitwise"], "ok": f["ok"] and f["bitwise"],
-                     "shard kB/rank": sum(p.nbytes for p in f["fsdp"].parameters()) / 1e3,
-                     "peak gathered kB": f["fsdp"].peak_gathered_bytes / 1e3})
-    ctx.print(f"FSDP, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}), vs one process on the "
-              f"whole batch, 3 AdamW steps ({results.machine_name()}):", all_ranks=False)
-    if ctx.is_main or not all(r["ok"] for r in rows):  # a failure shows on every rank
+    """Plain run: the tiny LM under FSDP and on one process (the whole batch), 3 AdamW steps;
+    weights allclose at float32 tolerance after every step, bitwise equal across ranks."""
+    from common import models, results
+    rows, mine = [], slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    for label, checkpoint, tied, per_block in (
+            ("a unit per block", False, False, True), ("per block + activation checkpointing", True, False, True),
+            ("tied embedding/output, a unit per layer", False, True, False)):
+        torch.manual_seed(1 + ctx.rank)  # a different model on every rank: the wrap broadcasts rank 0's
+        model = tiny_lm(checkpoint, tied)
+        fsdp, _ = FSDP(model, units=list(model.blocks) if per_block else ()), torch.manual_seed(1)
+        reference = tiny_lm(checkpoint, tied)
+        # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients (rare
+        # tokens) into updates of order lr, for torch DDP exactly as much as here
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
+        row = {"case": label, "units": len(fsdp.units), "max |diff|": 0.0, "allclose": True, "bitwise": True}
+        for step in range(3):
+            x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
+            for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
+                opt.zero_grad(set_to_none=True)
+                models.lm_loss(m(xs), ys).backward()
+                getattr(m, "finish_gradient_synchronization", lambda: None)()
+                opt.step()
+            got = fsdp.gather_full_params()
+            for name, p in reference.named_parameters():
+                row["max |diff|"] = max(row["max |diff|"], (got[name] - p).abs().max().item())
+                row["allclose"] &= torch.allclose(got[name], p, rtol=1e-4, atol=1e-5)
+            flat = torch.cat([t.flatten() for t in got.values()])
+            everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+            dist.all_gather(everyone, flat)
+            row["bitwise"] &= all(torch.equal(everyone[0], t) for t in everyone)
+        rows.append(dict(row, **{"shards kB/rank": sum(p.nbytes for p in fsdp.parameters()) / 1e3,
+                                 "peak gathered kB": fsdp.peak_gathered_bytes / 1e3}))
+    ok = all(r["allclose"] and r["bitwise"] for r in rows)
+    ctx.print(f"FSDP, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}), vs one process, 3 AdamW "
+              f"steps ({results.machine_name()}):", all_ranks=False)
+    if ctx.is_main or not ok:  # a failure shows on every rank
         results.print_table(rows, floatfmt=".3g")
-    ctx.print("all checks passed" if all(r["ok"] for r in rows) else "SOME CHECKS FAILED", all_ranks=False)
+    ctx.print("all checks passed" if ok else "SOME CHECKS FAILED", all_ranks=False)
     dist.barrier()
-    if not all(r["ok"] for r in rows):
+    if not ok:
         raise SystemExit(1)
 
 
 def profile_main(ctx, args) -> None:
-    """--profile: one unit per Transformer block; the timeline of stage 05 (common/profiling)."""
+    """--profile: one unit per Transformer block, in stage 05's timeline (common/profiling)."""
     from common import profiling
-    dtype = None if args.compute_dtype == "float32" else getattr(torch, args.compute_dtype)
-    factory = lambda m: FSDP(m, compute_dtype=dtype, units=list(m.blocks))  # noqa: E731
-    summaries = profiling.profile_ddp(ctx, [("fsdp (07)", factory)], args, name="07_fsdp")
+    cases = [("fsdp (07)", lambda model: FSDP(model, units=list(model.blocks)))]
+    summaries = profiling.profile_ddp(ctx, cases, args, name="07_fsdp")
     if ctx.is_main:
         profiling.print_summary(summaries)
 
@@ -379,8 +359,6 @@ def main(argv=None) -> None:
     _repo()
     from common import launch, profiling, step_bench
     parser = launch.make_parser(__doc__)
-    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16", "float16"],
-                        default="float32", help="FSDP's compute dtype in --profile")
     step_bench.add_step_bench_args(parser)
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
