@@ -115,11 +115,9 @@ class FSDP(nn.Module):
         super().__init__()
         for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise TypeError(f"FSDP: {what} must be a floating dtype (torch.float16, torch.bfloat16, "
-                                f"torch.float32) or None, got {dtype!r}")
+                raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
         if not any(p.dim() >= 2 for p in module.parameters()):
-            raise ValueError(f"FSDP: {type(module).__name__} has no parameter of 2+ dimensions to "
-                             "shard; use a DDP (03-06)")
+            raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; use a DDP (03-06)")
         if any(all(u is not m for m in module.modules()) for u in units):
             raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
         self.module, self.group, self.compute_dtype = module, process_group, compute_dtype
