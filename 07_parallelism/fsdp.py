@@ -361,7 +361,8 @@ def main(argv=None) -> None:
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
-    step_bench.check_step_bench_args(args, config)
+    if args.profile:  # the plain run has its own sizes
+        step_bench.check_step_bench_args(args, config)
     launch.launch(profile_main if args.profile else verify_main, config, args)
 
 

@@ -376,7 +376,7 @@ def test_bad_input_one_line(capsys):
     with pytest.raises(ValueError, match="submodule"):
         FSDP(nn.Linear(2, 2), units=[nn.Linear(2, 2)])
     for argv, needle in ((["--compute-dtype", "int8"], "int8"), (["--world-size", "0"], "--world-size"),
-                         (["--batch-size", "3"], "--batch-size 3")):
+                         (["--profile", "--batch-size", "3"], "--batch-size 3")):
         with pytest.raises(SystemExit) as e:
             fsdp_mod.main(argv + ["--backend", "gloo", "--device", "cpu"])
         assert e.value.code == 2
