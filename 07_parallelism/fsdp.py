@@ -1,0 +1,370 @@
+"""Stage 07b: FSDP (ZeRO-3) from scratch. Every rank keeps 1/N of every weight matrix
+(cut along dim 0, padded) and gathers a unit's full weights just before the unit runs:
+
+    forward:  all-gather the unit's shards -> full weights -> run -> free them
+    backward: all-gather again -> run its backward -> reduce-scatter the full gradients into
+              this rank's averaged float32 shard gradient -> free weights and gradients
+
+with the next unit's all-gather in flight meanwhile (prefetch, in the order of the first
+forward). Biases and norm gains stay whole on every rank; their gradients are all-reduced.
+
+    python 07_parallelism/fsdp.py --world-size 2    # verify against one process, a table
+    python 07_parallelism/fsdp.py --profile         # timeline: all-gathers during compute
+    torchrun --nproc-per-node=2 07_parallelism/fsdp.py
+
+The algorithm needs torch alone: copy this file into a project and ``from fsdp import FSDP``.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+# --------------------------------------------------------------------------- the algorithm
+
+
+# Async; looked up at each call, so a counter that swaps torch.distributed's functions sees them.
+def all_gather(out, shard, group):  # out <- [rank 0's shard, rank 1's, ...]
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard, group=group, async_op=True)
+
+
+def reduce_scatter(out, full, group):  # out <- this rank's block of the sum over ranks
+    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group, async_op=True)
+
+
+def copy_rows(full: torch.Tensor, blocks: torch.Tensor, into_blocks: bool) -> None:
+    """Flat full tensor <-> its shards as rank-major rows (N x n): rank r holds rows
+    [r k, (r+1) k) of dim 0, so the rows in order are the tensor, padding at the end."""
+    n = blocks.shape[1]
+    q, rem = divmod(full.numel(), n)
+    for whole, parts in ((full[:q * n].view(q, n), blocks[:q]),
+                         (full[q * n:], blocks[q:q + 1, :rem].flatten())):
+        parts.copy_(whole) if into_blocks else whole.copy_(parts)
+
+
+def plan_units(module: nn.Module, unit_modules) -> list[tuple[list, list]]:
+    """[(roots, slots)]: roots gather the unit in their forward, a slot (owner, name, weight)
+    holds a weight of 2+ dims. A weight joins the nearest named unit above its owner, else its
+    owner's own; units that share a weight (tied embedding and output layer) merge."""
+    home, parent, roots, units = {}, {}, {}, {}
+    for unit in sorted(unit_modules, key=lambda m: -len(list(m.modules()))):  # outer first
+        home.update({id(m): unit for m in unit.modules()})  # an inner unit overrides
+
+    def find(key):  # union-find over roots and weights
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+    slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
+             if p is not None and p.dim() >= 2]
+    for owner, _, p in slots:
+        root = home.get(id(owner), owner)
+        roots[id(root)] = root
+        parent[find(id(p))] = find(id(root))
+    for slot in slots:
+        units.setdefault(find(id(slot[2])), ([], []))[1].append(slot)
+    for key, root in roots.items():
+        units[find(key)][0].append(root)
+    return list(units.values())
+
+
+class _Unit:
+    """A unit's flat shard (its weights become views of it), full weights, communication state."""
+
+    def __init__(self, slots, rank, world_size, compute_dtype):
+        self.slots, self.owners = slots, list({id(m): m for m, _, _ in slots}.values())
+        self.casts = [(m, n, p) for m in self.owners for n, p in m._parameters.items()
+                      if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
+        self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
+        self.position = {id(p): i for i, p in enumerate(self.params)}
+        rows = [-(-p.shape[0] // world_size) for p in self.params]  # k = ceil(d0 / N)
+        self.numels = [k * p[0].numel() for k, p in zip(rows, self.params)]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
+        self.flat_shard = self.params[0].new_zeros(sum(self.numels))
+        self.full = [nn.Parameter(torch.empty_like(p, dtype=compute_dtype or p.dtype),
+                                  requires_grad=p.requires_grad) for p in self.params]
+        for p, full, k, off, numel in zip(self.params, self.full, rows, self.offsets, self.numels):
+            mine = p.detach()[rank * k:(rank + 1) * k].flatten()
+            self.flat_shard[off:off + mine.numel()].copy_(mine)  # zeros after: the padding
+            p.data = self.flat_shard[off:off + numel].view(k, *p.shape[1:])  # now the shard
+            full.untyped_storage().resize_(0)  # storage only while gathered
+        self.full_bytes = sum(f.nbytes for f in self.full)
+        self.trainable = self.pending = sum(p.requires_grad for p in self.params)
+        self.gathered, self.work, self.buffer, self.grad_buffer = False, None, None, None
+
+
+def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook)
+    ref = weakref.ref(obj)
+    return lambda *args, **kw: None if ref() is None else getattr(ref(), method)(*bound, *args, **kw)
+
+
+class FSDP(nn.Module):
+    """Fully sharded data parallelism: optimizer on ``fsdp.parameters()`` (shards), made after
+    wrapping; per step forward, backward(), finish_gradient_synchronization(), step().
+    ``units``: modules gathered as one (e.g. Transformer blocks); other weights: a unit per
+    owner. ``compute_dtype`` (float16/bfloat16) casts weights before the all-gather, and the
+    inputs and biases of modules owning weight matrices; norm gains and masters stay float32.
+    Ranks must run the same units (collectives pair by order); unused weights get zero grads."""
+
+    def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
+                 units=(), process_group=None):
+        super().__init__()
+        for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+                raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
+        if not any(p.dim() >= 2 for p in module.parameters()):
+            raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; use a DDP (03-06)")
+        if any(all(u is not m for m in module.modules()) for u in units):
+            raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
+        self.module, self.group, self.compute_dtype = module, process_group, compute_dtype
+        self.reduce_dtype = reduce_dtype or torch.float32
+        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        for t in [*module.parameters(), *module.buffers()]:  # start from rank 0's state (03-06)
+            dist.broadcast(t.detach(), src=src, group=process_group)
+        self.units = []
+        for roots, slots in plan_units(module, units):
+            u = _Unit(slots, self.rank, self.world_size, compute_dtype)
+            self.units.append(u)
+            for root in roots:
+                root.register_forward_pre_hook(_weak(self, "_pre_forward", u))
+                root.register_forward_hook(_weak(self, "_post_forward", u), always_call=True)
+            for i, full in enumerate(u.full):
+                if full.requires_grad:
+                    full.register_post_accumulate_grad_hook(_weak(self, "_on_full_grad", u, i))
+            for owner in u.owners if compute_dtype else ():
+                owner.register_forward_pre_hook(_weak(self, "_cast_inputs"), with_kwargs=True)
+        self._replicated = [p for p in module.parameters() if p.dim() < 2 and p.requires_grad]
+        self._uses, self._recording, self._next_in_backward, self._reducing = [], True, {}, []
+        self.gathered_bytes = self.peak_gathered_bytes = 0  # of full weights alive at once
+
+    def forward(self, *args, **kwargs):
+        self._pos = 0
+        out = self.module(*args, **kwargs)
+        if self._recording:  # the first forward fixed the order; backward runs it reversed
+            self._recording, order = False, list(dict.fromkeys(reversed(self._uses)))
+            self._next_in_backward = dict(zip(order, order[1:]))
+        return out
+
+    def _gather(self, u: _Unit, wait: bool = True) -> None:
+        """Start the unit's all-gather unless in flight; with ``wait``, fill its full weights."""
+        if u.gathered:
+            return
+        if u.work is None:
+            send = u.flat_shard.to(u.full[0].dtype)  # cast first: 16-bit weights travel in 16 bits
+            u.buffer = send.new_empty(self.world_size * send.numel())
+            u.work = all_gather(u.buffer, send, self.group)
+        if wait:
+            u.work.wait()
+            for full, off, numel in zip(u.full, u.offsets, u.numels):
+                full.untyped_storage().resize_(full.nbytes)
+                # via .data: refilling a tensor autograd saved must not bump its version
+                copy_rows(full.data.view(-1), u.buffer.view(self.world_size, -1)[:, off:off + numel], False)
+            self.gathered_bytes += u.full_bytes
+            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+            u.gathered, u.work, u.buffer = True, None, None
+
+    def _reshard(self, u: _Unit) -> None:
+        if u.gathered:
+            for full in u.full:
+                full.untyped_storage().resize_(0)
+            self.gathered_bytes, u.gathered = self.gathered_bytes - u.full_bytes, False
+
+    def _swap(self, u: _Unit, to_full: bool) -> None:
+        for owner, name, p in u.slots:
+            owner._parameters[name] = u.full[u.position[id(p)]] if to_full else p
+        for owner, name, p in u.casts:
+            owner._parameters[name] = p.to(self.compute_dtype) if to_full else p
+
+    def _cast_inputs(self, module, args, kwargs):
+        cast = lambda t: t.to(self.compute_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
+        return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+
+    def _pre_forward(self, u: _Unit, module, args) -> None:
+        nxt = None  # inside backward this is a checkpoint's recompute: gather, nothing else
+        if torch._C._current_graph_task_id() == -1 and self._recording:
+            self._uses.append(u)
+        elif torch._C._current_graph_task_id() == -1 and self._uses[self._pos:self._pos + 1] == [u]:
+            self._pos += 1  # on the recorded path
+            nxt = self._uses[self._pos] if self._pos < len(self._uses) else None
+        self._gather(u)
+        if nxt is not None:  # prefetch: the next unit's all-gather runs while this one computes
+            self._gather(nxt, wait=False)
+        self._swap(u, to_full=True)
+
+    def _post_forward(self, u: _Unit, module, args, output) -> None:
+        self._swap(u, to_full=False)
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recompute in backward: keep the weights, this unit's backward is next
+        # keep the units that end forward after the last one began: backward starts with them
+        if self._recording or self._pos < len(self._uses) or not torch.is_grad_enabled():
+            self._reshard(u)
+        for t in output if isinstance(output, (tuple, list)) else [output]:
+            if torch.is_tensor(t) and t.requires_grad:  # fires when backward reaches this unit
+                t.register_hook(_weak(self, "_pre_backward", u))
+
+    def _pre_backward(self, u: _Unit, grad) -> None:
+        self._gather(u)
+        if u in self._next_in_backward:  # prefetch the unit whose backward comes next
+            self._gather(self._next_in_backward[u], wait=False)
+
+    def _on_full_grad(self, u: _Unit, i: int, full=None) -> None:
+        """Every use of full weight i is summed in its .grad: into the reduce-scatter input."""
+        if u.grad_buffer is None:
+            u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(),
+                                                   dtype=self.reduce_dtype)
+        blocks = u.grad_buffer.view(self.world_size, -1)[:, u.offsets[i]:u.offsets[i] + u.numels[i]]
+        copy_rows(u.full[i].grad.view(-1), blocks, True)
+        u.full[i].grad, u.pending = None, u.pending - 1
+        if u.pending == 0:  # all its gradients are in; a frozen weight may still be needed
+            if u.trainable == len(u.full):  # by the backward, so then free only in finish()
+                self._reshard(u)
+            self._reduce_scatter(u)
+
+    def _reduce_scatter(self, u: _Unit) -> None:
+        out = u.flat_shard.new_empty(u.flat_shard.numel(), dtype=self.reduce_dtype)
+        self._reducing.append((u, reduce_scatter(out, u.grad_buffer, self.group), out, u.grad_buffer))
+        u.grad_buffer, u.pending = None, u.trainable
+        while len(self._reducing) > 1:  # one in flight: it overlaps the next unit's backward
+            self._land(*self._reducing.pop(0))
+
+    def _land(self, u: _Unit, work, out, grad_buffer) -> None:
+        """Wait for a reduce-scatter; the mean over ranks becomes (or adds to) the shards' .grad."""
+        work.wait()
+        out = out.div_(self.world_size).to(u.flat_shard.dtype)
+        for p, off, numel in zip(u.params, u.offsets, u.numels):
+            if p.requires_grad:
+                g = out[off:off + numel].view_as(p)
+                p.grad = g if p.grad is None else p.grad.add_(g)
+
+    def finish_gradient_synchronization(self) -> None:
+        """After each backward: reduce units missing a gradient, finish unused prefetches, free
+        full weights, land the reduce-scatters, all-reduce replicated gradients in one call."""
+        for u in self.units:  # in unit order: the same collectives in the same order everywhere
+            for i in [i for i, f in enumerate(u.full) if f.grad is not None]:
+                self._on_full_grad(u, i)
+            if u.grad_buffer is not None:
+                self._reduce_scatter(u)
+            if u.work is not None:
+                self._gather(u)
+            self._reshard(u)
+        while self._reducing:
+            self._land(*self._reducing.pop(0))
+        ps = [p for p in self._replicated if p.grad is not None]
+        if ps:
+            flat = torch.cat([p.grad.flatten() for p in ps])
+            dist.all_reduce(flat, group=self.group)
+            for p, g in zip(ps, flat.div_(self.world_size).split([p.numel() for p in ps])):
+                p.grad.copy_(g.view_as(p))
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter under the module's own names, full size, float32 (a collective)."""
+        full = {}
+        for u in self.units:
+            out = u.flat_shard.new_empty(self.world_size * u.flat_shard.numel())  # master dtype
+            all_gather(out, u.flat_shard, self.group).wait()
+            for p, f, off, numel in zip(u.params, u.full, u.offsets, u.numels):
+                full[id(p)] = out.new_empty(f.shape)
+                copy_rows(full[id(p)].view(-1), out.view(self.world_size, -1)[:, off:off + numel], False)
+        return {name: full[id(p)] if id(p) in full else p.detach().clone()
+                for name, p in self.module.named_parameters(remove_duplicate=False)}
+
+    def gathered_storage_keys(self) -> set:
+        """(device, data_ptr) of full weights allocated now: saved tensors there are not activations."""
+        return {(f.device, f.untyped_storage().data_ptr()) for u in self.units if u.gathered for f in u.full}
+
+
+# --------------------------------------------------------------------------- harness
+
+
+def _repo() -> None:
+    """The harness needs the repository's common/ package; the algorithm above does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common" / "launch.py").exists():
+        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+                         "demo and benchmark need the repository around this file (common/)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
+def tiny_lm(checkpoint: bool = False, tied: bool = False) -> nn.Module:
+    from common import models
+    lm = models.TransformerLM("tiny", context_length=32, checkpoint_activations=checkpoint)
+    if tied:  # one matrix in two layers: their units merge
+        lm.lm_head.weight = lm.token_embedding.weight
+    return lm
+
+
+def verify_main(ctx, args) -> None:
+    """Plain run: the tiny LM under FSDP and on one process (the whole batch), 3 AdamW steps;
+    weights allclose at float32 tolerance after every step, bitwise equal across ranks."""
+    from common import models, results
+    rows, mine = [], slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    for label, checkpoint, tied, per_block in (
+            ("a unit per block", False, False, True), ("per block + activation checkpointing", True, False, True),
+            ("tied embedding/output, a unit per layer", False, True, False)):
+        torch.manual_seed(1 + ctx.rank)  # a different model on every rank: the wrap broadcasts rank 0's
+        model = tiny_lm(checkpoint, tied)
+        fsdp, _ = FSDP(model, units=list(model.blocks) if per_block else ()), torch.manual_seed(1)
+        reference = tiny_lm(checkpoint, tied)
+        # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients (rare
+        # tokens) into updates of order lr, for torch DDP exactly as much as here
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
+        row = {"case": label, "units": len(fsdp.units), "max |diff|": 0.0, "allclose": True, "bitwise": True}
+        for step in range(3):
+            x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
+            for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
+                opt.zero_grad(set_to_none=True)
+                models.lm_loss(m(xs), ys).backward()
+                getattr(m, "finish_gradient_synchronization", lambda: None)()
+                opt.step()
+            got = fsdp.gather_full_params()
+            for name, p in reference.named_parameters():
+                row["max |diff|"] = max(row["max |diff|"], (got[name] - p).abs().max().item())
+                row["allclose"] &= torch.allclose(got[name], p, rtol=1e-4, atol=1e-5)
+            flat = torch.cat([t.flatten() for t in got.values()])
+            everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+            dist.all_gather(everyone, flat)
+            row["bitwise"] &= all(torch.equal(everyone[0], t) for t in everyone)
+        rows.append(dict(row, **{"shards kB/rank": sum(p.nbytes for p in fsdp.parameters()) / 1e3,
+                                 "peak gathered kB": fsdp.peak_gathered_bytes / 1e3}))
+    ok = all(r["allclose"] and r["bitwise"] for r in rows)
+    ctx.print(f"FSDP, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}), vs one process, 3 AdamW "
+              f"steps ({results.machine_name()}):", all_ranks=False)
+    if ctx.is_main or not ok:  # a failure shows on every rank
+        results.print_table(rows, floatfmt=".3g")
+    ctx.print("all checks passed" if ok else "SOME CHECKS FAILED", all_ranks=False)
+    dist.barrier()
+    if not ok:
+        raise SystemExit(1)
+
+
+def profile_main(ctx, args) -> None:
+    """--profile: one unit per Transformer block, in stage 05's timeline (common/profiling)."""
+    from common import profiling
+    cases = [("fsdp (07)", lambda model: FSDP(model, units=list(model.blocks)))]
+    summaries = profiling.profile_ddp(ctx, cases, args, name="07_fsdp")
+    if ctx.is_main:
+        profiling.print_summary(summaries)
+
+
+def main(argv=None) -> None:
+    _repo()
+    from common import launch, profiling, step_bench
+    parser = launch.make_parser(__doc__)
+    step_bench.add_step_bench_args(parser)
+    profiling.add_profile_args(parser)
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    if args.profile:  # the plain run has its own sizes
+        step_bench.check_step_bench_args(args, config)
+    launch.launch(profile_main if args.profile else verify_main, config, args)
+
+
+if __name__ == "__main__":
+    main()
