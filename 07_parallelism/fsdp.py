@@ -348,9 +348,7 @@ def profile_main(ctx, args) -> None:
     """--profile: one unit per Transformer block, in stage 05's timeline (common/profiling)."""
     from common import profiling
     cases = [("fsdp (07)", lambda model: FSDP(model, units=list(model.blocks)))]
-    summaries = profiling.profile_ddp(ctx, cases, args, name="07_fsdp")
-    if ctx.is_main:
-        profiling.print_summary(summaries)
+    profiling.profile_ddp(ctx, cases, args, name="07_fsdp")
 
 
 def main(argv=None) -> None:

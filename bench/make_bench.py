@@ -1,26 +1,19 @@
-"""``make bench``: every measurement this course makes, on this box, in one command, and a report.
+"""``make bench``: every measurement the course makes, on this box, in one command, and a report.
 
     make bench                       # = python bench/make_bench.py
-    BENCH_QUICK=1 make bench         # the two-minute version, for trying things
-    BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-06
+    BENCH_QUICK=1 make bench         # the two-minute version
+    BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
-What it runs depends on what the box has (``pick_setup``), and it says what it picked:
-
-* no GPU: gloo with CPU tensors and small sizes, so anyone can try it;
-* one GPU: the ranks share it and talk over Gloo with CUDA tensors, because NCCL refuses two
-  ranks on one GPU ("Duplicate GPU detected");
-* two or more GPUs: NCCL, one GPU per rank (and Gloo/CPU beside it in stage 02).
-
-In order: stage 02's all-reduce sweep; stages 03-06 on the LM with torch DDP beside them
-and 06's bucket sweep with the bucket-size model (all one run of ``06 --bench``: step-time
-ratios are fair only within one run); stage 05's profile of naive against overlapped DDP (the
-overlap timeline); stage 07's tensor- and pipeline-parallel measurements. Each stage script
-runs as its own process with a wall-clock cap inside one budget for the whole run
-(``BENCH_BUDGET_S``, ``run_all``), and no single configuration runs past two minutes (stage
-02's ``--budget-s``, the step harness's ``--case-budget-s``). Every script
-runs with ``RESULTS_RUN_ID`` set, so the report (``bench/report.py``) takes this run's rows
-from the shared CSVs and nothing older. This driver imports no stage: it runs their scripts.
+What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
+one GPU, the ranks share it over Gloo (NCCL refuses two ranks on one GPU); two or more, NCCL
+with one GPU per rank. In order: stage 02's sweep; stages 03-06 and torch DDP on the LM with
+06's bucket sweep and model (one run of ``06 --bench``: ratios are fair only within a run);
+05's profile; 07's tensor-parallel bytes, pipeline schedules (real and emulated compute), and
+the sharding ledger (DDP, ZeRO-1/2, FSDP, torch's). Each script runs as its own process with
+a wall-clock cap inside one budget (``BENCH_BUDGET_S``), and with ``RESULTS_RUN_ID`` set, so
+``bench/report.py`` reports this run's rows and nothing older. No stage is imported: the
+driver runs their scripts.
 """
 
 from __future__ import annotations
@@ -41,8 +34,7 @@ from bench.report import RUN_FILE, write_report  # noqa: E402
 from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
-GRACE_S = 15                    # after a cap's Ctrl-C, how long a script gets to write rows
-KILL_WAIT_S = 5                 # ... and after the kill that follows
+GRACE_S, KILL_WAIT_S = 15, 5    # after a cap's Ctrl-C, time to write rows; after the kill
 MIN_STEP_S = 15                 # a step with less time than this left is skipped, not started
 
 
@@ -51,7 +43,7 @@ class Step:
     key: str            # names the step in the report ("allreduce", "ddp", ...)
     title: str
     argv: list[str]     # script and its flags, run with this Python from the repo root
-    cap_s: int          # wall-clock cap; at the cap the script gets Ctrl-C, then is killed
+    cap_s: int          # wall-clock cap: at the cap the script gets Ctrl-C, then is killed
     status: str = "not run"
     seconds: float = 0.0
 
@@ -68,119 +60,90 @@ class Setup:
 
 def pick_setup(gpus: int, gpu_name: str = "") -> Setup:
     if gpus == 0:
-        return Setup(0, "", "gloo", "cpu",
-                     "No GPU here: every stage runs on Gloo with CPU tensors at small sizes "
-                     "(anyone can try it; the numbers measure this machine's cores and "
+        return Setup(0, "", "gloo", "cpu", "No GPU here: every stage runs on Gloo with CPU "
+                     "tensors at small sizes (the numbers measure this machine's cores and "
                      "loopback, not an interconnect).")
     if gpus == 1:
-        return Setup(1, gpu_name, "gloo", "cuda",
-                     f"One GPU ({gpu_name}): the ranks share it and communicate over Gloo with "
-                     "CUDA tensors, because NCCL refuses two ranks on one GPU (\"Duplicate GPU "
-                     "detected\"). Gloo stages GPU memory through the host, so communication "
-                     "here is far slower than NCCL between GPUs would be. Stage 02 also "
-                     "measures Gloo with CPU tensors.")
+        return Setup(1, gpu_name, "gloo", "cuda", f"One GPU ({gpu_name}): the ranks share it and "
+                     "communicate over Gloo with CUDA tensors, because NCCL refuses two ranks on "
+                     "one GPU (\"Duplicate GPU detected\"). Gloo stages GPU memory through the "
+                     "host, so communication is far slower than NCCL between GPUs would be.")
     return Setup(gpus, gpu_name, "nccl", "cuda",
-                 f"{gpus} GPUs ({gpu_name}): NCCL, one GPU per rank. Stage 02 also measures "
-                 "Gloo with CPU tensors beside it.")
+                 f"{gpus} GPUs ({gpu_name}): NCCL, one GPU per rank.")
 
 
 def bench_model(setup: Setup, quick: bool) -> str:
-    """``BENCH_MODEL`` if set, else small on a GPU box (course in quick mode), tiny on CPU."""
+    """``BENCH_MODEL`` if set, else small on a GPU box (course when quick), tiny on a CPU."""
     name = os.environ.get("BENCH_MODEL", "").strip()
-    if name:
-        if name not in models.PRESETS:
-            usage_error(f"BENCH_MODEL={name!r} is not a preset; choose from "
-                        f"{', '.join(models.PRESETS)}", prog="make bench")
-        return name
-    if setup.gpus == 0:
-        return "tiny"
-    return "course" if quick else "small"
+    if name and name not in models.PRESETS:
+        usage_error(f"BENCH_MODEL={name!r} is not a preset; choose from "
+                    f"{', '.join(models.PRESETS)}", prog="make bench")
+    return name or ("tiny" if setup.gpus == 0 else "course" if quick else "small")
 
 
 def budget_s(quick: bool) -> float:
-    """``BENCH_BUDGET_S``, else 130 s quick / 510 s full: the whole run's wall-clock limit
-    (the issue: about two minutes, and under nine; the report and start-up fit in the rest)."""
+    """``BENCH_BUDGET_S``, else 130 s quick / 510 s full: the whole run's limit."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
-    if not text:
-        return 130.0 if quick else 510.0
     try:
-        value = float(text)
+        value = float(text) if text else (130.0 if quick else 510.0)
     except ValueError:
-        value = -1.0
-    if value < 60:
+        value = float("nan")
+    if not value >= 60 or value == float("inf"):
         usage_error(f"BENCH_BUDGET_S={text!r}: give the whole run's limit in seconds, >= 60",
                     prog="make bench")
     return value
 
 
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
-    """The steps for this box; sizes chosen so the whole run fits a few minutes (README).
-    ``trace_dir``: where stage 05 writes its raw profiler traces (not part of the report)."""
-    gpus = setup.gpus
+    """The steps for this box, sized so the whole run fits its budget. Caps are seconds."""
+    gpus, cpu = setup.gpus, setup.gpus == 0
     where = ["--backend", setup.backend, "--device", setup.device]
-    # Caps, seconds: (02, 03-06, profile, each TP run, PP). On a 2-core CPU VM the full plan's
-    # steps took 38, 63, 21, 16 + 25, 35 s. On one H100 (16 cores) nothing is measured yet; the
-    # estimate is 02 about 150 s (Gloo through host memory at 1 GB dominates), 03-06 about
-    # 150 s (12 cases x 2 rounds x 8 steps of a 100M-parameter LM, ~0.3 s a step over Gloo),
-    # 15-30 s for each later script, most of it starting CUDA in each rank.
-    if gpus == 0:
-        caps = (60, 60, 45, 30, 45) if quick else (120, 180, 60, 60, 90)
-        ar_where = ["--backend", "gloo", "--device", "cpu"]
-        ar_sizes = "64KB,1MB,10MB" if quick else "64KB,1MB,10MB,100MB"
-        ar_world = "2" if quick else "2,4"
-        ddp_ws, ddp = 2, ["--batch-size", "8", "--context-length", "64"]
-        ddp_steps = ["--steps", "5", "--warmup", "2"] if quick else \
+    ws = 2 if gpus < 2 else min(gpus, 8)  # stages 03-06 and the ledger
+    pp_ws = 4 if gpus in (0, 1) or gpus >= 4 else 2
+    if cpu:
+        caps = dict(allreduce=60, ddp=60, profile=45, tp=30, pp=60, ledger=60) if quick else \
+            dict(allreduce=120, ddp=150, profile=60, tp=45, pp=90, ledger=120)
+        ar = ["--backend", "gloo", "--device", "cpu", "--sizes",
+              "64KB,1MB,10MB" if quick else "64KB,1MB,10MB,100MB", "--world-sizes",
+              "2" if quick else "2,4"]
+        lm = ["--batch-size", "8", "--context-length", "64"]
+        steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "10", "--warmup", "3", "--rounds", "3"]
-        buckets = "0.25,1,4"
-        tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128"]
-        pp_ws, pp = 4, ["--d-model", "256", "--hidden", "1024", "--batch", "64"]
+        buckets, tp = "0.25,1,4", ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128"]
+        pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "50"]
     else:
-        caps = (45, 45, 30, 25, 30) if quick else (200, 200, 60, 45, 60)
-        ar_where = ["--backend", "all", "--device", "all"]  # 02 picks what the box runs
-        ar_sizes = "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB"
-        if gpus == 1:  # ranks share the GPU: 2 and 4 of them
-            ar_world = "2" if quick else "2,4"
-        else:
-            ar_world = ",".join(str(n) for n in (2, 4, 8) if n <= gpus) or "2"
-            if quick:
-                ar_world = "2"
-        ddp_ws = 2 if gpus == 1 else min(gpus, 8)
-        # the issue's reference shape (d_model 512, 4 layers, context 256, batch 4) for course
-        ddp = ["--batch-size", str(4 if model == "course" else 8), "--context-length", "256"]
-        ddp_steps = ["--steps", "5", "--warmup", "2"] if quick else \
+        caps = dict(allreduce=45, ddp=45, profile=30, tp=25, pp=40, ledger=45) if quick else \
+            dict(allreduce=150, ddp=150, profile=45, tp=30, pp=60, ledger=90)
+        ar = ["--sizes", "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB",  # 02 picks the
+              "--world-sizes", "2" if quick else ("2,4" if gpus == 1 else ",".join(  # backends
+                  str(n) for n in (2, 4, 8) if n <= gpus))]
+        lm = ["--batch-size", str(4 if model == "course" else 8), "--context-length", "256"]
+        steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "6", "--warmup", "2", "--rounds", "2"]
         buckets = "1,25,100" if quick else "1,5,25,100"
         tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256"]
-        pp_ws = 4 if gpus == 1 or gpus >= 4 else 2
-        pp = ["--d-model", "1024", "--hidden", "4096", "--batch", "128"]
-    if int(ddp[1]) % ddp_ws:  # the global batch must split evenly over the ranks
-        ddp[1] = str(ddp_ws * max(1, int(ddp[1]) // ddp_ws))
-    lm = ["--model", model, *ddp]
-    micro = "1,2,4,8" if quick else "1,2,4,8,16"
-    tp_world = [2] if quick or (gpus >= 2 and gpus < 4) else [2, 4]
-    steps = [
+        pp = ["--d-model", "1024", "--hidden", "4096", "--batch", "128", "--emulate-ms", "20"]
+    lm[1] = str(ws * max(1, int(lm[1]) // ws))  # the global batch splits evenly over the ranks
+    lm = ["--model", model, *lm]
+    return [
         Step("allreduce", "02 all-reduce sweep",
-             ["02_allreduce_bench/allreduce_bench.py", *ar_where, "--sizes", ar_sizes,
-              "--world-sizes", ar_world, "--budget-s", "120"], caps[0]),
+             ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"], caps["allreduce"]),
         Step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
-             ["06_bucketed_ddp/bucketed_ddp.py", "--bench", "--world-size", str(ddp_ws),
-              *where, *lm, *ddp_steps, "--bucket-sizes", buckets, "--case-budget-s", "120"],
-             caps[1]),
+             ["06_bucketed_ddp/bucketed_ddp.py", "--bench", "--world-size", str(ws), *where, *lm,
+              *steps, "--bucket-sizes", buckets, "--case-budget-s", "120"], caps["ddp"]),
         Step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
-             ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ddp_ws), *where,
-              *lm, "--trace-dir", trace_dir], caps[2]),
-        *[Step(f"tp{n}", f"07 tensor parallel, {n} ranks",
-               ["07_parallelism/tensor_parallel.py", "--world-size", str(n), *where, *tp],
-               caps[3])
-          for n in tp_world],
-        Step("pp", f"07 pipeline parallel, {pp_ws} stages",
-             ["07_parallelism/pipeline_parallel.py", "--world-size", str(pp_ws), *where,
-              *pp, "--micro-batches", micro, "--warmup", "1", "--iters", "3"], caps[4]),
+             ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
+              *lm, "--trace-dir", trace_dir], caps["profile"]),
+        Step("tp", "07 tensor parallel, 2 ranks",
+             ["07_parallelism/tensor_parallel.py", "--world-size", "2", *where, *tp], caps["tp"]),
+        Step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
+             ["07_parallelism/pipeline_parallel.py", "--world-size", str(pp_ws), *where, *pp,
+              "--micro-batches", "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2",
+              "--warmup", "1", "--iters", "3"], caps["pp"]),
+        Step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {model})",
+             ["07_parallelism/fsdp.py", "--bench", "--world-size", str(ws), *where, *lm,
+              *steps, "--checkpointing", "off" if quick else "off,on"], caps["ledger"]),
     ]
-    return steps
-
-
-# --------------------------------------------------------------------------- running
 
 
 def run_step(step: Step, env: dict, cap_s: float) -> None:
@@ -193,35 +156,29 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
         rc = proc.wait(timeout=cap_s)
         step.status = "ok" if rc == 0 else f"failed (exit {rc})"
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        for sig, wait in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
         step.status = f"stopped at its {cap_s:.0f} s cap"
     except KeyboardInterrupt:
-        _stop(proc)
-        step.seconds = time.monotonic() - start
+        os.killpg(proc.pid, signal.SIGKILL)
         step.status = "interrupted"
         raise
-    step.seconds = time.monotonic() - start
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(timeout=wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    finally:
+        step.seconds = time.monotonic() - start
 
 
 def run_all(steps: list[Step], budget: float, run, clock=time.monotonic) -> None:
-    """Run the steps in order within ``budget`` seconds; ``run(step, cap)`` runs one.
-
-    A step may overrun its cap by the Ctrl-C grace and the kill wait, so its cap is what is
-    left minus that overrun, minus ``MIN_STEP_S`` for each step still to come (a chance for
-    every one of them); a step with less than ``MIN_STEP_S`` left is skipped. So every step
-    ends by ``start + budget``, whatever the scripts do."""
+    """Run the steps in order within ``budget`` seconds; ``run(step, cap)`` runs one. A step
+    may overrun its cap by the grace and the kill wait, so its cap is what is left minus
+    that, minus ``MIN_STEP_S`` for each step still to come; a step with less than
+    ``MIN_STEP_S`` left is skipped. So every step ends by ``start + budget``."""
     start = clock()
     for i, step in enumerate(steps, 1):
         left = budget - (clock() - start)
@@ -238,8 +195,7 @@ def run_all(steps: list[Step], budget: float, run, clock=time.monotonic) -> None
 
 
 def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, Path]]:
-    """(drawn by a stage script, its copy in the report). The report's own names
-    (``bench_*.png``) keep ``make run``, which redraws ``allreduce_busbw.png``, off them."""
+    """(drawn by a stage script, its copy in the report: ``make run`` redraws the former)."""
     return [(out / "allreduce_busbw.png", out / "bench_allreduce_busbw.png"),
             (trace_dir / "05_overlap_ddp" / "timeline.png", out / "bench_overlap_timeline.png")]
 
@@ -250,25 +206,21 @@ def main() -> None:
     quick = os.environ.get("BENCH_QUICK", "") not in ("", "0")
     gpus = torch.cuda.device_count()
     setup = pick_setup(gpus, torch.cuda.get_device_name(0) if gpus else "")
-    model = bench_model(setup, quick)
-    out = results.results_dir()
-    trace_dir = out / "traces"  # raw traces: ignored by git, unlike the report and its pictures
+    model, budget = bench_model(setup, quick), budget_s(quick)
+    out = results.check_writable()
+    trace_dir = out / "traces"  # raw traces: not part of the committed report
     shown = os.path.relpath(trace_dir, REPO_ROOT) if trace_dir.is_relative_to(REPO_ROOT) \
-        else str(trace_dir)  # scripts run from the repo root
+        else str(trace_dir)
     steps = plan(setup, quick, model, shown)
-    budget = budget_s(quick)
     run_id = "bench-" + time.strftime("%Y%m%d-%H%M%S")
     env = {**os.environ, "RESULTS_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
-    # a report shows this run's pictures or none: clear the ones copied into it too
     for stale in [*out.glob("bench_*.png"), *(src for src, _ in stage_pictures(out, trace_dir))]:
-        stale.unlink(missing_ok=True)
+        stale.unlink(missing_ok=True)  # a report shows this run's pictures or none
     print(f"make bench ({'quick' if quick else 'full'}) on {results.machine_name()}\n"
-          f"{setup.picked}\nLM for stages 03-06: {model}. Run id {run_id}; results in {out}; "
-          f"time budget {budget:.0f} s (BENCH_BUDGET_S).\nPlan:", flush=True)
-    for i, s in enumerate(steps, 1):
-        print(f"  {i}. {s.title} (cap {s.cap_s} s)", flush=True)
-
-    start, started_utc = time.monotonic(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+          f"{setup.picked}\nLM: {model}. Run id {run_id}; results in {out}; time budget "
+          f"{budget:.0f} s (BENCH_BUDGET_S).\nPlan:\n" + "\n".join(
+              f"  {i}. {s.title} (cap {s.cap_s} s)" for i, s in enumerate(steps, 1)), flush=True)
+    start, started = time.monotonic(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     interrupted = False
     try:
         run_all(steps, budget, lambda step, cap: run_step(step, env, cap))
@@ -276,18 +228,16 @@ def main() -> None:
         interrupted = True
         print("\ninterrupted: writing the report from what finished", flush=True)
     total = time.monotonic() - start
-
     for src, dst in stage_pictures(out, trace_dir):
         if src.exists():
             shutil.copyfile(src, dst)
-    info = {"run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
-            "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
-            "torch": torch.__version__, "started_utc": started_utc,
-            "total_s": total, "budget_s": budget, "steps": [asdict(s) for s in steps]}
-    results.write_json(RUN_FILE, info)
-    report = write_report(out)
-    print(f"\nmake bench finished in {total:.0f} s ({total / 60:.1f} min); report: {report}",
-          flush=True)
+    results.write_json(RUN_FILE, {
+        "run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
+        "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
+        "torch": torch.__version__, "started_utc": started, "total_s": total,
+        "budget_s": budget, "steps": [asdict(s) for s in steps]})
+    print(f"\nmake bench finished in {total:.0f} s ({total / 60:.1f} min); report: "
+          f"{write_report(out)}", flush=True)
     if interrupted:
         raise SystemExit(130)
     if any(s.status != "ok" for s in steps):
