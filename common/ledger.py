@@ -1,19 +1,13 @@
 """Counting what a parallel strategy holds and sends, and stage 07's table of it.
 
-Counters read from the tensors and calls themselves, never from a formula, so a table can set
-"counted" beside "predicted" and a wrong implementation shows up as a gap:
-
-* :func:`state_bytes`: bytes of a set of tensors, each storage once (a tied weight, or two
-  views of one flat buffer, count once; a DTensor counts its local shard);
-* :class:`SavedActivations`: bytes autograd saves for backward (``saved_tensors_hooks``),
-  parameters left out, plus the inputs ``torch.utils.checkpoint`` keeps for its recompute;
-* :class:`CommCounter`: each ``torch.distributed`` collective or send called from Python in
-  the block (ours, torch's ``ZeroRedundancyOptimizer`` and ``fully_shard``), with the bytes
-  this rank sends when it runs as a ring. torch's C++ DDP reducer is not Python:
-  :func:`counted_torch_ddp` routes its all-reduces through a Python communication hook.
-
-:func:`run_ledger` times and counts a list of strategies on the LM and writes
-``results/sharding.csv`` (SPEC section 3), counted beside :func:`predicted_bytes`.
+Each counter reads the tensors and calls themselves, never a formula, so a table can set
+"counted" beside "predicted" and a wrong implementation shows up as a gap. Bytes: each storage
+once (:func:`state_bytes`: tied weights and views of one flat buffer count once; a DTensor its
+shard). Saved activations: :class:`SavedActivations` (``saved_tensors_hooks``). Bytes sent:
+:class:`CommCounter`, every ``torch.distributed`` call made from Python (ours, torch's
+``ZeroRedundancyOptimizer`` and ``fully_shard``), as a ring would send them (torch's C++ DDP
+reducer is not Python: give it a communication hook that all-reduces from Python).
+:func:`run_ledger` times and counts strategies on the LM into ``results/sharding.csv``.
 """
 
 from __future__ import annotations
@@ -126,7 +120,7 @@ def _nbytes(t) -> int:
 
 
 class CommCounter:
-    """``with CommCounter() as comm: ...`` -> ``comm.calls``, ``comm.sent_bytes``, ``comm.by_label``.
+    """``with CommCounter() as comm: ...``; then ``comm.calls``, ``sent_bytes``, ``by_label``.
 
     Each call: op (all_reduce, all_gather, reduce_scatter, broadcast, reduce, send), payload
     bytes, the bytes this rank sends under :func:`ring_send_bytes`, and the label active then
@@ -185,17 +179,6 @@ class CommCounter:
         return False
 
 
-def counted_torch_ddp(module: nn.Module) -> nn.Module:
-    """torch DDP with torch's own default communication hook (divide by N, all-reduce each
-    bucket) registered from Python, so that :class:`CommCounter` sees its all-reduces."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    device = next(module.parameters()).device
-    ddp = nn.parallel.DistributedDataParallel(
-        module, device_ids=[device.index] if device.type == "cuda" else None)
-    ddp.register_comm_hook(None, allreduce_hook)
-    return ddp
-
-
 # --------------------------------------------------------------------------- the ledger
 
 CSV_KEY = ["backend", "device", "world_size", "model", "impl", "checkpointing"]
@@ -237,70 +220,67 @@ def _case(ctx, build, checkpointing: bool, args, count: bool):
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length,
                                  checkpoint_activations=checkpointing).to(dev)
-    params = sum(p.numel() for p in model.parameters())
+    counted = {"params": sum(p.numel() for p in model.parameters())}
     wrapper, optimizer = build(model)
     finish = getattr(wrapper, "finish_gradient_synchronization", lambda: None)
     x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=dev)
-    local = args.batch_size // n
-    x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    mine = slice(rank * args.batch_size // n, (rank + 1) * args.batch_size // n)
 
-    def step(saved=contextlib.nullcontext(), held=None):
+    def step(saved=None):
         optimizer.zero_grad(set_to_none=True)
-        with saved:
-            loss = models.lm_loss(wrapper(x), y)
+        with saved or contextlib.nullcontext():
+            loss = models.lm_loss(wrapper(x[mine]), y[mine])
         loss.backward()
         finish()
-        if held is not None:  # gradients live from here to the step: count them here
-            held["grad"] = state_bytes(p.grad for p in model.parameters())
+        if saved:  # gradients are held from here to the step: count them here
+            counted["grad"] = state_bytes(p.grad for p in model.parameters())
         optimizer.step()
 
     seconds = timing.measure(step, dev, warmup=args.warmup, iters=args.steps, barrier=True)
-    counted = None
-    if count:
+    if count:  # one more step: what it saves for backward, sends, and holds (peak: on a GPU)
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        counted, saved = {"params": params}, SavedActivations(model)
         with CommCounter() as comm:
-            step(saved, counted)
+            step(saved := SavedActivations(model))
         counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
                        optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)),
-                       sent=comm.sent_bytes,  # no peak counter on CPU: -1
-                       peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else -1)
+                       sent=comm.sent_bytes, peak=torch.cuda.max_memory_allocated(dev)
+                       if dev.type == "cuda" else getattr(wrapper, "peak_bytes", -1))
     del wrapper, optimizer, model
     gc.collect()
-    return seconds, counted
+    return seconds, counted if count else None
 
 
 def _row(ctx, args, impl: str, checkpointing: bool, seconds: list[float], counted: dict):
     """The slowest rank's median step time; the largest rank's bytes, beside the formula."""
-    stats = timing.gather_times(seconds)
+    stats, want = timing.gather_times(seconds), predicted_bytes(impl, counted["params"],
+                                                                ctx.world_size)
     largest = torch.tensor([float(counted[k]) for k in KINDS], dtype=torch.float64,
                            device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
-    want = predicted_bytes(impl, counted["params"], ctx.world_size)
     row = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
            "model": args.model, "impl": impl, "checkpointing": checkpointing,
            "step_ms": stats.median * 1e3}
-    for k, got in zip(KINDS, largest.tolist()):
-        row[f"{k}_bytes"] = int(got) if got >= 0 else ""
-        if k in want:
-            row[f"{k}_bytes_predicted"] = int(want[k])
+    for k, got in zip(KINDS, largest.tolist()):  # (-1: not counted here)
+        row.update({f"{k}_bytes": int(got) if got >= 0 else ""},
+                   **({f"{k}_bytes_predicted": int(want[k])} if k in want else {}))
     return {**row, "step_ms_min": stats.min * 1e3, "step_ms_max": stats.max * 1e3,
-            "params": counted["params"], "batch_size": args.batch_size,
-            "context_length": args.context_length, "steps": len(seconds),
-            "machine": results.machine_name(), "run_id": results.run_id()}
+            "params": counted["params"], "batch_size": args.batch_size, "steps": len(seconds),
+            "context_length": args.context_length, "machine": results.machine_name(),
+            "run_id": results.run_id()}
 
 
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
-    """Each ``(impl, build)`` in ``strategies``, with each ``args.checkpointing``, in one run.
+    """Each ``(impl, build)`` of ``strategies``, with each ``args.checkpointing``, in one run.
 
-    ``build(model) -> (wrapper, optimizer)`` runs in the workers; ``wrapper`` follows the
-    ``finish_gradient_synchronization()`` convention (torch's wrappers need none); a sharded
-    optimizer's local state is read from its ``.optim``. Rank 0 prints and upserts the rows.
+    ``build(model) -> (wrapper, optimizer)``, called in the workers; ``wrapper`` follows the
+    ``finish_gradient_synchronization()`` convention (torch's need none) and may say its
+    ``peak_bytes``; a sharded optimizer's own state is read from its ``.optim``. Rank 0 prints
+    the table and upserts the rows into ``results/<csv_name>``.
     """
     cases = [(impl, build, on == "on") for impl, build in strategies for on in args.checkpointing]
     seconds, counted = [[] for _ in cases], [None] * len(cases)
-    for round_ in range(args.rounds):
+    for round_ in range(args.rounds):  # interleaved, so background load hits every case alike
         for i, (impl, build, checkpointing) in enumerate(cases):
             s, c = _case(ctx, build, checkpointing, args, count=counted[i] is None)
             seconds[i], counted[i] = seconds[i] + s, counted[i] or c
@@ -308,10 +288,10 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                       f": {sorted(s)[len(s) // 2] * 1e3:.1f} ms/step on rank 0", all_ranks=False)
     rows = [_row(ctx, args, impl, ck, s, c) for (impl, _, ck), s, c in zip(cases, seconds, counted)]
     if ctx.is_main:
-        def mib(r, k):
-            text = "" if r[f"{k}_bytes"] == "" else f"{r[f'{k}_bytes'] / 2**20:.2f}"
-            return text + (f" ({r[f'{k}_bytes_predicted'] / 2**20:.2f})"
-                           if f"{k}_bytes_predicted" in r else "")
+        def mib(r, k):  # "counted (predicted)"
+            text = f"{r[k + '_bytes'] / 2**20:.2f}" if r[k + "_bytes"] != "" else "-"
+            return text + (f" ({r[k + '_bytes_predicted'] / 2**20:.2f})"
+                           if k + "_bytes_predicted" in r else "")
         results.print_table([{"impl": r["impl"], "checkpointing": r["checkpointing"],
                               "step_ms": r["step_ms"], **{f"{k} MiB": mib(r, k) for k in KINDS}}
                              for r in rows], floatfmt=".1f", title=(

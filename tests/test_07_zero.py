@@ -43,7 +43,8 @@ def ledger_checks(ctx):
                               rounds=1, checkpointing=["off"])
     rows = ledger.run_ledger(ctx, zero.ledger_strategies(), args, csv_name="sharding_test.csv")
     args.checkpointing = ["on"]  # (one case with activation checkpointing, for time)
-    rows += ledger.run_ledger(ctx, zero.ledger_strategies()[2:3], args, csv_name="sharding_test.csv")
+    rows += ledger.run_ledger(ctx, zero.ledger_strategies()[2:3], args,
+                              csv_name="sharding_test.csv")
     by = {(r["impl"], r["checkpointing"]): r for r in rows}
     assert set(by) == {("ddp", False), ("zero1", False), ("zero2", False), ("torch_zero1", False),
                        ("zero2", True)}
