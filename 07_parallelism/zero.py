@@ -331,9 +331,9 @@ def _repo() -> None:
         sys.path.insert(0, str(root))
 
 
-def train_and_compare(ctx, model="toy", wrapper="ddp", steps=10, micro_batches=1,
-                      sync_each=False, late_group=False, resume_at=None) -> dict:
-    """``steps`` of ShardedOptimizer(AdamW), two param groups with their own options, under
+def train_and_compare(ctx, model="toy", wrapper="ddp", micro_batches=1, sync_each=False,
+                      late_group=False, resume_at=None) -> dict:
+    """10 steps (LM: 4) of ShardedOptimizer(AdamW), two param groups with own options, under
     ``wrapper`` ("ddp": stage 06's BucketedDDP; "zero2"; "none": every rank computes the whole
     batch) beside plain AdamW on one process; returns what differed and the bytes held. With
     ``resume_at``: consolidate there; a plain AdamW and a new ShardedOptimizer go on from it."""
@@ -344,6 +344,7 @@ def train_and_compare(ctx, model="toy", wrapper="ddp", steps=10, micro_batches=1
 
     from common import import_stage, ledger, models
     dev, n, rank, lm = ctx.device, ctx.world_size, ctx.rank, model.startswith("lm")
+    steps = 4 if lm else 10
     build = {"toy": models.ToyModel, "tied": models.TiedModel, "branch": models.BranchModel,
              "lm": models.TransformerLM, "lm_ckpt": models.TransformerLM}[model]
     kw = {"context_length": 16} if lm else {}  # the reference never checkpoints activations
@@ -473,7 +474,7 @@ def check_main(ctx, args) -> None:
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank checked its own
     if ctx.is_main:
         results.print_table(rows, floatfmt=".1e", title=(
-            f"ShardedOptimizer(AdamW), two param groups, 10 steps on {ctx.world_size} ranks vs "
+            f"ShardedOptimizer(AdamW), two param groups, 10 steps (LM 4), {ctx.world_size} ranks vs "
             f"plain AdamW on one process ({results.machine_name()}):"))
         print("toy: consolidate_state_dict() at step 5, then a plain AdamW and a new "
               "ShardedOptimizer loaded from it go on as if uninterrupted")
