@@ -68,11 +68,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.world_size = dist.get_world_size(process_group)
         self.owner, self._loads = {}, [0] * self.world_size
         self.optim, self._consolidated = None, None
-        # A throw-away instance checks kwargs and fills in the options a plain one would have.
-        defaults = optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs).defaults
-        super().__init__(params, defaults)  # calls add_param_group for each group
+        super().__init__(params, dict(kwargs))  # calls add_param_group for each group
         self.optim = optimizer_cls([self._owned(g) for g in self.param_groups], **kwargs)
-        self.state = self.optim.state  # this rank's shard of the state
+        self.defaults, self.state = self.optim.defaults, self.optim.state  # state: this shard
+        for group in self.param_groups:  # every option filled in, as a plain one's groups
+            group.update({**self.defaults, **group})
 
     def _owned(self, group: dict) -> dict:
         return {**_options(group), "params": [p for p in group["params"]
@@ -99,17 +99,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flats = {}  # (owner, dtype, device) -> parameters in group order, the same on all ranks
         for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
             flats.setdefault((self.owner[p], p.dtype, p.device), []).append(p)
-        sent = []
+        in_flight = []  # at most two buffers at once: the copies cost two shards of memory
         for (owner, dtype, device), params in sorted(flats.items(), key=lambda kv: kv[0][0]):
             flat = (torch.cat([p.reshape(-1) for p in params]) if owner == self.rank else
                     torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device))
-            sent.append((dist.broadcast(flat, _global(self.process_group, owner),
-                                        self.process_group, async_op=True), owner, params, flat))
-        for work, owner, params, flat in sent:
-            work.wait()
-            if owner != self.rank:
-                for p, value in zip(params, flat.split([p.numel() for p in params])):
-                    p.copy_(value.view_as(p))
+            work = dist.broadcast(flat, _global(self.process_group, owner), self.process_group,
+                                  async_op=True)
+            in_flight.append((work, owner, params, flat))
+            if len(in_flight) == 2:
+                self._receive(*in_flight.pop(0))
+        for sent in in_flight:
+            self._receive(*sent)
+
+    def _receive(self, work, owner: int, params: list, flat: torch.Tensor) -> None:
+        work.wait()
+        if owner != self.rank:
+            for p, value in zip(params, flat.split([p.numel() for p in params])):
+                p.copy_(value.view_as(p))
 
     # -- checkpoints: the whole state on one rank, as a plain optimizer_cls saves it
 
@@ -291,6 +297,11 @@ class Zero2DDP(nn.Module):
         bucket, self._next = self.buckets[self._next], self._next + 1
         bucket.work = dist.reduce(bucket.buffer, _global(self.process_group, bucket.owner),
                                   group=self.process_group, async_op=True)
+        if self._next > 2:  # at most two reduces in flight; a reduced bucket that is not ours
+            done = self.buckets[self._next - 3]  # is freed at once, not at the end of backward
+            done.work.wait()
+            if done.owner != self.rank:
+                done.buffer, done.views = None, []
 
     def finish_gradient_synchronization(self) -> None:
         """Reduce what backward did not, wait, and give each owner its averaged gradients."""
@@ -307,10 +318,10 @@ class Zero2DDP(nn.Module):
         anyone_had = iter(flags.tolist())
         for bucket in self.buckets:
             bucket.work.wait()
-            for p, view in zip(bucket.params, bucket.views):
+            for slot, p in enumerate(bucket.params):
                 kept = self._kept.pop(p, None)
                 if next(anyone_had) and bucket.owner == self.rank:  # the average (+ kept)
-                    p.grad = view if kept is None else view.add_(kept)
+                    p.grad = bucket.views[slot] if kept is None else bucket.views[slot].add_(kept)
                 else:
                     p.grad = kept  # None, unless averages accumulated before were kept
                 if p.grad is not None:
