@@ -95,11 +95,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def broadcast_parameters(self) -> None:
         """Each rank receives every trainable parameter from its owner: one flat buffer and
-        one broadcast per owner (and dtype), all in flight at once."""
+        one broadcast per owner (and dtype), two in flight at a time."""
         flats = {}  # (owner, dtype, device) -> parameters in group order, the same on all ranks
         for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
             flats.setdefault((self.owner[p], p.dtype, p.device), []).append(p)
-        in_flight = []  # at most two buffers at once: the copies cost two shards of memory
+        in_flight = []  # two at a time: the copies cost at most two shards of memory
         for (owner, dtype, device), params in sorted(flats.items(), key=lambda kv: kv[0][0]):
             flat = (torch.cat([p.reshape(-1) for p in params]) if owner == self.rank else
                     torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device))
@@ -149,14 +149,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("ShardedOptimizer.load_state_dict: the saved param groups differ "
                              "from this optimizer's in number or size")
         param = dict(zip((i for g in saved for i in g["params"]), self._index(self.param_groups)))
-        inner = self._index(self.optim.param_groups)
+        inner = self._index(self.optim.param_groups)  # the inner optimizer's own numbering
         for g, mine in zip(saved, self.param_groups):
             mine.update(_options(g))
-        self.optim.load_state_dict({"state": {inner[param[i]]: s for i, s in
-                                              state_dict["state"].items() if param[i] in inner},
-                                    "param_groups": [{**_options(g), "params": [
-                                        inner[p] for p in mine["params"]]} for g, mine in
-                                        zip(saved, self.optim.param_groups)]})
+        groups = [{**_options(g), "params": [inner[p] for p in mine["params"]]}
+                  for g, mine in zip(saved, self.optim.param_groups)]
+        state = {inner[param[i]]: s for i, s in state_dict["state"].items() if param[i] in inner}
+        self.optim.load_state_dict({"state": state, "param_groups": groups})
         self.state = self.optim.state
 
 # --------------------------------------------------------------------------- ZeRO-2
@@ -485,6 +484,9 @@ def check_main(ctx, args) -> None:
                      if "resumed_diff" in f else "",
                      "optimizer state bytes per rank": "/".join(map(str, f["optim_bytes"])),
                      "ok": case_ok(f, wrapper)})
+    for r in rows:
+        if not r["ok"]:  # what differed, from the rank that saw it
+            ctx.print(f"FAILED: {r}")
     ok = torch.tensor([float(all(r["ok"] for r in rows))])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank checked its own
     if ctx.is_main:
@@ -552,7 +554,7 @@ def main(argv=None) -> None:
     if args.bench and args.batch_size % config.world_size:
         launch.usage_error(f"--batch-size {args.batch_size} is not divisible by the world size "
                            f"{config.world_size}: each rank needs an equal slice")
-    launch.launch(bench_main if args.bench else check_main, config, args, timeout_s=None)
+    launch.launch(bench_main if args.bench else check_main, config, args)
 
 
 if __name__ == "__main__":
