@@ -200,6 +200,7 @@ def predicted_bytes(impl: str, params: int, world_size: int) -> dict[str, float]
 
 
 def add_ledger_args(parser, checkpointing: str = "off"):
+    """The ledger's flags (flag types from common.launch: bad values exit 2 with one line)."""
     g = parser.add_argument_group("memory and communication ledger (--bench)")
     g.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="LM preset")
     g.add_argument("--batch-size", type=launch.positive_int, default=8,

@@ -1,10 +1,11 @@
 """Stage 07: ZeRO-1 (ShardedOptimizer) and ZeRO-2 (Zero2DDP), and the ledger runner.
 
 One launch per world size runs every training case against plain AdamW on one process
-(``zero.train_and_compare``: 10 steps, two param groups with their own options, bitwise equal
-across ranks) and returns its findings; at world size 2 the same launch also runs a small
-ledger (``--bench``'s code) and checks its counted bytes against the formulas. Bad input is
-tested in-process; the copy-one-file test trains from the lone file on a 1-rank group.
+(``zero.train_and_compare``: 10 AdamW steps, the LM 4, two param groups with their own
+options, bitwise equal across ranks) and returns its findings; at world size 2 the same
+launch also runs a small ledger (``--bench``'s code) and checks its counted bytes against the
+formulas. Bad input is tested in-process; the copy-one-file test trains from the lone file on
+a 1-rank group.
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def ledger_checks(ctx):
         assert near("optim") < 0.05 and near("grad") < 0.05, r  # the 8P/N and 4P/N targets
         # ZeRO-1 as built (all-reduce + broadcast) sends 1.5x the textbook all-reduce volume
         assert near("sent", 1.5 if impl in ("zero1", "torch_zero1") else 1.0) < 0.01, r
-        assert r["activation_bytes"] == by["ddp", False]["activation_bytes"] or impl == "zero2"
+        # the same model and batch save the same activations, whatever shards the state
+        assert r["activation_bytes"] == by["ddp", False]["activation_bytes"] or r["checkpointing"]
     assert by["zero2", False]["grad_bytes"] < 0.6 * by["ddp", False]["grad_bytes"]
     assert by["zero2", True]["activation_bytes"] < by["zero2", False]["activation_bytes"]
 
