@@ -60,6 +60,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer "
                             f"subclass such as torch.optim.AdamW, got "
                             f"{str(optimizer_cls).splitlines()[0]!r}")
+        if torch.is_tensor(params):
+            raise TypeError("ShardedOptimizer: params must be an iterable of tensors or param "
+                            "groups, got one tensor; pass [tensor]")
         params = list(params)
         if not params:
             raise ValueError("ShardedOptimizer: got an empty parameter list; pass the model's "
@@ -234,6 +237,8 @@ class Zero2DDP(nn.Module):
         params = [p for p in module.parameters() if p.requires_grad]
         unowned = [n for n, p in module.named_parameters() if p.requires_grad
                    and p not in optimizer.owner]
+        if not params:
+            raise ValueError("Zero2DDP: the module has no parameters that require grad")
         if unowned:
             raise ValueError(f"Zero2DDP: {', '.join(unowned)} require grad but are in no group "
                              f"of the ShardedOptimizer: add them there, or freeze them")

@@ -151,6 +151,8 @@ def test_bad_arguments_one_line():
     with pytest.raises(ValueError, match="empty parameter list") as e:
         zero.ShardedOptimizer([], torch.optim.AdamW)
     assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="got one tensor"):
+        zero.ShardedOptimizer(params[0], torch.optim.AdamW)
 
 
 @pytest.mark.parametrize("argv, says", [
