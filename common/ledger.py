@@ -287,7 +287,10 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
             seconds[i], counted[i] = seconds[i] + s, counted[i] or c
             ctx.print(f"  round {round_ + 1}/{args.rounds} {impl}{' checkpointed' * checkpointing}"
                       f": {sorted(s)[len(s) // 2] * 1e3:.1f} ms/step on rank 0", all_ranks=False)
-    rows = [_row(ctx, args, impl, ck, s, c) for (impl, _, ck), s, c in zip(cases, seconds, counted)]
+        rows = [_row(ctx, args, impl, ck, s, c)
+                for (impl, _, ck), s, c in zip(cases, seconds, counted)]
+        if ctx.is_main:  # after every round: a run stopped later (Ctrl-C) keeps these rows
+            path = results.upsert_csv(csv_name, rows, key=CSV_KEY)
     if ctx.is_main:
         def mib(r, k):  # "counted (predicted)"
             text = f"{r[k + '_bytes'] / 2**20:.2f}" if r[k + "_bytes"] != "" else "-"
@@ -298,5 +301,5 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                              for r in rows], floatfmt=".1f", title=(
             f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest rank's median "
             f"step, {args.model} LM, AdamW ({results.machine_name()}):"))
-        print(f"wrote {results.upsert_csv(csv_name, rows, key=CSV_KEY)}", flush=True)
+        print(f"wrote {path}", flush=True)
     return rows
