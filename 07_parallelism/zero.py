@@ -357,7 +357,8 @@ def train_and_compare(ctx, model="toy", wrapper="ddp", micro_batches=1, sync_eac
 
     import torch.nn.functional as F
 
-    from common import import_stage, ledger, models
+    from common import import_stage, models
+    ledger = import_stage("07_parallelism/ledger")
     dev, n, rank, lm = ctx.device, ctx.world_size, ctx.rank, model.startswith("lm")
     steps = 4 if lm else 10
     build = {"toy": models.ToyModel, "tied": models.TiedModel, "branch": models.BranchModel,
@@ -532,7 +533,8 @@ def ledger_strategies():
 def bench_main(ctx, args) -> None:
     """--bench: the ledger, then the issue's targets read off its rows (reported, not checked:
     one run's timing on a shared machine is a measurement, not a test)."""
-    from common import ledger
+    from common import import_stage
+    ledger = import_stage("07_parallelism/ledger")
     rows = ledger.run_ledger(ctx, ledger_strategies(), args)
     if not ctx.is_main:
         return
@@ -548,7 +550,8 @@ def bench_main(ctx, args) -> None:
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, ledger
+    from common import import_stage, launch
+    ledger = import_stage("07_parallelism/ledger")
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="the ledger: step time and bytes per rank of DDP (06), ZeRO-1, "

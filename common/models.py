@@ -143,8 +143,8 @@ class TransformerLM(nn.Module):
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                # looked up on the module at call time, so common/ledger.py can count the
-                # inputs a checkpoint keeps alive
+                # looked up at call time, so a counter can wrap it (stage 07's ledger counts
+                # the inputs a checkpoint keeps alive)
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)

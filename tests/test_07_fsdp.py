@@ -198,7 +198,8 @@ def memory_after_step(fsdp, model) -> str:
 
 def gathers_per_step(ctx, build, units):
     """All-gathers in one steady-state step (forward + backward), counted at the call."""
-    from common import ledger, models
+    import ledger
+    from common import models
     torch.manual_seed(0)
     model = build()
     fsdp = FSDP(model, units=units(model))

@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 import zero
-from common import launch, ledger
+import ledger
+from common import launch
 from helpers import REPO, run_script
 
 # (model, wrapper, micro-batches, synchronise every micro-batch, group added late, resume at)
