@@ -67,6 +67,8 @@ test: install
 	$(PYTHON) 06_bucketed_ddp/bucketed_ddp.py --backend gloo --device cpu
 
 07: install
+	$(PYTHON) 07_parallelism/zero.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/fsdp.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/tensor_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/pipeline_parallel.py --backend gloo --device cpu
 

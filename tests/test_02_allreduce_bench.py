@@ -1,20 +1,17 @@
-"""Stage 02: the arithmetic and the fit (no process), one tiny real sweep from the command
-line (table, CSV, fit, plot, a corrupt old fit replaced), the check that can fail and the
-skips with their reasons (one launch), and bad input. Ctrl-C is in test_faults.py."""
+"""Stage 02: the arithmetic and the fit (no process), the check that can fail and the skips
+with their reasons (one launch), and bad input. A real sweep from the command line (rows,
+fit, plot, a corrupt old fit replaced) runs in tests/test_bench.py's end-to-end run; Ctrl-C
+is in test_faults.py."""
 
-import csv
 import json
-import os
-from pathlib import Path
 
 import pytest
 import torch
 
 import allreduce_bench as bench
 from common import launch
-from helpers import REPO, assert_main_usage_error, run_script
+from helpers import assert_main_usage_error
 
-SCRIPT = REPO / "02_allreduce_bench" / "allreduce_bench.py"
 KB, MB, GB = 2**10, 2**20, 2**30
 
 
@@ -57,43 +54,6 @@ def test_fit_recovers_latency_and_bandwidth_per_group():
     assert [p["bytes"] for p in f["points"]] == [KB, MB, 8 * MB]
     assert all(abs(p["rel_error"]) < 1e-6 for p in f["points"])
     json.dumps(fits)
-
-
-def test_tiny_sweep_writes_table_csv_fit_and_plot_over_a_corrupt_fit():
-    """4100 B = 1025 floats: not divisible by 2 or 3, so the rings' chunks are uneven. A
-    corrupt fit file left by an earlier run is named in a warning and replaced."""
-    results = Path(os.environ["RESULTS_DIR"])
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "allreduce_fit.json").write_text("{")
-    sizes = [4 * KB, 4100, 16 * KB]
-    r = run_script(SCRIPT, "--backend", "gloo", "--device", "cpu", "--sizes", "4KB,4100B,16KB",
-                   "--world-sizes", "2,3", "--iters", "3", "--warmup", "1", timeout=150)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "warning: ignoring" in r.stderr and "allreduce_fit.json" in r.stderr
-    assert "gloo/cpu ws=3 16KB ring_pipelined:" in r.stdout and "busbw GB/s" in r.stdout
-    with open(results / "allreduce.csv", newline="") as f:
-        rows = list(csv.DictReader(f))
-    assert list(rows[0])[:10] == ["backend", "device", "world_size", "bytes", "impl",
-                                  "time_ms_median", "time_ms_min", "time_ms_max",
-                                  "algbw_gbps", "busbw_gbps"]
-    assert {(r["world_size"], int(r["bytes"]), r["impl"]) for r in rows} == {
-        (str(ws), n, impl) for ws in (2, 3) for n in sizes
-        for impl in ("backend", "ring", "ring_pipelined")}
-    for row in rows:
-        t, lo, hi = (float(row[c]) for c in ("time_ms_median", "time_ms_min", "time_ms_max"))
-        assert 0 < lo <= t <= hi
-        alg, bus = float(row["algbw_gbps"]), float(row["busbw_gbps"])
-        assert bus == pytest.approx(bench.busbw(alg, int(row["world_size"])), rel=1e-6)
-        assert alg == pytest.approx(int(row["bytes"]) / (t * 1e-3) / 1e9, rel=1e-6)
-    fit = json.loads((results / "allreduce_fit.json").read_text())
-    assert set(fit) == {"gloo/cpu/2", "gloo/cpu/3"}
-    assert all(e["w_bytes_per_s"] > 0 and len(e["points"]) == 3 for e in fit.values())
-    try:  # matplotlib is optional: a plot with it, a one-line note without
-        import matplotlib  # noqa: F401
-    except ImportError:
-        assert "matplotlib is not installed" in r.stdout
-    else:
-        assert (results / "allreduce_busbw.png").stat().st_size > 1000
 
 
 def checks_and_skips_worker(ctx):

@@ -1,17 +1,14 @@
 """Stage 07, tensor parallelism: both variants against the single-process MLP at world size 4
 on awkward shapes, bytes counted beside predicted (one launch, everything asserted inside),
-the script as ``make run`` and ``make bench`` run it (one run), the check that cannot pass
-empty, and bad input."""
-
-import csv
+the check that cannot pass empty, and bad input. The script itself runs in
+tests/test_bench.py's end-to-end run."""
 
 import pytest
 
 import tensor_parallel as tp
 from common import launch
-from helpers import REPO, assert_main_usage_error, run_script
+from helpers import assert_main_usage_error
 
-SCRIPT = REPO / "07_parallelism" / "tensor_parallel.py"
 
 
 def tp_worker(ctx):
@@ -48,18 +45,6 @@ def test_predicted_bytes():
     assert megatron[("fc2", "forward")] == ("all_reduce", tokens * d * 4)
     # The all-gather variant also moves the d_ff-wide activation, forward and backward.
     assert sum(b for _, b in allgather.values()) == 2 * tokens * (d + ff) * 4
-
-
-def test_script_writes_bytes_rows():
-    r = run_script(SCRIPT, "--world-size", "2", "--backend", "gloo", "--device", "cpu",
-                   "--d-model", "32", "--d-ff", "64", env={"RESULTS_RUN_ID": "tp-test"},
-                   timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "all checks passed" in r.stdout
-    from common import results
-    rows = results.read_csv("tensor_parallel.csv")
-    assert len(rows) == 8 and {row["run_id"] for row in rows} == {"tp-test"}
-    assert all(row["bytes_counted"] == row["bytes_predicted"] for row in rows)
 
 
 @pytest.mark.parametrize("argv, needle", [
