@@ -270,9 +270,10 @@ def sharding_section(out: Path, run_id: str, info: dict):
     order = ["ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp"]
     rows = sorted(rows, key=lambda r: (r["checkpointing"], order.index(r["impl"]) if r["impl"] in order else 9))
 
-    def pair(r, key):
-        pred = r.get(f"{key}_predicted", "")
-        return size_text(num(r, key)) + (f" ({size_text(float(pred))})" if pred not in ("", None) else "")
+    def pair(r, key):  # counted (predicted); "-" where this box could not count it
+        got, pred = r.get(key, ""), r.get(f"{key}_predicted", "")
+        return ("-" if got in ("", None) else size_text(float(got))) + (
+            f" ({size_text(float(pred))})" if pred not in ("", None) else "")
     text = (f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {r0['backend']}/{r0['device']}: "
             "bytes per rank counted from the tensors themselves (each storage once), predicted in "
             "brackets where a formula exists.\n\n"
