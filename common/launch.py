@@ -1,15 +1,11 @@
-"""Starting workers: what stage 01 writes out by hand, made safe for every later stage.
+"""Starting workers: stage 01's ten lines, made safe for every later stage.
 
-``python NN_stage/script.py --world-size N`` spawns N workers on this machine, meeting on
-loopback at a free port (or ``MASTER_ADDR``/``MASTER_PORT``); under ``torchrun`` the worker
-runs in this very process (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` are set). Either way it
-is called as ``worker(ctx, *args)`` with a :class:`Dist`, inside a process group. On top of
-stage 01's ten lines, so that nothing hangs and nothing is silent:
-* a rank that raises, dies or stalls ends the run, and is named (the first one's traceback);
-* Ctrl-C or SIGTERM to the parent stops every worker, with one line and no tracebacks;
-* a worker whose parent died (even by SIGKILL) notices within a second and exits;
-* collectives and rendezvous time out (``DIST_TIMEOUT_S``, default 300 s);
-* flags are checked before any worker starts: one line, exit status 2.
+``launch(worker, config, *args)`` runs ``worker(ctx, *args)`` on every rank, inside a process
+group: in spawned processes meeting on loopback at a free port, or in this very process under
+torchrun. Nothing hangs and nothing is silent: a rank that raises, dies or stalls ends the run
+and is named; Ctrl-C or SIGTERM to the parent stops every worker (one line, no tracebacks); a
+worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s); bad
+flags are one line and exit status 2 before any worker starts.
 """
 
 from __future__ import annotations
@@ -29,6 +25,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -64,8 +61,8 @@ class LaunchConfig:
 
 
 class Stopped(SystemExit):
-    """Raised in the parent after Ctrl-C or SIGTERM stopped the workers (exit 128 + signal);
-    a benchmark catches it to report what finished, then re-raises it."""
+    """Ctrl-C or SIGTERM stopped the workers (exit 128 + signal); a benchmark may catch it to
+    report what finished, then re-raise it."""
 
 
 # --------------------------------------------------------------------------- flags
@@ -103,7 +100,7 @@ def non_negative_int(text: str) -> int:
     return _number(text, int, 0, "a whole number >= 0")
 
 
-def positive_float(text: str) -> float:
+def positive_float(text: str) -> float:  # the smallest float above 0 is the lowest allowed
     return _number(text, float, math.nextafter(0.0, 1.0), "a finite number > 0")
 
 
@@ -223,12 +220,10 @@ def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, 
         shutil.rmtree(error_dir, ignore_errors=True)
         os._exit(1)
     threading.Thread(target=exit_when_orphaned, daemon=True).start()
-    # The variables torchrun sets, so code below cannot tell the two apart.
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),
+    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),  # as torchrun
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
-    # Share the cores (torchrun sets OMP_NUM_THREADS=1): oversubscribed ranks would time
-    # each other's contention.
+    # Share the cores, as torchrun does: oversubscribed ranks would time each other's contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
     def record_failure():
@@ -324,24 +319,20 @@ def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
 def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:
     """Print the root cause: a rank killed by a signal, a stalled rank the others gave up
     waiting for, and the earliest traceback."""
-    failures = []
-    for name in os.listdir(error_dir):
-        if name.endswith(".err"):
-            with open(os.path.join(error_dir, name)) as f:
-                stamp, _, tb = f.read().partition("\n")
-            failures.append((float(stamp), int(name[4:-4]), tb))
-    failures.sort()
-    for rank, code in enumerate(codes):
-        if code is not None and code < 0 and rank not in {r for _, r, _ in failures}:
-            print(f"error: rank {rank} was killed by {signal.Signals(-code).name}", file=sys.stderr)
+    failures = sorted((float(text.partition("\n")[0]), int(name[4:-4]), text.partition("\n")[2])
+                      for name in os.listdir(error_dir) if name.endswith(".err")
+                      for text in [Path(error_dir, name).read_text()])
+    lines = [f"error: rank {rank} was killed by {signal.Signals(-code).name}"
+             for rank, code in enumerate(codes) if code is not None and code < 0
+             and rank not in {r for _, r, _ in failures}]
     if stalled:
-        print(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the others "
-              "gave up waiting for them", file=sys.stderr)
+        lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
+                     "others gave up waiting for them")
     if failures:
-        print(f"error: rank {failures[0][1]} failed first"
-              f"{' while waiting for a stalled rank' if stalled else ''}:\n{failures[0][2]}",
-              file=sys.stderr, end="")
-        if len(failures) > 1:
-            print(f"(then rank(s) {sorted(r for _, r, _ in failures[1:])} failed too, usually "
-                  "because a peer went away)", file=sys.stderr)
-    sys.stderr.flush()
+        lines.append(f"error: rank {failures[0][1]} failed first"
+                     f"{' while waiting for a stalled rank' if stalled else ''}:\n"
+                     f"{failures[0][2].rstrip()}")
+    if len(failures) > 1:
+        lines.append(f"(then rank(s) {sorted(r for _, r, _ in failures[1:])} failed too, usually "
+                     "because a peer went away)")
+    print("\n".join(lines), file=sys.stderr, flush=True)

@@ -1,7 +1,6 @@
-"""Models and random data shared by the stages: toy models whose corners a data-parallel
-wrapper must get right (a frozen parameter, a bias that does not train, a weight used twice,
-a branch some ranks skip, buffers), and a plain pre-norm GPT-style Transformer LM with size
-presets, the workload of the benchmarks."""
+"""Models and data shared by the stages: toy models with the corners a data-parallel wrapper
+must get right (a frozen parameter, a bias that does not train, a weight used twice), and a
+plain pre-norm GPT-style Transformer LM with size presets, the workload of the benchmarks."""
 
 from __future__ import annotations
 

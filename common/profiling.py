@@ -1,18 +1,13 @@
 """Proof of overlap: profile a few training steps, draw compute and communication on one axis.
 
-The ``--profile`` of stages 03, 05, 06 and 07's FSDP::
-
-    profile_ddp(ctx, [("naive (03)", NaiveDDP), ("overlap (05)", OverlapDDP)], args, name)
-
-For each case every rank trains the LM of ``--model`` for a few warm-up steps, then profiles
-two with ``torch.profiler`` and writes a Chrome-format trace per rank,
-``<trace-dir>/<name>/<slug of the label>_rank<r>.json`` (open it in https://ui.perfetto.dev).
-Each step is cut into ``record_function`` ranges ``ddp:forward``, ``ddp:backward``,
-``ddp:finish`` (waiting for the communication left after backward) and ``ddp:optimizer``.
-Gloo runs a collective on a worker thread, recorded as ``gloo:all_reduce`` (or all_gather,
-reduce_scatter); NCCL runs it as a GPU kernel (``ncclDevKernel_...``). Rank 0 then prints,
-for the last profiled step of each case, how much communication ran during backward and
-after it (also to ``results/ddp_profile.csv``), a text timeline, and draws the timeline PNG.
+``profile_ddp(ctx, [(label, factory), ...], args, name)`` (the ``--profile`` of 03, 05, 06 and
+07's FSDP): every rank trains the LM of ``--model`` a few steps per case, profiles two with
+``torch.profiler`` into ``<trace-dir>/<name>/<label>_rank<r>.json`` (open in
+https://ui.perfetto.dev), each step cut into ``ddp:forward``, ``ddp:backward``, ``ddp:finish``
+and ``ddp:optimizer`` ranges. Gloo runs a collective on a worker thread (``gloo:all_reduce``,
+all_gather, reduce_scatter), NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints how much
+communication ran during backward and after it (also to ``results/ddp_profile.csv``), a text
+timeline, and draws the timeline PNG.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/``.
 
-Result files are shared by several stages and runs, so writing is an upsert: a run replaces
-the rows whose key columns match its own and keeps every other row. Writers take a lock on
-the file and write a uniquely named temporary file that replaces the old one at once, so two
-runs side by side lose no row and a reader never sees half a file. A file that cannot be read
-(corrupt, truncated) is named in a one-line warning and treated as empty.
-Every row a benchmark writes carries ``run_id()``, so a report can pick out the rows of one
-run (``make bench`` sets ``RESULTS_RUN_ID`` for every script it starts).
-``RESULTS_DIR`` in the environment redirects the folder (the tests use a temporary one).
+Files are shared by stages and runs, so writing is an upsert: a run replaces the rows whose
+key matches its own and keeps the rest. Writers lock the file and replace it with a uniquely
+named temporary one, so runs side by side lose no row and no reader sees half a file; a file
+that cannot be read is named in a one-line warning and treated as empty. Every benchmark row
+carries ``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a report can pick one run's.
+``RESULTS_DIR`` redirects the folder (the tests use a temporary one).
 """
 
 from __future__ import annotations

@@ -1,23 +1,12 @@
 """Timing a data-parallel training step: the ``--bench`` of stages 03-06.
 
-A case is ``(impl, bucket_mb, factory)``: ``factory(module)`` wraps the LM the way a stage
-does (anything with ``.module``-style forward and, optionally,
-``finish_gradient_synchronization()``; torch's DistributedDataParallel fits and has none).
-``run_step_bench`` adds two references to the same run: ``none`` (no wrapper, no
-communication) and ``torch_ddp`` at torch's default 25 MB buckets, the denominator of
-``ratio_vs_torch_ddp``. Each case builds the LM (seed 0 everywhere), AdamW and the rank's
-slice of one global batch, runs warm-up steps, then timed steps split as
-
-    fwd_bwd_ms              zero_grad + forward + loss + backward
-    comm_after_backward_ms  end of backward -> end of finish_gradient_synchronization()
-    optimizer_ms            optimizer.step()
-    step_ms                 all of the above
-
-with ``torch.cuda.synchronize`` before every clock read on a GPU. Communication that
-overlaps backward (stages 05, 06, torch DDP) hides inside fwd_bwd_ms; what is left after
-backward is what the step pays for it. ``--rounds R`` runs the whole list R times and pools
-each case's steps, so background load hits every case alike. Each figure is the slowest
-rank's median; rank 0 prints the table and upserts ``results/ddp_step.csv``.
+A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM the way a stage
+does. Beside the cases: ``none`` (no wrapper, no communication) and ``torch_ddp`` at its default
+25 MB buckets, the denominator of ``ratio_vs_torch_ddp``. Each step is split into forward +
+backward, the communication left after backward (``finish_gradient_synchronization()``) and
+the optimizer; what overlaps backward hides in the first. ``--rounds`` repeats the whole list
+and pools each case's steps, so background load hits every case alike. Slowest rank's medians;
+rank 0 prints the table and upserts ``results/ddp_step.csv``.
 """
 
 from __future__ import annotations

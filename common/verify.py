@@ -1,19 +1,11 @@
 """The claim of stages 03-06, checked: data-parallel training equals training on one process.
 
-Why it should hold. With the loss a mean over the batch and every rank given an equal slice
-of size b = B / world_size,
-
-    grad L(B) = (1/B) sum_i grad l_i = (1/world_size) sum_r [(1/b) sum_{i in slice r} grad l_i],
-
-the mean over ranks of each rank's own gradient. So if every rank starts from the same
-weights (the broadcast), averages its gradient with the others (the all-reduce) and takes
-the same optimizer step, every rank's model stays equal to a model trained on one process
-on the whole batch: up to float32 rounding (the sums run in another order) against that
-model, and bitwise across ranks (every rank adds the same numbers in the same order).
-
-``check_ddp`` below runs exactly that experiment; ``verify_ddp`` runs it on three models and
-prints one line each. The test suite adds the edge cases (a branch some ranks skip,
-BatchNorm buffers, several bucket layouts, world size 3).
+The gradient of a mean loss over the whole batch is the mean over ranks of each rank's
+gradient on its equal slice. So ranks that start from the same weights (the broadcast),
+average their gradients (the all-reduce) and take the same optimizer step stay equal to one
+process trained on the whole batch: up to float32 rounding against it (the sums run in
+another order), and bitwise across ranks. ``check_ddp`` runs that experiment; ``verify_ddp``
+runs it on three models and prints a line each. The tests add the edge cases.
 """
 
 from __future__ import annotations
