@@ -33,7 +33,7 @@ SHELL := /bin/bash
 
 install:
 	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
-	    echo "install: $(PYTHON) already has torch $$($(PYTHON) -c 'import torch; print(torch.__version__)'), nothing to do"; \
+	    true; \
 	else \
 	    echo "install: creating $(VENV) with torch==$(TORCH_VERSION) (CPU build) and tabulate, numpy, pytest, matplotlib"; \
 	    python3 -m venv $(VENV) && \
