@@ -1,4 +1,4 @@
-"""Stage 07b: pipeline parallelism. Split the model's layers across ranks, stream micro-batches.
+"""Stage 07: pipeline parallelism. Split the model's layers across ranks, stream micro-batches.
 
 Tensor parallelism splits every layer; pipeline parallelism splits the *stack*: each of p
 ranks holds some layers, an activation goes rank 0 -> 1 -> ... -> p-1 by point-to-point
@@ -18,10 +18,9 @@ The schedules are data (pipeline_schedules.py, no torch: checks, unit-time simul
 timelines); ``run_schedule`` executes any of them. ``--emulate-ms`` turns each step into a
 fixed wait, so the measured bubble tests the executor against the simulation on any box.
 
-Run:
-    python 07_parallelism/pipeline_parallel.py                   # 4 stages, m = 8, gloo/cpu
-    python 07_parallelism/pipeline_parallel.py --micro-batches 4,8,16 --emulate-ms 50
-    torchrun --nproc-per-node=4 07_parallelism/pipeline_parallel.py
+Run:  python 07_parallelism/pipeline_parallel.py                   # 4 stages, m = 8, gloo/cpu
+      python 07_parallelism/pipeline_parallel.py --micro-batches 4,8,16 --emulate-ms 50
+      torchrun --nproc-per-node=4 07_parallelism/pipeline_parallel.py
 
 The algorithm (above the harness) needs torch and pipeline_schedules.py: copy both files.
 """
@@ -317,7 +316,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch
+    from common import launch, results
     parser, names = launch.make_parser(__doc__, world_size=4), list(schedules.SCHEDULES)
     for flag, kind, default, text in [
         ("--layers", launch.positive_int, 8, "residual MLP blocks; must divide by p (x v)"),
@@ -342,6 +341,7 @@ def main(argv=None) -> None:
             schedules.check_setting(name, p, m, args.v[name], args.layers, args.batch)
         except ValueError as e:
             launch.usage_error(f"--schedules {name} --micro-batches {m}: {e}")
+    results.check_writable()
     launch.launch(pipeline_parallel_main, config, vars(args))
 
 
