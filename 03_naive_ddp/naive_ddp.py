@@ -109,7 +109,7 @@ class NaiveDDP(nn.Module):
 
 
 def _repo() -> None:
-    """The harness needs the repository's common/ package; the class above does not."""
+    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "common" / "launch.py").exists():
         raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "

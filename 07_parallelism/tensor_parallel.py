@@ -236,7 +236,7 @@ def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
 
 
 def _repo() -> None:
-    """The harness needs the repository's common/ package; the classes above do not."""
+    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "common" / "launch.py").exists():
         raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
