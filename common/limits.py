@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 
 import torch
 import torch.distributed as dist
@@ -51,53 +49,23 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
                     + (" or size" if what else ""))
 
 
-_GPU_FREE: list[int] | None = None
-
-
-def gpu_free_bytes() -> list[int] | None:
-    """Free bytes on every GPU, asked once in a short-lived child process: asking here would
-    leave a CUDA context (hundreds of MB) on every GPU for as long as this parent lives,
-    taking memory from the ranks it starts. None if the child fails."""
-    global _GPU_FREE
-    if _GPU_FREE is None and torch.cuda.device_count():
-        code = ("import torch; print(','.join(str(torch.cuda.mem_get_info(i)[0]) "
-                "for i in range(torch.cuda.device_count())))")
-        try:
-            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                 timeout=120, check=True).stdout.strip()
-            _GPU_FREE = [int(x) for x in out.split(",") if x]
-        except (subprocess.SubprocessError, OSError, ValueError):
-            return None
-    return _GPU_FREE
-
-
-def shortfall(ranks_here: int, host_per_rank: int, gpu_per_rank: int = 0,
-              gpu_free: list[int] | None = None) -> str | None:
-    """Why ``ranks_here`` ranks needing these bytes each would not fit, or None. Ranks share
-    the GPUs evenly; ``gpu_free`` is the free bytes of the GPUs to check (default: all)."""
-    host = ranks_here * (rank_baseline_bytes() + host_per_rank)
-    if host > 0.9 * host_available_bytes():
-        return (f"needs about {host / GIB:.1f} GiB of host memory, "
-                f"{host_available_bytes() / GIB:.1f} GiB available")
-    if gpu_per_rank:
-        free = gpu_free if gpu_free is not None else gpu_free_bytes()
-        if free:  # + about 1 GiB per rank for the CUDA context and communication buffers
-            per_gpu = math.ceil(ranks_here / torch.cuda.device_count()) * (gpu_per_rank + GIB)
-            if per_gpu > 0.9 * min(free):
-                return (f"needs about {per_gpu / GIB:.1f} GiB per GPU, "
-                        f"{min(free) / GIB:.1f} GiB free")
-    return None
-
-
 def agreed_shortfall(ctx, host_per_rank: int, gpu_per_rank: int = 0) -> str | None:
-    """``shortfall`` checked inside a run, on every rank, each for its own GPU; all ranks get
-    the same answer (one rank short means all skip, or their collectives would not match)."""
-    cuda = ctx.device.type == "cuda"
-    if cuda:
+    """Why ``host_per_rank`` bytes on the host (and ``gpu_per_rank`` on each rank's GPU) would
+    not fit for the ranks on this node, or None. Checked inside a run, every rank for its own
+    GPU, all getting the same answer: one rank short means all skip, or their collectives
+    would not match."""
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    host = ranks_here * (rank_baseline_bytes() + host_per_rank)
+    why = None
+    if host > 0.9 * host_available_bytes():
+        why = (f"needs about {host / GIB:.1f} GiB of host memory, "
+               f"{host_available_bytes() / GIB:.1f} GiB available")
+    elif ctx.device.type == "cuda" and gpu_per_rank:
         torch.cuda.empty_cache()  # else the last configuration's cached blocks count as used
-    why = shortfall(int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)), host_per_rank,
-                    gpu_per_rank if cuda else 0,
-                    [torch.cuda.mem_get_info(ctx.device)[0]] if cuda else None)
+        free = torch.cuda.mem_get_info(ctx.device)[0]  # + 1 GiB for context and buffers:
+        per_gpu = math.ceil(ranks_here / torch.cuda.device_count()) * (gpu_per_rank + GIB)
+        if per_gpu > 0.9 * free:
+            why = f"needs about {per_gpu / GIB:.1f} GiB per GPU, {free / GIB:.1f} GiB free"
     flag = torch.tensor([1.0 if why else 0.0], device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return (why or "memory is short on another rank") if flag.item() else None

@@ -62,7 +62,7 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from common import launch, limits
+    from common import launch
 
     class Props:
         total_memory = 80 * 2**30
@@ -71,7 +71,6 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
                         ("get_device_name", lambda i=0: "Fake GPU")):
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
-    monkeypatch.setattr(limits, "gpu_free_bytes", lambda: [80 * 2**30] * gpus)
     launched = []
     monkeypatch.setattr(launch, "launch", lambda worker, config, *a, **k: launched.append(config))
     for quick in (False, True):
