@@ -1,15 +1,12 @@
-"""Stage 07: FSDP (ZeRO-3) from scratch. Every rank keeps 1/N of every weight matrix (cut
-along dim 0, padded) and gathers a unit's full weights just before the unit runs, in forward
-and again in backward, where it reduce-scatters the unit's gradients into this rank's averaged
-float32 shard; the next unit's all-gather is in flight meanwhile (prefetch). Biases and norm
-gains stay whole on every rank; their gradients are all-reduced.
+"""Stage 07: FSDP (ZeRO-3) from scratch: every rank keeps 1/N of every weight matrix.
+Cut along dim 0 (padded); a unit's full weights are gathered just before the unit runs, in
+forward and again in backward, where its gradients are then reduce-scattered into this rank's
+averaged float32 shard; the next unit's all-gather is in flight meanwhile (prefetch). Biases and
+norm gains stay whole; their gradients are all-reduced. Torch alone: ``from fsdp import FSDP``.
 
     python 07_parallelism/fsdp.py --world-size 2    # the tiny LM against one process
     python 07_parallelism/fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
     python 07_parallelism/fsdp.py --profile         # timeline: all-gathers during compute
-    torchrun --nproc-per-node=2 07_parallelism/fsdp.py
-
-The algorithm needs torch alone: copy this file into a project and ``from fsdp import FSDP``.
 """
 
 from __future__ import annotations
@@ -73,11 +70,11 @@ class _Unit:
     """A unit's flat shard (its weights become views of it), full weights, communication state."""
 
     def __init__(self, slots, rank, world_size, compute_dtype):
-        self.slots, self.owners = slots, list({id(m): m for m, _, _ in slots}.values())
+        self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
+        self.slots = [(m, name, [id(q) for q in self.params].index(id(p))) for m, name, p in slots]
+        self.owners = list({id(m): m for m, _, _ in slots}.values())
         self.casts = [(m, n, p) for m in self.owners for n, p in m._parameters.items()  # biases
                       if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
-        self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
-        self.position = {id(p): i for i, p in enumerate(self.params)}
         rows = [-(-p.shape[0] // world_size) for p in self.params]  # k = ceil(d0 / N)
         self.numels = [k * p[0].numel() for k, p in zip(rows, self.params)]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
@@ -103,12 +100,11 @@ def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05'
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallelism: optimizer on ``fsdp.parameters()`` (shards), made after
-    wrapping; per step forward, backward(), finish_gradient_synchronization(), step().
-    ``units``: modules gathered as one (e.g. Transformer blocks); other weights: a unit per
-    owner. ``compute_dtype`` (float16/bfloat16) casts weights before the all-gather, and the
-    inputs and biases of modules owning weight matrices; norm gains and masters stay float32.
-    Ranks must run the same units (collectives pair by order); unused weights get zero grads."""
+    """Fully sharded data parallelism: the optimizer takes ``fsdp.parameters()`` (shards); a step is
+    forward, backward(), finish_gradient_synchronization(), step(). ``units``: modules gathered as
+    one (e.g. Transformer blocks); other weights get a unit per owner. ``compute_dtype`` casts
+    weights before the all-gather, and the inputs and biases of modules owning weight matrices;
+    norm gains and masters stay float32. Ranks run the same units (collectives pair by order)."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
@@ -172,8 +168,8 @@ class FSDP(nn.Module):
         self.gathered_bytes, u.gathered = self.gathered_bytes - u.full_bytes * u.gathered, False
 
     def _swap(self, u: _Unit, to_full: bool) -> None:
-        for owner, name, p in u.slots:
-            owner._parameters[name] = u.full[u.position[id(p)]] if to_full else p
+        for owner, name, i in u.slots:
+            owner._parameters[name] = u.full[i] if to_full else u.params[i]
         for owner, name, p in u.casts:
             owner._parameters[name] = p.to(self.compute_dtype) if to_full else p
 
@@ -211,9 +207,8 @@ class FSDP(nn.Module):
 
     def _on_full_grad(self, u: _Unit, i: int, full=None) -> None:
         """Every use of full weight i is summed in its .grad: into the reduce-scatter input."""
-        if u.grad_buffer is None:
-            u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(),
-                                                   dtype=self.reduce_dtype)
+        if u.grad_buffer is None:  # zeros: a weight without a gradient sends zeros
+            u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(), dtype=self.reduce_dtype)
         copy_rows(u.full[i].grad.view(-1), u.columns(u.grad_buffer, i), into_blocks=True)
         u.full[i].grad, u.pending = None, u.pending - 1
         if u.pending == 0:  # all its gradients are in; a frozen weight may still be needed
@@ -232,14 +227,13 @@ class FSDP(nn.Module):
         """Wait for a reduce-scatter; the mean over ranks becomes (or adds to) the shards' .grad."""
         work.wait()
         out = out.div_(self.world_size).to(u.flat_shard.dtype)
-        for p, off, numel in zip(u.params, u.offsets, u.numels):
+        for p, g in zip(u.params, (out[o:o + n] for o, n in zip(u.offsets, u.numels))):
             if p.requires_grad:
-                g = out[off:off + numel].view_as(p)
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                p.grad = g.view_as(p) if p.grad is None else p.grad.add_(g.view_as(p))
 
     def finish_gradient_synchronization(self) -> None:
-        """After each backward: reduce units missing a gradient, finish unused prefetches, free
-        full weights, land the reduce-scatters, all-reduce replicated gradients in one call."""
+        """After each backward: reduce-scatter what is left, finish unused prefetches, free the full
+        weights, land the reduce-scatters, all-reduce the replicated gradients in one call."""
         for u in self.units:  # in unit order: the same collectives in the same order everywhere
             for i in [i for i, f in enumerate(u.full) if f.grad is not None]:
                 self._on_full_grad(u, i)
@@ -293,17 +287,15 @@ def verify_main(ctx, args) -> None:
     checkpointing) under FSDP and on one process with the whole batch, 3 AdamW steps: weights
     allclose at float32 tolerance after every step, bitwise equal across ranks."""
     from common import models, results
-
-    def lm():  # one matrix in two layers: their units merge
-        m = models.TransformerLM("tiny", context_length=32, checkpoint_activations=True)
-        m.lm_head.weight = m.token_embedding.weight
-        return m
-    torch.manual_seed(1 + ctx.rank)  # a different model on every rank: FSDP broadcasts rank 0's
-    fsdp, _, reference = FSDP(model := lm(), units=list(model.blocks)), torch.manual_seed(1), lm()
-    # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients (rare tokens)
-    # into updates of order lr, for torch DDP exactly as much as here
+    nets = []
+    for seed in (1 + ctx.rank, 1):  # ranks start apart: FSDP broadcasts rank 0's weights
+        torch.manual_seed(seed)
+        nets.append(lm := models.TransformerLM("tiny", context_length=32, checkpoint_activations=True))
+        lm.lm_head.weight = lm.token_embedding.weight  # one matrix in two layers: one unit
+    fsdp, reference = FSDP(nets[0], units=list(nets[0].blocks)), nets[1]
+    # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients into lr-sized steps
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
-    rows, mine = [], slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    diff, ok, mine = 0.0, True, slice(2 * ctx.rank, 2 * ctx.rank + 2)
     for step in range(3):
         x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
         for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
@@ -311,78 +303,46 @@ def verify_main(ctx, args) -> None:
             models.lm_loss(m(xs), ys).backward()
             getattr(m, "finish_gradient_synchronization", lambda: None)()
             opt.step()
-        got = fsdp.gather_full_params()
-        flat = torch.cat([t.flatten() for t in got.values()])
-        everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+        got, want = fsdp.gather_full_params(), dict(reference.named_parameters())
+        everyone = [torch.empty_like(flat := torch.cat([*map(torch.flatten, got.values())])) for _ in range(ctx.world_size)]
         dist.all_gather(everyone, flat)
-        rows.append({"step": step + 1, "max |diff|": max((got[n] - p).abs().max().item() for n, p in
-                                                         reference.named_parameters()),
-                     "allclose": all(torch.allclose(got[n], p, rtol=1e-4, atol=1e-5)
-                                     for n, p in reference.named_parameters()),
-                     "bitwise across ranks": all(torch.equal(everyone[0], t) for t in everyone),
-                     "units": len(fsdp.units), "shards kB": sum(p.nbytes for p in fsdp.parameters()) / 1e3,
-                     "peak gathered kB": fsdp.peak_gathered_bytes / 1e3})
-    ok = all(r["allclose"] and r["bitwise across ranks"] for r in rows)
-    if ctx.is_main or not ok:  # a failure shows on every rank
-        results.print_table(rows, floatfmt=".3g", title=(
-            f"FSDP, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}), tiny LM (tied, a unit "
-            f"per block, checkpointed) vs one process ({results.machine_name()}), rank {ctx.rank}:"))
+        ok &= all(torch.equal(everyone[0], t) for t in everyone)  # bitwise across ranks
+        ok &= all(torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-5) for n in want)
+        diff = max(diff, *((got[n] - want[n]).abs().max().item() for n in want))
+    ctx.print(f"FSDP vs one process, tiny LM in {len(fsdp.units)} units, {ctx.world_size} ranks ({ctx.backend}/"
+              f"{ctx.device.type}), 3 AdamW steps ({results.machine_name()}):\n  max |diff| {diff:.1e}: "
+              f"{'allclose, and bitwise equal across ranks' if ok else 'NOT allclose, or ranks differ'}; "
+              f"per rank {sum(p.nbytes for p in fsdp.parameters()) / 1e3:.0f} kB of shards, at most "
+              f"{fsdp.peak_gathered_bytes / 1e3:.0f} kB of full weights gathered at once", all_ranks=not ok)
     ctx.print("all checks passed" if ok else "SOME CHECKS FAILED", all_ranks=not ok)
     dist.barrier()
     if not ok:
         raise SystemExit(1)
 
 
-def ledger_strategies() -> list:
-    """The ledger's rows: zero.py's (DDP 06, ZeRO-1, ZeRO-2, torch's ZeroRedundancyOptimizer),
-    then FSDP and torch's fully_shard with the same units: one per Transformer block, the root."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from common import import_stage
-
-    def ours(lm):
-        fsdp = FSDP(lm, units=[*lm.blocks, lm])
-        return fsdp, torch.optim.AdamW(fsdp.parameters(), lr=1e-4)
-
-    def theirs(lm):
-        mesh = init_device_mesh(lm.lm_head.weight.device.type, (dist.get_world_size(),))
-        for block in lm.blocks:
-            fully_shard(block, mesh=mesh)
-        return fully_shard(lm, mesh=mesh), torch.optim.AdamW(lm.parameters(), lr=1e-4)
-    zero = import_stage("07_parallelism/zero")
-    return [*zero.ledger_strategies(), ("fsdp", ours), ("torch_fsdp", theirs)]
-
-
 def bench_main(ctx, args) -> None:
-    """--bench: the ledger, and the issues' targets read off it (reported, not checked: one
-    run's timing on a shared machine is a measurement, not a test)."""
-    from common import import_stage
-    import_stage("07_parallelism/ledger").run_ledger(ctx, ledger_strategies(), args)
-
-
-def profile_main(ctx, args) -> None:
-    """--profile: one unit per Transformer block, in stage 05's timeline (common/profiling)."""
-    from common import profiling
-    profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))], args,
-                          name="07_fsdp")
+    """--bench: the ledger, and the issues' targets read off it (reported, not checked: one run's
+    timing on a shared machine is a measurement, not a test). --profile: a unit per Transformer
+    block in stage 05's timeline (common/profiling)."""
+    from common import import_stage, profiling
+    if args.profile:
+        profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))], args, name="07_fsdp")
+    else:
+        ledger = import_stage("07_parallelism/ledger")
+        ledger.run_ledger(ctx, ledger.strategies(), args)  # these six rows, all in one run
 
 
 def main(argv=None) -> None:
     _repo()
     from common import import_stage, launch, profiling, step_bench
-    ledger = import_stage("07_parallelism/ledger")
     parser = launch.make_parser(__doc__)
-    parser.add_argument("--bench", action="store_true", help="the memory and communication "
-                        "ledger of DDP (06), ZeRO-1/2, FSDP and torch's, to results/sharding.csv")
-    ledger.add_ledger_args(parser)
+    import_stage("07_parallelism/ledger").add_ledger_args(parser)
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     if args.bench or args.profile:  # the plain run has its own sizes
-        step_bench.check_step_bench_args(args, config)  # batch, memory, results/: exit 2
-    launch.launch(bench_main if args.bench else profile_main if args.profile else verify_main,
-                  config, args)
+        step_bench.check_step_bench_args(args, config)  # batch, memory, results/: one line, exit 2
+    launch.launch(bench_main if args.bench or args.profile else verify_main, config, args)
 
 
 if __name__ == "__main__":

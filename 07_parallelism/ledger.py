@@ -9,6 +9,7 @@ Python; torch's C++ DDP reducer is not, so it gets a hook that all-reduces from 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 from collections import defaultdict
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from common import launch, models, results, timing
+from common import import_stage, launch, models, results, timing
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -30,8 +31,8 @@ def storage_key(t: torch.Tensor) -> tuple:  # views of one storage share it
 
 
 def state_bytes(tensors) -> int:
-    """Bytes held by ``tensors`` (None skipped), each storage once: tied weights, views of one
-    flat buffer count once; a DTensor counts its local shard."""
+    """Bytes held by ``tensors`` (None skipped), each storage once (tied weights, views of one
+    flat buffer); a DTensor: its local shard."""
     return sum({storage_key(t): _local(t).untyped_storage().nbytes() for t in tensors
                 if t is not None}.values())
 
@@ -42,16 +43,15 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                        if isinstance(v, torch.Tensor))
 
 
-class SavedActivations:
-    """``with SavedActivations(model) as saved: loss = model(x)`` -> ``saved.bytes``.
-
-    Each storage autograd saves, once, at its size when saved. Weights are not activations:
-    ``model``'s parameters, and the storages ``exclude_now()`` names when a tensor is saved
-    (FSDP's gathered weights live in storage that changes at every gather). Inside a
-    non-reentrant checkpoint autograd saves nothing; the region's inputs stay alive and are
-    counted on entry."""
+class SavedActivations(contextlib.ExitStack):
+    """``with SavedActivations(model) as saved: loss = model(x)`` -> ``saved.bytes``: each storage
+    autograd saves, once, at its size when saved. Weights are not activations: ``model``'s
+    parameters, and the storages ``exclude_now()`` names when a tensor is saved (FSDP's gathered
+    weights live in storage that changes at every gather). Inside a non-reentrant checkpoint
+    autograd saves nothing; the region's inputs stay alive and are counted on entry."""
 
     def __init__(self, model: nn.Module | None = None, exclude_now=set):
+        super().__init__()
         self.weights = {storage_key(p) for p in (model.parameters() if model else ())}
         self.exclude_now, self.seen = exclude_now, {}
 
@@ -66,25 +66,17 @@ class SavedActivations:
         return t
 
     def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._count, lambda t: t)
-        self._hooks.__enter__()
-        self._checkpoint = checkpoint = torch.utils.checkpoint.checkpoint
-
-        def counted_checkpoint(fn, *args, **kwargs):
-            return checkpoint(fn, *map(self._count, args), **kwargs)
-        torch.utils.checkpoint.checkpoint = counted_checkpoint
+        self.enter_context(torch.autograd.graph.saved_tensors_hooks(self._count, lambda t: t))
+        checkpoint = torch.utils.checkpoint.checkpoint  # looked up at call time by the LM
+        torch.utils.checkpoint.checkpoint = lambda fn, *a, **kw: checkpoint(fn, *map(self._count, a), **kw)
+        self.callback(setattr, torch.utils.checkpoint, "checkpoint", checkpoint)
         return self
-
-    def __exit__(self, *exc):
-        torch.utils.checkpoint.checkpoint = self._checkpoint
-        return self._hooks.__exit__(*exc)
 
 
 def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
-    """Bytes one rank sends for a collective of ``payload`` bytes run as a ring of n ranks:
-    all_reduce (reduce-scatter + all-gather) 2(n-1)/n N; all_gather, reduce_scatter (N the
-    full tensor) and a pipelined chain broadcast or reduce (averaged over ranks) (n-1)/n N;
-    send N."""
+    """Bytes one rank sends for a collective of N = ``payload`` bytes as a ring of n ranks: all_reduce
+    (reduce-scatter + all-gather) 2(n-1)/n N; all_gather, reduce_scatter (N: the full tensor) and
+    a pipelined chain broadcast or reduce (averaged over ranks) (n-1)/n N; send N."""
     if op == "send" or world_size == 1:
         return float(payload) if op == "send" else 0.0
     return (2 if op == "all_reduce" else 1) * (world_size - 1) / world_size * payload
@@ -152,9 +144,38 @@ class CommCounter:
 
 # --------------------------------------------------------------------------- the ledger
 
-
 CSV_KEY = ["backend", "device", "world_size", "model", "impl", "checkpointing"]
 KINDS = ("param", "grad", "optim", "peak", "activation", "sent")
+
+
+def strategies() -> list[tuple]:
+    """The six rows, ``(impl, build)`` with ``build(lm) -> (wrapper, AdamW)``: DDP is stage 06
+    at its default bucket size, ZeRO-1 it + ShardedOptimizer, ZeRO-2 Zero2DDP; torch's are
+    ZeroRedundancyOptimizer over torch DDP (its default hook, called from Python so that the
+    counter sees it) and fully_shard; both FSDPs get the same units: each block, and the root."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    ddp, zero = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP, import_stage("07_parallelism/zero")
+    FSDP, adamw = import_stage("07_parallelism/fsdp").FSDP, functools.partial(torch.optim.AdamW, lr=1e-4)
+
+    def zero2(lm):
+        return zero.Zero2DDP(lm, opt := zero.ShardedOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4)), opt
+
+    def torch_zero1(lm):
+        (wrapped := nn.parallel.DistributedDataParallel(lm)).register_comm_hook(None, allreduce_hook)
+        return wrapped, ZeroRedundancyOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4)
+
+    def torch_fsdp(lm):
+        mesh = init_device_mesh(lm.lm_head.weight.device.type, (dist.get_world_size(),))
+        for block in lm.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(lm, mesh=mesh), adamw(lm.parameters())
+    return [("ddp", lambda lm: (ddp(lm), adamw(lm.parameters()))),
+            ("zero1", lambda lm: (ddp(lm), zero.ShardedOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4))),
+            ("zero2", zero2), ("fsdp", lambda lm: (f := FSDP(lm, units=[*lm.blocks, lm]), adamw(f.parameters()))),
+            ("torch_zero1", torch_zero1), ("torch_fsdp", torch_fsdp)]
 
 
 def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, float]:
@@ -182,8 +203,8 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
     W, K = sum(padded.values()), sum(padded.get(id(t), 0) for t in kept)
     R = p - 4 * sum(t.numel() for t in lm.parameters() if id(t) in padded)
     held = W / n + R
-    return {"param": held, "grad": held, "optim": 2 * held, **({"peak": 4 * held + K} if ours
-            else {}), "sent": (n - 1) / n * (3 * W - K) + 2 * (n - 1) / n * R}
+    return {"param": held, "grad": held, "optim": 2 * held, **({"peak": 4 * held + K} if ours else {}),
+            "sent": (n - 1) / n * (3 * W - K) + 2 * (n - 1) / n * R}
 
 
 def add_ledger_args(parser) -> None:
@@ -191,15 +212,16 @@ def add_ledger_args(parser) -> None:
     ``course``: the tiny LM's saved activations are mostly its vocabulary logits, which
     checkpointing per block cannot touch (the course LM's blocks dominate)."""
     g = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
+    g.add_argument("--bench", action="store_true", help="the ledger of DDP (06), ZeRO-1/2, FSDP "
+                   "and torch's: bytes and time per step to results/sharding.csv")
     g.add_argument("--model", choices=list(models.PRESETS), default="course", help="LM preset")
     g.add_argument("--batch-size", type=launch.positive_int, default=4,
                    help="GLOBAL batch (sequences per step), split evenly across ranks")
     g.add_argument("--context-length", type=launch.positive_int, default=32, help="tokens")
     g.add_argument("--steps", type=launch.positive_int, default=3, help="timed steps a round")
     g.add_argument("--warmup", type=launch.non_negative_int, default=1, help="untimed first")
-    g.add_argument("--rounds", type=launch.positive_int, default=1,
-                   help="run all cases this many times, interleaved, and pool the timed steps "
-                        "(background load then hits every case alike)")
+    g.add_argument("--rounds", type=launch.positive_int, default=1, help="run all cases this many "
+                   "times, interleaved (background load hits every case alike); pool the steps")
     g.add_argument("--checkpointing", type=launch.choice_list(["off", "on"]), default="off,on",
                    help="activation checkpointing per Transformer block")
 
@@ -237,9 +259,8 @@ def _case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         now = wrapper.gathered_storage_keys if ours else lambda: set(map(storage_key, model.parameters()))
         with CommCounter() as comm:
             step(saved := SavedActivations(model, exclude_now=now))
-        counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
-                       optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)),
-                       sent=comm.sent_bytes)
+        counted.update(param=state_bytes(model.parameters()), activation=saved.bytes, sent=comm.sent_bytes,
+                       optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)))
         if ours:  # the shards held, plus the most full weights gathered at once
             counted["peak"] = counted["param"] + counted["grad"] + counted["optim"] + wrapper.peak_gathered_bytes
         if dev.type == "cuda":
@@ -256,26 +277,23 @@ def _row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted
                            device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     row = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
-           "model": args.model, "impl": impl, "checkpointing": checkpointing,
-           "step_ms": stats.median * 1e3}
+           "model": args.model, "impl": impl, "checkpointing": checkpointing, "step_ms": stats.median * 1e3}
     for k, got in zip(kinds, largest.tolist()):  # (-1: not counted here)
         row[f"{k}_bytes"] = int(got) if got >= 0 else ""
         if k in counted["predicted"]:
             row[f"{k}_bytes_predicted"] = int(counted["predicted"][k])
     return {**row, "step_ms_min": stats.min * 1e3, "step_ms_max": stats.max * 1e3,
             "params": models.lm_parameter_count(args.model, context_length=args.context_length),
-            "batch_size": args.batch_size, "context_length": args.context_length,
-            "steps": len(seconds), "machine": results.machine_name(), "run_id": results.run_id()}
+            "batch_size": args.batch_size, "context_length": args.context_length, "steps": len(seconds),
+            "machine": results.machine_name(), "run_id": results.run_id()}
 
 
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
     """Each ``(impl, build)`` of ``strategies`` with each ``args.checkpointing``, in one run.
-
-    ``build(model) -> (wrapper, optimizer)``, called in the workers; ``wrapper`` follows the
-    ``finish_gradient_synchronization()`` convention (torch's need none); a sharded
-    optimizer's own state is read from its ``.optim``. Rank 0 upserts the rows into
-    ``results/<csv_name>`` after every round (a run stopped later keeps them), then prints
-    the table and the issues' targets read off it."""
+    ``build(model) -> (wrapper, optimizer)`` runs in the workers; ``wrapper`` follows the
+    ``finish_gradient_synchronization()`` convention (torch's need none); a sharded optimizer's
+    own state is read from its ``.optim``. Rank 0 upserts the rows into ``results/<csv_name>``
+    after every round (a run stopped later keeps them), then prints them and the targets."""
     cases = [(impl, build, ck) for impl, build in strategies for ck in args.checkpointing]
     seconds, counted = [[] for _ in cases], [None] * len(cases)
     for round_ in range(args.rounds):  # interleaved, so background load hits every case alike
@@ -291,38 +309,34 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         def mib(r, k):  # "counted (predicted)"
             got, want = r[f"{k}_bytes"], r.get(f"{k}_bytes_predicted")
             return ("-" if got == "" else f"{got / 2**20:.2f}") + ("" if want is None else f" ({want / 2**20:.2f})")
-        shown = [*KINDS, *(["cuda_peak"] if ctx.device.type == "cuda" else [])]
+        kinds = [*KINDS, *(["cuda_peak"] if ctx.device.type == "cuda" else [])]
         results.print_table([{"impl": r["impl"], "ckpt": r["checkpointing"], "step_ms": r["step_ms"],
-                              **{f"{k} MiB": mib(r, k) for k in shown}} for r in rows], floatfmt=".1f",
-                            title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
-                                  f"rank's median step, {args.model} LM, AdamW, {ctx.world_size} ranks "
-                                  f"({results.machine_name()}):")
+                              **{f"{k} MiB": mib(r, k) for k in kinds}} for r in rows], floatfmt=".1f",
+                            title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest rank's "
+                                  f"median step; {args.model} LM, AdamW, {ctx.world_size} ranks ({results.machine_name()}):")
         print(f"wrote {path}\n" + "\n".join(target_lines(rows)), flush=True)
     return rows
 
 
 def target_lines(rows: list[dict]) -> list[str]:
     """The issues' targets, read off one run's rows: measured beside the target."""
-    by, lines = {(r["impl"], r["checkpointing"]): r for r in rows}, []
-    first = rows[0]["checkpointing"]
+    by, first, lines = {(r["impl"], r["checkpointing"]): r for r in rows}, rows[0]["checkpointing"], []
     for (a, ck), r in by.items():  # step time against torch's, in the same run
         b, cap = {"fsdp": ("torch_fsdp", 1.25), "zero1": ("torch_zero1", 1.10)}.get(a, (None, 0))
         if (b, ck) in by:
-            lines.append(f"{a} step / {b}'s, checkpointing {ck}: "
-                         f"{r['step_ms'] / by[b, ck]['step_ms']:.2f}x (target <= {cap}x)")
+            lines.append(f"{a} step / {b}'s, checkpointing {ck}: {r['step_ms'] / by[b, ck]['step_ms']:.2f}x "
+                         f"(target <= {cap}x)")
     for impl, kinds, formula, per_p in (("fsdp", ("param", "grad", "optim"), "16P/N", 16),
                                         ("zero1", ("optim",), "8P/N", 8), ("zero2", ("grad",), "4P/N", 4)):
         if r := by.get((impl, first)):  # bytes per rank against the textbook formula
             got = sum(r[k + "_bytes"] for k in kinds) / (per_p * r["params"] / r["world_size"])
-            lines.append(f"{impl} {' + '.join(kinds)} bytes per rank / {formula}: {got:.4f} "
-                         "(target within 5%, plus padding)")
+            lines.append(f"{impl} {' + '.join(kinds)} bytes per rank / {formula}: {got:.4f} (target within 5%)")
     if (f := by.get(("fsdp", first))) and (d := by.get(("ddp", first))):
         lines.append(f"fsdp bytes sent / its prediction: {f['sent_bytes'] / f['sent_bytes_predicted']:.4f} "
-                     f"(target within 5%); / DDP's: {f['sent_bytes'] / d['sent_bytes']:.3f}x (1.5x, less "
-                     "the all-gathers of what stays gathered for backward, plus padding)")
+                     f"(target within 5%); / DDP's: {f['sent_bytes'] / d['sent_bytes']:.3f}x (1.5x less the "
+                     "all-gathers of what stays gathered for backward)")
     for (impl, ck), on in by.items():  # activation checkpointing
         if ck == "on" and (off := by.get((impl, "off"))):
             lines.append(f"{impl}: checkpointing keeps {on['activation_bytes'] / off['activation_bytes']:.2f}x "
-                         f"the saved activations (target <= 0.50x), at {on['step_ms'] / off['step_ms']:.2f}x "
-                         "the step time")
+                         f"the saved activations (target <= 0.50x) at {on['step_ms'] / off['step_ms']:.2f}x the step time")
     return lines

@@ -275,83 +275,55 @@ def _repo() -> None:
 
 def check_main(ctx, args) -> None:
     """The plain run: the tiny LM, AdamW with two param groups, 3 steps, as ZeRO-1 (06's
-    BucketedDDP + ShardedOptimizer) and ZeRO-2 (Zero2DDP, 2 micro-batches under no_sync()),
-    each beside plain AdamW on one process with the whole batch; then the consolidated state
-    beside that AdamW's. Exits 1 if anything differed."""
+    BucketedDDP + ShardedOptimizer) and as ZeRO-2 (Zero2DDP, 2 micro-batches under no_sync()),
+    each beside plain AdamW on one process with the whole batch; the consolidated state beside
+    that AdamW's. Exits 1 if anything differed."""
     from common import import_stage, models, results
-    ledger, n, rows = import_stage("07_parallelism/ledger"), ctx.world_size, []
+    n, rows, ledger = ctx.world_size, [], import_stage("07_parallelism/ledger")
+
+    def lm_and_adamw(seed, optimizer, **kw):  # eps 1e-6: see verify_main in fsdp.py
+        torch.manual_seed(seed)
+        ps = list((lm := models.TransformerLM("tiny", context_length=16)).parameters())
+        return lm, optimizer([{"params": ps[:12], "weight_decay": 0.1},
+                              {"params": ps[12:], "betas": (0.8, 0.9)}], lr=1e-3, eps=1e-6, **kw)
     for way, k in (("ZeRO-1: BucketedDDP (06) + ShardedOptimizer", 1), ("ZeRO-2: Zero2DDP", 2)):
-        nets = []
-        for seed in (1 + ctx.rank, 1):  # ranks start apart: the wrappers broadcast rank 0's
-            torch.manual_seed(seed)
-            ps = list((net := models.TransformerLM("tiny", context_length=16)).parameters())
-            nets.append((net, [{"params": ps[:12], "weight_decay": 0.1},
-                               {"params": ps[12:], "lr": 3e-4, "betas": (0.8, 0.9)}]))
-        (model, groups), (ref, ref_groups) = nets
-        kw = {"lr": 1e-3, "eps": 1e-6}  # eps 1e-6: see verify_main in fsdp.py
-        opt, ref_opt = ShardedOptimizer(groups, torch.optim.AdamW, **kw), torch.optim.AdamW(ref_groups, **kw)
-        ddp = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP(model) if k == 1 else Zero2DDP(model, opt)
+        model, opt = lm_and_adamw(1 + ctx.rank, ShardedOptimizer, optimizer_cls=torch.optim.AdamW)
+        ref, ref_opt = lm_and_adamw(1, torch.optim.AdamW)  # (ranks started apart: both wrappers
+        ddp = Zero2DDP(model, opt) if k == 2 else \
+            import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP(model)  # broadcast rank 0's)
         for step in range(3):
             x, y = models.random_tokens(2 * n * k, 16, seed=step)
-            opt.zero_grad()
             for mb in range(k):  # rank r's 2 sequences of micro-batch mb
                 mine = slice(2 * (mb * n + ctx.rank), 2 * (mb * n + ctx.rank) + 2)
                 with ddp.no_sync() if mb < k - 1 else contextlib.nullcontext():
                     (models.lm_loss(ddp(x[mine]), y[mine]) / k).backward()
             ddp.finish_gradient_synchronization()
             grads = ledger.state_bytes(p.grad for p in model.parameters())
-            opt.step()
-            ref_opt.zero_grad()
             models.lm_loss(ref(x), y).backward()
-            ref_opt.step()
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        everyone = [torch.empty_like(flat) for _ in range(n)]
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        flat, pairs = torch.cat([p.detach().flatten() for p in model.parameters()]), list(zip(model.parameters(), ref.parameters()))
+        everyone, held = [torch.empty_like(flat) for _ in range(n)], [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
         dist.all_gather(everyone, flat)
-        held = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
         dist.all_gather(held, torch.tensor([ledger.optimizer_state_bytes(opt.optim)]))
         opt.consolidate_state_dict(to=0)
-        want = ref_opt.state_dict()
-        rows.append({"way": way, "max |diff|": max((p - q).abs().max().item() for p, q in zip(
-            model.parameters(), ref.parameters())), "allclose": all(torch.allclose(
-                p, q, rtol=1e-4, atol=1e-5) for p, q in zip(model.parameters(), ref.parameters())),
-            "bitwise across ranks": all(torch.equal(everyone[0], f) for f in everyone),
-            "AdamW state kB per rank": "/".join(f"{h.item() / 1e3:.0f}" for h in held),
-            "grads kB held, rank 0": grads / 1e3, "checkpoint = one process's": ctx.rank != 0 or all(
-                torch.allclose(opt.state_dict()["state"][i][key], v) for i, st in want["state"].items()
-                for key, v in st.items())})
-    ok = torch.tensor([float(all(r["allclose"] and r["bitwise across ranks"] and r["checkpoint = one process's"]
-                                 for r in rows))])
+        rows.append({"way": way, "max |diff|": max((p - q).abs().max().item() for p, q in pairs),
+                     "allclose, bitwise across ranks, checkpoint = one process's": all(
+                         torch.allclose(p, q, rtol=1e-4, atol=1e-5) for p, q in pairs) and all(
+                         torch.equal(everyone[0], f) for f in everyone) and (ctx.rank != 0 or all(
+                         torch.allclose(opt.state_dict()["state"][i][key], v) for i, st in
+                         ref_opt.state_dict()["state"].items() for key, v in st.items())),
+                     "AdamW state kB per rank": "/".join(f"{h.item() / 1e3:.0f}" for h in held),
+                     f"grads kB held, rank {ctx.rank}": grads / 1e3})
+    ok = torch.tensor([float(all(list(r.values())[2] for r in rows))])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank checked its own
     if ctx.is_main or not ok.item():
-        results.print_table(rows, floatfmt=".3g", title=f"{n} ranks vs plain AdamW on one process, tiny LM, "
-                            f"3 steps, rank {ctx.rank} ({results.machine_name()}):")
+        results.print_table(rows, floatfmt=".3g", title=f"{n} ranks vs AdamW on one process, tiny LM, "
+                            f"3 steps ({results.machine_name()}):")
     ctx.print("all checks passed" if ok.item() else "SOME CHECKS FAILED", all_ranks=not ok.item())
     if not ok.item():
         raise SystemExit(1)
-
-
-def ledger_strategies():
-    """This stage's rows of the ledger (``fsdp.py --bench``), ``(impl, build)`` with
-    ``build(model) -> (wrapper, optimizer)``: DDP is stage 06 at its default bucket size;
-    ZeRO-1 is it + ShardedOptimizer; torch's is ZeroRedundancyOptimizer over torch DDP."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    from common import import_stage
-    ddp, adamw = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP, torch.optim.AdamW
-
-    def zero2(m):
-        opt = ShardedOptimizer(m.parameters(), adamw, lr=1e-4)
-        return Zero2DDP(m, opt), opt
-
-    def torch_zero1(m):  # torch's default hook, but called from Python: CommCounter sees it
-        wrapped = nn.parallel.DistributedDataParallel(m)
-        wrapped.register_comm_hook(None, allreduce_hook)
-        return wrapped, ZeroRedundancyOptimizer(wrapped.parameters(), adamw, lr=1e-4)
-
-    return [("ddp", lambda m: (ddp(m), adamw(m.parameters(), lr=1e-4))),
-            ("zero1", lambda m: (ddp(m), ShardedOptimizer(m.parameters(), adamw, lr=1e-4))),
-            ("zero2", zero2), ("torch_zero1", torch_zero1)]
 
 
 def main(argv=None) -> None:

@@ -274,7 +274,7 @@ def ledger_checks(ctx, record):
                               rounds=1, checkpointing=["off"])
     with warnings.catch_warnings():  # torch's fully_shard and ZeroRedundancyOptimizer warn
         warnings.simplefilter("default")
-        strategies = fsdp_mod.ledger_strategies()
+        strategies = ledger.strategies()
         rows = ledger.run_ledger(ctx, strategies, args, csv_name="sharding_test.csv")
         args.checkpointing = ["on"]
         rows += ledger.run_ledger(ctx, [s for s in strategies if s[0] == "fsdp"], args,
