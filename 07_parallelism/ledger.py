@@ -218,7 +218,7 @@ def add_ledger_args(parser) -> None:
     g.add_argument("--batch-size", type=launch.positive_int, default=4,
                    help="GLOBAL batch (sequences per step), split evenly across ranks")
     g.add_argument("--context-length", type=launch.positive_int, default=32, help="tokens")
-    g.add_argument("--steps", type=launch.positive_int, default=3, help="timed steps a round")
+    g.add_argument("--steps", type=launch.positive_int, default=5, help="timed steps a round")
     g.add_argument("--warmup", type=launch.non_negative_int, default=1, help="untimed first")
     g.add_argument("--rounds", type=launch.positive_int, default=1, help="run all cases this many "
                    "times, interleaved (background load hits every case alike); pool the steps")
