@@ -312,7 +312,7 @@ def check_main(ctx, args) -> None:
                      "allclose, bitwise across ranks, checkpoint = one process's": all(
                          torch.allclose(p, q, rtol=1e-4, atol=1e-5) for p, q in pairs) and all(
                          torch.equal(everyone[0], f) for f in everyone) and (ctx.rank != 0 or all(
-                         torch.allclose(opt.state_dict()["state"][i][key], v) for i, st in
+                         torch.allclose(opt.state_dict()["state"][i][key], v, 1e-4, 1e-7) for i, st in
                          ref_opt.state_dict()["state"].items() for key, v in st.items())),
                      "AdamW state kB per rank": "/".join(f"{h.item() / 1e3:.0f}" for h in held),
                      f"grads kB held, rank {ctx.rank}": grads / 1e3})
