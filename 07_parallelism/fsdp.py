@@ -304,7 +304,8 @@ def verify_main(ctx, args) -> None:
             getattr(m, "finish_gradient_synchronization", lambda: None)()
             opt.step()
         got, want = fsdp.gather_full_params(), dict(reference.named_parameters())
-        everyone = [torch.empty_like(flat := torch.cat([*map(torch.flatten, got.values())])) for _ in range(ctx.world_size)]
+        everyone = [torch.empty_like(flat := torch.cat([*map(torch.flatten, got.values())]))
+                    for _ in range(ctx.world_size)]
         dist.all_gather(everyone, flat)
         ok &= all(torch.equal(everyone[0], t) for t in everyone)  # bitwise across ranks
         ok &= all(torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-5) for n in want)
@@ -321,9 +322,8 @@ def verify_main(ctx, args) -> None:
 
 
 def bench_main(ctx, args) -> None:
-    """--bench: the ledger, and the issues' targets read off it (reported, not checked: one run's
-    timing on a shared machine is a measurement, not a test). --profile: a unit per Transformer
-    block in stage 05's timeline (common/profiling)."""
+    """--bench: the ledger and the targets read off it (reported, not checked: one run's timing is a
+    measurement, not a test). --profile: a unit per block in stage 05's timeline (common/profiling)."""
     from common import import_stage, profiling
     if args.profile:
         profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))], args, name="07_fsdp")

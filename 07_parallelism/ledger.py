@@ -97,7 +97,7 @@ def _nbytes(t) -> int:
     return sum(map(_nbytes, t)) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
 
 
-class CommCounter:
+class CommCounter(contextlib.ExitStack):
     """``with CommCounter() as comm: ...`` -> ``comm.calls``, ``sent_bytes``, ``by_label``.
 
     Each call: op (all_reduce, all_gather, reduce_scatter, broadcast, reduce, send), payload
@@ -105,6 +105,7 @@ class CommCounter:
     label a hook may set ("fc1 backward"). Arguments are read by name, positional or keyword."""
 
     def __init__(self):
+        super().__init__()
         self.calls, self.current = [], ""
 
     @property
@@ -133,14 +134,10 @@ class CommCounter:
         return counted
 
     def __enter__(self):
-        self._originals = {name: getattr(dist, name) for name in _PAYLOAD if hasattr(dist, name)}
-        for name, original in self._originals.items():
+        for name, original in [(name, getattr(dist, name)) for name in _PAYLOAD if hasattr(dist, name)]:
             setattr(dist, name, self._wrap(name, original))
+            self.callback(setattr, dist, name, original)  # put back on exit
         return self
-
-    def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
 
 # --------------------------------------------------------------------------- the ledger
 
@@ -208,7 +205,7 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
 
 
 def add_ledger_args(parser) -> None:
-    """The ledger's flags. Defaults: a 2-core CPU runs them in about a minute; the LM is
+    """The ledger's flags. The defaults are sized for ``make bench`` on a 2-core CPU; the LM is
     ``course``: the tiny LM's saved activations are mostly its vocabulary logits, which
     checkpointing per block cannot touch (the course LM's blocks dominate)."""
     g = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
@@ -289,11 +286,9 @@ def _row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted
 
 
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
-    """Each ``(impl, build)`` of ``strategies`` with each ``args.checkpointing``, in one run.
-    ``build(model) -> (wrapper, optimizer)`` runs in the workers; ``wrapper`` follows the
-    ``finish_gradient_synchronization()`` convention (torch's need none); a sharded optimizer's
-    own state is read from its ``.optim``. Rank 0 upserts the rows into ``results/<csv_name>``
-    after every round (a run stopped later keeps them), then prints them and the targets."""
+    """Each ``(impl, build)`` of ``strategies`` (see :func:`strategies`) with each
+    ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>`` after
+    every round (a run stopped later keeps them), then prints them and the targets."""
     cases = [(impl, build, ck) for impl, build in strategies for ck in args.checkpointing]
     seconds, counted = [[] for _ in cases], [None] * len(cases)
     for round_ in range(args.rounds):  # interleaved, so background load hits every case alike
@@ -308,12 +303,13 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     if ctx.is_main:
         def mib(r, k):  # "counted (predicted)"
             got, want = r[f"{k}_bytes"], r.get(f"{k}_bytes_predicted")
-            return ("-" if got == "" else f"{got / 2**20:.2f}") + ("" if want is None else f" ({want / 2**20:.2f})")
+            return ("-" if got == "" else f"{got / 2**20:.2f}") + (f" ({want / 2**20:.2f})" if want else "")
         kinds = [*KINDS, *(["cuda_peak"] if ctx.device.type == "cuda" else [])]
         results.print_table([{"impl": r["impl"], "ckpt": r["checkpointing"], "step_ms": r["step_ms"],
                               **{f"{k} MiB": mib(r, k) for k in kinds}} for r in rows], floatfmt=".1f",
-                            title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest rank's "
-                                  f"median step; {args.model} LM, AdamW, {ctx.world_size} ranks ({results.machine_name()}):")
+                            title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
+                                  f"rank's median step; {args.model} LM, AdamW, {ctx.world_size} ranks "
+                                  f"({results.machine_name()}):")
         print(f"wrote {path}\n" + "\n".join(target_lines(rows)), flush=True)
     return rows
 
@@ -338,5 +334,6 @@ def target_lines(rows: list[dict]) -> list[str]:
     for (impl, ck), on in by.items():  # activation checkpointing
         if ck == "on" and (off := by.get((impl, "off"))):
             lines.append(f"{impl}: checkpointing keeps {on['activation_bytes'] / off['activation_bytes']:.2f}x "
-                         f"the saved activations (target <= 0.50x) at {on['step_ms'] / off['step_ms']:.2f}x the step time")
+                         f"the saved activations (target <= 0.50x), at {on['step_ms'] / off['step_ms']:.2f}x "
+                         "the step time")
     return lines

@@ -51,11 +51,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass such as torch.optim.AdamW, got {str(optimizer_cls).splitlines()[0]!r}")
+            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass such "
+                            f"as torch.optim.AdamW, got {str(optimizer_cls).splitlines()[0]!r}")
         if torch.is_tensor(params):
-            raise TypeError("ShardedOptimizer: params must be an iterable of tensors or param groups, got one tensor; pass [tensor]")
+            raise TypeError("ShardedOptimizer: params must be an iterable of tensors or param groups, got "
+                            "one tensor; pass [tensor]")
         if not (params := list(params)):
-            raise ValueError("ShardedOptimizer: got an empty parameter list; pass the model's parameters (or param groups)")
+            raise ValueError("ShardedOptimizer: got an empty parameter list; pass the model's parameters "
+                             "(or param groups)")
         self.process_group, self.rank = process_group, dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
         self.owner, self._loads, self.optim, self._consolidated = {}, [0] * self.world_size, None, None
@@ -169,14 +172,17 @@ class Zero2DDP(nn.Module):
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, bucket_size_mb: float | None = 25.0):
         super().__init__()
         if not isinstance(optimizer, ShardedOptimizer):
-            raise TypeError(f"Zero2DDP: optimizer must be the ShardedOptimizer over the module's parameters, got {type(optimizer).__name__}")
+            raise TypeError(f"Zero2DDP: optimizer must be the ShardedOptimizer over the module's "
+                            f"parameters, got {type(optimizer).__name__}")
         if bucket_size_mb is not None and not (type(bucket_size_mb) in (int, float) and 0 < bucket_size_mb < math.inf):
-            raise ValueError(f"Zero2DDP: bucket_size_mb must be a positive number of MiB or None (one bucket per owner), got {bucket_size_mb!r}")
+            raise ValueError(f"Zero2DDP: bucket_size_mb must be a positive number of MiB or None (one "
+                             f"bucket per owner), got {bucket_size_mb!r}")
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError("Zero2DDP: the module has no parameters that require grad")
         if unowned := [n for n, p in module.named_parameters() if p.requires_grad and p not in optimizer.owner]:
-            raise ValueError(f"Zero2DDP: {', '.join(unowned)} require grad but are in no group of the ShardedOptimizer: add them there, or freeze them")
+            raise ValueError(f"Zero2DDP: {', '.join(unowned)} require grad but are in no group of the "
+                             f"ShardedOptimizer: add them there, or freeze them")
         self.module, self.process_group = module, optimizer.process_group
         self.rank, self.world_size = optimizer.rank, optimizer.world_size
         broadcast_module_state(module, self.process_group)
@@ -303,8 +309,10 @@ def check_main(ctx, args) -> None:
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
-        flat, pairs = torch.cat([p.detach().flatten() for p in model.parameters()]), list(zip(model.parameters(), ref.parameters()))
-        everyone, held = [torch.empty_like(flat) for _ in range(n)], [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+        flat, pairs = torch.cat([p.detach().flatten() for p in model.parameters()]), list(zip(
+            model.parameters(), ref.parameters()))
+        everyone, held = [torch.empty_like(flat) for _ in range(n)], [torch.zeros(1, dtype=torch.long)
+                                                                      for _ in range(n)]
         dist.all_gather(everyone, flat)
         dist.all_gather(held, torch.tensor([ledger.optimizer_state_bytes(opt.optim)]))
         opt.consolidate_state_dict(to=0)
