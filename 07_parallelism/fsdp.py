@@ -232,8 +232,7 @@ class FSDP(nn.Module):
                 p.grad = g.view_as(p) if p.grad is None else p.grad.add_(g.view_as(p))
 
     def finish_gradient_synchronization(self) -> None:
-        """After each backward: reduce-scatter what is left, finish unused prefetches, free the full
-        weights, land the reduce-scatters, all-reduce the replicated gradients in one call."""
+        """After each backward: the reduce-scatters left, full weights freed, replicated grads averaged."""
         for u in self.units:  # in unit order: the same collectives in the same order everywhere
             for i in [i for i, f in enumerate(u.full) if f.grad is not None]:
                 self._on_full_grad(u, i)
