@@ -1,18 +1,12 @@
-"""Stage 07b: FSDP (ZeRO-3) from scratch. Every rank keeps 1/N of every weight matrix
-(cut along dim 0, padded) and gathers a unit's full weights just before the unit runs:
+"""Stage 07: FSDP (ZeRO-3) from scratch: every rank keeps 1/N of every weight matrix.
+Cut along dim 0 (padded); a unit's full weights are gathered just before the unit runs, in
+forward and again in backward, where its gradients are then reduce-scattered into this rank's
+averaged float32 shard; the next unit's all-gather is in flight meanwhile (prefetch). Biases and
+norm gains stay whole; their gradients are all-reduced. Torch alone: ``from fsdp import FSDP``.
 
-    forward:  all-gather the unit's shards -> full weights -> run -> free them
-    backward: all-gather again -> run its backward -> reduce-scatter the full gradients into
-              this rank's averaged float32 shard gradient -> free weights and gradients
-
-with the next unit's all-gather in flight meanwhile (prefetch, in the order of the first
-forward). Biases and norm gains stay whole on every rank; their gradients are all-reduced.
-
-    python 07_parallelism/fsdp.py --world-size 2    # verify against one process, a table
+    python 07_parallelism/fsdp.py --world-size 2    # the tiny LM against one process
+    python 07_parallelism/fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
     python 07_parallelism/fsdp.py --profile         # timeline: all-gathers during compute
-    torchrun --nproc-per-node=2 07_parallelism/fsdp.py
-
-The algorithm needs torch alone: copy this file into a project and ``from fsdp import FSDP``.
 """
 
 from __future__ import annotations
@@ -76,11 +70,11 @@ class _Unit:
     """A unit's flat shard (its weights become views of it), full weights, communication state."""
 
     def __init__(self, slots, rank, world_size, compute_dtype):
-        self.slots, self.owners = slots, list({id(m): m for m, _, _ in slots}.values())
-        self.casts = [(m, n, p) for m in self.owners for n, p in m._parameters.items()
-                      if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
         self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
-        self.position = {id(p): i for i, p in enumerate(self.params)}
+        self.slots = [(m, name, [id(q) for q in self.params].index(id(p))) for m, name, p in slots]
+        self.owners = list({id(m): m for m, _, _ in slots}.values())
+        self.casts = [(m, n, p) for m in self.owners for n, p in m._parameters.items()  # biases
+                      if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
         rows = [-(-p.shape[0] // world_size) for p in self.params]  # k = ceil(d0 / N)
         self.numels = [k * p[0].numel() for k, p in zip(rows, self.params)]
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
@@ -96,19 +90,21 @@ class _Unit:
         self.trainable = self.pending = sum(p.requires_grad for p in self.params)
         self.gathered, self.work, self.buffer, self.grad_buffer = False, None, None, None
 
+    def columns(self, buffer: torch.Tensor, i: int) -> torch.Tensor:  # weight i, every rank
+        return buffer.view(-1, self.flat_shard.numel())[:, self.offsets[i]:][:, :self.numels[i]]
+
 
 def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook)
     ref = weakref.ref(obj)
-    return lambda *args, **kw: None if ref() is None else getattr(ref(), method)(*bound, *args, **kw)
+    return lambda *a, **kw: None if ref() is None else getattr(ref(), method)(*bound, *a, **kw)
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallelism: optimizer on ``fsdp.parameters()`` (shards), made after
-    wrapping; per step forward, backward(), finish_gradient_synchronization(), step().
-    ``units``: modules gathered as one (e.g. Transformer blocks); other weights: a unit per
-    owner. ``compute_dtype`` (float16/bfloat16) casts weights before the all-gather, and the
-    inputs and biases of modules owning weight matrices; norm gains and masters stay float32.
-    Ranks must run the same units (collectives pair by order); unused weights get zero grads."""
+    """Fully sharded data parallelism: the optimizer takes ``fsdp.parameters()`` (shards); a step is
+    forward, backward(), finish_gradient_synchronization(), step(). ``units``: modules gathered as
+    one (e.g. Transformer blocks); other weights get a unit per owner. ``compute_dtype`` casts
+    weights before the all-gather, and the inputs and biases of modules owning weight matrices;
+    norm gains and masters stay float32. Ranks run the same units (collectives pair by order)."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
@@ -128,8 +124,7 @@ class FSDP(nn.Module):
             dist.broadcast(t.detach(), src=src, group=process_group)
         self.units = []
         for roots, slots in plan_units(module, units):
-            u = _Unit(slots, self.rank, self.world_size, compute_dtype)
-            self.units.append(u)
+            self.units.append(u := _Unit(slots, self.rank, self.world_size, compute_dtype))
             for root in roots:
                 root.register_forward_pre_hook(_weak(self, "_pre_forward", u))
                 root.register_forward_hook(_weak(self, "_post_forward", u), always_call=True)
@@ -160,23 +155,21 @@ class FSDP(nn.Module):
             u.work = all_gather(u.buffer, send, self.group)
         if wait:
             u.work.wait()
-            for full, off, numel in zip(u.full, u.offsets, u.numels):
-                full.untyped_storage().resize_(full.nbytes)
-                # via .data: refilling a tensor autograd saved must not bump its version
-                copy_rows(full.data.view(-1), u.buffer.view(self.world_size, -1)[:, off:off + numel], False)
+            for i, full in enumerate(u.full):  # via .data: refilling a tensor autograd saved
+                full.untyped_storage().resize_(full.nbytes)  # must not bump its version
+                copy_rows(full.data.view(-1), u.columns(u.buffer, i), into_blocks=False)
             self.gathered_bytes += u.full_bytes
             self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
             u.gathered, u.work, u.buffer = True, None, None
 
     def _reshard(self, u: _Unit) -> None:
-        if u.gathered:
-            for full in u.full:
-                full.untyped_storage().resize_(0)
-            self.gathered_bytes, u.gathered = self.gathered_bytes - u.full_bytes, False
+        for full in u.full if u.gathered else ():
+            full.untyped_storage().resize_(0)
+        self.gathered_bytes, u.gathered = self.gathered_bytes - u.full_bytes * u.gathered, False
 
     def _swap(self, u: _Unit, to_full: bool) -> None:
-        for owner, name, p in u.slots:
-            owner._parameters[name] = u.full[u.position[id(p)]] if to_full else p
+        for owner, name, i in u.slots:
+            owner._parameters[name] = u.full[i] if to_full else u.params[i]
         for owner, name, p in u.casts:
             owner._parameters[name] = p.to(self.compute_dtype) if to_full else p
 
@@ -185,10 +178,10 @@ class FSDP(nn.Module):
         return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
 
     def _pre_forward(self, u: _Unit, module, args) -> None:
-        nxt = None  # inside backward this is a checkpoint's recompute: gather, nothing else
-        if torch._C._current_graph_task_id() == -1 and self._recording:
+        nxt, in_backward = None, torch._C._current_graph_task_id() != -1  # in backward: a
+        if not in_backward and self._recording:  # checkpoint's recompute, gather only
             self._uses.append(u)
-        elif torch._C._current_graph_task_id() == -1 and self._uses[self._pos:self._pos + 1] == [u]:
+        elif not in_backward and self._uses[self._pos:self._pos + 1] == [u]:
             self._pos += 1  # on the recorded path
             nxt = self._uses[self._pos] if self._pos < len(self._uses) else None
         self._gather(u)
@@ -214,11 +207,9 @@ class FSDP(nn.Module):
 
     def _on_full_grad(self, u: _Unit, i: int, full=None) -> None:
         """Every use of full weight i is summed in its .grad: into the reduce-scatter input."""
-        if u.grad_buffer is None:
-            u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(),
-                                                   dtype=self.reduce_dtype)
-        blocks = u.grad_buffer.view(self.world_size, -1)[:, u.offsets[i]:u.offsets[i] + u.numels[i]]
-        copy_rows(u.full[i].grad.view(-1), blocks, True)
+        if u.grad_buffer is None:  # zeros: a weight without a gradient sends zeros
+            u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(), dtype=self.reduce_dtype)
+        copy_rows(u.full[i].grad.view(-1), u.columns(u.grad_buffer, i), into_blocks=True)
         u.full[i].grad, u.pending = None, u.pending - 1
         if u.pending == 0:  # all its gradients are in; a frozen weight may still be needed
             if u.trainable == len(u.full):  # by the backward, so then free only in finish()
@@ -236,18 +227,16 @@ class FSDP(nn.Module):
         """Wait for a reduce-scatter; the mean over ranks becomes (or adds to) the shards' .grad."""
         work.wait()
         out = out.div_(self.world_size).to(u.flat_shard.dtype)
-        for p, off, numel in zip(u.params, u.offsets, u.numels):
+        for p, g in zip(u.params, (out[o:o + n] for o, n in zip(u.offsets, u.numels))):
             if p.requires_grad:
-                g = out[off:off + numel].view_as(p)
-                p.grad = g if p.grad is None else p.grad.add_(g)
+                p.grad = g.view_as(p) if p.grad is None else p.grad.add_(g.view_as(p))
 
     def finish_gradient_synchronization(self) -> None:
-        """After each backward: reduce units missing a gradient, finish unused prefetches, free
-        full weights, land the reduce-scatters, all-reduce replicated gradients in one call."""
+        """After each backward: the reduce-scatters left, full weights freed, replicated grads averaged."""
         for u in self.units:  # in unit order: the same collectives in the same order everywhere
             for i in [i for i, f in enumerate(u.full) if f.grad is not None]:
                 self._on_full_grad(u, i)
-            if u.grad_buffer is not None:
+            if u.grad_buffer is not None:  # some weights had no gradient: zeros for them
                 self._reduce_scatter(u)
             if u.work is not None:
                 self._gather(u)
@@ -268,9 +257,9 @@ class FSDP(nn.Module):
         for u in self.units:
             out = u.flat_shard.new_empty(self.world_size * u.flat_shard.numel())  # master dtype
             all_gather(out, u.flat_shard, self.group).wait()
-            for p, f, off, numel in zip(u.params, u.full, u.offsets, u.numels):
-                full[id(p)] = out.new_empty(f.shape)
-                copy_rows(full[id(p)].view(-1), out.view(self.world_size, -1)[:, off:off + numel], False)
+            for i, p in enumerate(u.params):
+                full[id(p)] = out.new_empty(u.full[i].shape)
+                copy_rows(full[id(p)].view(-1), u.columns(out, i), into_blocks=False)
         return {name: full[id(p)] if id(p) in full else p.detach().clone()
                 for name, p in self.module.named_parameters(remove_duplicate=False)}
 
@@ -292,76 +281,67 @@ def _repo() -> None:
         sys.path.insert(0, str(root))
 
 
-def tiny_lm(checkpoint: bool = False, tied: bool = False) -> nn.Module:
-    from common import models
-    lm = models.TransformerLM("tiny", context_length=32, checkpoint_activations=checkpoint)
-    if tied:  # one matrix in two layers: their units merge
-        lm.lm_head.weight = lm.token_embedding.weight
-    return lm
-
-
 def verify_main(ctx, args) -> None:
-    """Plain run: the tiny LM under FSDP and on one process (the whole batch), 3 AdamW steps;
-    weights allclose at float32 tolerance after every step, bitwise equal across ranks."""
+    """Plain run: the tiny LM (tied embedding and output layer, a unit per block, activation
+    checkpointing) under FSDP and on one process with the whole batch, 3 AdamW steps: weights
+    allclose at float32 tolerance after every step, bitwise equal across ranks."""
     from common import models, results
-    rows, mine = [], slice(2 * ctx.rank, 2 * ctx.rank + 2)
-    for label, checkpoint, tied, per_block in (
-            ("a unit per block", False, False, True), ("per block + activation checkpointing", True, False, True),
-            ("tied embedding/output, a unit per layer", False, True, False)):
-        torch.manual_seed(1 + ctx.rank)  # a different model on every rank: the wrap broadcasts rank 0's
-        model = tiny_lm(checkpoint, tied)
-        fsdp, _ = FSDP(model, units=list(model.blocks) if per_block else ()), torch.manual_seed(1)
-        reference = tiny_lm(checkpoint, tied)
-        # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients (rare
-        # tokens) into updates of order lr, for torch DDP exactly as much as here
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
-        row = {"case": label, "units": len(fsdp.units), "max |diff|": 0.0, "allclose": True, "bitwise": True}
-        for step in range(3):
-            x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
-            for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
-                opt.zero_grad(set_to_none=True)
-                models.lm_loss(m(xs), ys).backward()
-                getattr(m, "finish_gradient_synchronization", lambda: None)()
-                opt.step()
-            got = fsdp.gather_full_params()
-            for name, p in reference.named_parameters():
-                row["max |diff|"] = max(row["max |diff|"], (got[name] - p).abs().max().item())
-                row["allclose"] &= torch.allclose(got[name], p, rtol=1e-4, atol=1e-5)
-            flat = torch.cat([t.flatten() for t in got.values()])
-            everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
-            dist.all_gather(everyone, flat)
-            row["bitwise"] &= all(torch.equal(everyone[0], t) for t in everyone)
-        rows.append(dict(row, **{"shards kB/rank": sum(p.nbytes for p in fsdp.parameters()) / 1e3,
-                                 "peak gathered kB": fsdp.peak_gathered_bytes / 1e3}))
-    ok = all(r["allclose"] and r["bitwise"] for r in rows)
-    ctx.print(f"FSDP, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}), vs one process, 3 AdamW "
-              f"steps ({results.machine_name()}):", all_ranks=False)
-    if ctx.is_main or not ok:  # a failure shows on every rank
-        results.print_table(rows, floatfmt=".3g")
-    ctx.print("all checks passed" if ok else "SOME CHECKS FAILED", all_ranks=False)
+    nets = []
+    for seed in (1 + ctx.rank, 1):  # ranks start apart: FSDP broadcasts rank 0's weights
+        torch.manual_seed(seed)
+        nets.append(lm := models.TransformerLM("tiny", context_length=32, checkpoint_activations=True))
+        lm.lm_head.weight = lm.token_embedding.weight  # one matrix in two layers: one unit
+    fsdp, reference = FSDP(nets[0], units=list(nets[0].blocks)), nets[1]
+    # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients into lr-sized steps
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
+    diff, ok, mine = 0.0, True, slice(2 * ctx.rank, 2 * ctx.rank + 2)
+    for step in range(3):
+        x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
+        for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
+            opt.zero_grad(set_to_none=True)
+            models.lm_loss(m(xs), ys).backward()
+            getattr(m, "finish_gradient_synchronization", lambda: None)()
+            opt.step()
+        got, want = fsdp.gather_full_params(), dict(reference.named_parameters())
+        everyone = [torch.empty_like(flat := torch.cat([*map(torch.flatten, got.values())]))
+                    for _ in range(ctx.world_size)]
+        dist.all_gather(everyone, flat)
+        ok &= all(torch.equal(everyone[0], t) for t in everyone)  # bitwise across ranks
+        ok &= all(torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-5) for n in want)
+        diff = max(diff, *((got[n] - want[n]).abs().max().item() for n in want))
+    ctx.print(f"FSDP vs one process, tiny LM in {len(fsdp.units)} units, {ctx.world_size} ranks ({ctx.backend}/"
+              f"{ctx.device.type}), 3 AdamW steps ({results.machine_name()}):\n  max |diff| {diff:.1e}: "
+              f"{'allclose, and bitwise equal across ranks' if ok else 'NOT allclose, or ranks differ'}; "
+              f"per rank {sum(p.nbytes for p in fsdp.parameters()) / 1e3:.0f} kB of shards, at most "
+              f"{fsdp.peak_gathered_bytes / 1e3:.0f} kB of full weights gathered at once", all_ranks=not ok)
+    ctx.print("all checks passed" if ok else "SOME CHECKS FAILED", all_ranks=not ok)
     dist.barrier()
     if not ok:
         raise SystemExit(1)
 
 
-def profile_main(ctx, args) -> None:
-    """--profile: one unit per Transformer block, in stage 05's timeline (common/profiling)."""
-    from common import profiling
-    cases = [("fsdp (07)", lambda model: FSDP(model, units=list(model.blocks)))]
-    profiling.profile_ddp(ctx, cases, args, name="07_fsdp")
+def bench_main(ctx, args) -> None:
+    """--bench: the ledger and the targets read off it (reported, not checked: one run's timing is a
+    measurement, not a test). --profile: a unit per block in stage 05's timeline (common/profiling)."""
+    from common import import_stage, profiling
+    if args.profile:
+        profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))], args, name="07_fsdp")
+    else:
+        ledger = import_stage("07_parallelism/ledger")
+        ledger.run_ledger(ctx, ledger.strategies(), args)  # these six rows, all in one run
 
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, profiling, step_bench
+    from common import import_stage, launch, profiling, step_bench
     parser = launch.make_parser(__doc__)
-    step_bench.add_step_bench_args(parser)
+    import_stage("07_parallelism/ledger").add_ledger_args(parser)
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
-    if args.profile:  # the plain run has its own sizes
-        step_bench.check_step_bench_args(args, config)
-    launch.launch(profile_main if args.profile else verify_main, config, args)
+    if args.bench or args.profile:  # the plain run has its own sizes
+        step_bench.check_step_bench_args(args, config)  # batch, memory, results/: one line, exit 2
+    launch.launch(bench_main if args.bench or args.profile else verify_main, config, args)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,15 @@
-"""Counting what a parallel strategy holds and sends, and stage 07's table of it.
-
-Each counter reads the tensors and calls themselves, never a formula, so a table can set
-"counted" beside "predicted" and a wrong implementation shows up as a gap. Bytes: each storage
-once (:func:`state_bytes`: tied weights and views of one flat buffer count once; a DTensor its
-shard). Saved activations: :class:`SavedActivations` (``saved_tensors_hooks``). Bytes sent:
-:class:`CommCounter`, every ``torch.distributed`` call made from Python (ours, torch's
-``ZeroRedundancyOptimizer`` and ``fully_shard``), as a ring would send them (torch's C++ DDP
-reducer is not Python: give it a communication hook that all-reduces from Python).
-:func:`run_ledger` times and counts strategies on the LM into ``results/sharding.csv``.
+"""Counting what a parallel strategy holds and sends, and stage 07's ledger of it (the table
+of ``python 07_parallelism/fsdp.py --bench``). The counters read the tensors and the calls
+themselves, never a formula, so counted can stand beside predicted and a wrong implementation
+shows up as a gap: :func:`state_bytes` (each storage once), :class:`SavedActivations`
+(``saved_tensors_hooks``), :class:`CommCounter` (every ``torch.distributed`` call made from
+Python; torch's C++ DDP reducer is not, so it gets a hook that all-reduces from Python).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import inspect
 from collections import defaultdict
@@ -22,123 +19,94 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
 
-from common import launch, models, results, timing
+from common import import_stage, launch, models, results, timing
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
 
 
-def storage_key(t: torch.Tensor) -> tuple:
-    """Identifies the memory behind ``t``: views of one storage share it."""
+def storage_key(t: torch.Tensor) -> tuple:  # views of one storage share it
     return (t.device, _local(t).untyped_storage().data_ptr())
 
 
 def state_bytes(tensors) -> int:
-    """Bytes held by ``tensors`` (None skipped), each distinct storage counted once."""
-    seen = {storage_key(t): _local(t).untyped_storage().nbytes() for t in tensors
-            if t is not None}
-    return sum(seen.values())
+    """Bytes held by ``tensors`` (None skipped), each storage once (tied weights, views of one
+    flat buffer); a DTensor: its local shard."""
+    return sum({storage_key(t): _local(t).untyped_storage().nbytes() for t in tensors
+                if t is not None}.values())
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step)."""
-    return state_bytes(v for per_param in optimizer.state.values() for v in per_param.values()
+    return state_bytes(v for s in optimizer.state.values() for v in s.values()
                        if isinstance(v, torch.Tensor))
 
 
-class SavedActivations:
-    """``with SavedActivations(model) as saved: loss = model(x)`` -> ``saved.bytes``.
+class SavedActivations(contextlib.ExitStack):
+    """``with SavedActivations(model) as saved: loss = model(x)`` -> ``saved.bytes``: each storage
+    autograd saves, once, at its size when saved. Weights are not activations: ``model``'s
+    parameters, and the storages ``exclude_now()`` names when a tensor is saved (FSDP's gathered
+    weights live in storage that changes at every gather). Inside a non-reentrant checkpoint
+    autograd saves nothing; the region's inputs stay alive and are counted on entry."""
 
-    Each storage once, at its size when saved; ``model``'s parameters (and ``exclude``, a set
-    of :func:`storage_key`) are weights, not activations. Inside a non-reentrant checkpoint
-    autograd saves nothing; the region's inputs stay alive and are counted on entry.
-    """
-
-    def __init__(self, model: nn.Module | None = None, exclude=()):
-        self.exclude = set(exclude) | {storage_key(p) for p in (model.parameters() if model
-                                                                 else ())}
-        self.seen: dict[tuple, int] = {}
+    def __init__(self, model: nn.Module | None = None, exclude_now=set):
+        super().__init__()
+        self.weights = {storage_key(p) for p in (model.parameters() if model else ())}
+        self.exclude_now, self.seen = exclude_now, {}
 
     @property
     def bytes(self) -> int:
         return sum(self.seen.values())
 
-    def _count(self, t: torch.Tensor) -> None:
+    def _count(self, t):
         if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-            if storage_key(t) not in self.exclude:
-                self.seen.setdefault(storage_key(t), _local(t).untyped_storage().nbytes())
+            if (key := storage_key(t)) not in self.weights and key not in self.exclude_now():
+                self.seen.setdefault(key, _local(t).untyped_storage().nbytes())
+        return t
 
     def __enter__(self):
-        def pack(t):
-            self._count(t)
-            return t
-
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        self._hooks.__enter__()
-        self._checkpoint = torch.utils.checkpoint.checkpoint
-
-        def counted_checkpoint(fn, *args, **kwargs):
-            for a in args:
-                self._count(a)
-            return self._checkpoint(fn, *args, **kwargs)
-
-        torch.utils.checkpoint.checkpoint = counted_checkpoint
+        self.enter_context(torch.autograd.graph.saved_tensors_hooks(self._count, lambda t: t))
+        checkpoint = torch.utils.checkpoint.checkpoint  # looked up at call time by the LM
+        torch.utils.checkpoint.checkpoint = lambda fn, *a, **kw: checkpoint(fn, *map(self._count, a), **kw)
+        self.callback(setattr, torch.utils.checkpoint, "checkpoint", checkpoint)
         return self
-
-    def __exit__(self, *exc):
-        torch.utils.checkpoint.checkpoint = self._checkpoint
-        self._hooks.__exit__(*exc)
-        return False
 
 
 def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
-    """Bytes one rank sends for a collective of ``payload`` bytes run as a ring of n ranks:
-    all_reduce (reduce-scatter + all-gather) 2(n-1)/n N; all_gather, reduce_scatter (N the
-    full tensor) and a pipelined chain broadcast or reduce (averaged over ranks) (n-1)/n N;
-    send N."""
-    n = world_size
-    if op == "send" or n == 1:
+    """Bytes one rank sends for a collective of N = ``payload`` bytes as a ring of n ranks: all_reduce
+    (reduce-scatter + all-gather) 2(n-1)/n N; all_gather, reduce_scatter (N: the full tensor) and
+    a pipelined chain broadcast or reduce (averaged over ranks) (n-1)/n N; send N."""
+    if op == "send" or world_size == 1:
         return float(payload) if op == "send" else 0.0
-    return (2 if op == "all_reduce" else 1) * (n - 1) / n * payload
+    return (2 if op == "all_reduce" else 1) * (world_size - 1) / world_size * payload
 
 
 # name on torch.distributed -> (kind, the argument whose size is the payload)
-_PAYLOAD = {
-    "all_reduce": ("all_reduce", "tensor"), "all_gather": ("all_gather", "tensor_list"),
-    "all_gather_into_tensor": ("all_gather", "output_tensor"),
-    "all_gather_single": ("all_gather", "output_tensor"),
-    "reduce_scatter": ("reduce_scatter", "input_list"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "reduce_scatter_single": ("reduce_scatter", "input"), "broadcast": ("broadcast", "tensor"),
-    "reduce": ("reduce", "tensor"), "send": ("send", "tensor"), "isend": ("send", "tensor"),
-}
+_PAYLOAD = {"all_reduce": ("all_reduce", "tensor"), "all_gather": ("all_gather", "tensor_list"),
+            "all_gather_into_tensor": ("all_gather", "output_tensor"),
+            "all_gather_single": ("all_gather", "output_tensor"),
+            "reduce_scatter": ("reduce_scatter", "input_list"),
+            "reduce_scatter_tensor": ("reduce_scatter", "input"),
+            "reduce_scatter_single": ("reduce_scatter", "input"),
+            "broadcast": ("broadcast", "tensor"), "reduce": ("reduce", "tensor"),
+            "send": ("send", "tensor"), "isend": ("send", "tensor")}
 
 
 def _nbytes(t) -> int:
     return sum(map(_nbytes, t)) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
 
 
-class CommCounter:
-    """``with CommCounter() as comm: ...``; then ``comm.calls``, ``sent_bytes``, ``by_label``.
+class CommCounter(contextlib.ExitStack):
+    """``with CommCounter() as comm: ...`` -> ``comm.calls``, ``sent_bytes``, ``by_label``.
 
     Each call: op (all_reduce, all_gather, reduce_scatter, broadcast, reduce, send), payload
-    bytes, the bytes this rank sends under :func:`ring_send_bytes`, and the label active then
-    (``with comm.label("fc1 backward"): ...``, or set ``comm.current`` from a hook).
-    Arguments are read by name, positional or keyword.
-    """
+    bytes, the bytes this rank sends under :func:`ring_send_bytes`, and ``comm.current``, a
+    label a hook may set ("fc1 backward"). Arguments are read by name, positional or keyword."""
 
     def __init__(self):
-        self.calls: list[dict] = []
-        self.current = ""
-
-    @contextlib.contextmanager
-    def label(self, name: str):
-        previous, self.current = self.current, name
-        try:
-            yield
-        finally:
-            self.current = previous
+        super().__init__()
+        self.calls, self.current = [], ""
 
     @property
     def sent_bytes(self) -> float:
@@ -155,8 +123,7 @@ class CommCounter:
         return dict(out)
 
     def _wrap(self, name: str, original):
-        kind, arg = _PAYLOAD[name]
-        signature = inspect.signature(original)
+        (kind, arg), signature = _PAYLOAD[name], inspect.signature(original)
 
         def counted(*args, **kwargs):
             bound = signature.bind(*args, **kwargs).arguments
@@ -164,66 +131,107 @@ class CommCounter:
             self.calls.append({"op": kind, "payload_bytes": payload, "label": self.current,
                                "sent_bytes": ring_send_bytes(kind, payload, n)})
             return original(*args, **kwargs)
-
         return counted
 
     def __enter__(self):
-        self._originals = {name: getattr(dist, name) for name in _PAYLOAD if hasattr(dist, name)}
-        for name, original in self._originals.items():
+        for name, original in [(name, getattr(dist, name)) for name in _PAYLOAD if hasattr(dist, name)]:
             setattr(dist, name, self._wrap(name, original))
+            self.callback(setattr, dist, name, original)  # put back on exit
         return self
-
-    def __exit__(self, *exc):
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        return False
-
 
 # --------------------------------------------------------------------------- the ledger
 
 CSV_KEY = ["backend", "device", "world_size", "model", "impl", "checkpointing"]
-SHARDED = {"ddp": (), "zero1": ("optim",), "zero2": ("grad", "optim"),
-           "fsdp": ("param", "grad", "optim")}  # what each strategy divides by N
-SHARDED.update(torch_zero1=SHARDED["zero1"], torch_fsdp=SHARDED["fsdp"])
 KINDS = ("param", "grad", "optim", "peak", "activation", "sent")
 
 
-def predicted_bytes(impl: str, params: int, world_size: int) -> dict[str, float]:
-    """Per rank, P float32 parameters, AdamW (two float32 moments), N ranks: weights 4P,
-    gradients 4P, optimizer state 8P, each divided by N where ``impl`` shards it (DDP 16P,
-    ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N, FSDP 16P/N); sent per step one all-reduce's volume
-    2(N-1)/N 4P, FSDP 1.5x that (weights gathered for forward and again for backward)."""
-    n, w = world_size, 4 * params
-    out = {k: v / n if k in SHARDED[impl] else v for k, v in
-           {"param": w, "grad": w, "optim": 2 * w}.items()}
-    return {**out, "sent": 2 * (n - 1) / n * w * (1.5 if "fsdp" in impl else 1.0)}
+def strategies() -> list[tuple]:
+    """The six rows, ``(impl, build)`` with ``build(lm) -> (wrapper, AdamW)``: DDP is stage 06
+    at its default bucket size, ZeRO-1 it + ShardedOptimizer, ZeRO-2 Zero2DDP; torch's are
+    ZeroRedundancyOptimizer over torch DDP (its default hook, called from Python so that the
+    counter sees it) and fully_shard; both FSDPs get the same units: each block, and the root."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    ddp, zero = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP, import_stage("07_parallelism/zero")
+    FSDP, adamw = import_stage("07_parallelism/fsdp").FSDP, functools.partial(torch.optim.AdamW, lr=1e-4)
+
+    def zero2(lm):
+        return zero.Zero2DDP(lm, opt := zero.ShardedOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4)), opt
+
+    def torch_zero1(lm):
+        (wrapped := nn.parallel.DistributedDataParallel(lm)).register_comm_hook(None, allreduce_hook)
+        return wrapped, ZeroRedundancyOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4)
+
+    def torch_fsdp(lm):
+        mesh = init_device_mesh(lm.lm_head.weight.device.type, (dist.get_world_size(),))
+        for block in lm.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(lm, mesh=mesh), adamw(lm.parameters())
+    return [("ddp", lambda lm: (ddp(lm), adamw(lm.parameters()))),
+            ("zero1", lambda lm: (ddp(lm), zero.ShardedOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4))),
+            ("zero2", zero2), ("fsdp", lambda lm: (f := FSDP(lm, units=[*lm.blocks, lm]), adamw(f.parameters()))),
+            ("torch_zero1", torch_zero1), ("torch_fsdp", torch_fsdp)]
 
 
-def add_ledger_args(parser, checkpointing: str = "off"):
-    """The ledger's flags (flag types from common.launch: bad values exit 2 with one line)."""
-    g = parser.add_argument_group("memory and communication ledger (--bench)")
-    g.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="LM preset")
-    g.add_argument("--batch-size", type=launch.positive_int, default=8,
+def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, float]:
+    """Per rank, from the LM's shapes (before any sharding): float32, AdamW's two moments.
+
+    Replicas, P parameters: weights 4P, gradients 4P, moments 8P, each divided by N where
+    ``impl`` shards it (DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N). Sent: one all-reduce,
+    2(N-1)/N 4P; ZeRO-1 built on DDP's all-reduce also broadcasts the parameters: 1.5x that.
+    FSDP: a sharded tensor is padded to N ceil(rows/N) rows (W bytes in all) and each rank
+    holds W/N; ours keeps 1-D parameters whole (R bytes; torch's shards them too): weights
+    and gradients W/N + R each, moments twice that. Each unit is all-gathered for forward and
+    again for backward, except the K bytes kept gathered in between (ours: the root and the
+    last block, which end forward last; torch's: the root), and reduce-scattered once, and R
+    is all-reduced: sent (N-1)/N (3W - K) + 2(N-1)/N R. Peak (ours): the shards + K."""
+    n, p = world_size, 4 * sum(t.numel() for t in lm.parameters())
+    if "fsdp" not in impl:
+        div = {"zero1": ("optim",), "zero2": ("grad", "optim")}.get(impl.replace("torch_", ""), ())
+        out = {k: v / n if k in div else v for k, v in (("param", p), ("grad", p), ("optim", 2 * p))}
+        return {**out, "sent": 2 * (n - 1) / n * p * (1.5 if "zero1" in impl else 1)}
+    ours = impl == "fsdp"
+    padded = {id(t): 4 * -(-t.shape[0] // n) * n * t[0].numel() for t in lm.parameters()
+              if t.dim() >= 2 or not ours}  # full bytes, padded
+    kept = [*(lm.blocks[-1].parameters() if ours else ()),
+            *(t for name, t in lm.named_parameters() if not name.startswith("blocks."))]
+    W, K = sum(padded.values()), sum(padded.get(id(t), 0) for t in kept)
+    R = p - 4 * sum(t.numel() for t in lm.parameters() if id(t) in padded)
+    held = W / n + R
+    return {"param": held, "grad": held, "optim": 2 * held, **({"peak": 4 * held + K} if ours else {}),
+            "sent": (n - 1) / n * (3 * W - K) + 2 * (n - 1) / n * R}
+
+
+def add_ledger_args(parser) -> None:
+    """The ledger's flags. The defaults are sized for ``make bench`` on a 2-core CPU; the LM is
+    ``course``: the tiny LM's saved activations are mostly its vocabulary logits, which
+    checkpointing per block cannot touch (the course LM's blocks dominate)."""
+    g = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
+    g.add_argument("--bench", action="store_true", help="the ledger of DDP (06), ZeRO-1/2, FSDP "
+                   "and torch's: bytes and time per step to results/sharding.csv")
+    g.add_argument("--model", choices=list(models.PRESETS), default="course", help="LM preset")
+    g.add_argument("--batch-size", type=launch.positive_int, default=4,
                    help="GLOBAL batch (sequences per step), split evenly across ranks")
-    g.add_argument("--context-length", type=launch.positive_int, default=64, help="tokens")
-    g.add_argument("--steps", type=launch.positive_int, default=10, help="timed steps a round")
-    g.add_argument("--warmup", type=launch.non_negative_int, default=3, help="untimed first")
-    g.add_argument("--rounds", type=launch.positive_int, default=3,
-                   help="run all cases this many times, interleaved, and pool the timed steps "
-                        "(background load then hits every case alike)")
-    g.add_argument("--checkpointing", type=launch.choice_list(["off", "on"]),
-                   default=checkpointing, help="activation checkpointing per Transformer block")
+    g.add_argument("--context-length", type=launch.positive_int, default=32, help="tokens")
+    g.add_argument("--steps", type=launch.positive_int, default=5, help="timed steps a round")
+    g.add_argument("--warmup", type=launch.non_negative_int, default=1, help="untimed first")
+    g.add_argument("--rounds", type=launch.positive_int, default=1, help="run all cases this many "
+                   "times, interleaved (background load hits every case alike); pool the steps")
+    g.add_argument("--checkpointing", type=launch.choice_list(["off", "on"]), default="off,on",
+                   help="activation checkpointing per Transformer block")
 
 
-def _case(ctx, build, checkpointing: bool, args, count: bool):
+def _case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     """Time one strategy on a fresh LM (seed 0); with ``count``, count one more step."""
     dev, n, rank = ctx.device, ctx.world_size, ctx.rank
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length,
                                  checkpoint_activations=checkpointing).to(dev)
-    counted = {"params": sum(p.numel() for p in model.parameters())}
+    counted = {"predicted": predicted_bytes(impl, model, n), "peak": -1, "cuda_peak": -1}
     wrapper, optimizer = build(model)
-    finish = getattr(wrapper, "finish_gradient_synchronization", lambda: None)
+    ours = hasattr(wrapper, "gathered_storage_keys")  # our FSDP
     x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=dev)
     mine = slice(rank * args.batch_size // n, (rank + 1) * args.batch_size // n)
 
@@ -232,74 +240,100 @@ def _case(ctx, build, checkpointing: bool, args, count: bool):
         with saved or contextlib.nullcontext():
             loss = models.lm_loss(wrapper(x[mine]), y[mine])
         loss.backward()
-        finish()
+        getattr(wrapper, "finish_gradient_synchronization", lambda: None)()
         if saved:  # gradients are held from here to the step: count them here
             counted["grad"] = state_bytes(p.grad for p in model.parameters())
         optimizer.step()
 
     seconds = timing.measure(step, dev, warmup=args.warmup, iters=args.steps, barrier=True)
-    if count:  # one more step: what it saves for backward, sends, and holds (peak: on a GPU)
+    if count:  # one more step: what it saves for backward, sends, holds, and its peak
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
+        if ours:
+            wrapper.peak_gathered_bytes = wrapper.gathered_bytes
+        # weights are not activations: our FSDP names the ones it gathered; torch's fully_shard
+        # puts its gathered weights into the modules while they run
+        now = wrapper.gathered_storage_keys if ours else lambda: set(map(storage_key, model.parameters()))
         with CommCounter() as comm:
-            step(saved := SavedActivations(model))
-        counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
-                       optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)),
-                       sent=comm.sent_bytes, peak=torch.cuda.max_memory_allocated(dev)
-                       if dev.type == "cuda" else getattr(wrapper, "peak_bytes", -1))
+            step(saved := SavedActivations(model, exclude_now=now))
+        counted.update(param=state_bytes(model.parameters()), activation=saved.bytes, sent=comm.sent_bytes,
+                       optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)))
+        if ours:  # the shards held, plus the most full weights gathered at once
+            counted["peak"] = counted["param"] + counted["grad"] + counted["optim"] + wrapper.peak_gathered_bytes
+        if dev.type == "cuda":
+            counted["cuda_peak"] = torch.cuda.max_memory_allocated(dev)
     del wrapper, optimizer, model
     gc.collect()
     return seconds, counted if count else None
 
 
-def _row(ctx, args, impl: str, checkpointing: bool, seconds: list[float], counted: dict):
+def _row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted: dict) -> dict:
     """The slowest rank's median step time; the largest rank's bytes, beside the formula."""
-    stats, want = timing.gather_times(seconds), predicted_bytes(impl, counted["params"],
-                                                                ctx.world_size)
-    largest = torch.tensor([float(counted[k]) for k in KINDS], dtype=torch.float64,
+    stats, kinds = timing.gather_times(seconds), [*KINDS, "cuda_peak"]
+    largest = torch.tensor([float(counted[k]) for k in kinds], dtype=torch.float64,
                            device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     row = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
-           "model": args.model, "impl": impl, "checkpointing": checkpointing,
-           "step_ms": stats.median * 1e3}
-    for k, got in zip(KINDS, largest.tolist()):  # (-1: not counted here)
-        row.update({f"{k}_bytes": int(got) if got >= 0 else ""},
-                   **({f"{k}_bytes_predicted": int(want[k])} if k in want else {}))
+           "model": args.model, "impl": impl, "checkpointing": checkpointing, "step_ms": stats.median * 1e3}
+    for k, got in zip(kinds, largest.tolist()):  # (-1: not counted here)
+        row[f"{k}_bytes"] = int(got) if got >= 0 else ""
+        if k in counted["predicted"]:
+            row[f"{k}_bytes_predicted"] = int(counted["predicted"][k])
     return {**row, "step_ms_min": stats.min * 1e3, "step_ms_max": stats.max * 1e3,
-            "params": counted["params"], "batch_size": args.batch_size, "steps": len(seconds),
-            "context_length": args.context_length, "machine": results.machine_name(),
-            "run_id": results.run_id()}
+            "params": models.lm_parameter_count(args.model, context_length=args.context_length),
+            "batch_size": args.batch_size, "context_length": args.context_length, "steps": len(seconds),
+            "machine": results.machine_name(), "run_id": results.run_id()}
 
 
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
-    """Each ``(impl, build)`` of ``strategies``, with each ``args.checkpointing``, in one run.
-
-    ``build(model) -> (wrapper, optimizer)``, called in the workers; ``wrapper`` follows the
-    ``finish_gradient_synchronization()`` convention (torch's need none) and may say its
-    ``peak_bytes``; a sharded optimizer's own state is read from its ``.optim``. Rank 0 prints
-    the table and upserts the rows into ``results/<csv_name>``.
-    """
-    cases = [(impl, build, on == "on") for impl, build in strategies for on in args.checkpointing]
+    """Each ``(impl, build)`` of ``strategies`` (see :func:`strategies`) with each
+    ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>`` after
+    every round (a run stopped later keeps them), then prints them and the targets."""
+    cases = [(impl, build, ck) for impl, build in strategies for ck in args.checkpointing]
     seconds, counted = [[] for _ in cases], [None] * len(cases)
     for round_ in range(args.rounds):  # interleaved, so background load hits every case alike
-        for i, (impl, build, checkpointing) in enumerate(cases):
-            s, c = _case(ctx, build, checkpointing, args, count=counted[i] is None)
+        for i, (impl, build, ck) in enumerate(cases):
+            s, c = _case(ctx, impl, build, ck == "on", args, count=counted[i] is None)
             seconds[i], counted[i] = seconds[i] + s, counted[i] or c
-            ctx.print(f"  round {round_ + 1}/{args.rounds} {impl}{' checkpointed' * checkpointing}"
-                      f": {sorted(s)[len(s) // 2] * 1e3:.1f} ms/step on rank 0", all_ranks=False)
-        rows = [_row(ctx, args, impl, ck, s, c)
-                for (impl, _, ck), s, c in zip(cases, seconds, counted)]
-        if ctx.is_main:  # after every round: a run stopped later (Ctrl-C) keeps these rows
+            ctx.print(f"  round {round_ + 1}/{args.rounds} {impl}, checkpointing {ck}: "
+                      f"{sorted(s)[len(s) // 2] * 1e3:.1f} ms/step on rank 0", all_ranks=False)
+        rows = [_row(ctx, args, impl, ck, s, c) for (impl, _, ck), s, c in zip(cases, seconds, counted)]
+        if ctx.is_main:
             path = results.upsert_csv(csv_name, rows, key=CSV_KEY)
     if ctx.is_main:
         def mib(r, k):  # "counted (predicted)"
-            text = f"{r[k + '_bytes'] / 2**20:.2f}" if r[k + "_bytes"] != "" else "-"
-            return text + (f" ({r[k + '_bytes_predicted'] / 2**20:.2f})"
-                           if k + "_bytes_predicted" in r else "")
-        results.print_table([{"impl": r["impl"], "checkpointing": r["checkpointing"],
-                              "step_ms": r["step_ms"], **{f"{k} MiB": mib(r, k) for k in KINDS}}
-                             for r in rows], floatfmt=".1f", title=(
-            f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest rank's median "
-            f"step, {args.model} LM, AdamW ({results.machine_name()}):"))
-        print(f"wrote {path}", flush=True)
+            got, want = r[f"{k}_bytes"], r.get(f"{k}_bytes_predicted")
+            return ("-" if got == "" else f"{got / 2**20:.2f}") + (f" ({want / 2**20:.2f})" if want else "")
+        kinds = [*KINDS, *(["cuda_peak"] if ctx.device.type == "cuda" else [])]
+        results.print_table([{"impl": r["impl"], "ckpt": r["checkpointing"], "step_ms": r["step_ms"],
+                              **{f"{k} MiB": mib(r, k) for k in kinds}} for r in rows], floatfmt=".1f",
+                            title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
+                                  f"rank's median step; {args.model} LM, AdamW, {ctx.world_size} ranks "
+                                  f"({results.machine_name()}):")
+        print(f"wrote {path}\n" + "\n".join(target_lines(rows)), flush=True)
     return rows
+
+
+def target_lines(rows: list[dict]) -> list[str]:
+    """The issues' targets, read off one run's rows: measured beside the target."""
+    by, first, lines = {(r["impl"], r["checkpointing"]): r for r in rows}, rows[0]["checkpointing"], []
+    for (a, ck), r in by.items():  # step time against torch's, in the same run
+        b, cap = {"fsdp": ("torch_fsdp", 1.25), "zero1": ("torch_zero1", 1.10)}.get(a, (None, 0))
+        if (b, ck) in by:
+            lines.append(f"{a} step / {b}'s, checkpointing {ck}: {r['step_ms'] / by[b, ck]['step_ms']:.2f}x "
+                         f"(target <= {cap}x)")
+    for impl, kinds, formula, per_p in (("fsdp", ("param", "grad", "optim"), "16P/N", 16),
+                                        ("zero1", ("optim",), "8P/N", 8), ("zero2", ("grad",), "4P/N", 4)):
+        if r := by.get((impl, first)):  # bytes per rank against the textbook formula
+            got = sum(r[k + "_bytes"] for k in kinds) / (per_p * r["params"] / r["world_size"])
+            lines.append(f"{impl} {' + '.join(kinds)} bytes per rank / {formula}: {got:.4f} (target within 5%)")
+    if (f := by.get(("fsdp", first))) and (d := by.get(("ddp", first))):
+        lines.append(f"fsdp bytes sent / its prediction: {f['sent_bytes'] / f['sent_bytes_predicted']:.4f} "
+                     f"(target within 5%); / DDP's: {f['sent_bytes'] / d['sent_bytes']:.3f}x (1.5x less the "
+                     "all-gathers of what stays gathered for backward)")
+    for (impl, ck), on in by.items():  # activation checkpointing
+        if ck == "on" and (off := by.get((impl, "off"))):
+            lines.append(f"{impl}: checkpointing keeps {on['activation_bytes'] / off['activation_bytes']:.2f}x "
+                         f"the saved activations (target <= 0.50x), at {on['step_ms'] / off['step_ms']:.2f}x "
+                         "the step time")
+    return lines

@@ -1,17 +1,22 @@
-"""Stage 07b: FSDP (07_parallelism/fsdp.py) against single-process training.
+"""Stage 07: FSDP (07_parallelism/fsdp.py) against single-process training, and the ledger.
 
-One launch per world size runs every case inside the workers (warnings are errors there, and
-torch.use_deterministic_algorithms(True) is on); rank 0 writes the findings to a JSON file
-and one test per (case, world size) reads them. World size 3 pads every odd-sized weight.
+One launch per world size (``launch_07``, shared with tests/test_07_zero.py, whose ZeRO cases
+run in it too) checks everything inside the workers (warnings are errors there, and
+torch.use_deterministic_algorithms(True) is on); rank 0 returns the findings, and one test per
+(case, world size) reads them. World size 3 pads every odd-sized weight. At world size 2 the
+launch also runs a small ledger (``fsdp.py --bench``'s code) and checks its counted bytes
+against the formulas and its CSV rows.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,8 +26,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fsdp as fsdp_mod
-from common import launch
-from helpers import REPO, assert_usage_error
+import ledger
+from common import launch, models, results
+from helpers import REPO, assert_main_usage_error
 
 SCRIPT = REPO / "07_parallelism" / "fsdp.py"
 FSDP = fsdp_mod.FSDP
@@ -58,7 +64,10 @@ class NormToy(nn.Module):
 
 
 def tiny_lm(checkpoint=False, tied=False):
-    return fsdp_mod.tiny_lm(checkpoint=checkpoint, tied=tied)
+    lm = models.TransformerLM("tiny", context_length=32, checkpoint_activations=checkpoint)
+    if tied:  # one matrix in two layers: their units merge
+        lm.lm_head.weight = lm.token_embedding.weight
+    return lm
 
 
 def cast_reference(model: nn.Module, dtype) -> nn.Module:
@@ -98,7 +107,6 @@ def train(ctx, build, *, lm=False, adamw=False, steps=3, units=None, dtype=None,
           local=None, lr=None):
     """Train FSDP(build()) on this rank's slices and build() on the whole batch; compare after
     every step. Returns findings and the FSDP object (for the memory checks)."""
-    from common import models
     local = local or (2 if lm else 4)
     torch.manual_seed(100 + ctx.rank)  # a different start on every rank: the wrap broadcasts
     model = build()
@@ -107,7 +115,7 @@ def train(ctx, build, *, lm=False, adamw=False, steps=3, units=None, dtype=None,
     if dtype is not None:
         cast_reference(reference, dtype)
     fsdp = FSDP(model, compute_dtype=dtype, units=units(model) if units else ())
-    if adamw:  # eps 1e-6 on the LM: see against_one_process in fsdp.py
+    if adamw:  # eps 1e-6 on the LM: see verify_main in fsdp.py
         make = lambda ps: torch.optim.AdamW(ps, lr=lr or 1e-2, eps=1e-6 if lm else 1e-8)  # noqa: E731
     else:
         make = lambda ps: torch.optim.SGD(ps, lr=lr or 0.1, momentum=0.0 if dtype else 0.9)  # noqa: E731
@@ -198,8 +206,6 @@ def memory_after_step(fsdp, model) -> str:
 
 def gathers_per_step(ctx, build, units):
     """All-gathers in one steady-state step (forward + backward), counted at the call."""
-    import ledger
-    from common import models
     torch.manual_seed(0)
     model = build()
     fsdp = FSDP(model, units=units(model))
@@ -215,7 +221,6 @@ def gathers_per_step(ctx, build, units):
 
 def saved_weights_told_apart(ctx):
     """gathered_storage_keys() tells the gathered weights autograd saves from activations."""
-    from common import models
     torch.manual_seed(0)
     model = tiny_lm()
     fsdp = FSDP(model, units=list(model.blocks))
@@ -235,8 +240,9 @@ def saved_weights_told_apart(ctx):
 
 
 def ddp_with_checkpointing(ctx):
-    """Every data-parallel class of 03-06 trains the checkpointed LM to the plain LM's weights."""
-    from common import import_stage, models
+    """Every data-parallel class of 03-06 trains the checkpointed LM to the plain LM's weights
+    (one step: the gradients are what checkpointing could get wrong)."""
+    from common import import_stage
     out = {}
     for path, cls in (("03_naive_ddp/naive_ddp", "NaiveDDP"), ("04_flat_ddp/flat_ddp", "FlatDDP"),
                       ("05_overlap_ddp/overlap_ddp", "OverlapDDP"),
@@ -248,30 +254,62 @@ def ddp_with_checkpointing(ctx):
             model = tiny_lm(checkpoint=checkpoint)
             ddp = wrapper(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            for step in range(2):
-                x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
-                mine = slice(2 * ctx.rank, 2 * ctx.rank + 2)
-                opt.zero_grad(set_to_none=True)
-                models.lm_loss(ddp(x[mine]), y[mine]).backward()
-                ddp.finish_gradient_synchronization()
-                opt.step()
+            x, y = models.random_tokens(2 * ctx.world_size, 32, seed=0)
+            mine = slice(2 * ctx.rank, 2 * ctx.rank + 2)
+            models.lm_loss(ddp(x[mine]), y[mine]).backward()
+            ddp.finish_gradient_synchronization()
+            opt.step()
             weights.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
         out[cls] = (weights[0] - weights[1]).abs().max().item()
     return out
 
 
-def fsdp_worker(ctx, out_path):
-    import argparse
-    import warnings
+IMPLS = ("ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp")  # results/sharding.csv's
 
+
+def ledger_checks(ctx, record):
+    """A small --bench run of all six strategies (tiny LM, one step each), and DDP and FSDP
+    with activation checkpointing: counted bytes against the formulas, the CSV rows."""
+    args = argparse.Namespace(model="tiny", batch_size=4, context_length=16, steps=1, warmup=0,
+                              rounds=1, checkpointing=["off"])
+    with warnings.catch_warnings():  # torch's fully_shard and ZeroRedundancyOptimizer warn
+        warnings.simplefilter("default")
+        strategies = ledger.strategies()
+        rows = ledger.run_ledger(ctx, strategies, args, csv_name="sharding_test.csv")
+        args.checkpointing = ["on"]
+        rows += ledger.run_ledger(ctx, [s for s in strategies if s[0] == "fsdp"], args,
+                                  csv_name="sharding_test.csv")
+    by = {(r["impl"], r["checkpointing"]): r for r in rows}
+    record("ledger_rows", set(by) == {*((i, "off") for i in IMPLS), ("fsdp", "on")}, sorted(by))
+    for (impl, ck), r in by.items():
+        tensors = 25  # AdamW's step counters: 4 bytes per parameter tensor, on its owner
+        gaps = {k: r[f"{k}_bytes"] - r[f"{k}_bytes_predicted"] for k in ("param", "grad", "optim", "sent")}
+        exact = gaps["param"] == gaps["grad"] == 0 and 0 <= gaps["optim"] <= 4 * tensors
+        if impl in ("zero1", "zero2", "torch_zero1"):  # the largest rank: one parameter above the mean
+            exact = gaps["param"] == 0 and abs(r["optim_bytes"] / r["optim_bytes_predicted"] - 1) < 0.05 \
+                and abs(r["grad_bytes"] / r["grad_bytes_predicted"] - 1) < 0.05
+        record(f"ledger_{impl}_{ck}_bytes_held", exact, gaps)
+        flags = 0 if "fsdp" in impl else 8 * tensors  # replicas: + an all-reduce of int32 flags
+        record(f"ledger_{impl}_{ck}_bytes_sent", -1 < gaps["sent"] <= flags, gaps)
+        if ck == "off":  # the same model and batch save the same activations, however sharded
+            same = r["activation_bytes"] == by["ddp", ck]["activation_bytes"] > 0
+            record(f"ledger_{impl}_{ck}_activations", same, (r["activation_bytes"], by["ddp", ck]["activation_bytes"]))
+    f = by["fsdp", "off"]
+    record("ledger_fsdp_peak", 0 <= f["peak_bytes"] - f["peak_bytes_predicted"] <= 4 * 25 and
+           f["peak_bytes"] > f["param_bytes"] + f["grad_bytes"] + f["optim_bytes"], f)
+    record("ledger_checkpointing_saves_activations",
+           by["fsdp", "on"]["activation_bytes"] < by["fsdp", "off"]["activation_bytes"], by["fsdp", "on"])
+    written = results.read_csv("sharding_test.csv") if ctx.is_main else []
+    record("ledger_csv", not ctx.is_main or (len(written) == 7 and all(
+        w["run_id"] and w["machine"] and w["step_ms"] for w in written)), len(written))
+    lines = ledger.target_lines(rows)
+    record("ledger_targets_printed", any("fsdp step / torch_fsdp's" in t for t in lines), lines)
+
+
+def fsdp_checks(ctx, trace_dir, record):
+    """Every FSDP case of the issue, at this world size."""
     from common import profiling
-    warnings.simplefilter("error")  # warning-free, as `python -W error` would check
-    torch.use_deterministic_algorithms(True)
     blocks = lambda m: list(m.blocks)  # noqa: E731
-    results = {}
-
-    def record(name, ok, detail):
-        results[name] = [bool(ok), str(detail)]
 
     def equivalence(name, build, **kw):
         f, fsdp, _ = train(ctx, build, **kw)
@@ -281,10 +319,11 @@ def fsdp_worker(ctx, out_path):
                f"gradients identical {f['replicated_same']}")
         return f, fsdp
 
-    from common.models import TiedModel, ToyModel
-    for model_name, build, lm in (("norm_toy", NormToy, False), ("toy", ToyModel, False),
-                                  ("tied_layer", TiedModel, False),
+    for model_name, build, lm in (("norm_toy", NormToy, False), ("toy", models.ToyModel, False),
+                                  ("tied_layer", models.TiedModel, False),
                                   ("tied_lm", lambda: tiny_lm(tied=True), True)):
+        if lm and ctx.world_size != 2:  # the tied LM at two ranks (three pads the toys alike)
+            continue
         _, fsdp = equivalence(f"{model_name}_sgd", build, lm=lm, steps=3)
         record(f"{model_name}_memory_after_step", not memory_after_step(fsdp, fsdp.module),
                memory_after_step(fsdp, fsdp.module))
@@ -299,72 +338,104 @@ def fsdp_worker(ctx, out_path):
     for dtype in (torch.bfloat16, torch.float16):  # the LM at two ranks only (it is the slow one)
         for model_name, build, lm, units in (("norm_toy", NormToy, False, None), ("lm", tiny_lm, True, blocks)):
             if not lm or ctx.world_size == 2:
-                equivalence(f"{model_name}_{str(dtype)[6:]}", build, lm=lm, units=units, dtype=dtype, lr=0.05)
-    if ctx.world_size == 2:  # the rest once, at two ranks
-        plain, _, plain_w = train(ctx, tiny_lm, lm=True, units=blocks, local=4)
-        accum, _, accum_w = train(ctx, tiny_lm, lm=True, units=blocks, micro=2)
-        diff = max((plain_w[n] - accum_w[n]).abs().max().item() for n in plain_w)
-        record("gradient_accumulation", accum["allclose"] and accum["bitwise"] and diff < 1e-5,
-               f"2 micro-batches vs one process {accum['max_diff']:.2e}, vs the plain run {diff:.2e}")
-        ckpt, _, ckpt_w = train(ctx, lambda: tiny_lm(checkpoint=True), lm=True, units=blocks, local=4)
-        same = all(torch.equal(plain_w[n], ckpt_w[n]) for n in plain_w)
-        record("checkpointing_equals_plain", ckpt["allclose"] and same,
-               f"vs one process {ckpt['max_diff']:.2e}; bitwise equal to the plain run: {same}")
-        counts = [gathers_per_step(ctx, lambda c=c: tiny_lm(checkpoint=c), blocks) for c in (False, True)]
-        (plain_n, units), (ckpt_n, _) = counts
-        record("checkpointing_gathers_once", plain_n == ckpt_n == 2 * units - 1,
-               f"all-gathers per step: plain {plain_n}, checkpointed {ckpt_n}, units {units} "
-               f"(forward each unit once, backward all but the last, kept gathered)")
-        seen = saved_weights_told_apart(ctx)
-        record("gathered_weights_told_apart", seen["weights"] > 0 and seen["other"] > 0, seen)
-        diffs = ddp_with_checkpointing(ctx)
-        record("ddp_classes_with_checkpointing", max(diffs.values()) < 1e-6, diffs)
-        args = argparse.Namespace(model="tiny", batch_size=4, context_length=16,
-                                  trace_dir=str(Path(out_path).parent / "traces"), compute_dtype="float32")
-        summaries = profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))],
-                                          args, name="07_fsdp")
-        if ctx.is_main:
-            s = summaries[0]
-            record("profile_shows_collectives_during_backward",
-                   s["collectives"] >= 9 and s["comm_during_backward_ms"] > 0, s)
-        fsdp_mod.verify_main(ctx, None)  # the plain run's checks and table, in this launch
-        record("plain_run_verifies", True, "verify_main returned")
+                equivalence(f"{model_name}_{str(dtype)[6:]}", build, lm=lm, units=units, dtype=dtype,
+                            lr=0.05, steps=2 if lm else 3)
+    if ctx.world_size != 2:  # the rest once, at two ranks
+        return
+    plain, _, plain_w = train(ctx, tiny_lm, lm=True, units=blocks, local=4, steps=2)
+    accum, _, accum_w = train(ctx, tiny_lm, lm=True, units=blocks, micro=2, steps=2)
+    diff = max((plain_w[n] - accum_w[n]).abs().max().item() for n in plain_w)
+    record("gradient_accumulation", accum["allclose"] and accum["bitwise"] and diff < 1e-5,
+           f"2 micro-batches vs one process {accum['max_diff']:.2e}, vs the plain run {diff:.2e}")
+    ckpt, _, ckpt_w = train(ctx, lambda: tiny_lm(checkpoint=True), lm=True, units=blocks, local=4, steps=2)
+    same = all(torch.equal(plain_w[n], ckpt_w[n]) for n in plain_w)
+    record("checkpointing_equals_plain", ckpt["allclose"] and same,
+           f"vs one process {ckpt['max_diff']:.2e}; bitwise equal to the plain run: {same}")
+    counts = [gathers_per_step(ctx, lambda c=c: tiny_lm(checkpoint=c), blocks) for c in (False, True)]
+    (plain_n, units), (ckpt_n, _) = counts
+    record("checkpointing_gathers_once", plain_n == ckpt_n == 2 * units - 1,
+           f"all-gathers per step: plain {plain_n}, checkpointed {ckpt_n}, units {units} "
+           f"(forward each unit once, backward all but the last, kept gathered)")
+    seen = saved_weights_told_apart(ctx)
+    record("gathered_weights_told_apart", seen["weights"] > 0 and seen["other"] > 0, seen)
+    diffs = ddp_with_checkpointing(ctx)
+    record("ddp_classes_with_checkpointing", max(diffs.values()) < 1e-6, diffs)
+    args = argparse.Namespace(model="tiny", batch_size=4, context_length=16, trace_dir=trace_dir)
+    summaries = profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))],
+                                      args, name="07_fsdp")
     if ctx.is_main:
-        Path(out_path).write_text(json.dumps(results))
+        s = summaries[0]
+        record("profile_shows_collectives_during_backward",
+               s["collectives"] >= 9 and s["comm_during_backward_ms"] > 0, s)
+    fsdp_mod.verify_main(ctx, None)  # the plain run's checks and table, in this launch
+    record("plain_run_verifies", True, "verify_main returned")
+
+
+def worker_07(ctx, out_path):
+    """Stage 07's sharding checks at one world size: FSDP's, then ZeRO's, then (2 ranks) the ledger."""
+    import test_07_zero
+    findings = {}
+
+    def record(name, ok, detail):
+        findings[name] = [bool(ok), str(detail)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warning-free, as `python -W error` would check
+        torch.use_deterministic_algorithms(True)
+        fsdp_checks(ctx, str(Path(out_path).parent / "traces"), record)
+        torch.use_deterministic_algorithms(False)
+    try:
+        test_07_zero.cases_worker(ctx)
+        record("zero", True, "")
+    except AssertionError as e:  # (the same on every rank: no collective is left waiting)
+        record("zero", False, e)
+    if ctx.world_size == 2:
+        ledger_checks(ctx, record)
+    if ctx.is_main:
+        Path(out_path).write_text(json.dumps(findings))
+
+
+_FINDINGS: dict[int, dict] = {}
+
+
+def launch_07(world_size: int, tmp_dir: Path) -> dict:
+    """The findings of the one launch at ``world_size`` (launched on first use)."""
+    if world_size not in _FINDINGS:
+        out = tmp_dir / f"findings{world_size}.json"
+        launch.launch(worker_07, launch.LaunchConfig(world_size, "gloo", "cpu"), str(out),
+                      timeout_s=300)
+        _FINDINGS[world_size] = json.loads(out.read_text())
+    return _FINDINGS[world_size]
+
+
+@pytest.fixture
+def findings(tmp_path):
+    return lambda world_size: launch_07(world_size, tmp_path)
 
 
 CASES_ALL = ["norm_toy_sgd", "norm_toy_memory_after_step", "norm_toy_adamw", "toy_sgd",
              "toy_memory_after_step", "toy_adamw", "tied_layer_sgd", "tied_layer_memory_after_step",
-             "tied_layer_adamw", "tied_lm_sgd", "tied_lm_memory_after_step",
-             "lm_per_block_adamw", "lm_memory_after_step", "lm_peak_gathered_below_full_model",
-             "norm_toy_bfloat16", "norm_toy_float16"]
-CASES_TWO = ["lm_bfloat16", "lm_float16", "gradient_accumulation", "checkpointing_equals_plain", "checkpointing_gathers_once",
-             "gathered_weights_told_apart", "ddp_classes_with_checkpointing",
-             "profile_shows_collectives_during_backward", "plain_run_verifies"]
-
-
-@pytest.fixture(scope="module")
-def findings(tmp_path_factory):
-    cache = {}
-
-    def get(world_size):
-        if world_size not in cache:
-            out = tmp_path_factory.mktemp(f"fsdp{world_size}") / "findings.json"
-            launch.launch(fsdp_worker, launch.LaunchConfig(world_size, "gloo", "cpu"), str(out),
-                          timeout_s=300)
-            cache[world_size] = json.loads(out.read_text())
-        return cache[world_size]
-    return get
+             "tied_layer_adamw", "lm_per_block_adamw", "lm_memory_after_step",
+             "lm_peak_gathered_below_full_model", "norm_toy_bfloat16", "norm_toy_float16"]
+CASES_TWO = ["tied_lm_sgd", "tied_lm_memory_after_step", "lm_bfloat16", "lm_float16",
+             "gradient_accumulation", "checkpointing_equals_plain",
+             "checkpointing_gathers_once", "gathered_weights_told_apart", "ddp_classes_with_checkpointing",
+             "profile_shows_collectives_during_backward", "plain_run_verifies", "ledger_rows",
+             "ledger_fsdp_peak", "ledger_checkpointing_saves_activations", "ledger_csv",
+             "ledger_targets_printed"] + [f"ledger_{impl}_{ck}_{what}" for impl, ck in [
+                 *((i, "off") for i in IMPLS), ("fsdp", "on")] for what in ("bytes_held", "bytes_sent", "activations")
+                 if ck == "off" or what != "activations"]
 
 
 @pytest.mark.parametrize("world_size, case", [(2, c) for c in CASES_ALL + CASES_TWO]
                          + [(3, c) for c in CASES_ALL])
 def test_fsdp(findings, world_size, case):
-    ok, detail = findings(world_size)[case]
+    found = findings(world_size)
+    assert case in found, f"{case} was not checked at world size {world_size}"
+    ok, detail = found[case]
     assert ok, f"{case} at world size {world_size}: {detail}"
 
 
-def test_bad_input_one_line(capsys):
+def test_bad_input_one_line(capsys, tmp_path, monkeypatch):
     for kwargs, needle in (({"compute_dtype": torch.int64}, "torch.int64"),
                            ({"compute_dtype": "bfloat16"}, "'bfloat16'"),
                            ({"reduce_dtype": torch.bool}, "reduce_dtype")):
@@ -376,12 +447,22 @@ def test_bad_input_one_line(capsys):
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="submodule"):
         FSDP(nn.Linear(2, 2), units=[nn.Linear(2, 2)])
-    for argv, needle in ((["--compute-dtype", "int8"], "int8"), (["--world-size", "0"], "--world-size"),
-                         (["--profile", "--batch-size", "3"], "--batch-size 3")):
-        with pytest.raises(SystemExit) as e:
-            fsdp_mod.main(argv + ["--backend", "gloo", "--device", "cpu"])
-        assert e.value.code == 2
-        assert_usage_error(subprocess.CompletedProcess([], 2, "", capsys.readouterr().err), needle)
+    # flags, and --bench's up-front checks: one line, exit 2, no worker started
+    for argv, needle in ((["--world-size", "0"], "--world-size"), (["--steps", "0"], "'0' is not a whole number"),
+                         (["--rounds", "nan"], "'nan' is not a whole number"), (["--model", "huge"], "'huge'"),
+                         (["--checkpointing", "maybe"], "'maybe' is not allowed"),
+                         (["--checkpointing", ","], "subset of off, on"),
+                         (["--bench", "--batch-size", "3"], "--batch-size 3 is not divisible"),
+                         (["--profile", "--batch-size", "3"], "--batch-size 3 is not divisible"),
+                         (["--bench", "--model", "2.7B", "--batch-size", "2", "--context-length", "100000"],
+                          "GiB")):
+        ranks = [] if argv[0] == "--world-size" else ["--world-size", "2"]
+        assert_main_usage_error(fsdp_mod.main, [*argv, *ranks, "--backend", "gloo", "--device", "cpu"],
+                                capsys, needle)
+    (tmp_path / "a_file").write_text("")
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path / "a_file"))
+    assert_main_usage_error(fsdp_mod.main, ["--bench", "--world-size", "2", "--backend", "gloo", "--device",
+                                            "cpu"], capsys, "cannot write results")
 
 
 def test_units_plan():

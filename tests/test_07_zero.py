@@ -1,78 +1,171 @@
-"""Stage 07: ZeRO-1 (ShardedOptimizer) and ZeRO-2 (Zero2DDP), and the ledger runner.
+"""Stage 07: ZeRO-1 (ShardedOptimizer) and ZeRO-2 (Zero2DDP) against one process.
 
-One launch per world size runs every training case against plain AdamW on one process
-(``zero.train_and_compare``: 10 AdamW steps, the LM 4, two param groups with their own
-options, bitwise equal across ranks) and returns its findings; at world size 2 the same
-launch also runs a small ledger (``--bench``'s code) and checks its counted bytes against the
-formulas. Bad input is tested in-process; the copy-one-file test trains from the lone file on
-a 1-rank group.
+Every training case (``train_and_compare``: 10 AdamW steps, the LM 3, two param groups with
+their own options, beside plain AdamW on one process, bitwise equal across ranks) runs in
+stage 07's one launch per world size (``launch_07`` in tests/test_07_fsdp.py, which also runs
+FSDP's cases and the ledger that sets these beside DDP and FSDP). Bad input is tested
+in-process; the copy-one-file test trains from the lone file on a 1-rank group.
 """
 
 from __future__ import annotations
 
-import csv
+import contextlib
+import copy
 import shutil
 import textwrap
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
-import zero
 import ledger
-from common import launch
-from helpers import REPO, run_script
+import zero
+from common import import_stage, models
+from helpers import REPO, assert_main_usage_error, run_script
+from test_07_fsdp import launch_07
 
-# (model, wrapper, micro-batches, synchronise every micro-batch, group added late, resume at)
+# (model, wrapper, micro-batches, synchronise each, group added late, resume after step)
 CASES = [
     ("toy", "none", 1, False, True, None),    # on its own: every rank has the same gradients
-    ("tied", "none", 1, False, False, 4),     # ... and a checkpoint, resumed two ways
+    ("tied", "none", 1, False, False, 4),     # ... and a checkpoint, resumed by plain AdamW
     ("toy", "ddp", 1, False, True, None),     # ZeRO-1 = stage 06 + ShardedOptimizer
     ("branch", "ddp", 1, False, False, 4),    # a branch unused on some ranks, or on all
     ("toy", "zero2", 2, False, False, 3),     # ZeRO-2, accumulation under no_sync()
     ("tied", "zero2", 2, True, False, None),  # ... synchronising every micro-batch
     ("branch", "zero2", 2, True, False, None),
 ]
-LM_CASES = {  # (one per world size, for time)
-    2: ("lm_ckpt", "zero2", 2, True, False, None),  # activation checkpointing = the plain run
-    3: ("lm", "zero2", 2, False, False, None)}
+LM_CASES = {2: ("lm_ckpt", "zero2", 2, False, False, None),  # checkpointing = the plain LM
+            3: ("lm", "zero2", 2, False, False, None)}       # (one per world size, for time)
 
 
-def ledger_checks(ctx):
-    """A small --bench run: every row's counted bytes against the formulas."""
-    import argparse
-    args = argparse.Namespace(model="tiny", batch_size=4, context_length=16, steps=1, warmup=0,
-                              rounds=1, checkpointing=["off"])
-    rows = ledger.run_ledger(ctx, zero.ledger_strategies(), args, csv_name="sharding_test.csv")
-    args.checkpointing = ["on"]  # (one case with activation checkpointing, for time)
-    rows += ledger.run_ledger(ctx, zero.ledger_strategies()[2:3], args,
-                              csv_name="sharding_test.csv")
-    by = {(r["impl"], r["checkpointing"]): r for r in rows}
-    assert set(by) == {("ddp", False), ("zero1", False), ("zero2", False), ("torch_zero1", False),
-                       ("zero2", True)}
-    for (impl, _), r in by.items():
-        near = lambda k, f=1.0: abs(r[f"{k}_bytes"] / (f * r[f"{k}_bytes_predicted"]) - 1)  # noqa
-        assert near("param") == 0 and r["step_ms"] > 0 and r["peak_bytes"] == "", r
-        assert near("optim") < 0.05 and near("grad") < 0.05, r  # the 8P/N and 4P/N targets
-        # ZeRO-1 as built (all-reduce + broadcast) sends 1.5x the textbook all-reduce volume
-        assert near("sent", 1.5 if impl in ("zero1", "torch_zero1") else 1.0) < 0.01, r
-        # the same model and batch save the same activations, whatever shards the state
-        assert r["activation_bytes"] == by["ddp", False]["activation_bytes"] or r["checkpointing"]
-    assert by["zero2", False]["grad_bytes"] < 0.6 * by["ddp", False]["grad_bytes"]
-    assert by["zero2", True]["activation_bytes"] < by["zero2", False]["activation_bytes"]
+def train_and_compare(ctx, model="toy", wrapper="ddp", micro_batches=1, sync_each=False,
+                      late_group=False, resume_at=None) -> dict:
+    """10 steps (LM: 3) of ShardedOptimizer(AdamW), two param groups with own options, under
+    ``wrapper`` ("ddp": stage 06's BucketedDDP; "zero2"; "none": every rank computes the whole
+    batch) beside plain AdamW on one process; returns what differed and the bytes held. With
+    ``resume_at``: consolidate on the last rank there; a plain AdamW goes on from it."""
+    n, rank, lm = ctx.world_size, ctx.rank, model.startswith("lm")
+    steps = 3 if lm else 10
+    build = {"toy": models.ToyModel, "tied": models.TiedModel, "branch": models.BranchModel,
+             "lm": models.TransformerLM, "lm_ckpt": models.TransformerLM}[model]
+    kw = {"context_length": 16} if lm else {}  # the reference never checkpoints activations
+    torch.manual_seed(1000 + rank)  # ranks start apart: the wrappers broadcast rank 0's start
+    net = build(**kw, **({"checkpoint_activations": True} if model == "lm_ckpt" else {}))
+    torch.manual_seed(1000)
+    ref, lr = build(**kw), 1e-3 if lm else 1e-2
+
+    def groups(m, parts=(0, 1)):  # ToyModel: the frozen parameter and no-grad bias in group 1
+        ps = list(m.parameters())
+        return [[{"params": ps[:len(ps) // 2], "lr": lr, "weight_decay": 0.1},
+                 {"params": ps[len(ps) // 2:], "lr": lr / 3, "betas": (0.8, 0.9)}][i]
+                for i in parts]
+
+    opt = zero.ShardedOptimizer(groups(net, [0] if late_group else (0, 1)), torch.optim.AdamW,
+                                weight_decay=0.01, eps=1e-6)  # eps: see fsdp.py's verify_main
+    ref_opt = torch.optim.AdamW(groups(ref, [0] if late_group else (0, 1)), weight_decay=0.01,
+                                eps=1e-6)
+    ddp = {"none": lambda: net, "zero2": lambda: zero.Zero2DDP(net, opt, bucket_size_mb=1e-3),
+           "ddp": lambda: import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP(net, 1e-3)}
+    ddp = ddp[wrapper]()
+    if wrapper == "none":
+        zero.broadcast_module_state(net)
+    x_all, y_all = models.random_regression_data(64 * n, seed=7)
+    found = {"max_diff": 0.0, "bitwise": True, "allclose": True}
+
+    def loss(m, step, mb, r):  # rank r's 2 samples of micro-batch mb, over micro_batches
+        if lm:
+            x, y = models.random_tokens(2, 16, seed=1000 * step + 10 * mb + r)
+            return models.lm_loss(m(x), y) / micro_batches
+        i = torch.randperm(64 * n, generator=torch.Generator().manual_seed(step))
+        i = i[(mb * n + r) * 2:(mb * n + r + 1) * 2]  # the branch: all, 0, no, last rank
+        kw = {"use_branch": [True, r == 0, False, r == n - 1][step % 4]} if model == "branch" \
+            else {}
+        return F.mse_loss(m(x_all[i], **kw), y_all[i]) / micro_batches
+
+    def one_process_step(m, o, step):  # the whole batch, every rank's samples
+        o.zero_grad()
+        for mb in range(micro_batches):
+            (sum(loss(m, step, mb, r) for r in range(n)) / n).backward()
+        o.step()
+
+    for step in range(steps):
+        if late_group and step == 2:  # a group added after construction
+            opt.add_param_group(groups(net, [1])[0])
+            ref_opt.add_param_group(groups(ref, [1])[0])
+        opt.zero_grad()
+        for mb in range(micro_batches):
+            sync = sync_each or mb == micro_batches - 1
+            with contextlib.nullcontext() if sync else ddp.no_sync():
+                ranks = range(n) if wrapper == "none" else [rank]
+                (sum(loss(ddp, step, mb, r) for r in ranks) / len(ranks)).backward()
+            if sync:
+                getattr(ddp, "finish_gradient_synchronization", lambda: None)()
+        owned = [opt.owner.get(p) == rank for p in net.parameters()]  # (late group: not yet)
+        found.update(grad_bytes=ledger.state_bytes(p.grad for p in net.parameters()),
+                     owned_grad_bytes=sum(p.numel() * p.element_size() for p, o in
+                                          zip(net.parameters(), owned) if o and p.requires_grad),
+                     others_freed=all(p.grad is None for p, o in zip(net.parameters(), owned)
+                                      if not o))
+        opt.step()
+        one_process_step(ref, ref_opt, step)
+        for p, q in zip(net.parameters(), ref.parameters()):
+            found["max_diff"] = max(found["max_diff"], (p - q).abs().max().item())
+            found["allclose"] &= torch.allclose(p, q, rtol=1e-4 if lm else 1e-5,
+                                                atol=1e-5 if lm else 1e-6)
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(n)]
+        dist.all_gather(everyone, flat)
+        found["bitwise"] &= all(torch.equal(everyone[0], f) for f in everyone)
+        if step == resume_at:  # the checkpoint, on the last rank, equals the one-process state
+            opt.consolidate_state_dict(to=n - 1)
+            if rank == n - 1:
+                saved, want = opt.state_dict(), ref_opt.state_dict()
+                found["checkpoint_equal"] = saved["param_groups"] == want["param_groups"] \
+                    and saved["state"].keys() == want["state"].keys() and all(
+                        torch.allclose(saved["state"][i][k], v)
+                        for i, s in want["state"].items() for k, v in s.items())
+                resumed = copy.deepcopy(net)  # a plain AdamW goes on from it (a copy: loading
+                plain = torch.optim.AdamW(groups(resumed))  # shares the dict's tensors)
+                plain.load_state_dict(copy.deepcopy(saved))
+        elif resume_at is not None and step > resume_at and rank == n - 1:
+            one_process_step(resumed, plain, step)
+    if resume_at is not None and rank == n - 1:  # resumed = never stopped
+        found["resumed_diff"] = max((p - q).abs().max().item()
+                                    for p, q in zip(resumed.parameters(), ref.parameters()))
+    mine = torch.tensor([ledger.optimizer_state_bytes(opt)], dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(everyone, mine)
+    return {**found, "optim_bytes": [int(b.item()) for b in everyone],
+            "ref_optim_bytes": ledger.optimizer_state_bytes(ref_opt),
+            "largest_param": max(p.numel() for p in net.parameters())}
+
+
+def case_problems(f: dict, wrapper: str) -> list[str]:
+    """What ``train_and_compare`` found that is not as it must be (empty: all is well)."""
+    spread = max(f["optim_bytes"]) - sum(f["optim_bytes"]) / len(f["optim_bytes"])
+    return [what for what, ok in (
+        ("weights differ from one process", f["allclose"]), ("ranks differ", f["bitwise"]),
+        ("state bytes do not sum to the unsharded", sum(f["optim_bytes"]) == f["ref_optim_bytes"]),
+        ("checkpoint differs", f.get("checkpoint_equal", True)),
+        ("resumed run differs", f.get("resumed_diff", 0.0) < 1e-5),
+        # within one parameter's moments (+ step counters) of the mean
+        ("state unbalanced", spread <= 8 * f["largest_param"] + 4 * 64),
+        ("ZeRO-2 holds gradients it does not own", wrapper != "zero2" or (
+            f["others_freed"] and 0 < f["grad_bytes"] <= f["owned_grad_bytes"])))
+        if not ok]
 
 
 def cases_worker(ctx):
     failures = []
     for model, wrapper, k, sync_each, late, resume in [*CASES, LM_CASES[ctx.world_size]]:
-        f = zero.train_and_compare(ctx, model, wrapper, micro_batches=k, sync_each=sync_each,
-                                   late_group=late, resume_at=resume)
-        if not zero.case_ok(f, wrapper):
-            failures.append((model, wrapper, k, sync_each, late, resume, f))
-        if wrapper == "zero2" and model.startswith("lm"):  # every parameter had a gradient
-            assert f["grad_bytes"] == f["owned_grad_bytes"], f
-        if resume is not None and ctx.rank == ctx.world_size - 1:
-            assert f["checkpoint_equal"] and f["resumed_diff"] < 1e-5, f
+        f = train_and_compare(ctx, model, wrapper, k, sync_each, late, resume)
+        if problems := case_problems(f, wrapper):
+            failures.append((model, wrapper, k, sync_each, late, resume, problems, f))
+        if wrapper == "zero2" and model.startswith("lm") and f["grad_bytes"] != f["owned_grad_bytes"]:
+            failures.append((model, "every parameter had a gradient: all owned ones held", f))
+        if resume is not None and ctx.rank == ctx.world_size - 1 and "resumed_diff" not in f:
+            failures.append((model, "no checkpoint was taken", f))
     assert not failures, f"rank {ctx.rank}: {failures}"
 
     # Zero2DDP refuses a module parameter its optimizer does not own, and a bad bucket size
@@ -93,16 +186,13 @@ def cases_worker(ctx):
     assert [c["op"] for c in comm.calls] == ["broadcast", "reduce"]
     assert comm.sent_bytes == pytest.approx(2 * 40 * (n - 1) / n)
     if n == 2:
-        ledger_checks(ctx)
+        zero.check_main(ctx, None)  # the plain run's checks and table, in this launch
 
 
 @pytest.mark.parametrize("world_size", [2, 3])  # 3 does not divide the parameters evenly
 def test_zero_against_one_process(world_size, tmp_path):
-    launch.launch(cases_worker, launch.LaunchConfig(world_size, "gloo", "cpu"), timeout_s=240)
-    if world_size == 2:  # (conftest points RESULTS_DIR here)
-        with (tmp_path / "results" / "sharding_test.csv").open() as f:
-            rows = list(csv.DictReader(f))
-        assert len(rows) == 5 and all(r["run_id"] and r["machine"] for r in rows)
+    ok, detail = launch_07(world_size, tmp_path)["zero"]
+    assert ok, detail
 
 
 # --------------------------------------------------------------------------- no process group
@@ -131,19 +221,7 @@ def test_owners_balanced_and_buckets_ordered():
         assert last == sorted(last)
 
 
-def test_predicted_bytes():
-    p, n = 1000, 4
-    assert ledger.predicted_bytes("ddp", p, n) == {"param": 4000, "grad": 4000, "optim": 8000,
-                                                   "sent": 6000}
-    assert ledger.predicted_bytes("zero1", p, n)["optim"] == 2000  # 8P/N
-    z2 = ledger.predicted_bytes("zero2", p, n)
-    assert (z2["param"], z2["grad"], z2["optim"]) == (4000, 1000, 2000)  # 4P + 12P/N
-    fsdp = ledger.predicted_bytes("torch_fsdp", p, n)
-    assert sum(fsdp[k] for k in ("param", "grad", "optim")) == 16 * p / n
-    assert fsdp["sent"] == 1.5 * 6000
-
-
-def test_bad_arguments_one_line():
+def test_bad_input_one_line(capsys):
     params = [torch.zeros(2, requires_grad=True)]
     for bad in ("adam", torch.nn.Linear, torch.optim.AdamW([torch.zeros(1, requires_grad=True)])):
         with pytest.raises(TypeError, match="optimizer_cls must be a torch.optim.Optimizer") as e:
@@ -154,22 +232,11 @@ def test_bad_arguments_one_line():
     assert "\n" not in str(e.value)
     with pytest.raises(TypeError, match="got one tensor"):
         zero.ShardedOptimizer(params[0], torch.optim.AdamW)
-
-
-@pytest.mark.parametrize("argv, says", [
-    (["--bench", "--batch-size", "3"], "--batch-size 3 is not divisible"),
-    (["--steps", "0"], "'0' is not a whole number >= 1"),
-    (["--rounds", "nan"], "'nan' is not a whole number >= 1"),
-    (["--model", "huge"], "invalid choice: 'huge'"),
-    (["--checkpointing", "maybe"], "'maybe' is not allowed"),
-    (["--checkpointing", ","], "subset of off, on"),
-])
-def test_bad_flags_exit_2_with_one_line(argv, says, capsys, monkeypatch):
-    monkeypatch.setattr(launch, "launch", lambda *a, **k: pytest.fail("a worker started"))
-    with pytest.raises(SystemExit) as e:
-        zero.main([*argv, "--world-size", "2", "--backend", "gloo", "--device", "cpu"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert e.value.code == 2 and len(err) == 1 and says in err[0], err
+    for argv, says in ((["--world-size", "0"], "'0' is not a whole number >= 1"),
+                       (["--world-size", "nan"], "'nan' is not a whole number >= 1"),
+                       (["--bench"], "unrecognized arguments: --bench")):  # fsdp.py --bench
+        assert_main_usage_error(zero.main, [*argv, "--backend", "gloo", "--device", "cpu"],
+                                capsys, says)
 
 
 COPY_ONE_FILE = """
@@ -199,6 +266,11 @@ plain.load_state_dict(opt.state_dict())
 assert all(torch.allclose(plain.state[p]["exp_avg_sq"], ref_opt.state[p]["exp_avg_sq"])
            for p in ref.parameters())
 assert not any(m == "common" or m.startswith("common.") for m in sys.modules)
+try:
+    zero.main([])
+    raise AssertionError("the harness ran without common/")
+except SystemExit as e:
+    assert "common/" in str(e), e
 dist.destroy_process_group()
 print("ok")
 """
@@ -206,6 +278,6 @@ print("ok")
 
 def test_copy_one_file(tmp_path):
     shutil.copy(REPO / "07_parallelism" / "zero.py", tmp_path)
-    result = run_script("-c", textwrap.dedent(COPY_ONE_FILE), cwd=tmp_path, timeout=120,
-                        env={"PYTHONPATH": "", "MASTER_ADDR": "", "MASTER_PORT": ""})
+    result = run_script("-W", "error", "-c", textwrap.dedent(COPY_ONE_FILE), cwd=tmp_path,
+                        timeout=120, env={"PYTHONPATH": "", "MASTER_ADDR": "", "MASTER_PORT": ""})
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
