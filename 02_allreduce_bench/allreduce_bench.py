@@ -219,11 +219,11 @@ def fits_of(rows: list[dict]) -> dict:
 
 
 def report(rows: list[dict], machine: str) -> None:
-    """Print the table (each backend point beside the fit's prediction) and the fits; write
-    the fit JSON and the plot (parent / rank 0)."""
+    """Print the table and the fits; write the fit JSON and the plot (parent / rank 0)."""
     from common import results
     fits = fits_of(rows)
-    error = {(key, p["bytes"]): p["rel_error"] for key, f in fits.items() for p in f["points"]}
+    error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items()
+             for p in f["points"]}  # each backend point against its group's fit
     rows = sorted(rows, key=lambda r: (r["backend"], r["device"], int(r["world_size"]),
                                        int(r["bytes"]), r["impl"]))
     results.print_table([{
@@ -231,9 +231,9 @@ def report(rows: list[dict], machine: str) -> None:
         "size": format_size(int(r["bytes"])), "impl": r["impl"],
         "ms (median)": float(r["time_ms_median"]), "min": float(r["time_ms_min"]),
         "max": float(r["time_ms_max"]), "algbw GB/s": float(r["algbw_gbps"]),
-        "busbw GB/s": float(r["busbw_gbps"]), "fit error": f"{error[k]:+.0%}" if (k := (
-            f"{r['backend']}/{r['device']}/{r['world_size']}", int(r["bytes"]))) in error
-        and r["impl"] == "backend" else ""} for r in rows], title=f"\nall_reduce, float32, slowest rank's median ({machine})")
+        "busbw GB/s": float(r["busbw_gbps"]), "fit error": "" if r["impl"] != "backend" else
+        error.get((f"{r['backend']}/{r['device']}/{r['world_size']}", int(r["bytes"])), "")}
+        for r in rows], title=f"\nall_reduce, float32, slowest rank's median ({machine})")
     if not fits:
         return print("fit: needs two sizes or more of one backend/device/world size")
     results.print_table([{"backend/device/ws": key, "a (latency) us": f["a_s"] * 1e6,

@@ -49,7 +49,8 @@ def size_text(nbytes: float) -> str:
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
-    cell = lambda v: (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}") if isinstance(v, float) else str(v)  # noqa: E731
+    def cell(v):
+        return (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}") if isinstance(v, float) else str(v)
     return "\n".join(["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
                      + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
 
@@ -198,8 +199,9 @@ def overlap_section(out: Path, run_id: str, info: dict):
                     [[r["case"], num(r, "step_ms"), num(r, "backward_ms"), r["collectives"],
                       num(r, "comm_during_backward_ms"), num(r, "comm_after_backward_ms")]
                      for r in rows])
-    shares = [f"{r['case']} {num(r, 'comm_during_backward_ms') / max(1e-9, num(r, 'comm_during_backward_ms') + num(r, 'comm_after_backward_ms')):.0%}"
+    during = [(r["case"], num(r, "comm_during_backward_ms"), num(r, "comm_after_backward_ms"))
               for r in rows]
+    shares = [f"{case} {d / max(1e-9, d + a):.0%}" for case, d, a in during]
     return (text + f"\nShare of the communication that ran while backward computed (rank 0, one "
                    f"profiled step): {', '.join(shares)}.\n\n"
             + picture(out, "bench_overlap_timeline.png", "timeline of naive vs overlapped DDP")), []
@@ -239,7 +241,8 @@ def pipeline_section(out: Path, run_id: str, info: dict):
                            float(r["emulated_ms"])), []).append(r)
     order = ["gpipe", "1f1b", "interleaved", "zbh1"]
     table, gaps = [], []
-    for (s, m, v, emu), rs in sorted(groups.items(), key=lambda kv: (kv[0][3], kv[0][1], order.index(kv[0][0]))):
+    for (s, m, v, emu), rs in sorted(groups.items(),
+                                     key=lambda kv: (kv[0][3], kv[0][1], order.index(kv[0][0]))):
         gap = max(abs(num(r, "idle_share") - num(r, "idle_share_simulated")) for r in rs)
         gaps += [gap] if emu else []
         table.append([s, v, m, f"emulated {emu:g} ms" if emu else "real",
@@ -268,7 +271,8 @@ def sharding_section(out: Path, run_id: str, info: dict):
         return NO_ROWS, []
     r0 = rows[0]
     order = ["ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp"]
-    rows = sorted(rows, key=lambda r: (r["checkpointing"], order.index(r["impl"]) if r["impl"] in order else 9))
+    rows = sorted(rows, key=lambda r: (r["checkpointing"],
+                                       order.index(r["impl"]) if r["impl"] in order else 9))
 
     def pair(r, key):  # counted (predicted); "-" where this box could not count it
         got, pred = r.get(key, ""), r.get(f"{key}_predicted", "")

@@ -133,8 +133,8 @@ class TransformerLM(nn.Module):
         self.lm_head = nn.Linear(p["d_model"], vocab_size, bias=False)
         for name, param in self.named_parameters():
             if param.dim() >= 2:  # GPT-2 style init; residual projections scaled by depth
-                std = 0.02 / math.sqrt(2 * p["num_layers"]) if name.endswith(("out.weight", "mlp.2.weight")) else 0.02
-                nn.init.normal_(param, mean=0.0, std=std)
+                residual = name.endswith(("out.weight", "mlp.2.weight"))
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * p["num_layers"]) if residual else 0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         t = tokens.shape[1]
