@@ -176,16 +176,15 @@ def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the functions above work on their own; the "
-                         "benchmark needs the repository around this file (common/)")
+        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
+                         "demo and benchmark need the repository around this file (common/)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
 
 def skip_reason(ctx, impl: str, nbytes: int, previous, cfg: dict) -> str | None:
-    """Why not to run this configuration, agreed by every rank (or their collectives would
-    not match): the textbook ring cannot take GPU tensors over Gloo; the time the previous
-    size took, scaled to this one, is over the budget; the buffers do not fit in memory."""
+    """Why not to run this configuration, the same on every rank: the textbook ring cannot take
+    GPU tensors over Gloo; the previous size's time, scaled, is over budget; memory is short."""
     from common import limits
     if impl == "ring" and ctx.device.type == "cuda" and ctx.backend == "gloo":
         return "the textbook ring sends GPU tensors, which Gloo cannot (ring_pipelined can)"
@@ -201,8 +200,7 @@ def skip_reason(ctx, impl: str, nbytes: int, previous, cfg: dict) -> str | None:
 
 
 def fits_of(rows: list[dict]) -> dict:
-    """``t = a + N / w`` for the backend's all-reduce per backend/device/world size, keyed
-    "gloo/cpu/2" (what stage 06 reads), where two sizes or more were measured."""
+    """The backend's ``t = a + N / w`` per group of two sizes or more, keyed "gloo/cpu/2"."""
     groups: dict[tuple, list] = {}
     for r in (r for r in rows if r["impl"] == "backend"):
         groups.setdefault((r["backend"], r["device"], int(r["world_size"])), []).append(
@@ -283,8 +281,10 @@ def plan_configurations(args) -> list[tuple[str, str, int]]:
 
 def size_list(text: str) -> list[int]:
     """--sizes: '1MB,10MB' -> sorted byte counts, at least one."""
+    if not text.strip(" ,"):
+        raise argparse.ArgumentTypeError("empty list: give sizes like 1MB,10MB")
     try:
-        return sorted({parse_size(s) for s in text.split(",") if s.strip()} or parse_size(""))
+        return sorted({parse_size(s) for s in text.split(",") if s.strip()})
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

@@ -209,7 +209,7 @@ def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
                          "demo and benchmark need the repository around this file (common/)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -256,6 +256,8 @@ def main(argv=None) -> None:
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
+    if not (args.bench or args.profile):  # the plain run's demo: a batch every world size splits
+        args.batch_size = config.world_size * max(1, args.batch_size // config.world_size)
     step_bench.check_step_bench_args(args, config)
     if args.bench:
         launch.launch(bench_main, config, args)

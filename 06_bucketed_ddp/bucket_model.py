@@ -57,12 +57,10 @@ def latency_bandwidth(ctx) -> dict:
     if ctx.is_main:
         fit = results.read_json("allreduce_fit.json").get(key)
         run = os.environ.get("RESULTS_RUN_ID")  # set by make bench: only this run's fit counts
-        usable = isinstance(fit, dict) and all(
-            isinstance(fit.get(k), (int, float)) and 0 < fit[k] < math.inf
-            for k in ("a_s", "w_bytes_per_s"))
         decision[0] = ("no fit for " + key if not fit else
                        f"the fit for {key} is from another run" if run and fit.get("run_id") != run
-                       else f"the fit for {key} is not two positive numbers" if not usable else
+                       else f"the fit for {key} is not two positive numbers"
+                       if not (isinstance(fit, dict) and usable(fit)) else
                        {"a_s": fit["a_s"], "w_bytes_per_s": fit["w_bytes_per_s"],
                         "source": f"results/allreduce_fit.json [{key}] (stage 02)"})
     dist.broadcast_object_list(decision, src=0)  # every rank now takes the same branch
@@ -80,10 +78,20 @@ def latency_bandwidth(ctx) -> dict:
     return {"a_s": a, "w_bytes_per_s": w, "source": "measured in this run"}
 
 
+def usable(fit: dict) -> bool:
+    """Two positive, finite numbers: what the model's square roots need."""
+    return all(isinstance(fit.get(k), (int, float)) and 0 < fit[k] < math.inf
+               for k in ("a_s", "w_bytes_per_s"))
+
+
 def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str) -> dict:
     """Print the prediction beside the measured sweep (rank 0) and save the summary in
     ``results/<json_name>`` keyed by backend/device/world size/model."""
     from common import import_stage, models, results
+    if not usable(fit):  # a fit measured on a noisy machine can come out with a <= 0
+        ctx.print(f"bucket model: no prediction: the latency-bandwidth fit ({fit['source']}) "
+                  f"gave a = {fit['a_s']:.3g} s, w = {fit['w_bytes_per_s']:.3g} B/s", all_ranks=False)
+        return {}
     assign_buckets = import_stage("06_bucketed_ddp/bucketed_ddp").assign_buckets
     with torch.device("meta"):  # sizes only: nothing allocated
         lm = models.TransformerLM(args.model, context_length=args.context_length)

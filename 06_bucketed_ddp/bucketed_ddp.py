@@ -255,7 +255,7 @@ def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
                          "demo and benchmark need the repository around this file (common/)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
@@ -327,8 +327,11 @@ def main(argv=None) -> None:
     step_bench.add_step_bench_args(parser)
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
-    args.bucket_sizes = args.bucket_sizes or ([1, 10, 100, 1000] if args.bench else [0.25, 1, 4])
+    args.bucket_sizes = args.bucket_sizes or ([1.0, 10.0, 100.0, 1000.0] if args.bench
+                                               else [0.25, 1.0, 4.0])
     config = launch.resolve(args)
+    if not (args.bench or args.profile):  # the plain run's demo: a batch every world size splits
+        args.batch_size = config.world_size * max(1, args.batch_size // config.world_size)
     step_bench.check_step_bench_args(args, config)
     if args.bench:
         launch.launch(bench_main, config, args)

@@ -16,7 +16,7 @@ Two ways to split ``y = fc2(gelu(fc1(x)))`` over n ranks:
 The script checks the output, the input's gradient and every parameter's gradient against the
 same MLP on one process (the shards are sliced from the same full matrices), counts the bytes
 each layer communicates forward and backward (by watching the collectives) beside what the
-algorithm predicts, and trains a few SGD steps whose losses match the single-process ones.
+algorithm predicts; the script fails if any of them differs.
 
 Run:
     python 07_parallelism/tensor_parallel.py                      # 2 ranks, gloo/cpu
@@ -239,7 +239,7 @@ def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the classes above work on their own; the "
+        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
                          "demo and benchmark need the repository around this file (common/)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))

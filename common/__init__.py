@@ -1,8 +1,6 @@
-"""Small shared helpers for the stages: launch, timing, models/data, results, counting.
-
-Only what two or more stages need lives here, and nothing here imports a stage. A stage's
-algorithm never imports ``common`` (it must stay copyable on its own); only its harness does,
-after putting the repository root on ``sys.path``.
+"""What two or more stages share: launch and limits, timing, models and data, results, the
+DDP proof (verify) and step harness (step_bench), and profiling. Nothing here imports a stage,
+and a stage's algorithm never imports this (it must stay copyable alone): only harnesses do.
 """
 
 import importlib

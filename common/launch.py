@@ -30,7 +30,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("DIST_TIMEOUT_S", "300"))
+
+
+def timeout_s() -> float:
+    """How long collectives and the rendezvous wait for a peer: ``DIST_TIMEOUT_S`` (300 s)."""
+    text = os.environ.get("DIST_TIMEOUT_S", "300")
+    try:
+        return _number(text, float, math.nextafter(0.0, 1.0), "a finite number > 0")
+    except argparse.ArgumentTypeError as e:
+        usage_error(f"DIST_TIMEOUT_S={e}")
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,7 @@ def resolve(args: argparse.Namespace, min_world_size: int = 1) -> LaunchConfig:
     ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     ranks_here = ranks_on_this_node(world_size)
+    timeout_s()  # a bad DIST_TIMEOUT_S is a usage error too, before any worker starts
     if world_size < min_world_size:
         usage_error(f"--world-size must be >= {min_world_size}, got {world_size}")
     if not under_torchrun():
@@ -197,17 +206,18 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
         if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size,  # env://
-                            timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S),
-                            **({"device_id": dev} if backend == "nccl" else {}))
-    try:
+    try:  # joining can fail too (a port taken, a peer gone): recorded like any failure
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,  # env://
+                                timeout=datetime.timedelta(seconds=timeout_s()),
+                                **({"device_id": dev} if backend == "nccl" else {}))
         return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
     except BaseException:
         if on_error is not None:
             on_error()
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, error_dir,
@@ -253,6 +263,8 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = int(os.environ.get("MASTER_PORT") or free_port())
     error_dir = tempfile.mkdtemp(prefix="launch-errors-")
+    # daemon: the workers die with this process; so a worker cannot start processes of its
+    # own (a DataLoader with num_workers > 0 would fail)
     processes = [multiprocessing.get_context("spawn").Process(
         target=_spawned_entry, daemon=True, args=(rank, worker, config.world_size, config.backend,
                                                   config.device, addr, port, args, error_dir,
@@ -317,22 +329,27 @@ def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
 
 
 def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:
-    """Print the root cause: a rank killed by a signal, a stalled rank the others gave up
-    waiting for, and the earliest traceback."""
+    """Print the root cause: ranks killed by a signal or gone without a word, a stalled rank
+    the others gave up waiting for, ranks whose own checks failed, and the first traceback."""
     failures = sorted((float(text.partition("\n")[0]), int(name[4:-4]), text.partition("\n")[2])
                       for name in os.listdir(error_dir) if name.endswith(".err")
                       for text in [Path(error_dir, name).read_text()])
-    lines = [f"error: rank {rank} was killed by {signal.Signals(-code).name}"
-             for rank, code in enumerate(codes) if code is not None and code < 0
-             and rank not in {r for _, r, _ in failures}]
+    recorded = {r for _, r, _ in failures}
+    lines = [f"error: rank {rank} was killed by {signal.Signals(-code).name}" if code < 0 else
+             f"error: rank {rank} exited with status {code}" for rank, code in enumerate(codes)
+             if code not in (None, 0) and rank not in recorded]
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
                      "others gave up waiting for them")
-    if failures:
-        lines.append(f"error: rank {failures[0][1]} failed first"
+    own = [r for _, r, tb in failures if tb.startswith("exited with status")]
+    if own:
+        lines.append(f"error: rank(s) {sorted(own)} failed their own checks (see their output)")
+    raised = [(r, tb) for _, r, tb in failures if r not in own]
+    if raised:
+        lines.append(f"error: rank {raised[0][0]} failed first"
                      f"{' while waiting for a stalled rank' if stalled else ''}:\n"
-                     f"{failures[0][2].rstrip()}")
-    if len(failures) > 1:
-        lines.append(f"(then rank(s) {sorted(r for _, r, _ in failures[1:])} failed too, usually "
+                     f"{raised[0][1].rstrip()}")
+    if len(raised) > 1:
+        lines.append(f"(then rank(s) {sorted(r for r, _ in raised[1:])} failed too, usually "
                      "because a peer went away)")
     print("\n".join(lines), file=sys.stderr, flush=True)

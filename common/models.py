@@ -162,33 +162,3 @@ def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH,
     tokens = torch.randint(vocab_size, (batch_size, context_length + 1), generator=g)
     tokens = tokens.to(device)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-class BatchNormModel(nn.Module):
-    """x -> fc1 -> BatchNorm1d -> ReLU -> fc2: buffers a DDP must broadcast too."""
-
-    def __init__(self, in_features: int = 10, hidden: int = 16, out_features: int = 5):
-        super().__init__()
-        self.fc1 = nn.Linear(in_features, hidden)
-        self.bn = nn.BatchNorm1d(hidden)
-        self.fc2 = nn.Linear(hidden, out_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.relu(self.bn(self.fc1(x))))
-
-
-class BranchModel(nn.Module):
-    """x -> trunk -> ReLU -> (+ tanh(branch(h)) only if ``use_branch``) -> head: with
-    ``use_branch=False`` the branch gets no gradient (torch DDP's "unused parameters")."""
-
-    def __init__(self, in_features: int = 10, hidden: int = 16, out_features: int = 5):
-        super().__init__()
-        self.trunk = nn.Linear(in_features, hidden)
-        self.branch = nn.Linear(hidden, hidden)
-        self.head = nn.Linear(hidden, out_features)
-
-    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
-        h = F.relu(self.trunk(x))
-        if use_branch:
-            h = h + torch.tanh(self.branch(h))
-        return self.head(h)

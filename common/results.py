@@ -124,6 +124,10 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
     path = results_dir() / name
     with _locked(path):
         old_rows = read_csv(name)
+        if not old_rows and path.exists() and path.stat().st_size:  # unreadable: keep it aside
+            aside = path.with_name(f"{name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            path.rename(aside)
+            print(f"warning: moved the unreadable {path} to {aside.name}", file=sys.stderr)
         columns = [c for r in old_rows[:1] for c in r]
         new_keys = {tuple(str(r[k]) for k in key) for r in rows}
         kept = [r for r in old_rows if tuple(str(r.get(k, "")) for k in key) not in new_keys]

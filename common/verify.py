@@ -20,6 +20,7 @@ from common import models
 def check_ddp(ctx, wrap, build, make_optimizer, make_batch, steps: int,
               rtol: float, atol: float) -> tuple[bool, bool, float]:
     """Train ``wrap(build())`` and a one-process copy side by side for ``steps`` steps.
+    The global batch must split into equal slices, one per rank.
 
     ``make_batch(step) -> (x, y, loss_fn)``: the global batch, the same on every rank.
     Returns (allclose to one process after every step, bitwise equal across ranks, the
@@ -60,11 +61,13 @@ def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
     """``check_ddp`` on the toy model (a frozen parameter and a bias that does not train),
     the tied model (one weight used twice) and the tiny Transformer LM. Prints one line per
     model on rank 0 (every rank prints a failure); True when every check passed everywhere."""
-    data_x, data_y = (t.to(ctx.device) for t in models.random_regression_data(64, seed=7))
-    toy_batch = lambda step: (data_x[8 * step:8 * step + 8], data_y[8 * step:8 * step + 8],  # noqa: E731
-                              F.mse_loss)
-    lm_batch = lambda step: (*models.random_tokens(4, 32, seed=step, device=ctx.device),  # noqa: E731
-                             models.lm_loss)
+    def toy_batch(step):  # global batches of 4 (toy) and 2 (LM) rows per rank: equal slices
+        x, y = models.random_regression_data(4 * ctx.world_size, seed=100 + step)
+        return x.to(ctx.device), y.to(ctx.device), F.mse_loss
+
+    def lm_batch(step):
+        return (*models.random_tokens(2 * ctx.world_size, 32, seed=step, device=ctx.device),
+                models.lm_loss)
     # (label, model, optimizer, batches, steps, tolerance). The LM's longer sums round more,
     # and AdamW turns any gradient, however small, into a step of about lr: 3 steps there.
     cases = [

@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,3 +40,20 @@ def assert_main_usage_error(main, argv, capsys, *needles):
     assert len(lines) == 1 and all(n in lines[0] for n in needles), err
     assert "[rank" not in out
     return lines[0]
+
+
+class BranchModel(nn.Module):
+    """trunk -> [+ tanh(branch(h)) only if use_branch] -> head: on a step where a rank passes
+    use_branch=False the branch gets no gradient there (torch DDP's unused parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(10, 16)
+        self.branch = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x, use_branch=True):
+        h = F.relu(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)

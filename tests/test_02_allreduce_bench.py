@@ -82,7 +82,7 @@ def test_checks_and_skips():
 @pytest.mark.parametrize("argv, needle", [
     (["--sizes", "1MB,12XB"], "12XB"),
     (["--sizes", "6B"], "6B"),
-    (["--sizes", ","], "cannot parse size ''"),
+    (["--sizes", ","], "empty list"),
     (["--world-sizes", "1,2"], "world size 1"),
     (["--world-size", "1"], "world size 1"),
     (["--world-sizes", "two"], "'two'"),

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import ledger
 import zero
 from common import import_stage, models
+from helpers import BranchModel
 from helpers import REPO, assert_main_usage_error, run_script
 from test_07_fsdp import launch_07
 
@@ -47,7 +48,7 @@ def train_and_compare(ctx, model="toy", wrapper="ddp", micro_batches=1, sync_eac
     ``resume_at``: consolidate on the last rank there; a plain AdamW goes on from it."""
     n, rank, lm = ctx.world_size, ctx.rank, model.startswith("lm")
     steps = 3 if lm else 10
-    build = {"toy": models.ToyModel, "tied": models.TiedModel, "branch": models.BranchModel,
+    build = {"toy": models.ToyModel, "tied": models.TiedModel, "branch": BranchModel,
              "lm": models.TransformerLM, "lm_ckpt": models.TransformerLM}[model]
     kw = {"context_length": 16} if lm else {}  # the reference never checkpoints activations
     torch.manual_seed(1000 + rank)  # ranks start apart: the wrappers broadcast rank 0's start

@@ -6,7 +6,7 @@ DistributedDataParallel is the control.
 Equivalence, for naive, flat, overlap, bucketed (one bucket, two, one per parameter) and torch
 DDP: each rank seeds differently before building the model, and after wrapping every rank
 holds rank 0's parameters and buffers bitwise (a BatchNorm model's float and int64 buffers
-too); ToyModel (frozen parameter, no-grad bias), TiedModel and SkippableBranch (a branch skipped
+too); ToyModel (frozen parameter, no-grad bias), TiedModel and BranchModel (a branch skipped
 on some ranks, then on all), with SGD (momentum) and AdamW, several steps on freshly shuffled
 data split across ranks: after every step gradients and parameters equal single-process
 training on the whole global batch (allclose at float32 tolerance) and are bitwise identical
@@ -44,6 +44,7 @@ import overlap_ddp
 from bucketed_ddp import BucketedDDP, assign_buckets, check_bucket_size_mb
 from common import launch
 from common.models import TiedModel, ToyModel, random_regression_data
+from helpers import BranchModel
 from overlap_ddp import OverlapDDP
 
 
@@ -59,23 +60,6 @@ class BatchNormModel(nn.Module):
 
     def forward(self, x):
         return self.fc2(F.relu(self.bn(self.fc1(x))))
-
-
-class SkippableBranch(nn.Module):
-    """trunk -> [+ tanh(branch(h)) only if use_branch] -> head: on a step where a rank passes
-    use_branch=False the branch gets no gradient there (torch DDP's unused parameters)."""
-
-    def __init__(self):
-        super().__init__()
-        self.trunk = nn.Linear(10, 16)
-        self.branch = nn.Linear(16, 16)
-        self.head = nn.Linear(16, 5)
-
-    def forward(self, x, use_branch=True):
-        h = F.relu(self.trunk(x))
-        if use_branch:
-            h = h + torch.tanh(self.branch(h))
-        return self.head(h)
 
 
 class TorchDDPControl(nn.parallel.DistributedDataParallel):
@@ -120,11 +104,11 @@ OPTIMIZERS = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01),
 }
-MODELS = {"toy": ToyModel, "tied": TiedModel, "branch": SkippableBranch}
+MODELS = {"toy": ToyModel, "tied": TiedModel, "branch": BranchModel}
 
 
 def branch_used(step: int, rank: int, world_size: int) -> bool:
-    """SkippableBranch's schedule: every rank, rank 0 only, no rank, the last rank only, every rank."""
+    """BranchModel's schedule: every rank, rank 0 only, no rank, the last rank only, every rank."""
     return [True, rank == 0, False, rank == world_size - 1, True][step % 5]
 
 
@@ -624,6 +608,10 @@ _RUNS: dict[int, dict] = {}
 def ddp_worker(ctx, case_names: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)
     findings = equivalence_checks(ctx, case_names)
+    from common import verify  # the scripts' own proof, at this world size too
+    findings["verify_ddp"] = dict(checks=1, failures=[] if verify.verify_ddp(
+        ctx, lambda m: BucketedDDP(m, bucket_size_mb=1 / 1024), "BucketedDDP") else
+        ["common.verify.verify_ddp failed (its lines above say where)"])
     try:
         overlap_and_bucket_checks(ctx)
         findings["overlap_and_bucketed"] = dict(failures=[], checks=1)
@@ -662,6 +650,12 @@ def test_ddp_matches_single_process(case, world_size, findings_dir):
     found = findings_for(world_size, findings_dir)[case]
     assert found["checks"] == 2 + len(MODELS) * len(OPTIMIZERS), found["failures"]
     assert not found["failures"], "\n".join(found["failures"][:20])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_scripts_proof_passes(world_size, findings_dir):
+    found = findings_for(world_size, findings_dir)["verify_ddp"]
+    assert not found["failures"], found["failures"]
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

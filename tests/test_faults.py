@@ -171,12 +171,47 @@ def test_a_results_folder_that_cannot_be_written_is_refused_up_front(tmp_path, m
 @pytest.mark.parametrize("main, argv, needle", [
     (naive_ddp.main, ["--world-size", "1000"], "1000 ranks need about"),
     (bucketed_ddp.main, ["--bench", "--world-size", "96", "--batch-size", "96"], "96 ranks need"),
+    (bucketed_ddp.main, ["--bench", "--model", "2.7B", "--batch-size", "2"],  # the model's share
+     "GiB each for --model 2.7B"),
     (overlap_ddp.main, ["--case-budget-s", "nan"], "'nan' is not a finite number > 0"),
     (bucketed_ddp.main, ["--bucket-size-mb", "inf", "--profile"], "'inf' is not a finite"),
     (bucketed_ddp.main, ["--bucket-sizes", ""], "empty list"),
     (allreduce_bench.main, ["--budget-s", "nan"], "'nan' is not a finite number > 0"),
     (allreduce_bench.main, ["--world-sizes", ""], "empty list"),
 ])
-def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys):
+def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monkeypatch):
+    from common import limits
+    monkeypatch.setattr(limits, "host_available_bytes", lambda: 20 * 2**30)  # any box: 20 GiB
     assert_main_usage_error(main, ["--backend", "gloo", "--device", "cpu", *argv], capsys,
                             needle)
+
+
+def test_a_taken_port_and_a_sweep_with_nothing_measured_end_with_a_reason(tmp_path, capfd):
+    """A rank that cannot even join the group is named; a sweep that skipped everything
+    exits non-zero, with the reasons."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = subprocess.run([sys.executable, str(FAULTS), "--fault", "none", "--backend", "gloo",
+                            "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "MASTER_PORT": str(taken.getsockname()[1])})
+    assert r.returncode == 1 and "failed first" in r.stderr and "EADDRINUSE" in r.stderr, r.stderr
+    with pytest.raises(SystemExit) as e:  # 4 KB over a 1 ns budget: every configuration skipped
+        allreduce_bench.main(["--backend", "gloo", "--device", "cpu", "--sizes", "4KB",
+                              "--world-sizes", "2", "--budget-s", "1e-9"])
+    out, err = capfd.readouterr()
+    assert e.value.code == 1 and "over the 1e-09 s budget" in out, out
+    assert "nothing was measured: every configuration was skipped" in err
+
+
+def test_an_unreadable_csv_is_moved_aside_not_overwritten(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    (tmp_path / "ddp_step.csv").write_text("impl,step_ms\nnaive,1.0\nflat,2.0,extra,fields\n")
+    assert results.read_csv("ddp_step.csv") == []  # a torn file reads as empty, with a warning
+    results.upsert_csv("ddp_step.csv", [{"impl": "overlap", "step_ms": 3.0}], key=["impl"])
+    err = capsys.readouterr().err
+    assert "warning: ignoring" in err and "moved the unreadable" in err, err
+    aside = list(tmp_path.glob("ddp_step.csv.corrupt-*"))
+    assert len(aside) == 1 and "naive,1.0" in aside[0].read_text()  # nothing lost
+    assert results.read_csv("ddp_step.csv") == [{"impl": "overlap", "step_ms": "3.0"}]
