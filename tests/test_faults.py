@@ -88,7 +88,7 @@ def test_signals_to_the_parent_stop_every_worker(tmp_path):
 def test_a_failing_or_stalled_rank_ends_the_run_and_is_named(tmp_path):
     runs = {fault: _start([FAULTS, "--world-size", "2", "--fault", fault, "--bad-rank", "1",
                            "--backend", "gloo", "--device", "cpu"], tmp_path / fault,
-                          env={"DIST_TIMEOUT_S": "8"})
+                          env={"DIST_TIMEOUT_S": "6"})
             for fault in ("raise", "kill", "stop")}
     for fault, proc in runs.items():
         out, err = proc.communicate(timeout=90)
