@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -217,6 +218,9 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
         raise
     finally:
         if dist.is_initialized():
+            # Collect what still holds the group's work first (torch's fully_shard leaves
+            # cycles): torn down later, during interpreter exit, it can abort the process.
+            gc.collect()
             dist.destroy_process_group()
 
 
