@@ -1,8 +1,12 @@
-"""Stage 07: FSDP (ZeRO-3) from scratch: every rank keeps 1/N of every weight matrix.
-Cut along dim 0 (padded); a unit's full weights are gathered just before the unit runs, in
-forward and again in backward, where its gradients are then reduce-scattered into this rank's
-averaged float32 shard; the next unit's all-gather is in flight meanwhile (prefetch). Biases and
-norm gains stay whole; their gradients are all-reduced. Torch alone: ``from fsdp import FSDP``.
+"""Stage 07: FSDP (ZeRO-3) from scratch: every rank keeps 1/N of every weight matrix, cut along
+dim 0: rank r holds rows [r k, (r+1) k), k = ceil(rows / N), zero-padded. A unit's full weights
+are gathered just before the unit runs, in forward and again in backward, where its gradients
+are then reduce-scattered into this rank's averaged float32 shard; the next unit's all-gather is
+in flight meanwhile (prefetch). Biases and norm gains stay whole; their gradients are
+all-reduced. The optimizer takes ``fsdp.parameters()`` (the shards); a step is forward,
+backward(), ``finish_gradient_synchronization()``, step(). Every rank must run the same units
+(collectives pair by order). The collectives are looked up on torch.distributed at each call,
+so a counter that swaps its functions sees them. Torch alone: ``from fsdp import FSDP``.
 
     python 07_parallelism/fsdp.py --world-size 2    # the tiny LM against one process
     python 07_parallelism/fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
@@ -22,18 +26,16 @@ import torch.nn as nn
 # --------------------------------------------------------------------------- the algorithm
 
 
-# Async; looked up at each call, so a counter that swaps torch.distributed's functions sees them.
-def all_gather(out, shard, group):  # out <- [rank 0's shard, rank 1's, ...]
+def all_gather(out, shard, group):  # async: out <- [rank 0's shard, rank 1's, ...]
     return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard, group=group, async_op=True)
 
 
-def reduce_scatter(out, full, group):  # out <- this rank's block of the sum over ranks
+def reduce_scatter(out, full, group):  # async: out <- this rank's block of the sum over ranks
     return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group, async_op=True)
 
 
 def copy_rows(full: torch.Tensor, blocks: torch.Tensor, into_blocks: bool) -> None:
-    """Flat full tensor <-> its shards as rank-major rows (N x n): rank r holds rows
-    [r k, (r+1) k) of dim 0, so the rows in order are the tensor, padding at the end."""
+    """Flat full tensor <-> its shards as rank-major rows (N x n): the tensor, then the padding."""
     n = blocks.shape[1]
     q, rem = divmod(full.numel(), n)
     for whole, parts in ((full[:q * n].view(q, n), blocks[:q]),
@@ -42,14 +44,13 @@ def copy_rows(full: torch.Tensor, blocks: torch.Tensor, into_blocks: bool) -> No
 
 
 def plan_units(module: nn.Module, unit_modules) -> list[tuple[list, list]]:
-    """[(roots, slots)]: roots gather the unit in their forward, a slot (owner, name, weight)
-    holds a weight of 2+ dims. A weight joins the nearest named unit above its owner, else its
-    owner's own; units that share a weight (tied embedding and output layer) merge."""
+    """[(roots, slots)]: roots gather the unit in their forward, a slot (owner, name, weight) holds
+    a weight of 2+ dims, in the nearest named unit above its owner, else in its owner's own."""
     home, parent, roots, units = {}, {}, {}, {}
     for unit in sorted(unit_modules, key=lambda m: -len(list(m.modules()))):  # outer first
         home.update({id(m): unit for m in unit.modules()})  # an inner unit overrides
 
-    def find(key):  # union-find over roots and weights
+    def find(key):  # union-find over roots and weights: units sharing a weight (tied) merge
         while parent.setdefault(key, key) != key:
             key = parent[key]
         return key
@@ -66,9 +67,7 @@ def plan_units(module: nn.Module, unit_modules) -> list[tuple[list, list]]:
     return list(units.values())
 
 
-class _Unit:
-    """A unit's flat shard (its weights become views of it), full weights, communication state."""
-
+class _Unit:  # a unit's flat shard, its full weights, its communication state
     def __init__(self, slots, rank, world_size, compute_dtype):
         self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
         self.slots = [(m, name, [id(q) for q in self.params].index(id(p))) for m, name, p in slots]
@@ -77,21 +76,20 @@ class _Unit:
                       if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
         rows = [-(-p.shape[0] // world_size) for p in self.params]  # k = ceil(d0 / N)
         self.numels = [k * p[0].numel() for k, p in zip(rows, self.params)]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
         self.flat_shard = self.params[0].new_zeros(sum(self.numels))
         self.full = [nn.Parameter(torch.empty_like(p, dtype=compute_dtype or p.dtype),
                                   requires_grad=p.requires_grad) for p in self.params]
-        for p, full, k, off, numel in zip(self.params, self.full, rows, self.offsets, self.numels):
+        for p, f, k, shard in zip(self.params, self.full, rows, self.flat_shard.split(self.numels)):
             mine = p.detach()[rank * k:(rank + 1) * k].flatten()
-            self.flat_shard[off:off + mine.numel()].copy_(mine)  # zeros after: the padding
-            p.data = self.flat_shard[off:off + numel].view(k, *p.shape[1:])  # now the shard
-            full.untyped_storage().resize_(0)  # storage only while gathered
+            shard[:mine.numel()].copy_(mine)  # zeros after: the padding
+            p.data = shard.view(k, *p.shape[1:])  # now the shard, a view of the flat one
+            f.untyped_storage().resize_(0)  # storage only while gathered
         self.full_bytes = sum(f.nbytes for f in self.full)
         self.trainable = self.pending = sum(p.requires_grad for p in self.params)
         self.gathered, self.work, self.buffer, self.grad_buffer = False, None, None, None
 
     def columns(self, buffer: torch.Tensor, i: int) -> torch.Tensor:  # weight i, every rank
-        return buffer.view(-1, self.flat_shard.numel())[:, self.offsets[i]:][:, :self.numels[i]]
+        return buffer.view(-1, self.flat_shard.numel()).split(self.numels, dim=1)[i]
 
 
 def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook)
@@ -100,11 +98,8 @@ def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05'
 
 
 class FSDP(nn.Module):
-    """Fully sharded data parallelism: the optimizer takes ``fsdp.parameters()`` (shards); a step is
-    forward, backward(), finish_gradient_synchronization(), step(). ``units``: modules gathered as
-    one (e.g. Transformer blocks); other weights get a unit per owner. ``compute_dtype`` casts
-    weights before the all-gather, and the inputs and biases of modules owning weight matrices;
-    norm gains and masters stay float32. Ranks run the same units (collectives pair by order)."""
+    """``units``: modules gathered as one (e.g. Transformer blocks). ``compute_dtype`` casts the
+    weights before the all-gather, and their modules' inputs and biases (masters stay float32)."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
@@ -128,9 +123,8 @@ class FSDP(nn.Module):
             for root in roots:
                 root.register_forward_pre_hook(_weak(self, "_pre_forward", u))
                 root.register_forward_hook(_weak(self, "_post_forward", u), always_call=True)
-            for i, full in enumerate(u.full):
-                if full.requires_grad:
-                    full.register_post_accumulate_grad_hook(_weak(self, "_on_full_grad", u, i))
+            for i in [i for i, full in enumerate(u.full) if full.requires_grad]:
+                u.full[i].register_post_accumulate_grad_hook(_weak(self, "_on_full_grad", u, i))
             for owner in u.owners if compute_dtype else ():
                 owner.register_forward_pre_hook(_weak(self, "_cast_inputs"), with_kwargs=True)
         self._replicated = [p for p in module.parameters() if p.dim() < 2 and p.requires_grad]
@@ -145,9 +139,9 @@ class FSDP(nn.Module):
             self._next_in_backward = dict(zip(order, order[1:]))
         return out
 
-    def _gather(self, u: _Unit, wait: bool = True) -> None:
+    def _gather(self, u: _Unit | None, wait: bool = True) -> None:
         """Start the unit's all-gather unless in flight; with ``wait``, fill its full weights."""
-        if u.gathered:
+        if u is None or u.gathered:  # (None: no unit to prefetch)
             return
         if u.work is None:
             send = u.flat_shard.to(u.full[0].dtype)  # cast first: 16-bit weights travel in 16 bits
@@ -178,39 +172,36 @@ class FSDP(nn.Module):
         return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
 
     def _pre_forward(self, u: _Unit, module, args) -> None:
-        nxt, in_backward = None, torch._C._current_graph_task_id() != -1  # in backward: a
-        if not in_backward and self._recording:  # checkpoint's recompute, gather only
-            self._uses.append(u)
-        elif not in_backward and self._uses[self._pos:self._pos + 1] == [u]:
-            self._pos += 1  # on the recorded path
-            nxt = self._uses[self._pos] if self._pos < len(self._uses) else None
         self._gather(u)
-        if nxt is not None:  # prefetch: the next unit's all-gather runs while this one computes
-            self._gather(nxt, wait=False)
+        if torch._C._current_graph_task_id() == -1:  # else a checkpoint's recompute: gather only
+            if self._recording:
+                self._uses.append(u)
+            elif self._uses[self._pos:self._pos + 1] == [u]:  # on the recorded path
+                self._pos += 1
+                if self._pos < len(self._uses):  # prefetch: its all-gather runs while u computes
+                    self._gather(self._uses[self._pos], wait=False)
         self._swap(u, to_full=True)
 
     def _post_forward(self, u: _Unit, module, args, output) -> None:
         self._swap(u, to_full=False)
         if torch._C._current_graph_task_id() != -1:
             return  # a recompute in backward: keep the weights, this unit's backward is next
-        # keep the units that end forward after the last one began: backward starts with them
         if self._recording or self._pos < len(self._uses) or not torch.is_grad_enabled():
-            self._reshard(u)
+            self._reshard(u)  # else kept: it ends after the last unit began, backward starts here
         for t in output if isinstance(output, (tuple, list)) else [output]:
             if torch.is_tensor(t) and t.requires_grad:  # fires when backward reaches this unit
                 t.register_hook(_weak(self, "_pre_backward", u))
 
     def _pre_backward(self, u: _Unit, grad) -> None:
         self._gather(u)
-        if u in self._next_in_backward:  # prefetch the unit whose backward comes next
-            self._gather(self._next_in_backward[u], wait=False)
+        self._gather(self._next_in_backward.get(u), wait=False)  # prefetch: the next backward's
 
-    def _on_full_grad(self, u: _Unit, i: int, full=None) -> None:
+    def _on_full_grad(self, u: _Unit, i: int, full: nn.Parameter) -> None:
         """Every use of full weight i is summed in its .grad: into the reduce-scatter input."""
         if u.grad_buffer is None:  # zeros: a weight without a gradient sends zeros
             u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(), dtype=self.reduce_dtype)
-        copy_rows(u.full[i].grad.view(-1), u.columns(u.grad_buffer, i), into_blocks=True)
-        u.full[i].grad, u.pending = None, u.pending - 1
+        copy_rows(full.grad.view(-1), u.columns(u.grad_buffer, i), into_blocks=True)
+        full.grad, u.pending = None, u.pending - 1
         if u.pending == 0:  # all its gradients are in; a frozen weight may still be needed
             if u.trainable == len(u.full):  # by the backward, so then free only in finish()
                 self._reshard(u)
@@ -227,15 +218,13 @@ class FSDP(nn.Module):
         """Wait for a reduce-scatter; the mean over ranks becomes (or adds to) the shards' .grad."""
         work.wait()
         out = out.div_(self.world_size).to(u.flat_shard.dtype)
-        for p, g in zip(u.params, (out[o:o + n] for o, n in zip(u.offsets, u.numels))):
+        for p, g in zip(u.params, out.split(u.numels)):
             if p.requires_grad:
                 p.grad = g.view_as(p) if p.grad is None else p.grad.add_(g.view_as(p))
 
     def finish_gradient_synchronization(self) -> None:
         """After each backward: the reduce-scatters left, full weights freed, replicated grads averaged."""
         for u in self.units:  # in unit order: the same collectives in the same order everywhere
-            for i in [i for i, f in enumerate(u.full) if f.grad is not None]:
-                self._on_full_grad(u, i)
             if u.grad_buffer is not None:  # some weights had no gradient: zeros for them
                 self._reduce_scatter(u)
             if u.work is not None:
@@ -243,8 +232,7 @@ class FSDP(nn.Module):
             self._reshard(u)
         while self._reducing:
             self._land(*self._reducing.pop(0))
-        ps = [p for p in self._replicated if p.grad is not None]
-        if ps:
+        if ps := [p for p in self._replicated if p.grad is not None]:
             flat = torch.cat([p.grad.flatten() for p in ps])
             dist.all_reduce(flat, group=self.group)
             for p, g in zip(ps, flat.div_(self.world_size).split([p.numel() for p in ps])):

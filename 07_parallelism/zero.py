@@ -1,8 +1,12 @@
-"""Stage 07: ZeRO-1 and ZeRO-2 (Rajbhandari et al., 2020): each parameter gets one owner rank.
-ZeRO-1, ``ShardedOptimizer``: only the owner keeps the parameter's optimizer state and updates
-it, then broadcasts it (behind any DDP of 03-06). ZeRO-2, ``Zero2DDP``: each gradient bucket is
-reduced to its owner and freed elsewhere. Float32 AdamW, P parameters, N ranks, bytes per rank:
-DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N. Torch alone: copy this file and
+"""Stage 07: ZeRO-1 and ZeRO-2 (Rajbhandari et al., 2020): each parameter gets one owner rank
+(dealt largest first: no rank ends more than one parameter above the mean). ZeRO-1,
+``ShardedOptimizer(params, torch.optim.AdamW, lr=...)``: only the owner keeps the parameter's
+optimizer state and updates it, then broadcasts it; step it once every rank has the mean
+gradients of what it owns (behind any DDP of 03-06). ZeRO-2, ``Zero2DDP(model, optimizer)``,
+used as 05/06: each gradient bucket is reduced to its owner and freed elsewhere. Accumulation:
+under ``no_sync()`` (full-size local gradients until the last backward: 4P bytes held again), or
+synchronise every micro-batch (k times the traffic). Float32 AdamW, P parameters, N ranks, bytes
+per rank: DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N. Torch alone: copy this file and
 ``from zero import ShardedOptimizer, Zero2DDP``.
 
     python 07_parallelism/zero.py --world-size 3    # checks against one process
@@ -34,20 +38,17 @@ def _global(group, rank: int) -> int:  # collectives take global ranks
 
 
 def assign_owners(params, loads: list[int]) -> dict:
-    """Largest first, each parameter to the rank with the fewest bytes so far (ties: the lowest):
-    the largest rank ends at most one parameter above the mean. Frozen ones weigh nothing."""
+    """Largest first, each parameter to the rank with the fewest bytes so far (ties: the lowest)."""
     owners = {}
     for p in sorted(params, key=lambda p: -p.numel() * p.element_size() * p.requires_grad):
         owners[p] = rank = min(range(len(loads)), key=loads.__getitem__)
-        loads[rank] += p.numel() * p.element_size() * p.requires_grad
+        loads[rank] += p.numel() * p.element_size() * p.requires_grad  # frozen ones weigh nothing
     return owners
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: ``ShardedOptimizer(params, torch.optim.AdamW, lr=...)``. Its ``.optim``, an
-    ``optimizer_cls`` over the parameters this rank owns, holds the only state; its
-    ``param_groups`` are a plain ``optimizer_cls``'s (schedulers work), copied to ``.optim``'s
-    at each ``step()``. Step once every rank has the mean gradients of what it owns."""
+    """ZeRO-1: ``.optim``, an ``optimizer_cls`` over the parameters this rank owns, holds the only
+    state; ``param_groups`` are a plain one's (schedulers work), copied into it at each step()."""
 
     def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
         if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
@@ -122,9 +123,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 def broadcast_module_state(module: nn.Module, group=None) -> None:  # as in 03-06 (copyable)
     """Every rank starts from rank 0's parameters and buffers."""
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            dist.broadcast(tensor.detach(), src=_global(group, 0), group=group)
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.detach(), src=_global(group, 0), group=group)
 
 
 def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook):
@@ -132,16 +132,14 @@ def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05'
     return lambda *a: None if ref() is None else getattr(ref(), method)(*bound, *a)
 
 
-class _Bucket:
-    """One owner's gradients, a flat buffer from the first gradient to the end of the reduce."""
-
+class _Bucket:  # one owner's gradients
     def __init__(self, owner: int, params: list[torch.Tensor]):
         self.owner, self.params, self.buffer, self.views = owner, params, None, []
         self.had = [False] * len(params)  # "this rank had a gradient for it", this step
         self.pending, self.work = len(params), None
 
     def view(self, slot: int) -> torch.Tensor:
-        if self.buffer is None:
+        if self.buffer is None:  # one flat buffer, from the first gradient to the reduce's end
             sizes = [p.numel() for p in self.params]
             self.buffer = self.params[0].new_empty(sum(sizes))
             self.views = [v.view_as(p) for v, p in zip(self.buffer.split(sizes), self.params)]
@@ -165,9 +163,7 @@ def owner_buckets(params: list[torch.Tensor], owner: dict, bucket_size_mb: float
 
 class Zero2DDP(nn.Module):
     """ZeRO-2: after ``finish_gradient_synchronization()`` each rank holds the mean gradients
-    of the parameters it owns in ``optimizer`` (a :class:`ShardedOptimizer`), and no others.
-    Used as 05/06. Accumulation: under ``no_sync()`` (full-size local gradients until the last
-    backward: 4P bytes held again), or synchronise every micro-batch (k times the traffic)."""
+    of the parameters it owns in ``optimizer`` (a :class:`ShardedOptimizer`), and no others."""
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, bucket_size_mb: float | None = 25.0):
         super().__init__()
@@ -177,8 +173,7 @@ class Zero2DDP(nn.Module):
         if bucket_size_mb is not None and not (type(bucket_size_mb) in (int, float) and 0 < bucket_size_mb < math.inf):
             raise ValueError(f"Zero2DDP: bucket_size_mb must be a positive number of MiB or None (one "
                              f"bucket per owner), got {bucket_size_mb!r}")
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
+        if not (params := [p for p in module.parameters() if p.requires_grad]):
             raise ValueError("Zero2DDP: the module has no parameters that require grad")
         if unowned := [n for n, p in module.named_parameters() if p.requires_grad and p not in optimizer.owner]:
             raise ValueError(f"Zero2DDP: {', '.join(unowned)} require grad but are in no group of the "
@@ -201,7 +196,6 @@ class Zero2DDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate full-size gradients locally (no communication) in the backwards inside."""
         previous, self._require_sync = self._require_sync, False
         try:
             yield
@@ -256,13 +250,10 @@ class Zero2DDP(nn.Module):
         for bucket in self.buckets:
             bucket.work.wait()
             for slot, p in enumerate(bucket.params):
-                kept = self._kept.pop(p, None)  # None, unless an earlier average was set aside
-                if next(anyone_had) and bucket.owner == self.rank:
-                    p.grad = bucket.views[slot] if kept is None else bucket.views[slot].add_(kept)
-                else:
-                    p.grad = kept
-                if p.grad is not None:
-                    self._averaged[id(p)] = p.grad
+                p.grad = self._kept.pop(p, None)  # None, unless an earlier average was set aside
+                if next(anyone_had) and bucket.owner == self.rank:  # the owner adds the mean
+                    mean = bucket.views[slot]
+                    p.grad = self._averaged[id(p)] = mean if p.grad is None else mean.add_(p.grad)
             bucket.__init__(bucket.owner, bucket.params)  # buffer freed (the owner's: as grads)
         self._next = 0
 
