@@ -11,12 +11,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def import_stage(script: str):
-    """Import a sibling stage's script, e.g. ``import_stage("03_naive_ddp/naive_ddp")``.
-
-    The one way a harness reaches another stage: stage folders are not packages, so the
-    folder goes on ``sys.path`` and the script is imported by its file name. Spawned workers
-    inherit ``sys.path``, so classes from it unpickle there too.
-    """
+    """Import a sibling stage's script, e.g. ``import_stage("03_naive_ddp/naive_ddp")``: stage
+    folders are not packages, so the folder goes on ``sys.path`` (spawned workers inherit it,
+    so classes from the script unpickle there too) and the script is imported by file name."""
     folder, name = script.rsplit("/", 1)
     path = str(REPO_ROOT / folder)
     if path not in sys.path:

@@ -8,8 +8,6 @@ worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, defaul
 flags are one line and exit status 2 before any worker starts.
 """
 
-from __future__ import annotations
-
 import argparse
 import datetime
 import gc
@@ -32,12 +30,10 @@ import torch
 import torch.distributed as dist
 
 
-
 def timeout_s() -> float:
     """How long collectives and the rendezvous wait for a peer: ``DIST_TIMEOUT_S`` (300 s)."""
-    text = os.environ.get("DIST_TIMEOUT_S", "300")
     try:
-        return _number(text, float, math.nextafter(0.0, 1.0), "a finite number > 0")
+        return positive_float(os.environ.get("DIST_TIMEOUT_S", "300"))
     except argparse.ArgumentTypeError as e:
         usage_error(f"DIST_TIMEOUT_S={e}")
 
@@ -89,28 +85,19 @@ def usage_error(message: str, prog: str | None = None) -> None:
     raise SystemExit(2)
 
 
-def _number(text: str, kind, lowest, what: str):
-    """Flag types reject what makes no sense (NaN, infinities), so no flag can switch a check
-    off by accident; argparse turns the ArgumentTypeError into the one-line error above."""
-    try:
-        value = kind(text)
-    except ValueError:
-        value = float("nan")
-    if value != value or abs(value) == float("inf") or value < lowest:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _number(text, int, 1, "a whole number >= 1")
-
-
-def non_negative_int(text: str) -> int:
-    return _number(text, int, 0, "a whole number >= 0")
-
-
-def positive_float(text: str) -> float:  # the smallest float above 0 is the lowest allowed
-    return _number(text, float, math.nextafter(0.0, 1.0), "a finite number > 0")
+def _number(kind, lowest, what: str):
+    """A flag type for a ``kind`` >= ``lowest`` that rejects what makes no sense (NaN,
+    infinities), so no flag can switch a check off by accident; argparse turns the
+    ArgumentTypeError into the one-line error above."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = float("nan")
+        if value != value or abs(value) == float("inf") or value < lowest:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
 
 
 def list_of(item):
@@ -120,11 +107,7 @@ def list_of(item):
         if not values:
             raise argparse.ArgumentTypeError("empty list: give comma-separated values, e.g. 1,2,4")
         return list(dict.fromkeys(values))
-    parse.__name__ = "list"
     return parse
-
-
-int_list = list_of(positive_int)  # '1,2,4' -> [1, 2, 4]
 
 
 def choice_list(allowed):
@@ -135,11 +118,13 @@ def choice_list(allowed):
                                              f"subset of {', '.join(allowed)}")
         return text
     parse = list_of(choice)
+    return lambda text: parse(text) if text.strip(" ,") else choice(text)  # '' is not allowed
 
-    def checked(text: str) -> list[str]:
-        return parse(text) if text.strip(" ,") else choice(text)
-    checked.__name__ = "list"
-    return checked
+
+positive_int = _number(int, 1, "a whole number >= 1")
+non_negative_int = _number(int, 0, "a whole number >= 0")
+positive_float = _number(float, math.nextafter(0.0, 1.0), "a finite number > 0")  # 0 excluded
+int_list = list_of(positive_int)  # '1,2,4' -> [1, 2, 4]
 
 
 def make_parser(doc: str | None, world_size: int = 2) -> Parser:
@@ -308,10 +293,8 @@ def _stopped(pid: int) -> bool:
 
 def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while True:
+    while any(p.exitcode != 0 for p in processes):  # until every rank has exited with 0
         codes = [p.exitcode for p in processes]
-        if all(c == 0 for c in codes):
-            return
         stalled = [r for r, p in enumerate(processes) if p.exitcode is None and _stopped(p.pid)]
         if stop["signum"] is not None:
             _kill(processes)
@@ -337,18 +320,17 @@ def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:
     the others gave up waiting for, ranks whose own checks failed, and the first traceback."""
     failures = sorted((float(text.partition("\n")[0]), int(name[4:-4]), text.partition("\n")[2])
                       for name in os.listdir(error_dir) if name.endswith(".err")
-                      for text in [Path(error_dir, name).read_text()])
-    recorded = {r for _, r, _ in failures}
+                      for text in [Path(error_dir, name).read_text()])  # the first one first
+    own = sorted(r for _, r, text in failures if text.startswith("exited with status"))
+    raised = [(r, text) for _, r, text in failures if r not in own]
     lines = [f"error: rank {rank} was killed by {signal.Signals(-code).name}" if code < 0 else
              f"error: rank {rank} exited with status {code}" for rank, code in enumerate(codes)
-             if code not in (None, 0) and rank not in recorded]
+             if code not in (None, 0) and rank not in {r for _, r, _ in failures}]
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
                      "others gave up waiting for them")
-    own = [r for _, r, tb in failures if tb.startswith("exited with status")]
     if own:
-        lines.append(f"error: rank(s) {sorted(own)} failed their own checks (see their output)")
-    raised = [(r, tb) for _, r, tb in failures if r not in own]
+        lines.append(f"error: rank(s) {own} failed their own checks (see their output)")
     if raised:
         lines.append(f"error: rank {raised[0][0]} failed first"
                      f"{' while waiting for a stalled rank' if stalled else ''}:\n"

@@ -1,8 +1,6 @@
 """What fits: memory checks before workers start (a run that cannot fit is refused with one
 line, exit 2, instead of an out-of-memory kill half way) and between configurations."""
 
-from __future__ import annotations
-
 import math
 import os
 
@@ -27,12 +25,11 @@ def host_available_bytes() -> int:
 
 
 def rank_baseline_bytes() -> int:
-    """What one rank costs before any model: measured as this process's resident memory
-    (a worker imports the same torch), plus 64 MiB for its process group and buffers."""
+    """What one rank costs before any model: this process's resident memory (a worker imports
+    the same torch), plus 64 MiB for its process group and buffers."""
     try:
         with open("/proc/self/statm") as f:
-            resident_pages = int(f.read().split()[1])
-        return resident_pages * os.sysconf("SC_PAGE_SIZE") + (64 << 20)
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") + (64 << 20)
     except (OSError, ValueError, IndexError):
         return 512 << 20
 
@@ -55,17 +52,17 @@ def agreed_shortfall(ctx, host_per_rank: int, gpu_per_rank: int = 0) -> str | No
     GPU, all getting the same answer: one rank short means all skip, or their collectives
     would not match."""
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
-    host = ranks_here * (rank_baseline_bytes() + host_per_rank)
+    host, have = ranks_here * (rank_baseline_bytes() + host_per_rank), host_available_bytes()
     why = None
-    if host > 0.9 * host_available_bytes():
-        why = (f"needs about {host / GIB:.1f} GiB of host memory, "
-               f"{host_available_bytes() / GIB:.1f} GiB available")
+    if host > 0.9 * have:
+        why = f"needs about {host / GIB:.1f} GiB of host memory, {have / GIB:.1f} GiB available"
     elif ctx.device.type == "cuda" and gpu_per_rank:
         torch.cuda.empty_cache()  # else the last configuration's cached blocks count as used
         free = torch.cuda.mem_get_info(ctx.device)[0]  # + 1 GiB for context and buffers:
         per_gpu = math.ceil(ranks_here / torch.cuda.device_count()) * (gpu_per_rank + GIB)
         if per_gpu > 0.9 * free:
             why = f"needs about {per_gpu / GIB:.1f} GiB per GPU, {free / GIB:.1f} GiB free"
-    flag = torch.tensor([1.0 if why else 0.0], device=ctx.device if ctx.backend == "nccl" else "cpu")
+    flag = torch.tensor([float(why is not None)],
+                        device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return (why or "memory is short on another rank") if flag.item() else None

@@ -2,14 +2,13 @@
 must get right (a frozen parameter, a bias that does not train, a weight used twice), and a
 plain pre-norm GPT-style Transformer LM with size presets, the workload of the benchmarks."""
 
-from __future__ import annotations
-
 import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
 
 class ToyModel(nn.Module):
     """x -> fc1 -> ReLU -> (* frozen scale) -> fc2. ``fc2.bias`` requires no grad."""
@@ -27,7 +26,7 @@ class ToyModel(nn.Module):
 
 
 class TiedModel(nn.Module):
-    """x -> fc_in -> ReLU -> shared -> ReLU -> shared (the same weight again) -> fc_out."""
+    """x -> fc_in -> ReLU -> shared -> ReLU -> shared (the same weight again) -> tanh -> fc_out."""
 
     def __init__(self, in_features: int = 10, hidden: int = 12, out_features: int = 5):
         super().__init__()
@@ -36,10 +35,8 @@ class TiedModel(nn.Module):
         self.fc_out = nn.Linear(hidden, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.fc_in(x))
-        h = F.relu(self.shared(h))
-        h = torch.tanh(self.shared(h))
-        return self.fc_out(h)
+        h = F.relu(self.shared(F.relu(self.fc_in(x))))
+        return self.fc_out(torch.tanh(self.shared(h)))
 
 
 def random_regression_data(n: int, in_features: int = 10, out_features: int = 5,
@@ -123,7 +120,6 @@ class TransformerLM(nn.Module):
         if preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")
         p = PRESETS[preset]
-        self.preset, self.context_length = preset, context_length
         self.checkpoint_activations = checkpoint_activations
         self.token_embedding = nn.Embedding(vocab_size, p["d_model"])
         self.position_embedding = nn.Embedding(context_length, p["d_model"])
@@ -134,11 +130,11 @@ class TransformerLM(nn.Module):
         for name, param in self.named_parameters():
             if param.dim() >= 2:  # GPT-2 style init; residual projections scaled by depth
                 residual = name.endswith(("out.weight", "mlp.2.weight"))
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * p["num_layers"]) if residual else 0.02)
+                std = 0.02 / math.sqrt(2 * p["num_layers"]) if residual else 0.02
+                nn.init.normal_(param, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        positions = torch.arange(t, device=tokens.device)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
@@ -159,6 +155,5 @@ def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids (inputs, next-token targets), the same for a given seed."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(vocab_size, (batch_size, context_length + 1), generator=g)
-    tokens = tokens.to(device)
+    tokens = torch.randint(vocab_size, (batch_size, context_length + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]

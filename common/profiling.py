@@ -1,33 +1,35 @@
 """Proof of overlap: profile a few training steps, draw compute and communication on one axis.
 
 ``profile_ddp(ctx, [(label, factory), ...], args, name)`` (the ``--profile`` of 03, 05, 06 and
-07's FSDP): every rank trains the LM of ``--model`` a few steps per case, profiles two with
-``torch.profiler`` into ``<trace-dir>/<name>/<label>_rank<r>.json`` (open in
-https://ui.perfetto.dev), each step cut into ``ddp:forward``, ``ddp:backward``, ``ddp:finish``
-and ``ddp:optimizer`` ranges. Gloo runs a collective on a worker thread (``gloo:all_reduce``,
-all_gather, reduce_scatter), NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints how much
-communication ran during backward and after it (also to ``results/ddp_profile.csv``), a text
-timeline, and draws the timeline PNG.
+07's FSDP): every rank profiles two LM training steps per case with ``torch.profiler`` into
+``<trace-dir>/<name>/<label>_rank<r>.json`` (open in https://ui.perfetto.dev), each step cut
+into ``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and ``ddp:optimizer`` ranges. Gloo runs
+a collective on a worker thread (``gloo:all_reduce``, all_gather, reduce_scatter), NCCL as a
+kernel (``ncclDevKernel_...``). Rank 0 prints how much communication ran during backward and
+after it (also to ``results/ddp_profile.csv``) with a text timeline, and draws it as a PNG.
 """
-
-from __future__ import annotations
 
 import json
 import re
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from common import models, results, step_bench, timing
 
+# range name: (legend, colour, mark in the text timeline)
 PHASES = {"ddp:forward": ("forward", "#9ecae1", "f"), "ddp:backward": ("backward", "#3182bd", "B"),
-          "ddp:finish": ("wait for comm", "#fdae6b", "w"), "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
+          "ddp:finish": ("wait for comm", "#fdae6b", "w"),
+          "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
 COMM_COLOR = "#e6550d"
 PROFILE_CSV = "ddp_profile.csv"
-COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "reducescatter")
+COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
+               "reducescatter")
+# what the CSV and the table keep of a step's timeline (the rest is for drawing it)
+SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms",
+           "comm_after_backward_ms")
 
 
 def add_profile_args(parser):
@@ -41,32 +43,24 @@ def add_profile_args(parser):
 
 def profile_case(ctx, factory, args, trace_path: Path) -> None:
     """Profile two LM training steps under ``factory`` after three warm-up steps."""
-    dev, rank = ctx.device, ctx.rank
-    torch.manual_seed(0)
-    model = models.TransformerLM(args.model, context_length=args.context_length).to(dev)
-    wrapper = factory(model)
-    finish = step_bench.finish_fn(wrapper)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    b = args.batch_size // ctx.world_size
-    x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=dev)
-    x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    _, wrapper, finish, optimizer, x, y = step_bench.setup_case(ctx, factory, args)
 
     def step():  # synchronize inside each range, so that on a GPU it covers its kernels
         with record_function("ddp:forward"):
             optimizer.zero_grad(set_to_none=True)
             loss = models.lm_loss(wrapper(x), y)
-            timing.synchronize(dev)
+            timing.synchronize(ctx.device)
         for name, work in (("ddp:backward", loss.backward), ("ddp:finish", finish),
                            ("ddp:optimizer", optimizer.step)):
             with record_function(name):
                 work()
-                timing.synchronize(dev)
+                timing.synchronize(ctx.device)
 
     for _ in range(3):
         step()
     dist.barrier()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    on_gpu = [ProfilerActivity.CUDA] if ctx.device.type == "cuda" else []
+    with profile(activities=[ProfilerActivity.CPU, *on_gpu]) as prof:
         for _ in range(2):
             step()
     trace_path.parent.mkdir(parents=True, exist_ok=True)
@@ -79,18 +73,15 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
     paths = []
     for label, factory in cases:
         start = time.perf_counter()
-        path = out_dir / f"{re.sub(r'[^a-z0-9.]+', '_', label.lower()).strip('_.')}_rank{ctx.rank}.json"
-        profile_case(ctx, factory, args, path)
-        paths.append((label, path))
-        ctx.print(f"profiled {label}: {path} ({time.perf_counter() - start:.1f} s)")
+        slug = re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_.")
+        paths.append((label, out_dir / f"{slug}_rank{ctx.rank}.json"))
+        profile_case(ctx, factory, args, paths[-1][1])
+        ctx.print(f"profiled {label}: {paths[-1][1]} ({time.perf_counter() - start:.1f} s)")
     dist.barrier()  # every rank's trace is on disk
     if not ctx.is_main:
         return []
     timelines = [(label, step_timeline(path)) for label, path in paths]
-    summaries = [{"case": label, **{k: tl[k] for k in ("step_ms", "backward_ms", "collectives",
-                                                       "comm_during_backward_ms",
-                                                       "comm_after_backward_ms")}}
-                 for label, tl in timelines]
+    summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     for label, tl in timelines:
         print(text_timeline(label, tl), flush=True)
     results.print_table(summaries, title=f"\nCommunication in the last profiled step, rank 0 "
@@ -144,17 +135,19 @@ def step_timeline(trace_path: Path) -> dict:
 def text_timeline(label: str, tl: dict, width: int = 72) -> str:
     """Two rows of characters on one time axis: the main thread's phases, and communication."""
     scale = width / max(tl["step_ms"], 1e-9)
-    rows = {"compute": [" "] * width, "comm   ": [" "] * width}
+    text = (f"{label}: step {tl['step_ms']:.1f} ms; communication during backward "
+            f"{tl['comm_during_backward_ms']:.1f} ms, after it "
+            f"{tl['comm_after_backward_ms']:.1f} ms")
     for row, spans in (("compute", [(t, d, PHASES[n][2]) for n, t, d in tl["phases"]]),
                        ("comm   ", [(t, d, "#") for t, d, _ in tl["comm"]])):
-        for t0, dur, mark in spans:
-            for i in range(int(t0 * scale), min(width, max(int(t0 * scale) + 1, int((t0 + dur) * scale)))):
-                rows[row][i] = mark
-    return (f"{label}: step {tl['step_ms']:.1f} ms; communication during backward "
-            f"{tl['comm_during_backward_ms']:.1f} ms, after it {tl['comm_after_backward_ms']:.1f} ms\n"
-            + "\n".join(f"  {name} |{''.join(cells)}|" for name, cells in rows.items())
-            + "\n           f forward, B backward, w waiting for communication, o optimizer, "
-              "# collective running")
+        cells = [" "] * width
+        for t0, dur, mark in spans:  # a span covers at least its first character
+            first = int(t0 * scale)
+            for i in range(first, min(width, max(first + 1, int((t0 + dur) * scale)))):
+                cells[i] = mark
+        text += f"\n  {row} |{''.join(cells)}|"
+    return text + ("\n           f forward, B backward, w waiting for communication, o optimizer, "
+                   "# collective running")
 
 
 def draw_timeline(timelines, out_png: Path, title: str) -> Path | None:
@@ -167,16 +160,15 @@ def draw_timeline(timelines, out_png: Path, title: str) -> Path | None:
     span = max(tl["step_ms"] for _, tl in timelines)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.0 + 1.25 * len(timelines)),
                              sharex=True, squeeze=False)
-    for ax, (label, tl) in zip(axes[:, 0], timelines):
-        lanes = tl["lanes"]
+    for ax, (label, tl) in zip(axes[:, 0], timelines):  # row 0: compute, row 1 + i: lane i
+        rows = ["compute"] + [f"comm {i + 1}" for i in range(tl["lanes"])]
         for name, t0, dur in tl["phases"]:
-            ax.broken_barh([(t0, dur)], (lanes + 0.15, 0.7), color=PHASES[name][1])
+            ax.broken_barh([(t0, dur)], (0.15, 0.7), color=PHASES[name][1])
         for t0, dur, lane in tl["comm"]:
-            ax.broken_barh([(t0, dur)], (lanes - 1 - lane + 0.15, 0.7), color=COMM_COLOR,
-                           edgecolor="white", linewidth=0.3)
-        ax.set_yticks([lanes + 0.5] + [lanes - 0.5 - i for i in range(lanes)],
-                      ["compute"] + [f"comm {i + 1}" for i in range(lanes)], fontsize=8)
-        ax.set_ylim(0, lanes + 1)
+            ax.broken_barh([(t0, dur)], (lane + 1.15, 0.7), color=COMM_COLOR, edgecolor="white",
+                           linewidth=0.3)
+        ax.set_yticks([i + 0.5 for i in range(len(rows))], rows, fontsize=8)
+        ax.set_ylim(len(rows), 0)  # row 0 on top
         ax.set_xlim(0, span * 1.01)
         ax.set_title(f"{label}: communication during backward {tl['comm_during_backward_ms']:.0f} "
                      f"ms, after it {tl['comm_after_backward_ms']:.0f} ms (step "

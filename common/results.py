@@ -8,11 +8,10 @@ carries ``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a report can p
 ``RESULTS_DIR`` redirects the folder (the tests use a temporary one).
 """
 
-from __future__ import annotations
-
 import contextlib
 import csv
 import fcntl
+import functools
 import json
 import os
 import platform
@@ -28,33 +27,25 @@ try:
 except ImportError:  # a GPU box whose Python has torch but not tabulate: plain tables
     tabulate = None
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from common import REPO_ROOT
 
 
 def results_dir() -> Path:
     return Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
 
 
-_RUN_ID = None
-
-
+@functools.cache  # the same for every call in one process
 def run_id() -> str:
-    """Names the run a result row came from: ``$RESULTS_RUN_ID``, else this process's start
-    time and pid (the same for every call in one process)."""
-    global _RUN_ID
-    if _RUN_ID is None:
-        _RUN_ID = os.environ.get("RESULTS_RUN_ID") or (
-            time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}")
-    return _RUN_ID
+    """Names the run a row came from: ``$RESULTS_RUN_ID``, else this process's start and pid."""
+    return os.environ.get("RESULTS_RUN_ID") or time.strftime("%Y%m%d-%H%M%S") + f"-{os.getpid()}"
 
 
 def machine_name() -> str:
     """One line naming the machine a number came from: CPU cores and GPU model if any."""
-    cpu = f"{os.cpu_count()} CPU cores ({platform.machine()})"
+    cpu = f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}"
     if torch.cuda.is_available():
-        gpus = torch.cuda.device_count()
-        return f"{gpus} x {torch.cuda.get_device_name(0)}, {cpu}, torch {torch.__version__}"
-    return f"no GPU, {cpu}, torch {torch.__version__}"
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {cpu}"
+    return f"no GPU, {cpu}"
 
 
 def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g") -> str:
@@ -91,7 +82,7 @@ def check_writable() -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock on ``path`` (through a ``.lock`` file beside it) for a read-modify-write."""
+    """An exclusive lock on ``path`` (a ``.lock`` file beside it) for a read-modify-write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -117,10 +108,7 @@ def _warn(path: Path, problem: str) -> None:
 
 def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
     """Write ``rows`` into ``results/<name>``, replacing existing rows with the same ``key``.
-
-    Columns are the union of the old file's and the new rows' keys, old ones first, so a
-    file written by several stages keeps a stable column order.
-    """
+    Columns: the old file's, then new ones, so a file several stages write keeps its order."""
     path = results_dir() / name
     with _locked(path):
         old_rows = read_csv(name)

@@ -9,8 +9,6 @@ and pools each case's steps, so background load hits every case alike. Slowest r
 rank 0 prints the table and upserts ``results/ddp_step.csv``.
 """
 
-from __future__ import annotations
-
 import functools
 import gc
 import math
@@ -42,11 +40,6 @@ def wrap_torch_ddp(module, bucket_mb=None):
 def torch_ddp_factory(bucket_mb=None):
     """A picklable factory for ``wrap_torch_ddp``."""
     return functools.partial(wrap_torch_ddp, bucket_mb=bucket_mb)
-
-
-def finish_fn(wrapper):
-    """The wrapper's ``finish_gradient_synchronization``, or a no-op (torch DDP, no wrapper)."""
-    return getattr(wrapper, "finish_gradient_synchronization", None) or (lambda: None)
 
 
 # --------------------------------------------------------------------------- flags
@@ -87,8 +80,9 @@ def check_step_bench_args(args, config) -> None:
     would not fit: one line, exit 2. Also checks that results can be written."""
     ws = config.world_size
     if args.batch_size % ws:
-        launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size {ws}: "
-                           f"each rank needs an equal slice (try {ws * max(1, args.batch_size // ws)})")
+        launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size "
+                           f"{ws}: each rank needs an equal slice (try "
+                           f"{ws * max(1, args.batch_size // ws)})")
     need = estimate_bytes_per_rank(args.model, args.batch_size // ws, args.context_length)
     what = f"--model {args.model}, batch {args.batch_size}, context {args.context_length}"
     ranks_here = launch.ranks_on_this_node(ws)
@@ -106,24 +100,28 @@ def check_step_bench_args(args, config) -> None:
 # --------------------------------------------------------------------------- timing
 
 
-def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
-    """This rank's (fwd_bwd, comm, optimizer, step) seconds for the timed steps of one case.
-
-    ``args.case_budget_s / args.rounds`` caps the timed steps at the last warm-up step's
-    pace, taken from the slowest rank so that every rank times the same number of steps
-    (ranks timing different numbers would wait on each other's collectives forever)."""
-    dev, rank = ctx.device, ctx.rank
-    torch.manual_seed(0)  # the same model on every rank, as after a broadcast
-    model = models.TransformerLM(args.model, context_length=args.context_length).to(dev)
+def setup_case(ctx, factory, args):
+    """One case, as the benchmark and the profiler run it: the LM of ``--model`` (the same on
+    every rank, as after a broadcast), ``factory(model)`` (None: no wrapper), its finish call
+    (a no-op for torch DDP or no wrapper), AdamW, and this rank's slice of the global batch."""
+    torch.manual_seed(0)
+    model = models.TransformerLM(args.model, context_length=args.context_length).to(ctx.device)
     wrapper = factory(model) if factory is not None else model
-    finish = finish_fn(wrapper)
+    finish = getattr(wrapper, "finish_gradient_synchronization", None) or (lambda: None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    b = args.batch_size // ctx.world_size
-    x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=dev)
-    x, y = x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+    b, r = args.batch_size // ctx.world_size, ctx.rank
+    x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=ctx.device)
+    return model, wrapper, finish, optimizer, x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
+
+
+def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
+    """This rank's (fwd_bwd, comm, optimizer, step) seconds for the timed steps of one case:
+    as many as fit in ``case_budget_s / rounds`` at the slowest rank's last warm-up step (ranks
+    timing different numbers of steps would wait on each other's collectives forever)."""
+    model, wrapper, finish, optimizer, x, y = setup_case(ctx, factory, args)
 
     def clock() -> float:
-        timing.synchronize(dev)  # on a GPU: the work queued so far has finished
+        timing.synchronize(ctx.device)  # on a GPU: the work queued so far has finished
         return time.perf_counter()
 
     def one_step() -> tuple[float, float, float, float]:
@@ -140,17 +138,18 @@ def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
     pace = 0.0
     for _ in range(args.warmup):
         pace = one_step()[3]
-    pace_t = torch.tensor([pace], dtype=torch.float64, device=dev if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(pace_t, op=dist.ReduceOp.MAX)  # also lines the ranks up
-    budget = args.case_budget_s / args.rounds
-    steps = args.steps if pace_t.item() <= 0 else max(2, min(args.steps, int(budget / pace_t.item())))
+    slowest = torch.tensor([pace], dtype=torch.float64,
+                           device=ctx.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # also lines the ranks up
+    pace, budget = slowest.item(), args.case_budget_s / args.rounds
+    steps = args.steps if pace <= 0 else max(2, min(args.steps, int(budget / pace)))
     if steps < args.steps:
-        ctx.print(f"  note: {steps} timed steps instead of {args.steps}: at {pace_t.item():.2f} "
+        ctx.print(f"  note: {steps} timed steps instead of {args.steps}: at {pace:.2f} "
                   f"s/step the case would pass its {budget:.0f} s budget", all_ranks=False)
     times = tuple(list(t) for t in zip(*(one_step() for _ in range(steps))))
     del wrapper, model, optimizer
     gc.collect()
-    if dev.type == "cuda":
+    if ctx.device.type == "cuda":
         torch.cuda.empty_cache()
     return times
 
@@ -184,7 +183,7 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
               f"{args.steps} timed steps x {args.rounds} round(s), AdamW, {ctx.world_size} "
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
-    for round_ in range(args.rounds):
+    for _ in range(args.rounds):
         for (impl, bucket_mb, factory), pool in zip(cases, pooled):
             times = time_steps(ctx, factory, args)
             for acc, new in zip(pool, times):

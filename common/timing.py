@@ -7,8 +7,6 @@
 * the slowest rank: a collective or a step finishes when its last rank does.
 """
 
-from __future__ import annotations
-
 import statistics
 import time
 from dataclasses import dataclass
@@ -30,7 +28,6 @@ def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
     rank waits for a slower one."""
     for _ in range(warmup):
         fn()
-    synchronize(device)
     times = []
     for _ in range(iters):
         if barrier:
@@ -45,31 +42,24 @@ def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
 
 @dataclass(frozen=True)
 class Stats:
-    """Per-configuration summary across ranks. Times are in seconds."""
-
-    median: float          # the slowest rank's median: the headline figure
-    min: float             # fastest single iteration on any rank
-    max: float             # slowest single iteration on any rank
+    """One configuration's times across ranks, in seconds."""
+    median: float  # the slowest rank's median: the headline figure
+    min: float     # the fastest single iteration on any rank
+    max: float     # the slowest single iteration on any rank
     slowest_rank: int
-    rank_medians: tuple[float, ...]
-
-
-def summarize(times_per_rank: list[list[float]]) -> Stats:
-    """Reduce a (rank x iteration) table of times to :class:`Stats` (pure, no process group)."""
-    medians = [statistics.median(t) for t in times_per_rank]
-    slowest = max(range(len(medians)), key=medians.__getitem__)
-    flat = [x for t in times_per_rank for x in t]
-    return Stats(median=medians[slowest], min=min(flat), max=max(flat),
-                 slowest_rank=slowest, rank_medians=tuple(medians))
+    rank_medians: tuple[float, ...]  # each rank's median, by rank
 
 
 def gather_times(times: list[float], group=None) -> Stats:
     """All-gather every rank's list of times (same length everywhere) and summarise: every
     rank gets the same :class:`Stats`, so any rank may print or write it."""
-    world_size = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) \
         if dist.get_backend(group) == "nccl" else torch.device("cpu")
     mine = torch.tensor(times, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    return summarize([t.tolist() for t in everyone])
+    per_rank = [t.tolist() for t in everyone]
+    medians = [statistics.median(t) for t in per_rank]
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    return Stats(medians[slowest], min(map(min, per_rank)), max(map(max, per_rank)), slowest,
+                 tuple(medians))

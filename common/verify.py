@@ -8,8 +8,6 @@ another order), and bitwise across ranks. ``check_ddp`` runs that experiment; ``
 runs it on three models and prints a line each. The tests add the edge cases.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,13 +17,10 @@ from common import models
 
 def check_ddp(ctx, wrap, build, make_optimizer, make_batch, steps: int,
               rtol: float, atol: float) -> tuple[bool, bool, float]:
-    """Train ``wrap(build())`` and a one-process copy side by side for ``steps`` steps.
-    The global batch must split into equal slices, one per rank.
-
-    ``make_batch(step) -> (x, y, loss_fn)``: the global batch, the same on every rank.
-    Returns (allclose to one process after every step, bitwise equal across ranks, the
-    largest difference seen).
-    """
+    """Train ``wrap(build())`` and a one-process copy side by side for ``steps`` steps on
+    ``make_batch(step) -> (x, y, loss_fn)``, the global batch (the same on every rank, in equal
+    slices). Returns (allclose to one process after every step, bitwise equal across ranks,
+    the largest difference seen)."""
     torch.manual_seed(1000 + ctx.rank)  # every rank starts somewhere else ...
     model = build().to(ctx.device)
     ddp = wrap(model)                    # ... until the wrapper broadcasts rank 0's weights
@@ -83,8 +78,7 @@ def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
               f"process on the whole batch:", all_ranks=False)
     all_ok = True
     for label, build, make_optimizer, make_batch, n, (rtol, atol) in cases:
-        close, same, worst = check_ddp(ctx, wrap, build, make_optimizer, make_batch, n,
-                                       rtol, atol)
+        close, same, worst = check_ddp(ctx, wrap, build, make_optimizer, make_batch, n, rtol, atol)
         flag = torch.tensor([float(close and same)],
                             device=ctx.device if ctx.backend == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # ok only if ok on every rank
