@@ -71,7 +71,7 @@ def test_idle_at_p4_m8_shrinks_gpipe_to_zbh1_and_zbh1_formula_derivation():
     assert idle["interleaved"] == pytest.approx([3 / 19] * 4)     # (p-1)/(vm+p-1)
     assert idle["zbh1"] == pytest.approx([3 / 27] * 4)            # (p-1)/(3m+p-1)
     assert idle["zbh1"][0] < idle["interleaved"][0] < idle["1f1b"][0]
-    # The README's derivation: rank 0 can start B0 only after p forwards and p-1 input-
+    # pipeline_parallel.md's derivation: rank 0 can start B0 only after p forwards and p-1 input-
     # gradient steps (2p-1 units), having done at most p forwards, so it idles p-1 units
     # there; after that ZB-H1 keeps every rank busy: the pass lasts 3m + p - 1 units.
     timed = ps.simulate(ps.all_ranks("zbh1", 4, 8))
