@@ -185,7 +185,7 @@ def _repo() -> None:
 def skip_reason(ctx, impl: str, nbytes: int, previous, cfg: dict) -> str | None:
     """Why not to run this configuration, the same on every rank: the textbook ring cannot take
     GPU tensors over Gloo; the previous size's time, scaled, is over budget; memory is short."""
-    from common import limits
+    from common import import_stage
     if impl == "ring" and ctx.device.type == "cuda" and ctx.backend == "gloo":
         return "the textbook ring sends GPU tensors, which Gloo cannot (ring_pipelined can)"
     if previous is not None:
@@ -193,10 +193,9 @@ def skip_reason(ctx, impl: str, nbytes: int, previous, cfg: dict) -> str | None:
         if estimate > cfg["budget_s"]:
             return (f"estimated {estimate:.0f} s from {format_size(previous[0])}: over the "
                     f"{cfg['budget_s']:g} s budget")
-    # Per rank: the buffer, the backend's and a ring's scratch (GPU tensors over Gloo are
-    # staged through host memory).
-    cuda = ctx.device.type == "cuda"
-    return limits.agreed_shortfall(ctx, (2 if cuda else 4) * nbytes, 3 * nbytes)
+    cuda = ctx.device.type == "cuda"  # the buffer, the backend's and a ring's scratch per rank
+    return import_stage("02_allreduce_bench/sweep_extras").memory_shortfall(
+        ctx, (2 if cuda else 4) * nbytes, 3 * nbytes)
 
 
 def fits_of(rows: list[dict]) -> dict:
@@ -218,7 +217,7 @@ def fits_of(rows: list[dict]) -> dict:
 
 def report(rows: list[dict], machine: str) -> None:
     """Print the table and the fits; write the fit JSON and the plot (parent / rank 0)."""
-    from common import results
+    from common import import_stage, results
     fits = fits_of(rows)
     error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items()
              for p in f["points"]}  # each backend point against its group's fit
@@ -247,10 +246,10 @@ def report(rows: list[dict], machine: str) -> None:
             ([], [], {"backend": "-", "ring": ":", "ring_pipelined": "--"}[r["impl"]]))
         xs.append(int(r["bytes"]))
         ys.append(float(r["busbw_gbps"]))
-    results.plot_lines(results.results_dir() / "allreduce_busbw.png", lines,
-                       "buffer size (float32)", "bus bandwidth (GB/s = 10^9 B/s)",
-                       f"all_reduce busbw\n{machine}",
-                       {n: format_size(n) for n in sorted({int(r["bytes"]) for r in rows})})
+    sizes = {n: format_size(n) for n in sorted({int(r["bytes"]) for r in rows})}
+    import_stage("02_allreduce_bench/sweep_extras").plot_lines(
+        results.results_dir() / "allreduce_busbw.png", lines, "buffer size (float32)",
+        "bus bandwidth (GB/s = 10^9 B/s)", f"all_reduce busbw\n{machine}", sizes)
 
 
 def plan_configurations(args) -> list[tuple[str, str, int]]:

@@ -185,28 +185,3 @@ def pyplot():
     except ImportError:
         return None
     return plt
-
-
-def plot_lines(path: Path, lines: dict, xlabel: str, ylabel: str, title: str,
-               xticks: dict | None = None) -> Path | None:
-    """A log-x line plot: ``lines`` maps a label to (xs, ys, matplotlib format string).
-    ``xticks``: {x: label}. Returns the path, or None (with a note) without matplotlib."""
-    plt = pyplot()
-    if plt is None:
-        print(f"plot: matplotlib is not installed, so no {Path(path).name}", flush=True)
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label, (xs, ys, fmt) in lines.items():
-        ax.plot(xs, ys, fmt, marker="o", label=label)
-    ax.set_xscale("log")
-    if xticks:
-        ax.set_xticks(list(xticks), list(xticks.values()), minor=False)
-    ax.set(xlabel=xlabel, ylabel=ylabel)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"plot written to {path}", flush=True)
-    return Path(path)
