@@ -4,6 +4,7 @@ themselves, never a formula, so counted can stand beside predicted and a wrong i
 shows up as a gap: :func:`state_bytes` (each storage once), :class:`SavedActivations`
 (``saved_tensors_hooks``), :class:`CommCounter` (every ``torch.distributed`` call made from
 Python; torch's C++ DDP reducer is not, so it gets a hook that all-reduces from Python).
+The counters need torch alone; the ledger (the second part) imports common/ where it runs.
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
-
-from common import import_stage, launch, models, results, timing
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -150,6 +149,7 @@ def strategies() -> list[tuple]:
     at its default bucket size, ZeRO-1 it + ShardedOptimizer, ZeRO-2 Zero2DDP; torch's are
     ZeroRedundancyOptimizer over torch DDP (its default hook, called from Python so that the
     counter sees it) and fully_shard; both FSDPs get the same units: each block, and the root."""
+    from common import import_stage
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -208,6 +208,7 @@ def add_ledger_args(parser) -> None:
     """The ledger's flags. The defaults are sized for ``make bench`` on a 2-core CPU; the LM is
     ``course``: the tiny LM's saved activations are mostly its vocabulary logits, which
     checkpointing per block cannot touch (the course LM's blocks dominate)."""
+    from common import launch, models
     g = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
     g.add_argument("--bench", action="store_true", help="the ledger of DDP (06), ZeRO-1/2, FSDP "
                    "and torch's: bytes and time per step to results/sharding.csv")
@@ -225,6 +226,7 @@ def add_ledger_args(parser) -> None:
 
 def _case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     """Time one strategy on a fresh LM (seed 0); with ``count``, count one more step."""
+    from common import models, timing
     dev, n, rank = ctx.device, ctx.world_size, ctx.rank
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length,
@@ -269,6 +271,7 @@ def _case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
 
 def _row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted: dict) -> dict:
     """The slowest rank's median step time; the largest rank's bytes, beside the formula."""
+    from common import models, results, timing
     stats, kinds = timing.gather_times(seconds), [*KINDS, "cuda_peak"]
     largest = torch.tensor([float(counted[k]) for k in kinds], dtype=torch.float64,
                            device=ctx.device if ctx.backend == "nccl" else "cpu")
@@ -289,6 +292,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     """Each ``(impl, build)`` of ``strategies`` (see :func:`strategies`) with each
     ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>`` after
     every round (a run stopped later keeps them), then prints them and the targets."""
+    from common import results
     cases = [(impl, build, ck) for impl, build in strategies for ck in args.checkpointing]
     seconds, counted = [[] for _ in cases], [None] * len(cases)
     for round_ in range(args.rounds):  # interleaved, so background load hits every case alike
