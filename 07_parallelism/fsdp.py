@@ -98,8 +98,10 @@ def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05'
 
 
 class FSDP(nn.Module):
-    """``units``: modules gathered as one (e.g. Transformer blocks). ``compute_dtype`` casts the
-    weights before the all-gather, and their modules' inputs and biases (masters stay float32)."""
+    """An optimizer over ``fsdp.parameters()`` (the shards); a step: forward, backward(),
+    ``finish_gradient_synchronization()``, step(). ``units``: modules gathered as one (e.g.
+    Transformer blocks). ``compute_dtype`` casts the weights before the all-gather, and their
+    modules' inputs and biases (masters stay float32)."""
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
@@ -123,8 +125,9 @@ class FSDP(nn.Module):
             for root in roots:
                 root.register_forward_pre_hook(_weak(self, "_pre_forward", u))
                 root.register_forward_hook(_weak(self, "_post_forward", u), always_call=True)
-            for i in [i for i, full in enumerate(u.full) if full.requires_grad]:
-                u.full[i].register_post_accumulate_grad_hook(_weak(self, "_on_full_grad", u, i))
+            for i, full in enumerate(u.full):
+                if full.requires_grad:
+                    full.register_post_accumulate_grad_hook(_weak(self, "_on_full_grad", u, i))
             for owner in u.owners if compute_dtype else ():
                 owner.register_forward_pre_hook(_weak(self, "_cast_inputs"), with_kwargs=True)
         self._replicated = [p for p in module.parameters() if p.dim() < 2 and p.requires_grad]

@@ -121,8 +121,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 # --------------------------------------------------------------------------- ZeRO-2
 
 
-def broadcast_module_state(module: nn.Module, group=None) -> None:  # as in 03-06 (copyable)
-    """Every rank starts from rank 0's parameters and buffers."""
+def broadcast_module_state(module: nn.Module, group=None) -> None:  # 03-06's, shortened
+    """Every rank starts from rank 0's parameters and buffers (detached: autograd stays out)."""
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.detach(), src=_global(group, 0), group=group)
 
@@ -195,7 +195,7 @@ class Zero2DDP(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):
+    def no_sync(self):  # accumulate full-size local gradients; the next synced backward reduces
         previous, self._require_sync = self._require_sync, False
         try:
             yield
@@ -253,7 +253,9 @@ class Zero2DDP(nn.Module):
                 p.grad = self._kept.pop(p, None)  # None, unless an earlier average was set aside
                 if next(anyone_had) and bucket.owner == self.rank:  # the owner adds the mean
                     mean = bucket.views[slot]
-                    p.grad = self._averaged[id(p)] = mean if p.grad is None else mean.add_(p.grad)
+                    if p.grad is not None:
+                        mean.add_(p.grad)
+                    p.grad = self._averaged[id(p)] = mean
             bucket.__init__(bucket.owner, bucket.params)  # buffer freed (the owner's: as grads)
         self._next = 0
 

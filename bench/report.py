@@ -320,7 +320,8 @@ def write_report(out: Path) -> Path:
         "# Benchmark report (`make bench`)\n",
         f"Machine: **{info['machine']}**. Run `{run_id}`, started {info['started_utc']}, "
         f"{info['total_s']:.0f} s in all ({'quick' if info['quick'] else 'full'}); GPU: {gpu}; "
-        f"LM for stages 03-07: `{info['model']}`.\n\n{setup['picked']}\n",
+        f"LM for stages 03-06: `{info['model']}` (the ledger's: its step's title).\n\n"
+        f"{setup['picked']}\n",
         "> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, "
         "not a GPU interconnect.\n" if not setup["gpus"] else "",
         "Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 bytes/s; "

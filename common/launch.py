@@ -107,6 +107,7 @@ def list_of(item):
         if not values:
             raise argparse.ArgumentTypeError("empty list: give comma-separated values, e.g. 1,2,4")
         return list(dict.fromkeys(values))
+    parse.__name__ = "list"  # argparse names the type in its own messages
     return parse
 
 
@@ -118,7 +119,11 @@ def choice_list(allowed):
                                              f"subset of {', '.join(allowed)}")
         return text
     parse = list_of(choice)
-    return lambda text: parse(text) if text.strip(" ,") else choice(text)  # '' is not allowed
+
+    def checked(text: str) -> list[str]:
+        return parse(text) if text.strip(" ,") else choice(text)  # '' is not allowed
+    checked.__name__ = "list"
+    return checked
 
 
 positive_int = _number(int, 1, "a whole number >= 1")
@@ -293,9 +298,11 @@ def _stopped(pid: int) -> bool:
 
 def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while any(p.exitcode != 0 for p in processes):  # until every rank has exited with 0
-        codes = [p.exitcode for p in processes]
-        stalled = [r for r, p in enumerate(processes) if p.exitcode is None and _stopped(p.pid)]
+    while True:
+        codes = [p.exitcode for p in processes]  # read once: every decision below uses them
+        if all(c == 0 for c in codes):
+            return
+        stalled = [r for r, p in enumerate(processes) if codes[r] is None and _stopped(p.pid)]
         if stop["signum"] is not None:
             _kill(processes)
             print(f"stopped by {signal.Signals(stop['signum']).name}: all {len(processes)} ranks "

@@ -28,6 +28,7 @@ def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
     rank waits for a slower one."""
     for _ in range(warmup):
         fn()
+    synchronize(device)  # else a barrier (Gloo's does not wait for the GPU) lines up nothing
     times = []
     for _ in range(iters):
         if barrier:
