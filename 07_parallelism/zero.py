@@ -11,7 +11,7 @@ per rank: DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N. Torch alone: copy this f
 
     python 07_parallelism/zero.py --world-size 3    # checks against one process
     torchrun --nproc-per-node=2 07_parallelism/zero.py
-    python 07_parallelism/fsdp.py --bench           # the ledger: these beside DDP and FSDP
+    python 07_parallelism/zero.py --bench           # the ledger's ZeRO rows (fsdp.py: all six)
 """
 
 from __future__ import annotations
@@ -273,10 +273,9 @@ def _repo() -> None:
 
 
 def check_main(ctx, args) -> None:
-    """The plain run: the tiny LM, AdamW with two param groups, 3 steps, as ZeRO-1 (06's
-    BucketedDDP + ShardedOptimizer) and as ZeRO-2 (Zero2DDP, 2 micro-batches under no_sync()),
-    each beside plain AdamW on one process with the whole batch; the consolidated state beside
-    that AdamW's. Exits 1 if anything differed."""
+    """The plain run: the tiny LM, AdamW with two param groups, 3 steps, as ZeRO-1 (06 +
+    ShardedOptimizer) and ZeRO-2 (Zero2DDP, 2 micro-batches under no_sync()), each beside AdamW
+    on one process with the whole batch, the consolidated state too. Exits 1 on a difference."""
     from common import import_stage, models, results
     n, rows, ledger = ctx.world_size, [], import_stage("07_parallelism/ledger")
 
@@ -327,11 +326,23 @@ def check_main(ctx, args) -> None:
         raise SystemExit(1)
 
 
+def bench_main(ctx, args) -> None:
+    """--bench: fsdp.py's ledger, its ZeRO rows (DDP, ZeRO-1/2, torch's ZeroRedundancyOptimizer)."""
+    from common import import_stage
+    ledger = import_stage("07_parallelism/ledger")
+    ledger.run_ledger(ctx, [s for s in ledger.strategies() if "fsdp" not in s[0]], args)
+
+
 def main(argv=None) -> None:
     _repo()
-    from common import launch
-    args = launch.make_parser(__doc__).parse_args(argv)
-    launch.launch(check_main, launch.resolve(args), args)
+    from common import import_stage, launch, step_bench
+    parser = launch.make_parser(__doc__)
+    import_stage("07_parallelism/ledger").add_ledger_args(parser)
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    if args.bench:  # batch, memory, results/: one line, exit 2
+        step_bench.check_step_bench_args(args, config)
+    launch.launch(bench_main if args.bench else check_main, config, args)
 
 
 if __name__ == "__main__":

@@ -235,7 +235,7 @@ def test_bad_input_one_line(capsys):
         zero.ShardedOptimizer(params[0], torch.optim.AdamW)
     for argv, says in ((["--world-size", "0"], "'0' is not a whole number >= 1"),
                        (["--world-size", "nan"], "'nan' is not a whole number >= 1"),
-                       (["--bench"], "unrecognized arguments: --bench")):  # fsdp.py --bench
+                       (["--bench", "--batch-size", "3"], "not divisible by world size 2")):
         assert_main_usage_error(zero.main, [*argv, "--backend", "gloo", "--device", "cpu"],
                                 capsys, says)
 
