@@ -35,8 +35,10 @@ class TiedModel(nn.Module):
         self.fc_out = nn.Linear(hidden, out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.shared(F.relu(self.fc_in(x))))
-        return self.fc_out(torch.tanh(self.shared(h)))
+        h = F.relu(self.fc_in(x))
+        h = F.relu(self.shared(h))
+        h = torch.tanh(self.shared(h))  # the same weight again
+        return self.fc_out(h)
 
 
 def random_regression_data(n: int, in_features: int = 10, out_features: int = 5,
