@@ -255,7 +255,7 @@ def report(rows: list[dict], machine: str) -> None:
 def plan_configurations(args) -> list[tuple[str, str, int]]:
     """(backend, device, world_size) asked for and possible here: NCCL moves GPU memory only,
     one GPU per rank; by default GPU tensors go over Gloo only where ranks share GPUs."""
-    from common import launch, limits
+    from common import launch
     gpus = torch.cuda.device_count()
     nccl_gpus = gpus if dist.is_nccl_available() else 0
     plan = []
@@ -274,7 +274,7 @@ def plan_configurations(args) -> list[tuple[str, str, int]]:
                            f"world sizes {args.world_sizes} here ({gpus} GPU(s)): nccl needs "
                            "--device cuda and one GPU per rank; cuda needs a GPU")
     if not launch.under_torchrun():
-        limits.check_ranks_fit(max(ws for _, _, ws in plan))
+        launch.check_ranks_fit(max(ws for _, _, ws in plan))
     return plan
 
 

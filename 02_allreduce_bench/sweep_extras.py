@@ -17,11 +17,11 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int = 0) -> str | No
     not fit for the ranks on this node, or None. Checked inside a run, every rank for its own
     GPU, all getting the same answer: one rank short means all skip, or their collectives
     would not match."""
-    from common import limits
-    gib = limits.GIB
+    from common import launch
+    gib = launch.GIB
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
-    have = limits.host_available_bytes()
-    host = ranks_here * (limits.rank_baseline_bytes() + host_per_rank)
+    have = launch.host_available_bytes()
+    host = ranks_here * (launch.rank_baseline_bytes() + host_per_rank)
     why = None
     if host > 0.9 * have:
         why = f"needs about {host / gib:.1f} GiB of host memory, {have / gib:.1f} GiB available"

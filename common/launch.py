@@ -5,7 +5,8 @@ group: in spawned processes meeting on loopback at a free port, or in this very 
 torchrun. Nothing hangs and nothing is silent: a rank that raises, dies or stalls ends the run
 and is named; Ctrl-C or SIGTERM to the parent stops every worker (one line, no tracebacks); a
 worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s); bad
-flags are one line and exit status 2 before any worker starts.
+flags, and runs that cannot fit in memory, are one line and exit status 2 before any worker
+starts.
 """
 
 import argparse
@@ -86,44 +87,38 @@ def usage_error(message: str, prog: str | None = None) -> None:
 
 
 def _number(kind, lowest, what: str):
-    """A flag type for a ``kind`` >= ``lowest`` that rejects what makes no sense (NaN,
-    infinities), so no flag can switch a check off by accident; argparse turns the
-    ArgumentTypeError into the one-line error above."""
+    """A flag type for a ``kind`` >= ``lowest`` that also refuses NaN and infinities, so no flag
+    can switch a check off by accident (argparse turns the ArgumentTypeError into one line)."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = float("nan")
-        if value != value or abs(value) == float("inf") or value < lowest:
+        if not math.isfinite(value) or value < lowest:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
     return parse
 
 
-def list_of(item):
-    """A flag type: a non-empty comma-separated list of ``item`` values, duplicates dropped."""
+def list_of(item, allowed=None):
+    """A flag type: a non-empty comma-separated list of ``item`` values (of names in ``allowed``
+    when given), duplicates dropped."""
     def parse(text: str) -> list:
-        values = [item(s.strip()) for s in text.split(",") if s.strip()]
+        values = [s.strip() for s in text.split(",") if s.strip()]
+        wrong = [v for v in values if v not in allowed] if allowed else []
+        if allowed and (wrong or not values):  # '' too: a list that would check nothing
+            raise argparse.ArgumentTypeError(f"{(wrong or [text])[0]!r} is not allowed: give a "
+                                             f"comma-separated subset of {', '.join(allowed)}")
         if not values:
             raise argparse.ArgumentTypeError("empty list: give comma-separated values, e.g. 1,2,4")
-        return list(dict.fromkeys(values))
+        return list(dict.fromkeys(map(item, values)))
     parse.__name__ = "list"  # argparse names the type in its own messages
     return parse
 
 
 def choice_list(allowed):
     """A flag type: a non-empty comma-separated subset of ``allowed``."""
-    def choice(text: str) -> str:
-        if text not in allowed:
-            raise argparse.ArgumentTypeError(f"{text!r} is not allowed: give a comma-separated "
-                                             f"subset of {', '.join(allowed)}")
-        return text
-    parse = list_of(choice)
-
-    def checked(text: str) -> list[str]:
-        return parse(text) if text.strip(" ,") else choice(text)  # '' is not allowed
-    checked.__name__ = "list"
-    return checked
+    return list_of(str, allowed)
 
 
 positive_int = _number(int, 1, "a whole number >= 1")
@@ -137,14 +132,54 @@ def make_parser(doc: str | None, world_size: int = 2) -> Parser:
     parser = Parser(description=(doc or "").strip().split("\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--world-size", type=positive_int, default=world_size,
-                        help="worker processes to spawn on this machine (under torchrun: "
-                             "WORLD_SIZE)")
+                        help="worker processes to spawn here (under torchrun: WORLD_SIZE)")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
-                        help="process-group backend; default: nccl with one GPU per rank, "
-                             "else gloo")
+                        help="process-group backend; default: nccl with a GPU per rank, else gloo")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="where tensors live; default: cuda when there is a GPU, else cpu")
     return parser
+
+
+# --------------------------------------------------------------------------- what fits
+# Host memory is checked before workers start: a run that cannot fit is refused with one line
+# (exit 2) instead of an out-of-memory kill half way.
+
+GIB = 2 ** 30
+
+
+def host_available_bytes() -> int:
+    """Host memory a new allocation can still get: Linux's MemAvailable, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def rank_baseline_bytes() -> int:
+    """What one rank costs before any model: this process's resident memory (a worker imports
+    the same torch), plus 64 MiB for its process group and buffers."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") + (64 << 20)
+    except (OSError, ValueError, IndexError):
+        return 512 << 20
+
+
+def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") -> None:
+    """One-line usage error when ``ranks_here`` workers (each its baseline plus
+    ``per_rank_bytes``, described by ``what``) would not fit in host memory."""
+    baseline = rank_baseline_bytes()
+    need, have = ranks_here * (baseline + per_rank_bytes), int(0.9 * host_available_bytes())
+    if need > have:
+        usage_error(f"{ranks_here} ranks need about {need / GIB:.1f} GiB of host memory "
+                    f"({baseline / 2**20:.0f} MiB each to start{', plus ' + what if what else ''})"
+                    f" but {have / GIB:.1f} GiB is available; use a smaller --world-size"
+                    + (" or size" if what else ""))
+
+
+# --------------------------------------------------------------------------- workers
 
 
 def under_torchrun() -> bool:
@@ -155,34 +190,26 @@ def ranks_on_this_node(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
 
 
-def resolve(args: argparse.Namespace, min_world_size: int = 1) -> LaunchConfig:
+def resolve(args: argparse.Namespace) -> LaunchConfig:
     """Check the common flags and fill in the machine's defaults. CPU only: gloo/cpu. Fewer
     GPUs than ranks here (one GPU, say): the ranks share them over Gloo, since NCCL refuses two
     ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     ranks_here = ranks_on_this_node(world_size)
     timeout_s()  # a bad DIST_TIMEOUT_S is a usage error too, before any worker starts
-    if world_size < min_world_size:
-        usage_error(f"--world-size must be >= {min_world_size}, got {world_size}")
     if not under_torchrun():
-        from common import limits  # noqa: PLC0415 (limits imports this module)
-        limits.check_ranks_fit(ranks_here)
+        check_ranks_fit(ranks_here)
     n_gpus = torch.cuda.device_count()
-    if args.backend == "nccl" and (n_gpus == 0 or not dist.is_nccl_available()):
-        usage_error("--backend nccl needs CUDA GPUs and none is visible; use --backend gloo")
     device = args.device or ("cuda" if n_gpus > 0 else "cpu")
+    backend = args.backend or ("nccl" if device == "cuda" and n_gpus >= ranks_here else "gloo")
     if device == "cuda" and n_gpus == 0:
         usage_error("--device cuda needs a GPU and none is visible; use --device cpu")
-    backend = args.backend or ("nccl" if device == "cuda" and n_gpus >= ranks_here else "gloo")
+    if backend == "nccl" and (n_gpus < ranks_here or not dist.is_nccl_available()):
+        usage_error(f"--backend nccl needs NCCL and one GPU per rank: {ranks_here} ranks here, "
+                    f"{n_gpus} GPU(s); use --backend gloo (ranks may share a GPU over Gloo)")
     if backend == "nccl" and device != "cuda":
         usage_error("--backend nccl needs --device cuda (NCCL moves GPU memory only)")
-    if backend == "nccl" and n_gpus < ranks_here:
-        usage_error(f"--backend nccl needs one GPU per rank: {ranks_here} ranks here but "
-                    f"{n_gpus} GPU(s); use --backend gloo to share them")
     return LaunchConfig(world_size=world_size, backend=backend, device=device)
-
-
-# --------------------------------------------------------------------------- workers
 
 
 def free_port() -> int:

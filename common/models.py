@@ -65,20 +65,16 @@ VOCAB_SIZE = 10_000
 CONTEXT_LENGTH = 256
 
 
-def lm_parameter_count(preset: str, vocab_size: int = VOCAB_SIZE,
-                       context_length: int = CONTEXT_LENGTH) -> int:
-    """Parameters of ``TransformerLM(preset)`` without building it (for memory checks)."""
-    p = PRESETS[preset]
-    d, f, n = p["d_model"], p["d_ff"], p["num_layers"]
-    per_block = 4 * d * d + 2 * d * f + f + d + 4 * d  # attention, MLP (+biases), 2 LayerNorms
-    return vocab_size * d + context_length * d + n * per_block + 2 * d + d * vocab_size
+def lm_parameter_count(preset: str, context_length: int = CONTEXT_LENGTH) -> int:
+    """Parameters of ``TransformerLM(preset)``, built on the meta device: no memory used."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in TransformerLM(preset, context_length=context_length)
+                   .parameters())
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, num_heads: int):
-        super().__init__()
-        if d_model % num_heads:
-            raise ValueError(f"d_model {d_model} is not divisible by num_heads {num_heads}")
+        super().__init__()  # every preset's d_model divides by its num_heads
         self.num_heads = num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)

@@ -25,8 +25,7 @@ PHASES = {"ddp:forward": ("forward", "#9ecae1", "f"), "ddp:backward": ("backward
           "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
 COMM_COLOR = "#e6550d"
 PROFILE_CSV = "ddp_profile.csv"
-COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-               "reducescatter")
+GLOO_COLLECTIVE = re.compile(r"gloo:.*(all_?reduce|all_?gather|reduce_?scatter)")  # lower case
 # what the CSV and the table keep of a step's timeline (the rest is for drawing it)
 SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms",
            "comm_after_backward_ms")
@@ -111,8 +110,7 @@ def step_timeline(trace_path: Path) -> dict:
     bwd = next(e for e in phases if e["name"] == "ddp:backward")
     comm = sorted((e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
                   if e["ts"] < end and e["ts"] + e["dur"] > start and (
-                      (str(e["name"]).lower().startswith("gloo:")
-                       and any(op in str(e["name"]).lower() for op in COLLECTIVES))
+                      GLOO_COLLECTIVE.match(str(e["name"]).lower())
                       or (e.get("cat") == "kernel" and "nccl" in str(e["name"]).lower())))
 
     def busy_ms(lo, hi):  # the union of the communication intervals inside [lo, hi]

@@ -28,6 +28,7 @@ except ImportError:  # a GPU box whose Python has torch but not tabulate: plain 
     tabulate = None
 
 from common import REPO_ROOT
+from common.launch import usage_error
 
 
 def results_dir() -> Path:
@@ -68,16 +69,13 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
 def check_writable() -> Path:
     """The results folder, or a one-line error (exit 2) when it cannot be written: called
     before the first configuration, not after it."""
-    path = results_dir()
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
+        results_dir().mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=results_dir()).close()
     except OSError as e:
-        print(f"error: cannot write results to {path}: {e.strerror or e}; set RESULTS_DIR "
-              "to a writable folder", file=sys.stderr, flush=True)
-        raise SystemExit(2)
-    return path
+        usage_error(f"cannot write results to {results_dir()}: {e.strerror or e}; set "
+                    "RESULTS_DIR to a writable folder")
+    return results_dir()
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import launch, limits, models, results, timing
+from common import launch, models, results, timing
 
 CSV_NAME = "ddp_step.csv"
 # The plain runs of 05/06 (``make run``) end with a quick demo on small defaults; its rows go
@@ -29,50 +29,32 @@ IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "torch_ddp")
 TORCH_DDP_DEFAULT_BUCKET_MB = 25  # DistributedDataParallel's bucket_cap_mb
 
 
-def wrap_torch_ddp(module, bucket_mb=None):
-    """torch's DistributedDataParallel on ``module``'s device, its defaults unless given."""
+def torch_ddp_factory(bucket_mb=None):
+    """A picklable wrapper factory: torch's DistributedDataParallel, at ``bucket_mb`` if given."""
+    return functools.partial(_wrap_torch_ddp, bucket_mb=bucket_mb)
+
+
+def _wrap_torch_ddp(module, bucket_mb=None):
     device = next(module.parameters()).device
     return torch.nn.parallel.DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None,
         **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
 
 
-def torch_ddp_factory(bucket_mb=None):
-    """A picklable factory for ``wrap_torch_ddp``."""
-    return functools.partial(wrap_torch_ddp, bucket_mb=bucket_mb)
-
-
-# --------------------------------------------------------------------------- flags
-
-
-def add_step_bench_args(parser, model: str = "tiny", batch_size: int = 8,
-                        context_length: int = 64, steps: int = 10, warmup: int = 5):
+def add_step_bench_args(parser):
     g = parser.add_argument_group("training-step benchmark (--bench)")
-    g.add_argument("--model", choices=list(models.PRESETS), default=model,
-                   help="Transformer LM preset")
-    g.add_argument("--batch-size", type=launch.positive_int, default=batch_size,
+    g.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="LM preset")
+    g.add_argument("--batch-size", type=launch.positive_int, default=8,
                    help="GLOBAL batch (sequences per step), split evenly across ranks")
-    g.add_argument("--context-length", type=launch.positive_int, default=context_length,
-                   help="tokens per sequence")
-    g.add_argument("--steps", type=launch.positive_int, default=steps, help="timed steps")
-    g.add_argument("--warmup", type=launch.non_negative_int, default=warmup,
-                   help="untimed warm-up steps first")
+    g.add_argument("--context-length", type=launch.positive_int, default=64, help="tokens")
+    g.add_argument("--steps", type=launch.positive_int, default=10, help="timed steps")
+    g.add_argument("--warmup", type=launch.non_negative_int, default=5, help="untimed steps first")
     g.add_argument("--rounds", type=launch.positive_int, default=1,
                    help="run the whole list of cases this many times and pool the timed steps")
     g.add_argument("--case-budget-s", type=launch.positive_float, default=120.0,
                    help="at most this many seconds per case: when the warm-up says the timed "
                         "steps would take longer, fewer are timed")
     return g
-
-
-def estimate_bytes_per_rank(model: str, local_batch: int, context_length: int) -> int:
-    """Rough peak of one rank: 20 bytes per parameter (fp32 weight, gradient, AdamW's two
-    moments, a bucket copy) plus the fp32 activations kept for backward."""
-    p = models.PRESETS[model]
-    d, f, n, h = p["d_model"], p["d_ff"], p["num_layers"], p["num_heads"]
-    acts = 4 * local_batch * context_length * (n * (12 * d + 2 * f + h * context_length)
-                                               + 3 * models.VOCAB_SIZE)
-    return 20 * models.lm_parameter_count(model, context_length=context_length) + acts
 
 
 def check_step_bench_args(args, config) -> None:
@@ -83,7 +65,12 @@ def check_step_bench_args(args, config) -> None:
         launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size "
                            f"{ws}: each rank needs an equal slice (try "
                            f"{ws * max(1, args.batch_size // ws)})")
-    need = estimate_bytes_per_rank(args.model, args.batch_size // ws, args.context_length)
+    # A rank's rough peak: 20 bytes per parameter (fp32 weight, gradient, AdamW's two moments,
+    # a bucket copy) plus the fp32 activations kept for backward.
+    p, t = models.PRESETS[args.model], args.context_length
+    acts = 4 * (args.batch_size // ws) * t * (3 * models.VOCAB_SIZE + p["num_layers"] * (
+        12 * p["d_model"] + 2 * p["d_ff"] + p["num_heads"] * t))
+    need = 20 * models.lm_parameter_count(args.model, context_length=t) + acts
     what = f"--model {args.model}, batch {args.batch_size}, context {args.context_length}"
     ranks_here = launch.ranks_on_this_node(ws)
     if config.device == "cuda":
@@ -93,11 +80,8 @@ def check_step_bench_args(args, config) -> None:
             launch.usage_error(f"{what} needs about {per_gpu / 2**30:.1f} GiB per GPU but a GPU "
                                f"has {total / 2**30:.1f} GiB; use a smaller model or batch")
     else:
-        limits.check_ranks_fit(ranks_here, need, f"{need / 2**30:.2f} GiB each for {what}")
+        launch.check_ranks_fit(ranks_here, need, f"{need / 2**30:.2f} GiB each for {what}")
     results.check_writable()
-
-
-# --------------------------------------------------------------------------- timing
 
 
 def setup_case(ctx, factory, args):

@@ -180,8 +180,8 @@ def test_a_results_folder_that_cannot_be_written_is_refused_up_front(tmp_path, m
     (allreduce_bench.main, ["--world-sizes", ""], "empty list"),
 ])
 def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monkeypatch):
-    from common import limits
-    monkeypatch.setattr(limits, "host_available_bytes", lambda: 20 * 2**30)  # any box: 20 GiB
+    from common import launch
+    monkeypatch.setattr(launch, "host_available_bytes", lambda: 20 * 2**30)  # any box: 20 GiB
     assert_main_usage_error(main, ["--backend", "gloo", "--device", "cpu", *argv], capsys,
                             needle)
 
