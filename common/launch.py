@@ -72,8 +72,6 @@ class Stopped(SystemExit):
 
 
 # --------------------------------------------------------------------------- flags
-
-
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit status 2."""
 
@@ -180,8 +178,6 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
 
 
 # --------------------------------------------------------------------------- workers
-
-
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 

@@ -49,7 +49,6 @@ def random_regression_data(n: int, in_features: int = 10, out_features: int = 5,
 
 
 # --------------------------------------------------------------------------- Transformer LM
-
 # d_model / d_ff / layers / heads: GPT-2's small ... xl and a 2.7B configuration; "course" is
 # the shape whose reference figures the READMEs quote; "tiny" is for tests.
 PRESETS: dict[str, dict[str, int]] = {
@@ -90,8 +89,6 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
-
     def __init__(self, d_model: int, d_ff: int, num_heads: int):
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
@@ -105,7 +102,7 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Decoder-only LM: token + position embeddings, blocks, final norm, vocabulary head.
+    """Decoder-only LM: token + position embeddings, pre-norm blocks, final norm, vocab head.
 
     ``checkpoint_activations``: run each block under ``torch.utils.checkpoint`` (non-reentrant):
     backward keeps only each block's input and recomputes the block's forward to get the rest,
@@ -148,10 +145,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH,
-                  vocab_size: int = VOCAB_SIZE, seed: int = 0,
+def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH, seed: int = 0,
                   device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Random token ids (inputs, next-token targets), the same for a given seed."""
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(vocab_size, (batch_size, context_length + 1), generator=g).to(device)
+    tokens = torch.randint(VOCAB_SIZE, (batch_size, context_length + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]

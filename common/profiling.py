@@ -41,7 +41,6 @@ def add_profile_args(parser):
 
 
 def profile_case(ctx, factory, args, trace_path: Path) -> None:
-    """Profile two LM training steps under ``factory`` after three warm-up steps."""
     _, wrapper, finish, optimizer, x, y = step_bench.setup_case(ctx, factory, args)
 
     def step():  # synchronize inside each range, so that on a GPU it covers its kernels
@@ -100,8 +99,7 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
 def step_timeline(trace_path: Path) -> dict:
     """The last profiled step of a trace: phases and communication intervals (ms from the
     step's start), and how much communication ran during and after backward."""
-    data = json.loads(Path(trace_path).read_text())
-    events = [e for e in (data["traceEvents"] if isinstance(data, dict) else data)
+    events = [e for e in json.loads(Path(trace_path).read_text())["traceEvents"]
               if e.get("ph") == "X" and "dur" in e]
     phases = [e for e in events if e["name"] in PHASES]
     start = max(e["ts"] for e in phases if e["name"] == "ddp:forward")

@@ -80,7 +80,6 @@ def check_writable() -> Path:
 
 @contextlib.contextmanager
 def _locked(path: Path):
-    """An exclusive lock on ``path`` (a ``.lock`` file beside it) for a read-modify-write."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -88,7 +87,6 @@ def _locked(path: Path):
 
 
 def _replace(path: Path, write) -> None:
-    """Write through ``write(file)`` into a unique temporary file, then rename it over ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -114,11 +112,9 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
             aside = path.with_name(f"{name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
             path.rename(aside)
             print(f"warning: moved the unreadable {path} to {aside.name}", file=sys.stderr)
-        columns = [c for r in old_rows[:1] for c in r]
+        columns = list(dict.fromkeys(c for r in old_rows[:1] + rows for c in r))
         new_keys = {tuple(str(r[k]) for k in key) for r in rows}
         kept = [r for r in old_rows if tuple(str(r.get(k, "")) for k in key) not in new_keys]
-        for r in kept + rows:
-            columns += [c for c in r if c not in columns]
 
         def write(f):
             writer = csv.DictWriter(f, fieldnames=columns, restval="")

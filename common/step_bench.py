@@ -9,14 +9,12 @@ and pools each case's steps, so background load hits every case alike. Slowest r
 rank 0 prints the table and upserts ``results/ddp_step.csv``.
 """
 
-import functools
 import gc
 import math
 import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from common import launch, models, results, timing
 
@@ -30,15 +28,13 @@ TORCH_DDP_DEFAULT_BUCKET_MB = 25  # DistributedDataParallel's bucket_cap_mb
 
 
 def torch_ddp_factory(bucket_mb=None):
-    """A picklable wrapper factory: torch's DistributedDataParallel, at ``bucket_mb`` if given."""
-    return functools.partial(_wrap_torch_ddp, bucket_mb=bucket_mb)
-
-
-def _wrap_torch_ddp(module, bucket_mb=None):
-    device = next(module.parameters()).device
-    return torch.nn.parallel.DistributedDataParallel(
-        module, device_ids=[device.index] if device.type == "cuda" else None,
-        **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
+    """A wrapper factory: torch's DistributedDataParallel, at ``bucket_mb`` if given."""
+    def wrap(module):
+        device = next(module.parameters()).device
+        return torch.nn.parallel.DistributedDataParallel(
+            module, device_ids=[device.index] if device.type == "cuda" else None,
+            **({} if bucket_mb is None else {"bucket_cap_mb": bucket_mb}))
+    return wrap
 
 
 def add_step_bench_args(parser):
@@ -54,7 +50,6 @@ def add_step_bench_args(parser):
     g.add_argument("--case-budget-s", type=launch.positive_float, default=120.0,
                    help="at most this many seconds per case: when the warm-up says the timed "
                         "steps would take longer, fewer are timed")
-    return g
 
 
 def check_step_bench_args(args, config) -> None:
@@ -122,10 +117,8 @@ def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
     pace = 0.0
     for _ in range(args.warmup):
         pace = one_step()[3]
-    slowest = torch.tensor([pace], dtype=torch.float64,
-                           device=ctx.device if ctx.backend == "nccl" else "cpu")
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # also lines the ranks up
-    pace, budget = slowest.item(), args.case_budget_s / args.rounds
+    pace = timing.gather_times([pace]).max  # the slowest rank's; also lines the ranks up
+    budget = args.case_budget_s / args.rounds
     steps = args.steps if pace <= 0 else max(2, min(args.steps, int(budget / pace)))
     if steps < args.steps:
         ctx.print(f"  note: {steps} timed steps instead of {args.steps}: at {pace:.2f} "

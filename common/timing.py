@@ -51,14 +51,13 @@ class Stats:
     rank_medians: tuple[float, ...]  # each rank's median, by rank
 
 
-def gather_times(times: list[float], group=None) -> Stats:
+def gather_times(times: list[float]) -> Stats:
     """All-gather every rank's list of times (same length everywhere) and summarise: every
     rank gets the same :class:`Stats`, so any rank may print or write it."""
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: this rank's GPU
     mine = torch.tensor(times, dtype=torch.float64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
     per_rank = [t.tolist() for t in everyone]
     medians = [statistics.median(t) for t in per_rank]
     slowest = max(range(len(medians)), key=medians.__getitem__)
