@@ -5,7 +5,6 @@ rank, and the bus-bandwidth plot. Only stage 02 needs them, so they live here, n
 """
 
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -19,7 +18,7 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int = 0) -> str | No
     would not match."""
     from common import launch
     gib = launch.GIB
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    ranks_here = launch.ranks_on_this_node(ctx.world_size)
     have = launch.host_available_bytes()
     host = ranks_here * (launch.rank_baseline_bytes() + host_per_rank)
     why = None

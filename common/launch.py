@@ -138,6 +138,36 @@ def make_parser(doc: str | None, world_size: int = 2) -> Parser:
     return parser
 
 
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def ranks_on_this_node(world_size: int) -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
+
+
+def resolve(args: argparse.Namespace) -> LaunchConfig:
+    """Check the common flags and fill in the machine's defaults. CPU only: gloo/cpu. Fewer
+    GPUs than ranks here (one GPU, say): the ranks share them over Gloo, since NCCL refuses two
+    ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    ranks_here = ranks_on_this_node(world_size)
+    timeout_s()  # a bad DIST_TIMEOUT_S is a usage error too, before any worker starts
+    if not under_torchrun():
+        check_ranks_fit(ranks_here)
+    n_gpus = torch.cuda.device_count()
+    device = args.device or ("cuda" if n_gpus > 0 else "cpu")
+    backend = args.backend or ("nccl" if device == "cuda" and n_gpus >= ranks_here else "gloo")
+    if device == "cuda" and n_gpus == 0:
+        usage_error("--device cuda needs a GPU and none is visible; use --device cpu")
+    if backend == "nccl" and (n_gpus < ranks_here or not dist.is_nccl_available()):
+        usage_error(f"--backend nccl needs NCCL and one GPU per rank: {ranks_here} ranks here, "
+                    f"{n_gpus} GPU(s); use --backend gloo (ranks may share a GPU over Gloo)")
+    if backend == "nccl" and device != "cuda":
+        usage_error("--backend nccl needs --device cuda (NCCL moves GPU memory only)")
+    return LaunchConfig(world_size=world_size, backend=backend, device=device)
+
+
 # --------------------------------------------------------------------------- what fits
 # Host memory is checked before workers start: a run that cannot fit is refused with one line
 # (exit 2) instead of an out-of-memory kill half way.
@@ -178,36 +208,6 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
 
 
 # --------------------------------------------------------------------------- workers
-def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def ranks_on_this_node(world_size: int) -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if under_torchrun() else world_size
-
-
-def resolve(args: argparse.Namespace) -> LaunchConfig:
-    """Check the common flags and fill in the machine's defaults. CPU only: gloo/cpu. Fewer
-    GPUs than ranks here (one GPU, say): the ranks share them over Gloo, since NCCL refuses two
-    ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    ranks_here = ranks_on_this_node(world_size)
-    timeout_s()  # a bad DIST_TIMEOUT_S is a usage error too, before any worker starts
-    if not under_torchrun():
-        check_ranks_fit(ranks_here)
-    n_gpus = torch.cuda.device_count()
-    device = args.device or ("cuda" if n_gpus > 0 else "cpu")
-    backend = args.backend or ("nccl" if device == "cuda" and n_gpus >= ranks_here else "gloo")
-    if device == "cuda" and n_gpus == 0:
-        usage_error("--device cuda needs a GPU and none is visible; use --device cpu")
-    if backend == "nccl" and (n_gpus < ranks_here or not dist.is_nccl_available()):
-        usage_error(f"--backend nccl needs NCCL and one GPU per rank: {ranks_here} ranks here, "
-                    f"{n_gpus} GPU(s); use --backend gloo (ranks may share a GPU over Gloo)")
-    if backend == "nccl" and device != "cuda":
-        usage_error("--backend nccl needs --device cuda (NCCL moves GPU memory only)")
-    return LaunchConfig(world_size=world_size, backend=backend, device=device)
-
-
 def free_port() -> int:
     """A TCP port that was free a moment ago (the OS picks it), so parallel runs never collide."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
