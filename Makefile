@@ -67,10 +67,10 @@ test: install
 	$(PYTHON) 06_bucketed_ddp/bucketed_ddp.py --backend gloo --device cpu
 
 07: install
-	$(PYTHON) 07_parallelism/zero.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/fsdp.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/tensor_parallel.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/pipeline_parallel.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/01_zero/zero.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/02_fsdp/fsdp.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/03_tensor_parallel/tensor_parallel.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/04_pipeline_parallel/pipeline_parallel.py --backend gloo --device cpu
 
 # The algorithm part of a stage file: from its imports to the harness marker.
 ALGORITHM = sed -n '/^from __future__/,/^\# -* harness/p'

@@ -253,10 +253,12 @@ class BucketedDDP(nn.Module):
 
 def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                         "demo and benchmark need the repository around this file (common/)")
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
+                             "demo and benchmark need the repository around this file (common/)")
+        root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 

@@ -8,7 +8,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STAGE_DIRS = sorted(p for p in REPO.iterdir() if p.is_dir() and p.name[:2].isdigit())
-for path in [REPO, *STAGE_DIRS]:
+# 07's lessons are folders inside 07_parallelism (01_zero, 02_fsdp, ...), plus its measure/.
+LESSON_DIRS = sorted(p for p in (REPO / "07_parallelism").iterdir()
+                     if p.is_dir() and (p.name[:2].isdigit() or p.name == "measure"))
+for path in [REPO, *STAGE_DIRS, *LESSON_DIRS]:
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 

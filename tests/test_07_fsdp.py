@@ -1,4 +1,4 @@
-"""Stage 07: FSDP (07_parallelism/fsdp.py) against single-process training, and the ledger.
+"""Stage 07: FSDP (07_parallelism/02_fsdp/fsdp.py) against single-process training, and the ledger.
 
 One launch per world size (``launch_07``, shared with tests/test_07_zero.py, whose ZeRO cases
 run in it too) checks everything inside the workers (warnings are errors there, and
@@ -30,7 +30,7 @@ import ledger
 from common import launch, models, results
 from helpers import REPO, assert_main_usage_error
 
-SCRIPT = REPO / "07_parallelism" / "fsdp.py"
+SCRIPT = REPO / "07_parallelism" / "02_fsdp" / "fsdp.py"
 FSDP = fsdp_mod.FSDP
 # Mixed precision against the one-process cast reference. Both sides run the same casts and
 # ops, but each rank rounds its local gradient to 16 bits where the reference rounds the whole

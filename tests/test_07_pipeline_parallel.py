@@ -286,7 +286,7 @@ def test_bad_input_one_line_exit_2(argv, needle, capsys):
 
 def test_copy_both_files(tmp_path):
     for name in ("pipeline_parallel.py", "pipeline_schedules.py"):
-        shutil.copy(REPO / "07_parallelism" / name, tmp_path / name)
+        shutil.copy(REPO / "07_parallelism" / "04_pipeline_parallel" / name, tmp_path / name)
     code = textwrap.dedent(f"""
         import sys, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
         import pipeline_parallel as pp, pipeline_schedules as ps

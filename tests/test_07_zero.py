@@ -278,7 +278,7 @@ print("ok")
 
 
 def test_copy_one_file(tmp_path):
-    shutil.copy(REPO / "07_parallelism" / "zero.py", tmp_path)
+    shutil.copy(REPO / "07_parallelism" / "01_zero" / "zero.py", tmp_path)
     result = run_script("-W", "error", "-c", textwrap.dedent(COPY_ONE_FILE), cwd=tmp_path,
                         timeout=120, env={"PYTHONPATH": "", "MASTER_ADDR": "", "MASTER_PORT": ""})
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]

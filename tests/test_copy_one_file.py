@@ -14,7 +14,7 @@ from helpers import REPO
 
 FILES = ["01_collectives/collectives.py", "02_allreduce_bench/allreduce_bench.py",
          "03_naive_ddp/naive_ddp.py", "04_flat_ddp/flat_ddp.py", "05_overlap_ddp/overlap_ddp.py",
-         "06_bucketed_ddp/bucketed_ddp.py", "07_parallelism/tensor_parallel.py"]
+         "06_bucketed_ddp/bucketed_ddp.py", "07_parallelism/03_tensor_parallel/tensor_parallel.py"]
 
 CHECK = r'''
 import importlib, io, os, socket, sys, tempfile
@@ -82,7 +82,7 @@ if __name__ == "__main__":
                 r = getattr(getattr(ref, layer), pname).grad
                 assert torch.allclose(g, r, rtol=1e-5, atol=1e-6), (cls, layer, pname)
 
-    ledger = load("07_parallelism", "ledger")  # its counters need torch alone
+    ledger = load("measure", "ledger")  # its counters need torch alone
     w = torch.zeros(4, 4)
     assert ledger.state_bytes([w, w[0], None, torch.zeros(3)]) == 64 + 12  # each storage once
     with ledger.CommCounter() as comm:
@@ -109,11 +109,12 @@ if __name__ == "__main__":
 def test_every_stage_file_works_copied_alone(tmp_path):
     modules = []
     for path in FILES:
-        folder, name = path.split("/")
-        (tmp_path / folder).mkdir()
+        folder, name = path.rsplit("/", 1)
+        (tmp_path / folder).mkdir(parents=True)
         shutil.copy(REPO / path, tmp_path / folder)
         modules.append((folder, name[:-3]))
-    shutil.copy(REPO / "07_parallelism" / "ledger.py", tmp_path / "07_parallelism")  # no main()
+    (tmp_path / "measure").mkdir()
+    shutil.copy(REPO / "07_parallelism" / "measure" / "ledger.py", tmp_path / "measure")  # no main()
     (tmp_path / "check.py").write_text(f"MODULES = {modules!r}\n" + textwrap.dedent(CHECK))
     r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240,

@@ -166,7 +166,7 @@ def bubble_formula(name: str, stages: int, micro_batches: int, chunks: int = 1) 
     """Idle share of every rank when each step takes one time unit.
 
     GPipe, 1F1B: (p-1)/(m+p-1). Interleaved: (p-1)/(vm+p-1). ZB-H1, T_F = T_B = T_W:
-    (p-1)/(3m+p-1) when m >= p (derived in pipeline_parallel.md); with m < p the pipe never
+    (p-1)/(3m+p-1) when m >= p (derived in README.md beside this file); with m < p the pipe never
     fills and the pass lasts one F and one B ripple, 2(m+p-1), plus the last W.
     """
     p, m, v = stages, micro_batches, chunks

@@ -1,5 +1,5 @@
 """Counting what a parallel strategy holds and sends, and stage 07's ledger of it (the table
-of ``python 07_parallelism/fsdp.py --bench``). The counters read the tensors and the calls
+of ``python 07_parallelism/02_fsdp/fsdp.py --bench``). The counters read the tensors and the calls
 themselves, never a formula, so counted can stand beside predicted and a wrong implementation
 shows up as a gap: :func:`state_bytes` (each storage once), :class:`SavedActivations`
 (``saved_tensors_hooks``), :class:`CommCounter` (every ``torch.distributed`` call made from
@@ -154,8 +154,8 @@ def strategies() -> list[tuple]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer
-    ddp, zero = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP, import_stage("07_parallelism/zero")
-    FSDP, adamw = import_stage("07_parallelism/fsdp").FSDP, functools.partial(torch.optim.AdamW, lr=1e-4)
+    ddp, zero = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP, import_stage("07_parallelism/01_zero/zero")
+    FSDP, adamw = import_stage("07_parallelism/02_fsdp/fsdp").FSDP, functools.partial(torch.optim.AdamW, lr=1e-4)
 
     def zero2(lm):
         return zero.Zero2DDP(lm, opt := zero.ShardedOptimizer(lm.parameters(), torch.optim.AdamW, lr=1e-4)), opt

@@ -9,9 +9,9 @@ synchronise every micro-batch (k times the traffic). Float32 AdamW, P parameters
 per rank: DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N. Torch alone: copy this file and
 ``from zero import ShardedOptimizer, Zero2DDP``.
 
-    python 07_parallelism/zero.py --world-size 3    # checks against one process
-    torchrun --nproc-per-node=2 07_parallelism/zero.py
-    python 07_parallelism/zero.py --bench           # the ledger's ZeRO rows (fsdp.py: all six)
+    python 07_parallelism/01_zero/zero.py --world-size 3    # checks against one process
+    torchrun --nproc-per-node=2 07_parallelism/01_zero/zero.py
+    python 07_parallelism/01_zero/zero.py --bench           # the ledger's ZeRO rows (fsdp.py: all six)
 """
 
 from __future__ import annotations
@@ -264,10 +264,12 @@ class Zero2DDP(nn.Module):
 
 def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                         "demo and benchmark need the repository around this file (common/)")
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
+                             "demo and benchmark need the repository around this file (common/)")
+        root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
@@ -277,7 +279,7 @@ def check_main(ctx, args) -> None:
     ShardedOptimizer) and ZeRO-2 (Zero2DDP, 2 micro-batches under no_sync()), each beside AdamW
     on one process with the whole batch, the consolidated state too. Exits 1 on a difference."""
     from common import import_stage, models, results
-    n, rows, ledger = ctx.world_size, [], import_stage("07_parallelism/ledger")
+    n, rows, ledger = ctx.world_size, [], import_stage("07_parallelism/measure/ledger")
 
     def lm_and_adamw(seed, optimizer, **kw):  # eps 1e-6: see verify_main in fsdp.py
         torch.manual_seed(seed)
@@ -329,7 +331,7 @@ def check_main(ctx, args) -> None:
 def bench_main(ctx, args) -> None:
     """--bench: fsdp.py's ledger, its ZeRO rows (DDP, ZeRO-1/2, torch's ZeroRedundancyOptimizer)."""
     from common import import_stage
-    ledger = import_stage("07_parallelism/ledger")
+    ledger = import_stage("07_parallelism/measure/ledger")
     ledger.run_ledger(ctx, [s for s in ledger.strategies() if "fsdp" not in s[0]], args)
 
 
@@ -337,7 +339,7 @@ def main(argv=None) -> None:
     _repo()
     from common import import_stage, launch, step_bench
     parser = launch.make_parser(__doc__)
-    import_stage("07_parallelism/ledger").add_ledger_args(parser)
+    import_stage("07_parallelism/measure/ledger").add_ledger_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     if args.bench:  # batch, memory, results/: one line, exit 2

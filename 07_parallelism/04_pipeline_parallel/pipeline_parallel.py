@@ -18,9 +18,9 @@ The schedules are data (pipeline_schedules.py, no torch: checks, unit-time simul
 timelines); ``run_schedule`` executes any of them. ``--emulate-ms`` turns each step into a
 fixed wait, so the measured bubble tests the executor against the simulation on any box.
 
-Run:  python 07_parallelism/pipeline_parallel.py                   # 4 stages, m = 8, gloo/cpu
-      python 07_parallelism/pipeline_parallel.py --micro-batches 4,8,16 --emulate-ms 50
-      torchrun --nproc-per-node=4 07_parallelism/pipeline_parallel.py
+Run:  python 07_parallelism/04_pipeline_parallel/pipeline_parallel.py                   # 4 stages, m = 8, gloo/cpu
+      python 07_parallelism/04_pipeline_parallel/pipeline_parallel.py --micro-batches 4,8,16 --emulate-ms 50
+      torchrun --nproc-per-node=4 07_parallelism/04_pipeline_parallel/pipeline_parallel.py
 
 The algorithm (above the harness) needs torch and pipeline_schedules.py: copy both files.
 """
@@ -214,10 +214,12 @@ def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, mic
 
 def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                         "demo and benchmark need the repository around this file (common/)")
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
+                             "demo and benchmark need the repository around this file (common/)")
+        root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 

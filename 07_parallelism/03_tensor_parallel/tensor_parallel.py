@@ -19,9 +19,9 @@ each layer communicates forward and backward (by watching the collectives) besid
 algorithm predicts; the script fails if any of them differs.
 
 Run:
-    python 07_parallelism/tensor_parallel.py                      # 2 ranks, gloo/cpu
-    python 07_parallelism/tensor_parallel.py --world-size 4
-    torchrun --nproc-per-node=4 07_parallelism/tensor_parallel.py
+    python 07_parallelism/03_tensor_parallel/tensor_parallel.py                      # 2 ranks, gloo/cpu
+    python 07_parallelism/03_tensor_parallel/tensor_parallel.py --world-size 4
+    torchrun --nproc-per-node=4 07_parallelism/03_tensor_parallel/tensor_parallel.py
 
 The algorithm part (everything above the harness) needs torch only: copy this file into
 another project and ``from tensor_parallel import ColumnParallelLinear, RowParallelLinear``.
@@ -237,10 +237,12 @@ def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
 
 def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                         "demo and benchmark need the repository around this file (common/)")
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
+                             "demo and benchmark need the repository around this file (common/)")
+        root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
@@ -250,7 +252,7 @@ def check_variant(ctx, variant: str, cfg: dict) -> tuple[list[dict], dict]:
     a row per output and gradient compared, and the collectives counted per layer and phase
     (hooks label the counter as fc1/fc2 start their forward and as backward reaches them)."""
     from common import import_stage
-    ledger = import_stage("07_parallelism/ledger")
+    ledger = import_stage("07_parallelism/measure/ledger")
     torch.manual_seed(0)  # every rank builds the same full MLP and data, then keeps its shards
     ref = MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -280,7 +282,7 @@ def check_variant(ctx, variant: str, cfg: dict) -> tuple[list[dict], dict]:
 def tensor_parallel_main(ctx, cfg: dict) -> None:
     """Check both variants against one process and count their bytes; raise on a mismatch."""
     from common import import_stage, results
-    ledger = import_stage("07_parallelism/ledger")
+    ledger = import_stage("07_parallelism/measure/ledger")
     n, tokens, failures, checks, byte_rows = ctx.world_size, cfg["batch"] * cfg["seq"], [], [], []
     for variant in cfg["variants"]:
         rows, counted = check_variant(ctx, variant, cfg)

@@ -8,9 +8,9 @@ backward(), ``finish_gradient_synchronization()``, step(). Every rank must run t
 (collectives pair by order). The collectives are looked up on torch.distributed at each call,
 so a counter that swaps its functions sees them. Torch alone: ``from fsdp import FSDP``.
 
-    python 07_parallelism/fsdp.py --world-size 2    # the tiny LM against one process
-    python 07_parallelism/fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
-    python 07_parallelism/fsdp.py --profile         # timeline: all-gathers during compute
+    python 07_parallelism/02_fsdp/fsdp.py --world-size 2    # the tiny LM against one process
+    python 07_parallelism/02_fsdp/fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
+    python 07_parallelism/02_fsdp/fsdp.py --profile         # timeline: all-gathers during compute
 """
 
 from __future__ import annotations
@@ -264,10 +264,12 @@ class FSDP(nn.Module):
 
 def _repo() -> None:
     """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common" / "launch.py").exists():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                         "demo and benchmark need the repository around this file (common/)")
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
+                             "demo and benchmark need the repository around this file (common/)")
+        root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
 
@@ -318,7 +320,7 @@ def bench_main(ctx, args) -> None:
     if args.profile:
         profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))], args, name="07_fsdp")
     else:
-        ledger = import_stage("07_parallelism/ledger")
+        ledger = import_stage("07_parallelism/measure/ledger")
         ledger.run_ledger(ctx, ledger.strategies(), args)  # these six rows, all in one run
 
 
@@ -326,7 +328,7 @@ def main(argv=None) -> None:
     _repo()
     from common import import_stage, launch, profiling, step_bench
     parser = launch.make_parser(__doc__)
-    import_stage("07_parallelism/ledger").add_ledger_args(parser)
+    import_stage("07_parallelism/measure/ledger").add_ledger_args(parser)
     profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
