@@ -71,12 +71,21 @@ def lm_parameter_count(preset: str, context_length: int = CONTEXT_LENGTH) -> int
                    .parameters())
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(head_dim) + causal mask) v, on [batch, heads, seq, head_dim]."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention. ``attend(q, k, v)`` is the attention itself, an attribute so
+    that a lesson can swap it (context parallelism puts ring attention there)."""
+
     def __init__(self, d_model: int, num_heads: int):
         super().__init__()  # every preset's d_model divides by its num_heads
         self.num_heads = num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
+        self.attend = causal_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -84,17 +93,25 @@ class CausalSelfAttention(nn.Module):
         # (b, t, d) -> (b, heads, t, d / heads)
         q, k, v = (z.view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2)
                    for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = self.attend(q, k, v)
         return self.out(y.transpose(1, 2).reshape(b, t, d))
 
 
+def dense_mlp(d_model: int, d_ff: int) -> nn.Module:
+    """The block's MLP: d_model -> d_ff -> GELU -> d_model."""
+    return nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+
+
 class Block(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, num_heads: int):
+    """Pre-norm Transformer block: x + attn(norm1(x)), then + mlp(norm2(x)). ``make_mlp(d_model,
+    d_ff)`` builds the MLP (a mixture of experts, for example; default ``dense_mlp``)."""
+
+    def __init__(self, d_model: int, d_ff: int, num_heads: int, make_mlp=dense_mlp):
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, num_heads)
         self.norm2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
+        self.mlp = make_mlp(d_model, d_ff)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x))
@@ -106,11 +123,13 @@ class TransformerLM(nn.Module):
 
     ``checkpoint_activations``: run each block under ``torch.utils.checkpoint`` (non-reentrant):
     backward keeps only each block's input and recomputes the block's forward to get the rest,
-    trading one more forward of compute for most of the activation memory.
+    trading one more forward of compute for most of the activation memory. ``make_mlp``: every
+    block's MLP (see ``Block``).
     """
 
     def __init__(self, preset: str = "tiny", vocab_size: int = VOCAB_SIZE,
-                 context_length: int = CONTEXT_LENGTH, checkpoint_activations: bool = False):
+                 context_length: int = CONTEXT_LENGTH, checkpoint_activations: bool = False,
+                 make_mlp=dense_mlp):
         super().__init__()
         if preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")
@@ -118,7 +137,7 @@ class TransformerLM(nn.Module):
         self.checkpoint_activations = checkpoint_activations
         self.token_embedding = nn.Embedding(vocab_size, p["d_model"])
         self.position_embedding = nn.Embedding(context_length, p["d_model"])
-        self.blocks = nn.ModuleList(Block(p["d_model"], p["d_ff"], p["num_heads"])
+        self.blocks = nn.ModuleList(Block(p["d_model"], p["d_ff"], p["num_heads"], make_mlp)
                                     for _ in range(p["num_layers"]))
         self.norm = nn.LayerNorm(p["d_model"])
         self.lm_head = nn.Linear(p["d_model"], vocab_size, bias=False)
@@ -128,8 +147,12 @@ class TransformerLM(nn.Module):
                 std = 0.02 / math.sqrt(2 * p["num_layers"]) if residual else 0.02
                 nn.init.normal_(param, std=std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. ``positions`` [seq]: each
+        token's place in the whole sequence (default 0 .. seq-1; a rank holding a shard of the
+        sequence passes its tokens' global positions)."""
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():

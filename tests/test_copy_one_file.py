@@ -1,7 +1,7 @@
 """Each stage's algorithm works from its file alone: every file is copied into an empty folder
 of its own and, in one fresh interpreter with nothing of the repo on the path, imported from
 there and used (on a one-rank Gloo group; two spawned ranks for the rings). From such a lone
-copy, the script's demo says in one line that it needs the repository. Stage 07's ledger.py
+copy, the script's demo says in one line that it needs the repository. Stage 07's measure/counters.py
 is support, not a script: its counters are checked to work alone too. (One interpreter for
 all of them: each one costs seconds of torch import on a small machine.)"""
 
@@ -82,13 +82,13 @@ if __name__ == "__main__":
                 r = getattr(getattr(ref, layer), pname).grad
                 assert torch.allclose(g, r, rtol=1e-5, atol=1e-6), (cls, layer, pname)
 
-    ledger = load("measure", "ledger")  # its counters need torch alone
+    counters = load("measure", "counters")  # 07's counters need torch alone
     w = torch.zeros(4, 4)
-    assert ledger.state_bytes([w, w[0], None, torch.zeros(3)]) == 64 + 12  # each storage once
-    with ledger.CommCounter() as comm:
+    assert counters.state_bytes([w, w[0], None, torch.zeros(3)]) == 64 + 12  # each storage once
+    with counters.CommCounter() as comm:
         dist.all_reduce(torch.ones(10))
     assert [(c["op"], c["payload_bytes"]) for c in comm.calls] == [("all_reduce", 40)], comm.calls
-    assert "common" not in sys.modules, "ledger's counters imported the repository's common"
+    assert "common" not in sys.modules, "07's counters imported the repository's common"
     dist.destroy_process_group()
 
     for name, module in modules.items():  # the demo, run from a lone copy: one line
@@ -114,7 +114,7 @@ def test_every_stage_file_works_copied_alone(tmp_path):
         shutil.copy(REPO / path, tmp_path / folder)
         modules.append((folder, name[:-3]))
     (tmp_path / "measure").mkdir()
-    shutil.copy(REPO / "07_parallelism" / "measure" / "ledger.py", tmp_path / "measure")  # no main()
+    shutil.copy(REPO / "07_parallelism" / "measure" / "counters.py", tmp_path / "measure")  # no main()
     (tmp_path / "check.py").write_text(f"MODULES = {modules!r}\n" + textwrap.dedent(CHECK))
     r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240,

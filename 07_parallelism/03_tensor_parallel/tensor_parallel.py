@@ -252,7 +252,7 @@ def check_variant(ctx, variant: str, cfg: dict) -> tuple[list[dict], dict]:
     a row per output and gradient compared, and the collectives counted per layer and phase
     (hooks label the counter as fc1/fc2 start their forward and as backward reaches them)."""
     from common import import_stage
-    ledger = import_stage("07_parallelism/measure/ledger")
+    ledger = import_stage("07_parallelism/measure/counters")
     torch.manual_seed(0)  # every rank builds the same full MLP and data, then keeps its shards
     ref = MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -282,7 +282,7 @@ def check_variant(ctx, variant: str, cfg: dict) -> tuple[list[dict], dict]:
 def tensor_parallel_main(ctx, cfg: dict) -> None:
     """Check both variants against one process and count their bytes; raise on a mismatch."""
     from common import import_stage, results
-    ledger = import_stage("07_parallelism/measure/ledger")
+    ledger = import_stage("07_parallelism/measure/counters")
     n, tokens, failures, checks, byte_rows = ctx.world_size, cfg["batch"] * cfg["seq"], [], [], []
     for variant in cfg["variants"]:
         rows, counted = check_variant(ctx, variant, cfg)

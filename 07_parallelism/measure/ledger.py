@@ -1,10 +1,6 @@
-"""Counting what a parallel strategy holds and sends, and stage 07's ledger of it (the table
-of ``python 07_parallelism/02_fsdp/fsdp.py --bench``). The counters read the tensors and the calls
-themselves, never a formula, so counted can stand beside predicted and a wrong implementation
-shows up as a gap: :func:`state_bytes` (each storage once), :class:`SavedActivations`
-(``saved_tensors_hooks``), :class:`CommCounter` (every ``torch.distributed`` call made from
-Python; torch's C++ DDP reducer is not, so it gets a hook that all-reduces from Python).
-The counters need torch alone; the ledger (the second part) imports common/ where it runs.
+"""Not a lesson: stage 07's memory and communication ledger (the table of
+``python 07_parallelism/02_fsdp/fsdp.py --bench``): DDP (06), ZeRO-1/2, FSDP and torch's own, each
+counted with ``counters.py`` beside the formula, into ``results/sharding.csv``.
 """
 
 from __future__ import annotations
@@ -12,131 +8,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils.checkpoint
 
+from counters import CommCounter, SavedActivations, optimizer_state_bytes, state_bytes, storage_key
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
-
-
-def storage_key(t: torch.Tensor) -> tuple:  # views of one storage share it
-    return (t.device, _local(t).untyped_storage().data_ptr())
-
-
-def state_bytes(tensors) -> int:
-    """Bytes held by ``tensors`` (None skipped), each storage once (tied weights, views of one
-    flat buffer); a DTensor: its local shard."""
-    return sum({storage_key(t): _local(t).untyped_storage().nbytes() for t in tensors
-                if t is not None}.values())
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step)."""
-    return state_bytes(v for s in optimizer.state.values() for v in s.values()
-                       if isinstance(v, torch.Tensor))
-
-
-class SavedActivations(contextlib.ExitStack):
-    """``with SavedActivations(model) as saved: loss = model(x)`` -> ``saved.bytes``: each storage
-    autograd saves, once, at its size when saved. Weights are not activations: ``model``'s
-    parameters, and the storages ``exclude_now()`` names when a tensor is saved (FSDP's gathered
-    weights live in storage that changes at every gather). Inside a non-reentrant checkpoint
-    autograd saves nothing; the region's inputs stay alive and are counted on entry."""
-
-    def __init__(self, model: nn.Module | None = None, exclude_now=set):
-        super().__init__()
-        self.weights = {storage_key(p) for p in (model.parameters() if model else ())}
-        self.exclude_now, self.seen = exclude_now, {}
-
-    @property
-    def bytes(self) -> int:
-        return sum(self.seen.values())
-
-    def _count(self, t):
-        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
-            if (key := storage_key(t)) not in self.weights and key not in self.exclude_now():
-                self.seen.setdefault(key, _local(t).untyped_storage().nbytes())
-        return t
-
-    def __enter__(self):
-        self.enter_context(torch.autograd.graph.saved_tensors_hooks(self._count, lambda t: t))
-        checkpoint = torch.utils.checkpoint.checkpoint  # looked up at call time by the LM
-        torch.utils.checkpoint.checkpoint = lambda fn, *a, **kw: checkpoint(fn, *map(self._count, a), **kw)
-        self.callback(setattr, torch.utils.checkpoint, "checkpoint", checkpoint)
-        return self
-
-
-def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
-    """Bytes one rank sends for a collective of N = ``payload`` bytes as a ring of n ranks: all_reduce
-    (reduce-scatter + all-gather) 2(n-1)/n N; all_gather, reduce_scatter (N: the full tensor) and
-    a pipelined chain broadcast or reduce (averaged over ranks) (n-1)/n N; send N."""
-    if op == "send" or world_size == 1:
-        return float(payload) if op == "send" else 0.0
-    return (2 if op == "all_reduce" else 1) * (world_size - 1) / world_size * payload
-
-
-# name on torch.distributed -> (kind, the argument whose size is the payload)
-_PAYLOAD = {"all_reduce": ("all_reduce", "tensor"), "all_gather": ("all_gather", "tensor_list"),
-            "all_gather_into_tensor": ("all_gather", "output_tensor"),
-            "all_gather_single": ("all_gather", "output_tensor"),
-            "reduce_scatter": ("reduce_scatter", "input_list"),
-            "reduce_scatter_tensor": ("reduce_scatter", "input"),
-            "reduce_scatter_single": ("reduce_scatter", "input"),
-            "broadcast": ("broadcast", "tensor"), "reduce": ("reduce", "tensor"),
-            "send": ("send", "tensor"), "isend": ("send", "tensor")}
-
-
-def _nbytes(t) -> int:
-    return sum(map(_nbytes, t)) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
-
-
-class CommCounter(contextlib.ExitStack):
-    """``with CommCounter() as comm: ...`` -> ``comm.calls``, ``sent_bytes``, ``by_label``.
-
-    Each call: op (all_reduce, all_gather, reduce_scatter, broadcast, reduce, send), payload
-    bytes, the bytes this rank sends under :func:`ring_send_bytes`, and ``comm.current``, a
-    label a hook may set ("fc1 backward"). Arguments are read by name, positional or keyword."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls, self.current = [], ""
-
-    @property
-    def sent_bytes(self) -> float:
-        return sum(c["sent_bytes"] for c in self.calls)
-
-    @property
-    def by_label(self) -> dict[str, dict]:
-        """label -> {"ops": [op, ...], "payload_bytes": ..., "sent_bytes": ...}."""
-        out = defaultdict(lambda: {"ops": [], "payload_bytes": 0, "sent_bytes": 0.0})
-        for c in self.calls:
-            out[c["label"]]["ops"].append(c["op"])
-            out[c["label"]]["payload_bytes"] += c["payload_bytes"]
-            out[c["label"]]["sent_bytes"] += c["sent_bytes"]
-        return dict(out)
-
-    def _wrap(self, name: str, original):
-        (kind, arg), signature = _PAYLOAD[name], inspect.signature(original)
-
-        def counted(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs).arguments
-            payload, n = _nbytes(bound[arg]), dist.get_world_size(bound.get("group"))
-            self.calls.append({"op": kind, "payload_bytes": payload, "label": self.current,
-                               "sent_bytes": ring_send_bytes(kind, payload, n)})
-            return original(*args, **kwargs)
-        return counted
-
-    def __enter__(self):
-        for name, original in [(name, getattr(dist, name)) for name in _PAYLOAD if hasattr(dist, name)]:
-            setattr(dist, name, self._wrap(name, original))
-            self.callback(setattr, dist, name, original)  # put back on exit
-        return self
 
 # --------------------------------------------------------------------------- the ledger
 

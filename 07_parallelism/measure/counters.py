@@ -1,0 +1,267 @@
+"""Not a lesson: the counters 07's lessons measure with (torch alone; copy it anywhere).
+
+They read the tensors and the calls themselves, never a formula, so a count can stand beside
+the formula a lesson derives, and a wrong implementation shows up as a gap:
+
+* ``state_bytes(tensors)``: bytes held, each storage once (tied weights, views of one buffer).
+* ``SavedActivations``: bytes autograd saves for backward (``saved_tensors_hooks``).
+* ``CommCounter``: every ``torch.distributed`` collective called from Python while it is
+  active, with the bytes this rank sends (as a ring sends them, for the ring collectives).
+
+    with CommCounter() as comm:
+        loss = model(x).sum()
+        loss.backward()
+    print(comm.sent_bytes, comm.by_label)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.utils.checkpoint
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    """Views of one storage share this key."""
+    return (t.device, local_part(t).untyped_storage().data_ptr())
+
+
+def state_bytes(tensors) -> int:
+    """Bytes held by ``tensors`` (None skipped), each storage counted once."""
+    size_of = {}
+    for t in tensors:
+        if t is None:
+            continue
+        size_of[storage_key(t)] = local_part(t).untyped_storage().nbytes()
+    return sum(size_of.values())
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step)."""
+    tensors = []
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    return state_bytes(tensors)
+
+
+class SavedActivations(contextlib.ExitStack):
+    """``with SavedActivations(model) as saved: loss = model(x)`` -> ``saved.bytes``.
+
+    Each storage autograd saves for backward, once, at its size when saved. Weights are not
+    activations: ``model``'s parameters are left out, and so are the storages that
+    ``exclude_now()`` names at the moment a tensor is saved (FSDP's gathered weights live in
+    storage that changes at every gather). Inside a non-reentrant activation checkpoint
+    autograd saves nothing; the checkpoint keeps its inputs alive, so those are counted.
+    """
+
+    def __init__(self, model: nn.Module | None = None, exclude_now=set):
+        super().__init__()
+        self.weights = set()
+        if model is not None:
+            for p in model.parameters():
+                self.weights.add(storage_key(p))
+        self.exclude_now = exclude_now
+        self.seen = {}  # storage key -> bytes
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
+
+    def count(self, t):
+        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
+            return t
+        key = storage_key(t)
+        if key in self.weights or key in self.exclude_now():
+            return t
+        if key not in self.seen:
+            self.seen[key] = local_part(t).untyped_storage().nbytes()
+        return t
+
+    def __enter__(self):
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.count, unpack_hook)
+        self.enter_context(hooks)
+        # The LM looks torch.utils.checkpoint.checkpoint up at call time: wrap it to count
+        # the inputs each checkpointed block keeps alive.
+        original = torch.utils.checkpoint.checkpoint
+
+        def counted_checkpoint(function, *args, **kwargs):
+            for arg in args:
+                self.count(arg)
+            return original(function, *args, **kwargs)
+
+        torch.utils.checkpoint.checkpoint = counted_checkpoint
+        self.callback(setattr, torch.utils.checkpoint, "checkpoint", original)
+        return self
+
+
+def unpack_hook(t):
+    return t
+
+
+def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
+    """Bytes one rank sends for a collective whose payload is N bytes, run as a ring of n ranks.
+
+    all_reduce (a reduce-scatter, then an all-gather): 2 (n-1)/n N. all_gather and
+    reduce_scatter (N: the full tensor), and a pipelined chain broadcast or reduce (averaged
+    over the ranks): (n-1)/n N. A point-to-point send: N.
+    """
+    if op == "send":
+        return float(payload)
+    if world_size == 1:
+        return 0.0
+    share = (world_size - 1) / world_size * payload
+    if op == "all_reduce":
+        return 2 * share
+    return share
+
+
+def tensor_bytes(t) -> int:
+    """Bytes of a tensor, or of a list of tensors."""
+    if isinstance(t, (list, tuple)):
+        return sum(tensor_bytes(x) for x in t)
+    return t.numel() * t.element_size()
+
+
+# name on torch.distributed -> (the kind of collective, the argument whose size is the payload)
+RING_COLLECTIVES = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "broadcast": ("broadcast", "tensor"),
+    "reduce": ("reduce", "tensor"),
+    "send": ("send", "tensor"),
+}
+
+
+def all_to_all_single_sent(arguments: dict) -> tuple[int, int]:
+    """(payload, bytes sent to other ranks) of ``all_to_all_single``: the input's rows for
+    rank j are ``input_split_sizes[j]`` (equal shares if not given); its own stay home."""
+    data = arguments["input"]
+    group = arguments.get("group")
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    payload = tensor_bytes(data)
+    splits = arguments.get("input_split_sizes")
+    if not splits:
+        return payload, payload - payload // world_size
+    bytes_per_row = payload // max(1, data.shape[0])
+    return payload, bytes_per_row * (sum(splits) - splits[rank])
+
+
+def all_to_all_sent(arguments: dict) -> tuple[int, int]:
+    """(payload, bytes sent to other ranks) of ``all_to_all``: every input but this rank's own."""
+    inputs = arguments["input_tensor_list"]
+    rank = dist.get_rank(arguments.get("group"))
+    payload = tensor_bytes(inputs)
+    return payload, payload - tensor_bytes(inputs[rank])
+
+
+def batch_sent(arguments: dict) -> tuple[int, int]:
+    """(payload, bytes sent) of ``batch_isend_irecv``: the tensors of its isend operations.
+
+    Counted here, not at ``dist.isend``: a ``P2POp`` accepts only torch's own ``isend`` and
+    ``irecv``, so a wrapped ``dist.isend`` would break every batch built with it."""
+    sent = 0
+    for op in arguments["p2p_op_list"]:
+        if op.op.__name__ == "isend":
+            sent += tensor_bytes(op.tensor)
+    return sent, sent
+
+
+# name on torch.distributed -> (kind, function of the bound arguments -> (payload, sent))
+OTHER_COLLECTIVES = {
+    "all_to_all_single": ("all_to_all", all_to_all_single_sent),
+    "all_to_all": ("all_to_all", all_to_all_sent),
+    "batch_isend_irecv": ("send", batch_sent),
+}
+
+
+class CommCounter(contextlib.ExitStack):
+    """``with CommCounter() as comm: ...`` -> ``comm.calls``, ``comm.sent_bytes``, ``comm.by_label``.
+
+    Each call is a dict: ``op`` (all_reduce, all_gather, reduce_scatter, broadcast, reduce,
+    send, all_to_all), ``payload_bytes``, ``sent_bytes`` (what this rank sends: a ring's share
+    for the ring collectives, see :func:`ring_send_bytes`; the rows bound elsewhere for an
+    all-to-all; the sent tensors of a batch of sends and receives), and ``label``, whatever
+    ``comm.current`` held at the call (a hook may set it: "fc1 backward"). Arguments are read
+    by name, positional or keyword. Plain ``dist.isend`` / ``dist.irecv`` are not counted
+    (see :func:`batch_sent`).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self.current = ""
+
+    @property
+    def sent_bytes(self) -> float:
+        return sum(call["sent_bytes"] for call in self.calls)
+
+    @property
+    def by_label(self) -> dict[str, dict]:
+        """label -> {"ops": [op, ...], "payload_bytes": ..., "sent_bytes": ...}."""
+        out = {}
+        for call in self.calls:
+            if call["label"] not in out:
+                out[call["label"]] = {"ops": [], "payload_bytes": 0, "sent_bytes": 0.0}
+            entry = out[call["label"]]
+            entry["ops"].append(call["op"])
+            entry["payload_bytes"] += call["payload_bytes"]
+            entry["sent_bytes"] += call["sent_bytes"]
+        return out
+
+    def record(self, kind: str, payload: int, sent: float) -> None:
+        self.calls.append({"op": kind, "payload_bytes": payload, "sent_bytes": sent,
+                           "label": self.current})
+
+    def wrap_ring(self, name: str, original):
+        kind, argument = RING_COLLECTIVES[name]
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs).arguments
+            payload = tensor_bytes(arguments[argument])
+            world_size = dist.get_world_size(arguments.get("group"))
+            self.record(kind, payload, ring_send_bytes(kind, payload, world_size))
+            return original(*args, **kwargs)
+        return counted
+
+    def wrap_other(self, name: str, original):
+        kind, measure = OTHER_COLLECTIVES[name]
+        signature = inspect.signature(original)
+
+        def counted(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs).arguments
+            payload, sent = measure(arguments)
+            self.record(kind, payload, sent)
+            return original(*args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        for name in [*RING_COLLECTIVES, *OTHER_COLLECTIVES]:
+            if not hasattr(dist, name):
+                continue  # all_gather_single and reduce_scatter_single are newer than some torch
+            original = getattr(dist, name)
+            if name in RING_COLLECTIVES:
+                setattr(dist, name, self.wrap_ring(name, original))
+            else:
+                setattr(dist, name, self.wrap_other(name, original))
+            self.callback(setattr, dist, name, original)  # put back on exit
+        return self
