@@ -344,14 +344,17 @@ def p2p_plan(lists: list[list[Step]]) -> list[list[list[list[tuple]]]]:
             rounds[step.send_to].setdefault(end, []).append(("recv", rank, sent))
     plan = []
     for rank, row in enumerate(timed):
-        # Before step k: the rounds after step k-1 starts, up to the time step k starts.
-        starts = [-1.0] + [start for start, _, _ in row] + [float("inf")]
+        # Before step k: the rounds after step k-1 starts, up to the time step k starts
+        # (after the last step: the rest).
+        starts = [start for start, _, _ in row] + [float("inf")]
+        times = sorted(rounds[rank])
+        next_round = 0
         before_step = []
         for k in range(len(row) + 1):
             groups = []
-            for t in sorted(rounds[rank]):
-                if starts[k] < t <= starts[k + 1]:
-                    groups.append(rounds[rank][t])
+            while next_round < len(times) and times[next_round] <= starts[k]:
+                groups.append(rounds[rank][times[next_round]])
+                next_round += 1
             before_step.append(groups)
         plan.append(before_step)
     return plan
