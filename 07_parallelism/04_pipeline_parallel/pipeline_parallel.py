@@ -187,6 +187,8 @@ class ScheduleRunner:
         self.chunks = list(chunks)
         self.group = group
         self.rank = dist.get_rank(group)                  # this rank's place in the pipeline
+        if self.rank < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not in the pipeline group it was given")
         self.stages = len(schedule)
         if self.stages != dist.get_world_size(group):
             raise ValueError(f"the schedule has {self.stages} stages but the pipeline group has "
@@ -210,6 +212,8 @@ class ScheduleRunner:
         self.dtype = dtype
         self.device = device
         self.loss_fn = loss_fn
+        if not 0 <= emulate_s <= 3600:
+            raise ValueError(f"emulate_s={emulate_s}: a wait per step of 0 to 3600 seconds")
         self.emulate_s = emulate_s
         self.nccl = dist.get_backend(group) == "nccl"
         if self.nccl:
