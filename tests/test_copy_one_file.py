@@ -182,7 +182,8 @@ if __name__ == "__main__":
     # The schedules alone: plain Python, no torch.
     ps = fresh_import("schedules_alone", "pipeline_schedules")
     tree = ast.parse(open(ps.__file__).read())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"__future__", "dataclasses"}, imported
     ps.check_setting("zbh1", 4, 8, layers=8, batch=64)

@@ -97,7 +97,8 @@ class Stage:
         stage_output = self.module(stage_input)
         if self.is_last:
             target = micro_targets[micro_batch]
-            loss = self.loss_fn(stage_output, target) / self.micro_batches   # the m add up to the mean
+            # divided by m: the m micro-batch losses add up to the batch's mean loss
+            loss = self.loss_fn(stage_output, target) / self.micro_batches
             self.loss += loss.item()
             stage_output = loss
         else:

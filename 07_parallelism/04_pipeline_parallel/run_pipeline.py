@@ -267,7 +267,8 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
         for m in cfg["micro_batches"]:
             simulated = schedules.simulated_idle(name, stages, m, chunks_per_rank)
             peak = None
-            for emulated_ms in (0.0, cfg["emulate_ms"]):   # real compute, then emulated: warm by then
+            # Real compute, then emulated (warm by then).
+            for emulated_ms in (0.0, cfg["emulate_ms"]):
                 passes = cfg["iters"]
                 if emulated_ms == 0.0:
                     passes += cfg["warmup"]
