@@ -93,10 +93,12 @@ if __name__ == "__main__":
 
     moe_module = load("expert_parallel", "expert_parallel")  # the algorithm alone, no main()
     torch.manual_seed(0)
-    moe, x = moe_module.MoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0), torch.randn(2, 5, 8)
+    moe = moe_module.MoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0)
     layer = moe_module.ExpertParallelMoE(moe)  # one rank: every expert here, exchanges to itself
     assert list(layer.experts) == ["0", "1", "2", "3"]
-    x_ref, x_ep = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    x = torch.randn(2, 5, 8)
+    x_ref = x.clone().requires_grad_(True)
+    x_ep = x.clone().requires_grad_(True)
     (moe(x_ref).square().mean() + moe.aux_loss).backward()
     (layer(x_ep).square().mean() + layer.aux_loss).backward()
     assert layer.dropped == moe.dropped and torch.equal(layer.aux_loss, moe.aux_loss)

@@ -119,10 +119,14 @@ def keep_within_capacity(experts: torch.Tensor, num_experts: int,
 
 
 def route(logits: torch.Tensor, top_k: int, capacity: int | None) -> Routing:
-    """Softmax over all experts, the top_k most probable, gates renormalised, then capacity."""
+    """Softmax over all experts, the top_k most probable, gates renormalised, then capacity.
+
+    The renormalised gates p_i / sum_{j in top_k} p_j are a softmax over the top_k logits alone
+    (the full softmax's denominator cancels), computed so: with top_k = 1 the gate is exactly 1
+    and its gradient exactly 0, where p / p would leave rounding noise in the router's gradient."""
     probs = torch.softmax(logits, dim=-1)                          # [tokens, E]
-    top_probs, experts = probs.topk(top_k, dim=-1)                 # [tokens, top_k] each
-    gates = top_probs / top_probs.sum(dim=-1, keepdim=True)        # each row sums to 1
+    top_logits, experts = logits.topk(top_k, dim=-1)               # [tokens, top_k] each
+    gates = torch.softmax(top_logits, dim=-1)                      # each row sums to 1
     kept = keep_within_capacity(experts, probs.shape[-1], capacity)
     return Routing(probs, experts, gates, kept)
 
