@@ -4,8 +4,9 @@ In this process: the routing rules (capacity, priority, drops) on a hand-made ro
 reference MoE against a token-by-token sum, the load-balancing loss's exact values, bad
 arguments. One launch per world size (2 and 4, E = 2W) runs the script's own checks (every
 routing, top-1/top-2, dropless and capacity, identity experts, bytes, parameters held, the LM
-with EP and EP x DP) and its benchmark (W = 2, tiny), then the negative controls: each planted
-bug below must fail the check that is there to catch it, with the same verdict on every rank.
+with EP, and at 4 ranks EP 2 x DP 2), then the negative controls: each planted bug below must
+fail the check that is there to catch it, with the same verdict on every rank (at W = 2, and
+the EP x DP one at W = 4); the W = 2 launch also runs a small --bench.
 """
 
 import copy
@@ -191,6 +192,12 @@ class SendsDropped(ep.ExpertParallelMoE):
         return super().sort_by_destination(everything)
 
 
+class IgnoresCapacity(ep.ExpertParallelMoE):
+    def __init__(self, moe, group=None):
+        super().__init__(moe, group)
+        self.capacity_factor = None                  # routes dropless whatever the MoE says
+
+
 class KeepsAllExperts(ep.ExpertParallelMoE):
     def __init__(self, moe, group=None):
         super().__init__(moe, group)
@@ -223,16 +230,19 @@ def expect_caught(ctx, failures, *needles):
 # --------------------------------------------------------------------------- the launches
 
 
-def worker(ctx, with_bench: bool):
+def worker(ctx):
     cfg = {**CFG, "num_experts": 2 * ctx.world_size, **BENCH}
     with pytest.raises(ValueError, match=f"{ctx.world_size + 1} experts cannot be split evenly"):
         ep.ExpertParallelMoE(ep.MoE(8, 16, ctx.world_size + 1))
     run.verify_main(ctx, cfg)       # every check of the script; raises on every rank on failure
-
     layer = ep.ExpertParallelMoE(run.build_moe(cfg, case("random", 2, None), ctx.device))
     assert list(layer.experts) == [str(2 * ctx.rank), str(2 * ctx.rank + 1)]
     assert [p.shape for p in layer.parameters()][0] == (cfg["num_experts"], cfg["d_model"])
-
+    if ctx.world_size == 4:         # the one planted bug that needs EP x DP
+        expect_caught(ctx, run.check_lm(ctx, cfg, 2, sync_replicated_only)[1],
+                      "mlp.experts", "grad differs", "experts' copy 1 (against copy 0) not bitwise")
+        return
+    # The other planted bugs, once (W = 2): each check they must fail is the same at any W.
     random_top2 = case("random", 2, None)
     for bug, which, needles in [
             (ForgetsGates, random_top2, ["output differs"]),
@@ -242,7 +252,9 @@ def worker(ctx, with_bench: bool):
                                                             "expert 0 0.weight grad differs"]),
             (NotDividedByW, case("skewed", 2, 1.25), ["expert 0 2.bias grad differs"]),
             (OffByAThousandth, case("random", 1, 1.0), ["expert 0 2.bias grad differs"]),
-            (SendsDropped, case("skewed", 1, 1.0), ["output differs"])]:
+            (SendsDropped, case("skewed", 1, 1.0), ["output differs"]),
+            (IgnoresCapacity, case("skewed", 1, 1.0), ["the most tokens kept by one expert is",
+                                                      "dropped is 0, expected"])]:
         row, failures = run.check_layer(ctx, cfg, which, layer_class=bug)
         expect_caught(ctx, failures, *needles)
     expect_caught(ctx, run.check_identity(ctx, cfg, 2, None, layer_class=ForgetsGates),
@@ -253,19 +265,13 @@ def worker(ctx, with_bench: bool):
                   "expert parameter bytes held x W")
     expect_caught(ctx, run.check_lm(ctx, cfg, ctx.world_size, sync_every_parameter)[1],
                   "grad differs", "after 3 steps")
-    if ctx.world_size == 4:
-        expect_caught(ctx, run.check_lm(ctx, cfg, 2, sync_replicated_only)[1],
-                      "mlp.experts", "grad differs", "experts bitwise equal")
-    if with_bench:
-        run.bench_main(ctx, {**cfg, "d_model": 16, "d_ff": 32})
+    run.bench_main(ctx, {**cfg, "d_model": 16, "d_ff": 32})
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_expert_parallel_checks_and_negative_controls(world_size):
-    with_bench = world_size == 2
-    launch.launch(worker, launch.LaunchConfig(world_size, "gloo", "cpu"), with_bench,
-                  timeout_s=240)
-    if with_bench:
+    launch.launch(worker, launch.LaunchConfig(world_size, "gloo", "cpu"), timeout_s=240)
+    if world_size == 2:             # the small --bench ran: its CSV
         rows = results.read_csv("expert_parallel.csv")
         steps = [r for r in rows if r["measure"] == "step"]
         loads = [r for r in rows if r["measure"] == "load"]
