@@ -2,7 +2,8 @@
 of its own and, in one fresh interpreter with nothing of the repo on the path, imported from
 there and used (on a one-rank Gloo group; two spawned ranks for the rings). From such a lone
 copy, the script's demo says in one line that it needs the repository. Stage 07's measure/counters.py
-is support, not a script: its counters are checked to work alone too. (One interpreter for
+is support, not a script: its counters are checked to work alone too, and so is 07's
+expert_parallel.py (the algorithm; its runnable script lives beside it). (One interpreter for
 all of them: each one costs seconds of torch import on a small machine.)"""
 
 import shutil
@@ -89,6 +90,23 @@ if __name__ == "__main__":
         dist.all_reduce(torch.ones(10))
     assert [(c["op"], c["payload_bytes"]) for c in comm.calls] == [("all_reduce", 40)], comm.calls
     assert "common" not in sys.modules, "07's counters imported the repository's common"
+
+    moe_module = load("expert_parallel", "expert_parallel")  # the algorithm alone, no main()
+    torch.manual_seed(0)
+    moe = moe_module.MoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0)
+    layer = moe_module.ExpertParallelMoE(moe)  # one rank: every expert here, exchanges to itself
+    assert list(layer.experts) == ["0", "1", "2", "3"]
+    x = torch.randn(2, 5, 8)
+    x_ref = x.clone().requires_grad_(True)
+    x_ep = x.clone().requires_grad_(True)
+    (moe(x_ref).square().mean() + moe.aux_loss).backward()
+    (layer(x_ep).square().mean() + layer.aux_loss).backward()
+    assert layer.dropped == moe.dropped and torch.equal(layer.aux_loss, moe.aux_loss)
+    assert torch.allclose(x_ep.grad, x_ref.grad, atol=1e-6)
+    for index, expert in layer.experts.items():
+        for got, want in zip(expert.parameters(), moe.experts[int(index)].parameters()):
+            assert torch.allclose(got.grad, want.grad, atol=1e-6), index
+    assert "common" not in sys.modules, "expert_parallel imported the repository's common"
     dist.destroy_process_group()
 
     for name, module in modules.items():  # the demo, run from a lone copy: one line
@@ -115,6 +133,9 @@ def test_every_stage_file_works_copied_alone(tmp_path):
         modules.append((folder, name[:-3]))
     (tmp_path / "measure").mkdir()
     shutil.copy(REPO / "07_parallelism" / "measure" / "counters.py", tmp_path / "measure")  # no main()
+    (tmp_path / "expert_parallel").mkdir()
+    shutil.copy(REPO / "07_parallelism" / "06_expert_parallel" / "expert_parallel.py",
+                tmp_path / "expert_parallel")  # no main() either: its script is run_expert_parallel.py
     (tmp_path / "check.py").write_text(f"MODULES = {modules!r}\n" + textwrap.dedent(CHECK))
     r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240,
