@@ -70,7 +70,8 @@ test: install
 	$(PYTHON) 07_parallelism/01_zero/zero.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/02_fsdp/fsdp.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/03_tensor_parallel/tensor_parallel.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/04_pipeline_parallel/pipeline_parallel.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/04_pipeline_parallel/run_pipeline.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/06_expert_parallel/run_expert_parallel.py --backend gloo --device cpu --world-size 4
 
 # The algorithm part of a stage file: from its imports to the harness marker.
 ALGORITHM = sed -n '/^from __future__/,/^\# -* harness/p'

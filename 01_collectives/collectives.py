@@ -225,27 +225,37 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
     n, r = world_size, rank
     # NCCL moves GPU tensors only; Gloo runs every collective here on CPU tensors.
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
-    T = lambda *values: torch.tensor(values, dtype=torch.float32, device=dev)  # noqa: E731
+
+    def T(*values) -> torch.Tensor:  # T(1.0, 2.0): a float32 tensor of these values on dev
+        return torch.tensor(values, dtype=torch.float32, device=dev)
+
     if r == 0:
         print(f"{n} ranks, {backend}, tensors on {dev}\n{'collective':<25} {'memory':<46} "
               f"every rank's tensor before -> after", flush=True)
 
-    t = T(10.0 * r); before = t.clone(); dist.broadcast(t, src=0)  # noqa: E702
+    t = T(10.0 * r)
+    before = t.clone()
+    dist.broadcast(t, src=0)
     assert t.tolist() == [0.0]
     _show(r, n, "broadcast(src=0)", before, t, "in place")
 
-    t = T(r + 1.0); before = t.clone(); dist.reduce(t, dst=0)  # noqa: E702
+    t = T(r + 1.0)
+    before = t.clone()
+    dist.reduce(t, dst=0)
     assert r != 0 or t.item() == n * (n + 1) / 2  # only dst is promised the sum
     _show(r, n, "reduce(dst=0, SUM)", before, t if r == 0 else None,
           "in place; others' tensors undefined")
 
     for op, want in [(dist.ReduceOp.SUM, n * (n + 1) / 2), (dist.ReduceOp.MAX, n),
                      (dist.ReduceOp.PRODUCT, float(torch.arange(1, n + 1).prod()))]:
-        t = T(r + 1.0); before = t.clone(); dist.all_reduce(t, op=op)  # noqa: E702
+        t = T(r + 1.0)
+        before = t.clone()
+        dist.all_reduce(t, op=op)
         assert t.item() == want
         _show(r, n, f"all_reduce({str(op).split('.')[-1]})", before, t, "in place")
 
-    t = T(r); parts = [torch.empty_like(t) for _ in range(n)]  # noqa: E702
+    t = T(r)
+    parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t)
     assert [p.item() for p in parts] == list(range(n))
     _show(r, n, "all_gather", t, parts, "output: world_size x input, everywhere")
@@ -254,22 +264,26 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
     assert flat.tolist() == list(range(n))
     _show(r, n, "all_gather (one tensor)", t, flat, "same, one contiguous output")
 
-    t = T(r * 2.0); parts = [torch.empty_like(t) for _ in range(n)] if r == 0 else None  # noqa: E702
+    t = T(r * 2.0)
+    parts = [torch.empty_like(t) for _ in range(n)] if r == 0 else None
     dist.gather(t, gather_list=parts, dst=0)
     assert r != 0 or [p.item() for p in parts] == [2.0 * q for q in range(n)]
     _show(r, n, "gather(dst=0)", t, parts, "world_size x input on dst only")
 
     pieces = [T(100.0 * q) for q in range(n)] if r == 0 else None
-    t = torch.empty(1, device=dev); dist.scatter(t, scatter_list=pieces, src=0)  # noqa: E702
+    t = torch.empty(1, device=dev)
+    dist.scatter(t, scatter_list=pieces, src=0)
     assert t.item() == 100.0 * r
     _show(r, n, "scatter(src=0)", pieces, t, "world_size x output on src only")
 
-    t = T(*[10.0 * r + j for j in range(n)]); out = torch.empty(1, device=dev)  # noqa: E702
+    t = T(*[10.0 * r + j for j in range(n)])
+    out = torch.empty(1, device=dev)
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, t)  # (older too)
     assert out.item() == 10.0 * n * (n - 1) / 2 + n * r  # sum over q of chunk r = 10q + r
     _show(r, n, "reduce_scatter", t, out, "input world_size x output; half an all-reduce")
 
-    out = torch.empty(n, device=dev); dist.all_to_all_single(out, t)  # noqa: E702
+    out = torch.empty(n, device=dev)
+    dist.all_to_all_single(out, t)
     assert out.tolist() == [10.0 * q + r for q in range(n)]  # rank q's chunk r comes to r
     _show(r, n, "all_to_all", t, out, "a transpose across ranks; in and out same size")
 
@@ -279,9 +293,11 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
         right, left = (r + 1) % n, (r - 1) % n
         got = torch.empty(1, device=dev)
         if r % 2 == 0:  # blocking calls round a ring: half send first, half receive first
-            dist.send(T(r), right); dist.recv(got, left)  # noqa: E702
+            dist.send(T(r), right)
+            dist.recv(got, left)
         else:
-            dist.recv(got, left); dist.send(T(r), right)  # noqa: E702
+            dist.recv(got, left)
+            dist.send(T(r), right)
         assert got.item() == left
         _show(r, n, "send/recv (to the right)", T(r), got, "one buffer per message")
         got = torch.empty(1, device=dev)
@@ -292,7 +308,8 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
 
     evens = list(range(0, n, 2))
     group = dist.new_group(ranks=evens)  # every rank calls new_group, member or not
-    t = T(r + 1.0); before = t.clone()  # noqa: E702
+    t = T(r + 1.0)
+    before = t.clone()
     if r in evens:
         dist.all_reduce(t, group=group)
     assert t.item() == (sum(q + 1.0 for q in evens) if r in evens else r + 1.0)

@@ -142,7 +142,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         Step("tp", "07 tensor parallel, 2 ranks",
              ["07_parallelism/03_tensor_parallel/tensor_parallel.py", "--world-size", "2", *where, *tp], caps["tp"]),
         Step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
-             ["07_parallelism/04_pipeline_parallel/pipeline_parallel.py", "--world-size", str(pp_ws), *where, *pp,
+             ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", str(pp_ws), *where, *pp,
               "--micro-batches", "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2",
               "--warmup", "1", "--iters", "3"], caps["pp"]),
         Step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",

@@ -2,7 +2,8 @@
 of its own and, in one fresh interpreter with nothing of the repo on the path, imported from
 there and used (on a one-rank Gloo group; two spawned ranks for the rings). From such a lone
 copy, the script's demo says in one line that it needs the repository. Stage 07's measure/counters.py
-is support, not a script: its counters are checked to work alone too. (One interpreter for
+is support, not a script: its counters are checked to work alone too, and so is 07's
+expert_parallel.py (the algorithm; its runnable script lives beside it). (One interpreter for
 all of them: each one costs seconds of torch import on a small machine.)"""
 
 import shutil
@@ -89,6 +90,23 @@ if __name__ == "__main__":
         dist.all_reduce(torch.ones(10))
     assert [(c["op"], c["payload_bytes"]) for c in comm.calls] == [("all_reduce", 40)], comm.calls
     assert "common" not in sys.modules, "07's counters imported the repository's common"
+
+    moe_module = load("expert_parallel", "expert_parallel")  # the algorithm alone, no main()
+    torch.manual_seed(0)
+    moe = moe_module.MoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0)
+    layer = moe_module.ExpertParallelMoE(moe)  # one rank: every expert here, exchanges to itself
+    assert list(layer.experts) == ["0", "1", "2", "3"]
+    x = torch.randn(2, 5, 8)
+    x_ref = x.clone().requires_grad_(True)
+    x_ep = x.clone().requires_grad_(True)
+    (moe(x_ref).square().mean() + moe.aux_loss).backward()
+    (layer(x_ep).square().mean() + layer.aux_loss).backward()
+    assert layer.dropped == moe.dropped and torch.equal(layer.aux_loss, moe.aux_loss)
+    assert torch.allclose(x_ep.grad, x_ref.grad, atol=1e-6)
+    for index, expert in layer.experts.items():
+        for got, want in zip(expert.parameters(), moe.experts[int(index)].parameters()):
+            assert torch.allclose(got.grad, want.grad, atol=1e-6), index
+    assert "common" not in sys.modules, "expert_parallel imported the repository's common"
     dist.destroy_process_group()
 
     for name, module in modules.items():  # the demo, run from a lone copy: one line
@@ -115,8 +133,138 @@ def test_every_stage_file_works_copied_alone(tmp_path):
         modules.append((folder, name[:-3]))
     (tmp_path / "measure").mkdir()
     shutil.copy(REPO / "07_parallelism" / "measure" / "counters.py", tmp_path / "measure")  # no main()
+    (tmp_path / "expert_parallel").mkdir()
+    shutil.copy(REPO / "07_parallelism" / "06_expert_parallel" / "expert_parallel.py",
+                tmp_path / "expert_parallel")  # no main() either: its script is run_expert_parallel.py
     (tmp_path / "check.py").write_text(f"MODULES = {modules!r}\n" + textwrap.dedent(CHECK))
     r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240,
                        env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
     assert r.returncode == 0 and "copy ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- 07's pipeline lesson
+# Its executor needs the schedules beside it, so the lesson is copied as a folder; each file
+# copied alone either works (the schedules, the plain 1F1B loops) or says in one line which
+# file is missing and that the folder goes whole (the executor, the script).
+
+PIPELINE = "07_parallelism/04_pipeline_parallel"
+PIPELINE_FILES = ["one_f_one_b.py", "pipeline_parallel.py", "pipeline_schedules.py",
+                  "run_pipeline.py"]
+
+PIPELINE_CHECK = r'''
+import ast, importlib, os, sys, tempfile
+import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
+
+LESSON = ("one_f_one_b", "pipeline_parallel", "pipeline_schedules", "run_pipeline")
+
+
+def fresh_import(folder, name):
+    """Import ``name`` from ``folder`` alone: the lesson's modules forgotten, only that folder."""
+    for module in LESSON:
+        sys.modules.pop(module, None)
+    for path in [p for p in sys.path if p.endswith(("_alone", "whole"))]:
+        sys.path.remove(path)
+    sys.path.insert(0, os.path.abspath(folder))
+    module = importlib.import_module(name)
+    assert os.path.dirname(module.__file__) == os.path.abspath(folder), module.__file__
+    return module
+
+
+def one_line(text):
+    return text.strip() and "\n" not in text.strip()
+
+
+def reference(x, y):
+    model = pp.build_model(4, 8, 16, linear=nn.Linear)
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return model, loss.item()
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
+
+    # The executor alone: one line, naming the missing file, saying the folder goes whole.
+    try:
+        fresh_import("executor_alone", "pipeline_parallel")
+        raise SystemExit("pipeline_parallel.py imported without pipeline_schedules.py")
+    except ModuleNotFoundError as e:
+        assert one_line(str(e)) and "pipeline_schedules.py" in str(e) and "whole" in str(e), e
+    # The script alone: one line too (it exits, as a script does).
+    try:
+        fresh_import("script_alone", "run_pipeline")
+        raise SystemExit("run_pipeline.py imported without its lesson")
+    except SystemExit as e:
+        message = str(e.code)
+        assert one_line(message) and ".py is missing" in message and "whole" in message, message
+
+    # The schedules alone: plain Python, no torch.
+    ps = fresh_import("schedules_alone", "pipeline_schedules")
+    tree = ast.parse(open(ps.__file__).read())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert imported <= {"__future__", "dataclasses"}, imported
+    ps.check_setting("zbh1", 4, 8, layers=8, batch=64)
+    assert "rank 3 | .  .  .  F0 B0" in ps.describe("zbh1", 4, 8)
+
+    # The plain 1F1B loops alone, on one rank: the gradients and loss of one process.
+    plain = fresh_import("loops_alone", "one_f_one_b")
+    torch.manual_seed(0)
+    ref_model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    ref_loss = F.mse_loss(ref_model(x), y)
+    ref_loss.backward()
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    model.load_state_dict(ref_model.state_dict())
+    stage = plain.Stage(model, (2, 8), torch.device("cpu"), F.mse_loss, micro_batches=3)
+    out = plain.one_f_one_b(stage, list(x.chunk(3)), list(y.chunk(3)))
+    assert abs(out["loss"] - ref_loss.item()) < 1e-5 and out["peak_held"] == 1, out
+    for q, w in zip(model.parameters(), ref_model.parameters()):
+        assert torch.allclose(q.grad, w.grad, atol=1e-6)
+
+    # The folder whole: every schedule on one rank equals one process, on the default group
+    # and on an explicit pipeline group; the script says in one line it needs the repository.
+    pp = fresh_import("whole", "pipeline_parallel")
+    ps = importlib.import_module("pipeline_schedules")
+    assert os.path.dirname(ps.__file__) == os.path.abspath("whole")
+    ref, ref_loss = reference(x, y)
+    group = dist.new_group([0])
+    for name, v, on_group in (("gpipe", 1, None), ("1f1b", 1, group), ("zbh1", 1, None),
+                              ("interleaved", 2, group)):
+        model = pp.build_model(4, 8, 16)
+        chunks = [model[r.start:r.stop] for r in pp.chunk_layers(4, 1, 0, v)]
+        out = pp.run_schedule(chunks, ps.all_ranks(name, 1, 3, v), list(x.chunk(3)),
+                              list(y.chunk(3)), (2, 8), torch.device("cpu"), group=on_group)
+        assert abs(out["loss"] - ref_loss) < 1e-5, (name, out)
+        for q, w in zip(model.parameters(), ref.parameters()):
+            assert torch.allclose(q.grad, w.grad, atol=1e-6), name
+    script = importlib.import_module("run_pipeline")
+    try:
+        script.main(["--help"])
+        raise SystemExit("run_pipeline.py --help ran without the repository")
+    except SystemExit as e:
+        message = str(e.code)
+    assert "repository" in message and one_line(message), message
+    dist.destroy_process_group()
+    print("pipeline copy ok")
+'''
+
+
+def test_pipeline_lesson_copied_alone_and_whole(tmp_path):
+    lesson = REPO / PIPELINE
+    for folder, files in [("executor_alone", ["pipeline_parallel.py"]),
+                          ("script_alone", ["run_pipeline.py"]),
+                          ("schedules_alone", ["pipeline_schedules.py"]),
+                          ("loops_alone", ["one_f_one_b.py"]),
+                          ("whole", PIPELINE_FILES + ["README.md"])]:
+        (tmp_path / folder).mkdir()
+        for name in files:
+            shutil.copy(lesson / name, tmp_path / folder)
+    assert sorted(p.name for p in lesson.glob("*.py")) == PIPELINE_FILES  # a new file: add it
+    (tmp_path / "check.py").write_text(PIPELINE_CHECK)
+    r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=240,
+                       env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0 and "pipeline copy ok" in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]

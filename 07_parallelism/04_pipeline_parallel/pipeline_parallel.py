@@ -1,51 +1,85 @@
-"""Stage 07: pipeline parallelism. Split the model's layers across ranks, stream micro-batches.
+"""Stage 07, lesson 4: pipeline parallelism, the executor that runs any schedule.
 
-Tensor parallelism splits every layer; pipeline parallelism splits the *stack*: each of p
-ranks holds some layers, an activation goes rank 0 -> 1 -> ... -> p-1 by point-to-point
-sends and its gradient comes back. The batch is cut into m micro-batches so that several
-ranks work at once; their gradients add up to exactly the whole batch's. Ranks still idle
-while the pipe fills and drains (the bubble); four schedules trade it against memory:
+Read ``one_f_one_b.py`` first: 1F1B as three loops over sends and receives. This file
+generalises it in three ways.
 
-* GPipe: all forwards, then all backwards; idle (p-1)/(m+p-1), holds m micro-batches.
-* 1F1B: the same idle, holds at most p (each backward frees one before a forward stores one).
-* interleaved 1F1B: v chunks of layers per rank; idle (p-1)/(vm+p-1).
-* ZB-H1 (zero bubble): the backward split into B, the input's gradient that the previous
-  stage waits for, and W, the weight gradients nobody waits for, which fill the bubble: idle
-  (p-1)/(3m+p-1) with equal F, B, W. ``DeferredLinear``'s backward returns the input's
-  gradient and keeps (input, output gradient) for W to turn into weight gradients later.
+1. The order of work is data. ``pipeline_schedules.py`` (no torch) gives every rank its list
+   of ``Step``s for four schedules (p stages, m micro-batches, v chunks per rank):
 
-The schedules are data (pipeline_schedules.py, no torch: checks, unit-time simulator, text
-timelines); ``run_schedule`` executes any of them. ``--emulate-ms`` turns each step into a
-fixed wait, so the measured bubble tests the executor against the simulation on any box.
+   * GPipe: all forwards, then all backwards; idle (p-1)/(m+p-1), holds m micro-batches.
+   * 1F1B: the same idle, holds at most p (each backward frees one before a forward stores one).
+   * interleaved 1F1B: v chunks of layers per rank; idle (p-1)/(vm+p-1).
+   * ZB-H1 (zero bubble): the backward split into B, the input's gradient that the previous
+     stage waits for, and W, the weight gradients nobody waits for, which fill the bubble:
+     idle (p-1)/(3m+p-1) with equal F, B, W.
 
-Run:  python 07_parallelism/04_pipeline_parallel/pipeline_parallel.py                   # 4 stages, m = 8, gloo/cpu
-      python 07_parallelism/04_pipeline_parallel/pipeline_parallel.py --micro-batches 4,8,16 --emulate-ms 50
-      torchrun --nproc-per-node=4 07_parallelism/04_pipeline_parallel/pipeline_parallel.py
+   ``run_schedule`` executes any such list, one step at a time, in named parts: post the
+   messages planned before the step, wait for the step's input, then forward one
+   micro-batch (F), backward one (B) or compute one's weight gradients (W), and hand the
+   output to the send that the plan posts next.
 
-The algorithm (above the harness) needs torch and pipeline_schedules.py: copy both files.
+2. The messages are planned (``pipeline_schedules.p2p_plan``): sends and receives are posted
+   in groups, each one ``batch_isend_irecv``, in an order that cannot deadlock even where a
+   send waits for its receive (NCCL); a receive is posted early and waited for right before
+   its step.
+
+3. ZB-H1's split backward. ``DeferredLinear`` is an ``nn.Linear`` whose backward returns the
+   input's gradient, dL/dx = dL/dy W (B), and leaves (x, dL/dy) in a store for W to turn
+   into dL/dW = dL/dy^T x and dL/db = sum(dL/dy) later: real work moved in time, not a
+   second backward. Layers of other kinds get their weight gradients in B, as usual.
+
+Loss scaling. The last stage computes ``loss_fn(output, target) / m`` for each micro-batch:
+with a ``loss_fn`` that averages over its micro-batch and equal micro-batches, the m
+backwards add up in ``.grad`` to the gradient of the mean loss over the whole batch, which
+is what one process computes. Data-parallel replicas, if any, average on top of that.
+
+``emulate_s`` > 0 turns every F, B and W into a wait of that many seconds while the messages
+and their order stay real: the measured idle share then tests the executor against the
+schedule's unit-time simulation on any machine.
+
+Use it (this file needs torch and ``pipeline_schedules.py``: copy the folder whole):
+
+    import pipeline_schedules as schedules
+    from pipeline_parallel import run_schedule
+    schedule = schedules.all_ranks("1f1b", stages=4, micro_batches=8)   # every rank's steps
+    model_chunk.zero_grad()
+    result = run_schedule(model_chunk, schedule, micro_inputs, micro_targets,
+                          activation_shape=(rows, seq, d_model), device=device,
+                          loss_fn=my_loss, group=pipeline_group)
+    optimizer.step()          # model_chunk's .grad hold the whole batch's gradient
+
+The model below (residual MLP ``Block``s, ``build_model``, ``chunk_layers``) is the lesson's
+demo; a chunk may be any ``nn.Module``: the first may embed token ids, the last may end in
+logits for ``loss_fn``.
 """
 
 from __future__ import annotations
 
-import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-import pipeline_schedules as schedules      # next to this file: the schedules, as data
-FORWARD, BACKWARD, WEIGHT = schedules.FORWARD, schedules.BACKWARD, schedules.WEIGHT
+try:
+    import pipeline_schedules as schedules      # beside this file: the schedules, as data
+except ModuleNotFoundError as missing:
+    if missing.name != "pipeline_schedules":
+        raise
+    raise ModuleNotFoundError("pipeline_parallel.py needs pipeline_schedules.py beside it: copy "
+                              "the folder 04_pipeline_parallel/ whole", name=missing.name) from None
+
+FORWARD = schedules.FORWARD
+BACKWARD = schedules.BACKWARD
+WEIGHT = schedules.WEIGHT
 
 # --------------------------------------------------------------------------- the model
 
 
 class _LinearDeferredW(torch.autograd.Function):
-    """y = x W^T + b. Backward returns dL/dx = dy W (B) and leaves dL/dW = dy^T x, dL/db =
-    sum(dy) to ``layer.weight_grad`` (W): now, or later from the layer's store."""
+    """y = x W^T + b. Backward returns dL/dx = dL/dy W (B) and leaves dL/dW and dL/db to
+    ``layer.weight_grad`` (W): right away, or later from the layer's store."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
@@ -54,30 +88,42 @@ class _LinearDeferredW(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        if ctx.layer.weight_grad_store is None:
-            ctx.layer.weight_grad(x, dy)                 # W right away: an ordinary backward
+        layer = ctx.layer
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output @ weight              # dL/dx = dL/dy W: [..., in]
+        if layer.weight_grad_store is None:
+            layer.weight_grad(x, grad_output)              # W right away: an ordinary backward
         else:
-            ctx.layer.weight_grad_store.append((ctx.layer, x, dy))   # W later
-        return dx, None, None, None                      # autograd accumulates nothing itself
+            layer.weight_grad_store.append((layer, x, grad_output))   # W later
+        return grad_input, None, None, None                # autograd accumulates nothing itself
+
+
+def _accumulate(parameter: nn.Parameter, grad: torch.Tensor) -> None:
+    if parameter.grad is None:
+        parameter.grad = grad
+    else:
+        parameter.grad.add_(grad)
 
 
 class DeferredLinear(nn.Linear):
     """nn.Linear whose weight gradient can be deferred (same parameters, same init)."""
-    weight_grad_store: list | None = None        # where B leaves W's work; None: W in B
+    weight_grad_store: list | None = None        # where B leaves W's work; None: W inside B
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _LinearDeferredW.apply(x, self.weight, self.bias, self)
 
     @torch.no_grad()
-    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> None:
-        """The W work: accumulate dy^T x into weight.grad and sum(dy) into bias.grad."""
-        dy, x = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        for p, g in ((self.weight, dy.T @ x), (self.bias, dy.sum(0))):
-            if p is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+    def weight_grad(self, x: torch.Tensor, grad_output: torch.Tensor) -> None:
+        """The W work: accumulate dL/dy^T x into weight.grad and sum(dL/dy) into bias.grad."""
+        grad_output = grad_output.reshape(-1, grad_output.shape[-1])   # [rows, out]
+        x = x.reshape(-1, x.shape[-1])                                 # [rows, in]
+        if self.weight.requires_grad:
+            _accumulate(self.weight, grad_output.T @ x)                # [out, in]
+        if self.bias is not None and self.bias.requires_grad:
+            _accumulate(self.bias, grad_output.sum(0))                 # [out]
 
 
 def set_weight_grad_store(module: nn.Module, store: list | None) -> None:
@@ -92,7 +138,8 @@ class Block(nn.Module):
 
     def __init__(self, d_model: int, hidden: int, linear=DeferredLinear):
         super().__init__()
-        self.fc1, self.fc2 = linear(d_model, hidden), linear(hidden, d_model)
+        self.fc1 = linear(d_model, hidden)
+        self.fc2 = linear(hidden, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(x)))
@@ -102,7 +149,8 @@ def build_model(layers: int, d_model: int, hidden: int, seed: int = 0,
                 linear=DeferredLinear) -> nn.Sequential:
     """The whole stack, the same on every rank for a given seed (and either linear class)."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[Block(d_model, hidden, linear) for _ in range(layers)])
+    blocks = [Block(d_model, hidden, linear) for _ in range(layers)]
+    return nn.Sequential(*blocks)
 
 
 def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1) -> list[range]:
@@ -110,242 +158,268 @@ def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1) -> list[r
     stages"), piece c*p + r on rank r as its chunk c (v = 1: one contiguous share per rank)."""
     if layers % (stages * chunks):
         raise ValueError(f"{layers} layers do not split into {stages} stages x {chunks} chunks")
-    per = layers // (stages * chunks)
-    return [range(s * per, (s + 1) * per) for s in (c * stages + rank for c in range(chunks))]
+    per_piece = layers // (stages * chunks)
+    pieces = []
+    for chunk in range(chunks):
+        virtual_stage = chunk * stages + rank
+        pieces.append(range(virtual_stage * per_piece, (virtual_stage + 1) * per_piece))
+    return pieces
 
 
 # --------------------------------------------------------------------------- the executor
 
 
+def _synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a clock read afterwards means something."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class ScheduleRunner:
+    """One rank running its steps of a schedule: its chunks, what it holds between steps,
+    and the messages in flight. ``run_schedule`` drives it one step at a time."""
+
+    def __init__(self, chunks, schedule: list[list[schedules.Step]], micro_inputs, micro_targets,
+                 activation_shape, device: torch.device, loss_fn, emulate_s: float, group,
+                 dtype: torch.dtype):
+        if isinstance(chunks, nn.Module):
+            chunks = [chunks]
+        self.chunks = list(chunks)
+        self.group = group
+        self.rank = dist.get_rank(group)                  # this rank's place in the pipeline
+        if self.rank < 0:
+            raise ValueError(f"rank {dist.get_rank()} is not in the pipeline group it was given")
+        self.stages = len(schedule)
+        if self.stages != dist.get_world_size(group):
+            raise ValueError(f"the schedule has {self.stages} stages but the pipeline group has "
+                             f"{dist.get_world_size(group)} ranks")
+        # A broken schedule (an F after its B, a wrong peer, a message received out of
+        # order) is refused here, alike on every rank, before any message is posted.
+        schedules.check_order(schedule)
+        self.steps = schedule[self.rank]
+        self.plan = schedules.p2p_plan(schedule)[self.rank]   # [k]: message groups before step k
+        self.micro_batches = 0
+        for step in self.steps:
+            if step.op == FORWARD and step.chunk == 0:
+                self.micro_batches += 1
+        chunks_in_schedule = 1 + max(step.chunk for step in self.steps)
+        if len(self.chunks) != chunks_in_schedule:
+            raise ValueError(f"rank {self.rank}: {len(self.chunks)} model chunk(s) given, the "
+                             f"schedule runs {chunks_in_schedule}")
+        self.micro_inputs = micro_inputs                  # the first stage's data, else None
+        self.micro_targets = micro_targets                # the last stage's targets, else None
+        self.activation_shape = tuple(activation_shape)   # what crosses every stage boundary
+        self.dtype = dtype
+        self.device = device
+        self.loss_fn = loss_fn
+        if not 0 <= emulate_s <= 3600:
+            raise ValueError(f"emulate_s={emulate_s}: a wait per step of 0 to 3600 seconds")
+        self.emulate_s = emulate_s
+        self.nccl = dist.get_backend(group) == "nccl"
+        if self.nccl:
+            self.wire = device                            # NCCL sends GPU memory
+        else:
+            self.wire = torch.device("cpu")               # Gloo sends through CPU memory
+        self.defer_weight_grads = any(step.op == WEIGHT for step in self.steps)
+        # What this rank holds, keyed by (chunk, micro_batch):
+        self.inputs = {}          # the chunk's input; B sends its gradient back
+        self.outputs = {}         # the chunk's output, or the loss on the last stage
+        self.weight_work = {}     # what B left for W: (layer, x, dL/dy) per DeferredLinear
+        # Messages, keyed by schedules.message: (op, micro-batch, virtual stage receiving it).
+        self.inbox = {}           # receive buffers (and, on one rank, messages to itself)
+        self.outbox = {}          # outputs waiting for their planned send
+        self.arriving = {}        # Gloo: posted receives not waited for yet
+        self.sends_in_flight = []     # Gloo: posted sends, waited for at the end
+        self.sent_tensors = []        # kept alive until every send has completed
+        self.placeholder = torch.zeros(self.activation_shape, dtype=dtype, device=device)
+        self.most_held = 0
+        self.loss_sum = torch.zeros((), device=device)
+        self.check_data()
+
+    def check_data(self) -> None:
+        if self.rank == 0 and len(self.micro_inputs or []) != self.micro_batches:
+            raise ValueError(f"rank 0 holds the first stage: it needs micro_inputs, "
+                             f"{self.micro_batches} of them")
+        last = self.stages - 1
+        if self.rank == last and len(self.micro_targets or []) != self.micro_batches:
+            raise ValueError(f"rank {last} holds the last stage: it needs micro_targets, "
+                             f"{self.micro_batches} of them")
+
+    def global_rank(self, peer: int) -> int:
+        """Peers in the schedule are ranks within the pipeline group; P2P ops take global ones."""
+        if self.group is None:
+            return peer
+        return dist.get_global_rank(self.group, peer)
+
+    def post_messages(self, groups: list) -> None:
+        """Post the sends and receives that ``p2p_plan`` puts before this step, each group as
+        one ``batch_isend_irecv``. Nothing waits here."""
+        for group in groups:
+            ops = []
+            for kind, peer, message in group:
+                if kind == "send":
+                    tensor = self.outbox.pop(message)
+                    self.sent_tensors.append(tensor)
+                    ops.append(dist.P2POp(dist.isend, tensor, self.global_rank(peer), self.group))
+                else:
+                    buffer = torch.empty(self.activation_shape, dtype=self.dtype, device=self.wire)
+                    self.inbox[message] = buffer
+                    ops.append(dist.P2POp(dist.irecv, buffer, self.global_rank(peer), self.group))
+            works = dist.batch_isend_irecv(ops)
+            if self.nccl:
+                # One coalesced operation: waiting on it makes this rank's CUDA stream wait
+                # (the host goes on), so every later use of a buffer runs after it.
+                for work in works:
+                    work.wait()
+                continue
+            for index, work in enumerate(works):          # Gloo: one work per operation
+                kind = group[index][0]
+                message = group[index][2]
+                if kind == "recv":
+                    self.arriving[message] = work
+                else:
+                    self.sends_in_flight.append(work)
+
+    def wait_for_input(self, step: schedules.Step) -> torch.Tensor | None:
+        """The tensor a step starts from when a neighbour sends it: an activation (F) or the
+        gradient of the step's output (B). None when it reads the data or the loss, and for W."""
+        if step.recv_from is None:
+            return None
+        message = schedules.message(step, self.rank, self.stages)
+        if message in self.arriving:                       # from another rank
+            self.arriving.pop(message).wait()
+        return self.inbox.pop(message).to(self.device)
+
+    def forward_one(self, step: schedules.Step, received: torch.Tensor | None):
+        """F: one micro-batch through one chunk. Returns the activation to send on, or None
+        on the last stage, where the output becomes the micro-batch's loss / m."""
+        key = (step.chunk, step.micro_batch)
+        if received is None:
+            x = self.micro_inputs[step.micro_batch]        # the data: any dtype, token ids too
+        else:
+            x = received.requires_grad_()                  # B sends its gradient back
+        self.inputs[key] = x
+        if self.emulate_s > 0:
+            self.outputs[key] = self.placeholder           # emulated: bookkeeping only
+            return self.placeholder
+        y = self.chunks[step.chunk](x)
+        if step.send_to is not None:
+            self.outputs[key] = y
+            return y.detach()
+        target = self.micro_targets[step.micro_batch]
+        loss = self.loss_fn(y, target) / self.micro_batches     # the m losses add up to the mean
+        self.loss_sum += loss.detach()
+        self.outputs[key] = loss
+        return None
+
+    def backward_one(self, step: schedules.Step, received: torch.Tensor | None):
+        """B: backpropagate one micro-batch through one chunk, from the gradient of its output
+        (received; None on the last stage: from the loss). Under ZB-H1 the DeferredLinear
+        layers leave their weight gradients for W. Returns dL/d(input) for the previous stage."""
+        key = (step.chunk, step.micro_batch)
+        x = self.inputs.pop(key)
+        y = self.outputs.pop(key)                          # frees all but what W needs
+        if self.emulate_s > 0:
+            if self.defer_weight_grads:
+                self.weight_work[key] = []
+            return self.placeholder
+        chunk = self.chunks[step.chunk]
+        if self.defer_weight_grads:
+            store = []
+            set_weight_grad_store(chunk, store)
+            torch.autograd.backward(y, grad_tensors=received)
+            set_weight_grad_store(chunk, None)
+            self.weight_work[key] = store
+        else:
+            torch.autograd.backward(y, grad_tensors=received)
+        return x.grad                                      # None on the first stage: not sent
+
+    def weight_grad_one(self, step: schedules.Step) -> None:
+        """W: the weight gradients that this micro-batch's B left behind."""
+        key = (step.chunk, step.micro_batch)
+        for layer, x, grad_output in self.weight_work.pop(key):
+            layer.weight_grad(x, grad_output)
+
+    def held(self) -> int:
+        """(chunk, micro-batch) pairs whose tensors this rank holds now: from F to B (to W)."""
+        return len(self.outputs) + len(self.weight_work)
+
+    def hand_on(self, step: schedules.Step, output: torch.Tensor | None) -> None:
+        """Leave a step's output for the send that ``p2p_plan`` posts next (in the inbox when
+        the next virtual stage is on this rank too: one rank, interleaved)."""
+        if output is None or output.shape != self.activation_shape or output.dtype != self.dtype:
+            made = "nothing" if output is None else f"{tuple(output.shape)} {output.dtype}"
+            raise ValueError(f"rank {self.rank}: {step.op}{step.micro_batch} of chunk "
+                             f"{step.chunk} made {made}, but every stage boundary carries "
+                             f"activation_shape {self.activation_shape} {self.dtype}")
+        message = schedules.message(step, self.rank, self.stages, True)
+        on_wire = output.to(self.wire).contiguous()
+        if step.send_to == self.rank:
+            self.inbox[message] = on_wire
+        else:
+            self.outbox[message] = on_wire
+
+    def finish(self) -> None:
+        """Wait for the last sends; refuse a schedule that left work behind."""
+        for work in self.sends_in_flight:
+            work.wait()
+        self.sends_in_flight = []
+        self.sent_tensors = []
+        if self.outputs or self.weight_work or self.inbox or self.outbox:
+            raise RuntimeError(f"rank {self.rank}: the steps left work behind: "
+                               f"{sorted(self.outputs)}, {sorted(self.weight_work)}, "
+                               f"{list(self.inbox)}, {list(self.outbox)}")
+
+
 def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, micro_targets,
                  activation_shape, device: torch.device, loss_fn=F.mse_loss,
-                 emulate_s: float = 0.0) -> dict:
-    """Run this rank's steps of ``schedule`` (all ranks' step lists); gradients accumulate.
+                 emulate_s: float = 0.0, group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype = torch.float32) -> dict:
+    """Run this rank's steps of ``schedule``; the gradients accumulate in the chunks' .grad.
 
-    ``chunks``: the rank's model chunk(s), a module or a list indexed by ``Step.chunk``;
-    ``micro_inputs`` / ``micro_targets``: m tensors on the first / last stage, else None.
-    Each micro-batch's loss is divided by m, so the gradients add up to the mean loss's.
-    ``emulate_s`` > 0: every F, B, W only waits that long (the messages stay real). Returns
-    busy and wall seconds, the most (chunk, micro-batch) pairs held at once, the summed loss.
+    ``chunks``: this rank's model chunk(s), an ``nn.Module`` or a list indexed by
+    ``Step.chunk`` (interleaved: v of them). ``schedule``: every rank's steps
+    (``pipeline_schedules.all_ranks``); peers in it are ranks within ``group``, the pipeline's
+    process group (None: the default group). ``micro_inputs``: the m micro-batches on the
+    rank holding the first stage (group rank 0), else None; ``micro_targets``: their targets
+    on the last (group rank p-1), else None. ``activation_shape`` and ``dtype``: the tensor
+    that crosses every stage boundary, forward (the activation) and backward (its gradient).
+    The last stage adds ``loss_fn(output, target) / m`` per micro-batch. ``emulate_s`` > 0:
+    every F, B, W only waits that long (the messages stay real).
 
-    Messages follow ``p2p_plan``: groups posted as one ``batch_isend_irecv`` each, in an
-    order that cannot deadlock even where a send waits for its receive (NCCL); a receive is
-    waited for right before its step. Gloo sends through CPU memory: tensors go there.
+    Returns ``busy_s`` (seconds computing), ``total_s`` (the pass, barrier to barrier),
+    ``peak_held`` (most (chunk, micro-batch) pairs held at once) and ``loss`` (the batch's
+    mean loss on the last stage's rank, 0.0 elsewhere).
     """
-    chunks = [chunks] if isinstance(chunks, nn.Module) else list(chunks)
-    rank, p, nccl = dist.get_rank(), len(schedule), dist.get_backend() == "nccl"
-    steps, plan = schedule[rank], schedules.p2p_plan(schedule)[rank]
-    m = sum(s.op == FORWARD and s.chunk == 0 for s in steps)
-    comm_device = device if nccl else torch.device("cpu")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    defer = any(s.op == WEIGHT for s in steps)   # ZB: B leaves the weight gradients to W
-    inputs, outputs, stored = {}, {}, {}         # (chunk, micro-batch) -> x / y / W's work
-    inbox, outbox, arriving, sends = {}, {}, {}, []   # message -> tensor / tensor / recv work
-    placeholder = torch.zeros(activation_shape, device=device)
-    peak, busy, loss_sum = 0, 0.0, torch.zeros((), device=device)
-
-    def post(groups):
-        for group in groups:
-            ops = [dist.P2POp(dist.isend, outbox.pop(msg), peer) if kind == "send" else
-                   dist.P2POp(dist.irecv, inbox.setdefault(
-                       msg, torch.empty(activation_shape, device=comm_device)), peer)
-                   for kind, peer, msg in group]
-            for (kind, _, msg), op, work in zip(group, ops, dist.batch_isend_irecv(ops)):
-                if nccl:
-                    work.wait()                  # orders our CUDA stream after it; the host goes on
-                if kind == "recv":
-                    arriving[msg] = work
-                else:
-                    sends.append((work, op.tensor))
-
-    sync()
-    dist.barrier()
+    runner = ScheduleRunner(chunks, schedule, micro_inputs, micro_targets, activation_shape,
+                            device, loss_fn, emulate_s, group, dtype)
+    busy_s = 0.0
+    _synchronize(device)
+    dist.barrier(group=group)
     start = time.perf_counter()
-    for k, step in enumerate(steps):
-        key, chunk = (step.chunk, step.micro_batch), chunks[step.chunk]
-        post(plan[k])
-        msg = schedules.message(step, rank, p)
-        if msg in arriving:                      # from another rank (else from itself, p = 1)
-            arriving.pop(msg).wait()
-        received = inbox.pop(msg).to(device) if step.recv_from is not None else None
-        sync()
-        t0 = time.perf_counter()
-        if emulate_s:
-            time.sleep(emulate_s)                # stands in for the compute below
+    for index, step in enumerate(runner.steps):
+        runner.post_messages(runner.plan[index])
+        received = runner.wait_for_input(step)
+        _synchronize(device)
+        step_start = time.perf_counter()
+        if emulate_s > 0:
+            time.sleep(emulate_s)                          # stands in for the compute
+        output = None
         if step.op == FORWARD:
-            x = micro_inputs[step.micro_batch] if received is None else received.requires_grad_()
-            y = placeholder if emulate_s else chunk(x)
-            if step.send_to is None and not emulate_s:   # last stage: the output becomes the loss
-                y = loss_fn(y, micro_targets[step.micro_batch]) / m
-                loss_sum += y.detach()
-            inputs[key], outputs[key], out = x, y, y.detach()
+            output = runner.forward_one(step, received)
         elif step.op == BACKWARD:
-            x, y, store = inputs.pop(key), outputs.pop(key), []   # frees all but W's tensors
-            if not emulate_s:
-                set_weight_grad_store(chunk, store if defer else None)
-                torch.autograd.backward(y, grad_tensors=received)  # None on the last stage
-                set_weight_grad_store(chunk, None)
-            if defer:
-                stored[key] = store
-            out = placeholder if emulate_s else x.grad
-        else:                                    # W: the weight gradients B left behind
-            for layer, x, dy in stored.pop(key):
-                layer.weight_grad(x, dy)
-        peak = max(peak, len(outputs) + len(stored))
-        sync()
-        busy += time.perf_counter() - t0
+            output = runner.backward_one(step, received)
+        else:
+            runner.weight_grad_one(step)
+        runner.most_held = max(runner.most_held, runner.held())
+        _synchronize(device)
+        busy_s += time.perf_counter() - step_start
         if step.send_to is not None:
-            box = inbox if step.send_to == rank else outbox
-            box[schedules.message(step, rank, p, True)] = out.to(comm_device).contiguous()
-    post(plan[len(steps)])                       # the last sends
-    for work, _ in sends:
-        work.wait()
-    if outputs or stored or inbox or outbox:
-        raise RuntimeError(f"rank {rank}: the steps left work behind: {sorted(outputs)}, "
-                           f"{sorted(stored)}, {list(inbox)}, {list(outbox)}")
-    sync()
-    dist.barrier()                               # the pass ends when the slowest rank ends
-    return {"busy_s": busy, "total_s": time.perf_counter() - start, "peak_held": peak,
-            "loss": loss_sum.item()}
-
-
-# --------------------------------------------------------------------------- harness
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                             "demo and benchmark need the repository around this file (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
-def make_data(batch: int, d_model: int, device: torch.device, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, d_model, generator=g).to(device) for _ in range(2)]
-
-
-def reference_grads(cfg: dict, device: torch.device) -> list[list[torch.Tensor]]:
-    """Per layer: the gradients of one process on the whole batch, plain nn.Linear."""
-    model = build_model(cfg["layers"], cfg["d_model"], cfg["hidden"], linear=nn.Linear)
-    x, target = make_data(cfg["batch"], cfg["d_model"], device)
-    F.mse_loss(model.to(device)(x), target).backward()
-    return [[p.grad.clone() for p in block.parameters()] for block in model]
-
-
-def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict, emulate_ms=0.0):
-    """Zero the gradients, run one pass of ``name`` on this rank's chunks of the model."""
-    p, rank, v = ctx.world_size, ctx.rank, cfg["v"][name]
-    x, target = make_data(cfg["batch"], cfg["d_model"], ctx.device)
-    model.zero_grad(set_to_none=True)
-    return run_schedule([model[r.start:r.stop] for r in chunk_layers(cfg["layers"], p, rank, v)],
-                        schedules.all_ranks(name, p, m, v),
-                        list(x.chunk(m)) if rank == 0 else None,
-                        list(target.chunk(m)) if rank == p - 1 else None,
-                        (cfg["batch"] // m, cfg["d_model"]), ctx.device, emulate_s=emulate_ms / 1e3)
-
-
-def pipeline_parallel_main(ctx, cfg: dict) -> None:
-    """Every schedule and m: gradients and memory checked, the bubble measured (real, emulated)."""
-    _repo()
-    from common.timing import gather_times
-    p, rank, problems, rows = ctx.world_size, ctx.rank, [], []
-    # Each rank builds all layers from one seed (same weights, nothing sent), runs its own.
-    model = build_model(cfg["layers"], cfg["d_model"], cfg["hidden"]).to(ctx.device)
-    want = reference_grads(cfg, ctx.device)
-    for name, m in [(name, m) for name in cfg["schedules"] for m in cfg["micro_batches"]]:
-        result, v = pipeline_pass(model, name, ctx, m, cfg), cfg["v"][name]
-        problems += [f"{name} m={m}: layer {i} parameter {k} differs from one process by "
-                     f"{'all' if q.grad is None else (q.grad - w).abs().max().item()}"
-                     for r in chunk_layers(cfg["layers"], p, rank, v) for i in r
-                     for k, (q, w) in enumerate(zip(model[i].parameters(), want[i]))
-                     if q.grad is None or not torch.allclose(q.grad, w, rtol=1e-4, atol=1e-6)]
-        promised = schedules.peak_held(schedules.schedule_steps(name, rank, p, m, v))
-        if result["peak_held"] != promised:
-            problems.append(f"{name} m={m}: held {result['peak_held']}, schedule {promised}")
-        peak = [int(x) for x in gather_times([result["peak_held"]]).rank_medians]
-        for ms in (0.0, cfg["emulate_ms"]):   # real compute, then emulated; warm by then
-            runs = [pipeline_pass(model, name, ctx, m, cfg, ms) for _ in range(
-                cfg["iters"] + (0 if ms else cfg["warmup"]))][-cfg["iters"]:]   # the timed ones
-            idle = gather_times([1 - r["busy_s"] / r["total_s"] for r in runs]).rank_medians
-            sim = schedules.simulated_idle(name, p, m, v)
-            rows.append(dict(schedule=name, m=m, v=v, emulated_ms=ms, peak=peak, idle=idle,
-                             sim=sim, formula=schedules.bubble_formula(name, p, m, v),
-                             gap=max(abs(a - b) for a, b in zip(idle, sim)),
-                             step_ms=gather_times([r["total_s"] for r in runs]).median * 1e3))
-    if ctx.is_main:
-        report(ctx, cfg, rows)
-    if problems:
-        raise AssertionError(f"rank {rank}: pipeline check failed:\n  " + "\n  ".join(problems))
-    ctx.print("gradients match one process for every schedule and m; activations held as "
-              "each schedule says", all_ranks=False)
-
-
-def report(ctx, cfg: dict, rows: list[dict]) -> None:
-    """Rank 0: the table, the emulated-compute verdict, the timelines, the CSV."""
-    from common.results import machine_name, print_table, run_id, upsert_csv
-    p, size = ctx.world_size, {k: cfg[k] for k in ("layers", "d_model", "hidden", "batch")}
-    print(f"Pipeline parallel, {p} stages, " + ", ".join(f"{k} {v}" for k, v in size.items())
-          + f"; {ctx.backend}/{ctx.device.type}, {machine_name()}\n")
-    print_table([{"schedule": r["schedule"], "m": r["m"], "v": r["v"],
-                  "compute": f"emulated {r['emulated_ms']:g} ms" if r["emulated_ms"] else "real",
-                  "idle per rank": " ".join(f"{x:.3f}" for x in r["idle"]),
-                  "simulated": statistics.fmean(r["sim"]), "formula": r["formula"],
-                  "max gap": r["gap"], "step_ms": r["step_ms"],
-                  "peak held per rank": " ".join(map(str, r["peak"]))} for r in rows],
-                f"Idle share per rank (median of {cfg['iters']} passes) beside the unit-time "
-                "simulation and the formula; activations held at once:", floatfmt=".3f")
-    gap = max(r["gap"] for r in rows if r["emulated_ms"])
-    print("\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
-          + (f"yes (largest gap {gap:.3f})" if gap <= 0.05 else f"no, {gap:.3f} (each message's "
-             "delay on a busy box adds to it; a larger --emulate-ms shrinks its share)"))
-    for name in cfg["schedules"]:
-        print("\n" + schedules.describe(name, p, max(cfg["micro_batches"]), cfg["v"][name]))
-    path = upsert_csv("pipeline_bubble.csv", [dict(
-        backend=ctx.backend, device=ctx.device.type, world_size=p, **size, schedule=r["schedule"],
-        micro_batches=r["m"], rank=k, idle_share=r["idle"][k], idle_share_simulated=r["sim"][k],
-        idle_share_formula=r["formula"], peak_held=r["peak"][k], step_ms=r["step_ms"],
-        run_id=run_id(), emulated_ms=r["emulated_ms"], chunks=r["v"], machine=machine_name())
-        for r in rows for k in range(p)], key=["backend", "device", "world_size", *size,
-                                               "schedule", "micro_batches", "chunks",
-                                               "emulated_ms", "rank"])
-    print(f"\nwrote {path}")
-
-
-def main(argv=None) -> None:
-    _repo()
-    from common import launch, results
-    parser, names = launch.make_parser(__doc__, world_size=4), list(schedules.SCHEDULES)
-    for flag, kind, default, text in [
-        ("--layers", launch.positive_int, 8, "residual MLP blocks; must divide by p (x v)"),
-        ("--d-model", launch.positive_int, 256, "activation width"),
-        ("--hidden", launch.positive_int, 1024, "hidden width inside a block"),
-        ("--batch", launch.positive_int, 64, "rows per batch; must divide by every m"),
-        ("--micro-batches", launch.int_list, None, "micro-batch counts m; default: 2p"),
-        ("--schedules", launch.choice_list(names), names, "subset of " + ",".join(names)),
-        ("--chunks", launch.positive_int, 2, "v, model chunks per rank (interleaved only)"),
-        ("--emulate-ms", launch.positive_float, 20.0, "measure also with every F, B, W "
-         "replaced by a wait of this many ms (emulated compute; the messages stay real)"),
-        ("--warmup", launch.non_negative_int, 0, "untimed passes besides the checked one"),
-        ("--iters", launch.positive_int, 3, "timed passes per setting")]:
-        parser.add_argument(flag, type=kind, default=default, help=text)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    p = config.world_size
-    args.micro_batches = args.micro_batches or [2 * p]
-    args.v = {name: args.chunks if name == "interleaved" else 1 for name in args.schedules}
-    for name, m in [(name, m) for name in args.schedules for m in args.micro_batches]:
-        try:
-            schedules.check_setting(name, p, m, args.v[name], args.layers, args.batch)
-        except ValueError as e:
-            launch.usage_error(f"--schedules {name} --micro-batches {m}: {e}")
-    results.check_writable()
-    launch.launch(pipeline_parallel_main, config, vars(args))
-
-
-if __name__ == "__main__":
-    main()
+            runner.hand_on(step, output)
+    runner.post_messages(runner.plan[len(runner.steps)])   # the last sends
+    runner.finish()
+    _synchronize(device)
+    dist.barrier(group=group)                              # the pass ends with its slowest rank
+    total_s = time.perf_counter() - start
+    return {"busy_s": busy_s, "total_s": total_s, "peak_held": runner.most_held,
+            "loss": runner.loss_sum.item()}

@@ -14,6 +14,13 @@ s // p, so a micro-batch visits every rank v times (Narayanan et al., 2021).
 Ops: F forward; B backward (for ZB-H1 only the gradient w.r.t. the stage's input, which the
 previous stage waits for; elsewhere the whole backward); W the weight gradients that ZB-H1
 moves later (Qi et al., 2024), which nobody waits for.
+
+Use it (this file needs Python alone):
+
+    import pipeline_schedules as schedules
+    lists = schedules.all_ranks("zbh1", stages=4, micro_batches=8)   # [rank] -> its Steps
+    schedules.check_order(lists)                   # raises ValueError on a broken schedule
+    print(schedules.describe("zbh1", 4, 8))        # the timeline, idle share and formula
 """
 
 from __future__ import annotations
@@ -41,20 +48,26 @@ class Step:
 def make_step(op: str, rank: int, stages: int, micro_batch: int, chunk: int = 0,
               chunks: int = 1) -> Step:
     """Forward goes virtual stage s -> s+1, backward s -> s-1; stage s is on rank s % p."""
-    s, last = chunk * stages + rank, stages * chunks - 1
-    prev = (s - 1) % stages if s > 0 else None
-    nxt = (s + 1) % stages if s < last else None
+    virtual_stage = chunk * stages + rank
+    last_virtual_stage = stages * chunks - 1
+    previous_rank = None                          # the first virtual stage reads the data
+    if virtual_stage > 0:
+        previous_rank = (virtual_stage - 1) % stages
+    next_rank = None                              # the last computes the loss
+    if virtual_stage < last_virtual_stage:
+        next_rank = (virtual_stage + 1) % stages
     if op == FORWARD:
-        return Step(op, micro_batch, chunk, prev, nxt)
+        return Step(op, micro_batch, chunk, recv_from=previous_rank, send_to=next_rank)
     if op == BACKWARD:
-        return Step(op, micro_batch, chunk, nxt, prev)
+        return Step(op, micro_batch, chunk, recv_from=next_rank, send_to=previous_rank)
     return Step(op, micro_batch, chunk)           # W: local work, no message
 
 
 def gpipe_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
     """GPipe (Huang et al., 2019): all m forwards, then all m backwards."""
-    return ([make_step(FORWARD, rank, stages, i) for i in range(micro_batches)]
-            + [make_step(BACKWARD, rank, stages, i) for i in range(micro_batches)])
+    forwards = [make_step(FORWARD, rank, stages, i) for i in range(micro_batches)]
+    backwards = [make_step(BACKWARD, rank, stages, i) for i in range(micro_batches)]
+    return forwards + backwards
 
 
 def one_f_one_b_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
@@ -80,22 +93,30 @@ def interleaved_schedule(rank: int, stages: int, chunks: int, micro_batches: int
     gp..gp+p-1, then chunk 1 on the same ones, ..., chunk v-1; backwards likewise, from the
     last chunk down. Hence m must be a multiple of p. Warm-up: 2(p-1-r) + (v-1)p forwards.
     """
-    p, v, m = stages, chunks, micro_batches
+    p, v, m = stages, chunks, micro_batches        # the papers' letters, as in the formulas
     if m % p:
         raise ValueError(f"interleaved 1F1B needs micro-batches a multiple of the stages: "
                          f"m={m}, p={p}")
-
-    def nth(op: str, k: int) -> Step:                    # the rank's k-th forward / backward
-        chunk = (k // p) % v
-        i = (k // (p * v)) * p + k % p
-        return make_step(op, rank, p, i, chunk if op == FORWARD else v - 1 - chunk, v)
-
-    total = m * v
+    total = m * v                                  # forwards (and backwards) on this rank
     warmup = min(2 * (p - 1 - rank) + (v - 1) * p, total)
-    steps = [nth(FORWARD, k) for k in range(warmup)]
+    steps = [interleaved_nth(FORWARD, k, rank, p, v) for k in range(warmup)]
     for k in range(total - warmup):
-        steps += [nth(FORWARD, warmup + k), nth(BACKWARD, k)]
-    return steps + [nth(BACKWARD, k) for k in range(total - warmup, total)]
+        steps.append(interleaved_nth(FORWARD, warmup + k, rank, p, v))
+        steps.append(interleaved_nth(BACKWARD, k, rank, p, v))
+    for k in range(total - warmup, total):
+        steps.append(interleaved_nth(BACKWARD, k, rank, p, v))
+    return steps
+
+
+def interleaved_nth(op: str, k: int, rank: int, stages: int, chunks: int) -> Step:
+    """The rank's k-th forward (or backward) under interleaved 1F1B: k walks groups of p
+    micro-batches, each group through chunk 0, 1, ..., v-1 (backwards: v-1 down to 0)."""
+    group = k // (stages * chunks)                 # which group of p micro-batches
+    micro_batch = group * stages + k % stages
+    chunk = (k // stages) % chunks
+    if op == BACKWARD:
+        chunk = chunks - 1 - chunk
+    return make_step(op, rank, stages, micro_batch, chunk, chunks)
 
 
 def zb_h1_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
@@ -105,7 +126,7 @@ def zb_h1_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
     r micro-batches, and the r+1 W's left over at the end fill the time in which 1F1B's
     rank r would wait for gradients. Activations are held from F to W: p per rank at most.
     """
-    p, m = stages, micro_batches
+    p, m = stages, micro_batches                   # the papers' letters, as in the formulas
     warmup = min(p - rank, m)
     steps = [make_step(FORWARD, rank, p, i) for i in range(warmup)]
     for j in range(m):
@@ -154,10 +175,16 @@ def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
 def peak_held(steps: list[Step]) -> int:
     """Most (chunk, micro-batch) pairs held at once: from the forward until the last step
     that needs its tensors (W where the schedule has W's, else B)."""
-    last = WEIGHT if any(s.op == WEIGHT for s in steps) else BACKWARD
-    held = peak = 0
-    for s in steps:
-        held += (s.op == FORWARD) - (s.op == last)
+    frees = BACKWARD
+    if any(step.op == WEIGHT for step in steps):
+        frees = WEIGHT
+    held = 0
+    peak = 0
+    for step in steps:
+        if step.op == FORWARD:
+            held += 1
+        if step.op == frees:
+            held -= 1
         peak = max(peak, held)
     return peak
 
@@ -169,7 +196,7 @@ def bubble_formula(name: str, stages: int, micro_batches: int, chunks: int = 1) 
     (p-1)/(3m+p-1) when m >= p (derived in README.md beside this file); with m < p the pipe never
     fills and the pass lasts one F and one B ripple, 2(m+p-1), plus the last W.
     """
-    p, m, v = stages, micro_batches, chunks
+    p, m, v = stages, micro_batches, chunks        # the papers' letters, as in the formulas
     if name == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if name == "zbh1":
@@ -182,53 +209,82 @@ def bubble_formula(name: str, stages: int, micro_batches: int, chunks: int = 1) 
 
 def message(step: Step, rank: int, stages: int, sending: bool = False) -> tuple:
     """What travels: (op, micro-batch, virtual stage that receives it)."""
-    s = step.chunk * stages + rank
-    if sending:
-        s += 1 if step.op == FORWARD else -1
-    return step.op, step.micro_batch, s
+    virtual_stage = step.chunk * stages + rank
+    if sending and step.op == FORWARD:
+        virtual_stage += 1                        # forward: to the next virtual stage
+    if sending and step.op == BACKWARD:
+        virtual_stage -= 1                        # backward: to the previous one
+    return step.op, step.micro_batch, virtual_stage
+
+
+CHUNK_LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 
 def _label(step: Step | None, chunks: int) -> str:
+    """F3 (one chunk per rank), F3a / F3b (chunk 0 / 1), F3c26 (past z: the chunk's number)."""
     if step is None:
         return "."
-    return f"{step.op}{step.micro_batch}" + ("abcdefghij"[step.chunk] if chunks > 1 else "")
+    label = f"{step.op}{step.micro_batch}"
+    if chunks == 1:
+        return label
+    if chunks <= len(CHUNK_LETTERS):
+        return label + CHUNK_LETTERS[step.chunk]
+    return label + f"c{step.chunk}"
 
 
 def check_order(lists: list[list[Step]]) -> None:
     """Raise ValueError unless every rank runs each F, B (and W) exactly once, F before B
     before W, with the right peers, and every channel src -> dst delivers the messages in
     the order dst receives them (point-to-point messages between two ranks stay in order)."""
-    p = len(lists)
-    v = 1 + max(s.chunk for steps in lists for s in steps)
-    m = 1 + max(s.micro_batch for steps in lists for s in steps)
-    ops = (FORWARD, BACKWARD, WEIGHT) if any(s.op == WEIGHT for st in lists for s in st) \
-        else (FORWARD, BACKWARD)
-    sent: dict[tuple[int, int], list] = {}
-    received: dict[tuple[int, int], list] = {}
-    for r, steps in enumerate(lists):
-        at = {(s.op, s.chunk, s.micro_batch): k for k, s in enumerate(steps)}
-        want = {(op, c, i) for op in ops for c in range(v) for i in range(m)}
-        if len(at) != len(steps) or set(at) != want:
-            raise ValueError(f"rank {r} does not run each of {'/'.join(ops)} once per chunk "
+    stages = len(lists)
+    chunks = 1 + max(step.chunk for steps in lists for step in steps)
+    micro_batches = 1 + max(step.micro_batch for steps in lists for step in steps)
+    ops = (FORWARD, BACKWARD)
+    if any(step.op == WEIGHT for steps in lists for step in steps):
+        ops = (FORWARD, BACKWARD, WEIGHT)
+    sent = {}                 # (src, dst) -> the messages in the order src sends them
+    received = {}             # (src, dst) -> the messages in the order dst receives them
+    for rank, steps in enumerate(lists):
+        position = {}         # (op, chunk, micro-batch) -> where the rank runs it
+        for index, step in enumerate(steps):
+            position[(step.op, step.chunk, step.micro_batch)] = index
+        expected = set()
+        for op in ops:
+            for chunk in range(chunks):
+                for micro_batch in range(micro_batches):
+                    expected.add((op, chunk, micro_batch))
+        if len(position) != len(steps) or set(position) != expected:
+            raise ValueError(f"rank {rank} does not run each of {'/'.join(ops)} once per chunk "
                              f"and micro-batch")
-        for k, s in enumerate(steps):
-            if s != make_step(s.op, r, p, s.micro_batch, s.chunk, v):
-                raise ValueError(f"rank {r} step {_label(s, v)} has the wrong peers: {s}")
-            before = ops[ops.index(s.op) - 1] if s.op != FORWARD else None
-            if before and at[(before, s.chunk, s.micro_batch)] > k:
-                raise ValueError(f"rank {r} runs {_label(s, v)} before "
-                                 f"{before}{s.micro_batch} of the same chunk")
-            if s.send_to is not None:
-                sent.setdefault((r, s.send_to), []).append(message(s, r, p, True))
-            if s.recv_from is not None:
-                received.setdefault((s.recv_from, r), []).append(message(s, r, p, False))
-    for (src, dst) in sorted(set(sent) | set(received)):
-        a, b = sent.get((src, dst), []), received.get((src, dst), [])
-        for n in range(max(len(a), len(b))):
-            if n >= len(a) or n >= len(b) or a[n] != b[n]:
-                raise ValueError(f"channel rank {src} -> rank {dst}: message {n} sent is "
-                                 f"{a[n] if n < len(a) else 'nothing'}, received as "
-                                 f"{b[n] if n < len(b) else 'nothing'}")
+        for index, step in enumerate(steps):
+            if step != make_step(step.op, rank, stages, step.micro_batch, step.chunk, chunks):
+                raise ValueError(f"rank {rank} step {_label(step, chunks)} has the wrong peers: "
+                                 f"{step}")
+            if step.op != FORWARD:
+                before = ops[ops.index(step.op) - 1]      # B needs its F, W its B
+                if position[(before, step.chunk, step.micro_batch)] > index:
+                    raise ValueError(f"rank {rank} runs {_label(step, chunks)} before "
+                                     f"{before}{step.micro_batch} of the same chunk")
+            if step.send_to is not None:
+                channel = (rank, step.send_to)
+                sent.setdefault(channel, []).append(message(step, rank, stages, True))
+            if step.recv_from is not None:
+                channel = (step.recv_from, rank)
+                received.setdefault(channel, []).append(message(step, rank, stages, False))
+    for channel in sorted(set(sent) | set(received)):
+        source, destination = channel
+        sent_here = sent.get(channel, [])
+        received_here = received.get(channel, [])
+        for n in range(max(len(sent_here), len(received_here))):
+            sent_as = "nothing"
+            if n < len(sent_here):
+                sent_as = sent_here[n]
+            received_as = "nothing"
+            if n < len(received_here):
+                received_as = received_here[n]
+            if sent_as != received_as:
+                raise ValueError(f"channel rank {source} -> rank {destination}: message {n} "
+                                 f"sent is {sent_as}, received as {received_as}")
 
 
 def simulate(lists: list[list[Step]], cost: dict | None = None) -> list[list[tuple]]:
@@ -236,32 +292,35 @@ def simulate(lists: list[list[Step]], cost: dict | None = None) -> list[list[tup
     wait for the receiver: Gloo's isend). ``cost``: time per op, 1 each by default.
     Returns [rank] -> [(start, end, step)]; raises RuntimeError on a deadlock."""
     cost = cost or {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
-    p = len(lists)
-    arrives: dict[tuple, float] = {}
-    out: list[list[tuple]] = [[] for _ in range(p)]
-    pos, free = [0] * p, [0] * p
-    while any(pos[r] < len(lists[r]) for r in range(p)):
+    stages = len(lists)
+    arrives = {}                                  # message -> when its receiver has it
+    timed = [[] for _ in range(stages)]           # [rank] -> [(start, end, step)]
+    next_step = [0] * stages                      # per rank: the index of its next step
+    free_at = [0] * stages                        # per rank: when its last step ended
+    while any(next_step[rank] < len(lists[rank]) for rank in range(stages)):
         moved = False
-        for r in range(p):
-            while pos[r] < len(lists[r]):
-                step = lists[r][pos[r]]
-                start = free[r]
+        for rank in range(stages):
+            while next_step[rank] < len(lists[rank]):
+                step = lists[rank][next_step[rank]]
+                start = free_at[rank]
                 if step.recv_from is not None:
-                    key = message(step, r, p, False)
-                    if key not in arrives:
+                    incoming = message(step, rank, stages, False)
+                    if incoming not in arrives:
                         break                            # its message is not sent yet
-                    start = max(start, arrives[key])
-                free[r] = start + cost[step.op]
-                out[r].append((start, free[r], step))
+                    start = max(start, arrives[incoming])
+                free_at[rank] = start + cost[step.op]
+                timed[rank].append((start, free_at[rank], step))
                 if step.send_to is not None:
-                    arrives[message(step, r, p, True)] = free[r]
-                pos[r] += 1
+                    arrives[message(step, rank, stages, True)] = free_at[rank]
+                next_step[rank] += 1
                 moved = True
         if not moved:
-            raise RuntimeError("schedule deadlocks: " + ", ".join(
-                f"rank {r} waits in {lists[r][pos[r]]}" for r in range(p)
-                if pos[r] < len(lists[r])))
-    return out
+            waiting = []
+            for rank in range(stages):
+                if next_step[rank] < len(lists[rank]):
+                    waiting.append(f"rank {rank} waits in {lists[rank][next_step[rank]]}")
+            raise RuntimeError("schedule deadlocks: " + ", ".join(waiting))
+    return timed
 
 
 def p2p_plan(lists: list[list[Step]]) -> list[list[list[list[tuple]]]]:
@@ -273,16 +332,32 @@ def p2p_plan(lists: list[list[Step]]) -> list[list[list[list[tuple]]]]:
     round-t groups. A receive is thus posted early and waited for when its step comes; and
     where a send completes only once its receive is posted (NCCL), ranks posting rounds in
     order cannot wait on each other in a cycle. Messages to oneself (p = 1) stay local."""
-    p, timed = len(lists), simulate(lists)
-    rounds: list[dict[float, list]] = [{} for _ in range(p)]
-    for r, row in enumerate(timed):
-        for _, end, s in row:
-            if s.send_to not in (None, r):
-                rounds[r].setdefault(end, []).append(("send", s.send_to, message(s, r, p, True)))
-                rounds[s.send_to].setdefault(end, []).append(("recv", r, message(s, r, p, True)))
-    starts = [[-1.0] + [start for start, _, _ in row] + [float("inf")] for row in timed]
-    return [[[rounds[r][t] for t in sorted(rounds[r]) if starts[r][k] < t <= starts[r][k + 1]]
-             for k in range(len(timed[r]) + 1)] for r in range(p)]
+    stages = len(lists)
+    timed = simulate(lists)
+    rounds = [{} for _ in range(stages)]          # [rank][t]: what it sends and receives at t
+    for rank, row in enumerate(timed):
+        for _, end, step in row:
+            if step.send_to is None or step.send_to == rank:
+                continue                          # no message, or one to itself
+            sent = message(step, rank, stages, True)
+            rounds[rank].setdefault(end, []).append(("send", step.send_to, sent))
+            rounds[step.send_to].setdefault(end, []).append(("recv", rank, sent))
+    plan = []
+    for rank, row in enumerate(timed):
+        # Before step k: the rounds after step k-1 starts, up to the time step k starts
+        # (after the last step: the rest).
+        starts = [start for start, _, _ in row] + [float("inf")]
+        times = sorted(rounds[rank])
+        next_round = 0
+        before_step = []
+        for k in range(len(row) + 1):
+            groups = []
+            while next_round < len(times) and times[next_round] <= starts[k]:
+                groups.append(rounds[rank][times[next_round]])
+                next_round += 1
+            before_step.append(groups)
+        plan.append(before_step)
+    return plan
 
 
 def check_grouped_p2p(lists: list[list[Step]], plan: list | None = None) -> None:
@@ -290,27 +365,54 @@ def check_grouped_p2p(lists: list[list[Step]], plan: list | None = None) -> None
     its step and every send after its step, and cannot deadlock where a send completes only
     once the peer has posted the matching receive (NCCL): rank by rank, the groups complete
     in order, each once every peer has posted the group holding its other halves."""
-    p, plan = len(lists), plan or p2p_plan(lists)
-    seq = [[(k, g) for k, groups in enumerate(plan[r]) for g in groups] for r in range(p)]
-    where = {(kind, msg): n for r in range(p) for n, (_, g) in enumerate(seq[r])
-             for kind, _, msg in g}
-    for r, steps in enumerate(lists):
-        for k, s in enumerate(steps):
-            for kind, peer, later in (("recv", s.recv_from, False), ("send", s.send_to, True)):
-                n = where.get((kind, message(s, r, p, later)))
-                if peer not in (None, r) and (n is None or (seq[r][n][0] > k) != later):
-                    raise RuntimeError(f"rank {r}: the {kind} of {_label(s, s.chunk + 1)} is not "
-                                       f"planned {'after' if later else 'before'} its step")
-    done = [0] * p                                       # groups completed, rank by rank
-    while any(done[r] < len(seq[r]) for r in range(p)):
-        ready = [r for r in range(p) if done[r] < len(seq[r]) and all(
-            done[peer] >= where[("recv" if kind == "send" else "send", msg)]
-            for kind, peer, msg in seq[r][done[r]][1])]
+    stages = len(lists)
+    plan = plan or p2p_plan(lists)
+    posted = []               # [rank] -> [(k, group)]: its groups in order, each before step k
+    for rank in range(stages):
+        in_order = []
+        for k, groups in enumerate(plan[rank]):
+            for group in groups:
+                in_order.append((k, group))
+        posted.append(in_order)
+    where = {}                # ("send" | "recv", message) -> its group's place in that order
+    for rank in range(stages):
+        for n, (_, group) in enumerate(posted[rank]):
+            for kind, _, sent in group:
+                where[(kind, sent)] = n
+    for rank, steps in enumerate(lists):
+        for k, step in enumerate(steps):
+            halves = (("recv", step.recv_from, False), ("send", step.send_to, True))
+            for kind, peer, after_step in halves:
+                if peer is None or peer == rank:
+                    continue
+                n = where.get((kind, message(step, rank, stages, after_step)))
+                in_time = n is not None and (posted[rank][n][0] > k) == after_step
+                if not in_time:
+                    when = "after" if after_step else "before"
+                    raise RuntimeError(f"rank {rank}: the {kind} of {_label(step, step.chunk + 1)} "
+                                       f"is not planned {when} its step")
+    completed = [0] * stages  # per rank: its groups completed; it has posted the next one
+    while any(completed[rank] < len(posted[rank]) for rank in range(stages)):
+        ready = []
+        for rank in range(stages):
+            if completed[rank] == len(posted[rank]):
+                continue
+            group = posted[rank][completed[rank]][1]
+            other_halves_posted = True
+            for kind, peer, sent in group:
+                other_half = "recv" if kind == "send" else "send"
+                if completed[peer] < where[(other_half, sent)]:
+                    other_halves_posted = False
+            if other_halves_posted:
+                ready.append(rank)
         if not ready:
-            raise RuntimeError("grouped send/receive deadlocks: " + ", ".join(
-                f"rank {r} waits in group {done[r]}" for r in range(p) if done[r] < len(seq[r])))
-        for r in ready:
-            done[r] += 1
+            waiting = []
+            for rank in range(stages):
+                if completed[rank] < len(posted[rank]):
+                    waiting.append(f"rank {rank} waits in group {completed[rank]}")
+            raise RuntimeError("grouped send/receive deadlocks: " + ", ".join(waiting))
+        for rank in ready:
+            completed[rank] += 1
 
 
 def idle_shares(timed: list[list[tuple]]) -> list[float]:
@@ -323,15 +425,18 @@ def format_timeline(timed: list[list[tuple]]) -> str:
     """One row per rank, one column per time unit (unit costs): F3 / B3 / W3 = forward /
     input-gradient backward / weight gradient of micro-batch 3 ('.' idle; with chunks,
     F3a / F3b = chunk 0 / chunk 1)."""
-    v = 1 + max(s.chunk for row in timed for _, _, s in row)
-    end = max(e for row in timed for _, e, _ in row)
-    grid = [[None] * end for _ in timed]
-    for r, row in enumerate(timed):
+    chunks = 1 + max(step.chunk for row in timed for _, _, step in row)
+    end = max(end for row in timed for _, end, _ in row)
+    grid = [[None] * end for _ in timed]          # [rank][time unit] -> the step, or None
+    for rank, row in enumerate(timed):
         for start, _, step in row:
-            grid[r][start] = step
-    width = max(len(_label(s, v)) for row in grid for s in row)
-    return "\n".join(f"rank {r} | " + " ".join(f"{_label(s, v):<{width}}" for s in row).rstrip()
-                     for r, row in enumerate(grid))
+            grid[rank][start] = step
+    width = max(len(_label(step, chunks)) for row in grid for step in row)
+    lines = []
+    for rank, row in enumerate(grid):
+        cells = [f"{_label(step, chunks):<{width}}" for step in row]
+        lines.append(f"rank {rank} | " + " ".join(cells).rstrip())
+    return "\n".join(lines)
 
 
 def simulated_idle(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[float]:
