@@ -1,8 +1,9 @@
 """Stage 07, context parallelism: ring attention against scaled_dot_product_attention on the
 whole sequence (outputs, dq, dk, dv; float64 and float32; causal and not; both layouts; W = 4
 and W = 2; head_dim 5), the bytes and work per rank against their formulas, the course LM on
-CP = 2 and CP = 2 x DP = 2 against one process, all in one launch of 4 ranks; each check beside
-a planted bug it must catch. Then the layouts by hand, and bad input."""
+CP = 2 and CP = 2 x DP = 2 against one process, the TP + SP block with ring attention (tp = 2 x
+cp = 2), all in one launch of 4 ranks; each check beside a planted bug it must catch. Then the
+layouts by hand, and bad input."""
 
 import math
 
@@ -12,7 +13,8 @@ import torch.distributed as dist
 
 import context_parallel as cp
 import run_context_parallel as run_cp
-from common import launch
+import tensor_parallel as tp
+from common import launch, models
 from helpers import assert_main_usage_error
 
 CFG = {"batch": 2, "heads": 2, "seq": 16, "head_dim": 5, "layouts": ["contiguous", "zigzag"]}
@@ -78,6 +80,54 @@ def patched(name, replacement, run):
         setattr(cp, name, original)
 
 
+def tensor_and_context_parallel_block(ctx):
+    """The composition the grid lesson builds on: the TP + SP block (tp = 2, neighbouring
+    ranks) whose attention is ring attention over the context ranks (cp = 2): each rank holds
+    its tp-th part of its context shard. Output, input gradient and gradients (summed over the
+    context ranks) equal the block on one process. Failures of this rank."""
+    tp_rank = ctx.rank % 2
+    context_rank = ctx.rank // 2
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    context_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    full = models.Block(16, 32, 4)
+    x = torch.randn(2, 16, 16)
+    probe = torch.randn_like(x)
+    x_ref = x.clone().requires_grad_(True)
+    out_ref = full(x_ref)
+    out_ref.backward(probe)
+
+    def ring(q, k, v):
+        return cp.ring_attention(q, k, v, group=context_groups[tp_rank], layout="zigzag")
+
+    def mine(t):
+        context_shard = cp.shard_sequence(t.detach(), 1, context_rank, 2, "zigzag")
+        return context_shard.chunk(2, dim=1)[tp_rank]
+
+    attention = full.attn.attend
+    full.attn.attend = ring
+    block = tp.TensorParallelBlock(full, tp_groups[context_rank], sequence_parallel=True)
+    full.attn.attend = attention
+    x_mine = mine(x).requires_grad_(True)
+    out = block(x_mine)
+    out.backward(mine(probe))
+    block.all_reduce_replicated_grads()
+    failures = []
+    for name, param in block.named_parameters():
+        dist.all_reduce(param.grad, group=context_groups[tp_rank])  # each held part of the sequence
+        owner = block.get_submodule(name.rsplit(".", 1)[0])
+        want = full.get_parameter(name).grad
+        if hasattr(owner, "local_part"):
+            want = owner.local_part(want)
+        if not torch.allclose(param.grad, want, rtol=1e-4, atol=1e-5):
+            failures.append(f"tp x cp block {name}.grad off by {(param.grad - want).abs().max()}")
+    for what, got, want in (("output", out, mine(out_ref)), ("input.grad", x_mine.grad,
+                                                              mine(x_ref.grad))):
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            failures.append(f"tp x cp block {what} off by {(got - want).abs().max()}")
+    return failures
+
+
 def cp_worker(ctx):
     rings = {4: run_cp.make_groups(ctx, 1, 4), 2: run_cp.make_groups(ctx, 1, 2)}
     for world_size, groups in rings.items():
@@ -110,6 +160,8 @@ def cp_worker(ctx):
     expect_caught(patched("post_exchange", sends_k_twice, lambda: ring_once(ctx, group, CFG)),
                   "a ring that sends a K block twice (right answer, wrong traffic)", "the formula "
                   "says", absent="differs")
+
+    expect_pass(run_cp.agree(tensor_and_context_parallel_block(ctx)), "TP + SP x CP block")
 
     lm_cfg = {"batch": 4, "seq": 16}
     grids = [(run_cp.make_groups(ctx, 2, 2), "zigzag"), (run_cp.make_groups(ctx, 1, 2),

@@ -59,6 +59,13 @@ ATOL = 1e-5
 BLOCK_LAYERS = ("attn.qkv", "attn.out", "mlp.0", "mlp.2")
 
 
+def shown_path(path: Path) -> Path:
+    """``path`` relative to the current folder when it is inside it (shorter to read)."""
+    if path.is_relative_to(Path.cwd()):
+        return path.relative_to(Path.cwd())
+    return path
+
+
 def agree(failures: list[str]) -> list[str]:
     """Every rank's failures, on every rank (each prefixed with its rank): one verdict."""
     everyone = [None] * dist.get_world_size()
@@ -568,7 +575,7 @@ def report_block(ctx, cfg: dict, block: dict) -> None:
                              "run_id": results.run_id()})
     path = results.upsert_csv("sequence_parallel.csv", csv_rows,
                               key=[*same, "what", "block", "phase"])
-    print(f"\nwrote {path}")
+    print(f"\nwrote {shown_path(path)}")
 
 
 def per_rank_bytes(args) -> int:

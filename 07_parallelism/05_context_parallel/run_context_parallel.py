@@ -205,6 +205,13 @@ class TransferClock:
 # --------------------------------------------------------------------------- verdicts and groups
 
 
+def shown_path(path: Path) -> Path:
+    """``path`` relative to the current folder when it is inside it (shorter to read)."""
+    if path.is_relative_to(Path.cwd()):
+        return path.relative_to(Path.cwd())
+    return path
+
+
 def agree(failures: list[str]) -> list[str]:
     """Every rank's failures, on every rank (each prefixed with its rank): one verdict."""
     everyone = [None] * dist.get_world_size()
@@ -489,7 +496,7 @@ def check_main(ctx, cfg: dict) -> None:
                             floatfmt=".3f")
         results.print_table(lm_rows, f"\nThe course LM ({LM_PRESET}, vocabulary {LM_VOCAB}, SGD) "
                                      f"on {cfg['dp']} data x {cp_size} context ranks against "
-                                     "one process on the whole batch:", floatfmt=".3g")
+                                     "one process on the whole batch:", floatfmt=".7g")
     if failures:
         raise AssertionError("context-parallel check failed:\n  " + "\n  ".join(failures))
     ctx.print("all checks passed on every rank: ring attention equals one process (outputs, "
@@ -687,7 +694,15 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     print(f"\nOne causal attention layer, forward + backward, float32, batch {cfg['batch']}, "
           f"heads {cfg['heads']}, head_dim {cfg['head_dim']}; {ctx.backend}/{ctx.device.type}, "
           f"{machine}; median of {cfg['iters']} after {cfg['warmup']} warm-up, slowest rank:")
-    results.print_table(rows, floatfmt=".3g")
+    shown = []
+    for row in rows:
+        short = dict(row)
+        for size in ("batch", "heads", "head_dim"):  # in the title
+            del short[size]
+        if ctx.device.type != "cuda":
+            del short["peak_bytes"]  # measured on a GPU only
+        shown.append(short)
+    results.print_table(shown, floatfmt=".3g")
     same = {"backend": ctx.backend, "device": ctx.device.type}
     csv_rows = []
     for row in rows:
@@ -695,7 +710,7 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     path = results.upsert_csv("context_parallel.csv", csv_rows,
                               key=["backend", "device", "seq", "batch", "heads", "head_dim",
                                    "impl", "W", "layout", "compute"])
-    print(f"\nwrote {path}")
+    print(f"\nwrote {shown_path(path)}")
     print(f"\nTargets, measured in this run ({machine}):")
     longest = max(cfg["seqs"])
     for row in rows:
@@ -824,7 +839,7 @@ def draw(panels: list[tuple[str, list[dict]]], path: Path, title: str) -> Path |
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=90)
     plt.close(figure)
-    print(f"timeline picture: {path}")
+    print(f"timeline picture: {shown_path(path)}")
     return path
 
 
@@ -849,7 +864,7 @@ def profile_main(ctx, cfg: dict) -> None:
         print(text_timeline(label, timelines) + "\n")
         slug = label.replace(",", "").replace(" ", "_")
         chrome_trace(timelines, out_dir / f"{slug}.json")
-    print(f"traces (open in https://ui.perfetto.dev): {out_dir}/*.json")
+    print(f"traces (open in https://ui.perfetto.dev): {shown_path(out_dir)}/*.json")
     draw(panels, out_dir / "timeline.png",
          f"ring attention, one causal step, seq {seq}, {ctx.world_size} ranks, "
          f"{ctx.backend}/{ctx.device.type}, {results.machine_name()}")
@@ -892,7 +907,7 @@ def main(argv=None) -> None:
                              "1024,2048,4096 on a GPU); --profile uses the longest")
     parser.add_argument("--ring-sizes", type=launch.int_list, default=None,
                         help="ring sizes W of --bench (default 2 and 4, up to the world size)")
-    parser.add_argument("--emulate-ms", type=launch.positive_float, default=200.0,
+    parser.add_argument("--emulate-ms", type=launch.positive_float, default=400.0,
                         help="emulated compute: the forward of causal attention over the whole "
                              "sequence on one rank takes this long; each chunk waits its share "
                              "of it, backward twice as long")
