@@ -587,6 +587,20 @@ def per_rank_bytes(args) -> int:
     return 4 * (6 * weights + 4 * activations)
 
 
+def check_fits(config, need: int, what: str) -> None:
+    """One line and exit 2, before any worker starts, when ``need`` bytes per rank (described by
+    ``what``) cannot fit: in the GPUs' memory (ranks sharing a GPU add up), else the host's."""
+    ranks_here = launch.ranks_on_this_node(config.world_size)
+    if config.device != "cuda":
+        launch.check_ranks_fit(ranks_here, need, what)
+        return
+    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
+    total = torch.cuda.get_device_properties(0).total_memory
+    if ranks_per_gpu * need > 0.9 * total:
+        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
+                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
+
+
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=2)
     for flag, default, what in (("--d-model", 64, "MLP and block input/output width"),
@@ -616,9 +630,8 @@ def main(argv=None) -> None:
         parser.error(f"--seq {args.seq} is not divisible by the world size {n} (sequence "
                      "parallelism gives each rank seq / t tokens)")
     need = per_rank_bytes(args)
-    launch.check_ranks_fit(launch.ranks_on_this_node(n), need,
-                           f"{need / 2**30:.1f} GiB each for --d-model {args.d_model} --d-ff "
-                           f"{args.d_ff} --batch {args.batch} --seq {args.seq}")
+    check_fits(config, need, f"{need / 2**30:.1f} GiB each for --d-model {args.d_model} "
+               f"--d-ff {args.d_ff} --batch {args.batch} --seq {args.seq}")
     results.check_writable()
     launch.launch(tensor_parallel_main, config, vars(args))
 

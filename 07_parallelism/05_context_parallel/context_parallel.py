@@ -189,7 +189,9 @@ def visible_pairs(q_positions, k_positions, chunk_len: int, causal: bool) -> lis
     """The (query rows, key columns, allowed mask) of every pair of chunks in which some query
     sees some key. Causal: a key is visible when its global position is not after the query's;
     a pair with no visible key is skipped (no compute at all), a pair where every key is
-    visible needs no mask (None), the others get the mask."""
+    visible needs no mask (None), the others get the mask. The chunks of both layouts are
+    aligned in the global sequence, so a partly visible pair is a chunk against itself, and each
+    of its queries sees at least its own key (no row of a computed pair is all masked)."""
     if not causal:
         return [(slice(None), slice(None), None)]
     pairs = []

@@ -223,21 +223,11 @@ def agree(failures: list[str]) -> list[str]:
     return merged
 
 
-def gather_numbers(values: list[float], group, device) -> list[list[float]]:
-    """Each rank's ``values`` (same length everywhere), by rank of ``group``."""
-    mine = torch.tensor(values, dtype=torch.float64, device=device)
-    everyone = []
-    for _ in range(dist.get_world_size(group)):
-        everyone.append(torch.empty_like(mine))
-    dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
-
-
-def comm_device(ctx):
-    """Where a tensor handed to a collective must live: the GPU under NCCL, else the CPU."""
-    if ctx.backend == "nccl":
-        return ctx.device
-    return torch.device("cpu")
+def gather_from_ranks(mine: dict, group=None) -> list[dict]:
+    """Each rank's ``mine`` (numbers by name), in the order of the ranks of ``group``."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
 
 
 def make_groups(ctx, dp: int, cp_size: int) -> dict:
@@ -277,35 +267,40 @@ def make_groups(ctx, dp: int, cp_size: int) -> dict:
 # --------------------------------------------------------------------------- check 1: ring attention
 
 
+def random_attention(cfg: dict, seq: int, dtype, device, seed: int):
+    """Full q, k, v (leaves that require grad) and an output gradient, [batch, heads, seq,
+    head_dim], the same on every rank for a given seed."""
+    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
+    k = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
+    v = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
+    grad_out = torch.randn(shape, generator=generator, dtype=dtype).to(device)
+    return q, k, v, grad_out
+
+
 def ring_case(ctx, group, cfg: dict, dtype, layout: str, causal: bool) -> tuple[dict, list]:
     """One forward + backward of ring attention on this rank's shards, beside
     scaled_dot_product_attention on the full sequence (every rank draws the same full q, k, v
     and output gradient, then keeps its shard). Returns (a row for the table, failures)."""
     world_size = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    shape = (cfg["batch"], cfg["heads"], cfg["seq"], cfg["head_dim"])
-    generator = torch.Generator().manual_seed(0)
-    full = []
-    for _ in range(4):  # q, k, v, and the gradient arriving at the output
-        full.append(torch.randn(shape, generator=generator, dtype=dtype).to(ctx.device))
-    q_ref = full[0].clone().requires_grad_(True)
-    k_ref = full[1].clone().requires_grad_(True)
-    v_ref = full[2].clone().requires_grad_(True)
+    q_ref, k_ref, v_ref, grad_out = random_attention(cfg, cfg["seq"], dtype, ctx.device, seed=0)
     out_ref = F.scaled_dot_product_attention(q_ref, k_ref, v_ref, is_causal=causal)
-    out_ref.backward(full[3])
+    out_ref.backward(grad_out)
 
     def mine(t):
         return cp.shard_sequence(t.detach(), 2, rank, world_size, layout)
 
-    q = mine(full[0]).requires_grad_(True)
-    k = mine(full[1]).requires_grad_(True)
-    v = mine(full[2]).requires_grad_(True)
+    q = mine(q_ref).requires_grad_(True)
+    k = mine(k_ref).requires_grad_(True)
+    v = mine(v_ref).requires_grad_(True)
     kernel = CountingAttention()
     with counters.CommCounter() as comm:
         comm.current = "forward"
         out = cp.ring_attention(q, k, v, group=group, causal=causal, layout=layout, kernel=kernel)
         comm.current = "backward"
-        out.backward(mine(full[3]))
+        out.backward(mine(grad_out))
     rtol, atol = TOLERANCE[dtype]
     compared = [("output", out, mine(out_ref)), ("dq", q.grad, mine(q_ref.grad)),
                 ("dk", k.grad, mine(k_ref.grad)), ("dv", v.grad, mine(v_ref.grad)),
@@ -350,9 +345,10 @@ def balance_rows(ctx, group, case_rows: list[dict]) -> list[dict]:
     for row in case_rows:
         if row["dtype"] != "float64":
             continue  # the work does not depend on the dtype
-        per_rank = gather_numbers([row["visible"], row["computed"]], group, comm_device(ctx))
-        visible = [counts[0] for counts in per_rank]
-        computed = [counts[1] for counts in per_rank]
+        per_rank = gather_from_ranks({"visible": row["visible"], "computed": row["computed"]},
+                                     group)
+        visible = [counts["visible"] for counts in per_rank]
+        computed = [counts["computed"] for counts in per_rank]
         rows.append({"W": row["W"], "layout": row["layout"], "causal": row["causal"],
                      "visible scores per rank": " ".join(f"{int(x)}" for x in visible),
                      "max/mean": max(visible) / (sum(visible) / len(visible)),
@@ -439,7 +435,7 @@ def check_lm(ctx, groups: dict, cfg: dict, layout: str,
             worst = max(worst, (param - ref_param).abs().max().item())
             close = close and torch.allclose(param, ref_param, rtol=rtol, atol=atol)
         loss_close = abs(reported - ref_loss.item()) <= rtol * abs(ref_loss.item())
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()]).to(comm_device(ctx))
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
         replicas = []
         for _ in range(dist.get_world_size(groups["data_and_context"])):
             replicas.append(torch.empty_like(flat))
@@ -508,16 +504,16 @@ def check_main(ctx, cfg: dict) -> None:
 
 
 def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
-    """This rank's float32 q, k, v and output gradient at sequence length ``seq``."""
-    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
-    generator = torch.Generator().manual_seed(seq)
-    tensors = []
-    for _ in range(4):
-        full = torch.randn(shape, generator=generator)
-        tensors.append(cp.shard_sequence(full, 2, rank, world_size, layout).to(ctx.device))
-    for t in tensors[:3]:
-        t.requires_grad_(True)
-    return tensors
+    """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
+    gradient at sequence length ``seq``."""
+    q, k, v, grad_out = random_attention(cfg, seq, torch.float32, "cpu", seed=seq)
+
+    def mine(t):
+        shard = cp.shard_sequence(t.detach(), 2, rank, world_size, layout)
+        return shard.to(ctx.device)
+
+    return (mine(q).requires_grad_(True), mine(k).requires_grad_(True),
+            mine(v).requires_grad_(True), mine(grad_out))
 
 
 def full_attention_step(q, k, v, grad_out):
@@ -548,10 +544,11 @@ def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
 
 def saved_and_peak(ctx, step) -> tuple[int, int]:
     """(bytes saved for backward, counted; peak GPU bytes above the start, 0 on a CPU)."""
+    start = 0
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    start = torch.cuda.memory_allocated(ctx.device) if ctx.device.type == "cuda" else 0
+        start = torch.cuda.memory_allocated(ctx.device)
     with counters.SavedActivations() as saved:
         step()
     peak = 0
@@ -582,14 +579,14 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple
         peak = 0
         if ctx.rank == 0:
             saved, peak = saved_and_peak(ctx, step)
-        saved_everywhere = gather_numbers([saved, peak], None, comm_device(ctx))[0]
+        rank_0 = gather_from_ranks({"saved": saved, "peak": peak})[0]
         rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
                      "step_ms": seconds * 1e3, "sent_bytes": 0, "bytes_formula": 0,
                      "imbalance": 1.0, "imbalance_formula": 1.0,
-                     "saved_bytes": int(saved_everywhere[0]),
+                     "saved_bytes": rank_0["saved"],
                      "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"],
                                                           element_size),
-                     "peak_bytes": int(saved_everywhere[1])})
+                     "peak_bytes": rank_0["peak"]})
     for world_size, ring in rings.items():
         members = list(range(world_size))
         for layout in cfg["layouts"]:
@@ -608,30 +605,30 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple
                 def step_for_memory():
                     ring_step(q, k, v, grad_out, ring, layout, cp.ChunkAttention())
                 saved, peak = saved_and_peak(ctx, step_for_memory)
-            per_rank = gather_numbers([sent, counting.visible, saved, peak, float(inside)], None,
-                                      comm_device(ctx))
-            members_numbers = []
-            for numbers in per_rank:
-                if numbers[4]:
-                    members_numbers.append(numbers)
-            visible = [numbers[1] for numbers in members_numbers]
+            everyone = gather_from_ranks({"inside": inside, "sent": sent, "saved": saved,
+                                          "peak": peak, "visible": counting.visible})
+            ring_ranks = []
+            for numbers in everyone:
+                if numbers["inside"]:
+                    ring_ranks.append(numbers)
+            visible = [numbers["visible"] for numbers in ring_ranks]
+            sent_per_rank = [numbers["sent"] for numbers in ring_ranks]
             local_len = seq // world_size
             block_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
             formula = sum(ring_bytes(world_size, block_bytes))
-            most_sent = max(numbers[0] for numbers in members_numbers)
-            least_sent = min(numbers[0] for numbers in members_numbers)
-            if most_sent != formula or least_sent != formula:
-                failures.append(f"seq {seq} W={world_size} {layout}: ranks sent {least_sent:.0f} "
-                                f"to {most_sent:.0f} B; the formula says {formula}")
+            if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
+                failures.append(f"seq {seq} W={world_size} {layout}: ranks sent "
+                                f"{min(sent_per_rank):.0f} to {max(sent_per_rank):.0f} B; the "
+                                f"formula says {formula}")
             imbalance = max(visible) / (sum(visible) / len(visible))
             row = {**same, "impl": "ring", "W": world_size, "layout": layout, "compute": "real",
-                   "sent_bytes": int(most_sent), "bytes_formula": formula,
+                   "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
                    "imbalance": imbalance,
                    "imbalance_formula": imbalance_formula(world_size, layout, True),
-                   "saved_bytes": int(max(numbers[2] for numbers in members_numbers)),
+                   "saved_bytes": max(numbers["saved"] for numbers in ring_ranks),
                    "saved_formula": saved_bytes_formula(batch_heads, local_len, cfg["head_dim"],
                                                         element_size),
-                   "peak_bytes": int(max(numbers[3] for numbers in members_numbers))}
+                   "peak_bytes": max(numbers["peak"] for numbers in ring_ranks)}
 
             def real_step():
                 ring_step(q, k, v, grad_out, ring, layout, cp.ChunkAttention())
@@ -885,6 +882,20 @@ def per_rank_bytes(args, ring_sizes: list[int]) -> int:
     return 8 * batch_heads * (6 * chunk * chunk + 24 * args.seq * args.head_dim)
 
 
+def check_fits(config, need: int, what: str) -> None:
+    """One line and exit 2, before any worker starts, when ``need`` bytes per rank (described by
+    ``what``) cannot fit: in the GPUs' memory (ranks sharing a GPU add up), else the host's."""
+    ranks_here = launch.ranks_on_this_node(config.world_size)
+    if config.device != "cuda":
+        launch.check_ranks_fit(ranks_here, need, what)
+        return
+    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
+    total = torch.cuda.get_device_properties(0).total_memory
+    if ranks_per_gpu * need > 0.9 * total:
+        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
+                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
+
+
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--batch", type=launch.positive_int, default=4,
@@ -954,9 +965,10 @@ def main(argv=None) -> None:
                         parser.error(f"{flag} {seq} does not divide into {chunks} equal chunks "
                                      f"({layout} layout over {ring_size} ranks)")
     need = per_rank_bytes(args, ring_sizes)
-    launch.check_ranks_fit(launch.ranks_on_this_node(world_size), need,
-                           f"{need / 2**30:.2f} GiB each for sequence length "
-                           f"{max(args.seqs) if args.bench or args.profile else args.seq}")
+    longest = args.seq
+    if args.bench or args.profile:
+        longest = max(args.seqs)
+    check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {longest}")
     results.check_writable()
     cfg = vars(args)
     if args.bench:
