@@ -80,15 +80,14 @@ def patched(name, replacement, run):
         setattr(cp, name, original)
 
 
-def tensor_and_context_parallel_block(ctx):
+def tensor_and_context_parallel_block(ctx, tp_group, context_group):
     """The composition the grid lesson builds on: the TP + SP block (tp = 2, neighbouring
-    ranks) whose attention is ring attention over the context ranks (cp = 2): each rank holds
-    its tp-th part of its context shard. Output, input gradient and gradients (summed over the
-    context ranks) equal the block on one process. Failures of this rank."""
+    ranks: ``tp_group`` holds ranks 0, 1 or 2, 3) whose attention is ring attention over the
+    context ranks (cp = 2: ``context_group`` holds 0, 2 or 1, 3): each rank holds its tp-th part
+    of its context shard. Output, input gradient and gradients (summed over the context ranks)
+    equal the block on one process. Failures of this rank."""
     tp_rank = ctx.rank % 2
     context_rank = ctx.rank // 2
-    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    context_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     torch.manual_seed(0)
     full = models.Block(16, 32, 4)
     x = torch.randn(2, 16, 16)
@@ -98,7 +97,7 @@ def tensor_and_context_parallel_block(ctx):
     out_ref.backward(probe)
 
     def ring(q, k, v):
-        return cp.ring_attention(q, k, v, group=context_groups[tp_rank], layout="zigzag")
+        return cp.ring_attention(q, k, v, group=context_group, layout="zigzag")
 
     def mine(t):
         context_shard = cp.shard_sequence(t.detach(), 1, context_rank, 2, "zigzag")
@@ -106,7 +105,7 @@ def tensor_and_context_parallel_block(ctx):
 
     attention = full.attn.attend
     full.attn.attend = ring
-    block = tp.TensorParallelBlock(full, tp_groups[context_rank], sequence_parallel=True)
+    block = tp.TensorParallelBlock(full, tp_group, sequence_parallel=True)
     full.attn.attend = attention
     x_mine = mine(x).requires_grad_(True)
     out = block(x_mine)
@@ -114,7 +113,7 @@ def tensor_and_context_parallel_block(ctx):
     block.all_reduce_replicated_grads()
     failures = []
     for name, param in block.named_parameters():
-        dist.all_reduce(param.grad, group=context_groups[tp_rank])  # each held part of the sequence
+        dist.all_reduce(param.grad, group=context_group)  # each held part of the sequence
         owner = block.get_submodule(name.rsplit(".", 1)[0])
         want = full.get_parameter(name).grad
         if hasattr(owner, "local_part"):
@@ -161,16 +160,16 @@ def cp_worker(ctx):
                   "a ring that sends a K block twice (right answer, wrong traffic)", "the formula "
                   "says", absent="differs")
 
-    expect_pass(run_cp.agree(tensor_and_context_parallel_block(ctx)), "TP + SP x CP block")
-
     lm_cfg = {"batch": 4, "seq": 16}
-    grids = [(run_cp.make_groups(ctx, 2, 2), "zigzag"), (run_cp.make_groups(ctx, 1, 2),
-                                                        "contiguous")]
+    grids = [(run_cp.make_groups(ctx, 2, 2), "zigzag"), (rings[2], "contiguous")]
     for groups, layout in grids:
         rows, failures = run_cp.check_lm(ctx, groups, lm_cfg, layout)
         expect_pass(run_cp.agree(failures), f"LM dp={groups['dp']} cp={groups['cp']} {layout}")
         assert len(rows) == run_cp.LM_STEPS and all(row["ok"] for row in rows), rows
     dp2_cp2 = grids[0][0]
+    # tp = neighbours (the context rings of two above), cp = every other rank (dp2_cp2's data)
+    failures = tensor_and_context_parallel_block(ctx, rings[2]["context"], dp2_cp2["data"])
+    expect_pass(run_cp.agree(failures), "TP + SP x CP block")
     for reduce, what in ((reduce_over_data_only, "loss averaged over dp only"),
                          (summed_over_context, "loss not averaged over cp")):
         rows, failures = run_cp.check_lm(ctx, dp2_cp2, lm_cfg, "zigzag", reduce=reduce)
@@ -216,6 +215,8 @@ def test_bad_arguments_raise_before_any_communication(call, needle):
     (["--bench", "--seqs", "100"], "--seqs 100 does not divide into"),
     (["--bench", "--ring-sizes", "8"], "--ring-sizes [8]"),
     (["--seq", "8000000", "--layouts", "contiguous"], "host memory"),
+    (["--bench", "--emulate-ms", "1e30"], "--emulate-ms 1e+30: at most 60000"),
+    (["--profile", "--trace-dir", "/dev/null/x"], "--trace-dir /dev/null/x: cannot write"),
 ])
 def test_bad_input_one_line_exit_2(argv, needle, capsys):
     assert_main_usage_error(run_cp.main, ["--world-size", "4", "--backend", "gloo", "--device",

@@ -74,7 +74,10 @@ LM_TOLERANCE = (1e-5, 1e-6)  # SGD: a difference in the gradient is not amplifie
 def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
     shard. Forward: W-1 hops of K and V. Backward: W-1 hops of K and V again, and W hops of
-    dK and dV (W-1 travelling with the K/V blocks, one last hop home)."""
+    dK and dV (W-1 travelling with the K/V blocks, one last hop home). A ring of one sends
+    nothing."""
+    if world_size == 1:
+        return 0, 0
     forward = (world_size - 1) * 2 * block_bytes
     backward = (world_size - 1) * 2 * block_bytes + world_size * 2 * block_bytes
     return forward, backward
@@ -932,6 +935,14 @@ def main(argv=None) -> None:
     world_size = config.world_size
     if args.bench and args.profile:
         parser.error("--bench and --profile: choose one")
+    if args.emulate_ms > 60_000:
+        parser.error(f"--emulate-ms {args.emulate_ms:g}: at most 60000 (a minute of emulated "
+                     "forward per step)")
+    if args.profile:
+        try:
+            (Path(args.trace_dir) / "context_parallel").mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--trace-dir {args.trace_dir}: cannot write there ({error.strerror})")
     if config.backend == "gloo" and config.device == "cuda":
         parser.error("ring attention sends with batch_isend_irecv, and Gloo sends CPU tensors "
                      "only: use --device cpu (a rank per CPU core), or NCCL with a GPU per rank")
@@ -942,11 +953,18 @@ def main(argv=None) -> None:
     if args.seqs is None:
         args.seqs = [1024, 2048, 4096] if config.device == "cuda" else [256, 512, 1024]
     if args.ring_sizes is None:
-        args.ring_sizes = [w for w in (2, 4) if w <= world_size]
-    too_big = [w for w in args.ring_sizes if w > world_size or w < 2]
-    if too_big or not args.ring_sizes:
-        parser.error(f"--ring-sizes {too_big or args.ring_sizes}: each must be between 2 and "
-                     f"the world size {world_size}")
+        args.ring_sizes = []
+        for ring_size in (2, 4):
+            if ring_size <= world_size:
+                args.ring_sizes.append(ring_size)
+    if args.bench:
+        wrong = []
+        for ring_size in args.ring_sizes:
+            if ring_size < 2 or ring_size > world_size:
+                wrong.append(ring_size)
+        if wrong or not args.ring_sizes:
+            parser.error(f"--ring-sizes {wrong or args.ring_sizes}: each must be between 2 and "
+                         f"the world size {world_size}")
     cp_size = world_size // args.dp
     if args.bench or args.profile:
         sizes = {"--seqs": args.seqs}
