@@ -15,7 +15,7 @@
 Any difference fails the run, on every rank together.
 
 Run:
-    python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py                 # 2 ranks, gloo/cpu
+    python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py          # 2 ranks, gloo/cpu
     python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py --world-size 4
     torchrun --nproc-per-node=4 07_parallelism/03_tensor_parallel/run_tensor_parallel.py
 """
@@ -99,6 +99,29 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
             "ok": torch.allclose(got, want, rtol=RTOL, atol=ATOL)}
 
 
+def compare_bytes(counted: dict, predicted: dict, world_size: int,
+                  what: str) -> tuple[list[dict], list[str]]:
+    """Each layer and phase's collectives, counted (``CommCounter.by_label``) against the
+    prediction {(layer, phase): (op, payload bytes)}: (rows, failures)."""
+    rows = []
+    failures = []
+    for (layer, phase), (op, want) in predicted.items():
+        got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
+        want_ops = []
+        if want:
+            want_ops = [op]
+        if got["payload_bytes"] != want or got["ops"] != want_ops:
+            failures.append(f"{what} {layer} {phase}: counted {got['ops']} "
+                            f"{got['payload_bytes']} B, predicted {op} {want} B")
+        sent = 0
+        if want:
+            sent = counters.ring_send_bytes(op, want, world_size)
+        rows.append({"layer": layer, "phase": phase, "collective": op,
+                     "bytes_counted": got["payload_bytes"], "bytes_predicted": want,
+                     "ring_bytes_sent_per_rank": sent})
+    return rows, failures
+
+
 # --------------------------------------------------------------------------- 1. the MLP
 
 
@@ -144,20 +167,10 @@ def check_mlp(ctx, cfg: dict) -> tuple[list[dict], list[dict], list[str]]:
                 failures.append(f"{variant} {row['checked']}: max abs diff "
                                 f"{row['max_abs_diff']:.3g}")
         predicted = tp.predicted_comm(variant, tokens, cfg["d_model"], cfg["d_ff"])
-        for (layer, phase), (op, want) in predicted.items():
-            got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
-            want_ops = []
-            if want:
-                want_ops = [op]
-            if got["payload_bytes"] != want or got["ops"] != want_ops:
-                failures.append(f"{variant} {layer} {phase}: counted {got['ops']} "
-                                f"{got['payload_bytes']} B, predicted {op} {want} B")
-            sent = 0
-            if want:
-                sent = counters.ring_send_bytes(op, want, ctx.world_size)
-            byte_rows.append({"variant": variant, "layer": layer, "phase": phase,
-                              "collective": op, "bytes_counted": got["payload_bytes"],
-                              "bytes_predicted": want, "ring_bytes_sent_per_rank": sent})
+        rows, problems = compare_bytes(counted, predicted, ctx.world_size, variant)
+        for row in rows:
+            byte_rows.append({"variant": variant, **row})
+        failures += problems
     return checks, byte_rows, failures
 
 
@@ -251,7 +264,8 @@ def check_parallel_block(ctx, cfg, group, full, reference, sequence_parallel: bo
     if sequence_parallel:
         want_out = my_tokens(want_out, rank, world_size)
         want_x_grad = my_tokens(want_x_grad, rank, world_size)
-    rows = [compare("output", outputs[0], want_out), compare("input.grad", x_mine.grad, want_x_grad)]
+    rows = [compare("output", outputs[0], want_out),
+            compare("input.grad", x_mine.grad, want_x_grad)]
     for name, param in block.named_parameters():  # the names of the full block's parameters
         full_grad = full.get_parameter(name).grad
         owner = block.get_submodule(name.rsplit(".", 1)[0])
@@ -408,7 +422,9 @@ def check_block(ctx, cfg: dict, group=None, reduce_replicated: bool = True,
     saved_rows.append(saved_row(cfg, "one process", 1, False, one_process_saved[0],
                                 one_process_saved[1]))
     for sequence_parallel in (False, True):
-        label = "TP + SP" if sequence_parallel else "TP"
+        label = "TP"
+        if sequence_parallel:
+            label = "TP + SP"
         rows, counted, saved = check_parallel_block(ctx, cfg, group, full, reference,
                                                     sequence_parallel, reduce_replicated)
         for row in rows:
@@ -418,20 +434,10 @@ def check_block(ctx, cfg: dict, group=None, reduce_replicated: bool = True,
                                 f"{row['max_abs_diff']:.3g}")
         checks += rows
         predicted = tp.predicted_block_comm(tokens, cfg["d_model"], sequence_parallel)
-        for (layer, phase), (op, want) in predicted.items():
-            got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
-            want_ops = []
-            if want:
-                want_ops = [op]
-            if got["payload_bytes"] != want or got["ops"] != want_ops:
-                failures.append(f"{label} {layer} {phase}: counted {got['ops']} "
-                                f"{got['payload_bytes']} B, predicted {op} {want} B")
-            sent = 0
-            if want:
-                sent = counters.ring_send_bytes(op, want, world_size)
-            byte_rows.append({"block": label, "layer": layer, "phase": phase, "collective": op,
-                              "bytes_counted": got["payload_bytes"], "bytes_predicted": want,
-                              "ring_bytes_sent_per_rank": sent})
+        rows, problems = compare_bytes(counted, predicted, world_size, label)
+        for row in rows:
+            byte_rows.append({"block": label, **row})
+        failures += problems
         replicated = counted.get("replicated grads", {"payload_bytes": 0, "ops": []})
         want_replicated = 0
         if sequence_parallel:  # norm1, norm2 (weight and bias) and mlp.2's bias, d_model each
@@ -439,9 +445,11 @@ def check_block(ctx, cfg: dict, group=None, reduce_replicated: bool = True,
         if replicated["payload_bytes"] != want_replicated:
             failures.append(f"{label}: the replicated gradients' all-reduces carried "
                             f"{replicated['payload_bytes']} B, predicted {want_replicated}")
+        collective = "-"
+        if want_replicated:
+            collective = "all_reduce"
         byte_rows.append({"block": label, "layer": "replicated grads", "phase": "after backward",
-                          "collective": "all_reduce" if want_replicated else "-",
-                          "bytes_counted": replicated["payload_bytes"],
+                          "collective": collective, "bytes_counted": replicated["payload_bytes"],
                           "bytes_predicted": want_replicated,
                           "ring_bytes_sent_per_rank": counters.ring_send_bytes(
                               "all_reduce", want_replicated, world_size)})
@@ -449,7 +457,8 @@ def check_block(ctx, cfg: dict, group=None, reduce_replicated: bool = True,
                         saved["rest"])
         saved_rows.append(row)
     for row in saved_rows:
-        exact = row["layernorms"] == row["layernorms formula"] and row["rest"] == row["rest formula"]
+        layernorms_exact = row["layernorms"] == row["layernorms formula"]
+        exact = layernorms_exact and row["rest"] == row["rest formula"]
         if ctx.device.type == "cpu" and not exact:  # a GPU's attention kernel saves other tensors
             failures.append(f"{row['block']}: saved {row['layernorms']} B in the LayerNorms and "
                             f"{row['rest']} B elsewhere; the formula says "

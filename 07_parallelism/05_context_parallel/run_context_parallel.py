@@ -14,8 +14,8 @@ activation memory; rows in results/context_parallel.csv. ``--profile``: a timeli
 per rank, the K/V transfers drawn under the compute they overlap.
 
 Run:
-    python 07_parallelism/05_context_parallel/run_context_parallel.py                # 4 ranks
-    python 07_parallelism/05_context_parallel/run_context_parallel.py --dp 2         # 2 context x 2 data
+    python 07_parallelism/05_context_parallel/run_context_parallel.py          # 4 ranks
+    python 07_parallelism/05_context_parallel/run_context_parallel.py --dp 2   # 2 context x 2 data
     python 07_parallelism/05_context_parallel/run_context_parallel.py --bench
     python 07_parallelism/05_context_parallel/run_context_parallel.py --profile
     torchrun --nproc-per-node=4 07_parallelism/05_context_parallel/run_context_parallel.py
@@ -106,7 +106,7 @@ def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_s
     return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
 
 
-# --------------------------------------------------------------------------- kernels that count, wait, or time
+# --------------------------------------------------------------------------- counting, waiting, timing
 
 
 class CountingAttention(cp.ChunkAttention):
@@ -267,7 +267,7 @@ def make_groups(ctx, dp: int, cp_size: int) -> dict:
     return mine
 
 
-# --------------------------------------------------------------------------- check 1: ring attention
+# --------------------------------------------------------------------------- check 1: the ring
 
 
 def random_attention(cfg: dict, seq: int, dtype, device, seed: int):
@@ -594,7 +594,9 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple
         members = list(range(world_size))
         for layout in cfg["layouts"]:
             inside = ctx.rank in members
-            rank = ctx.rank if inside else 0
+            rank = 0  # ranks outside the ring draw rank 0's shard, and only wait
+            if inside:
+                rank = ctx.rank
             q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
             counting = CountingAttention()
             sent = 0
@@ -951,7 +953,9 @@ def main(argv=None) -> None:
     if args.batch % args.dp != 0:
         parser.error(f"--batch {args.batch} does not divide into --dp {args.dp} equal parts")
     if args.seqs is None:
-        args.seqs = [1024, 2048, 4096] if config.device == "cuda" else [256, 512, 1024]
+        args.seqs = [256, 512, 1024]
+        if config.device == "cuda":
+            args.seqs = [1024, 2048, 4096]
     if args.ring_sizes is None:
         args.ring_sizes = []
         for ring_size in (2, 4):
