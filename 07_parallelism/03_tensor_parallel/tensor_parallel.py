@@ -129,7 +129,7 @@ class GatherFromTensorParallel(torch.autograd.Function):
         return grad.chunk(ctx.world_size, dim=-1)[ctx.rank].contiguous(), None
 
 
-def all_gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
+def all_gather_sequence(local: torch.Tensor, group=None) -> torch.Tensor:
     """[batch, seq/t, hidden] on each rank -> [batch, seq, hidden], rank 0's tokens first."""
     local = local.contiguous()
     parts = []
@@ -139,7 +139,7 @@ def all_gather_sequence(local: torch.Tensor, group) -> torch.Tensor:
     return torch.cat(parts, dim=SEQUENCE_DIM)
 
 
-def reduce_scatter_sequence(full: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_sequence(full: torch.Tensor, group=None) -> torch.Tensor:
     """[batch, seq, hidden] partial sums on each rank -> this rank's [batch, seq/t, hidden] of
     their sum over ranks."""
     world_size = dist.get_world_size(group)
@@ -192,15 +192,16 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 # --------------------------------------------------------------------------- the layers
 
 
-def shard(t: torch.Tensor, dim: int, rank: int, world_size: int, stacked: int = 1) -> torch.Tensor:
-    """Rank's contiguous 1/world_size of ``t`` along ``dim`` (a copy). ``stacked``: ``t`` is that
-    many equal blocks one after the other along ``dim`` (a fused q, k, v: 3), each cut on its
-    own, and rank's slices of them stacked again."""
-    if t.shape[dim] % (stacked * world_size) != 0:
-        raise ValueError(f"size {t.shape[dim]} is not divisible into {stacked} x world size "
+def shard(tensor: torch.Tensor, dim: int, rank: int, world_size: int,
+          stacked: int = 1) -> torch.Tensor:
+    """Rank's contiguous 1/world_size of ``tensor`` along ``dim`` (a copy). ``stacked``: the
+    tensor is that many equal blocks one after the other along ``dim`` (a fused q, k, v: 3),
+    each cut on its own, and rank's slices of them stacked again."""
+    if tensor.shape[dim] % (stacked * world_size) != 0:
+        raise ValueError(f"size {tensor.shape[dim]} is not divisible into {stacked} x world size "
                          f"{world_size} equal parts")
     slices = []
-    for block in t.detach().chunk(stacked, dim=dim):
+    for block in tensor.detach().chunk(stacked, dim=dim):
         slices.append(block.chunk(world_size, dim=dim)[rank])
     return torch.cat(slices, dim=dim).clone()
 

@@ -219,7 +219,7 @@ def global_rank(group, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
-def post_exchange(send: list, receive: list, group) -> list:
+def post_exchange(send: list, receive: list, group=None) -> list:
     """Start sending ``send`` to the next rank of the ring and receiving ``receive`` from the
     previous one, all in one batch; returns the requests to wait on. Every rank posts the same
     list in the same order, so the i-th send meets the i-th receive."""
@@ -240,7 +240,7 @@ def wait_all(requests: list) -> None:
         request.wait()
 
 
-def send_home(grad_k, grad_v, group):
+def send_home(grad_k, grad_v, group=None):
     """The last hop of backward: after its turn on every rank, each block's (dK, dV) is on the
     rank just before its owner; one more step of the ring delivers it."""
     home_k = torch.empty_like(grad_k)

@@ -106,7 +106,7 @@ def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_s
     return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
 
 
-# --------------------------------------------------------------------------- counting, waiting, timing
+# --------------------------------------------------------------------------- kernels that count, wait
 
 
 class CountingAttention(cp.ChunkAttention):
