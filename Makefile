@@ -69,8 +69,9 @@ test: install
 07: install
 	$(PYTHON) 07_parallelism/01_zero/zero.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/02_fsdp/fsdp.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/03_tensor_parallel/tensor_parallel.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/03_tensor_parallel/run_tensor_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/04_pipeline_parallel/run_pipeline.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/05_context_parallel/run_context_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/06_expert_parallel/run_expert_parallel.py --backend gloo --device cpu --world-size 4
 
 # The algorithm part of a stage file: from its imports to the harness marker.

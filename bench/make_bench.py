@@ -140,7 +140,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
              ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
               *lm, "--trace-dir", trace_dir], caps["profile"]),
         Step("tp", "07 tensor parallel, 2 ranks",
-             ["07_parallelism/03_tensor_parallel/tensor_parallel.py", "--world-size", "2", *where, *tp], caps["tp"]),
+             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--world-size", "2", *where, *tp], caps["tp"]),
         Step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
              ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", str(pp_ws), *where, *pp,
               "--micro-batches", "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2",

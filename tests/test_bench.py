@@ -279,7 +279,7 @@ def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
                      "--case-budget-s", "1e-6"]),
             ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *where, *lm,
                          "--trace-dir", trace_dir]),
-            ("tp", ["07_parallelism/03_tensor_parallel/tensor_parallel.py", *where, "--d-model", "32", "--d-ff", "64"]),
+            ("tp", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", *where, "--d-model", "32", "--d-ff", "64"]),
             ("pp", ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", "2", *where,
                     "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
                     "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),

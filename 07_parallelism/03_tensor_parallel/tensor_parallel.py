@@ -1,41 +1,62 @@
-"""Stage 07: tensor parallelism. Split every weight matrix of an MLP across ranks.
+"""Stage 07, lesson 3: tensor parallelism, and sequence parallelism on top of it.
 
 Data parallelism copies the whole model onto every rank and splits the batch; tensor
-parallelism splits the *layers*: each rank holds a slice of every weight matrix and computes
-a slice of every layer's output. The price is communication inside every forward and backward.
-Two ways to split ``y = fc2(gelu(fc1(x)))`` over n ranks:
+parallelism splits the *layers*: each of t ranks holds a slice of every weight matrix and
+computes a slice of every layer's output. The price is communication inside every forward and
+backward. Two ways to split ``y = fc2(gelu(fc1(x)))`` over t ranks:
 
-* **Megatron-LM** (Shoeybi et al., 2019, section 3): fc1 *column-parallel* (rank r holds d_ff/n
-  of its outputs), GELU on the local slice, fc2 *row-parallel* (the matching d_ff/n of its
+* **Megatron-LM** (Shoeybi et al., 2019, section 3): fc1 *column-parallel* (rank r holds d_ff/t
+  of its outputs), GELU on the local slice, fc2 *row-parallel* (the matching d_ff/t of its
   inputs), whose partial sums one all-reduce completes. Two conjugate autograd operators
   carry it all: ``f`` = identity forward / all-reduce backward (before fc1), ``g`` = all-reduce
   forward / identity backward (after fc2): one all-reduce of tokens x d_model each way.
 * **All-gather after every layer** (the simplest thing that works): every layer
   column-parallel, its output gathered whole; it also moves the d_ff-wide activation.
 
-The script checks the output, the input's gradient and every parameter's gradient against the
-same MLP on one process (the shards are sliced from the same full matrices), counts the bytes
-each layer communicates forward and backward (by watching the collectives) beside what the
-algorithm predicts; the script fails if any of them differs.
+A Transformer block splits the same way: attention's heads are independent, so the fused
+q/k/v projection is column-parallel by heads (rank r holds heads r*a/t .. (r+1)*a/t - 1 of
+each of q, k and v), attention runs on the local heads, and the output projection is
+row-parallel; then the MLP as above. Everything between the two parallel regions, the
+LayerNorms and the residual adds, is *replicated*: every rank runs it on every token.
 
-Run:
-    python 07_parallelism/03_tensor_parallel/tensor_parallel.py                      # 2 ranks, gloo/cpu
-    python 07_parallelism/03_tensor_parallel/tensor_parallel.py --world-size 4
-    torchrun --nproc-per-node=4 07_parallelism/03_tensor_parallel/tensor_parallel.py
+**Sequence parallelism** (Korthikanti et al., 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 4.2.2) splits those replicated parts along the sequence:
+between the regions each rank holds [batch, seq/t, hidden], so the LayerNorms run on 1/t of
+the tokens and their activations take 1/t of the memory. Two more conjugate operators replace
+``f`` and ``g``: entering a column-parallel layer, an all-gather along the sequence (its
+backward a reduce-scatter); leaving a row-parallel layer, a reduce-scatter along the sequence
+instead of the all-reduce (its backward an all-gather). A ring all-reduce is a reduce-scatter
+followed by an all-gather, so the bytes sent are the same as plain tensor parallelism's. One
+thing is new: a replicated parameter (a LayerNorm's weight and bias, fc2's bias) now sees only
+this rank's tokens, so its gradient is a partial sum that must be all-reduced over the group
+(``TensorParallelBlock.all_reduce_replicated_grads``).
 
-The algorithm part (everything above the harness) needs torch only: copy this file into
-another project and ``from tensor_parallel import ColumnParallelLinear, RowParallelLinear``.
+Use it: every rank builds the same full layer (same seed), then keeps its slices:
+
+    mlp = TensorParallelMLP(MLP(d_model, d_ff), group=None)
+    block = TensorParallelBlock(full_block, group=None, sequence_parallel=True)
+    y_local = block(x_local)          # x_local: this rank's [batch, seq/t, d_model]
+    loss.backward()
+    block.all_reduce_replicated_grads()
+
+``full_block`` is any module shaped like the course LM's block (common/models.py ``Block``):
+``norm1``, ``attn`` (``qkv``, ``out``, ``num_heads``, ``attend``), ``norm2``, and ``mlp`` a
+Sequential of Linear, activation, Linear. Run the checks with
+``python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py`` (see its --help). This file
+needs torch alone: copy it into another project and
+``from tensor_parallel import ColumnParallelLinear, RowParallelLinear``.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+SEQUENCE_DIM = 1  # activations are [batch, seq, hidden]
 
 # --------------------------------------------------------------------------- the operators
 #
@@ -89,14 +110,17 @@ class GatherFromTensorParallel(torch.autograd.Function):
     gathered tensor (the next layer has an ``f`` in front, the loss is replicated), so the
     gradient arriving here is already the full dL/dY on every rank. Had the downstream left
     per-rank partial gradients, backward would need a reduce-scatter instead (what torch's
-    ``torch.distributed.nn.functional.all_gather`` does); summing a complete one multiplies it by n.
+    ``torch.distributed.nn.functional.all_gather`` does); summing a complete one multiplies it by t.
     """
 
     @staticmethod
     def forward(ctx, local, group):
-        ctx.rank, ctx.world_size = dist.get_rank(group), dist.get_world_size(group)
+        ctx.rank = dist.get_rank(group)
+        ctx.world_size = dist.get_world_size(group)
         local = local.contiguous()
-        parts = [torch.empty_like(local) for _ in range(ctx.world_size)]
+        parts = []
+        for _ in range(ctx.world_size):
+            parts.append(torch.empty_like(local))
         dist.all_gather(parts, local, group=group)
         return torch.cat(parts, dim=-1)
 
@@ -105,63 +129,160 @@ class GatherFromTensorParallel(torch.autograd.Function):
         return grad.chunk(ctx.world_size, dim=-1)[ctx.rank].contiguous(), None
 
 
+def all_gather_sequence(local: torch.Tensor, group=None) -> torch.Tensor:
+    """[batch, seq/t, hidden] on each rank -> [batch, seq, hidden], rank 0's tokens first."""
+    local = local.contiguous()
+    parts = []
+    for _ in range(dist.get_world_size(group)):
+        parts.append(torch.empty_like(local))
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=SEQUENCE_DIM)
+
+
+def reduce_scatter_sequence(full: torch.Tensor, group=None) -> torch.Tensor:
+    """[batch, seq, hidden] partial sums on each rank -> this rank's [batch, seq/t, hidden] of
+    their sum over ranks."""
+    world_size = dist.get_world_size(group)
+    parts = []
+    for part in full.chunk(world_size, dim=SEQUENCE_DIM):
+        parts.append(part.contiguous())
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class GatherFromSequenceParallel(torch.autograd.Function):
+    """Sequence parallelism's replacement for ``f``, entering a column-parallel layer:
+    all-gather along the sequence forward, reduce-scatter backward.
+
+    Forward: the layer needs every token, each rank has seq/t of them. Backward: each rank's
+    column slice gives a partial dX for *every* token (as with ``f``); the true dX is their sum,
+    and this rank keeps only its own tokens' part: a reduce-scatter.
+    """
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        return all_gather_sequence(local, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterToSequenceParallel(torch.autograd.Function):
+    """Sequence parallelism's replacement for ``g``, leaving a row-parallel layer:
+    reduce-scatter along the sequence forward, all-gather backward.
+
+    Forward: each rank holds a partial sum X_r B_r for every token; the sum, cut along the
+    sequence, is what the next (sequence-parallel) part needs. Backward: each partial sum
+    needs the gradient of every token, and each rank has its own tokens': an all-gather.
+    """
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        ctx.group = group
+        return reduce_scatter_sequence(partial, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_sequence(grad, ctx.group), None
+
+
 # --------------------------------------------------------------------------- the layers
 
 
-def _shard(t: torch.Tensor, dim: int, rank: int, world_size: int) -> torch.Tensor:
-    """Rank's contiguous 1/world_size of ``t`` along ``dim`` (size must divide evenly)."""
-    if t.shape[dim] % world_size:
-        raise ValueError(f"size {t.shape[dim]} is not divisible by world size {world_size}")
-    return t.detach().chunk(world_size, dim=dim)[rank].clone()
+def shard(tensor: torch.Tensor, dim: int, rank: int, world_size: int,
+          stacked: int = 1) -> torch.Tensor:
+    """Rank's contiguous 1/world_size of ``tensor`` along ``dim`` (a copy). ``stacked``: the
+    tensor is that many equal blocks one after the other along ``dim`` (a fused q, k, v: 3),
+    each cut on its own, and rank's slices of them stacked again."""
+    if tensor.shape[dim] % (stacked * world_size) != 0:
+        raise ValueError(f"size {tensor.shape[dim]} is not divisible into {stacked} x world size "
+                         f"{world_size} equal parts")
+    slices = []
+    for block in tensor.detach().chunk(stacked, dim=dim):
+        slices.append(block.chunk(world_size, dim=dim)[rank])
+    return torch.cat(slices, dim=dim).clone()
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X A_r + b_r: rank r computes out_features / n of the outputs.
+    """Y_r = X A_r + b_r: rank r computes out_features / t of the outputs.
 
-    Holds rows [r*k, (r+1)*k) of nn.Linear's (out, in) weight, k = out/n, and the same slice
-    of the bias. The input goes through ``f`` (full X on every rank forward, all-reduced dX
-    backward). With ``gather_output`` the slices are all-gathered into the full Y.
+    Holds rows [r*k, (r+1)*k) of nn.Linear's (out, in) weight, k = out/t, and the same slice
+    of the bias (``stacked`` > 1: that slice of each of the stacked blocks, see ``shard``). The
+    input goes through ``f`` (full X on every rank forward, all-reduced dX backward), or, with
+    ``sequence_parallel``, through the all-gather along the sequence. With ``gather_output``
+    the slices are all-gathered into the full Y.
     """
 
-    SHARD_DIM = {"weight": 0, "bias": 0}  # where each parameter is cut (None: whole)
-
-    def __init__(self, full: nn.Linear, group=None, gather_output: bool = False):
+    def __init__(self, full: nn.Linear, group=None, gather_output: bool = False,
+                 sequence_parallel: bool = False, stacked: int = 1):
         super().__init__()
-        self.group, self.gather_output = group, gather_output
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.weight = nn.Parameter(_shard(full.weight, 0, rank, world_size))
-        self.bias = nn.Parameter(_shard(full.bias, 0, rank, world_size))
+        self.group = group
+        self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
+        self.stacked = stacked
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.weight = nn.Parameter(self.local_part(full.weight))
+        self.bias = None
+        if full.bias is not None:
+            self.bias = nn.Parameter(self.local_part(full.bias))
+
+    def local_part(self, full_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full layer's weight or bias (or of its gradient)."""
+        return shard(full_tensor, 0, self.rank, self.world_size, self.stacked)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = CopyToTensorParallel.apply(x, self.group)  # f
-        y = F.linear(x, self.weight, self.bias)        # X A_r + b_r
+        if self.sequence_parallel:
+            x = GatherFromSequenceParallel.apply(x, self.group)  # [b, s/t, in] -> [b, s, in]
+        else:
+            x = CopyToTensorParallel.apply(x, self.group)        # f
+        y = F.linear(x, self.weight, self.bias)                  # X A_r + b_r
         if self.gather_output:
             y = GatherFromTensorParallel.apply(y, self.group)
         return y
 
 
 class RowParallelLinear(nn.Module):
-    """Y = sum_r X_r B_r + b: rank r holds in_features / n of the inputs.
+    """Y = sum_r X_r B_r + b: rank r holds in_features / t of the inputs.
 
     Holds columns [r*k, (r+1)*k) of nn.Linear's (out, in) weight. Its input X_r is the output
     slice of a column-parallel layer, so no communication is needed before it; the partial
-    products are summed by ``g``. The bias is whole on every rank and added once, *after* the
-    all-reduce (added before it, it would be counted n times).
+    products are summed by ``g`` (or, with ``sequence_parallel``, summed and cut along the
+    sequence by a reduce-scatter). The bias is whole on every rank and added once, *after* the
+    sum (added before it, it would be counted t times).
     """
 
-    SHARD_DIM = {"weight": 1, "bias": None}
-
-    def __init__(self, full: nn.Linear, group=None):
+    def __init__(self, full: nn.Linear, group=None, sequence_parallel: bool = False):
         super().__init__()
         self.group = group
-        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-        self.weight = nn.Parameter(_shard(full.weight, 1, rank, world_size))
-        # Replicated: its gradient sum_tokens dY is the same on every rank, because dY is.
-        self.bias = nn.Parameter(full.bias.detach().clone())
+        self.sequence_parallel = sequence_parallel
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.weight = nn.Parameter(self.local_part(full.weight))
+        self.bias = None
+        if full.bias is not None:
+            # Replicated. Its gradient sum_tokens dY is the same on every rank when every rank
+            # sees every token (plain tensor parallel); with sequence parallelism it is not.
+            self.bias = nn.Parameter(full.bias.detach().clone())
+
+    def local_part(self, full_tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full layer's weight (columns) or bias (all of it)."""
+        if full_tensor.dim() == 1:
+            return full_tensor.detach().clone()
+        return shard(full_tensor, 1, self.rank, self.world_size)
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x_local, self.weight)                   # X_r B_r
-        return ReduceFromTensorParallel.apply(partial, self.group) + self.bias  # g, then b
+        partial = F.linear(x_local, self.weight)                            # X_r B_r
+        if self.sequence_parallel:
+            out = ReduceScatterToSequenceParallel.apply(partial, self.group)  # [b, s/t, out]
+        else:
+            out = ReduceFromTensorParallel.apply(partial, self.group)         # g
+        if self.bias is not None:
+            out = out + self.bias
+        return out
 
 
 # --------------------------------------------------------------------------- the MLPs
@@ -218,131 +339,129 @@ def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
     d_model); fc2's forward all-reduces Y (tokens x d_model), its backward nothing (g's is the
     identity). All-gather: each layer gathers its output forward and all-reduces dX backward.
     """
-    e = element_size
+    activation = tokens * d_model * element_size  # one [tokens, d_model] tensor
+    hidden = tokens * d_ff * element_size         # one [tokens, d_ff] tensor
     if variant == "megatron":
         return {("fc1", "forward"): ("-", 0),
-                ("fc1", "backward"): ("all_reduce", tokens * d_model * e),
-                ("fc2", "forward"): ("all_reduce", tokens * d_model * e),
+                ("fc1", "backward"): ("all_reduce", activation),
+                ("fc2", "forward"): ("all_reduce", activation),
                 ("fc2", "backward"): ("-", 0)}
     if variant == "allgather":
-        return {("fc1", "forward"): ("all_gather", tokens * d_ff * e),
-                ("fc1", "backward"): ("all_reduce", tokens * d_model * e),
-                ("fc2", "forward"): ("all_gather", tokens * d_model * e),
-                ("fc2", "backward"): ("all_reduce", tokens * d_ff * e)}
+        return {("fc1", "forward"): ("all_gather", hidden),
+                ("fc1", "backward"): ("all_reduce", activation),
+                ("fc2", "forward"): ("all_gather", activation),
+                ("fc2", "backward"): ("all_reduce", hidden)}
     raise ValueError(f"unknown variant {variant!r}; allowed: {', '.join(VARIANTS)}")
 
 
-# --------------------------------------------------------------------------- harness
+# --------------------------------------------------------------------------- a Transformer block
 
 
-def _repo() -> None:
-    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                             "demo and benchmark need the repository around this file (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+class TensorParallelAttention(nn.Module):
+    """Multi-head attention with this rank's heads: q/k/v column-parallel (``stacked=3``: the
+    fused projection holds q, k and v one after the other, and each is cut by heads), the
+    attention itself (``full.attend``, e.g. causal softmax attention) on the local heads, and
+    the output projection row-parallel over the same heads."""
+
+    def __init__(self, full: nn.Module, group=None, sequence_parallel: bool = False):
+        super().__init__()
+        world_size = dist.get_world_size(group)
+        if full.num_heads % world_size != 0:
+            raise ValueError(f"{full.num_heads} heads do not divide over {world_size} ranks")
+        self.num_heads = full.num_heads // world_size  # heads on this rank
+        self.qkv = ColumnParallelLinear(full.qkv, group, sequence_parallel=sequence_parallel,
+                                        stacked=3)
+        self.out = RowParallelLinear(full.out, group, sequence_parallel=sequence_parallel)
+        self.attend = full.attend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)                    # [batch, seq, 3 * local_width], every token
+        batch, seq, width = qkv.shape
+        local_width = width // 3             # this rank's heads x head_dim
+        head_dim = local_width // self.num_heads
+        q, k, v = qkv.split(local_width, dim=-1)
+        q = q.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+        y = self.attend(q, k, v)             # [batch, local heads, seq, head_dim]
+        y = y.transpose(1, 2).reshape(batch, seq, local_width)
+        return self.out(y)                   # summed over ranks (g, or the reduce-scatter)
 
 
-def check_variant(ctx, variant: str, cfg: dict) -> tuple[list[dict], dict]:
-    """One forward + backward of the TP MLP and of the one-process MLP on the same data:
-    a row per output and gradient compared, and the collectives counted per layer and phase
-    (hooks label the counter as fc1/fc2 start their forward and as backward reaches them)."""
-    from common import import_stage
-    ledger = import_stage("07_parallelism/measure/counters")
-    torch.manual_seed(0)  # every rank builds the same full MLP and data, then keeps its shards
-    ref = MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
-    x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
-    target = torch.randn_like(x)
-    tp = VARIANTS[variant](ref)
-    x_ref, x_tp = x.clone().requires_grad_(True), x.clone().requires_grad_(True)  # dX matters:
-    F.mse_loss(ref(x_ref), target).backward()                           # it feeds the layer below
-    with ledger.CommCounter() as comm:
-        for name in ("fc1", "fc2"):
-            getattr(tp, name).register_forward_pre_hook(
-                lambda *_, n=name: setattr(comm, "current", f"{n} forward"))
-            getattr(tp, name).register_full_backward_pre_hook(
-                lambda *_, n=name: setattr(comm, "current", f"{n} backward"))
-        out = tp(x_tp)
-        F.mse_loss(out, target).backward()
-    compared = [("output", out, ref(x_ref)), ("input.grad", x_tp.grad, x_ref.grad)]
-    for name in ("fc1", "fc2"):  # each gradient against the matching slice of the full one
-        for pname, dim in getattr(tp, name).SHARD_DIM.items():
-            full = getattr(getattr(ref, name), pname).grad
-            want = full if dim is None else full.chunk(ctx.world_size, dim)[ctx.rank]
-            compared.append((f"{name}.{pname}.grad", getattr(getattr(tp, name), pname).grad, want))
-    return [{"variant": variant, "checked": what, "max_abs_diff": (got - want).abs().max().item(),
-             "ok": torch.allclose(got, want, rtol=1e-4, atol=1e-5)}
-            for what, got, want in compared], comm.by_label
+class TensorParallelBlock(nn.Module):
+    """A pre-norm Transformer block, x + attn(norm1(x)), then + mlp(norm2(x)), in tensor
+    parallel (heads and MLP columns split over the group) and, with ``sequence_parallel``,
+    sequence parallel between the parallel regions: its input and output are then this rank's
+    [batch, seq/t, d_model] (rank r: tokens r*seq/t .. (r+1)*seq/t - 1), otherwise the full
+    [batch, seq, d_model] on every rank.
+
+    Built from a full block (see the module docstring), whose parameters it slices; its
+    parameters keep the full block's names (``attn.qkv.weight``, ``mlp.0.bias``, ...).
+    """
+
+    def __init__(self, full: nn.Module, group=None, sequence_parallel: bool = True):
+        super().__init__()
+        if not (isinstance(full.mlp, nn.Sequential) and len(full.mlp) == 3):
+            raise ValueError("the block's mlp must be a Sequential of Linear, activation, Linear")
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.norm1 = copy.deepcopy(full.norm1)  # replicated
+        self.attn = TensorParallelAttention(full.attn, group, sequence_parallel)
+        self.norm2 = copy.deepcopy(full.norm2)  # replicated
+        self.mlp = nn.Sequential(
+            ColumnParallelLinear(full.mlp[0], group, sequence_parallel=sequence_parallel),
+            copy.deepcopy(full.mlp[1]),         # elementwise: exact on the local columns
+            RowParallelLinear(full.mlp[2], group, sequence_parallel=sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))   # norm1 on this rank's tokens (all of them without SP)
+        return x + self.mlp(self.norm2(x))
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters every rank holds whole: the LayerNorms' and the row-parallel biases."""
+        params = list(self.norm1.parameters()) + list(self.norm2.parameters())
+        for layer in (self.attn.out, self.mlp[2]):
+            if layer.bias is not None:
+                params.append(layer.bias)
+        return params
+
+    def all_reduce_replicated_grads(self) -> None:
+        """Call after backward. With sequence parallelism each rank ran the LayerNorms and
+        added the biases on its own tokens only: the gradients of those replicated parameters
+        are partial sums over tokens, and the whole gradient is their sum over the group.
+        Without it every rank saw every token and they are whole already: nothing to do."""
+        if not self.sequence_parallel:
+            return
+        for param in self.replicated_parameters():
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=self.group)
 
 
-def tensor_parallel_main(ctx, cfg: dict) -> None:
-    """Check both variants against one process and count their bytes; raise on a mismatch."""
-    from common import import_stage, results
-    ledger = import_stage("07_parallelism/measure/counters")
-    n, tokens, failures, checks, byte_rows = ctx.world_size, cfg["batch"] * cfg["seq"], [], [], []
-    for variant in cfg["variants"]:
-        rows, counted = check_variant(ctx, variant, cfg)
-        checks += rows
-        failures += [f"{r['variant']} {r['checked']}: max abs diff {r['max_abs_diff']:.3g}"
-                     for r in rows if not r["ok"]]
-        for (layer, phase), (op, want) in predicted_comm(variant, tokens, cfg["d_model"],
-                                                         cfg["d_ff"]).items():
-            got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
-            if got["payload_bytes"] != want or got["ops"] != ([op] if want else []):
-                failures.append(f"{variant} {layer} {phase}: counted {got['ops']} "
-                                f"{got['payload_bytes']} B, predicted {op} {want} B")
-            byte_rows.append({"variant": variant, "layer": layer, "phase": phase, "collective": op,
-                              "bytes_counted": got["payload_bytes"], "bytes_predicted": want,
-                              "ring_bytes_sent_per_rank": ledger.ring_send_bytes(op, want, n)
-                              if want else 0})
-    if ctx.is_main:
-        where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
-        print(f"Tensor-parallel MLP on {n} ranks: d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
-              f"{tokens} tokens, {where}")
-        results.print_table(checks, "\nAgainst the one-process MLP (rank 0's shards; every rank "
-                                    "checks its own):", floatfmt=".3g")
-        results.print_table(byte_rows, "\nBytes per layer, one forward + backward (float32):",
-                            floatfmt=".0f")
-        same = {"backend": ctx.backend, "device": ctx.device.type, "world_size": n,
-                "tokens": tokens, "d_model": cfg["d_model"], "d_ff": cfg["d_ff"]}
-        results.upsert_csv("tensor_parallel.csv", [{**same, **r, "run_id": results.run_id()}
-                                                   for r in byte_rows],
-                           key=[*same, "variant", "layer", "phase"])
-    if failures:
-        raise AssertionError(f"tensor-parallel check failed on rank {ctx.rank}:\n  "
-                             + "\n  ".join(failures))
-    ctx.print("all checks passed: outputs, every gradient, bytes as predicted", all_ranks=False)
+def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
+                         element_size: int = 4) -> dict[tuple[str, str], tuple[str, int]]:
+    """What each parallel layer of a block communicates: {(layer, phase): (op, payload bytes)},
+    tokens = batch x seq, the payload being the full [tokens, d_model] tensor each time.
 
-
-def main(argv=None) -> None:
-    _repo()
-    from common import launch
-    parser = launch.make_parser(__doc__, world_size=2)
-    for flag, default, what in (("--d-model", 64, "MLP input/output width"),
-                                ("--d-ff", 256, "MLP hidden width"),
-                                ("--batch", 8, "sequences per batch"),
-                                ("--seq", 16, "tokens per sequence")):
-        parser.add_argument(flag, type=launch.positive_int, default=default, help=what)
-    parser.add_argument("--variants", type=launch.choice_list(list(VARIANTS)),
-                        default=list(VARIANTS), help="comma-separated subset of: "
-                        + ", ".join(VARIANTS))
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    n = config.world_size
-    if args.d_ff % n:
-        parser.error(f"--d-ff {args.d_ff} is not divisible by the tensor-parallel size "
-                     f"(world size) {n}")
-    if "allgather" in args.variants and args.d_model % n:
-        parser.error(f"--d-model {args.d_model} is not divisible by the world size {n} (the "
-                     "all-gather variant splits fc2's outputs)")
-    from common import results
-    results.check_writable()
-    launch.launch(tensor_parallel_main, config, vars(args))
-
-
-if __name__ == "__main__":
-    main()
+    Plain: the column-parallel layers (attn.qkv, mlp.0) all-reduce dX backward (``f``), the
+    row-parallel ones (attn.out, mlp.2) all-reduce Y forward (``g``). Sequence parallel: each
+    all-reduce becomes a reduce-scatter in the same place, and an all-gather appears where
+    ``f`` and ``g`` did nothing. A ring sends 2 (t-1)/t of the payload per all-reduce and
+    (t-1)/t per all-gather or reduce-scatter: the same bytes either way.
+    """
+    activation = tokens * d_model * element_size
+    predicted = {}
+    for layer in ("attn.qkv", "mlp.0"):     # column-parallel: the input side
+        if sequence_parallel:
+            predicted[(layer, "forward")] = ("all_gather", activation)
+            predicted[(layer, "backward")] = ("reduce_scatter", activation)
+        else:
+            predicted[(layer, "forward")] = ("-", 0)
+            predicted[(layer, "backward")] = ("all_reduce", activation)
+    for layer in ("attn.out", "mlp.2"):     # row-parallel: the output side
+        if sequence_parallel:
+            predicted[(layer, "forward")] = ("reduce_scatter", activation)
+            predicted[(layer, "backward")] = ("all_gather", activation)
+        else:
+            predicted[(layer, "forward")] = ("all_reduce", activation)
+            predicted[(layer, "backward")] = ("-", 0)
+    return predicted
