@@ -8,6 +8,7 @@ shape is checked in a few fresh interpreters (one per shape).
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 import sys
 import textwrap
 
@@ -81,3 +82,120 @@ def test_grid_coordinates_without_processes():
     assert grid_mod.groups_along(("dp", "cp"), sizes) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     drawn = grid_mod.draw_grid(dp=2, pp=2, cp=1, tp=2).splitlines()
     assert drawn[1] == "pp 0  dp 1 | cp 0: 2 3" and drawn[3] == "pp 1  dp 1 | cp 0: 6 7"
+
+
+# --------------------------------------------------------------------------- training over grids
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+
+import torch  # noqa: E402
+
+import train  # noqa: E402
+from common import launch  # noqa: E402
+
+TEXT = (REPO / "README.md").read_text() * 3  # a small real text: the tests read no stdlib
+
+
+def small_args(data: str, **grid) -> argparse.Namespace:
+    """train.py's flags for a fast check: the tiny LM, 8 sequences of 32 bytes."""
+    args = dict(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1, micro_batches=1,
+                model="tiny", batch_size=8, seq_len=32, lr=3e-3, seed=0, data=data,
+                max_bytes=None)
+    args.update(grid)
+    return argparse.Namespace(**args)
+
+
+def replicated_parameters(chunks) -> list:
+    params = []
+    for chunk in chunks:
+        for block in chunk.blocks:
+            params.extend(block.replicated_parameters())
+        for module in (chunk.embedding, chunk.head):
+            if module is not None:
+                params.extend(module.parameters())
+    return [p for p in params if p.grad is not None]
+
+
+def sum_over_dp_only(chunks, grid):
+    """Planted bug (torchtitan #3280's kind): gradients summed over the data ranks, not over
+    data and context: each context rank steps with its part of the sequence alone."""
+    parallel_lm = train.lessons()[1]
+    everything = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    parallel_lm.all_reduce_sum(replicated_parameters(chunks), grid.group("tp"))
+    parallel_lm.all_reduce_sum(everything, grid.group("dp"))
+
+
+def no_sum_over_tp(chunks, grid):
+    """Planted bug: the tp-replicated parameters (LayerNorms, biases, embeddings, head) keep
+    the gradient of this rank's tokens only (sequence parallelism split them)."""
+    parallel_lm = train.lessons()[1]
+    everything = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
+    parallel_lm.all_reduce_sum(everything, grid.group("dp_cp"))
+
+
+def twice_over_tp(chunks, grid):
+    """Planted bug: the tp-replicated gradients summed over tp twice (2x too big: AdamW would
+    hide it in the weights, the gradient check must not)."""
+    parallel_lm = train.lessons()[1]
+    parallel_lm.all_reduce_sum(replicated_parameters(chunks), grid.group("tp"))
+    parallel_lm.sum_gradients(chunks, grid)
+
+
+def unscaled_loss(logits, targets):
+    """Planted bug: each rank's mean loss not divided by R, the ranks holding different tokens."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# (label, grid, planted bug or None): four ranks; every correct grid must equal one process,
+# every planted bug must be caught
+FOUR_RANK_CASES = [
+    ("dp2 tp2", dict(dp=2, tp=2), None),
+    ("pp2 tp2, 1f1b, 2 micro-batches", dict(pp=2, tp=2, micro_batches=2), None),
+    ("dp2 pp2, gpipe, 4 micro-batches", dict(dp=2, pp=2, schedule="gpipe", micro_batches=4), None),
+    ("cp2 tp2", dict(cp=2, tp=2), None),
+    ("dp2 cp2, ZeRO-1 (--fsdp)", dict(dp=2, cp=2, fsdp=True), None),
+    ("pp2 tp2, zbh1, 4 micro-batches", dict(pp=2, tp=2, schedule="zbh1", micro_batches=4), None),
+    ("dp2 cp2, summed over dp only", dict(dp=2, cp=2), "dp only"),
+    ("dp2 tp2, no sum over tp", dict(dp=2, tp=2), "no tp sum"),
+    ("dp2 tp2, summed over tp twice", dict(dp=2, tp=2), "twice over tp"),
+    ("dp2 cp2, loss not divided by R", dict(dp=2, cp=2), "unscaled"),
+]
+PLANTED = {"dp only": (None, sum_over_dp_only), "no tp sum": (None, no_sum_over_tp),
+           "twice over tp": (None, twice_over_tp), "unscaled": (unscaled_loss, None)}
+
+
+def grid_worker(ctx, data: str, out: str) -> None:
+    findings = {}
+    for label, grid, planted in FOUR_RANK_CASES:
+        loss_fn = None
+        sum_grads = None
+        if planted is not None:
+            loss_fn, sum_grads = PLANTED[planted]
+        problems, worst = train.check_against_one_process(ctx, small_args(data, **grid), 2,
+                                                          loss_fn, sum_grads)
+        findings[label] = {"problems": problems, "worst": worst}
+    if ctx.is_main:
+        Path(out).write_text(json.dumps(findings))
+
+
+def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "findings.json"
+    launch.launch(grid_worker, launch.LaunchConfig(4, "gloo", "cpu"), str(data), str(out),
+                  timeout_s=240)
+    findings = json.loads(out.read_text())
+    for label, grid, planted in FOUR_RANK_CASES:
+        found = findings[label]
+        if planted is None:
+            assert found["problems"] == [], (label, found["problems"][:5])
+            assert found["worst"] < 1e-4, (label, found["worst"])
+        else:
+            assert found["problems"], f"{label}: the planted bug was not caught"
+    unscaled = findings["dp2 cp2, loss not divided by R"]["problems"]
+    assert any("reports loss" in problem for problem in unscaled), unscaled[:3]
+    dp_only = findings["dp2 cp2, summed over dp only"]["problems"]
+    assert any("gradient differs" in problem for problem in dp_only), dp_only[:3]
+    twice = findings["dp2 tp2, summed over tp twice"]["problems"]
+    assert any("norm1.weight gradient differs" in problem for problem in twice), twice[:3]

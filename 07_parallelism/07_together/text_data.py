@@ -90,14 +90,13 @@ def batch_at(tokens: torch.Tensor, step: int, batch_size: int, seq_len: int,
     return windows[:, :-1], windows[:, 1:]
 
 
-def unigram_loss(tokens: torch.Tensor) -> float:
-    """Cross-entropy (nats per token) of the best model that ignores context: predicting each
-    byte by its frequency in ``tokens``. A language model has learnt something only below it."""
-    counts = torch.bincount(tokens, minlength=VOCAB_SIZE).double()
-    probabilities = counts / counts.sum()
-    seen = probabilities > 0
-    entropy = -(probabilities[seen] * probabilities[seen].log()).sum()
-    return float(entropy)
+def unigram_loss(train: torch.Tensor, held_out: torch.Tensor) -> float:
+    """The held-out loss (nats per byte) of the best model that ignores context: each byte
+    predicted by its frequency in the training text (add-one smoothed, so that a byte unseen
+    in training costs a finite amount). A language model has learnt something only below it."""
+    counts = torch.bincount(train, minlength=VOCAB_SIZE).double() + 1.0
+    log_probabilities = (counts / counts.sum()).log()
+    return float(-log_probabilities[held_out].mean())
 
 
 def perplexity(loss: float) -> float:
