@@ -12,6 +12,8 @@ from pathlib import Path
 import sys
 import textwrap
 
+import pytest
+
 import grid as grid_mod
 from helpers import REPO
 
@@ -93,6 +95,7 @@ import torch  # noqa: E402
 
 import train  # noqa: E402
 from common import launch  # noqa: E402
+from helpers import assert_main_usage_error  # noqa: E402
 
 TEXT = (REPO / "README.md").read_text() * 3  # a small real text: the tests read no stdlib
 
@@ -199,3 +202,50 @@ def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_p
     assert any("gradient differs" in problem for problem in dp_only), dp_only[:3]
     twice = findings["dp2 tp2, summed over tp twice"]["problems"]
     assert any("norm1.weight gradient differs" in problem for problem in twice), twice[:3]
+
+
+def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
+    """The script itself, unchanged under torchrun, on two "nodes" of four processes meeting
+    at a c10d rendezvous: (dp, pp, cp, tp) = (2, 2, 1, 2), tensor parallel inside a node,
+    pipeline across the two. --check compares 2 steps with one process; then 2 steps of
+    training write the curve and the full model, which loads into one process's LM."""
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    saved = tmp_path / "full.pt"
+    port = launch.free_port()
+    node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test07",
+            str(REPO / "07_parallelism" / "07_together" / "train.py"), "--backend", "gloo",
+            "--device", "cpu", "--dp", "2", "--pp", "2", "--tp", "2", "--micro-batches", "2",
+            "--batch-size", "8", "--seq-len", "32", "--steps", "2", "--log-every", "1",
+            "--eval-batches", "1", "--check", "--check-steps", "2", "--data", str(data),
+            "--save-full", str(saved)]
+    procs = [subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    text = "\n".join(outs)
+    assert "check: 2 steps on the grid equal 2 steps of one process" in text, text[-3000:]
+    assert "step     2  loss" in text and "sample" in text, text[-3000:]
+    from common import models
+    lm = models.TransformerLM("tiny", vocab_size=256, context_length=32)
+    lm.load_state_dict(torch.load(saved))  # the single-process LM's names and shapes
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--world-size", "4", "--dp", "3", "--tp", "2"], "= 6, but the world size is 4"),
+    (["--world-size", "3", "--dp", "1", "--tp", "3", "--seq-len", "36"], "must divide the tiny"),
+    (["--world-size", "2", "--dp", "1", "--tp", "2", "--seq-len", "30"], "divide by 2 x cp x tp"),
+    (["--world-size", "4", "--dp", "1", "--pp", "4"], "layers do not split"),
+    (["--world-size", "2", "--dp", "1", "--pp", "2", "--schedule", "interleaved",
+      "--micro-batches", "3", "--batch-size", "6", "--chunks", "1"], "multiple of --pp"),
+    (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
+     "must divide each data-parallel"),
+    (["--world-size", "2", "--dp", "1", "--cp", "2", "--fsdp", "--data", "/no/such/file"],
+     "no such file"),
+])
+def test_bad_grids_are_refused_before_any_worker_starts(argv, needle, capsys, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a bad grid reached the launch")
+    monkeypatch.setattr(launch, "launch", no_launch)
+    assert_main_usage_error(train.main, argv, capsys, needle)
