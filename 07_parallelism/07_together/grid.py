@@ -1,0 +1,141 @@
+"""A grid of ranks: which ranks form which group when data, pipeline, context and tensor
+parallelism are combined.
+
+Every rank has a coordinate on four axes. The world is laid out as a 4-D array of ranks of
+shape (pp, dp, cp, tp), filled in order, tensor parallel innermost:
+
+    rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
+
+so the tp ranks of one group are neighbours (one node, the fastest links: tensor parallelism
+communicates inside every layer), then context parallel (ring attention, every attention
+layer), then data parallel (once per step), and pipeline parallel outermost (one activation
+per micro-batch, point to point: it tolerates the slowest links, between nodes). This is the
+layout of ``torch.distributed.device_mesh.init_device_mesh(device, (pp, dp, cp, tp),
+mesh_dim_names=("pp", "dp", "cp", "tp"))``; the tests check that the groups are the same.
+
+A group along an axis holds the ranks that differ only in that coordinate. One more group,
+"dp_cp", holds the ranks that differ in the data or the context coordinate: they hold
+different tokens of the same model piece, so their gradients (and the loss) are summed there.
+
+    grid = ProcessGrid(dp=2, pp=1, cp=1, tp=2)     # after dist.init_process_group, 4 ranks
+    grid.rank("tp"), grid.size("tp"), grid.group("tp")
+
+Torch alone: copy this file anywhere.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+AXES = ("pp", "dp", "cp", "tp")  # outermost first
+
+
+def grid_coordinate(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """rank -> {axis: index}: the digits of ``rank`` in the mixed radix (pp, dp, cp, tp)."""
+    coordinate = {}
+    for axis in reversed(AXES):  # tp is the fastest-changing digit
+        coordinate[axis] = rank % sizes[axis]
+        rank = rank // sizes[axis]
+    return coordinate
+
+
+def grid_rank(coordinate: dict[str, int], sizes: dict[str, int]) -> int:
+    """{axis: index} -> rank: ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index."""
+    rank = 0
+    for axis in AXES:
+        rank = rank * sizes[axis] + coordinate[axis]
+    return rank
+
+
+def groups_along(axes: tuple[str, ...], sizes: dict[str, int]) -> list[list[int]]:
+    """Every group of ranks that differ only in the coordinates ``axes``, each sorted, in the
+    order of their smallest rank. One group per value of the other coordinates."""
+    world_size = 1
+    for axis in AXES:
+        world_size *= sizes[axis]
+    groups = {}
+    for rank in range(world_size):
+        coordinate = grid_coordinate(rank, sizes)
+        # The key: the coordinates that stay fixed inside a group.
+        key = tuple(coordinate[axis] for axis in AXES if axis not in axes)
+        if key not in groups:
+            groups[key] = []
+        groups[key].append(rank)
+    return sorted(groups.values())
+
+
+class ProcessGrid:
+    """This rank's place on the (pp, dp, cp, tp) grid and a process group along each axis.
+
+    ``group(axis)``, ``rank(axis)``, ``size(axis)`` for axis in "pp", "dp", "cp", "tp" and
+    "dp_cp" (data and context together). Call on every rank, after ``init_process_group``:
+    creating a group is a collective, every rank creates every group in the same order.
+    """
+
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1):
+        self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        for axis in AXES:
+            size = self.sizes[axis]
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"ProcessGrid: {axis}={size!r}; each degree must be a whole "
+                                 "number >= 1")
+        world_size = dist.get_world_size()
+        product = pp * dp * cp * tp
+        if product != world_size:
+            raise ValueError(f"ProcessGrid: dp x pp x cp x tp = {dp} x {pp} x {cp} x {tp} = "
+                             f"{product}, but the world has {world_size} ranks; the product "
+                             "must equal the world size")
+        self.global_rank = dist.get_rank()
+        self.coordinate = grid_coordinate(self.global_rank, self.sizes)
+        self.members = {}  # axis -> the global ranks of this rank's group along it
+        self.groups = {}   # axis -> that process group
+        axis_sets = {"pp": ("pp",), "dp": ("dp",), "cp": ("cp",), "tp": ("tp",),
+                     "dp_cp": ("dp", "cp")}
+        for name, axes in axis_sets.items():
+            for ranks in groups_along(axes, self.sizes):
+                group = dist.new_group(ranks)  # a collective: every rank makes every group
+                if self.global_rank in ranks:
+                    self.members[name] = ranks
+                    self.groups[name] = group
+
+    def group(self, axis: str):
+        return self.groups[axis]
+
+    def rank(self, axis: str) -> int:
+        """This rank's index inside its group along ``axis``."""
+        return self.members[axis].index(self.global_rank)
+
+    def size(self, axis: str) -> int:
+        return len(self.members[axis])
+
+    def ranks(self, axis: str) -> list[int]:
+        """The global ranks of this rank's group along ``axis``, in group order."""
+        return list(self.members[axis])
+
+    def __repr__(self) -> str:
+        where = ", ".join(f"{axis}={self.coordinate[axis]}/{self.sizes[axis]}" for axis in AXES)
+        return f"ProcessGrid(rank {self.global_rank}: {where})"
+
+
+def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
+    """The grid as text: one line per (pp, dp) pair, the cp x tp ranks of it, e.g. for 8 ranks
+    (dp, pp, cp, tp) = (2, 2, 1, 2):
+
+        pp 0  dp 0 | cp 0: 0 1
+        pp 0  dp 1 | cp 0: 2 3
+        pp 1  dp 0 | cp 0: 4 5
+        pp 1  dp 1 | cp 0: 6 7
+    """
+    sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    lines = []
+    for pp_index in range(pp):
+        for dp_index in range(dp):
+            parts = []
+            for cp_index in range(cp):
+                tp_ranks = []
+                for tp_index in range(tp):
+                    coordinate = {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
+                    tp_ranks.append(str(grid_rank(coordinate, sizes)))
+                parts.append(f"cp {cp_index}: " + " ".join(tp_ranks))
+            lines.append(f"pp {pp_index}  dp {dp_index} | " + "   ".join(parts))
+    return "\n".join(lines)

@@ -1,0 +1,353 @@
+"""Stage 07, lesson 7: everything together. The course LM split four ways at once.
+
+Each earlier lesson split one thing: the batch (data parallel, 03-06), the weights inside a
+layer (tensor parallel, lesson 3), the depth (pipeline, lesson 4), the sequence (context
+parallel, lesson 5). This file composes them on a grid of ranks (``grid.ProcessGrid``) and
+adds only what composing needs and no lesson had:
+
+1. Who holds which tokens. A global batch [batch, seq] is cut three ways: its rows over the
+   data-parallel ranks (dp), its sequence over the context-parallel ranks (cp, zig-zag), and,
+   between the tensor-parallel regions, that piece of the sequence again over the tensor-
+   parallel ranks (tp, sequence parallelism). Rank (dp_i, cp_j, tp_k) holds rows dp_i of the
+   batch and the tp_k-th slice of cp shard j: [batch/dp, seq/(cp tp)] tokens, with their
+   GLOBAL positions (the position embedding and the causal mask need them).
+
+2. Which piece of the model each rank holds. The pipeline rank's blocks (``chunk_layers``:
+   one contiguous share, or v chunks interleaved), each block as lesson 3's
+   ``TensorParallelBlock`` (its heads and MLP columns over tp, sequence parallel between)
+   whose attention is lesson 5's ring attention over cp. The first virtual stage also holds
+   the embeddings, the last the final norm and the vocabulary head (replicated over tp).
+
+3. Where the loss is averaged. Every rank computes the cross-entropy over its own tokens,
+   and R = dp x cp x tp ranks hold different tokens of the same batch (the pp ranks hold
+   different layers, not tokens). The mean over the batch is the mean of their means, so
+   each rank's loss is scaled by 1/R and then every gradient is a SUM:
+
+       loss = (1/R) sum_ranks mean_(my tokens) CE      (R = dp * cp * tp)
+
+   * inside a tensor-parallel region the sequence-parallel collectives already sum over the
+     tp ranks (the reduce-scatter's backward is an all-gather of every rank's dY);
+   * the parameters every tp rank holds whole (LayerNorms, row-parallel biases, embeddings,
+     the head) saw only this rank's tokens: their gradients are summed over tp;
+   * then every gradient is summed over dp and cp together ("dp_cp").
+
+   Forget the cp part of the sum and each context rank steps with the gradient of its slice
+   of the sequence alone; forget the 1/R and the loss (and its gradient) is R times too big:
+   the tests plant both and watch them fail.
+
+4. Where each parameter sits in the full model, so the pieces can be put back together
+   (``full_state_dict``) and checkpointed (lesson 8): ``placements()``.
+
+Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
+``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
+(lesson 4), ``context_parallel.py`` (lesson 5). ``train.py`` beside it puts them on the path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import context_parallel
+    import pipeline_parallel
+    import pipeline_schedules
+    import tensor_parallel
+except ModuleNotFoundError as missing:
+    raise ModuleNotFoundError(
+        f"parallel_lm.py composes the 07 lessons' algorithm files and {missing.name}.py is not "
+        "on the path: put tensor_parallel.py, pipeline_parallel.py, pipeline_schedules.py and "
+        "context_parallel.py beside it (train.py does this inside the repository)") from None
+
+LAYOUT = "zigzag"  # the context-parallel layout: every cp rank does the same attention work
+
+
+# --------------------------------------------------------------------------- who holds which tokens
+
+
+def local_tokens(tokens: torch.Tensor, grid) -> torch.Tensor:
+    """This rank's part of a global [batch, seq] tensor (inputs, targets or positions):
+    rows over dp, the sequence over cp (zig-zag), then that over tp (contiguous slices)."""
+    rows_per_rank = tokens.shape[0] // grid.size("dp")
+    first_row = grid.rank("dp") * rows_per_rank
+    mine = tokens[first_row:first_row + rows_per_rank]
+    mine = context_parallel.shard_sequence(mine, 1, grid.rank("cp"), grid.size("cp"), LAYOUT)
+    per_tp_rank = mine.shape[1] // grid.size("tp")      # sequence parallelism: seq / (cp tp)
+    first = grid.rank("tp") * per_tp_rank
+    return mine[:, first:first + per_tp_rank]
+
+
+def local_positions(seq_len: int, grid) -> torch.Tensor:
+    """The global positions (0 .. seq-1) of this rank's tokens, cut as ``local_tokens`` cuts."""
+    positions = torch.arange(seq_len).unsqueeze(0)      # [1, seq]: one row, every dp rank alike
+    cp_part = context_parallel.shard_sequence(positions, 1, grid.rank("cp"), grid.size("cp"),
+                                              LAYOUT)
+    per_tp_rank = cp_part.shape[1] // grid.size("tp")
+    first = grid.rank("tp") * per_tp_rank
+    return cp_part[0, first:first + per_tp_rank]
+
+
+# --------------------------------------------------------------------------- the model's pieces
+
+
+class Embedding(nn.Module):
+    """Token + position embeddings of this rank's tokens (the first pipeline stage)."""
+
+    def __init__(self, full_lm: nn.Module, positions: torch.Tensor):
+        super().__init__()
+        self.token_embedding = copy.deepcopy(full_lm.token_embedding)
+        self.position_embedding = copy.deepcopy(full_lm.position_embedding)
+        self.register_buffer("positions", positions.clone(), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens [micro_batch, local_seq] -> [micro_batch, local_seq, d_model]
+        return self.token_embedding(tokens) + self.position_embedding(self.positions)
+
+
+class Head(nn.Module):
+    """Final LayerNorm and vocabulary projection on this rank's tokens (the last stage)."""
+
+    def __init__(self, full_lm: nn.Module):
+        super().__init__()
+        self.norm = copy.deepcopy(full_lm.norm)
+        self.lm_head = copy.deepcopy(full_lm.lm_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x))    # logits [micro_batch, local_seq, vocab]
+
+
+class StageChunk(nn.Module):
+    """One model chunk of this pipeline rank: some consecutive blocks, with the embeddings in
+    front on the first virtual stage and the head after them on the last."""
+
+    def __init__(self, embedding, blocks: list[nn.Module], layer_numbers: range, head):
+        super().__init__()
+        self.embedding = embedding                  # None except on the first virtual stage
+        self.blocks = nn.ModuleList(blocks)
+        self.layer_numbers = layer_numbers          # the blocks' places in the full model
+        self.head = head                            # None except on the last virtual stage
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embedding is not None:
+            x = self.embedding(x)
+        for block in self.blocks:
+            x = block(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def ring_attention_over(group):
+    """The ``attend`` function of a block whose sequence is split over ``group``."""
+    def attend(q, k, v):
+        return context_parallel.ring_attention(q, k, v, group=group, causal=True, layout=LAYOUT)
+    return attend
+
+
+def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 1) -> list:
+    """This rank's model chunks, sliced from ``full_lm`` (the same full model on every rank):
+    ``chunks_per_rank`` > 1 for the interleaved schedule, whose virtual stage c * pp + r is
+    chunk c of pipeline rank r."""
+    pp = grid.size("pp")
+    num_layers = len(full_lm.blocks)
+    ranges = pipeline_parallel.chunk_layers(num_layers, pp, grid.rank("pp"), chunks_per_rank)
+    last_virtual_stage = pp * chunks_per_rank - 1
+    chunks = []
+    for chunk_index, layer_numbers in enumerate(ranges):
+        virtual_stage = chunk_index * pp + grid.rank("pp")
+        embedding = None
+        if virtual_stage == 0:
+            embedding = Embedding(full_lm, local_positions(seq_len, grid))
+        head = None
+        if virtual_stage == last_virtual_stage:
+            head = Head(full_lm)
+        blocks = []
+        for layer in layer_numbers:
+            block = tensor_parallel.TensorParallelBlock(full_lm.blocks[layer], grid.group("tp"),
+                                                        sequence_parallel=True)
+            if grid.size("cp") > 1:
+                block.attn.attend = ring_attention_over(grid.group("cp"))
+            blocks.append(block)
+        chunks.append(StageChunk(embedding, blocks, layer_numbers, head))
+    return chunks
+
+
+# --------------------------------------------------------------------------- one training step
+
+
+def scaled_loss_fn(grid):
+    """Cross-entropy over this rank's tokens, scaled by 1/R: R ranks hold different tokens."""
+    token_holders = grid.size("dp") * grid.size("cp") * grid.size("tp")
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        # logits [micro_batch, local_seq, vocab] -> [micro_batch * local_seq, vocab]
+        mean_here = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return mean_here / token_holders
+    return loss_fn
+
+
+def sum_gradients(chunks: list, grid) -> None:
+    """After backward: first the tp-replicated parameters over tp (they saw this rank's tokens
+    only), then every gradient over dp and cp together. One flat all-reduce per group."""
+    replicated = []
+    for chunk in chunks:
+        for block in chunk.blocks:
+            replicated.extend(block.replicated_parameters())
+        for module in (chunk.embedding, chunk.head):
+            if module is not None:
+                replicated.extend(module.parameters())
+    all_reduce_sum([p for p in replicated if p.grad is not None], grid.group("tp"))
+    everything = []
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if p.grad is not None:
+                everything.append(p)
+    all_reduce_sum(everything, grid.group("dp_cp"))
+
+
+def all_reduce_sum(params: list[nn.Parameter], group) -> None:
+    """Sum the gradients of ``params`` over ``group``: one flat buffer, one all-reduce (04)."""
+    if not params or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, inputs, targets,
+               device, loss_fn=None, sum_grads=sum_gradients) -> dict:
+    """One forward and backward of the global batch (``inputs``, ``targets``: [batch, seq], the
+    same on every rank) through the pipeline, gradients summed; the optimizer step is the
+    caller's. Returns the executor's timings and ``loss``: the global batch's mean loss, the
+    same number on every rank."""
+    if loss_fn is None:
+        loss_fn = scaled_loss_fn(grid)
+    pp = grid.size("pp")
+    pp_rank = grid.rank("pp")
+    schedule = pipeline_schedules.all_ranks(schedule_name, pp, micro_batches, len(chunks))
+    my_inputs = local_tokens(inputs, grid).to(device)
+    my_targets = local_tokens(targets, grid).to(device)
+    micro_inputs = None
+    if pp_rank == 0:
+        micro_inputs = list(my_inputs.chunk(micro_batches))
+    micro_targets = None
+    if pp_rank == pp - 1:
+        micro_targets = list(my_targets.chunk(micro_batches))
+    d_model = chunks[0].blocks[0].norm1.normalized_shape[0]
+    rows = my_inputs.shape[0] // micro_batches
+    activation_shape = (rows, my_inputs.shape[1], d_model)   # [micro_batch, local_seq, d_model]
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    result = pipeline_parallel.run_schedule(chunks, schedule, micro_inputs, micro_targets,
+                                            activation_shape, device, loss_fn=loss_fn,
+                                            group=grid.group("pp"))
+    sum_grads(chunks, grid)
+    # The loss lives on the last pipeline stage, as this rank's share (1/R of its mean): the
+    # sum over every rank, with zeros from the other stages, is the batch's mean loss.
+    loss = torch.tensor([result["loss"]], dtype=torch.float64, device=device)
+    dist.all_reduce(loss)
+    result["loss"] = loss.item()
+    return result
+
+
+# --------------------------------------------------------------------------- the full model again
+
+
+def placements(chunks: list, grid) -> list[dict]:
+    """Where each of this rank's parameters sits in the full model: per parameter, its full
+    name (``TransformerLM``'s), the full shape, and the boxes of the full tensor it holds,
+    each ``(local_slices, full_slices)``: a list of (start, stop) per dimension. A column-
+    parallel weight holds rows of each of its stacked blocks (q, k and v: three boxes), a
+    row-parallel weight a block of columns, a replicated parameter all of it. ``replica``
+    is True on the one rank whose copy is the one to save (dp_cp rank 0; for a tp-replicated
+    parameter also tp rank 0)."""
+    entries = []
+    for chunk in chunks:
+        named = []
+        if chunk.embedding is not None:
+            for name, p in chunk.embedding.named_parameters():
+                named.append((name, p, None))
+        for block, layer in zip(chunk.blocks, chunk.layer_numbers):
+            for module_name, module in block.named_modules():
+                for name, p in module.named_parameters(recurse=False):
+                    full_name = f"blocks.{layer}.{module_name}.{name}"
+                    named.append((full_name, p, module))
+        if chunk.head is not None:
+            for name, p in chunk.head.named_parameters():
+                named.append((name, p, None))
+        for full_name, p, module in named:
+            entries.append(placement_of(full_name, p, module, grid))
+    return entries
+
+
+def placement_of(full_name: str, p: torch.Tensor, module, grid) -> dict:
+    tp = grid.size("tp")
+    tp_rank = grid.rank("tp")
+    whole = [(0, size) for size in p.shape]
+    sharded_dim = None
+    stacked = 1
+    if isinstance(module, tensor_parallel.ColumnParallelLinear):
+        sharded_dim = 0                      # rows of the weight, and the bias
+        stacked = module.stacked
+    elif isinstance(module, tensor_parallel.RowParallelLinear) and p.dim() == 2:
+        sharded_dim = 1                      # columns of the weight; the bias is whole
+    full_shape = list(p.shape)
+    boxes = []
+    if sharded_dim is None:
+        boxes.append((whole, whole))
+    else:
+        full_shape[sharded_dim] = p.shape[sharded_dim] * tp
+        block_local = p.shape[sharded_dim] // stacked   # this rank's rows of one stacked block
+        block_full = full_shape[sharded_dim] // stacked
+        for block in range(stacked):
+            local_box = list(whole)
+            full_box = list(whole)
+            local_box[sharded_dim] = (block * block_local, (block + 1) * block_local)
+            start = block * block_full + tp_rank * block_local
+            full_box[sharded_dim] = (start, start + block_local)
+            boxes.append((local_box, full_box))
+    replica = grid.rank("dp_cp") == 0 and (sharded_dim is not None or tp_rank == 0)
+    return {"name": full_name, "tensor": p, "full_shape": tuple(full_shape), "boxes": boxes,
+            "replica": replica}
+
+
+def full_state_dict(chunks: list, grid, to: int = 0, gradients: bool = False) -> dict | None:
+    """The full model's parameters (``TransformerLM``'s names, float32) on global rank ``to``
+    (None elsewhere): each rank sends the boxes it is the saving replica of. ``gradients``:
+    their gradients instead (zeros where a parameter has none)."""
+    mine = []
+    for entry in placements(chunks, grid):
+        if not entry["replica"]:
+            continue
+        values = entry["tensor"].detach()
+        if gradients:
+            values = entry["tensor"].grad
+            if values is None:
+                values = torch.zeros_like(entry["tensor"])
+        pieces = []
+        for local_box, full_box in entry["boxes"]:
+            index = tuple(slice(start, stop) for start, stop in local_box)
+            pieces.append((full_box, values[index].to("cpu", torch.float32)))
+        mine.append((entry["name"], entry["full_shape"], pieces))
+    gathered = None
+    if dist.get_rank() == to:
+        gathered = [None] * dist.get_world_size()
+    dist.gather_object(mine, gathered, dst=to)
+    if gathered is None:
+        return None
+    state = {}
+    for rank_entries in gathered:
+        for name, full_shape, pieces in rank_entries:
+            if name not in state:
+                state[name] = torch.zeros(full_shape)
+            for full_box, values in pieces:
+                index = tuple(slice(start, stop) for start, stop in full_box)
+                state[name][index] = values
+    return state
