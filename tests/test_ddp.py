@@ -705,13 +705,19 @@ _RUNS: dict[int, dict] = {}
 def ddp_worker(ctx, case_names: list[str], out_dir: str) -> None:
     torch.set_num_threads(1)
     findings = equivalence_checks(ctx, case_names)
-    # the scripts' own proof (the plain runs of 03-05 check it at 2 ranks with their DDP)
-    proof_ok = verify.verify_ddp(ctx, lambda m: BucketedDDP(m, bucket_size_mb=1 / 1024),
-                                 "BucketedDDP")
-    proof_failures = []
-    if not proof_ok:
-        proof_failures.append("common.verify.verify_ddp failed (its lines above say where)")
-    findings["verify_ddp"] = dict(failures=proof_failures, checks=1)
+    # The scripts' own proof, its lines kept: rank 0 prints an [ok] line per model it proved
+    # (a skipped proof prints none), every rank a [FAIL] line per model where it failed.
+    proof_out = io.StringIO()
+    with contextlib.redirect_stdout(proof_out):
+        proof_ok = verify.verify_ddp(ctx, lambda m: BucketedDDP(m, bucket_size_mb=1 / 1024),
+                                     "BucketedDDP")
+    lines = proof_out.getvalue().splitlines()
+    print(proof_out.getvalue(), end="", flush=True)
+    proved = [line for line in lines if "  [ok] " in line]
+    failed = [line for line in lines if "  [FAIL] " in line]
+    if not proof_ok and not failed:
+        failed.append("verify_ddp returned False without a [FAIL] line")
+    findings["verify_ddp"] = dict(failures=failed, checks=len(proved))
     # Only a verdict reached on every rank together is caught (the ranks stay in step); any
     # other exception ends the launch at once, naming its rank.
     try:
@@ -744,7 +750,7 @@ def findings_for(world_size: int, base) -> dict:
             _RUNS[world_size] = {"launch failed": report.getvalue()}
         else:
             merged: dict = {}
-            for rank in range(world_size):
+            for rank in range(world_size):  # checks: rank 0's count
                 for case, f in json.loads((out / f"rank{rank}.json").read_text()).items():
                     entry = merged.setdefault(case, dict(failures=[], checks=f["checks"]))
                     entry["failures"] += [f"rank {rank}: {msg}" for msg in f["failures"]]
@@ -768,7 +774,8 @@ def test_ddp_matches_single_process(case, world_size, findings_dir):
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_the_scripts_proof_passes(world_size, findings_dir):
     found = findings_for(world_size, findings_dir)["verify_ddp"]
-    assert not found["failures"], found["failures"]
+    assert not found["failures"], "\n".join(found["failures"])
+    assert found["checks"] == 3, "rank 0 did not prove the three models"  # toy, tied, LM
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
