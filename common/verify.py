@@ -51,12 +51,14 @@ def agree(problem: str | None, group=None) -> None:
 
 
 def check_ddp(ctx, wrap, build, make_optimizer, make_batch, steps: int,
-              rtol: float, atol: float) -> tuple[bool, bool, float, float]:
+              rtol: float, atol: float) -> dict:
     """Train ``wrap(build())`` and a one-process copy side by side for ``steps`` steps on
     ``make_batch(step) -> (x, y, loss_fn)``, the global batch (the same on every rank, in equal
-    slices). Returns (gradients and weights allclose to one process after every step, weights
-    bitwise equal across ranks, the largest gradient difference seen, the largest weight
-    difference seen). This rank's view: ``verify_ddp`` makes it one verdict."""
+    slices). Returns what this rank saw (``verify_ddp`` makes it one verdict): ``close``
+    (gradients and weights allclose to one process after every step), ``same`` (weights
+    bitwise equal across ranks), and the largest differences seen: ``grad_diff`` and
+    ``weight_diff`` against one process, ``rank_diff`` between any rank's weights and
+    rank 0's."""
     torch.manual_seed(1000 + ctx.rank)  # every rank starts somewhere else ...
     model = build().to(ctx.device)
     ddp = wrap(model)                    # ... until the wrapper broadcasts rank 0's weights
@@ -68,6 +70,7 @@ def check_ddp(ctx, wrap, build, make_optimizer, make_batch, steps: int,
     same = True
     worst_grad = 0.0
     worst_weight = 0.0
+    worst_rank = 0.0
     for step in range(steps):
         x, y, loss_fn = make_batch(step)
         b = len(x) // ctx.world_size
@@ -97,7 +100,10 @@ def check_ddp(ctx, wrap, build, make_optimizer, make_batch, steps: int,
         everyone = [torch.empty_like(mine_flat) for _ in range(ctx.world_size)]
         dist.all_gather(everyone, mine_flat)
         same &= all(torch.equal(e, everyone[0]) for e in everyone)
-    return close, same, worst_grad, worst_weight
+        for e in everyone:  # how far any rank's weights are from rank 0's
+            worst_rank = max(worst_rank, (e - everyone[0]).abs().max().item())
+    return {"close": close, "same": same, "grad_diff": worst_grad, "weight_diff": worst_weight,
+            "rank_diff": worst_rank}
 
 
 def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
@@ -127,15 +133,17 @@ def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
               f"process on the whole batch:", all_ranks=False)
     all_ok = True
     for label, build, make_optimizer, make_batch, n, (rtol, atol) in cases:
-        close, same, worst_grad, worst_weight = check_ddp(ctx, wrap, build, make_optimizer,
-                                                          make_batch, n, rtol, atol)
-        flag = torch.tensor([float(close and same)],
+        found = check_ddp(ctx, wrap, build, make_optimizer, make_batch, n, rtol, atol)
+        flag = torch.tensor([float(found["close"] and found["same"])],
                             device=ctx.device if ctx.backend == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # ok only if ok on every rank
         ok = bool(flag.item())
         all_ok &= ok
+        across = f"bitwise equal across ranks: {found['same']}"
+        if not found["same"]:
+            across += f" (max |weight - rank 0's| {found['rank_diff']:.1e})"
         ctx.print(f"  [{'ok' if ok else 'FAIL'}] {label:<27} {n} steps: max |grad - one process| "
-                  f"{worst_grad:.1e}, |weight - one process| {worst_weight:.1e} (allclose "
-                  f"rtol={rtol:g} atol={atol:g}: {close}); bitwise equal across ranks: {same}",
+                  f"{found['grad_diff']:.1e}, |weight - one process| {found['weight_diff']:.1e} "
+                  f"(allclose rtol={rtol:g} atol={atol:g}: {found['close']}); {across}",
                   all_ranks=not ok)
     return all_ok
