@@ -127,7 +127,9 @@ def profiles_and_proof_worker(ctx, runs):
     for worker, args in runs:  # 03 --profile and 05 --profile, as their main() parsed them
         worker(ctx, *args)
     for wrap, _ in BROKEN_DDPS:  # the proof's verdict is the same on every rank
-        assert verify.verify_ddp(ctx, wrap, wrap.__name__) is False, wrap.__name__
+        bug = wrap.__doc__.splitlines()[0]
+        assert verify.verify_ddp(ctx, wrap, wrap.__name__) is False, \
+            f"the proof passed {wrap.__name__}, a broken DDP: {bug}"
 
 
 def assert_every_broken_ddp_failed_everywhere(out: str, world_size: int) -> None:
