@@ -22,10 +22,11 @@ from common import models
 
 # float32 tolerance, (rtol, atol). A data-parallel gradient is the one-process gradient summed
 # in another order (each slice, then across ranks), and each reordered addition rounds by up
-# to float32's epsilon, 1.2e-7, relative: rtol = 1e-5 leaves about 100x room for the toy
-# models' few dozen terms over five steps; atol = 1e-6 covers entries that cancel to near
-# zero. The LM's sums run over thousands of terms (the vocabulary, d_ff) through layer norms
-# and a softmax: ten times both. A wrapper whose gradient is 0.1% off fails both.
+# to float32's epsilon, 1.2e-7, relative: the gradients, and the toy models' weights, land
+# within about 1e-7 of one process, so rtol = 1e-5 (and atol = 1e-6 for entries near zero)
+# leaves 10-100x room. The LM's weights need ten times both: AdamW divides each step by the
+# gradient's running size, so where a gradient is near zero its rounding can move the weight
+# by up to about lr. A wrapper whose gradient is 0.1% off fails every case.
 TOY_TOLERANCE = (1e-5, 1e-6)
 LM_TOLERANCE = (1e-4, 1e-5)
 
