@@ -203,8 +203,10 @@ def distributed_softmax(x: torch.Tensor, group=None) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- harness
-# Each collective: every rank's tensor before -> after on one line (rank 0 prints), the
-# memory it needs, and an assertion of the exact result on every rank.
+# Each collective: every rank's tensor before -> after on one line (rank 0), the memory it
+# needs, and a check of the exact result on every rank. The checks are agreed: if any rank
+# got a wrong result, every rank raises, naming the ranks, what they got and by how much (a
+# rank that raised alone would leave the others waiting in the next collective).
 
 
 def _text(t) -> str:
@@ -213,126 +215,160 @@ def _text(t) -> str:
     return "-" if t is None else ",".join(f"{v:g}" for v in t.flatten().tolist())
 
 
-def _show(rank, world_size, name, before, after, memory):
+def _wrong(got: list[float], want: list[float]) -> str | None:
+    """None when ``got`` is exactly ``want``; else both, and the largest difference."""
+    if got == want:
+        return None
+    if len(got) != len(want):
+        return f"got {got}, want {want}"
+    off = max(abs(a - b) for a, b in zip(got, want))
+    return f"got {got}, want {want} (off by up to {off:g})"
+
+
+def _agree(world_size: int, what: str, problem: str | None) -> None:
+    """Every rank's verdict on one check, gathered: all raise if any failed, or none does."""
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, problem)
+    failed = [f"rank {q}: {p}" for q, p in enumerate(everyone) if p is not None]
+    if failed:
+        raise AssertionError(f"{what}: " + "; ".join(failed))
+
+
+def _show(rank, world_size, name, before, after, memory, problem):
     everyone = [None] * world_size
     dist.all_gather_object(everyone, (_text(before), _text(after)))
     if rank == 0:
         print(f"{name:<25} {memory:<46} {' '.join(b for b, _ in everyone)} -> "
               f"{' '.join(a for _, a in everyone)}", flush=True)
+    _agree(world_size, name, problem)
 
 
 def collectives_demo(rank: int, world_size: int, backend: str) -> None:
-    n, r = world_size, rank
+    n = world_size
+    r = rank
     # NCCL moves GPU tensors only; Gloo runs every collective here on CPU tensors.
     dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
 
-    def T(*values) -> torch.Tensor:  # T(1.0, 2.0): a float32 tensor of these values on dev
+    def floats(*values):  # a float32 tensor of these values, on this rank's device
         return torch.tensor(values, dtype=torch.float32, device=dev)
 
     if r == 0:
         print(f"{n} ranks, {backend}, tensors on {dev}\n{'collective':<25} {'memory':<46} "
               f"every rank's tensor before -> after", flush=True)
 
-    t = T(10.0 * r)
+    t = floats(10.0 * r)
     before = t.clone()
     dist.broadcast(t, src=0)
-    assert t.tolist() == [0.0]
-    _show(r, n, "broadcast(src=0)", before, t, "in place")
+    _show(r, n, "broadcast(src=0)", before, t, "in place", _wrong(t.tolist(), [0.0]))
 
-    t = T(r + 1.0)
+    t = floats(r + 1.0)
     before = t.clone()
     dist.reduce(t, dst=0)
-    assert r != 0 or t.item() == n * (n + 1) / 2  # only dst is promised the sum
+    problem = _wrong(t.tolist(), [n * (n + 1) / 2]) if r == 0 else None  # only dst is promised
     _show(r, n, "reduce(dst=0, SUM)", before, t if r == 0 else None,
-          "in place; others' tensors undefined")
+          "in place; others' tensors undefined", problem)
 
     for op, want in [(dist.ReduceOp.SUM, n * (n + 1) / 2), (dist.ReduceOp.MAX, n),
                      (dist.ReduceOp.PRODUCT, float(torch.arange(1, n + 1).prod()))]:
-        t = T(r + 1.0)
+        t = floats(r + 1.0)
         before = t.clone()
         dist.all_reduce(t, op=op)
-        assert t.item() == want
-        _show(r, n, f"all_reduce({str(op).split('.')[-1]})", before, t, "in place")
+        _show(r, n, f"all_reduce({str(op).split('.')[-1]})", before, t, "in place",
+              _wrong(t.tolist(), [want]))
 
-    t = T(r)
+    t = floats(r)
     parts = [torch.empty_like(t) for _ in range(n)]
     dist.all_gather(parts, t)
-    assert [p.item() for p in parts] == list(range(n))
-    _show(r, n, "all_gather", t, parts, "output: world_size x input, everywhere")
+    _show(r, n, "all_gather", t, parts, "output: world_size x input, everywhere",
+          _wrong([p.item() for p in parts], list(range(n))))
     flat = torch.empty(n, device=dev)
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(flat, t)  # 2.13's name
-    assert flat.tolist() == list(range(n))
-    _show(r, n, "all_gather (one tensor)", t, flat, "same, one contiguous output")
+    _show(r, n, "all_gather (one tensor)", t, flat, "same, one contiguous output",
+          _wrong(flat.tolist(), list(range(n))))
 
-    t = T(r * 2.0)
+    t = floats(r * 2.0)
     parts = [torch.empty_like(t) for _ in range(n)] if r == 0 else None
     dist.gather(t, gather_list=parts, dst=0)
-    assert r != 0 or [p.item() for p in parts] == [2.0 * q for q in range(n)]
-    _show(r, n, "gather(dst=0)", t, parts, "world_size x input on dst only")
+    problem = _wrong([p.item() for p in parts], [2.0 * q for q in range(n)]) if r == 0 else None
+    _show(r, n, "gather(dst=0)", t, parts, "world_size x input on dst only", problem)
 
-    pieces = [T(100.0 * q) for q in range(n)] if r == 0 else None
+    pieces = [floats(100.0 * q) for q in range(n)] if r == 0 else None
     t = torch.empty(1, device=dev)
     dist.scatter(t, scatter_list=pieces, src=0)
-    assert t.item() == 100.0 * r
-    _show(r, n, "scatter(src=0)", pieces, t, "world_size x output on src only")
+    _show(r, n, "scatter(src=0)", pieces, t, "world_size x output on src only",
+          _wrong(t.tolist(), [100.0 * r]))
 
-    t = T(*[10.0 * r + j for j in range(n)])
+    t = floats(*[10.0 * r + j for j in range(n)])
     out = torch.empty(1, device=dev)
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, t)  # (older too)
-    assert out.item() == 10.0 * n * (n - 1) / 2 + n * r  # sum over q of chunk r = 10q + r
-    _show(r, n, "reduce_scatter", t, out, "input world_size x output; half an all-reduce")
+    _show(r, n, "reduce_scatter", t, out, "input world_size x output; half an all-reduce",
+          _wrong(out.tolist(), [10.0 * n * (n - 1) / 2 + n * r]))  # sum over q of 10q + r
 
     out = torch.empty(n, device=dev)
     dist.all_to_all_single(out, t)
-    assert out.tolist() == [10.0 * q + r for q in range(n)]  # rank q's chunk r comes to r
-    _show(r, n, "all_to_all", t, out, "a transpose across ranks; in and out same size")
+    _show(r, n, "all_to_all", t, out, "a transpose across ranks; in and out same size",
+          _wrong(out.tolist(), [10.0 * q + r for q in range(n)]))  # rank q's chunk r comes to r
 
     dist.barrier()  # nobody leaves until everybody has arrived
 
     if n > 1:
-        right, left = (r + 1) % n, (r - 1) % n
+        right = (r + 1) % n
+        left = (r - 1) % n
         got = torch.empty(1, device=dev)
         if r % 2 == 0:  # blocking calls round a ring: half send first, half receive first
-            dist.send(T(r), right)
+            dist.send(floats(r), right)
             dist.recv(got, left)
         else:
             dist.recv(got, left)
-            dist.send(T(r), right)
-        assert got.item() == left
-        _show(r, n, "send/recv (to the right)", T(r), got, "one buffer per message")
+            dist.send(floats(r), right)
+        _show(r, n, "send/recv (to the right)", floats(r), got, "one buffer per message",
+              _wrong(got.tolist(), [left]))
         got = torch.empty(1, device=dev)
-        for req in [dist.isend(T(r), right), dist.irecv(got, left)]:  # post both, then wait
+        for req in [dist.isend(floats(r), right), dist.irecv(got, left)]:  # post both, then wait
             req.wait()
-        assert got.item() == left
-        _show(r, n, "isend/irecv", T(r), got, "one buffer per message")
+        _show(r, n, "isend/irecv", floats(r), got, "one buffer per message",
+              _wrong(got.tolist(), [left]))
 
     evens = list(range(0, n, 2))
     group = dist.new_group(ranks=evens)  # every rank calls new_group, member or not
-    t = T(r + 1.0)
+    t = floats(r + 1.0)
     before = t.clone()
     if r in evens:
         dist.all_reduce(t, group=group)
-    assert t.item() == (sum(q + 1.0 for q in evens) if r in evens else r + 1.0)
-    _show(r, n, "all_reduce(even ranks)", before, t, "non-members untouched")
+    want = sum(q + 1.0 for q in evens) if r in evens else r + 1.0
+    _show(r, n, "all_reduce(even ranks)", before, t, "non-members untouched",
+          _wrong(t.tolist(), [want]))
     dist.destroy_process_group(group)
 
     objects = [None] * n
     dist.all_gather_object(objects, {"rank": r})  # pickled into byte tensors (needs numpy)
-    assert objects == [{"rank": q} for q in range(n)]
+    want = [{"rank": q} for q in range(n)]
+    _agree(n, "all_gather_object", None if objects == want else f"got {objects}, want {want}")
 
     g = torch.Generator().manual_seed(1234)
     logits = torch.randn(n, generator=g, dtype=torch.float64) * 30  # large: the max matters
     p = distributed_softmax(logits[r:r + 1].to(dev))
-    assert torch.allclose(p.cpu(), torch.softmax(logits, 0)[r:r + 1], rtol=1e-12, atol=1e-15)
-    _show(r, n, "softmax over ranks", logits[r:r + 1], p, "two scalar all-reduces")
+    want = torch.softmax(logits, 0)[r:r + 1]
+    problem = None
+    if not torch.allclose(p.cpu(), want, rtol=1e-12, atol=1e-15):
+        off = (p.cpu() - want).abs().item()
+        problem = f"got {p.item():.17g}, want {want.item():.17g} (off by {off:.3g})"
+    _show(r, n, "softmax over ranks", logits[r:r + 1], p, "two scalar all-reduces", problem)
 
     g = torch.Generator().manual_seed(100 + r)  # different data on every rank
+    problems = []
     for ring in (ring_all_reduce, pipelined_ring_all_reduce):
         for numel, dtype in [(1, torch.float32), (7, torch.float64), (12345, torch.int64)]:
             x = torch.randint(-1000, 1000, (numel,), generator=g).to(dtype=dtype, device=dev)
-            ours, theirs = ring(x.clone()), x.clone()
+            ours = ring(x.clone())
+            theirs = x.clone()
             dist.all_reduce(theirs)  # small integers: exact in any order, so bitwise equal to
-            assert torch.equal(ours, theirs)  # the backend's sum, and the same on every rank
+            if not torch.equal(ours, theirs):  # the backend's sum, and the same on every rank
+                differ = ours != theirs
+                problems.append(f"{ring.__name__} on {numel} {dtype}: {int(differ.sum())} of "
+                                f"{numel} elements differ from dist.all_reduce, max |diff| "
+                                f"{(ours - theirs).abs().max().item():g}")
+    _agree(n, "rings against dist.all_reduce", "; ".join(problems) if problems else None)
     if r == 0:
         print(f"ring_all_reduce and pipelined_ring_all_reduce equal dist.all_reduce exactly on "
               f"1, 7 and 12345 elements (float32, float64, int64) on every rank\n"

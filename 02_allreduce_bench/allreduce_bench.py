@@ -120,16 +120,20 @@ def check(buf: torch.Tensor, world_size: int) -> float:
 
 def measure(ctx, impl: str, all_reduce, nbytes: int, cfg: dict) -> dict | str:
     """Fill -> check -> time one all-reduce of ``nbytes``: the CSV row, or why it was skipped.
-    The check is exact: every impl must produce the exact sums, so all agree bit for bit."""
-    from common import timing
+    The check is exact: every impl must produce the exact sums, so all agree bit for bit.
+    Every rank checks its own buffer; all raise if any buffer is wrong (a rank that raised
+    alone would leave the others waiting in the timed calls)."""
+    from common import timing, verify
     buf = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
     fill(buf, ctx.rank)
     first_call = timing.gather_times(timing.measure(lambda: all_reduce(buf), ctx.device,
                                                     warmup=0, iters=1)).max  # every rank's
     error = check(buf, ctx.world_size)
+    problem = None
     if error > 0:
-        raise AssertionError(f"{impl} all-reduce of {format_size(nbytes)} gave a wrong sum: "
-                             f"max |sum - expected| = {error:g}")
+        problem = (f"{impl} all-reduce of {format_size(nbytes)} gave a wrong sum: "
+                   f"max |sum - expected| = {error:g}")
+    verify.agree(problem)
     if first_call * (cfg["warmup"] + 3) > cfg["budget_s"]:
         return f"one call took {first_call:.1f} s: over the {cfg['budget_s']:g} s budget"
     # Zeros from here on: sums of real values would grow n-fold per call and overflow;

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 
 MIB = 2 ** 20
+# all-reduce sizes (bytes) timed for (a, w) when stage 02's fit is missing
+FIT_SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]
 
 
 def comm_after_backward_model(n_buckets: float, total_bytes: float, o_s: float,
@@ -68,13 +70,13 @@ def latency_bandwidth(ctx) -> dict:
         return decision[0]
     ctx.print(f"({decision[0]} in results/allreduce_fit.json: measuring latency and bandwidth "
               "here; run stage 02 for a better fit)", all_ranks=False)
-    sizes = [2**12, 2**16, 2**20, 2**22, 2**24]
     times = []
-    for nbytes in sizes:
+    for nbytes in FIT_SIZES:
         x = torch.zeros(nbytes // 4, device=ctx.device)
         times.append(timing.gather_times(timing.measure(
             lambda: dist.all_reduce(x), ctx.device, warmup=3, iters=10, barrier=True)).median)
-    a, w = import_stage("02_allreduce_bench/allreduce_bench").fit_latency_bandwidth(sizes, times)
+    stage02 = import_stage("02_allreduce_bench/allreduce_bench")
+    a, w = stage02.fit_latency_bandwidth(FIT_SIZES, times)
     return {"a_s": a, "w_bytes_per_s": w, "source": "measured in this run"}
 
 

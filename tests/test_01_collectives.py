@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from common import launch
+from common import launch, verify
 from helpers import REPO, assert_main_usage_error
 
 SCRIPT = REPO / "01_collectives" / "collectives.py"
@@ -29,51 +29,104 @@ def test_every_collective_at_world_size_3():
                for line in out.splitlines()), out
 
 
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def ring_missing_last_step(tensor, group=None):
+    """A plausible bug: the all-gather phase one step short, so each rank keeps one chunk
+    that is only partly summed."""
+    n = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    flat = tensor.view(-1)
+    chunks = torch.tensor_split(flat, n)
+    incoming = torch.empty_like(chunks[0])
+    right = (rank + 1) % n
+    left = (rank - 1) % n
+    for step in range(n - 1):
+        send, recv = chunks[(rank - step) % n], chunks[(rank - step - 1) % n]
+        collectives._exchange(send, incoming[: recv.numel()], right, left, group)
+        recv += incoming[: recv.numel()]
+    for step in range(n - 2):  # n - 1 steps are needed
+        send, recv = chunks[(rank + 1 - step) % n], chunks[(rank - step) % n]
+        collectives._exchange(send, recv, right, left, group)
+    return tensor
+
+
 def rings_match_all_reduce(ctx):
+    """Every check is agreed (common.verify.agree): every rank raises together, or none."""
     for ring in (collectives.ring_all_reduce, collectives.pipelined_ring_all_reduce):
         for numel in (1, 2, 7, 1000, 100_003):  # fewer elements than ranks, and not divisible
             for dtype in (torch.float32, torch.float64, torch.int64):
                 g = torch.Generator().manual_seed(1000 * numel + ctx.rank)  # fresh data per rank
                 x = (torch.randn(numel, generator=g, dtype=dtype) if dtype.is_floating_point
                      else torch.randint(-2**40, 2**40, (numel,), generator=g, dtype=dtype))
-                ours, reference = x.clone(), x.clone()
-                assert ring(ours) is ours  # in place, like dist.all_reduce
+                ours = x.clone()
+                reference = x.clone()
+                returned = ring(ours)
                 dist.all_reduce(reference)
-                if dtype.is_floating_point:  # summed in another order: equal up to rounding
-                    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5 * ctx.world_size)
+                where = f"{ring.__name__} {numel} {dtype}"
+                if returned is not ours:  # in place, like dist.all_reduce
+                    problem = f"{where}: did not return its input"
+                elif dtype.is_floating_point:  # summed in another order: equal up to rounding
+                    ok = torch.allclose(ours, reference, rtol=1e-5, atol=1e-5 * ctx.world_size)
+                    problem = None if ok else f"{where}: off by {max_diff(ours, reference):.3g}"
                 else:
-                    assert torch.equal(ours, reference), (ring.__name__, numel)
+                    ok = torch.equal(ours, reference)
+                    problem = None if ok else f"{where}: off by {max_diff(ours, reference):g}"
+                verify.agree(problem)
                 everyone = [torch.empty_like(ours) for _ in range(ctx.world_size)]
                 dist.all_gather(everyone, ours)
-                assert all(torch.equal(e, ours) for e in everyone), "ranks differ bitwise"
+                differ = [r for r, e in enumerate(everyone) if not torch.equal(e, ours)]
+                verify.agree(f"{where}: ranks {differ} differ bitwise" if differ else None)
         # a non-contiguous tensor is reduced in place too
         base = torch.arange(24, dtype=torch.float64).reshape(4, 6) * (ctx.rank + 1)
         ring(base.t())
-        scale = ctx.world_size * (ctx.world_size + 1) / 2
-        assert torch.equal(base, torch.arange(24, dtype=torch.float64).reshape(4, 6) * scale)
+        want = torch.arange(24, dtype=torch.float64).reshape(4, 6) * (ctx.world_size * (ctx.world_size + 1) / 2)
+        verify.agree(None if torch.equal(base, want) else
+                     f"{ring.__name__} transposed: off by {max_diff(base, want):g}")
         # within a sub-group (global ranks 1..n-1): group ranks map to global ones
         members = list(range(1, ctx.world_size))
         group = dist.new_group(members)
-        if ctx.rank in members:
+        problem = None
+        if ctx.rank in members:  # rank 0 is not in the group: nothing to check there
             t = torch.full((5,), float(ctx.rank))
             ring(t, group=group)
-            assert torch.equal(t, torch.full((5,), float(sum(members))))
+            if not torch.equal(t, torch.full((5,), float(sum(members)))):
+                problem = f"{ring.__name__} in group {members}: got {t.tolist()}, want {sum(members)}"
+        verify.agree(problem)
     # the pipelined ring with many segments per chunk, the last one shorter
     for numel, segment_numel in ((1000, 7), (100_003, 4096)):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank), dtype=torch.float64)
         reference = x.clone()
         dist.all_reduce(reference)
         collectives.pipelined_ring_all_reduce(x, segment_numel=segment_numel)
-        torch.testing.assert_close(x, reference, rtol=1e-12, atol=1e-12)
+        ok = torch.allclose(x, reference, rtol=1e-12, atol=1e-12)
+        verify.agree(None if ok else f"segments of {segment_numel}: off by {max_diff(x, reference):.3g}")
     # the softmax over ranks against torch.softmax
     logits = torch.randn(ctx.world_size, generator=torch.Generator().manual_seed(5),
                          dtype=torch.float64) * 30
     p = collectives.distributed_softmax(logits[ctx.rank:ctx.rank + 1])
-    torch.testing.assert_close(p, torch.softmax(logits, 0)[ctx.rank:ctx.rank + 1])
+    want = torch.softmax(logits, 0)[ctx.rank:ctx.rank + 1]
+    ok = torch.allclose(p, want, rtol=1e-12, atol=1e-15)
+    verify.agree(None if ok else f"softmax: off by {max_diff(p, want):.3g}")
+    # Negative control: the script's own check catches a ring one all-gather step short, on
+    # every rank at once, naming the ring, how many elements differ and by how much.
+    saved = collectives.ring_all_reduce
+    collectives.ring_all_reduce = ring_missing_last_step
+    try:
+        with pytest.raises(AssertionError, match=r"rings against dist.all_reduce: rank 0: "
+                                                 r"ring_missing_last_step on 7 torch.float64: "
+                                                 r"\d+ of 7 elements differ from dist.all_reduce, "
+                                                 r"max \|diff\| \d+"):
+            collectives.collectives_demo(ctx.rank, ctx.world_size, ctx.backend)
+    finally:
+        collectives.ring_all_reduce = saved
 
 
 def test_rings_equal_all_reduce_at_world_size_4():
-    """4 ranks, and the sub-group makes a ring of 3 inside the same launch."""
+    """4 ranks, and the sub-group makes a ring of 3 inside the same launch; then stage 01's
+    demo with a broken ring planted must fail its own check on every rank."""
     launch.launch(rings_match_all_reduce, launch.LaunchConfig(4, "gloo", "cpu"), timeout_s=180)
 
 

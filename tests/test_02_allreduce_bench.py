@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import allreduce_bench as bench
-from common import launch
+from common import launch, verify
 from helpers import assert_main_usage_error
 
 KB, MB, GB = 2**10, 2**20, 2**30
@@ -57,21 +57,27 @@ def test_fit_recovers_latency_and_bandwidth_per_group():
 
 
 def checks_and_skips_worker(ctx):
-    """The check can fail; the skips say why; an impl that does not sum fails the run."""
+    """The check can fail; the skips say why; an impl that does not sum fails the run, on
+    every rank at once. (Each rank's checks are agreed: all raise together, or none.)"""
+    n, rank = ctx.world_size, ctx.rank
     buf = torch.empty(4100 // 4)
-    bench.fill(buf, ctx.rank)
-    assert bench.check(buf, ctx.world_size) > 0  # before the all-reduce: wrong, and seen
+    bench.fill(buf, rank)  # buf[i] = i % 7 + rank, against the sum (i % 7) n + n (n - 1) / 2:
+    error = bench.check(buf, n)  # before the all-reduce: off by 6 (n - 1) + n (n - 1) / 2 - rank
+    want = 6 * (n - 1) + n * (n - 1) / 2 - rank
+    verify.agree(None if error == want else f"check() before the all-reduce: {error}, want {want}")
     cfg = {"warmup": 1, "iters": 3, "budget_s": 30.0, "run_id": "t", "machine": "test"}
-    # the budget, scaled from the last size: 1 ms at 4 KB is ~4 min at 1 TB: skipped, and no
-    # terabyte is ever allocated
+    # the budget, scaled from the last size: 1 ms at 4 KB is 2^28 ms (3 days) a call at 1 TB,
+    # x 5 calls (the checked one, a warm-up, 3 timed): skipped, and no terabyte is allocated
     why = bench.skip_reason(ctx, "backend", 2**40, (4 * KB, 1e-3), cfg)
-    assert why and "over the 30 s budget" in why
+    assert why == "estimated 1342177 s from 4KB: over the 30 s budget", why
     why = bench.skip_reason(ctx, "backend", 2**50, None, cfg)  # memory, agreed by all ranks
     assert why and "host memory" in why
     row = bench.measure(ctx, "backend", torch.distributed.all_reduce, 4100, cfg)
-    assert row["bytes"] == 4100 and row["busbw_gbps"] > 0
-    with pytest.raises(AssertionError, match=r"doubler all-reduce of 4KB gave a wrong sum: "
-                                             r"max \|sum - expected\| = "):
+    seconds = row["time_ms_median"] / 1e3  # the slowest rank's median: the same everywhere
+    assert (row["bytes"], row["impl"], row["world_size"]) == (4100, "backend", n), row
+    assert row["busbw_gbps"] == pytest.approx(bench.busbw(bench.algbw(4100, seconds), n)), row
+    with pytest.raises(verify.CheckFailed, match=r"rank 0: doubler all-reduce of 4KB gave a "
+                                                 r"wrong sum: max \|sum - expected\| = "):
         bench.measure(ctx, "doubler", lambda t: t.mul_(2), 4 * KB, cfg)
 
 

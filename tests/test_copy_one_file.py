@@ -35,7 +35,10 @@ def ring_worker(rank, port):
     for ring in (collectives.ring_all_reduce, collectives.pipelined_ring_all_reduce):
         t = torch.arange(11.0) * (rank + 1)
         ring(t)
-        assert torch.equal(t, torch.arange(11.0) * 3), t
+        wrong = None if torch.equal(t, torch.arange(11.0) * 3) else t.tolist()
+        verdicts = [None, None]  # agreed: both ranks raise, or neither
+        dist.all_gather_object(verdicts, wrong)
+        assert verdicts == [None, None], (ring.__name__, "each rank's wrong sum:", verdicts)
 
     cp = load("07_parallelism/05_context_parallel", "context_parallel")  # ring attention, 2 ranks
     torch.manual_seed(0)
@@ -138,15 +141,16 @@ if __name__ == "__main__":
     for name, module in modules.items():  # the demo, run from a lone copy: one line
         if not hasattr(module, "main"):
             continue  # 07's algorithm files: the demo is the run_*.py script beside them
-        err = io.StringIO()
-        sys.stderr, saved = err, sys.stderr
+        saved = sys.stderr
+        sys.stderr = io.StringIO()
+        message = None
         try:
             module.main(["--help"])
-            raise SystemExit(f"{name}: --help ran without the repository")
         except SystemExit as e:
             message = str(e.code)
         finally:
             sys.stderr = saved
+        assert message is not None, f"{name}: main(['--help']) returned without the repository"
         assert "repository" in message and "\n" not in message.strip(), (name, message)
     print("copy ok")
 '''

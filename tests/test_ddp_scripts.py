@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import bucketed_ddp
 import flat_ddp
@@ -65,26 +64,87 @@ def _steps(trace: Path) -> list[dict]:
     return steps
 
 
-class SumNotMeanDDP(nn.Module):
-    """A broken DDP: sums gradients instead of averaging them. The proof must catch it."""
+# Broken DDPs, each a plausible bug, that the proof (common/verify.py) must catch on every
+# model at the tolerance it uses: off by a lot, and off by a little.
 
-    def __init__(self, module):
-        super().__init__()
-        self.module = naive_ddp.NaiveDDP(module).module
 
-    def forward(self, *args):
-        return self.module(*args)
+class SumNotMeanDDP(naive_ddp.NaiveDDP):
+    """Sums gradients instead of averaging them: every gradient world_size times too large."""
 
     def finish_gradient_synchronization(self):
-        for p in self.module.parameters():
+        for p in self._trainable:
             if p.grad is not None:
                 dist.all_reduce(p.grad)
+
+
+class ScaledGradientDDP(naive_ddp.NaiveDDP):
+    """Every averaged gradient 0.1% too large (a wrong scale factor somewhere). Under AdamW
+    the weights hardly move from the right ones: only the gradient comparison sees it."""
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        for p in self._trainable:
+            if p.grad is not None:
+                p.grad.mul_(1.001)
+
+
+class ForgetsOneParameterDDP(naive_ddp.NaiveDDP):
+    """Leaves the last parameter out of the all-reduce: its gradient stays this rank's own."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self._trainable.pop()
+
+
+class SkipsOneUpdateDDP(naive_ddp.NaiveDDP):
+    """Drops the last parameter's averaged gradient on the second step, on every rank: one
+    update of one parameter skipped, and the ranks stay bitwise equal."""
+
+    def __init__(self, module):
+        super().__init__(module)
+        self.steps = 0
+
+    def finish_gradient_synchronization(self):
+        super().finish_gradient_synchronization()
+        self.steps += 1
+        if self.steps == 2:
+            self._trainable[-1].grad = None
+
+
+# (wrapper, what its proof lines must say): the bug is seen by the comparison with one
+# process, and only ForgetsOneParameterDDP makes the ranks differ.
+RANKS_EQUAL = "(allclose rtol={}: False); bitwise equal across ranks: True"
+RANKS_DIFFER = ("(allclose rtol={}: False); bitwise equal across ranks: False "
+                "(max |weight - rank 0's| ")
+BROKEN_DDPS = [(SumNotMeanDDP, RANKS_EQUAL), (ScaledGradientDDP, RANKS_EQUAL),
+               (ForgetsOneParameterDDP, RANKS_DIFFER), (SkipsOneUpdateDDP, RANKS_EQUAL)]
+PROOF_MODELS = [("ToyModel + SGD", verify.TOY_TOLERANCE),
+                ("TiedModel + AdamW", verify.TOY_TOLERANCE),
+                ("TransformerLM tiny + AdamW", verify.LM_TOLERANCE)]
 
 
 def profiles_and_proof_worker(ctx, runs):
     for worker, args in runs:  # 03 --profile and 05 --profile, as their main() parsed them
         worker(ctx, *args)
-    assert verify.verify_ddp(ctx, SumNotMeanDDP, "SumNotMeanDDP") is False
+    for wrap, _ in BROKEN_DDPS:  # the proof's verdict is the same on every rank
+        bug = wrap.__doc__.splitlines()[0]
+        assert verify.verify_ddp(ctx, wrap, wrap.__name__) is False, \
+            f"the proof passed {wrap.__name__}, a broken DDP: {bug}"
+
+
+def assert_every_broken_ddp_failed_everywhere(out: str, world_size: int) -> None:
+    """Every rank printed, for every broken DDP in order, a [FAIL] line per model saying what
+    differed; no [ok] line. (Each rank's own lines keep their order in the output.)"""
+    for rank in range(world_size):
+        lines = [line for line in out.splitlines() if line.startswith(f"[rank {rank}]   [")]
+        want = []
+        for wrap, verdict in BROKEN_DDPS:
+            for label, (rtol, atol) in PROOF_MODELS:
+                want.append((wrap.__name__, label, verdict.format(f"{rtol:g} atol={atol:g}")))
+        assert len(lines) == len(want), "\n".join(lines)
+        for line, (name, label, verdict) in zip(lines, want):
+            assert line.startswith(f"[rank {rank}]   [FAIL] {label} "), (name, line)
+            assert verdict in line, (name, line)
 
 
 def _parsed_run(monkeypatch, main, argv):
@@ -98,32 +158,38 @@ def _parsed_run(monkeypatch, main, argv):
     return calls[0]
 
 
-def test_profile_03_and_05_and_a_broken_ddp_fails_the_proof(tmp_path, monkeypatch, capfd):
+def test_profile_03_and_05_and_broken_ddps_fail_the_proof(tmp_path, monkeypatch, capfd):
     w3, config, a3 = _parsed_run(monkeypatch, naive_ddp.main,
                                  ["--profile", *TINY, "--trace-dir", str(tmp_path)])
     w5, _, a5 = _parsed_run(monkeypatch, overlap_ddp.main,
                             ["--profile", *TINY, "--trace-dir", str(tmp_path)])
     launch.launch(profiles_and_proof_worker, config, [(w3, a3), (w5, a5)], timeout_s=180)
     out = capfd.readouterr().out
-    assert "[FAIL] ToyModel + SGD" in out  # the proof prints what differed, by how much
+    assert_every_broken_ddp_failed_everywhere(out, config.world_size)
     assert "compute |" in out and "comm    |" in out  # the text timeline, always
     out3, out5 = tmp_path / "03_naive_ddp", tmp_path / "05_overlap_ddp"
+    # the tiny LM has 25 parameter tensors: NaiveDDP launches one all-reduce of "had a
+    # gradient" flags, then one per parameter, all after backward; OverlapDDP launches the 25
+    # from hooks inside backward and the flags in finish_gradient_synchronization()
     for trace in [out3 / f"naive_03_rank{r}.json" for r in (0, 1)] + \
                  [out5 / f"naive_03_rank{r}.json" for r in (0, 1)]:
-        for step in _steps(trace):  # naive: every all-reduce after backward, none ran in it
-            assert step["launches"] >= 1 and step["in_backward"] == 0, (trace, step)
+        steps = _steps(trace)
+        assert len(steps) == 2, (trace, steps)  # two profiled steps
+        for step in steps:  # naive: every all-reduce after backward, none ran in it
+            assert step["launches"] == 26 and step["in_backward"] == 0, (trace, step)
             assert step["gloo_in_backward_us"] == 0, (trace, step)
     overlap_us = 0.0
-    for rank in (0, 1):  # overlap: all launched by hooks inside backward, but the flags
-        for step in _steps(out5 / f"overlap_05_rank{rank}.json"):
-            assert step["in_backward"] >= step["launches"] - 1 >= 1, step
+    for rank in (0, 1):
+        steps = _steps(out5 / f"overlap_05_rank{rank}.json")
+        assert len(steps) == 2, steps
+        for step in steps:
+            assert step["launches"] == 26 and step["in_backward"] == 25, step
             overlap_us += step["gloo_in_backward_us"]
     assert overlap_us > 0, "Gloo never ran an all-reduce during backward (any rank, step)"
-    try:
-        import matplotlib  # noqa: F401
+    if results.pyplot() is None:  # matplotlib is optional: without it, the text timeline
+        assert "(matplotlib not installed: text timeline only)" in out
+    else:
         assert (out5 / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    except ImportError:
-        pass
     rows = {(r["stage"], r["case"]): r for r in results.read_csv(profiling.PROFILE_CSV)}
     assert set(rows) == {("03_naive_ddp", "naive (03)"), ("05_overlap_ddp", "naive (03)"),
                          ("05_overlap_ddp", "overlap (05)")}
