@@ -3,6 +3,7 @@
 #   make run     every stage in order on Gloo/CPU, small sizes (a few minutes on a laptop)
 #   make test    the test suite (pytest, Gloo/CPU)
 #   make bench   the measurements worth making on a GPU box (small sizes on CPU)
+#   make train   07's capstone: the course LM on real text, one process and a 2 x 2 grid
 #   make 01 ... make 07   one stage
 #   make diff S=04   what the algorithm changed from the stage before (03 -> 04 -> 05 -> 06)
 #
@@ -29,7 +30,7 @@ else
 endif
 
 SHELL := /bin/bash
-.PHONY: install run test bench clean diff 01 02 03 04 05 06 07
+.PHONY: install run test bench clean diff train 01 02 03 04 05 06 07
 
 install:
 	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
@@ -73,6 +74,13 @@ test: install
 	$(PYTHON) 07_parallelism/04_pipeline_parallel/run_pipeline.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/05_context_parallel/run_context_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/06_expert_parallel/run_expert_parallel.py --backend gloo --device cpu --world-size 4
+	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 4 --dp 2 --tp 2 --steps 40 --log-every 20 --check
+
+# The capstone on real text: one process, then the same run on a 2 x 2 grid (data x tensor
+# parallel); the second draws both loss curves in results/train_loss.png and samples text.
+train: install
+	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 1 --dp 1 --steps 1000 --log-every 200
+	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 4 --dp 2 --tp 2 --steps 1000 --log-every 100
 
 # The algorithm part of a stage file: from its imports to the harness marker.
 ALGORITHM = sed -n '/^from __future__/,/^\# -* harness/p'

@@ -55,6 +55,7 @@ def lessons():
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1")
 CURVE_CSV = "train_curve.csv"
+SINGLE_PROCESS = "dp 1 x pp 1 x cp 1 x tp 1"
 
 
 # --------------------------------------------------------------------------- the model and data
@@ -351,13 +352,30 @@ def plot_curve(args, grid_text: str, unigram: float) -> None:
     for row in results.read_csv(CURVE_CSV):
         if all(row.get(key) == value for key, value in same_run.items()):
             by_grid.setdefault(row["grid"], []).append(row)
-    figure, axes = plt.subplots(figsize=(7, 4))
-    for name, rows in sorted(by_grid.items()):
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    names = sorted(by_grid, key=lambda name: name != SINGLE_PROCESS)  # one process first
+    for name in names:
+        rows = by_grid[name]
         rows.sort(key=lambda row: int(row["step"]))
         steps = [int(row["step"]) for row in rows]
         losses = [float(row["loss"]) for row in rows]
-        style = "-" if name == grid_text else "--"
-        axes.plot(steps, losses, style, label=f"training loss, {name}")
+        # One process underneath, wide and pale; the grid on top, thin: where they agree, the
+        # thin line runs inside the wide one.
+        width = 1
+        alpha = 1.0
+        if name == SINGLE_PROCESS:
+            width = 4
+            alpha = 0.35
+        line = axes.plot(steps, losses, linewidth=width, alpha=alpha,
+                         label=f"training loss, {name}")
+        held_steps = []
+        held_losses = []
+        for row in rows:
+            if row["held_out_loss"] not in ("", "nan"):
+                held_steps.append(int(row["step"]))
+                held_losses.append(float(row["held_out_loss"]))
+        axes.plot(held_steps, held_losses, "o", color=line[0].get_color(), alpha=alpha,
+                  markersize=4 + width, label=f"held-out loss, {name}")
     axes.axhline(unigram, color="gray", linestyle=":", label="unigram baseline")
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats per byte)")
