@@ -101,11 +101,13 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str)
     s = sum(p.numel() * p.element_size() for p in params)
     o, w = fit["a_s"], fit["w_bytes_per_s"]
     best_bytes, n_best = best_bucket_size_bytes(s, o, w)
-    rows = [{"bucket_mb": r["bucket_mb"],
-             "buckets": (nb := len(assign_buckets(params, float(r["bucket_mb"])))),
-             "model_comm_after_bwd_ms": comm_after_backward_model(nb, s, o, w) * 1e3,
-             "measured_comm_after_bwd_ms": r["comm_after_backward_ms"],
-             "measured_step_ms": r["step_ms"]} for r in sweep_rows]
+    rows = []
+    for r in sweep_rows:
+        buckets = len(assign_buckets(params, float(r["bucket_mb"])))
+        rows.append({"bucket_mb": r["bucket_mb"], "buckets": buckets,
+                     "model_comm_after_bwd_ms": comm_after_backward_model(buckets, s, o, w) * 1e3,
+                     "measured_comm_after_bwd_ms": r["comm_after_backward_ms"],
+                     "measured_step_ms": r["step_ms"]})
     best = min(rows, key=lambda r: r["measured_step_ms"])
     order = sorted(float(r["bucket_mb"]) for r in rows)
     i = order.index(float(best["bucket_mb"]))
