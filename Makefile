@@ -67,8 +67,8 @@ test: install
 	$(PYTHON) 06_bucketed_ddp/bucketed_ddp.py --backend gloo --device cpu
 
 07: install
-	$(PYTHON) 07_parallelism/01_zero/zero.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/02_fsdp/fsdp.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/01_zero/run_zero.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/02_fsdp/run_fsdp.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/03_tensor_parallel/tensor_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/04_pipeline_parallel/pipeline_parallel.py --backend gloo --device cpu
 
