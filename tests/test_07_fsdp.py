@@ -31,7 +31,6 @@ import counters
 import fsdp as fsdp_mod
 import ledger
 import run_fsdp
-import zero
 from common import launch, models, results
 from helpers import assert_main_usage_error
 
@@ -484,13 +483,17 @@ IMPLS = ("ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp")  # result
 
 
 def zero_largest_rank(lm, world_size) -> tuple[int, int]:
-    """Our ZeRO's largest rank, from the deal (zero.assign_owners): (its AdamW state bytes:
-    two moments of what it owns + a 4-byte step counter per owned tensor, its gradient bytes)."""
+    """Our ZeRO's largest rank, from the deal the lesson states (largest parameter first, each
+    to the rank with the fewest bytes so far, the lowest on a tie), worked out here apart from
+    zero.py: (its AdamW state bytes, two moments of what it owns + a 4-byte step counter per
+    owned tensor; its gradient bytes)."""
     loads = [0] * world_size
-    owner = zero.assign_owners(list(lm.parameters()), loads)
     tensors = [0] * world_size
-    for rank in owner.values():
-        tensors[rank] += 1
+    sizes = sorted((4 * p.numel() for p in lm.parameters()), reverse=True)
+    for nbytes in sizes:
+        lightest = min(range(world_size), key=lambda rank: (loads[rank], rank))
+        loads[lightest] += nbytes
+        tensors[lightest] += 1
     state = [2 * loads[rank] + 4 * tensors[rank] for rank in range(world_size)]
     return max(state), max(loads)
 

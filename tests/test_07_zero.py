@@ -244,19 +244,21 @@ def train_and_compare(ctx, model="toy", wrapper="ddp", micro_batches=1, sync_eac
                     resumed_plain = (resumed, plain)
             if wrapper == "none":
                 dist.broadcast_object_list(saved, src=n - 1)
+                # Each new optimizer starts with another learning rate: loading must restore
+                # the groups' options too.
                 resumed = copy_of(model, net)
-                plain = plain_adamw(adamw_groups(resumed, lr))
+                plain = plain_adamw(adamw_groups(resumed, 0.5))
                 plain.load_state_dict(copy.deepcopy(saved[0]))
                 continuations.append(("consolidated -> plain AdamW", resumed, plain, net))
                 resumed = None
                 fewer = None
                 if rank < n - 1:  # the consolidated checkpoint at N-1 ranks
                     resumed = copy_of(model, net)
-                    fewer = sharded_adamw(adamw_groups(resumed, lr), process_group=smaller_group)
+                    fewer = sharded_adamw(adamw_groups(resumed, 0.5), process_group=smaller_group)
                     fewer.load_state_dict(saved[0])
                 continuations.append((f"consolidated -> ShardedOptimizer at {n - 1} ranks", resumed, fewer, net))
                 resumed = copy_of(model, ref)  # a plain AdamW's state dict, sharded at N ranks
-                sharded = sharded_adamw(adamw_groups(resumed, lr))
+                sharded = sharded_adamw(adamw_groups(resumed, 0.5))
                 sharded.load_state_dict(ref_opt.state_dict())
                 continuations.append((f"one process's AdamW -> ShardedOptimizer at {n} ranks",
                                       resumed, sharded, ref))
