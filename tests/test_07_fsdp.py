@@ -687,12 +687,20 @@ _FINDINGS: dict[int, dict] = {}
 
 
 def launch_07(world_size: int, tmp_dir: Path) -> dict:
-    """The findings of the one launch at ``world_size`` (launched on first use)."""
+    """The findings of the one launch at ``world_size`` (launched on first use). A launch that
+    fails is not tried again by the next test: every test of that world size reports it."""
     if world_size not in _FINDINGS:
         out = tmp_dir / f"findings{world_size}.json"
-        launch.launch(worker_07, launch.LaunchConfig(world_size, "gloo", "cpu"), str(out),
-                      timeout_s=300)
+        try:
+            launch.launch(worker_07, launch.LaunchConfig(world_size, "gloo", "cpu"), str(out),
+                          timeout_s=300)
+        except SystemExit as e:
+            _FINDINGS[world_size] = {"launch failed": f"the launch at world size {world_size} "
+                                                      f"exited with status {e.code}: see its output"}
+            raise
         _FINDINGS[world_size] = json.loads(out.read_text())
+    if "launch failed" in _FINDINGS[world_size]:
+        pytest.fail(_FINDINGS[world_size]["launch failed"])
     return _FINDINGS[world_size]
 
 
