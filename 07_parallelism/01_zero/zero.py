@@ -270,8 +270,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
 
 def broadcast_module_state(module: nn.Module, group=None) -> None:
-    """Make every rank start from rank 0's parameters and buffers (03-06's, repeated on
-    purpose so that this file stays copyable on its own)."""
+    """Make every rank start from rank 0's parameters and buffers, as 03-06 do (repeated on
+    purpose, so that this file stays copyable on its own)."""
     src = global_rank(group, 0)
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
