@@ -68,8 +68,8 @@ test: install
 	$(PYTHON) 06_bucketed_ddp/bucketed_ddp.py --backend gloo --device cpu
 
 07: install
-	$(PYTHON) 07_parallelism/01_zero/zero.py --backend gloo --device cpu
-	$(PYTHON) 07_parallelism/02_fsdp/fsdp.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/01_zero/run_zero.py --backend gloo --device cpu
+	$(PYTHON) 07_parallelism/02_fsdp/run_fsdp.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/03_tensor_parallel/run_tensor_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/04_pipeline_parallel/run_pipeline.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/05_context_parallel/run_context_parallel.py --backend gloo --device cpu

@@ -146,7 +146,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
               "--micro-batches", "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2",
               "--warmup", "1", "--iters", "3"], caps["pp"]),
         Step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",
-             ["07_parallelism/02_fsdp/fsdp.py", "--bench", "--world-size", str(ws), *where, *ledger_lm,
+             ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where, *ledger_lm,
               "--checkpointing", "off" if quick else "off,on"], caps["ledger"]),
     ]
 

@@ -283,7 +283,7 @@ def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
             ("pp", ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", "2", *where,
                     "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
                     "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
-            ("ledger", ["07_parallelism/02_fsdp/fsdp.py", "--bench", *where, *lm, "--steps", "1",
+            ("ledger", ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", *where, *lm, "--steps", "1",
                         "--warmup", "0", "--rounds", "1", "--checkpointing", "off"])]]
     monkeypatch.setattr(make_bench, "plan", tiny_plan)
     make_bench.main()

@@ -19,8 +19,12 @@ FILES = ["01_collectives/collectives.py", "02_allreduce_bench/allreduce_bench.py
          "06_bucketed_ddp/bucketed_ddp.py", "07_parallelism/03_tensor_parallel/tensor_parallel.py",
          "07_parallelism/05_context_parallel/context_parallel.py"]
 
+# 07's lessons whose algorithm file has no harness (their run_<lesson>.py has it)
+ALGORITHM_ONLY = ["07_parallelism/01_zero/zero.py", "07_parallelism/02_fsdp/fsdp.py",
+                  "07_parallelism/06_expert_parallel/expert_parallel.py"]
+
 CHECK = r'''
-import importlib, io, os, socket, sys, tempfile
+import importlib, io, os, socket, sys, tempfile, warnings
 import torch, torch.distributed as dist, torch.multiprocessing as mp, torch.nn as nn
 
 def load(folder, name):
@@ -64,6 +68,69 @@ def ring_worker(rank, port):
     assert torch.allclose(x_mine.grad, x.grad.chunk(2, dim=1)[rank], atol=1e-6)
     assert torch.allclose(fc1.weight.grad, fc1.local_part(full.fc1.weight.grad), atol=1e-5)
     dist.destroy_process_group()
+
+def check_zero(zero):
+    """ZeRO-2 with accumulation under no_sync() trains as AdamW on one process; the
+    consolidated state dict loads into plain AdamW, and back into a ShardedOptimizer."""
+    assert not hasattr(zero, "main"), "zero.py holds the algorithm alone"
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref.load_state_dict(net.state_dict())
+    opt = zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1e-2)
+    ddp = zero.Zero2DDP(net, opt, bucket_size_mb=1e-5)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        x = torch.randn(6, 4)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with ddp.no_sync():
+            ddp(x[:3]).square().mean().backward()
+        ddp(x[3:]).square().mean().backward()
+        ddp.finish_gradient_synchronization()
+        opt.step()
+        (ref(x[:3]).square().mean() + ref(x[3:]).square().mean()).backward()
+        ref_opt.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.allclose(p, q, atol=1e-6), (p - q).abs().max()
+    opt.consolidate_state_dict(to=0)
+    plain = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    plain.load_state_dict(opt.state_dict())
+    for p in ref.parameters():
+        assert torch.allclose(plain.state[p]["exp_avg_sq"], ref_opt.state[p]["exp_avg_sq"])
+    again = zero.ShardedOptimizer(net.parameters(), torch.optim.AdamW, lr=1.0)
+    again.load_state_dict(ref_opt.state_dict())
+    assert again.param_groups[0]["lr"] == 1e-2
+    for p, q in zip(net.parameters(), ref.parameters()):
+        assert torch.equal(again.state[p]["exp_avg"], ref_opt.state[q]["exp_avg"])
+
+
+def check_fsdp(fsdp):
+    """FSDP trains a model to the single-process weights, in float32 and bfloat16 compute."""
+    assert not hasattr(fsdp, "main"), "fsdp.py holds the algorithm alone"
+    for dtype in (None, torch.bfloat16):
+        torch.manual_seed(0)
+        model = fsdp.FSDP(nn.Sequential(nn.Linear(6, 7), nn.LayerNorm(7), nn.ReLU(), nn.Linear(7, 3)),
+                          compute_dtype=dtype)
+        torch.manual_seed(0)
+        ref = nn.Sequential(nn.Linear(6, 7), nn.LayerNorm(7), nn.ReLU(), nn.Linear(7, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        x = torch.randn(8, 6)
+        y = torch.randn(8, 3)
+        for _ in range(2):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x).float(), y).backward()
+            model.finish_gradient_synchronization()
+            opt.step()
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        got = model.gather_full_params()
+        tolerance = 1e-6 if dtype is None else 2e-2
+        for name, p in ref.named_parameters():
+            assert torch.allclose(got[name], p, atol=tolerance), (dtype, name)
+
 
 if __name__ == "__main__":
     modules = {name: load(folder, name) for folder, name in MODULES}
@@ -112,6 +179,12 @@ if __name__ == "__main__":
                 r = getattr(getattr(ref, layer), pname).grad
                 assert torch.allclose(g, r, rtol=1e-5, atol=1e-6), (cls, layer, pname)
 
+    with warnings.catch_warnings():  # 07's ZeRO and FSDP: warning-free, as python -W error checks
+        warnings.simplefilter("error")
+        check_zero(load("01_zero", "zero"))
+        check_fsdp(load("02_fsdp", "fsdp"))
+    assert "common" not in sys.modules, "zero.py or fsdp.py imported the repository's common"
+
     counters = load("measure", "counters")  # 07's counters need torch alone
     w = torch.zeros(4, 4)
     assert counters.state_bytes([w, w[0], None, torch.zeros(3)]) == 64 + 12  # each storage once
@@ -120,7 +193,7 @@ if __name__ == "__main__":
     assert [(c["op"], c["payload_bytes"]) for c in comm.calls] == [("all_reduce", 40)], comm.calls
     assert "common" not in sys.modules, "07's counters imported the repository's common"
 
-    moe_module = load("expert_parallel", "expert_parallel")  # the algorithm alone, no main()
+    moe_module = load("06_expert_parallel", "expert_parallel")  # the algorithm alone, no main()
     torch.manual_seed(0)
     moe = moe_module.MoE(8, 16, num_experts=4, top_k=2, capacity_factor=1.0)
     layer = moe_module.ExpertParallelMoE(moe)  # one rank: every expert here, exchanges to itself
@@ -165,9 +238,10 @@ def test_every_stage_file_works_copied_alone(tmp_path):
         modules.append((folder, name[:-3]))
     (tmp_path / "measure").mkdir()
     shutil.copy(REPO / "07_parallelism" / "measure" / "counters.py", tmp_path / "measure")  # no main()
-    (tmp_path / "expert_parallel").mkdir()
-    shutil.copy(REPO / "07_parallelism" / "06_expert_parallel" / "expert_parallel.py",
-                tmp_path / "expert_parallel")  # no main() either: its script is run_expert_parallel.py
+    for path in ALGORITHM_ONLY:  # 07's algorithm files beside their scripts: no main() either
+        folder = tmp_path / path.split("/")[-2]
+        folder.mkdir()
+        shutil.copy(REPO / path, folder)
     (tmp_path / "check.py").write_text(f"MODULES = {modules!r}\n" + textwrap.dedent(CHECK))
     r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240,

@@ -1,86 +1,161 @@
-"""Stage 07: ZeRO-1 and ZeRO-2 (Rajbhandari et al., 2020): each parameter gets one owner rank
-(dealt largest first: no rank ends more than one parameter above the mean). ZeRO-1,
-``ShardedOptimizer(params, torch.optim.AdamW, lr=...)``: only the owner keeps the parameter's
-optimizer state and updates it, then broadcasts it; step it once every rank has the mean
-gradients of what it owns (behind any DDP of 03-06). ZeRO-2, ``Zero2DDP(model, optimizer)``,
-used as 05/06: each gradient bucket is reduced to its owner and freed elsewhere. Accumulation:
-under ``no_sync()`` (full-size local gradients until the last backward: 4P bytes held again), or
-synchronise every micro-batch (k times the traffic). Float32 AdamW, P parameters, N ranks, bytes
-per rank: DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N. Torch alone: copy this file and
-``from zero import ShardedOptimizer, Zero2DDP``.
+"""Stage 07, lesson 1: ZeRO-1 and ZeRO-2, shard the optimizer state, then the gradients.
 
-    python 07_parallelism/01_zero/zero.py --world-size 3    # checks against one process
-    torchrun --nproc-per-node=2 07_parallelism/01_zero/zero.py
-    python 07_parallelism/01_zero/zero.py --bench           # the ledger's ZeRO rows (fsdp.py: all six)
+What it teaches. Data parallelism (03-06) keeps a full copy of everything on every rank.
+ZeRO (Rajbhandari, Rasley, Ruwase and He, 2020) removes the copies one kind at a time while
+every rank still runs the whole model on its own slice of the batch. Each parameter gets one
+owner rank; only the owner keeps that parameter's optimizer state and updates it.
+
+* ZeRO-1, ``ShardedOptimizer``: a ``torch.optim.Optimizer`` whose inner optimizer covers only
+  the parameters this rank owns, so only those get state. ``step()`` updates them, then every
+  owner broadcasts its updated parameters to the other ranks. Behind any DDP of 03-06 (every
+  rank holds every averaged gradient, and uses the ones it owns) that is ZeRO-1.
+* ZeRO-2, ``Zero2DDP``: a DDP that follows the same ownership. Gradients go into one bucket
+  per owner, each bucket is *reduced* to its owner (not all-reduced), and every other rank
+  frees its copy: a rank holds only the averaged gradients of what it owns.
+
+The memory per rank, for P float32 parameters trained with AdamW on N ranks (weights 4 bytes
+each, gradients 4, AdamW's two moments 8):
+
+    DDP      4P weights + 4P   gradients + 8P   moments = 16P
+    ZeRO-1   4P         + 4P             + 8P/N         = 8P + 8P/N
+    ZeRO-2   4P         + 4P/N           + 8P/N         = 4P + 12P/N
+
+Use it in your own loop (this file needs only torch; copy it anywhere):
+
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    ddp = Zero2DDP(model, optimizer)        # ZeRO-2; or any DDP of 03-06 for ZeRO-1
+    loss_fn(ddp(x_local), y_local).backward()
+    ddp.finish_gradient_synchronization()   # each owner now holds its averaged gradients
+    optimizer.step()                        # owners update, then broadcast the parameters
+
+Gradient accumulation over k micro-batches: run the first k - 1 backwards inside
+``ddp.no_sync()`` (full-size local gradients until the last backward: 4P bytes held again
+meanwhile), or call ``finish_gradient_synchronization()`` after every backward (gradients
+stay at 4P/N, k times the traffic).
+
+Checkpoints: ``optimizer.consolidate_state_dict(to=0)`` on every rank, then
+``optimizer.state_dict()`` on rank 0 is exactly what a plain ``torch.optim.AdamW`` over the
+same parameters would save. ``optimizer.load_state_dict(saved)`` on every rank loads such a
+dict (or a plain optimizer's) back, at any world size.
+
+Run the checks and the ledger with the script beside this file:
+    python 07_parallelism/01_zero/run_zero.py --world-size 3
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
-import sys
 import weakref
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# --------------------------------------------------------------------------- ZeRO-1
+# --------------------------------------------------------------------------- who owns what
 
 
-def _options(group: dict) -> dict:  # a param group without its parameters
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+def global_rank(group, rank: int) -> int:
+    """Collectives name their source or destination by its rank in the default group."""
+    if group is None:
+        return rank
+    return dist.get_global_rank(group, rank)
 
 
-def _global(group, rank: int) -> int:  # collectives take global ranks
-    return rank if group is None else dist.get_global_rank(group, rank)
+def parameter_bytes(param: torch.Tensor) -> int:
+    """What a parameter weighs when owners are dealt: its bytes, or 0 if it is frozen (no
+    gradient, no optimizer state)."""
+    if not param.requires_grad:
+        return 0
+    return param.numel() * param.element_size()
 
 
 def assign_owners(params, loads: list[int]) -> dict:
-    """Largest first, each parameter to the rank with the fewest bytes so far (ties: the lowest)."""
+    """Deal ``params`` to ranks, largest first, each to the rank with the fewest bytes so far
+    (ties: the lowest rank). ``loads[rank]`` holds the bytes each rank owns already, and is
+    updated. Dealing largest first leaves no rank more than one parameter above the mean."""
     owners = {}
-    for p in sorted(params, key=lambda p: -p.numel() * p.element_size() * p.requires_grad):
-        owners[p] = rank = min(range(len(loads)), key=loads.__getitem__)
-        loads[rank] += p.numel() * p.element_size() * p.requires_grad  # frozen ones weigh nothing
+    for param in sorted(params, key=parameter_bytes, reverse=True):
+        lightest = loads.index(min(loads))
+        owners[param] = lightest
+        loads[lightest] += parameter_bytes(param)
     return owners
 
 
+def group_options(group: dict) -> dict:
+    """A param group's options (lr, betas, weight_decay, ...) without its parameters."""
+    options = {}
+    for key, value in group.items():
+        if key not in ("params", "param_names"):
+            options[key] = value
+    return options
+
+
+# --------------------------------------------------------------------------- ZeRO-1
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
-    """ZeRO-1: ``.optim``, an ``optimizer_cls`` over the parameters this rank owns, holds the only
-    state; ``param_groups`` are a plain one's (schedulers work), copied into it at each step()."""
+    """ZeRO-1: each rank keeps the optimizer state of the parameters it owns, and no other.
+
+    ``ShardedOptimizer(params, torch.optim.AdamW, lr=1e-3)`` takes what a plain optimizer
+    takes (parameters or param groups, then its options). ``param_groups`` are a plain
+    optimizer's, every option filled in, so learning-rate schedulers work; ``.optim`` is the
+    inner ``optimizer_cls`` over the owned parameters only, which holds the only state
+    (``.state`` is its state). Call ``step()`` once every rank holds the averaged gradients
+    of the parameters it owns.
+    """
 
     def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
-        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
-            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass such "
-                            f"as torch.optim.AdamW, got {str(optimizer_cls).splitlines()[0]!r}")
+        is_optimizer = isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
+        if not is_optimizer:
+            first_line = str(optimizer_cls).splitlines()[0]
+            raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass "
+                            f"such as torch.optim.AdamW, got {first_line!r}")
         if torch.is_tensor(params):
-            raise TypeError("ShardedOptimizer: params must be an iterable of tensors or param groups, got "
-                            "one tensor; pass [tensor]")
-        if not (params := list(params)):
-            raise ValueError("ShardedOptimizer: got an empty parameter list; pass the model's parameters "
-                             "(or param groups)")
-        self.process_group, self.rank = process_group, dist.get_rank(process_group)
+            raise TypeError("ShardedOptimizer: params must be an iterable of tensors or param groups, "
+                            "got one tensor; pass [tensor]")
+        params = list(params)
+        if not params:
+            raise ValueError("ShardedOptimizer: got an empty parameter list; pass the model's "
+                             "parameters (or param groups)")
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.owner, self._loads, self.optim, self._consolidated = {}, [0] * self.world_size, None, None
+        self.owner = {}                      # parameter -> the rank that keeps its state
+        self._loads = [0] * self.world_size  # bytes each rank owns so far
+        self.optim = None                    # the inner optimizer, built once the groups are dealt
+        self._consolidated = None            # the gathered state dict, on the rank it went to
+
         super().__init__(params, dict(kwargs))  # calls add_param_group for each group
-        self.optim = optimizer_cls([self._owned(g) for g in self.param_groups], **kwargs)
-        self.defaults, self.state = self.optim.defaults, self.optim.state  # state: this shard
-        for group in self.param_groups:  # every option filled in, as a plain one's groups
-            group.update({**self.defaults, **group})
+        owned_groups = []
+        for group in self.param_groups:
+            owned_groups.append(self._owned(group))
+        self.optim = optimizer_cls(owned_groups, **kwargs)
+        self.defaults = self.optim.defaults
+        self.state = self.optim.state  # this rank's shard of the state
+        for group in self.param_groups:  # every option filled in, as in a plain optimizer's groups
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
 
     def _owned(self, group: dict) -> dict:
-        return {**_options(group), "params": [p for p in group["params"] if self.owner[p] == self.rank]}
+        """The same group, with only the parameters this rank owns (possibly none)."""
+        owned = []
+        for param in group["params"]:
+            if self.owner[param] == self.rank:
+                owned.append(param)
+        return {**group_options(group), "params": owned}
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        self.owner.update(assign_owners(self.param_groups[-1]["params"], self._loads))
-        if self.optim is not None:  # after __init__: the inner optimizer gets its share too
-            self.optim.add_param_group(self._owned(self.param_groups[-1]))
+        new_group = self.param_groups[-1]
+        self.owner.update(assign_owners(new_group["params"], self._loads))
+        if self.optim is not None:  # a group added after __init__: the inner optimizer gets its share
+            self.optim.add_param_group(self._owned(new_group))
 
     def step(self, closure=None):
-        for group, inner in zip(self.param_groups, self.optim.param_groups):
-            inner.update(_options(group))
+        for group, inner_group in zip(self.param_groups, self.optim.param_groups):
+            inner_group.update(group_options(group))  # a scheduler changed lr here: pass it on
         loss = self.optim.step(closure)  # the owned parameters, from the owned state
         self._consolidated = None
         self.broadcast_parameters()
@@ -88,29 +163,67 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def broadcast_parameters(self) -> None:
-        """Every trainable parameter from its owner: one flat buffer, one broadcast per owner."""
-        flats = {}  # (owner, dtype, device) -> parameters in group order
-        for p in (p for g in self.param_groups for p in g["params"] if p.requires_grad):
-            flats.setdefault((self.owner[p], p.dtype, p.device), []).append(p)
-        for (owner, dtype, device), params in sorted(flats.items(), key=lambda kv: kv[0][0]):
-            flat = (torch.cat([p.reshape(-1) for p in params]) if owner == self.rank else
-                    torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device))
-            dist.broadcast(flat, _global(self.process_group, owner), self.process_group)
-            for p, value in zip(params, flat.split([p.numel() for p in params]) if owner != self.rank else ()):
-                p.copy_(value.view_as(p))
+        """Every trainable parameter from its owner: the owner packs its parameters into one
+        flat buffer, one broadcast per owner (per dtype and device: a buffer holds one dtype,
+        on one device), and the others unpack it. Every rank walks the owners in the same
+        order, so the broadcasts pair up."""
+        by_owner = []  # by_owner[rank]: (dtype, device) -> that rank's parameters, in group order
+        for _ in range(self.world_size):
+            by_owner.append({})
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.requires_grad:
+                    key = (param.dtype, param.device)
+                    by_owner[self.owner[param]].setdefault(key, []).append(param)
+        for owner in range(self.world_size):
+            for (dtype, device), params in by_owner[owner].items():
+                sizes = [param.numel() for param in params]
+                if owner == self.rank:
+                    flat = torch.cat([param.reshape(-1) for param in params])
+                else:
+                    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+                dist.broadcast(flat, global_rank(self.process_group, owner), group=self.process_group)
+                if owner != self.rank:
+                    for param, value in zip(params, flat.split(sizes)):
+                        param.copy_(value.view_as(param))
 
-    def consolidate_state_dict(self, to: int = 0) -> None:  # a checkpoint
-        """Gather every rank's shard of the state on rank ``to`` (call on every rank); its
-        ``state_dict()`` is then what a plain ``optimizer_cls`` would save."""
-        index = {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        mine = {index[p]: {k: v.to("cpu", copy=True) if torch.is_tensor(v) else v
-                           for k, v in s.items()} for p, s in self.optim.state.items()}
-        shards = [None] * self.world_size if self.rank == to else None
-        dist.gather_object(mine, shards, _global(self.process_group, to), self.process_group)
+    def _parameter_index(self) -> dict:
+        """Parameter -> its number in a state dict: 0, 1, ... over the groups in order, as a
+        plain optimizer numbers them."""
+        index = {}
+        for group in self.param_groups:
+            for param in group["params"]:
+                index[param] = len(index)
+        return index
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather every rank's shard of the state on rank ``to`` (call it on every rank: it is
+        a collective); ``state_dict()`` on rank ``to`` then returns what a plain
+        ``optimizer_cls`` over the same parameters would save."""
+        index = self._parameter_index()
+        mine = {}  # parameter number -> a CPU copy of its state (AdamW: step, exp_avg, exp_avg_sq)
+        for param, state in self.optim.state.items():
+            copied = {}
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    copied[key] = value.to("cpu", copy=True)
+                else:
+                    copied[key] = value
+            mine[index[param]] = copied
+        shards = None
         if self.rank == to:
-            groups = [{**g, "params": [index[p] for p in g["params"]]} for g in self.param_groups]
-            self._consolidated = {"state": dict(sorted(kv for shard in shards for kv in shard.items())),
-                                  "param_groups": groups}
+            shards = [None] * self.world_size
+        dist.gather_object(mine, shards, global_rank(self.process_group, to), self.process_group)
+        if self.rank != to:
+            return
+        gathered = {}
+        for shard in shards:
+            gathered.update(shard)
+        groups = []
+        for group in self.param_groups:
+            numbers = [index[param] for param in group["params"]]
+            groups.append({**group, "params": numbers})
+        self._consolidated = {"state": dict(sorted(gathered.items())), "param_groups": groups}
 
     def state_dict(self) -> dict:
         if self._consolidated is None:
@@ -118,76 +231,176 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                "consolidate_state_dict(to=r) on every rank, then this on rank r")
         return self._consolidated
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a consolidated state dict, or a plain optimizer's (the same format), on every
+        rank, at any world size: the dict numbers the parameters 0, 1, ... over the groups as
+        a plain optimizer does, so each rank keeps a copy of the entries of the parameters it
+        owns now, whoever owned them when it was saved. Every rank loads the groups' options
+        (lr, betas, ...). Training then resumes exactly where it stopped."""
+        saved_groups = state_dict["param_groups"]
+        saved_state = state_dict["state"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"ShardedOptimizer.load_state_dict: the state dict has {len(saved_groups)} "
+                             f"param groups, this optimizer {len(self.param_groups)}")
+        for number, (group, saved_group) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved_group["params"]) != len(group["params"]):
+                raise ValueError(f"ShardedOptimizer.load_state_dict: param group {number} has "
+                                 f"{len(saved_group['params'])} parameters in the state dict, "
+                                 f"{len(group['params'])} here")
+        # The inner optimizer numbers only the owned parameters, group by group: renumber.
+        inner_state = {}
+        inner_groups = []
+        inner_number = 0
+        for group, saved_group in zip(self.param_groups, saved_groups):
+            group.update(group_options(saved_group))  # the plain groups, as schedulers see them
+            first = inner_number
+            for param, saved_number in zip(group["params"], saved_group["params"]):
+                if self.owner[param] != self.rank:
+                    continue
+                if saved_number in saved_state:  # (a parameter never stepped has no state)
+                    inner_state[inner_number] = copy.deepcopy(saved_state[saved_number])
+                inner_number += 1
+            inner_groups.append({**group_options(saved_group), "params": list(range(first, inner_number))})
+        self.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+        self.state = self.optim.state  # loading made a new dict there
+        self._consolidated = None
+
+
 # --------------------------------------------------------------------------- ZeRO-2
 
 
-def broadcast_module_state(module: nn.Module, group=None) -> None:  # 03-06's, shortened
-    """Every rank starts from rank 0's parameters and buffers (detached: autograd stays out)."""
-    for tensor in [*module.parameters(), *module.buffers()]:
-        dist.broadcast(tensor.detach(), src=_global(group, 0), group=group)
+def broadcast_module_state(module: nn.Module, group=None) -> None:
+    """Make every rank start from rank 0's parameters and buffers, as 03-06 do (repeated on
+    purpose, so that this file stays copyable on its own)."""
+    src = global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=src, group=group)
 
 
-def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook):
-    ref = weakref.ref(obj)  # autograd holds hooks in C++, where Python's GC cannot see cycles
-    return lambda *a: None if ref() is None else getattr(ref(), method)(*bound, *a)
+def weak_method_hook(obj, method_name: str, *bound):
+    """A hook calling ``obj.<method_name>(*bound, *hook_args)`` that does not keep ``obj``
+    alive (05's weak_hook, for any method). Hooks live in autograd's C++ state, where Python's
+    garbage collector cannot see: a hook holding the wrapper (which holds the model, which
+    holds the hook) would be a cycle never freed."""
+    obj_ref = weakref.ref(obj)
+
+    def hook(*hook_args):
+        live = obj_ref()
+        if live is None:  # the wrapper is gone: leave the gradient alone
+            return None
+        return getattr(live, method_name)(*bound, *hook_args)
+
+    return hook
 
 
-class _Bucket:  # one owner's gradients
+class Bucket:
+    """One owner's gradients: reduced to that owner in one call, from one flat buffer."""
+
     def __init__(self, owner: int, params: list[torch.Tensor]):
-        self.owner, self.params, self.buffer, self.views = owner, params, None, []
-        self.had = [False] * len(params)  # "this rank had a gradient for it", this step
-        self.pending, self.work = len(params), None
+        self.owner = owner
+        self.params = params
+        self.reset()
+
+    def reset(self) -> None:
+        """Empty again for the next step. The buffer is dropped here; the owner's lives on
+        as its parameters' .grad."""
+        self.buffer = None  # allocated at the first gradient, freed once reduced
+        self.views = []     # views[slot]: params[slot]'s gradient, inside the buffer
+        self.had = [False] * len(self.params)  # had[slot]: this rank had a gradient for it
+        self.pending = len(self.params)        # gradients still to come this step
+        self.work = None    # the reduce in flight
 
     def view(self, slot: int) -> torch.Tensor:
-        if self.buffer is None:  # one flat buffer, from the first gradient to the reduce's end
-            sizes = [p.numel() for p in self.params]
+        """params[slot]'s place in the buffer, the buffer allocated on first use."""
+        if self.buffer is None:
+            sizes = [param.numel() for param in self.params]
             self.buffer = self.params[0].new_empty(sum(sizes))
-            self.views = [v.view_as(p) for v, p in zip(self.buffer.split(sizes), self.params)]
+            self.views = []
+            for flat_view, param in zip(self.buffer.split(sizes), self.params):
+                self.views.append(flat_view.view_as(param))
         return self.views[slot]
 
 
-def owner_buckets(params: list[torch.Tensor], owner: dict, bucket_size_mb: float | None):
-    """Stage 06's rule, per owner (and dtype, device): at most ``bucket_size_mb`` MiB, filled in
-    reverse registration order, sorted by their last parameter: the order they complete in."""
-    cap, open_, closed = math.inf if bucket_size_mb is None else bucket_size_mb * 2**20, {}, []
-    for position, p in enumerate(reversed(params)):
-        key, nbytes = (owner[p], p.dtype, p.device), p.numel() * p.element_size()
-        if key in open_ and open_[key]["bytes"] + nbytes > cap:
-            closed.append(open_.pop(key))
-        b = open_.setdefault(key, {"owner": owner[p], "params": [], "bytes": 0})
-        b["params"].append(p)
-        b["bytes"], b["last"] = b["bytes"] + nbytes, position
-    closed = sorted([*closed, *open_.values()], key=lambda b: b["last"])
-    return [_Bucket(b["owner"], b["params"]) for b in closed]
+def owner_buckets(params: list[torch.Tensor], owner: dict, bucket_size_mb: float | None) -> list[Bucket]:
+    """Stage 06's bucket rule, per owner (and per dtype and device): parameters taken in
+    reverse registration order (roughly the order backward produces their gradients), a
+    bucket closed when the next parameter would take it past ``bucket_size_mb`` MiB. Buckets
+    are sorted by the position of their last parameter: the order they complete in, so
+    every rank launches them in that same order."""
+    if bucket_size_mb is None:
+        cap_bytes = math.inf
+    else:
+        cap_bytes = bucket_size_mb * 2**20
+    filling = {}  # (owner, dtype, device) -> the bucket being filled for it
+    closed = []
+    for position, param in enumerate(reversed(params)):
+        key = (owner[param], param.dtype, param.device)
+        nbytes = param.numel() * param.element_size()
+        if key in filling and filling[key]["bytes"] + nbytes > cap_bytes:
+            closed.append(filling.pop(key))  # full: close it, the parameter opens a new one
+        if key not in filling:
+            filling[key] = {"owner": owner[param], "params": [], "bytes": 0}
+        bucket = filling[key]
+        bucket["params"].append(param)
+        bucket["bytes"] += nbytes
+        bucket["last"] = position
+    closed.extend(filling.values())
+    closed.sort(key=lambda bucket: bucket["last"])
+    return [Bucket(bucket["owner"], bucket["params"]) for bucket in closed]
 
 
 class Zero2DDP(nn.Module):
-    """ZeRO-2: after ``finish_gradient_synchronization()`` each rank holds the mean gradients
-    of the parameters it owns in ``optimizer`` (a :class:`ShardedOptimizer`), and no others."""
+    """ZeRO-2: after ``finish_gradient_synchronization()`` each rank holds the averaged
+    gradients of the parameters it owns in ``optimizer`` (a :class:`ShardedOptimizer` over
+    the module's parameters), and no other gradients.
+
+    Used as the DDPs of 05 and 06: ``loss.backward()``, ``finish_gradient_synchronization()``,
+    ``optimizer.step()``; ``no_sync()`` for gradient accumulation. Inside backward, each
+    gradient is copied, divided by N, into its owner's bucket, and ``.grad`` is freed; a
+    complete bucket is reduced to its owner (at most two in flight), and once reduced it is
+    freed on every other rank.
+    """
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, bucket_size_mb: float | None = 25.0):
         super().__init__()
         if not isinstance(optimizer, ShardedOptimizer):
             raise TypeError(f"Zero2DDP: optimizer must be the ShardedOptimizer over the module's "
                             f"parameters, got {type(optimizer).__name__}")
-        if bucket_size_mb is not None and not (type(bucket_size_mb) in (int, float) and 0 < bucket_size_mb < math.inf):
-            raise ValueError(f"Zero2DDP: bucket_size_mb must be a positive number of MiB or None (one "
-                             f"bucket per owner), got {bucket_size_mb!r}")
-        if not (params := [p for p in module.parameters() if p.requires_grad]):
+        if bucket_size_mb is not None:
+            is_number = type(bucket_size_mb) in (int, float)  # not a bool, not a string
+            if not is_number or not 0 < bucket_size_mb < math.inf:
+                raise ValueError(f"Zero2DDP: bucket_size_mb must be a positive number of MiB or None "
+                                 f"(one bucket per owner), got {bucket_size_mb!r}")
+        params = [param for param in module.parameters() if param.requires_grad]
+        if not params:
             raise ValueError("Zero2DDP: the module has no parameters that require grad")
-        if unowned := [n for n, p in module.named_parameters() if p.requires_grad and p not in optimizer.owner]:
+        unowned = []
+        for name, param in module.named_parameters():
+            if param.requires_grad and param not in optimizer.owner:
+                unowned.append(name)
+        if unowned:
             raise ValueError(f"Zero2DDP: {', '.join(unowned)} require grad but are in no group of the "
                              f"ShardedOptimizer: add them there, or freeze them")
-        self.module, self.process_group = module, optimizer.process_group
-        self.rank, self.world_size = optimizer.rank, optimizer.world_size
+        self.module = module
+        self.process_group = optimizer.process_group
+        self.rank = optimizer.rank
+        self.world_size = optimizer.world_size
         broadcast_module_state(module, self.process_group)
+
         self.buckets = owner_buckets(params, optimizer.owner, bucket_size_mb)
-        for b, bucket in enumerate(self.buckets):
-            for slot, p in enumerate(bucket.params):
-                p.register_hook(_weak(self, "_set_aside", b, slot))  # before accumulation
-                p.register_post_accumulate_grad_hook(_weak(self, "_on_grad_ready", b, slot))
-        self._flag_device = params[0].device if dist.get_backend(self.process_group) == "nccl" else "cpu"
-        self._require_sync, self._next = True, 0
+        for index, bucket in enumerate(self.buckets):
+            for slot, param in enumerate(bucket.params):
+                # before autograd adds a new gradient to .grad (see _set_aside) ...
+                param.register_hook(weak_method_hook(self, "_set_aside", index, slot))
+                # ... and after: the gradient is final, it goes into the bucket
+                param.register_post_accumulate_grad_hook(weak_method_hook(self, "_on_grad_ready", index, slot))
+        if dist.get_backend(self.process_group) == "nccl":
+            self._flag_device = params[0].device
+        else:
+            self._flag_device = "cpu"
+        self._require_sync = True
+        self._next = 0  # index of the next bucket to reduce
         self._averaged = weakref.WeakValueDictionary()  # id(param) -> the .grad finish gave it
         self._kept = {}  # param -> that average, set aside while a later backward runs
 
@@ -195,157 +408,94 @@ class Zero2DDP(nn.Module):
         return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
-    def no_sync(self):  # accumulate full-size local gradients; the next synced backward reduces
-        previous, self._require_sync = self._require_sync, False
+    def no_sync(self):
+        """Accumulate full-size local gradients (no communication) for the backwards run
+        inside; the next synchronised backward reduces the sum."""
+        previous = self._require_sync
+        self._require_sync = False
         try:
             yield
         finally:
             self._require_sync = previous
 
-    def _set_aside(self, b: int, slot: int, *_) -> None:
-        """The trap: autograd would add the next gradient to the owner's average, and reducing
-        the sum would count that average again. Keep it apart until ``finish`` adds it back."""
-        p = self.buckets[b].params[slot]
-        if p.grad is not None and self._averaged.get(id(p)) is p.grad:
-            self._kept[p], p.grad = p.grad, None
+    # -- inside backward ---------------------------------------------------------------
 
-    def _fill(self, b: int, slot: int) -> None:
-        """This rank's share of the mean (its gradient / N, or zeros) into the bucket."""
-        bucket, p = self.buckets[b], self.buckets[b].params[slot]
-        self._set_aside(b, slot)
-        bucket.had[slot], view = p.grad is not None, bucket.view(slot)
-        torch.div(p.grad, self.world_size, out=view) if p.grad is not None else view.zero_()  # the reduce sums
-        p.grad = None  # freed on every rank: the bucket holds it now
+    def _set_aside(self, index: int, slot: int, grad=None) -> None:
+        """The accumulation trap: the owner's ``.grad`` holds an average from an earlier
+        synchronised micro-batch; autograd would add the next local gradient to it, and
+        reducing that sum would count the average again. Keep it apart until ``finish``
+        adds it back."""
+        param = self.buckets[index].params[slot]
+        if param.grad is not None and self._averaged.get(id(param)) is param.grad:
+            self._kept[param] = param.grad
+            param.grad = None
 
-    def _on_grad_ready(self, b: int, slot: int, p: torch.Tensor) -> None:
-        if self._require_sync:
-            self._fill(b, slot)
-            self.buckets[b].pending -= 1
-            while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
-                self._launch()  # in index order on every rank, whatever order gradients come in
+    def _fill(self, index: int, slot: int) -> None:
+        """This rank's share of the mean into the bucket: its gradient / N, or zeros."""
+        bucket = self.buckets[index]
+        param = bucket.params[slot]
+        self._set_aside(index, slot)
+        bucket.had[slot] = param.grad is not None
+        view = bucket.view(slot)
+        if param.grad is not None:
+            torch.div(param.grad, self.world_size, out=view)  # the reduce sums the shares: the mean
+        else:
+            view.zero_()
+        param.grad = None  # freed on every rank: the bucket holds it now
+
+    def _on_grad_ready(self, index: int, slot: int, param: torch.Tensor) -> None:
+        if not self._require_sync:  # inside no_sync(): the gradient stays in .grad
+            return
+        self._fill(index, slot)
+        self.buckets[index].pending -= 1
+        # In index order on every rank, whatever order this rank's gradients come in.
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._launch()
 
     def _launch(self) -> None:
-        bucket, self._next = self.buckets[self._next], self._next + 1
-        bucket.work = dist.reduce(bucket.buffer, _global(self.process_group, bucket.owner),
-                                  group=self.process_group, async_op=True)
-        if self._next > 2:  # at most two reduces in flight; a reduced bucket that is not ours
-            done = self.buckets[self._next - 3]  # is freed at once, not at the end of backward
+        """Reduce the next bucket to its owner, asynchronously."""
+        bucket = self.buckets[self._next]
+        self._next += 1
+        owner = global_rank(self.process_group, bucket.owner)
+        bucket.work = dist.reduce(bucket.buffer, owner, group=self.process_group, async_op=True)
+        if self._next > 2:  # at most two reduces in flight: wait for the one before them
+            done = self.buckets[self._next - 3]
             done.work.wait()
-            if done.owner != self.rank:
-                done.buffer, done.views = None, []
+            if done.owner != self.rank:  # not ours: freed now, not at the end of backward
+                done.buffer = None
+                done.views = []
+
+    # -- after backward ----------------------------------------------------------------
 
     def finish_gradient_synchronization(self) -> None:
         """Reduce what backward did not, wait, and give each owner its averaged gradients."""
         if not self._require_sync:
             return
         while self._next < len(self.buckets):
-            for slot, had in enumerate(self.buckets[self._next].had):
+            bucket = self.buckets[self._next]
+            for slot, had in enumerate(bucket.had):
                 if not had:  # no gradient in this backward: what no_sync() left, else zeros
                     self._fill(self._next, slot)
             self._launch()
-        flags = torch.tensor([h for b in self.buckets for h in b.had], dtype=torch.int32,
-                             device=self._flag_device)
-        dist.all_reduce(flags, group=self.process_group)  # no rank had one: .grad stays None
-        anyone_had = iter(flags.tolist())
+        # One flag per parameter, summed over ranks: 0 means no rank had a gradient for it,
+        # and its .grad stays None, as in single-process training.
+        had_here = []
+        for bucket in self.buckets:
+            had_here.extend(bucket.had)
+        flags = torch.tensor(had_here, dtype=torch.int32, device=self._flag_device)
+        dist.all_reduce(flags, group=self.process_group)
+        ranks_that_had = flags.tolist()
+        position = 0
         for bucket in self.buckets:
             bucket.work.wait()
-            for slot, p in enumerate(bucket.params):
-                p.grad = self._kept.pop(p, None)  # None, unless an earlier average was set aside
-                if next(anyone_had) and bucket.owner == self.rank:  # the owner adds the mean
+            for slot, param in enumerate(bucket.params):
+                param.grad = self._kept.pop(param, None)  # None, unless an earlier average was set aside
+                if ranks_that_had[position] > 0 and bucket.owner == self.rank:
                     mean = bucket.views[slot]
-                    if p.grad is not None:
-                        mean.add_(p.grad)
-                    p.grad = self._averaged[id(p)] = mean
-            bucket.__init__(bucket.owner, bucket.params)  # buffer freed (the owner's: as grads)
+                    if param.grad is not None:
+                        mean.add_(param.grad)
+                    param.grad = mean
+                    self._averaged[id(param)] = mean
+                position += 1
+            bucket.reset()  # the buffer is dropped here; the owner's lives on as .grad
         self._next = 0
-
-# --------------------------------------------------------------------------- harness
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                             "demo and benchmark need the repository around this file (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
-def check_main(ctx, args) -> None:
-    """The plain run: the tiny LM, AdamW with two param groups, 3 steps, as ZeRO-1 (06 +
-    ShardedOptimizer) and ZeRO-2 (Zero2DDP, 2 micro-batches under no_sync()), each beside AdamW
-    on one process with the whole batch, the consolidated state too. Exits 1 on a difference."""
-    from common import import_stage, models, results
-    n, rows, ledger = ctx.world_size, [], import_stage("07_parallelism/measure/ledger")
-
-    def lm_and_adamw(seed, optimizer, **kw):  # eps 1e-6: see verify_main in fsdp.py
-        torch.manual_seed(seed)
-        ps = list((lm := models.TransformerLM("tiny", context_length=16)).parameters())
-        return lm, optimizer([{"params": ps[:12], "weight_decay": 0.1},
-                              {"params": ps[12:], "betas": (0.8, 0.9)}], lr=1e-3, eps=1e-6, **kw)
-    for way, k in (("ZeRO-1: BucketedDDP (06) + ShardedOptimizer", 1), ("ZeRO-2: Zero2DDP", 2)):
-        model, opt = lm_and_adamw(1 + ctx.rank, ShardedOptimizer, optimizer_cls=torch.optim.AdamW)
-        ref, ref_opt = lm_and_adamw(1, torch.optim.AdamW)  # (ranks started apart: both wrappers
-        ddp = Zero2DDP(model, opt) if k == 2 else \
-            import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP(model)  # broadcast rank 0's)
-        for step in range(3):
-            x, y = models.random_tokens(2 * n * k, 16, seed=step)
-            for mb in range(k):  # rank r's 2 sequences of micro-batch mb
-                mine = slice(2 * (mb * n + ctx.rank), 2 * (mb * n + ctx.rank) + 2)
-                with ddp.no_sync() if mb < k - 1 else contextlib.nullcontext():
-                    (models.lm_loss(ddp(x[mine]), y[mine]) / k).backward()
-            ddp.finish_gradient_synchronization()
-            grads = ledger.state_bytes(p.grad for p in model.parameters())
-            models.lm_loss(ref(x), y).backward()
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
-        flat, pairs = torch.cat([p.detach().flatten() for p in model.parameters()]), list(zip(
-            model.parameters(), ref.parameters()))
-        everyone, held = [torch.empty_like(flat) for _ in range(n)], [torch.zeros(1, dtype=torch.long)
-                                                                      for _ in range(n)]
-        dist.all_gather(everyone, flat)
-        dist.all_gather(held, torch.tensor([ledger.optimizer_state_bytes(opt.optim)]))
-        opt.consolidate_state_dict(to=0)
-        rows.append({"way": way, "max |diff|": max((p - q).abs().max().item() for p, q in pairs),
-                     "allclose, bitwise across ranks, checkpoint = one process's": all(
-                         torch.allclose(p, q, rtol=1e-4, atol=1e-5) for p, q in pairs) and all(
-                         torch.equal(everyone[0], f) for f in everyone) and (ctx.rank != 0 or all(
-                         torch.allclose(opt.state_dict()["state"][i][key], v, 1e-4, 1e-7) for i, st in
-                         ref_opt.state_dict()["state"].items() for key, v in st.items())),
-                     "AdamW state kB per rank": "/".join(f"{h.item() / 1e3:.0f}" for h in held),
-                     f"grads kB held, rank {ctx.rank}": grads / 1e3})
-    ok = torch.tensor([float(all(list(r.values())[2] for r in rows))])
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # every rank checked its own
-    if ctx.is_main or not ok.item():
-        results.print_table(rows, floatfmt=".3g", title=f"{n} ranks vs AdamW on one process, tiny LM, "
-                            f"3 steps ({results.machine_name()}):")
-    ctx.print("all checks passed" if ok.item() else "SOME CHECKS FAILED", all_ranks=not ok.item())
-    if not ok.item():
-        raise SystemExit(1)
-
-
-def bench_main(ctx, args) -> None:
-    """--bench: fsdp.py's ledger, its ZeRO rows (DDP, ZeRO-1/2, torch's ZeroRedundancyOptimizer)."""
-    from common import import_stage
-    ledger = import_stage("07_parallelism/measure/ledger")
-    ledger.run_ledger(ctx, [s for s in ledger.strategies() if "fsdp" not in s[0]], args)
-
-
-def main(argv=None) -> None:
-    _repo()
-    from common import import_stage, launch, step_bench
-    parser = launch.make_parser(__doc__)
-    import_stage("07_parallelism/measure/ledger").add_ledger_args(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    if args.bench:  # batch, memory, results/: one line, exit 2
-        step_bench.check_step_bench_args(args, config)
-    launch.launch(bench_main if args.bench else check_main, config, args)
-
-
-if __name__ == "__main__":
-    main()

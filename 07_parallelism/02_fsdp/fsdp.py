@@ -1,107 +1,258 @@
-"""Stage 07: FSDP (ZeRO-3) from scratch: every rank keeps 1/N of every weight matrix, cut along
-dim 0: rank r holds rows [r k, (r+1) k), k = ceil(rows / N), zero-padded. A unit's full weights
-are gathered just before the unit runs, in forward and again in backward, where its gradients
-are then reduce-scattered into this rank's averaged float32 shard; the next unit's all-gather is
-in flight meanwhile (prefetch). Biases and norm gains stay whole; their gradients are
-all-reduced. The optimizer takes ``fsdp.parameters()`` (the shards); a step is forward,
-backward(), ``finish_gradient_synchronization()``, step(). Every rank must run the same units
-(collectives pair by order). The collectives are looked up on torch.distributed at each call,
-so a counter that swaps its functions sees them. Torch alone: ``from fsdp import FSDP``.
+"""Stage 07, lesson 2: FSDP (ZeRO-3), shard the parameters too.
 
-    python 07_parallelism/02_fsdp/fsdp.py --world-size 2    # the tiny LM against one process
-    python 07_parallelism/02_fsdp/fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
-    python 07_parallelism/02_fsdp/fsdp.py --profile         # timeline: all-gathers during compute
+What it teaches. ZeRO-2 (lesson 1) still keeps every weight on every rank. Fully sharded data
+parallelism keeps only 1/N of each weight matrix per rank, and gathers a unit's full weights
+just before the unit runs, in forward and again in backward; after backward its gradients are
+reduce-scattered, so each rank receives the averaged gradient of its own shard only. Float32
+AdamW on N ranks, P parameters: weights 4P/N + gradients 4P/N + moments 8P/N = 16P/N bytes per
+rank, plus the full weights of the units gathered at the moment.
+
+The shard layout. Every parameter with 2+ dimensions is cut along dim 0 into N blocks of
+k = ceil(rows / N) rows: rank r holds rows [r k, (r+1) k), zero-padded past the last row. The
+module's own ``nn.Parameter`` becomes this rank's block (``.data`` swapped), so an optimizer
+over ``fsdp.parameters()`` sees, and keeps moments for, shards only. Biases and norm gains
+(1-D) stay whole on every rank; their gradients are all-reduced, in one call.
+
+A unit's life. A unit is the weights gathered together: by default each module that owns weight
+matrices, or the modules you name (``units=[*lm.blocks]``: a block each). Its shards sit in one
+flat buffer, so one collective moves the whole unit each way:
+
+    forward    all-gather -> full weights -> the unit runs -> free the full weights
+    backward   all-gather -> its backward runs -> last gradient in -> reduce-scatter into this
+               rank's float32 shard gradient (sum over ranks, / N) -> free weights, gradients
+
+Prefetch: the first forward records the order the units run in; after it, the next unit's
+all-gather is in flight while one computes (forward in that order, backward in reverse). Units
+whose forward ends after the last one began stay gathered: backward starts with them.
+Weights shared by two units (a tied embedding and output layer) merge them into one unit.
+
+Mixed precision: ``compute_dtype=torch.bfloat16`` (or float16) casts each shard before the
+all-gather (half the bytes), runs the units' modules in 16 bits (weights, biases, inputs), and
+reduces the gradients in ``reduce_dtype`` (float32) into float32 shard gradients: the masters
+stay float32, since an update is often smaller than the gap between 16-bit neighbours.
+
+Activation checkpointing (non-reentrant, e.g. the LM's ``checkpoint_activations=True``)
+re-runs a block's forward inside backward, hooks included. The hooks see autograd running
+(``torch._C._current_graph_task_id() != -1``): such a recompute gathers only if the unit is not
+gathered already, and frees nothing, so backward needs no third all-gather.
+
+Use it in your own loop (this file needs only torch; copy it anywhere):
+
+    fsdp = FSDP(model, units=list(model.blocks))     # after dist.init_process_group(...)
+    optimizer = torch.optim.AdamW(fsdp.parameters()) # the shards
+    loss_fn(fsdp(x_local), y_local).backward()
+    fsdp.finish_gradient_synchronization()           # the reduce-scatters still in flight
+    optimizer.step()
+    weights = fsdp.gather_full_params()              # name -> full tensor (a collective)
+
+Every rank must run the same units in the same order (collectives pair up by order).
+Gradient accumulation: k times backward() + finish_gradient_synchronization(), then step().
+The collectives are looked up on torch.distributed at each call, so a counter that swaps
+those functions sees them.
+
+Run the checks, the ledger and the profile with the script beside this file:
+    python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-# --------------------------------------------------------------------------- the algorithm
+# --------------------------------------------------------------------------- the layout
 
 
-def all_gather(out, shard, group):  # async: out <- [rank 0's shard, rank 1's, ...]
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, shard, group=group, async_op=True)
+def all_gather(out: torch.Tensor, shard: torch.Tensor, group):
+    """Start an all-gather, out <- [rank 0's shard, rank 1's shard, ...]; returns the work."""
+    if hasattr(dist, "all_gather_single"):  # newer torch's name
+        return dist.all_gather_single(out, shard, group=group, async_op=True)
+    return dist.all_gather_into_tensor(out, shard, group=group, async_op=True)
 
 
-def reduce_scatter(out, full, group):  # async: out <- this rank's block of the sum over ranks
-    return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, full, group=group, async_op=True)
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, group):
+    """Start a reduce-scatter, out <- rank r's block of the sum of ``full`` over ranks."""
+    if hasattr(dist, "reduce_scatter_single"):
+        return dist.reduce_scatter_single(out, full, group=group, async_op=True)
+    return dist.reduce_scatter_tensor(out, full, group=group, async_op=True)
+
+
+def rows_per_rank(rows: int, world_size: int) -> int:
+    """k = ceil(rows / N): every rank holds k rows, the last ones padded with zeros."""
+    return -(-rows // world_size)
 
 
 def copy_rows(full: torch.Tensor, blocks: torch.Tensor, into_blocks: bool) -> None:
-    """Flat full tensor <-> its shards as rank-major rows (N x n): the tensor, then the padding."""
-    n = blocks.shape[1]
-    q, rem = divmod(full.numel(), n)
-    for whole, parts in ((full[:q * n].view(q, n), blocks[:q]),
-                         (full[q * n:], blocks[q:q + 1, :rem].flatten())):
-        parts.copy_(whole) if into_blocks else whole.copy_(parts)
+    """Copy a flat full tensor into its N shards, or back.
+
+    ``blocks`` is [N, shard_numel], row r rank r's shard of this tensor (shard_numel = k x the
+    elements of one row). Flattened, the tensor fills the blocks in order: its first shard_numel
+    elements are rank 0's, and so on; the end of the last partly filled block, and any block
+    after it, is padding, never copied.
+    """
+    shard_numel = blocks.shape[1]
+    full_blocks, rest = divmod(full.numel(), shard_numel)
+    whole = full[:full_blocks * shard_numel].view(full_blocks, shard_numel)  # [full_blocks, shard_numel]
+    if into_blocks:
+        blocks[:full_blocks].copy_(whole)
+    else:
+        whole.copy_(blocks[:full_blocks])
+    if rest > 0:  # a block partly filled: the tensor's last elements, then padding
+        tail = full[full_blocks * shard_numel:]  # [rest]
+        if into_blocks:
+            blocks[full_blocks, :rest].copy_(tail)
+        else:
+            tail.copy_(blocks[full_blocks, :rest])
+
+
+def count_modules(module: nn.Module) -> int:
+    return len(list(module.modules()))
 
 
 def plan_units(module: nn.Module, unit_modules) -> list[tuple[list, list]]:
-    """[(roots, slots)]: roots gather the unit in their forward, a slot (owner, name, weight) holds
-    a weight of 2+ dims, in the nearest named unit above its owner, else in its owner's own."""
-    home, parent, roots, units = {}, {}, {}, {}
-    for unit in sorted(unit_modules, key=lambda m: -len(list(m.modules()))):  # outer first
-        home.update({id(m): unit for m in unit.modules()})  # an inner unit overrides
+    """Which weights are gathered together, and by whose forward.
 
-    def find(key):  # union-find over roots and weights: units sharing a weight (tied) merge
-        while parent.setdefault(key, key) != key:
+    Returns one ``(roots, slots)`` per unit. A slot ``(owner, name, weight)`` is a weight of
+    2+ dimensions, held by module ``owner`` under ``name``. It belongs to the nearest module of
+    ``unit_modules`` above its owner, else to its owner alone. The roots are the modules whose
+    forward gathers the unit. Two units that share a weight (tied embedding and output layer)
+    merge into one, gathered before either runs.
+    """
+    home = {}  # id(module) -> the named unit it sits in
+    for unit in sorted(unit_modules, key=count_modules, reverse=True):  # outer units first,
+        for inner in unit.modules():                                     # so an inner one wins
+            home[id(inner)] = unit
+
+    parent = {}  # union-find over ids of roots and weights: each set becomes one unit
+
+    def find(key):
+        parent.setdefault(key, key)
+        while parent[key] != key:
             key = parent[key]
         return key
-    slots = [(m, name, p) for m in module.modules() for name, p in m._parameters.items()
-             if p is not None and p.dim() >= 2]
-    for owner, _, p in slots:
+
+    slots = []
+    for owner in module.modules():
+        for name, param in owner._parameters.items():
+            if param is not None and param.dim() >= 2:
+                slots.append((owner, name, param))
+    roots = {}  # id(root) -> root
+    for owner, name, param in slots:
         root = home.get(id(owner), owner)
         roots[id(root)] = root
-        parent[find(id(p))] = find(id(root))
+        root_set = find(id(root))
+        weight_set = find(id(param))
+        parent[weight_set] = root_set  # the weight joins its root's unit (a tied one: both)
+
+    units = {}  # the set's key -> (roots, slots)
     for slot in slots:
-        units.setdefault(find(id(slot[2])), ([], []))[1].append(slot)
-    for key, root in roots.items():
-        units[find(key)][0].append(root)
+        key = find(id(slot[2]))
+        units.setdefault(key, ([], []))
+        units[key][1].append(slot)
+    for root_id, root in roots.items():
+        units[find(root_id)][0].append(root)
     return list(units.values())
 
 
-class _Unit:  # a unit's flat shard, its full weights, its communication state
-    def __init__(self, slots, rank, world_size, compute_dtype):
-        self.params = list({id(p): p for _, _, p in slots}.values())  # a tied weight once
-        self.slots = [(m, name, [id(q) for q in self.params].index(id(p))) for m, name, p in slots]
-        self.owners = list({id(m): m for m, _, _ in slots}.values())
-        self.casts = [(m, n, p) for m in self.owners for n, p in m._parameters.items()  # biases
-                      if compute_dtype and p is not None and p.dim() < 2 and p.is_floating_point()]
-        rows = [-(-p.shape[0] // world_size) for p in self.params]  # k = ceil(d0 / N)
-        self.numels = [k * p[0].numel() for k, p in zip(rows, self.params)]
-        self.flat_shard = self.params[0].new_zeros(sum(self.numels))
-        self.full = [nn.Parameter(torch.empty_like(p, dtype=compute_dtype or p.dtype),
-                                  requires_grad=p.requires_grad) for p in self.params]
-        for p, f, k, shard in zip(self.params, self.full, rows, self.flat_shard.split(self.numels)):
-            mine = p.detach()[rank * k:(rank + 1) * k].flatten()
-            shard[:mine.numel()].copy_(mine)  # zeros after: the padding
-            p.data = shard.view(k, *p.shape[1:])  # now the shard, a view of the flat one
-            f.untyped_storage().resize_(0)  # storage only while gathered
-        self.full_bytes = sum(f.nbytes for f in self.full)
-        self.trainable = self.pending = sum(p.requires_grad for p in self.params)
-        self.gathered, self.work, self.buffer, self.grad_buffer = False, None, None, None
+class Unit:
+    """One unit: its shards in one flat buffer, its full weights (storage only while gathered),
+    and the state of its communication."""
 
-    def columns(self, buffer: torch.Tensor, i: int) -> torch.Tensor:  # weight i, every rank
-        return buffer.view(-1, self.flat_shard.numel()).split(self.numels, dim=1)[i]
+    def __init__(self, slots, rank: int, world_size: int, compute_dtype):
+        self.params = []  # the sharded parameters, a tied one once
+        for _, _, param in slots:
+            if not any(param is known for known in self.params):
+                self.params.append(param)
+        self.slots = []  # (owner, name, index into params): where each full weight is put
+        for owner, name, param in slots:
+            index = next(i for i, known in enumerate(self.params) if known is param)
+            self.slots.append((owner, name, index))
+        self.owners = []  # the modules holding the weights, each once
+        for owner, _, _ in slots:
+            if not any(owner is known for known in self.owners):
+                self.owners.append(owner)
+        self.casts = []  # (owner, name, parameter): the 1-D weights cast for 16-bit compute
+        if compute_dtype is not None:
+            for owner in self.owners:
+                for name, param in owner._parameters.items():
+                    if param is not None and param.dim() < 2 and param.is_floating_point():
+                        self.casts.append((owner, name, param))
+
+        # The layout: weight i's shard is k_i rows, numels[i] = k_i x (elements per row); this
+        # rank's shards of every weight, one after the other, form flat_shard.
+        rows = [rows_per_rank(param.shape[0], world_size) for param in self.params]
+        self.numels = []
+        for k, param in zip(rows, self.params):
+            self.numels.append(k * param[0].numel())
+        self.flat_shard = self.params[0].new_zeros(sum(self.numels))  # zeros: the padding
+        self.full = []  # the full weights the modules compute with, in compute_dtype
+        for param in self.params:
+            dtype = compute_dtype if compute_dtype is not None else param.dtype
+            full = nn.Parameter(torch.empty_like(param, dtype=dtype), requires_grad=param.requires_grad)
+            self.full.append(full)
+        shards = self.flat_shard.split(self.numels)
+        for param, full, k, shard in zip(self.params, self.full, rows, shards):
+            mine = param.detach()[rank * k:(rank + 1) * k].flatten()  # rows [r k, (r+1) k)
+            shard[:mine.numel()].copy_(mine)
+            param.data = shard.view(k, *param.shape[1:])  # now the shard: a view of flat_shard
+            full.untyped_storage().resize_(0)  # storage only while gathered
+        self.full_bytes = sum(full.nbytes for full in self.full)
+        self.trainable = len([param for param in self.params if param.requires_grad])
+        self.pending = self.trainable  # gradients still to come in this backward
+        self.gathered = False     # the full weights hold the gathered values
+        self.work = None          # an all-gather in flight
+        self.buffer = None        # ... and the buffer it fills
+        self.grad_buffer = None   # the full gradients, laid out for the reduce-scatter
+
+    def columns(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """Weight ``index``'s block of every rank's shard, in a buffer of N flat shards:
+        [N, numels[index]], row r rank r's."""
+        shards = buffer.view(-1, self.flat_shard.numel())  # [N, flat shard numel]
+        return shards.split(self.numels, dim=1)[index]
 
 
-def _weak(obj, method: str, *bound):  # a hook that does not keep obj alive (05's weak_hook)
-    ref = weakref.ref(obj)
-    return lambda *a, **kw: None if ref() is None else getattr(ref(), method)(*bound, *a, **kw)
+def weak_method_hook(obj, method_name: str, *bound):
+    """A hook calling ``obj.<method_name>(*bound, *hook_args)`` that does not keep ``obj``
+    alive (05's weak_hook, for any method, as in zero.py: repeated so each file copies alone)."""
+    obj_ref = weakref.ref(obj)
+
+    def hook(*hook_args):
+        live = obj_ref()
+        if live is None:
+            return None
+        return getattr(live, method_name)(*bound, *hook_args)
+
+    return hook
+
+
+def cast_floating(value, dtype):
+    """A floating-point tensor cast to ``dtype``; anything else as it is."""
+    if torch.is_tensor(value) and value.is_floating_point():
+        return value.to(dtype)
+    return value
+
+
+def autograd_is_running() -> bool:
+    """True inside backward: a forward running now is an activation checkpoint's recompute."""
+    return torch._C._current_graph_task_id() != -1
+
+
+# --------------------------------------------------------------------------- FSDP
 
 
 class FSDP(nn.Module):
-    """An optimizer over ``fsdp.parameters()`` (the shards); a step: forward, backward(),
-    ``finish_gradient_synchronization()``, step(). ``units``: modules gathered as one (e.g.
-    Transformer blocks). ``compute_dtype`` casts the weights before the all-gather, and their
-    modules' inputs and biases (masters stay float32)."""
+    """Fully sharded data parallel. The optimizer takes ``fsdp.parameters()`` (the shards); a
+    step is forward, backward(), ``finish_gradient_synchronization()``, step().
+
+    ``units``: modules whose weights are gathered as one (e.g. the Transformer blocks; the
+    weights outside them get a unit per module that owns them). ``compute_dtype``: cast the
+    weights before the all-gather, and the units' inputs and biases (masters stay float32).
+    ``reduce_dtype``: the dtype the gradients are reduce-scattered in. The wrapped model is
+    ``.module``. ``gathered_bytes`` counts the full weights alive now, ``peak_gathered_bytes``
+    the most at once.
+    """
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
@@ -109,233 +260,229 @@ class FSDP(nn.Module):
         for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
                 raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
-        if not any(p.dim() >= 2 for p in module.parameters()):
-            raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; use a DDP (03-06)")
-        if any(all(u is not m for m in module.modules()) for u in units):
-            raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
-        self.module, self.group, self.compute_dtype = module, process_group, compute_dtype
-        self.reduce_dtype = reduce_dtype or torch.float32
-        self.world_size, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
-        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
-        for t in [*module.parameters(), *module.buffers()]:  # start from rank 0's state (03-06)
-            dist.broadcast(t.detach(), src=src, group=process_group)
+        if not any(param.dim() >= 2 for param in module.parameters()):
+            raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; "
+                             f"use a DDP (03-06)")
+        submodules = list(module.modules())
+        for unit in units:
+            if not any(unit is submodule for submodule in submodules):
+                raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
+        self.module = module
+        self.group = process_group
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else torch.float32
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        # Every rank starts from rank 0's parameters and buffers (as 03-06 do).
+        source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.detach(), src=source, group=process_group)
+
         self.units = []
         for roots, slots in plan_units(module, units):
-            self.units.append(u := _Unit(slots, self.rank, self.world_size, compute_dtype))
+            unit = Unit(slots, self.rank, self.world_size, compute_dtype)
+            self.units.append(unit)
             for root in roots:
-                root.register_forward_pre_hook(_weak(self, "_pre_forward", u))
-                root.register_forward_hook(_weak(self, "_post_forward", u), always_call=True)
-            for i, full in enumerate(u.full):
+                root.register_forward_pre_hook(weak_method_hook(self, "_pre_forward", unit))
+                root.register_forward_hook(weak_method_hook(self, "_post_forward", unit), always_call=True)
+            for index, full in enumerate(unit.full):
                 if full.requires_grad:
-                    full.register_post_accumulate_grad_hook(_weak(self, "_on_full_grad", u, i))
-            for owner in u.owners if compute_dtype else ():
-                owner.register_forward_pre_hook(_weak(self, "_cast_inputs"), with_kwargs=True)
-        self._replicated = [p for p in module.parameters() if p.dim() < 2 and p.requires_grad]
-        self._uses, self._recording, self._next_in_backward, self._reducing = [], True, {}, []
-        self.gathered_bytes = self.peak_gathered_bytes = 0  # of full weights alive at once
+                    full.register_post_accumulate_grad_hook(weak_method_hook(self, "_on_full_grad", unit, index))
+            if compute_dtype is not None:
+                for owner in unit.owners:
+                    owner.register_forward_pre_hook(weak_method_hook(self, "_cast_inputs"), with_kwargs=True)
+        self._replicated = [param for param in module.parameters() if param.dim() < 2 and param.requires_grad]
+        self._forward_order = []     # the units in the order the first forward ran them
+        self._recording = True       # until the first forward ends
+        self._position = 0           # how far this forward is along _forward_order
+        self._next_in_backward = {}  # unit -> the unit whose backward comes next
+        self._reducing = []          # reduce-scatters in flight: (unit, work, out, grad_buffer)
+        self.gathered_bytes = 0      # bytes of full weights alive now
+        self.peak_gathered_bytes = 0  # ... and the most at once
 
     def forward(self, *args, **kwargs):
-        self._pos = 0
+        self._position = 0
         out = self.module(*args, **kwargs)
         if self._recording:  # the first forward fixed the order; backward runs it reversed
-            self._recording, order = False, list(dict.fromkeys(reversed(self._uses)))
-            self._next_in_backward = dict(zip(order, order[1:]))
+            self._recording = False
+            backward_order = list(dict.fromkeys(reversed(self._forward_order)))  # each unit once
+            self._next_in_backward = dict(zip(backward_order, backward_order[1:]))
         return out
 
-    def _gather(self, u: _Unit | None, wait: bool = True) -> None:
-        """Start the unit's all-gather unless in flight; with ``wait``, fill its full weights."""
-        if u is None or u.gathered:  # (None: no unit to prefetch)
+    # -- gather and free ---------------------------------------------------------------
+
+    def _gather(self, unit: Unit | None, wait: bool = True) -> None:
+        """Start the unit's all-gather unless it is in flight; with ``wait``, fill its full
+        weights. (None: no unit to prefetch.)"""
+        if unit is None or unit.gathered:
             return
-        if u.work is None:
-            send = u.flat_shard.to(u.full[0].dtype)  # cast first: 16-bit weights travel in 16 bits
-            u.buffer = send.new_empty(self.world_size * send.numel())
-            u.work = all_gather(u.buffer, send, self.group)
-        if wait:
-            u.work.wait()
-            for i, full in enumerate(u.full):  # via .data: refilling a tensor autograd saved
-                full.untyped_storage().resize_(full.nbytes)  # must not bump its version
-                copy_rows(full.data.view(-1), u.columns(u.buffer, i), into_blocks=False)
-            self.gathered_bytes += u.full_bytes
-            self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
-            u.gathered, u.work, u.buffer = True, None, None
+        if unit.work is None:
+            send = unit.flat_shard.to(unit.full[0].dtype)  # cast first: 16-bit weights travel in 16 bits
+            unit.buffer = send.new_empty(self.world_size * send.numel())  # [N x flat shard]
+            unit.work = all_gather(unit.buffer, send, self.group)
+        if not wait:
+            return
+        unit.work.wait()
+        for index, full in enumerate(unit.full):
+            # Refill the same storage, through .data: autograd saved this very tensor for
+            # backward, and a refill must not bump its version counter.
+            full.untyped_storage().resize_(full.nbytes)
+            copy_rows(full.data.view(-1), unit.columns(unit.buffer, index), into_blocks=False)
+        unit.gathered = True
+        unit.work = None
+        unit.buffer = None
+        self.gathered_bytes += unit.full_bytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
-    def _reshard(self, u: _Unit) -> None:
-        for full in u.full if u.gathered else ():
+    def _reshard(self, unit: Unit) -> None:
+        """Free the unit's full weights: their storage shrinks to 0 bytes, the tensors stay."""
+        if not unit.gathered:
+            return
+        for full in unit.full:
             full.untyped_storage().resize_(0)
-        self.gathered_bytes, u.gathered = self.gathered_bytes - u.full_bytes * u.gathered, False
+        unit.gathered = False
+        self.gathered_bytes -= unit.full_bytes
 
-    def _swap(self, u: _Unit, to_full: bool) -> None:
-        for owner, name, i in u.slots:
-            owner._parameters[name] = u.full[i] if to_full else u.params[i]
-        for owner, name, p in u.casts:
-            owner._parameters[name] = p.to(self.compute_dtype) if to_full else p
+    def _swap(self, unit: Unit, to_full: bool) -> None:
+        """Put the full weights (and the cast biases) into the modules, or the shards back."""
+        for owner, name, index in unit.slots:
+            if to_full:
+                owner._parameters[name] = unit.full[index]
+            else:
+                owner._parameters[name] = unit.params[index]
+        for owner, name, param in unit.casts:
+            if to_full:
+                owner._parameters[name] = param.to(self.compute_dtype)  # autograd casts the gradient back
+            else:
+                owner._parameters[name] = param
+
+    # -- the hooks, in the order they fire ---------------------------------------------
 
     def _cast_inputs(self, module, args, kwargs):
-        cast = lambda t: t.to(self.compute_dtype) if torch.is_tensor(t) and t.is_floating_point() else t  # noqa: E731
-        return tuple(map(cast, args)), {k: cast(v) for k, v in kwargs.items()}
+        cast_args = tuple(cast_floating(arg, self.compute_dtype) for arg in args)
+        cast_kwargs = {}
+        for key, value in kwargs.items():
+            cast_kwargs[key] = cast_floating(value, self.compute_dtype)
+        return cast_args, cast_kwargs
 
-    def _pre_forward(self, u: _Unit, module, args) -> None:
-        self._gather(u)
-        if torch._C._current_graph_task_id() == -1:  # else a checkpoint's recompute: gather only
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        self._gather(unit)
+        if not autograd_is_running():  # (a checkpoint's recompute only gathers)
             if self._recording:
-                self._uses.append(u)
-            elif self._uses[self._pos:self._pos + 1] == [u]:  # on the recorded path
-                self._pos += 1
-                if self._pos < len(self._uses):  # prefetch: its all-gather runs while u computes
-                    self._gather(self._uses[self._pos], wait=False)
-        self._swap(u, to_full=True)
+                self._forward_order.append(unit)
+            else:
+                on_recorded_path = (self._position < len(self._forward_order)
+                                    and self._forward_order[self._position] is unit)
+                if on_recorded_path:
+                    self._position += 1
+                    if self._position < len(self._forward_order):
+                        # prefetch: the next unit's all-gather runs while this one computes
+                        self._gather(self._forward_order[self._position], wait=False)
+        self._swap(unit, to_full=True)
 
-    def _post_forward(self, u: _Unit, module, args, output) -> None:
-        self._swap(u, to_full=False)
-        if torch._C._current_graph_task_id() != -1:
+    def _post_forward(self, unit: Unit, module, args, output) -> None:
+        self._swap(unit, to_full=False)
+        if autograd_is_running():
             return  # a recompute in backward: keep the weights, this unit's backward is next
-        if self._recording or self._pos < len(self._uses) or not torch.is_grad_enabled():
-            self._reshard(u)  # else kept: it ends after the last unit began, backward starts here
-        for t in output if isinstance(output, (tuple, list)) else [output]:
-            if torch.is_tensor(t) and t.requires_grad:  # fires when backward reaches this unit
-                t.register_hook(_weak(self, "_pre_backward", u))
+        # A unit whose forward ends after the last unit began is where backward starts: keep
+        # it gathered (not while recording: the order is not known yet).
+        last_began = not self._recording and self._position == len(self._forward_order)
+        if not (last_began and torch.is_grad_enabled()):
+            self._reshard(unit)
+        if isinstance(output, (tuple, list)):
+            outputs = output
+        else:
+            outputs = [output]
+        for tensor in outputs:
+            if torch.is_tensor(tensor) and tensor.requires_grad:  # fires when backward reaches the unit
+                tensor.register_hook(weak_method_hook(self, "_pre_backward", unit))
 
-    def _pre_backward(self, u: _Unit, grad) -> None:
-        self._gather(u)
-        self._gather(self._next_in_backward.get(u), wait=False)  # prefetch: the next backward's
+    def _pre_backward(self, unit: Unit, grad) -> None:
+        self._gather(unit)
+        self._gather(self._next_in_backward.get(unit), wait=False)  # prefetch the next backward's
 
-    def _on_full_grad(self, u: _Unit, i: int, full: nn.Parameter) -> None:
-        """Every use of full weight i is summed in its .grad: into the reduce-scatter input."""
-        if u.grad_buffer is None:  # zeros: a weight without a gradient sends zeros
-            u.grad_buffer = u.flat_shard.new_zeros(self.world_size * u.flat_shard.numel(), dtype=self.reduce_dtype)
-        copy_rows(full.grad.view(-1), u.columns(u.grad_buffer, i), into_blocks=True)
-        full.grad, u.pending = None, u.pending - 1
-        if u.pending == 0:  # all its gradients are in; a frozen weight may still be needed
-            if u.trainable == len(u.full):  # by the backward, so then free only in finish()
-                self._reshard(u)
-            self._reduce_scatter(u)
+    def _on_full_grad(self, unit: Unit, index: int, full: nn.Parameter) -> None:
+        """Full weight ``index`` has its gradient (every use summed): into the reduce-scatter's
+        input, laid out as the shards are."""
+        if unit.grad_buffer is None:  # zeros: padding, and weights without a gradient, send zeros
+            numel = self.world_size * unit.flat_shard.numel()
+            unit.grad_buffer = unit.flat_shard.new_zeros(numel, dtype=self.reduce_dtype)
+        copy_rows(full.grad.view(-1), unit.columns(unit.grad_buffer, index), into_blocks=True)
+        full.grad = None
+        unit.pending -= 1
+        if unit.pending == 0:  # all its gradients are in
+            if unit.trainable == len(unit.full):  # (a frozen weight may still be needed by the
+                self._reshard(unit)               # backward: then free it in finish())
+            self._reduce_scatter(unit)
 
-    def _reduce_scatter(self, u: _Unit) -> None:
-        out = u.flat_shard.new_empty(u.flat_shard.numel(), dtype=self.reduce_dtype)
-        self._reducing.append((u, reduce_scatter(out, u.grad_buffer, self.group), out, u.grad_buffer))
-        u.grad_buffer, u.pending = None, u.trainable
+    def _reduce_scatter(self, unit: Unit) -> None:
+        out = unit.flat_shard.new_empty(unit.flat_shard.numel(), dtype=self.reduce_dtype)
+        work = reduce_scatter(out, unit.grad_buffer, self.group)
+        self._reducing.append((unit, work, out, unit.grad_buffer))
+        unit.grad_buffer = None
+        unit.pending = unit.trainable
         while len(self._reducing) > 1:  # one in flight: it overlaps the next unit's backward
             self._land(*self._reducing.pop(0))
 
-    def _land(self, u: _Unit, work, out, grad_buffer) -> None:
+    def _land(self, unit: Unit, work, out: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         """Wait for a reduce-scatter; the mean over ranks becomes (or adds to) the shards' .grad."""
         work.wait()
-        out = out.div_(self.world_size).to(u.flat_shard.dtype)
-        for p, g in zip(u.params, out.split(u.numels)):
-            if p.requires_grad:
-                p.grad = g.view_as(p) if p.grad is None else p.grad.add_(g.view_as(p))
+        mean = out.div_(self.world_size).to(unit.flat_shard.dtype)  # sum / N, in the masters' dtype
+        for param, grad in zip(unit.params, mean.split(unit.numels)):
+            if not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = grad.view_as(param)
+            else:
+                param.grad.add_(grad.view_as(param))  # accumulation over micro-batches
+
+    # -- after backward ----------------------------------------------------------------
 
     def finish_gradient_synchronization(self) -> None:
-        """After each backward: the reduce-scatters left, full weights freed, replicated grads averaged."""
-        for u in self.units:  # in unit order: the same collectives in the same order everywhere
-            if u.grad_buffer is not None:  # some weights had no gradient: zeros for them
-                self._reduce_scatter(u)
-            if u.work is not None:
-                self._gather(u)
-            self._reshard(u)
+        """After each backward: the reduce-scatters left, full weights freed, the replicated
+        parameters' gradients averaged."""
+        for unit in self.units:  # in unit order: the same collectives in the same order everywhere
+            if unit.grad_buffer is not None:  # some weights had no gradient: zeros for them
+                self._reduce_scatter(unit)
+            if unit.work is not None:
+                self._gather(unit)
+            self._reshard(unit)
         while self._reducing:
             self._land(*self._reducing.pop(0))
-        if ps := [p for p in self._replicated if p.grad is not None]:
-            flat = torch.cat([p.grad.flatten() for p in ps])
+        with_grad = [param for param in self._replicated if param.grad is not None]
+        if with_grad:
+            flat = torch.cat([param.grad.flatten() for param in with_grad])
             dist.all_reduce(flat, group=self.group)
-            for p, g in zip(ps, flat.div_(self.world_size).split([p.numel() for p in ps])):
-                p.grad.copy_(g.view_as(p))
+            means = flat.div_(self.world_size).split([param.numel() for param in with_grad])
+            for param, mean in zip(with_grad, means):
+                param.grad.copy_(mean.view_as(param))
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:
-        """Every parameter under the module's own names, full size, float32 (a collective)."""
-        full = {}
-        for u in self.units:
-            out = u.flat_shard.new_empty(self.world_size * u.flat_shard.numel())  # master dtype
-            all_gather(out, u.flat_shard, self.group).wait()
-            for i, p in enumerate(u.params):
-                full[id(p)] = out.new_empty(u.full[i].shape)
-                copy_rows(full[id(p)].view(-1), u.columns(out, i), into_blocks=False)
-        return {name: full[id(p)] if id(p) in full else p.detach().clone()
-                for name, p in self.module.named_parameters(remove_duplicate=False)}
+        """Every parameter under the module's own names, full size, in the masters' dtype (a
+        collective: call it on every rank)."""
+        full_by_id = {}
+        for unit in self.units:
+            out = unit.flat_shard.new_empty(self.world_size * unit.flat_shard.numel())  # [N x flat shard]
+            all_gather(out, unit.flat_shard, self.group).wait()
+            for index, param in enumerate(unit.params):
+                full = out.new_empty(unit.full[index].shape)
+                copy_rows(full.view(-1), unit.columns(out, index), into_blocks=False)
+                full_by_id[id(param)] = full
+        gathered = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            if id(param) in full_by_id:
+                gathered[name] = full_by_id[id(param)]
+            else:
+                gathered[name] = param.detach().clone()  # replicated: whole already
+        return gathered
 
     def gathered_storage_keys(self) -> set:
-        """(device, data_ptr) of full weights allocated now: saved tensors there are not activations."""
-        return {(f.device, f.untyped_storage().data_ptr()) for u in self.units if u.gathered for f in u.full}
-
-
-# --------------------------------------------------------------------------- harness
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                             "demo and benchmark need the repository around this file (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
-def verify_main(ctx, args) -> None:
-    """Plain run: the tiny LM (tied embedding and output layer, a unit per block, activation
-    checkpointing) under FSDP and on one process with the whole batch, 3 AdamW steps: weights
-    allclose at float32 tolerance after every step, bitwise equal across ranks."""
-    from common import models, results
-    nets = []
-    for seed in (1 + ctx.rank, 1):  # ranks start apart: FSDP broadcasts rank 0's weights
-        torch.manual_seed(seed)
-        nets.append(lm := models.TransformerLM("tiny", context_length=32, checkpoint_activations=True))
-        lm.lm_head.weight = lm.token_embedding.weight  # one matrix in two layers: one unit
-    fsdp, reference = FSDP(nets[0], units=list(nets[0].blocks)), nets[1]
-    # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients into lr-sized steps
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (fsdp, reference)]
-    diff, ok, mine = 0.0, True, slice(2 * ctx.rank, 2 * ctx.rank + 2)
-    for step in range(3):
-        x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
-        for m, opt, xs, ys in ((fsdp, opts[0], x[mine], y[mine]), (reference, opts[1], x, y)):
-            opt.zero_grad(set_to_none=True)
-            models.lm_loss(m(xs), ys).backward()
-            getattr(m, "finish_gradient_synchronization", lambda: None)()
-            opt.step()
-        got, want = fsdp.gather_full_params(), dict(reference.named_parameters())
-        everyone = [torch.empty_like(flat := torch.cat([*map(torch.flatten, got.values())]))
-                    for _ in range(ctx.world_size)]
-        dist.all_gather(everyone, flat)
-        ok &= all(torch.equal(everyone[0], t) for t in everyone)  # bitwise across ranks
-        ok &= all(torch.allclose(got[n], want[n], rtol=1e-4, atol=1e-5) for n in want)
-        diff = max(diff, *((got[n] - want[n]).abs().max().item() for n in want))
-    ctx.print(f"FSDP vs one process, tiny LM in {len(fsdp.units)} units, {ctx.world_size} ranks ({ctx.backend}/"
-              f"{ctx.device.type}), 3 AdamW steps ({results.machine_name()}):\n  max |diff| {diff:.1e}: "
-              f"{'allclose, and bitwise equal across ranks' if ok else 'NOT allclose, or ranks differ'}; "
-              f"per rank {sum(p.nbytes for p in fsdp.parameters()) / 1e3:.0f} kB of shards, at most "
-              f"{fsdp.peak_gathered_bytes / 1e3:.0f} kB of full weights gathered at once", all_ranks=not ok)
-    ctx.print("all checks passed" if ok else "SOME CHECKS FAILED", all_ranks=not ok)
-    dist.barrier()
-    if not ok:
-        raise SystemExit(1)
-
-
-def bench_main(ctx, args) -> None:
-    """--bench: the ledger and the targets read off it (reported, not checked: one run's timing is a
-    measurement, not a test). --profile: a unit per block in stage 05's timeline (common/profiling)."""
-    from common import import_stage, profiling
-    if args.profile:
-        profiling.profile_ddp(ctx, [("fsdp (07)", lambda m: FSDP(m, units=list(m.blocks)))], args, name="07_fsdp")
-    else:
-        ledger = import_stage("07_parallelism/measure/ledger")
-        ledger.run_ledger(ctx, ledger.strategies(), args)  # these six rows, all in one run
-
-
-def main(argv=None) -> None:
-    _repo()
-    from common import import_stage, launch, profiling, step_bench
-    parser = launch.make_parser(__doc__)
-    import_stage("07_parallelism/measure/ledger").add_ledger_args(parser)
-    profiling.add_profile_args(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    if args.bench or args.profile:  # the plain run has its own sizes
-        step_bench.check_step_bench_args(args, config)  # batch, memory, results/: one line, exit 2
-    launch.launch(bench_main if args.bench or args.profile else verify_main, config, args)
-
-
-if __name__ == "__main__":
-    main()
+        """(device, data_ptr) of the full weights allocated now: tensors autograd saves there
+        are weights, not activations."""
+        keys = set()
+        for unit in self.units:
+            if unit.gathered:
+                for full in unit.full:
+                    keys.add((full.device, full.untyped_storage().data_ptr()))
+        return keys

@@ -135,6 +135,15 @@ def tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
+def tensor_dtype(t):
+    """The dtype of a tensor, or of the first of a list of tensors (None for an empty list)."""
+    if isinstance(t, (list, tuple)):
+        if not t:
+            return None
+        return tensor_dtype(t[0])
+    return t.dtype
+
+
 # name on torch.distributed -> (the kind of collective, the argument whose size is the payload)
 RING_COLLECTIVES = {
     "all_reduce": ("all_reduce", "tensor"),
@@ -185,11 +194,34 @@ def batch_sent(arguments: dict) -> tuple[int, int]:
     return sent, sent
 
 
+def batch_tensors(arguments: dict) -> list:
+    """The tensors a ``batch_isend_irecv`` sends."""
+    sent = []
+    for op in arguments["p2p_op_list"]:
+        if op.op.__name__ == "isend":
+            sent.append(op.tensor)
+    return sent
+
+
+def all_to_all_single_tensors(arguments: dict) -> torch.Tensor:
+    return arguments["input"]
+
+
+def all_to_all_tensors(arguments: dict) -> list:
+    return arguments["input_tensor_list"]
+
+
 # name on torch.distributed -> (kind, function of the bound arguments -> (payload, sent))
 OTHER_COLLECTIVES = {
     "all_to_all_single": ("all_to_all", all_to_all_single_sent),
     "all_to_all": ("all_to_all", all_to_all_sent),
     "batch_isend_irecv": ("send", batch_sent),
+}
+# name on torch.distributed -> function of the bound arguments -> the tensors it moves (for the dtype)
+OTHER_TENSORS = {
+    "all_to_all_single": all_to_all_single_tensors,
+    "all_to_all": all_to_all_tensors,
+    "batch_isend_irecv": batch_tensors,
 }
 
 
@@ -199,10 +231,10 @@ class CommCounter(contextlib.ExitStack):
     Each call is a dict: ``op`` (all_reduce, all_gather, reduce_scatter, broadcast, reduce,
     send, all_to_all), ``payload_bytes``, ``sent_bytes`` (what this rank sends: a ring's share
     for the ring collectives, see :func:`ring_send_bytes`; the rows bound elsewhere for an
-    all-to-all; the sent tensors of a batch of sends and receives), and ``label``, whatever
-    ``comm.current`` held at the call (a hook may set it: "fc1 backward"). Arguments are read
-    by name, positional or keyword. Plain ``dist.isend`` / ``dist.irecv`` are not counted
-    (see :func:`batch_sent`).
+    all-to-all; the sent tensors of a batch of sends and receives), ``dtype`` (of the tensors
+    moved; None for an empty batch), and ``label``, whatever ``comm.current`` held at the call
+    (a hook may set it: "fc1 backward"). Arguments are read by name, positional or keyword.
+    Plain ``dist.isend`` / ``dist.irecv`` are not counted (see :func:`batch_sent`).
     """
 
     def __init__(self):
@@ -227,9 +259,9 @@ class CommCounter(contextlib.ExitStack):
             entry["sent_bytes"] += call["sent_bytes"]
         return out
 
-    def record(self, kind: str, payload: int, sent: float) -> None:
+    def record(self, kind: str, payload: int, sent: float, dtype=None) -> None:
         self.calls.append({"op": kind, "payload_bytes": payload, "sent_bytes": sent,
-                           "label": self.current})
+                           "dtype": dtype, "label": self.current})
 
     def wrap_ring(self, name: str, original):
         kind, argument = RING_COLLECTIVES[name]
@@ -239,18 +271,20 @@ class CommCounter(contextlib.ExitStack):
             arguments = signature.bind(*args, **kwargs).arguments
             payload = tensor_bytes(arguments[argument])
             world_size = dist.get_world_size(arguments.get("group"))
-            self.record(kind, payload, ring_send_bytes(kind, payload, world_size))
+            dtype = tensor_dtype(arguments[argument])
+            self.record(kind, payload, ring_send_bytes(kind, payload, world_size), dtype)
             return original(*args, **kwargs)
         return counted
 
     def wrap_other(self, name: str, original):
         kind, measure = OTHER_COLLECTIVES[name]
+        moved = OTHER_TENSORS[name]
         signature = inspect.signature(original)
 
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             payload, sent = measure(arguments)
-            self.record(kind, payload, sent)
+            self.record(kind, payload, sent, tensor_dtype(moved(arguments)))
             return original(*args, **kwargs)
         return counted
 
