@@ -243,9 +243,86 @@ def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
      "must divide each data-parallel"),
     (["--world-size", "2", "--dp", "1", "--cp", "2", "--fsdp", "--data", "/no/such/file"],
      "no such file"),
+    (["--bench", "--world-size", "3"], "--bench runs its grids on 4 or 8 ranks, not 3"),
 ])
 def test_bad_grids_are_refused_before_any_worker_starts(argv, needle, capsys, monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a bad grid reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
     assert_main_usage_error(train.main, argv, capsys, needle)
+
+
+# --------------------------------------------------------------------------- the measurements
+
+import grid_bench  # noqa: E402
+from common import results  # noqa: E402
+
+# train.py --bench at test sizes: three grids that use every axis and ZeRO-1, torch's
+# composition beside ours, one pipeline schedule against torch's, real and emulated
+BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "iters": 1,
+               "rounds": 1, "lr": 3e-3,
+               "pipeline": {"stages": [2], "schedules": ["1f1b"], "compute": ["real", "emulated"],
+                            "layers": 2, "rows": 1, "seq_len": 16, "micro_batches": 2,
+                            "emulate_ms": 1.0}}
+BENCH_GRIDS = [grid_bench.grid_spec(dp=2, tp=2, fsdp=True),
+               grid_bench.grid_spec(pp=2, cp=2, micro_batches=2),
+               grid_bench.grid_spec(cp=2, tp=2)]
+BENCH_COLUMNS = ["impl", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
+                 "world_size", "backend", "device", "step_ms", "tokens_per_s", "machine", "run_id"]
+for _kind in [*grid_bench.KINDS, *(f"sent_{_axis}" for _axis in grid_bench.AXES)]:
+    BENCH_COLUMNS += [f"{_kind}_bytes", f"{_kind}_bytes_formula"]
+
+
+def forgets_tp_split(shape, spec, pp_rank, world_size):
+    """Planted bug: a formula whose parameters forget that tensor parallelism splits them."""
+    right = grid_bench.combined_formula(shape, spec, pp_rank, world_size)
+    wrong = grid_bench.combined_formula(shape, {**spec, "tp": 1}, pp_rank, world_size)
+    return {**right, "param": wrong["param"]}
+
+
+def test_bench_counts_equal_the_combined_formula(tmp_path):
+    """One 4-rank launch of the bench at tiny sizes: every rank's counted bytes equal the
+    formula (ZeRO-1's optimizer state: the group holds exactly the whole state, each rank within
+    one tensor of the mean), torch's composition's bytes equal torch's formula, every first
+    loss equals one process's, torch's pipeline computes our gradients; the CSV has its
+    columns; a formula that forgets the tp split is caught."""
+    out = tmp_path / "bench.json"
+    launch.launch(grid_bench.bench_worker, launch.LaunchConfig(4, "gloo", "cpu"), BENCH_SIZES,
+                  BENCH_GRIDS, str(out), timeout_s=120)
+    found = json.loads(out.read_text())
+    shape = grid_bench.lm_shape(BENCH_SIZES)
+    exact = [*grid_bench.KINDS, *(f"sent_{axis}" for axis in grid_bench.AXES)]
+    caught = []
+    for detail in found["details"]:
+        spec = detail["spec"]
+        for rank in detail["per_rank"]:
+            for kind in exact:
+                if kind == "optim" and spec["fsdp"]:
+                    continue
+                assert rank["counted"][kind] == rank["formula"][kind], (detail["grid"], rank)
+            planted = forgets_tp_split(shape, spec, rank["coordinate"]["pp"], 4)
+            difference, kind = grid_bench.worst_difference(rank["counted"], planted)
+            caught.append((spec["tp"] > 1, kind == "param" and difference > 0.05))
+        if spec["fsdp"]:                     # dp2 tp2: each tp rank's dp pair shares one state
+            for tp_rank in (0, 1):
+                pair = [r for r in detail["per_rank"] if r["coordinate"]["tp"] == tp_rank]
+                whole = grid_bench.combined_formula(shape, {**spec, "fsdp": False}, 0, 4)
+                assert sum(r["counted"]["optim"] for r in pair) == whole["optim"], pair
+                bound = grid_bench.zero1_deal_bound(shape, spec, 0)
+                for r in pair:
+                    assert r["counted"]["optim"] <= r["formula"]["optim"] * (1 + bound), r
+    assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 4, caught
+    ours, theirs = found["torch_rows"]
+    assert (ours["impl"], theirs["impl"], theirs["grid"]) == ("ours", "torch", "dp2 tp2")
+    torch_formula = grid_bench.torch_formula(shape, 2, 2)
+    for kind in ("param", "grad", "optim"):
+        assert theirs[f"{kind}_bytes"] == torch_formula[kind], (kind, theirs)
+    losses = [row["first_loss"] for row in found["grid_rows"] + found["torch_rows"]]
+    assert max(abs(loss - found["reference_loss"]) for loss in losses) < 1e-5, losses
+    pipelines = found["pipeline_rows"]
+    assert [(r["impl"], r["compute"]) for r in pipelines] == [
+        ("ours", "real"), ("torch", "real"), ("ours", "emulated"), ("torch", "emulated")]
+    assert pipelines[0]["gradient_max_difference"] < 1e-6, pipelines[0]
+    rows = results.read_csv("grid.csv")
+    assert len(rows) == 3 + 2 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert rows[0]["machine"] == results.machine_name()

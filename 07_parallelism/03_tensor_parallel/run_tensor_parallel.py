@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import tensor_parallel as tp
 
@@ -319,31 +318,6 @@ class SplitQKVBlock(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-class FunctionalCommCounter(TorchDispatchMode):
-    """Counts the collectives torch's DTensor issues. They are functional collectives
-    (``torch.ops._c10d_functional``), below the Python ``torch.distributed`` functions that
-    CommCounter wraps, so they are caught here, at dispatch: op and payload as CommCounter
-    defines them (an all-gather's payload is its whole output)."""
-
-    KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-             "all_reduce": "all_reduce"}
-
-    def __init__(self):
-        super().__init__()
-        self.current = ""
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._overloadpacket.__name__
-        if func.namespace == "_c10d_functional" and name in self.KINDS:
-            payload = args[0].numel() * args[0].element_size()
-            if name == "all_gather_into_tensor":
-                payload = payload * args[1]  # args: input, group size, group name
-            self.calls.append({"op": self.KINDS[name], "payload_bytes": payload,
-                               "label": self.current})
-        return func(*args, **(kwargs or {}))
-
-
 def check_torch_block(ctx, cfg, group, full, reference) -> tuple[list[dict], list[dict], tuple]:
     """torch's parallelize_module on the same block, sequence parallel: (check rows, calls,
     saved bytes as ``count_saved`` gives them)."""
@@ -372,7 +346,7 @@ def check_torch_block(ctx, cfg, group, full, reference) -> tuple[list[dict], lis
     def forward():
         outputs.append(block(x_mine))
 
-    with FunctionalCommCounter() as comm:
+    with counters.FunctionalCommCounter() as comm:  # torch's DTensor collectives
         comm.current = "forward"
         saved = count_saved(block, forward)
         comm.current = "backward"

@@ -7,6 +7,7 @@ and tensor parallel ranks, and check it against one process.
     torchrun --nproc-per-node=4 07_parallelism/07_together/train.py --dp 2 --tp 2
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
         07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2          # tp inside a node
+    python 07_parallelism/07_together/train.py --bench     # measure/grid_bench.py's numbers
 
 The text is the Python standard library's source on this machine (``--data FILE`` for any
 other), bytes as tokens. The global batch of each step is the same whatever the grid, so
@@ -442,8 +443,10 @@ def check_grid(args, world_size: int, parser) -> None:
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, models, results
+    from common import import_stage, launch, models, results
+    bench = import_stage("07_parallelism/measure/grid_bench")
     parser = launch.make_parser(__doc__, world_size=4)
+    bench.add_bench_args(parser)
     parser.add_argument("--dp", type=launch.positive_int, default=None,
                         help="data-parallel degree (default: the world size / (pp cp tp))")
     parser.add_argument("--pp", type=launch.positive_int, default=1, help="pipeline stages")
@@ -482,6 +485,9 @@ def main(argv=None) -> None:
                         help="write the trained model's full state dict (TransformerLM's names) here")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
+    if args.bench:
+        bench.run(args, config, parser)     # the measurements instead of a training run
+        return
     if args.dp is None:
         args.dp = max(1, config.world_size // (args.pp * args.cp * args.tp))
     check_grid(args, config.world_size, parser)

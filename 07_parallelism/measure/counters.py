@@ -6,12 +6,15 @@ the formula a lesson derives, and a wrong implementation shows up as a gap:
 * ``state_bytes(tensors)``: bytes held, each storage once (tied weights, views of one buffer).
 * ``SavedActivations``: bytes autograd saves for backward (``saved_tensors_hooks``).
 * ``CommCounter``: every ``torch.distributed`` collective called from Python while it is
-  active, with the bytes this rank sends (as a ring sends them, for the ring collectives).
+  active, with the bytes this rank sends (as a ring sends them, for the ring collectives),
+  and, given the process groups by name, the axis each call ran on.
+* ``FunctionalCommCounter``: the same for the functional collectives torch's DTensor issues
+  (tensor parallelism's ``parallelize_module``), caught at dispatch.
 
-    with CommCounter() as comm:
+    with CommCounter(axes={"tp": tp_group, "dp": dp_group}) as comm:
         loss = model(x).sum()
         loss.backward()
-    print(comm.sent_bytes, comm.by_label)
+    print(comm.sent_bytes, comm.by_label, comm.by_axis)
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils.checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
@@ -182,6 +186,31 @@ def all_to_all_sent(arguments: dict) -> tuple[int, int]:
     return payload, payload - tensor_bytes(inputs[rank])
 
 
+def group_of(name: str, arguments: dict):
+    """The process group a call ran on (None: the default group). A batch of sends and
+    receives names it in each ``P2POp``; every op of one batch is on one group here."""
+    if name == "batch_isend_irecv":
+        operations = arguments["p2p_op_list"]
+        if not operations:
+            return None
+        return operations[0].group
+    return arguments.get("group")
+
+
+def total(calls: list[dict], key: str) -> dict[str, dict]:
+    """Calls summed by ``key`` ("label" or "axis"):
+    {value: {"ops": [op, ...], "payload_bytes": ..., "sent_bytes": ...}}."""
+    out = {}
+    for call in calls:
+        if call[key] not in out:
+            out[call[key]] = {"ops": [], "payload_bytes": 0, "sent_bytes": 0.0}
+        entry = out[call[key]]
+        entry["ops"].append(call["op"])
+        entry["payload_bytes"] += call["payload_bytes"]
+        entry["sent_bytes"] += call["sent_bytes"]
+    return out
+
+
 def batch_sent(arguments: dict) -> tuple[int, int]:
     """(payload, bytes sent) of ``batch_isend_irecv``: the tensors of its isend operations.
 
@@ -226,21 +255,26 @@ OTHER_TENSORS = {
 
 
 class CommCounter(contextlib.ExitStack):
-    """``with CommCounter() as comm: ...`` -> ``comm.calls``, ``comm.sent_bytes``, ``comm.by_label``.
+    """``with CommCounter(axes) as comm: ...`` -> ``comm.calls``, ``comm.sent_bytes``,
+    ``comm.by_label``, ``comm.by_axis``.
 
     Each call is a dict: ``op`` (all_reduce, all_gather, reduce_scatter, broadcast, reduce,
     send, all_to_all), ``payload_bytes``, ``sent_bytes`` (what this rank sends: a ring's share
     for the ring collectives, see :func:`ring_send_bytes`; the rows bound elsewhere for an
     all-to-all; the sent tensors of a batch of sends and receives), ``dtype`` (of the tensors
-    moved; None for an empty batch), and ``label``, whatever ``comm.current`` held at the call
-    (a hook may set it: "fc1 backward"). Arguments are read by name, positional or keyword.
-    Plain ``dist.isend`` / ``dist.irecv`` are not counted (see :func:`batch_sent`).
+    moved; None for an empty batch), ``label``, whatever ``comm.current`` held at the call (a
+    hook may set it: "fc1 backward"), and ``axis``: the name under which ``axes`` ({name:
+    process group}) holds the group the call ran on, "world" for the default group, "other"
+    for a group not named (``comm.by_axis`` sums them). Arguments are read by name,
+    positional or keyword. Plain ``dist.isend`` / ``dist.irecv`` are not counted (see
+    :func:`batch_sent`).
     """
 
-    def __init__(self):
+    def __init__(self, axes: dict | None = None):
         super().__init__()
         self.calls = []
         self.current = ""
+        self.axes = dict(axes or {})
 
     @property
     def sent_bytes(self) -> float:
@@ -249,19 +283,24 @@ class CommCounter(contextlib.ExitStack):
     @property
     def by_label(self) -> dict[str, dict]:
         """label -> {"ops": [op, ...], "payload_bytes": ..., "sent_bytes": ...}."""
-        out = {}
-        for call in self.calls:
-            if call["label"] not in out:
-                out[call["label"]] = {"ops": [], "payload_bytes": 0, "sent_bytes": 0.0}
-            entry = out[call["label"]]
-            entry["ops"].append(call["op"])
-            entry["payload_bytes"] += call["payload_bytes"]
-            entry["sent_bytes"] += call["sent_bytes"]
-        return out
+        return total(self.calls, "label")
 
-    def record(self, kind: str, payload: int, sent: float, dtype=None) -> None:
+    @property
+    def by_axis(self) -> dict[str, dict]:
+        """axis -> {"ops": [op, ...], "payload_bytes": ..., "sent_bytes": ...}."""
+        return total(self.calls, "axis")
+
+    def axis_of(self, group) -> str:
+        for name, axis_group in self.axes.items():
+            if group is axis_group:      # the same object: two axes may hold the same ranks
+                return name
+        if group is None or group is dist.GroupMember.WORLD:
+            return "world"
+        return "other"
+
+    def record(self, kind: str, payload: int, sent: float, dtype=None, group=None) -> None:
         self.calls.append({"op": kind, "payload_bytes": payload, "sent_bytes": sent,
-                           "dtype": dtype, "label": self.current})
+                           "dtype": dtype, "label": self.current, "axis": self.axis_of(group)})
 
     def wrap_ring(self, name: str, original):
         kind, argument = RING_COLLECTIVES[name]
@@ -270,9 +309,10 @@ class CommCounter(contextlib.ExitStack):
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             payload = tensor_bytes(arguments[argument])
-            world_size = dist.get_world_size(arguments.get("group"))
+            group = arguments.get("group")
+            world_size = dist.get_world_size(group)
             dtype = tensor_dtype(arguments[argument])
-            self.record(kind, payload, ring_send_bytes(kind, payload, world_size), dtype)
+            self.record(kind, payload, ring_send_bytes(kind, payload, world_size), dtype, group)
             return original(*args, **kwargs)
         return counted
 
@@ -284,7 +324,8 @@ class CommCounter(contextlib.ExitStack):
         def counted(*args, **kwargs):
             arguments = signature.bind(*args, **kwargs).arguments
             payload, sent = measure(arguments)
-            self.record(kind, payload, sent, tensor_dtype(moved(arguments)))
+            self.record(kind, payload, sent, tensor_dtype(moved(arguments)),
+                        group_of(name, arguments))
             return original(*args, **kwargs)
         return counted
 
@@ -299,3 +340,52 @@ class CommCounter(contextlib.ExitStack):
                 setattr(dist, name, self.wrap_other(name, original))
             self.callback(setattr, dist, name, original)  # put back on exit
         return self
+
+
+class FunctionalCommCounter(TorchDispatchMode):
+    """``with FunctionalCommCounter(axes) as comm: ...``: the collectives torch's DTensor issues.
+
+    They are functional collectives (``torch.ops._c10d_functional``), below the Python
+    ``torch.distributed`` functions that CommCounter wraps, so they are caught here, at
+    dispatch. Each call as CommCounter records it: ``op``, ``payload_bytes`` (an all-gather's
+    payload is its whole output), ``sent_bytes`` (the ring's share), ``label`` (``current``),
+    ``axis`` (the name of its group in ``axes``, {name: process group}, matched by the group's
+    name, which is how these ops name it; "other" if none)."""
+
+    KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_reduce": "all_reduce"}
+
+    def __init__(self, axes: dict | None = None):
+        super().__init__()
+        self.current = ""
+        self.calls = []
+        self.axes = dict(axes or {})
+
+    @property
+    def sent_bytes(self) -> float:
+        return sum(call["sent_bytes"] for call in self.calls)
+
+    @property
+    def by_axis(self) -> dict[str, dict]:
+        return total(self.calls, "axis")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        if func.namespace == "_c10d_functional" and name in self.KINDS:
+            payload = args[0].numel() * args[0].element_size()
+            if name == "all_gather_into_tensor":
+                payload = payload * args[1]  # args: input, group size, group name
+            group_name = args[-1]            # the last argument of all three
+            # The group's size: its name is all these ops carry (a private lookup, torch 2.x)
+            group = dist.distributed_c10d._resolve_process_group(group_name)
+            kind = self.KINDS[name]
+            axis = "other"
+            for axis_name, axis_group in self.axes.items():
+                if axis_group.group_name == group_name:
+                    axis = axis_name
+                    break
+            self.calls.append({"op": kind, "payload_bytes": payload,
+                               "sent_bytes": ring_send_bytes(kind, payload,
+                                                             dist.get_world_size(group)),
+                               "label": self.current, "axis": axis})
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,1142 @@
+"""Not a lesson: the measurements of lesson 7 (everything together), ``train.py --bench``.
+
+    python 07_parallelism/07_together/train.py --bench                    # 4 ranks, CPU sizes
+    python 07_parallelism/07_together/train.py --bench --bench-sizes gpu --world-size 8
+    torchrun --nproc-per-node=8 07_parallelism/07_together/train.py --bench --bench-sizes gpu
+
+What it measures, in one run:
+
+1. Our grids (``GRIDS``: a small set on 4 ranks, another on 8): the course LM over each grid,
+   one training step as ``train.py`` takes it (``parallel_lm.train_step``, then AdamW or
+   ZeRO-1), timed (warm-up, then the median of the slowest rank), tokens per second, and per
+   rank the bytes of parameters, gradients, optimizer state and saved activations, and the
+   bytes sent per step on each axis, COUNTED (``counters.py``: storages, saved-tensor hooks,
+   the collectives and the group each ran on) beside the FORMULA below, which combines the
+   lessons' formulas. Random tokens: the step does not depend on the text.
+2. torch's own composition as the control: the same LM (the same weights) with
+   ``init_device_mesh``, ``parallelize_module`` (ColwiseParallel, RowwiseParallel,
+   SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) and
+   ``fully_shard`` over the data axis, on dp x tp = 2 x 2 (4 x 2 on 8 ranks); its step time
+   and bytes beside ours on the same grid, timed in alternating rounds.
+3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
+   ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``): the same blocks and
+   micro-batches on pp = 2 and 4 (pipelines side by side on the other ranks), real compute,
+   and emulated compute (every forward and backward of a stage replaced by a fixed wait, in
+   both; the messages stay real), with the unit-time simulation's ideal beside it.
+
+Torch's own context parallelism has no row: in torch 2.13 it works by replacing the CUDA
+attention kernels (flash, memory-efficient, cuDNN: torch/distributed/tensor/experimental/
+_context_parallel/_attention.py) and has no CPU path; lesson 5 checks our ring attention
+against one process instead.
+
+The combined formula, per rank, float32 (4 bytes a value). The LM: L blocks of width h, MLP
+width f, a heads, vocabulary V, context s (= the sequence length); the global batch B
+sequences; the grid (dp, pp, cp, tp) = (d, p, c, t), v chunks per pipeline rank, m
+micro-batches. One micro-batch on one rank: b = B / (d m) rows, S = s / c tokens of its
+context shard (ring attention's queries), S / t of them between the tensor-parallel regions
+(sequence parallelism). This pipeline rank holds n = L / p blocks in all.
+
+    parameters (values)   n (5h + (4h^2 + 2hf + f) / t)        LayerNorms and fc2's bias whole
+                                                               on every tp rank (lesson 3);
+                                                               qkv, out, fc1 (+ bias), fc2 split
+                          + (V + s) h   on the first virtual stage's rank (the embeddings)
+                          + 2h + V h    on the last's (final LayerNorm, head): both whole on
+                                        every tp rank, as parallel_lm.py holds them
+    gradients             the same
+    AdamW state           2 x the parameters + one float32 step count per parameter tensor
+                          (10 a block, 2 for the embeddings, 3 for the head); ZeRO-1 (--fsdp,
+                          lesson 1): each tensor's state on one rank of the d x c data-and-
+                          context group, so 1/(d c) of it per rank on average; dealt by whole
+                          tensors, a rank may hold up to one tensor's state above the mean
+    saved activations     per block (lesson 3's table, sequence parallel, with S tokens):
+      (one micro-batch)     (2 b S h + 4 b S) / t      two LayerNorms' inputs, mean, 1/std
+                          + 2 b S h                    qkv's and fc1's gathered inputs
+                          + 4 b S h / t                q, k, v, attention's output
+                          + a b S / t                  the log-sum-exp per head and query
+                          + 2 b S f / t                fc1's output, GELU's
+                          + b S h / t  if c > 1        ring attention's output is laid out
+                                                       [b, heads, S, head_dim] (lesson 5): the
+                                                       out projection keeps a transposed copy
+                          first virtual stage: the token ids and positions, int64: 8 (b + 1) S/t
+                          last: the final LayerNorm 4 b S/t (h + 2), the head's input
+                          4 b S/t h, log-softmax 4 b S/t V, the targets 8 b S/t, 4 (the weight
+                          sum of the cross-entropy)
+    sent per step         a ring share: all-reduce 2 (n-1)/n N, all-gather, reduce-scatter and
+                          broadcast (n-1)/n N, of payload N over n ranks
+      tp                  m n 8 (t-1)/t 4 b S h        (lesson 3: per block, forward and
+                                                       backward, two all-gathers and two
+                                                       reduce-scatters of [b, S, h])
+                          + 2 (t-1)/t 4 R              (R: the tp-replicated parameters here,
+                                                       their gradients summed over tp)
+      cp                  m n (4 (c-1) + 2c) 4 b S h / t   (lesson 5: K and V c-1 hops forward
+                                                       and c-1 backward, dK and dV c hops)
+      pp                  4 b (S/t) h per activation or gradient sent: m forward from every
+                          virtual stage but the last, m backward from every one but the first
+      dp_cp               2 (n-1)/n 4 P, n = d c       every gradient, one all-reduce
+                          + (n-1)/n 4 P with ZeRO-1    (the owners broadcast the new weights)
+      world               2 (W-1)/W 8                  the loss, float64, over all W ranks
+
+Each rank compares its own counts with its own formula; a row holds the largest rank's
+count and formula, and the worst relative difference of any rank in any column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import time
+import types
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from counters import (CommCounter, FunctionalCommCounter, SavedActivations, optimizer_state_bytes,
+                      state_bytes, storage_key)
+
+CSV_NAME = "grid.csv"
+CSV_KEY = ["impl", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
+           "world_size", "backend", "device"]
+FLOAT = 4           # float32
+INT64 = 8           # token ids and positions
+STEP_COUNT = 4      # AdamW's step: one float32 scalar tensor per parameter tensor
+VOCAB = 256         # bytes as tokens, as train.py trains
+AXES = ("tp", "cp", "pp", "dp_cp", "world", "other")   # "other": a group no axis names
+KINDS = ("param", "grad", "optim", "activation")
+TARGET_BYTES = 0.05          # counted within 5% of the formula
+TARGET_TORCH_TP = 1.25       # our dp x tp step at most 1.25x torch's composition
+TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipelining
+
+
+def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
+              micro_batches=1) -> dict:
+    return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "fsdp": fsdp, "schedule": schedule,
+            "chunks": chunks, "micro_batches": micro_batches}
+
+
+# The grids of the bench, by world size. The course's tiny LM has 2 blocks (pp <= 2); on a GPU
+# box the "small" LM has 12.
+GRIDS = {
+    4: [grid_spec(dp=4),
+        grid_spec(dp=2, tp=2),
+        grid_spec(dp=2, tp=2, fsdp=True),
+        grid_spec(tp=4),
+        grid_spec(pp=2, tp=2, micro_batches=4),
+        grid_spec(dp=2, pp=2, micro_batches=4),
+        grid_spec(cp=2, tp=2),
+        grid_spec(dp=2, cp=2, fsdp=True)],
+    8: [grid_spec(dp=8),
+        grid_spec(dp=4, tp=2),
+        grid_spec(dp=2, tp=4),
+        grid_spec(dp=2, pp=2, tp=2, micro_batches=4),
+        grid_spec(dp=2, cp=2, tp=2),
+        grid_spec(pp=2, cp=2, tp=2, micro_batches=4),
+        grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4)],
+}
+
+# Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a box with a GPU per
+# rank. "pipeline": the blocks (of the same LM's width) and micro-batches of part 3.
+SIZES = {
+    "cpu": {"model": "tiny", "batch_size": 16, "seq_len": 64, "warmup": 1, "iters": 4,
+            "rounds": 2, "lr": 3e-3,
+            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved"],
+                         "compute": ["real", "emulated"], "layers": 8, "rows": 2,
+                         "seq_len": 64, "micro_batches": 8, "emulate_ms": 10.0}},
+    "gpu": {"model": "small", "batch_size": 32, "seq_len": 1024, "warmup": 2, "iters": 5,
+            "rounds": 2, "lr": 3e-3,
+            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved"],
+                         "compute": ["real", "emulated"], "layers": 8, "rows": 4,
+                         "seq_len": 1024, "micro_batches": 8, "emulate_ms": 5.0}},
+}
+
+
+def grid_label(spec: dict) -> str:
+    """'dp2 tp2', 'pp2 tp2': the axes of degree > 1, outermost last as one says them."""
+    parts = []
+    for axis in ("dp", "pp", "cp", "tp"):
+        if spec[axis] > 1:
+            parts.append(f"{axis}{spec[axis]}")
+    if not parts:
+        return "one rank"
+    return " ".join(parts)
+
+
+def setting_label(spec: dict) -> str:
+    """What else the row depends on: the optimizer, and the schedule when there is a pipeline."""
+    words = ["AdamW"]
+    if spec["fsdp"]:
+        words = ["ZeRO-1 AdamW"]
+    if spec["pp"] > 1:
+        words.append(f"{spec['schedule']} m{spec['micro_batches']}")
+    return ", ".join(words)
+
+
+# --------------------------------------------------------------------------- the lessons
+
+
+def load_lessons() -> types.SimpleNamespace:
+    """``train`` (train.py: its model and optimizer), the files it composes (``grid``,
+    ``parallel_lm``), and lesson 4's executor and schedules (``pipeline``, ``schedules``)."""
+    from common import import_stage
+    train = import_stage("07_parallelism/07_together/train")
+    grid_module, parallel_lm, _ = train.lessons()
+    return types.SimpleNamespace(
+        train=train, grid=grid_module, parallel_lm=parallel_lm,
+        pipeline=import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel"),
+        schedules=import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules"))
+
+
+def lm_shape(sizes: dict) -> dict:
+    """The letters of the formula for the LM of ``sizes``."""
+    from common import models
+    preset = models.PRESETS[sizes["model"]]
+    return {"h": preset["d_model"], "f": preset["d_ff"], "heads": preset["num_heads"],
+            "layers": preset["num_layers"], "vocab": VOCAB, "seq": sizes["seq_len"],
+            "batch": sizes["batch_size"]}
+
+
+# --------------------------------------------------------------------------- the formula
+
+
+def ring_share(ranks: int) -> float:
+    """(n-1)/n: the share of a payload one rank sends in a ring all-gather or reduce-scatter."""
+    return (ranks - 1) / ranks
+
+
+def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int) -> dict:
+    """The bytes of the module docstring for the rank at pipeline position ``pp_rank``:
+    {"param", "grad", "optim", "activation", "sent_tp", ..., "sent_other"}."""
+    h = shape["h"]
+    f = shape["f"]
+    heads = shape["heads"]
+    vocab = shape["vocab"]
+    seq = shape["seq"]
+    d = spec["dp"]
+    p = spec["pp"]
+    c = spec["cp"]
+    t = spec["tp"]
+    m = spec["micro_batches"]
+    v = spec["chunks"]
+    rows = shape["batch"] // (d * m)          # b: one micro-batch's rows on this rank
+    context = seq // c                        # S: the tokens of this rank's context shard
+    between = context // t                    # S / t: between the tensor-parallel regions
+    blocks = shape["layers"] // p             # n: this rank's blocks, all its chunks
+    virtual_stages = [chunk * p + pp_rank for chunk in range(v)]
+    last_stage = p * v - 1
+    first = 0 in virtual_stages
+    last = last_stage in virtual_stages
+
+    # Parameters, in values: whole on every tp rank (replicated) or split over tp.
+    replicated = blocks * 5 * h                            # norm1, norm2 (2h each), fc2's bias
+    split = blocks * (4 * h * h + 2 * h * f + f) // t      # qkv 3h^2, out h^2, fc1 hf + f, fc2 fh
+    tensors = blocks * 10
+    if first:
+        replicated += (vocab + seq) * h                    # token and position embeddings
+        tensors += 2
+    if last:
+        replicated += 2 * h + vocab * h                    # final LayerNorm, vocabulary head
+        tensors += 3
+    params = replicated + split
+    optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
+    if spec["fsdp"]:
+        optimizer_state = optimizer_state / (d * c)        # ZeRO-1 over the dp x cp ranks
+
+    # What one micro-batch saves for backward on this rank.
+    per_block = (2 * rows * context * h + 4 * rows * context) // t   # the two LayerNorms
+    per_block += 2 * rows * context * h                    # the gathered inputs of qkv and fc1
+    per_block += 4 * rows * context * h // t               # q, k, v, attention's output
+    per_block += rows * (heads // t) * context             # log-sum-exp
+    per_block += 2 * rows * context * f // t               # fc1's output, GELU's
+    if c > 1:
+        per_block += rows * context * h // t               # the out projection's copy
+    activation = FLOAT * blocks * per_block
+    if first:
+        activation += INT64 * (rows * between + between)   # token ids, positions
+    if last:
+        head_values = rows * between * (h + 2)             # final LayerNorm: input, mean, 1/std
+        head_values += rows * between * h                  # its output, the head's input
+        head_values += rows * between * vocab              # log-softmax
+        activation += FLOAT * head_values + INT64 * rows * between + FLOAT
+
+    # Bytes sent per step, by axis.
+    sent = {axis: 0.0 for axis in AXES}
+    gathered = FLOAT * rows * context * h                  # one [b, S, h] tensor
+    sent["tp"] = m * blocks * 8 * ring_share(t) * gathered
+    sent["tp"] += 2 * ring_share(t) * FLOAT * replicated
+    if c > 1:
+        kv_block = FLOAT * rows * context * h / t          # this rank's heads of K (or V)
+        sent["cp"] = m * blocks * (4 * (c - 1) + 2 * c) * kv_block
+    messages = 0
+    for stage in virtual_stages:
+        if stage < last_stage and (stage + 1) % p != pp_rank:
+            messages += m                                  # activations forward
+        if stage > 0 and (stage - 1) % p != pp_rank:
+            messages += m                                  # gradients backward
+    sent["pp"] = messages * FLOAT * rows * between * h
+    data_and_context = d * c
+    sent["dp_cp"] = 2 * ring_share(data_and_context) * FLOAT * params
+    if spec["fsdp"]:
+        sent["dp_cp"] += ring_share(data_and_context) * FLOAT * params
+    sent["world"] = 2 * ring_share(world_size) * 8
+
+    formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
+               "activation": activation}
+    for axis in AXES:
+        formula[f"sent_{axis}"] = sent[axis]
+    return formula
+
+
+def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
+    """ZeRO-1 deals whole tensors: a rank may hold up to one tensor's state above the mean. That
+    tensor's AdamW state (its largest here), as a share of the mean: the bound on the
+    difference between the count and the formula's 1/(d c)."""
+    h = shape["h"]
+    f = shape["f"]
+    t = spec["tp"]
+    p = spec["pp"]
+    virtual_stages = [chunk * p + pp_rank for chunk in range(spec["chunks"])]
+    largest = max(3 * h * h // t, f * h // t)              # qkv, fc1 or fc2
+    if 0 in virtual_stages or p * spec["chunks"] - 1 in virtual_stages:
+        largest = max(largest, shape["vocab"] * h, shape["seq"] * h)   # embeddings, head
+    mean = combined_formula(shape, spec, pp_rank, 1)["optim"]
+    return (2 * FLOAT * largest + STEP_COUNT) / mean
+
+
+def torch_formula(shape: dict, dp: int, tp: int) -> dict:
+    """torch's composition, per rank: parameters, gradients, AdamW state. Its plan splits the
+    embeddings (rows) and the head (vocabulary) over tp too, and fully_shard cuts every tensor's
+    first dimension over dp: P = ((V + s) h / t + L (5h + (4h^2 + 2hf + f) / t) + 2h + V h / t) / d.
+    q, k and v are three Linears there: 12 tensors a block."""
+    h = shape["h"]
+    f = shape["f"]
+    layers = shape["layers"]
+    vocab = shape["vocab"]
+    seq = shape["seq"]
+    over_tp = (vocab + seq) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
+    over_tp += vocab * h // tp
+    whole_over_tp = layers * 5 * h + 2 * h
+    params = (over_tp + whole_over_tp) // dp
+    tensors = 2 + layers * 12 + 3
+    return {"param": FLOAT * params, "grad": FLOAT * params,
+            "optim": 2 * FLOAT * params + STEP_COUNT * tensors}
+
+
+def relative_difference(counted: float, formula: float) -> float:
+    """|counted - formula| / formula; where the formula says 0, anything counted is infinitely
+    off."""
+    if formula == 0:
+        if counted == 0:
+            return 0.0
+        return math.inf
+    return abs(counted - formula) / formula
+
+
+def worst_difference(counted: dict, formula: dict) -> tuple[float, str]:
+    """The largest relative difference over the formula's columns, and that column."""
+    worst = 0.0
+    worst_kind = ""
+    for kind, want in formula.items():
+        difference = relative_difference(counted[kind], want)
+        if difference > worst:
+            worst = difference
+            worst_kind = kind
+    return worst, worst_kind
+
+
+# --------------------------------------------------------------------------- our grids
+
+
+def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch, the same on every rank: byte tokens [batch, seq] and their targets."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(VOCAB, (sizes["batch_size"], sizes["seq_len"] + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
+    """What train.py's build_full_lm and make_optimizer read."""
+    return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
+                              lr=sizes["lr"], fsdp=spec["fsdp"])
+
+
+def grid_axes(grid) -> dict:
+    """The grid's groups by axis name, for the counter: the group of a call names its axis."""
+    axes = {}
+    for axis in ("tp", "cp", "pp", "dp_cp", "dp"):
+        axes[axis] = grid.group(axis)
+    return axes
+
+
+def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, targets, device) -> int:
+    """Bytes autograd saves while one micro-batch goes forward through this rank's chunks (and
+    the loss, on the last stage), counted with saved-tensor hooks. The chunks run one after the
+    other here, not in the pipeline: a chunk that does not start the model gets a random
+    activation of the right shape in place of the one it would receive (the ranks of one
+    stage, which share the tp and cp collectives, run the same chunks together)."""
+    rows = sizes["batch_size"] // (spec["dp"] * spec["micro_batches"])
+    # copies with storage of their own: a saved slice of a bigger tensor keeps all of it
+    my_inputs = parallel_lm.local_tokens(inputs, grid)[:rows].to(device)
+    my_inputs = my_inputs.clone(memory_format=torch.contiguous_format)   # [b, S/t] token ids
+    my_targets = parallel_lm.local_tokens(targets, grid)[:rows].to(device)
+    my_targets = my_targets.clone(memory_format=torch.contiguous_format)
+    d_model = chunks[0].blocks[0].norm1.normalized_shape[0]
+    loss_fn = parallel_lm.scaled_loss_fn(grid)
+    total = 0
+    for chunk in chunks:
+        x = my_inputs
+        if chunk.embedding is None:
+            x = torch.randn(rows, my_inputs.shape[1], d_model, device=device)
+        with SavedActivations(chunk) as saved:
+            y = chunk(x)
+            if chunk.head is not None:
+                loss_fn(y, my_targets)
+        total += saved.bytes
+    return total
+
+
+def count_step(step, axes: dict) -> tuple[dict, dict]:
+    """Run ``step()`` once under the collective counter: (the step's result, sent by axis)."""
+    with CommCounter(axes=axes) as comm:
+        result = step()
+    sent = {}
+    by_axis = comm.by_axis
+    for axis in AXES:
+        sent[f"sent_{axis}"] = 0.0
+        if axis in by_axis:
+            sent[f"sent_{axis}"] = by_axis[axis]["sent_bytes"]
+    if "dp" in by_axis:          # the formula sends nothing on dp alone: it goes under "other"
+        sent["sent_other"] += by_axis["dp"]["sent_bytes"]
+    return result, sent
+
+
+def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
+    """This rank's part of the LM on grid ``spec``, its optimizer, and a training step."""
+    train = lessons.train
+    parallel_lm = lessons.parallel_lm
+    grid = lessons.grid.ProcessGrid(dp=spec["dp"], pp=spec["pp"], cp=spec["cp"], tp=spec["tp"])
+    args = train_args(sizes, spec)
+    full_lm = train.build_full_lm(args)
+    chunks = []
+    for chunk in parallel_lm.build_chunks(full_lm, grid, sizes["seq_len"], spec["chunks"]):
+        chunks.append(chunk.to(ctx.device))
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = train.make_optimizer(params, args, grid)
+    inputs, targets = random_batch(sizes)
+
+    def step():
+        result = parallel_lm.train_step(chunks, grid, spec["schedule"], spec["micro_batches"],
+                                        inputs, targets, ctx.device)
+        optimizer.step()
+        return result
+
+    return {"grid": grid, "chunks": chunks, "params": params, "optimizer": optimizer,
+            "inputs": inputs, "targets": targets, "step": step}
+
+
+def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
+    """The first step of a fresh model, counted: this rank's bytes beside its formula."""
+    parallel_lm = lessons.parallel_lm
+    grid = built["grid"]
+    result, sent = count_step(built["step"], grid_axes(grid))
+    counted = {"param": state_bytes(built["params"]),
+               "grad": state_bytes(p.grad for p in built["params"]),
+               "optim": optimizer_state_bytes(built["optimizer"]),
+               "activation": saved_one_micro_batch(built["chunks"], grid, parallel_lm, spec,
+                                                   sizes, built["inputs"], built["targets"],
+                                                   ctx.device)}
+    counted.update(sent)
+    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size)
+    worst, worst_kind = worst_difference(counted, formula)
+    return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
+            "formula": formula, "worst": worst, "worst_kind": worst_kind,
+            "loss": result["loss"], "peak_held": result["peak_held"]}
+
+
+def everyone(mine):
+    """Every rank's ``mine``, in rank order, on every rank."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def byte_columns(per_rank: list[dict], kinds) -> dict:
+    """The largest rank's count and formula of each kind, and the worst rank's difference."""
+    columns = {}
+    for kind in kinds:
+        columns[f"{kind}_bytes"] = max(rank["counted"][kind] for rank in per_rank)
+        if kind in per_rank[0]["formula"]:
+            columns[f"{kind}_bytes_formula"] = max(rank["formula"][kind] for rank in per_rank)
+    worst_rank = max(per_rank, key=lambda rank: rank["worst"])
+    columns["worst_difference"] = worst_rank["worst"]
+    columns["worst_where"] = f"rank {worst_rank['rank']} {worst_rank['worst_kind']}".strip()
+    return columns
+
+
+def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: list[float],
+              micro_batches: int) -> dict:
+    """A CSV row's first columns: what ran, where, and the slowest rank's median step."""
+    from common import results, timing
+    stats = timing.gather_times(seconds)
+    tokens = sizes["batch_size"] * sizes["seq_len"]
+    return {"impl": impl, "grid": grid, "setting": setting, "model": sizes["model"],
+            "batch_size": sizes["batch_size"], "seq_len": sizes["seq_len"],
+            "micro_batches": micro_batches, "world_size": ctx.world_size,
+            "backend": ctx.backend, "device": ctx.device.type, "step_ms": stats.median * 1e3,
+            "step_ms_min": stats.min * 1e3, "step_ms_max": stats.max * 1e3,
+            "tokens_per_s": tokens / stats.median, "steps_timed": len(seconds),
+            "machine": results.machine_name(), "run_id": results.run_id()}
+
+
+def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict]]:
+    """One of our grids: (its CSV row, every rank's counts and formulas)."""
+    from common import timing
+    built = build_grid(ctx, spec, sizes, lessons)
+    mine = count_grid(ctx, spec, sizes, built, lessons)
+    seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
+                             iters=sizes["iters"], barrier=True)
+    per_rank = everyone(mine)
+    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec), seconds,
+                    spec["micro_batches"])
+    row["first_loss"] = mine["loss"]
+    row["peak_held"] = max(rank["peak_held"] for rank in per_rank)
+    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
+    row.update(byte_columns(per_rank, kinds))
+    row["zero1_deal_bound"] = ""
+    if spec["fsdp"]:             # the bound of the rank whose optimizer state is the most off
+        most_off = max(per_rank, key=lambda rank: relative_difference(rank["counted"]["optim"],
+                                                                      rank["formula"]["optim"]))
+        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
+                                                   most_off["coordinate"]["pp"])
+    return row, per_rank
+
+
+def reference_loss(sizes: dict, lessons) -> float:
+    """The first step's loss on one process: every implementation must report it."""
+    from common import models
+    train = lessons.train
+    inputs, targets = random_batch(sizes)
+    full_lm = train.build_full_lm(train_args(sizes, grid_spec()))
+    with torch.no_grad():
+        return models.lm_loss(full_lm(inputs), targets).item()
+
+
+# --------------------------------------------------------------------------- torch's composition
+
+
+class TorchLM(nn.Module):
+    """The course LM in the shape torch's tensor parallel plans expect: q, k and v as three
+    Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
+    and the fused projection would be cut across q, k and v). The same weights."""
+
+    def __init__(self, full_lm: nn.Module, split_block):
+        super().__init__()
+        self.token_embedding = copy.deepcopy(full_lm.token_embedding)
+        self.position_embedding = copy.deepcopy(full_lm.position_embedding)
+        self.blocks = nn.ModuleList([split_block(block) for block in full_lm.blocks])
+        self.norm = copy.deepcopy(full_lm.norm)
+        self.lm_head = copy.deepcopy(full_lm.lm_head)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, seq]
+        # each embedding: [batch, seq/t, h] on each tp rank (their plans' Shard(1) outputs)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x))        # [batch, seq, vocab], whole on every tp rank
+
+
+def torch_plans() -> tuple[dict, dict]:
+    """torch's tensor-parallel plans (its tutorial's, for our module names): (the model's, a
+    block's). Embeddings row-wise over the vocabulary / positions with sequence-sharded
+    output; the LayerNorms sequence parallel; q, k, v and fc1 column-wise with their input
+    gathered; the out projection and fc2 row-wise, reduce-scattered along the sequence; the
+    head column-wise, its logits gathered whole."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+    model_plan = {
+        "token_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "position_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    block_plan = {
+        "norm1": SequenceParallel(),
+        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.out": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "mlp.0": ColwiseParallel(),
+        "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    return model_plan, block_plan
+
+
+def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict:
+    """The LM with torch's own parts: parallelize_module over tp, then fully_shard over dp
+    (each block a unit, and the root), AdamW as ours."""
+    from common import import_stage
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    train = lessons.train
+    lesson_3 = import_stage("07_parallelism/03_tensor_parallel/run_tensor_parallel")
+    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    args = train_args(sizes, grid_spec())
+    lm = TorchLM(train.build_full_lm(args), lesson_3.SplitQKVBlock).to(ctx.device)
+    model_plan, _ = torch_plans()
+    parallelize_module(lm, mesh["tp"], model_plan)
+    for block in lm.blocks:
+        _, block_plan = torch_plans()            # a plan's objects serve one module
+        parallelize_module(block, mesh["tp"], block_plan)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(lm, mesh=mesh["dp"])
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
+                                  eps=train.ADAM_EPS)
+    inputs, targets = random_batch(sizes)
+    rows = sizes["batch_size"] // dp
+    first = mesh["dp"].get_local_rank() * rows
+    my_inputs = inputs[first:first + rows].to(ctx.device)       # every tp rank: all the tokens
+    my_targets = targets[first:first + rows].to(ctx.device)
+    dp_group = mesh.get_group("dp")
+
+    def forward_loss():
+        logits = lm(my_inputs)
+        return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_loss()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss,
+            "axes": {"dp": dp_group, "tp": mesh.get_group("tp")}, "dp_group": dp_group}
+
+
+def count_torch_composition(ctx, built: dict) -> dict:
+    """The first step of torch's composition, counted as ours is (its tensor-parallel
+    collectives are DTensor's functional ones, counted at dispatch; fully_shard's are
+    torch.distributed calls), and its saved activations: fully_shard gathers the weights into
+    new storage each time, so the weights in the modules at the moment are left out."""
+    lm = built["lm"]
+    with CommCounter(axes=built["axes"]) as comm:
+        with FunctionalCommCounter(axes=built["axes"]) as functional:
+            loss = built["step"]()
+    counted = {"param": state_bytes(lm.parameters()),
+               "grad": state_bytes(p.grad for p in lm.parameters()),
+               "optim": optimizer_state_bytes(built["optimizer"])}
+    sent = {}
+    for axis in ("tp", "dp", "world", "other"):
+        sent[axis] = 0.0
+    for counter in (comm, functional):
+        for axis, entry in counter.by_axis.items():
+            sent[axis] += entry["sent_bytes"]
+    for axis, value in sent.items():
+        counted[f"sent_{axis}"] = value
+
+    def weights_now():
+        return set(storage_key(p) for p in lm.parameters())
+
+    with SavedActivations(lm, exclude_now=weights_now) as saved:
+        built["forward_loss"]()
+    counted["activation"] = saved.bytes
+    reported = loss.detach().clone()
+    dist.all_reduce(reported, group=built["dp_group"])         # the mean over the data ranks
+    return {"counted": counted, "loss": reported.item() / dist.get_world_size(built["dp_group"])}
+
+
+def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
+    """Ours and torch's on the same dp x tp grid, timed in alternating rounds (background load
+    hits both alike): two rows, each with its bytes (ours beside our formula, torch's beside
+    the formula of torch's sharding)."""
+    tp = 2
+    dp = ctx.world_size // tp
+    spec = grid_spec(dp=dp, tp=tp)
+    ours = build_grid(ctx, spec, sizes, lessons)
+    ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+    with warnings.catch_warnings():
+        # fully_shard warns that the root returns a view (the logits DTensor's local part);
+        # nothing here changes the logits in place, which is what the warning is about
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        theirs = build_torch_composition(ctx, sizes, dp, tp, lessons)
+        theirs_mine = count_torch_composition(ctx, theirs)
+        steps = {"ours": ours["step"], "torch": theirs["step"]}
+        seconds = measure_alternating(ctx, steps, sizes)
+    grid = grid_label(spec)
+    row_ours = timed_row(ctx, sizes, "ours", grid, "AdamW, timed beside torch's", seconds["ours"],
+                         1)
+    row_ours["first_loss"] = ours_mine["loss"]
+    ours_ranks = everyone(ours_mine)
+    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
+    row_ours.update(byte_columns(ours_ranks, kinds))
+    row_ours["zero1_deal_bound"] = ""
+    row_torch = timed_row(ctx, sizes, "torch", grid,
+                          "parallelize_module + fully_shard, AdamW", seconds["torch"], 1)
+    row_torch["first_loss"] = theirs_mine["loss"]
+    formula = torch_formula(lm_shape(sizes), dp, tp)
+    worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
+    torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
+                  "worst": worst, "worst_kind": worst_kind}
+    torch_ranks = everyone(torch_mine)
+    torch_kinds = list(KINDS) + ["sent_tp", "sent_dp", "sent_world", "sent_other"]
+    row_torch.update(byte_columns(torch_ranks, torch_kinds))
+    return [row_ours, row_torch]
+
+
+def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
+    """Each step warmed up, then ``rounds`` rounds of ``iters`` timed calls of each in turn;
+    the times pooled per step."""
+    from common import timing
+    seconds = {}
+    for name, step in steps.items():
+        timing.measure(step, ctx.device, warmup=sizes["warmup"], iters=0)
+        seconds[name] = []
+    for _ in range(sizes["rounds"]):
+        for name, step in steps.items():
+            seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"],
+                                            barrier=True)
+    return seconds
+
+
+# --------------------------------------------------------------------------- the pipeline axis
+
+
+class Wait(torch.autograd.Function):
+    """Stands in for a stage's compute: forward waits ``seconds``, so does backward."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class EmulatedStage(nn.Module):
+    """torch's stage with emulated compute: one wait forward, one backward, as our executor's
+    ``emulate_s`` makes every F and B (a scale parameter gives backward something to do)."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds = seconds
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Wait.apply(x * self.scale, self.seconds)
+
+
+def torch_schedule(name: str, stages: list, micro_batches: int):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    if name == "gpipe":
+        return ScheduleGPipe(stages[0], micro_batches, loss_fn=F.mse_loss)
+    if name == "1f1b":
+        return Schedule1F1B(stages[0], micro_batches, loss_fn=F.mse_loss)
+    return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.mse_loss)
+
+
+def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, lessons) -> dict:
+    """Our executor and torch's on the same blocks (the LM's, ``layers`` of them, the same
+    weights) and micro-batches, on this rank's pipeline group: a step of each."""
+    from common import models
+    from torch.distributed.pipelining import PipelineStage
+    pipeline_parallel = lessons.pipeline
+    pipeline_schedules = lessons.schedules
+    setting = sizes["pipeline"]
+    shape = lm_shape(sizes)
+    stages = grid.size("pp")
+    pp_rank = grid.rank("pp")
+    group = grid.group("pp")
+    chunks_per_rank = 1
+    if schedule_name == "interleaved":
+        chunks_per_rank = 2
+    micro_batches = setting["micro_batches"]
+    rows = setting["rows"]
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(setting["layers"]):
+        blocks.append(models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device))
+    generator = torch.Generator().manual_seed(1)
+    activation_shape = (rows, setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
+    inputs = torch.randn((micro_batches * rows,) + activation_shape[1:], generator=generator)
+    targets = torch.randn((micro_batches * rows,) + activation_shape[1:], generator=generator)
+    inputs = inputs.to(ctx.device)
+    targets = targets.to(ctx.device)
+    emulate_s = 0.0
+    if compute == "emulated":
+        emulate_s = setting["emulate_ms"] / 1e3
+    ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank)
+    our_chunks = []
+    torch_stages = []
+    for chunk, layer_numbers in enumerate(ranges):
+        pieces = [copy.deepcopy(blocks[layer]) for layer in layer_numbers]
+        our_chunks.append(nn.Sequential(*pieces))
+        module = nn.Sequential(*[copy.deepcopy(piece) for piece in pieces])
+        if compute == "emulated":
+            module = EmulatedStage(emulate_s).to(ctx.device)
+        virtual_stage = chunk * stages + pp_rank
+        torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
+                                          ctx.device, group=group))
+    schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
+    theirs = torch_schedule(schedule_name, torch_stages, micro_batches)
+    micro_inputs = None
+    if pp_rank == 0:
+        micro_inputs = list(inputs.chunk(micro_batches))
+    micro_targets = None
+    if pp_rank == stages - 1:
+        micro_targets = list(targets.chunk(micro_batches))
+
+    def ours_step():
+        for chunk in our_chunks:
+            chunk.zero_grad(set_to_none=True)
+        pipeline_parallel.run_schedule(our_chunks, schedule, micro_inputs, micro_targets,
+                                       activation_shape, ctx.device, loss_fn=F.mse_loss,
+                                       emulate_s=emulate_s, group=group)
+
+    def torch_step():
+        for stage in torch_stages:
+            stage.submod.zero_grad(set_to_none=True)
+        if pp_rank == 0 and pp_rank == stages - 1:
+            theirs.step(inputs, target=targets, losses=[])
+        elif pp_rank == 0:
+            theirs.step(inputs)
+        elif pp_rank == stages - 1:
+            theirs.step(target=targets, losses=[])
+        else:
+            theirs.step()
+
+    ideal_s = 0.0
+    if emulate_s > 0:
+        timed = pipeline_schedules.simulate(schedule)
+        makespan = max(end for row in timed for _, end, _ in row)   # in steps of one unit
+        ideal_s = makespan * emulate_s
+    return {"ours": ours_step, "torch": torch_step, "our_chunks": our_chunks,
+            "torch_stages": torch_stages, "ideal_s": ideal_s, "chunks_per_rank": chunks_per_rank}
+
+
+def gradient_difference(built: dict) -> float:
+    """Largest |our gradient - torch's| on this rank after a step of each (real compute)."""
+    worst = 0.0
+    for chunk, stage in zip(built["our_chunks"], built["torch_stages"]):
+        for ours, theirs in zip(chunk.parameters(), stage.submod.parameters()):
+            worst = max(worst, (ours.grad - theirs.grad).abs().max().item())
+    return worst
+
+
+def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
+    """Every (stages, schedule, compute) of ``sizes["pipeline"]``: two rows, ours and torch's."""
+    setting = sizes["pipeline"]
+    rows = []
+    for stages in setting["stages"]:
+        if ctx.world_size % stages != 0:
+            continue
+        grid = lessons.grid.ProcessGrid(dp=ctx.world_size // stages, pp=stages)
+        for schedule_name in setting["schedules"]:
+            for compute in setting["compute"]:
+                built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
+                seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]},
+                                              sizes)
+                difference = float("nan")
+                if compute == "real":
+                    worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
+                                         device=ctx.device)      # NCCL reduces GPU tensors
+                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                    difference = worst.item()
+                label = f"pp{stages}"
+                if ctx.world_size > stages:
+                    label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
+                compute_words = compute
+                if compute == "emulated":
+                    compute_words = f"emulated {setting['emulate_ms']:g} ms"
+                for impl, name in (("ours", "our executor"),
+                                   ("torch", "torch.distributed.pipelining")):
+                    row = pipeline_row(ctx, sizes, impl, label,
+                                       f"{schedule_name}, {compute_words}", seconds[impl])
+                    row["schedule"] = schedule_name
+                    row["compute"] = compute
+                    row["stages"] = stages
+                    row["implementation"] = name
+                    row["ideal_ms"] = built["ideal_s"] * 1e3
+                    row["gradient_max_difference"] = difference
+                    rows.append(row)
+    return rows
+
+
+def pipeline_row(ctx, sizes: dict, impl: str, grid: str, setting: str,
+                 seconds: list[float]) -> dict:
+    """A pipeline row: the blocks' sizes instead of the LM's batch."""
+    pipeline = sizes["pipeline"]
+    row = timed_row(ctx, sizes, impl, grid, setting, seconds, pipeline["micro_batches"])
+    row["batch_size"] = pipeline["rows"] * pipeline["micro_batches"]
+    row["seq_len"] = pipeline["seq_len"]
+    row["model"] = f"{pipeline['layers']} {sizes['model']} blocks"
+    row["tokens_per_s"] = row["batch_size"] * row["seq_len"] / (row["step_ms"] / 1e3)
+    return row
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = None) -> None:
+    """Every rank: our grids, torch's composition beside ours, the pipelines; rank 0 writes
+    results/grid.csv and prints the tables and the targets (and, for the tests, everything as
+    JSON at ``out_path``)."""
+    from common import results
+    lessons = load_lessons()
+    grid_rows = []
+    details = []
+    for spec in grids:
+        row, per_rank = bench_grid(ctx, spec, sizes, lessons)
+        grid_rows.append(row)
+        details.append({"grid": row["grid"], "setting": row["setting"], "spec": spec,
+                        "per_rank": per_rank})
+        ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step",
+                  all_ranks=False)
+    torch_rows = compare_with_torch(ctx, sizes, lessons)
+    ctx.print(f"  torch's composition beside ours: {torch_rows[1]['step_ms']:.1f} and "
+              f"{torch_rows[0]['step_ms']:.1f} ms/step", all_ranks=False)
+    pipeline_rows = compare_pipelines(ctx, sizes, lessons)
+    reference = reference_loss(sizes, lessons)
+    if not ctx.is_main:
+        return
+    path = results.upsert_csv(CSV_NAME, grid_rows + torch_rows + pipeline_rows, key=CSV_KEY)
+    report(ctx, sizes, grid_rows + [torch_rows[0]], torch_rows, pipeline_rows, reference)
+    print(f"wrote {path}", flush=True)
+    if out_path is not None:
+        import json
+        with open(out_path, "w") as f:
+            json.dump({"grid_rows": grid_rows, "torch_rows": torch_rows,
+                       "pipeline_rows": pipeline_rows, "details": details,
+                       "reference_loss": reference, "csv": str(path)}, f)
+
+
+def percent(share: float) -> str:
+    """0.0806 -> '8.06%'; a small one keeps its digits: '0.0211%'; none at all: '0'."""
+    if share == 0:
+        return "0"
+    return f"{100 * share:.3g}%"
+
+
+def in_units(value: float, unit: int) -> str:
+    return f"{value / unit:.1f}"
+
+
+def counted_and_formula(row: dict, kind: str, unit: int) -> str:
+    """'counted (formula)', in ``unit``s; just the count where there is no formula."""
+    text = in_units(row[f"{kind}_bytes"], unit)
+    if f"{kind}_bytes_formula" in row:
+        text += f" ({in_units(row[f'{kind}_bytes_formula'], unit)})"
+    return text
+
+
+def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
+           pipeline_rows: list[dict], reference: float) -> None:
+    """Rank 0: the tables, then the targets measured beside the targets."""
+    from common import results
+    machine = results.machine_name()
+    unit = 1024
+    unit_name = "KiB"
+    if max(row["param_bytes"] for row in our_rows) > 64 * 2**20:
+        unit = 2**20
+        unit_name = "MiB"
+    shape = lm_shape(sizes)
+    print(f"\nThe {sizes['model']} LM (h {shape['h']}, f {shape['f']}, {shape['heads']} heads, "
+          f"{shape['layers']} blocks, vocabulary {VOCAB}), global batch {sizes['batch_size']} x "
+          f"{sizes['seq_len']} tokens, on {ctx.world_size} ranks ({ctx.backend}/"
+          f"{ctx.device.type}; {machine}). Step: the slowest rank's median of "
+          f"{sizes['iters']} after {sizes['warmup']} warm-up.", flush=True)
+    memory = []
+    for row in our_rows:
+        memory.append({"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"],
+                       "tokens/s": row["tokens_per_s"],
+                       f"params {unit_name}": counted_and_formula(row, "param", unit),
+                       f"grads {unit_name}": counted_and_formula(row, "grad", unit),
+                       f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
+                       f"saved, 1 micro-batch {unit_name}": counted_and_formula(row, "activation",
+                                                                                unit),
+                       "worst difference": percent(row["worst_difference"])})
+    results.print_table(memory, floatfmt=".0f",
+                        title="\nOur grids, per rank (the largest rank), counted (formula):")
+    sent = []
+    for row in our_rows:
+        line = {"grid": row["grid"], "setting": row["setting"]}
+        for axis in ("tp", "cp", "pp", "dp_cp", "world"):
+            line[f"{axis} {unit_name}"] = counted_and_formula(row, f"sent_{axis}", unit)
+        line["on no axis"] = in_units(row["sent_other_bytes"], unit)
+        sent.append(line)
+    results.print_table(sent, title="\nBytes sent per step per rank, by axis (ring shares; "
+                                    "the largest rank), counted (formula):")
+    beside = []
+    for row in torch_rows:
+        line = {"impl": row["impl"], "setting": row["setting"], "step ms": row["step_ms"],
+                "tokens/s": row["tokens_per_s"],
+                f"params {unit_name}": counted_and_formula(row, "param", unit),
+                f"grads {unit_name}": counted_and_formula(row, "grad", unit),
+                f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
+                f"saved {unit_name}": in_units(row["activation_bytes"], unit),
+                f"sent tp {unit_name}": in_units(row["sent_tp_bytes"], unit)}
+        data_axis = row.get("sent_dp_bytes", row.get("sent_dp_cp_bytes"))
+        line[f"sent dp {unit_name}"] = in_units(data_axis, unit)
+        beside.append(line)
+    results.print_table(beside, floatfmt=".1f",
+                        title=f"\ntorch's composition beside ours, {torch_rows[0]['grid']}, the "
+                              f"same LM and batch, timed in {sizes['rounds']} alternating rounds:")
+    pairs = pipeline_pairs(pipeline_rows)
+    pipeline_table = []
+    for (stages, schedule, compute), pair in pairs.items():
+        pipeline_table.append({"stages": pair["ours"]["grid"], "schedule": schedule,
+                               "compute": pair["ours"]["setting"].split(", ", 1)[1],
+                               "ours ms": pair["ours"]["step_ms"],
+                               "torch ms": pair["torch"]["step_ms"],
+                               "ours / torch": pair["ours"]["step_ms"] / pair["torch"]["step_ms"],
+                               "ideal ms": pair["ours"]["ideal_ms"] or "-",
+                               "max |grad diff|": "-"})
+        if pair["ours"]["compute"] == "real":
+            pipeline_table[-1]["max |grad diff|"] = pair["ours"]["gradient_max_difference"]
+    pipeline = sizes["pipeline"]
+    results.print_table(pipeline_table, floatfmt=".3g",
+                        title=f"\nThe pipeline axis, our executor beside torch.distributed."
+                              f"pipelining: {pipeline['layers']} {sizes['model']} blocks, "
+                              f"{pipeline['micro_batches']} micro-batches of "
+                              f"{pipeline['rows']} x {pipeline['seq_len']}, forward + backward "
+                              "(interleaved: 2 chunks a rank; ideal: the unit-time simulation "
+                              "x the emulated wait; grad diff: ours against torch's, real "
+                              "compute):")
+    print("\n" + "\n".join(target_lines(our_rows, torch_rows, pairs, reference, machine)),
+          flush=True)
+
+
+def pipeline_pairs(pipeline_rows: list[dict]) -> dict:
+    """{(stages, schedule, compute): {"ours": row, "torch": row}}, in the order they ran."""
+    pairs = {}
+    for row in pipeline_rows:
+        key = (row["stages"], row["schedule"], row["compute"])
+        if key not in pairs:
+            pairs[key] = {}
+        pairs[key][row["impl"]] = row
+    return pairs
+
+
+def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, reference: float,
+                 machine: str) -> list[str]:
+    """The issue's targets, read off this run's rows: measured beside the target."""
+    lines = [f"Targets, measured in this run ({machine}; times: the slowest rank's median, "
+             "ratios within this run):"]
+    worst = max(our_rows, key=lambda row: row["worst_difference"])
+    verdict = "met"
+    if worst["worst_difference"] > TARGET_BYTES:
+        verdict = "NOT met"
+    lines.append(f"  counted bytes per rank / the combined formula, every grid, every rank, every "
+                 f"column: worst {100 * worst['worst_difference']:.2f}% ({worst['grid']}, "
+                 f"{worst['setting']}, {worst['worst_where']}) (target within "
+                 f"{100 * TARGET_BYTES:.0f}%: {verdict})")
+    inexact = []
+    for row in our_rows:
+        if row["worst_difference"] == 0:
+            continue
+        text = (f"{row['grid']} {row['setting']}: {row['worst_where']} "
+                f"{percent(row['worst_difference'])}")
+        if row["zero1_deal_bound"] != "" and row["worst_where"].endswith("optim"):
+            text += (f" (ZeRO-1 deals whole tensors: at most one tensor's state above the mean, "
+                     f"{100 * row['zero1_deal_bound']:.1f}% here)")
+        inexact.append(text)
+    if inexact:
+        lines.append("    every other count equals its formula exactly; not equal: "
+                     + "; ".join(inexact))
+    else:
+        lines.append("    every count equals its formula exactly")
+    ours = torch_rows[0]
+    theirs = torch_rows[1]
+    ratio = ours["step_ms"] / theirs["step_ms"]
+    lines.append(f"  our {ours['grid']} step / torch's parallelize_module + fully_shard: "
+                 f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f} ms = {ratio:.2f}x "
+                 f"(target <= {TARGET_TORCH_TP}x)")
+    for (stages, schedule, compute), pair in pairs.items():
+        if compute != "emulated" or stages != 4:
+            continue
+        ratio = pair["ours"]["step_ms"] / pair["torch"]["step_ms"]
+        lines.append(f"  our pipeline executor / torch.distributed.pipelining, {schedule}, pp 4, "
+                     f"{pair['ours']['setting'].split(', ', 1)[1]}: {ratio:.2f}x "
+                     f"(target <= {TARGET_PIPELINE}x)")
+    losses = [row["first_loss"] for row in our_rows + torch_rows]
+    difference = max(abs(loss - reference) for loss in losses)
+    lines.append(f"  first-step loss of every grid and of torch's composition against one "
+                 f"process ({reference:.6f}): largest difference {difference:.1e}")
+    version = torch.__version__.split("+")[0]
+    lines.append("  torch's own context parallelism: no row, it needs CUDA attention kernels in "
+                 f"torch {version} (lesson 5 checks ours against one process)")
+    return lines
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def add_bench_args(parser) -> None:
+    """train.py's --bench flags."""
+    group = parser.add_argument_group("measurements (--bench: measure/grid_bench.py)")
+    group.add_argument("--bench", action="store_true",
+                       help="instead of training: time and count a set of grids on 4 ranks (or "
+                            "8), torch's composition and torch's pipelining beside ours, into "
+                            "results/grid.csv; the training flags are not used")
+    group.add_argument("--bench-sizes", choices=list(SIZES), default=None,
+                       help="the sizes of --bench (default: gpu with a GPU per rank, else cpu)")
+
+
+def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
+    """What ``sizes`` cannot run: the first problem of each kind, one line each."""
+    shape = lm_shape(sizes)
+    problems = []
+    for spec in grids:
+        label = grid_label(spec)
+        rows = sizes["batch_size"] // spec["dp"]
+        if shape["heads"] % spec["tp"] or shape["f"] % spec["tp"]:
+            problems.append(f"grid {label}: tp {spec['tp']} does not divide {shape['heads']} heads "
+                            f"and d_ff {shape['f']}")
+        if shape["seq"] % (2 * spec["cp"] * spec["tp"]):
+            problems.append(f"grid {label}: seq_len {shape['seq']} does not divide by 2 x cp x tp")
+        if shape["layers"] % (spec["pp"] * spec["chunks"]):
+            problems.append(f"grid {label}: {shape['layers']} blocks do not split over pp x chunks")
+        if sizes["batch_size"] % spec["dp"] or rows % spec["micro_batches"]:
+            problems.append(f"grid {label}: batch {sizes['batch_size']} does not split over dp "
+                            f"and {spec['micro_batches']} micro-batches")
+    pipeline = sizes["pipeline"]
+    for stages in pipeline["stages"]:
+        if world_size % stages == 0 and pipeline["layers"] % (2 * stages):
+            problems.append(f"pipeline: {pipeline['layers']} blocks do not split into 2 x {stages} "
+                            "chunks (interleaved)")
+        if pipeline["micro_batches"] % stages:
+            problems.append(f"pipeline: {pipeline['micro_batches']} micro-batches are not a "
+                            f"multiple of {stages} stages (interleaved)")
+    return problems
+
+
+def run(args, config, parser) -> None:
+    """``train.py --bench``: check everything, then launch the measurements."""
+    from common import launch, results
+    if config.world_size not in GRIDS:
+        parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
+                     f"{config.world_size}: use --world-size 4 (or 8 with a GPU per rank)")
+    if config.device == "cuda" and config.backend != "nccl":
+        parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
+    name = args.bench_sizes
+    if name is None:
+        name = "cpu"
+        if config.device == "cuda":
+            name = "gpu"
+    sizes = SIZES[name]
+    problems = size_problems(sizes, GRIDS[config.world_size], config.world_size)
+    if problems:
+        parser.error(f"--bench-sizes {name}: " + problems[0])
+    results.check_writable()
+    launch.launch(bench_worker, config, sizes, GRIDS[config.world_size])
