@@ -46,8 +46,9 @@ context shard (ring attention's queries), S / t of them between the tensor-paral
     AdamW state           2 x the parameters + one float32 step count per parameter tensor
                           (10 a block, 2 for the embeddings, 3 for the head); ZeRO-1 (--fsdp,
                           lesson 1): each tensor's state on one rank of the d x c data-and-
-                          context group, so 1/(d c) of it per rank on average; dealt by whole
-                          tensors, a rank may hold up to one tensor's state above the mean
+                          context group, 1/(d c) of it per rank on average; dealt by whole
+                          tensors, largest first to the least-loaded rank (zero1_dealt_state:
+                          a rank may hold up to one tensor's state above the mean)
     saved activations     per block (lesson 3's table, sequence parallel, with S tokens):
       (one micro-batch)     (2 b S h + 4 b S) / t      two LayerNorms' inputs, mean, 1/std
                           + 2 b S h                    qkv's and fc1's gathered inputs
@@ -206,8 +207,10 @@ def ring_share(ranks: int) -> float:
     return (ranks - 1) / ranks
 
 
-def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int) -> dict:
-    """The bytes of the module docstring for the rank at pipeline position ``pp_rank``:
+def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
+                     dp_cp_rank: int = 0) -> dict:
+    """The bytes of the module docstring for the rank at pipeline position ``pp_rank`` (and,
+    for ZeRO-1, position ``dp_cp_rank`` in its data-and-context group):
     {"param", "grad", "optim", "activation", "sent_tp", ..., "sent_other"}."""
     h = shape["h"]
     f = shape["f"]
@@ -241,8 +244,8 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int) -> 
         tensors += 3
     params = replicated + split
     optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
-    if spec["fsdp"]:
-        optimizer_state = optimizer_state / (d * c)        # ZeRO-1 over the dp x cp ranks
+    if spec["fsdp"]:                                       # ZeRO-1 over the dp x cp ranks
+        optimizer_state = zero1_dealt_state(shape, spec, pp_rank, dp_cp_rank)
 
     # What one micro-batch saves for backward on this rank.
     per_block = (2 * rows * context * h + 4 * rows * context) // t   # the two LayerNorms
@@ -289,6 +292,44 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int) -> 
     return formula
 
 
+def piece_sizes(shape: dict, spec: dict, pp_rank: int) -> list[int]:
+    """The values of each parameter tensor this pipeline rank holds, in the order the optimizer
+    gets them (parallel_lm's chunks: embeddings, then each block's norm1 weight and bias, qkv,
+    out, norm2 weight and bias, fc1 weight and bias, fc2 weight and bias, then the head)."""
+    h = shape["h"]
+    f = shape["f"]
+    t = spec["tp"]
+    p = spec["pp"]
+    chunks = spec["chunks"]
+    blocks_per_chunk = shape["layers"] // (p * chunks)
+    sizes = []
+    for chunk in range(chunks):
+        virtual_stage = chunk * p + pp_rank
+        if virtual_stage == 0:
+            sizes += [shape["vocab"] * h, shape["seq"] * h]
+        for _ in range(blocks_per_chunk):
+            sizes += [h, h, 3 * h * h // t, h * h // t, h, h, f * h // t, f // t, h * f // t, h]
+        if virtual_stage == p * chunks - 1:
+            sizes += [h, h, shape["vocab"] * h]
+    return sizes
+
+
+def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) -> int:
+    """ZeRO-1's AdamW state on one rank, by lesson 1's rule: whole tensors dealt largest first,
+    each to the rank of the data-and-context group holding the fewest bytes so far (ties: the
+    lowest rank); a rank keeps two float32 moments and a step count per tensor it owns."""
+    group_size = spec["dp"] * spec["cp"]
+    loads = [0] * group_size
+    owned = [0] * group_size       # the AdamW state bytes each rank ends with
+    sizes = piece_sizes(shape, spec, pp_rank)
+    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])   # stable: ties in order
+    for index in order:
+        owner = loads.index(min(loads))
+        loads[owner] += FLOAT * sizes[index]
+        owned[owner] += 2 * FLOAT * sizes[index] + STEP_COUNT
+    return owned[dp_cp_rank]
+
+
 def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
     """ZeRO-1 deals whole tensors: a rank may hold up to one tensor's state above the mean. That
     tensor's AdamW state (its largest here), as a share of the mean: the bound on the
@@ -301,7 +342,8 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
     largest = max(3 * h * h // t, f * h // t)              # qkv, fc1 or fc2
     if 0 in virtual_stages or p * spec["chunks"] - 1 in virtual_stages:
         largest = max(largest, shape["vocab"] * h, shape["seq"] * h)   # embeddings, head
-    mean = combined_formula(shape, spec, pp_rank, 1)["optim"]
+    whole = combined_formula(shape, {**spec, "fsdp": False}, pp_rank, 1)["optim"]
+    mean = whole / (spec["dp"] * spec["cp"])
     return (2 * FLOAT * largest + STEP_COUNT) / mean
 
 
@@ -448,7 +490,8 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
                                                    sizes, built["inputs"], built["targets"],
                                                    ctx.device)}
     counted.update(sent)
-    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size)
+    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size,
+                               grid.rank("dp_cp"))
     worst, worst_kind = worst_difference(counted, formula)
     return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
             "formula": formula, "worst": worst, "worst_kind": worst_kind,
