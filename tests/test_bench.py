@@ -1,10 +1,12 @@
 """``make bench``: what it plans on each kind of box (and that every planned command passes its
 script's own checks there), the budget planned up front (shares, minimums, skips, refusals),
-the cap on a script, the report from known numbers (and only this run's), the report rebuilt
-on a fresh clone and never replaced by a worse one, and one real end-to-end run of the driver
-on tiny sizes, which is also where stages 02, 06 (with 03-05), 05's profile, 07's
-tensor-parallel, pipeline and sharding scripts are run the way ``make bench`` runs them.
-(Signals to ``make bench``: tests/test_faults.py.)"""
+the cap on a script, signals (SIGINT and SIGTERM passed on to the running step; SIGTERM and
+SIGKILL to a real run leave nothing of its step alive), the report from known numbers (and only
+this run's), rebuilt on a fresh clone and never replaced by a worse one, and one real
+end-to-end run of the driver on tiny sizes, which is also where stages 02, 06 (with 03-05),
+05's profile, 07's tensor-parallel, pipeline and sharding scripts are run the way ``make
+bench`` runs them. It runs in the background from this file's first test to its last.
+"""
 
 from __future__ import annotations
 
@@ -13,16 +15,21 @@ import csv
 import importlib
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench import make_bench, report
 from common import results
+from helpers import REPO, alive, session, start_script, wait_for_line
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -299,6 +306,90 @@ def test_each_step_runs_to_its_deadline_and_the_budget_holds():
     assert steps[1].status.startswith("skipped: the steps before it ran over, 0 s was left")
 
 
+# --------------------------------------------------------------------------- signals
+# make bench with a plan of two tiny steps: one writes rows the report shows, the other is a
+# real launcher with two busy ranks, to be stopped from outside.
+BENCH_DRIVER = """
+import sys
+from bench import make_bench
+
+def tiny_plan(setup, quick, model, trace_dir):
+    return [make_bench.Step("tp", "rows", [sys.argv[1]], share_s=20, min_s=2),
+            make_bench.Step("busy", "busy ranks", ["tests/fault_worker.py", "--fault", "busy",
+                            "--backend", "gloo", "--device", "cpu"], share_s=60, min_s=2)]
+
+make_bench.plan = tiny_plan
+make_bench.main()
+"""
+ROWS_STEP = """
+import csv, os
+with open(os.path.join(os.environ["RESULTS_DIR"], "tensor_parallel.csv"), "w") as f:
+    writer = csv.writer(f)
+    writer.writerow(["world_size", "tokens", "d_model", "d_ff", "variant", "phase",
+                     "bytes_counted", "run_id"])
+    for variant, n in (("megatron", 1000), ("allgather", 5000)):
+        for phase in ("forward", "backward"):
+            writer.writerow([2, 8, 4, 8, variant, phase, n, os.environ["RESULTS_RUN_ID"]])
+"""
+PREVIOUS_REPORT = {"README.md": "the previous report", "bench_old.png": "its picture",
+                   "bench_run.json": '{"run_id": "previous"}'}
+
+
+def test_sigterm_or_sigkill_to_make_bench_stop_its_step_and_every_rank(tmp_path):
+    """SIGTERM or SIGKILL to ``make bench`` used to leave the running step and its ranks alive
+    (in their own session) and the report's pictures deleted, and a ``launch-errors-*`` folder.
+    Now, 6 s after the signal, nothing of the step is alive and no temporary file is left.
+    (SIGINT takes SIGTERM's path in make bench: the test above; the launcher's answer to SIGINT
+    alone: tests/test_faults.py's Ctrl-C test.)"""
+    (tmp_path / "rows.py").write_text(ROWS_STEP)
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        out = tmp_path / sig.name / "results"
+        out.mkdir(parents=True)
+        for name, text in PREVIOUS_REPORT.items():
+            (out / name).write_text(text)
+        runs[sig] = start_script(["-c", BENCH_DRIVER, tmp_path / "rows.py"],
+                                 tmp_path / sig.name / "tmp",
+                                 env={"RESULTS_DIR": str(out), "BENCH_BUDGET_S": "100"})
+    stages = {}  # signal: the step's pid, which is also its session's id
+    ranks = {}
+    signalled = {}
+    for sig, proc in runs.items():
+        lines = []
+        wait_for_line(proc, r"\[rank 1\] pid \d+ busy", lines)
+        if "[rank 0]" not in "".join(lines):
+            wait_for_line(proc, r"\[rank 0\] pid \d+ busy", lines)
+        ranks[sig] = [int(p) for p in re.findall(r"pid (\d+) busy", "".join(lines))]
+        rank_stat = Path(f"/proc/{ranks[sig][0]}/stat").read_text()
+        stages[sig] = int(rank_stat.rsplit(")", 1)[1].split()[1])  # the rank's parent
+        in_session = session(stages[sig])
+        assert stages[sig] in in_session and set(ranks[sig]) <= set(in_session), in_session
+        proc.send_signal(sig)  # to make bench alone: the step is in a session of its own
+        signalled[sig] = time.monotonic()
+    for sig, proc in runs.items():
+        code = proc.wait(timeout=30)
+        assert code == (-9 if sig == signal.SIGKILL else 128 + sig), (sig, code)
+    for sig in runs:  # before reading the outputs to their end: a live step would hold them open
+        time.sleep(max(0.0, signalled[sig] + 6 - time.monotonic()))
+        assert session(stages[sig]) == [] and not any(alive(p) for p in ranks[sig]), sig
+        assert not list((tmp_path / sig.name / "tmp").iterdir()), f"{sig.name}: temporary files"
+        assert [p.name for p in (tmp_path / sig.name / "results").iterdir()
+                if p.name.startswith(".")] == [], f"{sig.name}: the report's temporary folder"
+    for sig, proc in runs.items():
+        out, err = proc.communicate(timeout=30)
+        report = tmp_path / sig.name / "results"
+        if sig == signal.SIGKILL:  # nothing written: the previous report is whole
+            assert {p.name: p.read_text() for p in report.iterdir()
+                    if p.name != "tensor_parallel.csv"} == PREVIOUS_REPORT
+            continue
+        assert "Traceback" not in err and f"stopped by {sig.name}: all 2 ranks ended; results " \
+            "written before this point are kept" in err.splitlines(), err[-3000:]
+        assert f"[bench 2/2] busy ranks: stopped by {sig.name} (exit {128 + sig}) in " in out, out
+        text = (report / "README.md").read_text()  # the report of the steps that finished
+        assert f"| busy ranks | stopped by {sig.name} (exit {128 + sig}) |" in text
+        assert "moves 5.0x Megatron's bytes" in text and not (report / "bench_old.png").exists()
+
+
 # --------------------------------------------------------------------------- the report
 
 
@@ -493,38 +584,74 @@ def test_the_report_is_replaced_only_by_a_whole_better_one(tmp_path, monkeypatch
 
 
 # --------------------------------------------------------------------------- end to end
+# The real driver and the real scripts, in a subprocess started with this file's first test and
+# awaited by its last: while each step's script and ranks import torch a core is idle, and the
+# quick tests above use it.
+
+END_TO_END = """
+from bench import make_bench
+
+WHERE = ["--backend", "gloo", "--device", "cpu"]
+LM = ["--model", "tiny", "--batch-size", "4", "--context-length", "16"]
 
 
-def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
-    """The real driver, the real scripts, tiny sizes: every step ok and a report with every
-    section filled in from this run's rows, which are checked here as the stages' contract."""
-    out = tmp_path / "results"
-    monkeypatch.setenv("RESULTS_DIR", str(out))
-    monkeypatch.setenv("BENCH_BUDGET_S", "900")
+def tiny_plan(setup, quick, model, trace_dir):
+    return [make_bench.Step(key, key, argv, share_s=140, min_s=10) for key, argv in [
+        ("allreduce", ["02_allreduce_bench/allreduce_bench.py", *WHERE, "--sizes", "4100B,256KB",
+                       "--world-sizes", "2", "--iters", "3", "--warmup", "1"]),
+        ("ddp", ["06_bucketed_ddp/bucketed_ddp.py", "--bench", *WHERE, *LM, "--bucket-sizes",
+                 "0.01,1", "--steps", "4", "--warmup", "1", "--case-budget-s", "1e-6"]),
+        ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *WHERE, *LM,
+                     "--trace-dir", trace_dir]),
+        ("tp", ["07_parallelism/03_tensor_parallel/tensor_parallel.py", *WHERE, "--d-model", "32",
+                "--d-ff", "64"]),
+        ("pp", ["07_parallelism/04_pipeline_parallel/pipeline_parallel.py", "--world-size", "2",
+                *WHERE, "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
+                "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
+        ("ledger", ["07_parallelism/02_fsdp/fsdp.py", "--bench", *WHERE, *LM, "--steps", "1",
+                    "--warmup", "0", "--rounds", "1", "--checkpointing", "off"])]]
+
+
+make_bench.plan = tiny_plan
+make_bench.main()
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def end_to_end(request, tmp_path_factory):
+    """The end-to-end run in the background, when its test is selected: (process, folder)."""
+    if not any(item.name == "test_make_bench_end_to_end_on_tiny_sizes"
+               for item in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("end_to_end")
+    out = root / "results"
     out.mkdir()
     (out / "allreduce_fit.json").write_text("{")  # a corrupt fit left by an older run
-    where = ["--backend", "gloo", "--device", "cpu"]
-    lm = ["--model", "tiny", "--batch-size", "4", "--context-length", "16"]
+    (root / "tmp").mkdir()
+    env = {**os.environ, "RESULTS_DIR": str(out), "TMPDIR": str(root / "tmp"),
+           "BENCH_BUDGET_S": "1500"}  # about 250 s a step: a loaded box too
+    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", END_TO_END], cwd=REPO, env=env,
+                                stdout=stdout, stderr=stderr)
+    yield proc, root
+    if proc.poll() is None:  # its test failed or was not reached: stop it, as a user would
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
-    def tiny_plan(setup, quick, model, trace_dir):
-        return [make_bench.Step(key, key, argv, share_s=140, min_s=10) for key, argv in [
-            ("allreduce", ["02_allreduce_bench/allreduce_bench.py", *where, "--sizes", "4100B,256KB",
-                           "--world-sizes", "2", "--iters", "3", "--warmup", "1"]),
-            ("ddp", ["06_bucketed_ddp/bucketed_ddp.py", "--bench", *where, *lm, "--bucket-sizes",
-                     "0.01,1", "--steps", "4", "--warmup", "1", "--case-budget-s", "1e-6"]),
-            ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *where, *lm,
-                         "--trace-dir", trace_dir]),
-            ("tp", ["07_parallelism/03_tensor_parallel/tensor_parallel.py", *where, "--d-model", "32", "--d-ff", "64"]),
-            ("pp", ["07_parallelism/04_pipeline_parallel/pipeline_parallel.py", "--world-size", "2", *where,
-                    "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
-                    "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
-            ("ledger", ["07_parallelism/02_fsdp/fsdp.py", "--bench", *where, *lm, "--steps", "1",
-                        "--warmup", "0", "--rounds", "1", "--checkpointing", "off"])]]
-    monkeypatch.setattr(make_bench, "plan", tiny_plan)
-    make_bench.main()
-    stdout, stderr = capfd.readouterr()
-    assert stdout.count(": ok in ") == 6, stdout[-4000:] + stderr[-4000:]
+
+def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
+    """The real driver, the real scripts, tiny sizes: every step ok, exit 0, no launcher's or
+    report's temporary folder left (torch may leave its compile cache), and a report with every
+    section filled in from this run's rows, which are checked here as the stages' contract."""
+    proc, root = end_to_end
+    out = root / "results"
+    code = proc.wait(timeout=1800)
+    stdout = (root / "stdout").read_text()
+    stderr = (root / "stderr").read_text()
+    assert code == 0 and stdout.count(": ok in ") == 6, stdout[-4000:] + stderr[-4000:]
     assert "warning: ignoring" in stderr and "allreduce_fit.json" in stderr  # replaced, said so
+    assert not list((root / "tmp").glob("launch-errors-*")) and not list(out.glob(".report-*"))
     info = json.loads((out / "bench_run.json").read_text())
     text = (out / "README.md").read_text()
     assert "No rows from this run" not in text and "section failed" not in text, text
@@ -536,7 +663,7 @@ def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
     assert {(r["bytes"], r["impl"]) for r in rows} == {
         (n, i) for n in ("4100", "262144") for i in ("backend", "ring", "ring_pipelined")}
     assert "gloo/cpu/2" in results.read_json("allreduce_fit.json", out)
-    # stage 06: 03-05, bucketed and torch DDP at every size, both rounds pooled, the model
+    # stage 06: 03-05, bucketed and torch DDP at every size, the model
     rows = results.read_csv("ddp_step.csv", out)
     assert sorted((r["impl"], r["bucket_mb"]) for r in rows) == sorted([
         ("none", ""), ("naive", ""), ("flat", ""), ("overlap", ""), ("bucketed", "0.01"),
@@ -551,7 +678,9 @@ def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
     assert {(r["schedule"], float(r["emulated_ms"])) for r in results.read_csv(
         "pipeline_bubble.csv", out)} == {(s, e) for s in ("gpipe", "1f1b", "interleaved", "zbh1")
                                          for e in (0.0, 5.0)}
-    assert {r["impl"] for r in results.read_csv("sharding.csv", out)} >= {"ddp", "zero1", "zero2", "fsdp"}
+    assert {r["impl"] for r in results.read_csv("sharding.csv", out)} >= {"ddp", "zero1", "zero2",
+                                                                        "fsdp"}
     if results.pyplot() is not None:
-        for name in ("bench_allreduce_busbw.png", "bench_overlap_timeline.png", "bench_ddp_step.png"):
+        for name in ("bench_allreduce_busbw.png", "bench_overlap_timeline.png",
+                     "bench_ddp_step.png"):
             assert (out / name).exists(), name

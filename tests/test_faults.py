@@ -1,23 +1,20 @@
 """Fault injection: every way a run was seen to go wrong, as a test, so none can come back.
 
-``make bench`` owns its steps as the launcher owns its ranks: SIGTERM or SIGINT to it reach
-the running step's launcher alone (one line, no traceback), SIGKILL to it kills the step's
-launcher (Linux's parent-death signal), and either way no step process or rank is alive six
-seconds later and no temporary file is left; the report of the steps that finished is written,
-or, after SIGKILL, the previous one is left whole. A rank that raises, dies or stalls (SIGSTOP)
-ends the run and is named; a closed output (``| head -1``) ends it without a traceback; a rank
-waiting for its peers says so, once; Ctrl-C keeps the rows written so far. Results files
-survive corruption and concurrent writers and keep the umask's mode; a folder that cannot be
-written or holds a folder where a lock goes, a trace folder that cannot be made, a world size
-that cannot fit, empty lists, NaN flags and environment variables out of their range are
-refused before any worker starts. The processes of one test run side by side: each costs
-seconds of start-up on a small machine.
+The launcher owns its workers: Ctrl-C to the parent alone ends every rank at once and keeps
+the rows written so far, with one line and no traceback and no temporary file (SIGTERM and
+SIGKILL, through ``make bench``: tests/test_bench.py); a rank that raises, dies or stalls
+(SIGSTOP) ends the run and is named; a closed output (``| head -1``) ends it without a
+traceback; a rank waiting for its peers says so, once, and one that cannot join is recorded.
+Results files survive corruption and concurrent writers, accept a header alone and keep the
+umask's mode; a folder that cannot be written or holds a folder where a lock goes, a trace
+folder that cannot be made, a world size that cannot fit, empty lists, NaN flags and
+environment variables out of their range are refused before any worker starts. The processes
+of one test run side by side: each costs seconds of start-up on a small machine.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -32,142 +29,9 @@ import bucketed_ddp
 import naive_ddp
 import overlap_ddp
 from common import launch, results
-from helpers import REPO, assert_main_usage_error
+from helpers import REPO, alive, assert_main_usage_error, children, start_script, wait_for_line
 
 FAULTS = REPO / "tests" / "fault_worker.py"
-
-
-def _start(argv, tmp: Path, env=None) -> subprocess.Popen:
-    tmp.mkdir(parents=True, exist_ok=True)  # its own TMPDIR: leftovers are easy to see
-    return subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1",
-                                 **(env or {})})
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_for(proc, pattern: str, lines: list[str], timeout: float = 90) -> None:
-    """Read proc's stdout into ``lines`` until a line matches ``pattern``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"exited before {pattern!r}: {''.join(lines)}"
-                                 f"{proc.stderr.read()[-2000:]}")
-        lines.append(line)
-        if re.search(pattern, line):
-            return
-    raise AssertionError(f"no {pattern!r} within {timeout} s: {''.join(lines)}")
-
-
-# make bench with a plan of two tiny steps: one writes rows the report shows, the other is a
-# real launcher with two busy ranks, to be stopped from outside.
-BENCH_DRIVER = """
-import sys
-from bench import make_bench
-
-def tiny_plan(setup, quick, model, trace_dir):
-    return [make_bench.Step("tp", "rows", [sys.argv[1]], share_s=20, min_s=2),
-            make_bench.Step("busy", "busy ranks", ["tests/fault_worker.py", "--fault", "busy",
-                            "--backend", "gloo", "--device", "cpu"], share_s=60, min_s=2)]
-
-make_bench.plan = tiny_plan
-make_bench.main()
-"""
-ROWS_STEP = """
-import csv, os
-with open(os.path.join(os.environ["RESULTS_DIR"], "tensor_parallel.csv"), "w") as f:
-    writer = csv.writer(f)
-    writer.writerow(["world_size", "tokens", "d_model", "d_ff", "variant", "phase",
-                     "bytes_counted", "run_id"])
-    for variant, n in (("megatron", 1000), ("allgather", 5000)):
-        for phase in ("forward", "backward"):
-            writer.writerow([2, 8, 4, 8, variant, phase, n, os.environ["RESULTS_RUN_ID"]])
-"""
-PREVIOUS_REPORT = {"README.md": "the previous report", "bench_old.png": "its picture",
-                   "bench_run.json": '{"run_id": "previous"}'}
-
-
-def _live_processes() -> dict[int, list[str]]:
-    """Every live process: its /proc stat fields after the name (state, ppid, pgrp, session)."""
-    found = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone meanwhile
-        if fields[0] != "Z":
-            found[int(stat.parent.name)] = fields
-    return found
-
-
-def _session(sid: int) -> list[int]:
-    """The live processes of session ``sid`` (a step's: the script, its ranks, their helpers)."""
-    return [pid for pid, fields in _live_processes().items() if int(fields[3]) == sid]
-
-
-def _children(ppid: int) -> list[int]:
-    return [pid for pid, fields in _live_processes().items() if int(fields[1]) == ppid]
-
-
-def test_sigterm_or_sigkill_to_make_bench_stop_its_step_and_every_rank(tmp_path):
-    """SIGTERM or SIGKILL to ``make bench`` used to leave the running step and its ranks alive
-    (in their own session) and the report's pictures deleted, and a ``launch-errors-*`` folder.
-    Now, 6 s after the signal, nothing of the step is alive and no temporary file is left.
-    (SIGINT takes SIGTERM's path in make bench: tests/test_bench.py; the launcher's answer to
-    SIGINT: the Ctrl-C test below.)"""
-    (tmp_path / "rows.py").write_text(ROWS_STEP)
-    runs = {}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        out = tmp_path / sig.name / "results"
-        out.mkdir(parents=True)
-        for name, text in PREVIOUS_REPORT.items():
-            (out / name).write_text(text)
-        runs[sig] = _start(["-c", BENCH_DRIVER, tmp_path / "rows.py"], tmp_path / sig.name / "tmp",
-                           env={"RESULTS_DIR": str(out), "BENCH_BUDGET_S": "100"})
-    stages = {}  # signal: the step's pid, which is also its session's id
-    ranks = {}
-    signalled = {}
-    for sig, proc in runs.items():
-        lines = []
-        _wait_for(proc, r"\[rank 1\] pid \d+ busy", lines)
-        if "[rank 0]" not in "".join(lines):
-            _wait_for(proc, r"\[rank 0\] pid \d+ busy", lines)
-        ranks[sig] = [int(p) for p in re.findall(r"pid (\d+) busy", "".join(lines))]
-        rank_stat = Path(f"/proc/{ranks[sig][0]}/stat").read_text()
-        stages[sig] = int(rank_stat.rsplit(")", 1)[1].split()[1])  # the rank's parent
-        in_session = _session(stages[sig])
-        assert stages[sig] in in_session and set(ranks[sig]) <= set(in_session), in_session
-        proc.send_signal(sig)  # to make bench alone: the step is in a session of its own
-        signalled[sig] = time.monotonic()
-    for sig, proc in runs.items():
-        code = proc.wait(timeout=30)
-        out, err = proc.communicate()
-        assert code == (-9 if sig == signal.SIGKILL else 128 + sig), (sig, code, err[-3000:])
-        report = tmp_path / sig.name / "results"
-        if sig == signal.SIGKILL:  # nothing written: the previous report is whole
-            assert {p.name: p.read_text() for p in report.iterdir()
-                    if p.name != "tensor_parallel.csv"} == PREVIOUS_REPORT
-            continue
-        assert "Traceback" not in err and f"stopped by {sig.name}: all 2 ranks ended; results " \
-            "written before this point are kept" in err.splitlines(), err[-3000:]
-        assert f"[bench 2/2] busy ranks: stopped by {sig.name} (exit {128 + sig}) in " in out, out
-        text = (report / "README.md").read_text()  # the report of the steps that finished
-        assert f"| busy ranks | stopped by {sig.name} (exit {128 + sig}) |" in text
-        assert "moves 5.0x Megatron's bytes" in text and not (report / "bench_old.png").exists()
-    for sig in runs:
-        time.sleep(max(0.0, signalled[sig] + 6 - time.monotonic()))
-        assert _session(stages[sig]) == [] and not any(_alive(p) for p in ranks[sig]), sig
-        assert not list((tmp_path / sig.name / "tmp").iterdir()), f"{sig.name}: temporary files"
-        assert [p.name for p in (tmp_path / sig.name / "results").iterdir()
-                if p.name.startswith(".")] == [], f"{sig.name}: the report's temporary folder"
 
 
 def _start_without_a_reader(argv, tmp: Path) -> subprocess.Popen:
@@ -194,7 +58,7 @@ def test_a_failing_stalled_or_unread_rank_ends_the_run(tmp_path):
               "parent": _start_without_a_reader(["-c", "from common import launch\n"
                                                  "for i in range(3):\n    print(i, flush=True)"],
                                                 tmp_path / "unread_parent")}
-    runs = {fault: _start([FAULTS, "--world-size", "2", "--fault", fault, "--bad-rank", "1",
+    runs = {fault: start_script([FAULTS, "--world-size", "2", "--fault", fault, "--bad-rank", "1",
                            "--backend", "gloo", "--device", "cpu"], tmp_path / fault,
                           env={"DIST_TIMEOUT_S": "6"})
             for fault in ("raise", "kill", "stop")}
@@ -255,19 +119,20 @@ def test_a_rank_that_cannot_start_shows_why():
 
 def test_ctrl_c_to_the_parent_alone_ends_every_rank_and_keeps_finished_rows(tmp_path):
     results_dir = tmp_path / "results"
-    proc = _start([REPO / "02_allreduce_bench" / "allreduce_bench.py", "--backend", "gloo",
+    proc = start_script([REPO / "02_allreduce_bench" / "allreduce_bench.py", "--backend", "gloo",
                    "--device", "cpu", "--sizes", "4KB,64KB,1MB,4MB,16MB,64MB,256MB",
-                   "--world-sizes", "2"], tmp_path / "tmp", env={"RESULTS_DIR": str(results_dir)})
+                   "--world-sizes", "2", "--warmup", "1", "--iters", "3"], tmp_path / "tmp",
+                  env={"RESULTS_DIR": str(results_dir)})
     lines = []
-    _wait_for(proc, r"ws=2 64KB ring_pipelined:", lines)
-    ranks = [pid for pid in _children(proc.pid)  # not multiprocessing's resource tracker
+    wait_for_line(proc, r"ws=2 64KB ring_pipelined:", lines)
+    ranks = [pid for pid in children(proc.pid)  # not multiprocessing's resource tracker
              if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     proc.send_signal(signal.SIGINT)  # the parent only: not a terminal's process-group Ctrl-C
     assert proc.wait(timeout=60) == 130
     out, err = "".join(lines) + proc.stdout.read(), proc.stderr.read()
     assert "Traceback" not in err and "stopped by SIGINT: all 2 ranks ended; results written " \
         "before this point are kept" in err.splitlines(), err
-    assert len(ranks) == 2 and not any(_alive(pid) for pid in ranks), ranks  # ended, joined
+    assert len(ranks) == 2 and not any(alive(pid) for pid in ranks), ranks  # ended, joined
     assert not list((tmp_path / "tmp").iterdir()), "temporary files left"
     rows = results.read_csv("allreduce.csv", results_dir)
     assert 6 <= len(rows) < 21 and all(float(r["busbw_gbps"]) > 0 for r in rows), out
