@@ -68,7 +68,7 @@ SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a sho
 SHARES = {  # key: (CPU quick, CPU full, GPU quick, GPU full, minimum)
     "allreduce": (12, 50, 20, 80, 8),
     "ddp": (26, 60, 30, 100, 15),
-    "profile": (14, 20, 15, 25, 12),
+    "profile": (14, 20, 15, 25, 10),
     "tp": (8, 12, 10, 15, 6),
     "pp": (28, 60, 20, 40, 12),
     "ledger": (32, 60, 25, 60, 15),
