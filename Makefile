@@ -89,9 +89,10 @@ diff:
 	@prev=$$(ls 0$$(( $(S) - 1 ))_*/*_ddp.py); this=$$(ls $(S)_*/*_ddp.py); \
 	diff -u --label "$$prev" --label "$$this" <($(ALGORITHM) $$prev) <($(ALGORITHM) $$this); true
 
-# keeps the committed bench report (results/README.md, results/bench_*.png)
+# keeps the committed bench report (results/README.md, results/bench_*.png); removes the
+# temporary folder of a report whose writing was killed (results/.report-*)
 clean:
-	rm -rf .pytest_cache traces results/traces
+	rm -rf .pytest_cache traces results/traces results/.report-*
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	find results -type f ! -name .gitkeep ! -name README.md ! -name 'bench_*.png' -delete
 

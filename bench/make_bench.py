@@ -3,6 +3,7 @@
     make bench                       # = python bench/make_bench.py
     BENCH_QUICK=1 make bench         # the two-minute version
     BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
+    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 130)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
 What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
@@ -10,16 +11,32 @@ one GPU, the ranks share it over Gloo (NCCL refuses two ranks on one GPU); two o
 with one GPU per rank. In order: stage 02's sweep; stages 03-06 and torch DDP on the LM with
 06's bucket sweep and model (one run of ``06 --bench``: ratios are fair only within a run);
 05's profile; 07's tensor-parallel bytes, pipeline schedules (real and emulated compute), and
-the sharding ledger (DDP, ZeRO-1/2, FSDP, torch's). Each script runs as its own process with
-a wall-clock cap inside one budget (``BENCH_BUDGET_S``), and with ``RESULTS_RUN_ID`` set, so
-``bench/report.py`` reports this run's rows and nothing older. No stage is imported: the
-driver runs their scripts.
+the sharding ledger (DDP, ZeRO-1/2, FSDP, torch's). No stage is imported: the driver runs
+their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's
+rows and nothing older.
+
+The budget is planned before anything runs (``plan_budget``): each step has a share of the
+default budget and a minimum (``SHARES``); of ``BENCH_BUDGET_S`` every step gets its minimum and
+a part of the rest in proportion to what its share holds above its minimum; when the minimums
+do not all fit, the steps that need the most are skipped, each with the reason, and a budget
+too small for any step is refused in one line. A step runs until its deadline (the start plus the caps so far, so time a step
+leaves passes on to the next), then gets Ctrl-C, which makes a stage write what it finished,
+and is killed after a grace. To add a step: a row in ``SHARES`` (its shares on a CPU and a GPU
+box, quick and full, taken from the others so each column still fits its default budget, and
+its minimum) and a ``step(...)`` line in ``plan``; ``tests/test_bench.py`` checks the sums.
+
+The driver owns its steps as the launcher owns its ranks: Ctrl-C or SIGTERM to it is passed on
+to the running step's script (whose launcher stops its ranks and writes what finished), what is
+left of the step's process group is killed seconds later, and the report of what finished is
+written; if the driver dies, even by SIGKILL, Linux kills the step (``PR_SET_PDEATHSIG``) and
+its ranks follow (they exit when their parent goes). The report is swapped in only when written
+whole, and a run that measured nothing leaves the previous one in place.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,12 +47,32 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from bench.report import RUN_FILE, write_report  # noqa: E402
+from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
-GRACE_S, KILL_WAIT_S = 15, 5    # after a cap's Ctrl-C, time to write rows; after the kill
-MIN_STEP_S = 15                 # a step with less time than this left is skipped, not started
+DEFAULT_BUDGET_S = {True: 130, False: 510}  # quick, full: the whole run, every stop included
+MAX_BUDGET_S = 24 * 3600
+GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
+KILL_WAIT_S = 2    # after SIGKILL to its process group, the time to reap it
+STOP_S = GRACE_S + KILL_WAIT_S  # the most a step can run past its deadline
+SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a shorter grace
+
+# The plan: each step's share of the default budget, in seconds to its Ctrl-C (start-up
+# included), on a CPU box and on a GPU box, quick and full; and the least it needs to measure
+# anything (start-up and one configuration). On each box and in each mode the shares add up
+# to at most the default budget less STOP_S (a test checks), so a new step takes its share
+# from the others. A share is what a step may take, not what it takes: a step that ends
+# sooner passes its time on. The CPU shares come from this 2-core VM's runs; the GPU ones
+# are guesses until a GPU box has run them.
+SHARES = {  # key: (CPU quick, CPU full, GPU quick, GPU full, minimum)
+    "allreduce": (12, 50, 20, 80, 8),
+    "ddp": (26, 60, 30, 100, 15),
+    "profile": (14, 20, 15, 25, 10),
+    "tp": (8, 12, 10, 15, 6),
+    "pp": (28, 60, 20, 40, 12),
+    "ledger": (32, 60, 25, 60, 15),
+}
 
 
 @dataclass
@@ -43,7 +80,9 @@ class Step:
     key: str            # names the step in the report ("allreduce", "ddp", ...)
     title: str
     argv: list[str]     # script and its flags, run with this Python from the repo root
-    cap_s: int          # wall-clock cap: at the cap the script gets Ctrl-C, then is killed
+    share_s: float      # its share of the default budget (SHARES)
+    min_s: float        # with less time than this it is skipped, not started
+    cap_s: float = 0.0  # its share of this run's budget (plan_budget); 0: skipped
     status: str = "not run"
     seconds: float = 0.0
 
@@ -82,38 +121,48 @@ def bench_model(setup: Setup, quick: bool) -> str:
 
 
 def budget_s(quick: bool) -> float:
-    """``BENCH_BUDGET_S``, else 130 s quick / 510 s full: the whole run's limit."""
+    """``BENCH_BUDGET_S``, else 130 s quick / 510 s full: the whole run's limit, at most a day
+    (whether it is enough for any step, ``plan_budget`` says)."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
     try:
-        value = float(text) if text else (130.0 if quick else 510.0)
+        value = float(text) if text else float(DEFAULT_BUDGET_S[quick])
     except ValueError:
         value = float("nan")
-    if not value >= 60 or value == float("inf"):
-        usage_error(f"BENCH_BUDGET_S={text!r}: give the whole run's limit in seconds, >= 60",
+    if not 0 < value <= MAX_BUDGET_S:  # NaN fails this too
+        usage_error(f"BENCH_BUDGET_S={text!r}: give the whole run's limit in seconds, from "
+                    f"{smallest_budget_s():.0f} (one step) to {MAX_BUDGET_S} (a day)",
                     prog="make bench")
     return value
 
 
+def smallest_budget_s() -> float:
+    """The least budget that runs one step: the smallest minimum, and one stop."""
+    return min(minimum for *_, minimum in SHARES.values()) + STOP_S
+
+
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
-    """The steps for this box, sized so the whole run fits its budget. Caps are seconds."""
+    """The steps for this box, in order, each with its share of the default budget. To add a
+    step: a row in ``SHARES`` and a ``Step`` here (its script's flags sized for this box)."""
     gpus, cpu = setup.gpus, setup.gpus == 0
+
+    def step(key: str, title: str, argv: list[str]) -> Step:
+        cpu_quick, cpu_full, gpu_quick, gpu_full, minimum = SHARES[key]
+        share = (cpu_quick if quick else cpu_full) if cpu else (gpu_quick if quick else gpu_full)
+        return Step(key, title, argv, share, minimum)
     where = ["--backend", setup.backend, "--device", setup.device]
     ws = 2 if gpus < 2 else min(gpus, 8)  # stages 03-06 and the ledger
     pp_ws = 4 if gpus in (0, 1) or gpus >= 4 else 2
     if cpu:
-        caps = dict(allreduce=60, ddp=60, profile=45, tp=30, pp=60, ledger=60) if quick else \
-            dict(allreduce=120, ddp=150, profile=60, tp=45, pp=90, ledger=120)
         ar = ["--backend", "gloo", "--device", "cpu", "--sizes",
               "64KB,1MB,10MB" if quick else "64KB,1MB,10MB,100MB", "--world-sizes",
               "2" if quick else "2,4"]
         lm = ["--batch-size", "8", "--context-length", "64"]
         steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "10", "--warmup", "3", "--rounds", "3"]
-        buckets, tp = "0.25,1,4", ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128"]
+        buckets = "0.25,1,4"
+        tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128"]
         pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "50"]
     else:
-        caps = dict(allreduce=45, ddp=45, profile=30, tp=25, pp=40, ledger=45) if quick else \
-            dict(allreduce=150, ddp=150, profile=45, tp=30, pp=60, ledger=90)
         ar = ["--sizes", "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB",  # 02 picks the
               "--world-sizes", "2" if quick else ("2,4" if gpus == 1 else ",".join(  # backends
                   str(n) for n in (2, 4, 8) if n <= gpus))]
@@ -131,78 +180,161 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                                    "--batch-size", str(2 * ws), "--context-length",
                                                    "256", "--steps", "5", "--warmup", "2"]
     return [
-        Step("allreduce", "02 all-reduce sweep",
-             ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"], caps["allreduce"]),
-        Step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
+        step("allreduce", "02 all-reduce sweep",
+             ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"]),
+        step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
              ["06_bucketed_ddp/bucketed_ddp.py", "--bench", "--world-size", str(ws), *where, *lm,
-              *steps, "--bucket-sizes", buckets, "--case-budget-s", "120"], caps["ddp"]),
-        Step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
+              *steps, "--bucket-sizes", buckets, "--case-budget-s", "120"]),
+        step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
              ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
-              *lm, "--trace-dir", trace_dir], caps["profile"]),
-        Step("tp", "07 tensor parallel, 2 ranks",
-             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--world-size", "2", *where, *tp], caps["tp"]),
-        Step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
-             ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", str(pp_ws), *where, *pp,
-              "--micro-batches", "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2",
-              "--warmup", "1", "--iters", "3"], caps["pp"]),
-        Step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",
-             ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where, *ledger_lm,
-              "--checkpointing", "off" if quick else "off,on"], caps["ledger"]),
+              *lm, "--trace-dir", trace_dir]),
+        step("tp", "07 tensor parallel, 2 ranks",
+             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--world-size", "2", *where,
+              *tp]),
+        step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
+             ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size",
+              str(pp_ws), *where, *pp, "--micro-batches",
+              "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2", "--warmup", "1",
+              "--iters", "3"]),
+        step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",
+             ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where,
+              *ledger_lm, "--checkpointing", "off" if quick else "off,on"]),
     ]
 
 
+def plan_budget(steps: list[Step], budget: float) -> None:
+    """Give each step its cap, up front. Of the budget less one stop (the last step's overrun),
+    every step gets its minimum, and the rest is shared out in proportion to what each share
+    holds above its minimum: at the default budget each cap is at least its share. While the
+    minimums add up to more than there is, the step that needs the most is skipped, so that
+    the most steps run (said here, before anything runs); a budget too small for any step is a
+    usage error."""
+    usable = budget - STOP_S
+    running = list(steps)
+    while running and sum(s.min_s for s in running) > usable:
+        neediest = max(reversed(running), key=lambda s: s.min_s)  # of equals, the later one
+        neediest.status = (f"skipped: a {budget:.0f} s budget cannot give every step its "
+                           "minimum, and of those left this one needs the most "
+                           f"({neediest.min_s:.0f} s)")
+        running.remove(neediest)
+    if not running:
+        usage_error(f"BENCH_BUDGET_S={budget:g} is too small for any step: the smallest needs "
+                    f"{smallest_budget_s():.0f} s with its stop; give at least that",
+                    prog="make bench")
+    spare = usable - sum(s.min_s for s in running)
+    above_minimums = sum(s.share_s - s.min_s for s in running)  # > 0: every share > its minimum
+    for s in running:
+        s.cap_s = s.min_s + spare * (s.share_s - s.min_s) / above_minimums
+
+
+def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
+    """Run the planned steps in order; ``run(step, cap)`` runs one. Each step's deadline is the
+    start plus the caps of the steps so far: time a step leaves passes on to the next, and an
+    overrun (at most ``STOP_S``) comes out of it; a step left with less than its minimum is
+    skipped. So the last step ends by the start + the budget."""
+    deadline = clock()
+    planned = [s for s in steps if s.cap_s > 0]
+    for i, step in enumerate(planned, 1):
+        deadline += step.cap_s
+        cap = deadline - clock()
+        if cap < step.min_s:
+            step.status = (f"skipped: the steps before it ran over, {max(0.0, cap):.0f} s was "
+                           f"left of the {step.min_s:.0f} s it needs")
+            print(f"\n[bench {i}/{len(planned)}] {step.title}: {step.status}", flush=True)
+            continue
+        print(f"\n[bench {i}/{len(planned)}] {step.title} (Ctrl-C at {cap:.0f} s)\n"
+              f"  $ python {' '.join(step.argv)}", flush=True)
+        try:
+            run(step, cap)
+        finally:  # stopped by a signal too
+            print(f"[bench {i}/{len(planned)}] {step.title}: {step.status} in "
+                  f"{step.seconds:.0f} s", flush=True)
+
+
+# --------------------------------------------------------------------------- one step
+class Interrupted(Exception):
+    """SIGINT or SIGTERM to make bench: the running step is stopped, the report written."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def on_stop_signal(signum, frame) -> None:
+    for s in STOP_SIGNALS:  # one is enough: a second must not cut the stop and report short
+        signal.signal(s, signal.SIG_IGN)
+    raise Interrupted(signum)
+
+
+def die_with_this_process():
+    """A ``preexec_fn``: the step gets SIGKILL when make bench dies, even by SIGKILL (Linux's
+    prctl PR_SET_PDEATHSIG); its ranks then exit too, as they do when their parent goes.
+    Elsewhere it does nothing, and a step outlives a killed make bench."""
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    pr_set_pdeathsig = 1  # from <linux/prctl.h>
+
+    def arm() -> None:  # runs in the child, between fork and exec
+        if prctl is not None:
+            prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # make bench died before prctl: too late for the signal
+            os._exit(1)
+    return arm
+
+
 def run_step(step: Step, env: dict, cap_s: float) -> None:
-    """Run one stage script; at ``cap_s`` send it Ctrl-C (finished rows get written), then kill."""
+    """Run one stage script; at ``cap_s`` Ctrl-C (it writes what it finished), then SIGKILL.
+    Stopped by SIGINT or SIGTERM itself, make bench passes the signal on to the script, whose
+    launcher stops its ranks, kills it after a shorter grace, and passes the ``Interrupted``
+    on. Whatever the ending, nothing of the step outlives it."""
     start = time.monotonic()
-    # A session of its own, so the cap's Ctrl-C reaches the script and its spawned ranks.
+    # A session of its own, so a terminal's Ctrl-C reaches make bench alone, which then stops
+    # the step itself; and its process group is the step: the script, its ranks, their helpers.
     proc = subprocess.Popen([sys.executable, *step.argv], cwd=REPO_ROOT, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=die_with_this_process())
     try:
         rc = proc.wait(timeout=cap_s)
         step.status = "ok" if rc == 0 else f"failed (exit {rc})"
     except subprocess.TimeoutExpired:
-        for sig, wait in ((signal.SIGINT, GRACE_S), (signal.SIGKILL, KILL_WAIT_S)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
         step.status = f"stopped at its {cap_s:.0f} s cap"
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGKILL)
-        step.status = "interrupted"
+        code = stop(proc, signal.SIGINT, GRACE_S)
+        step.status += f" (exit {code})"
+    except Interrupted as e:
+        step.status = f"stopped by {e}"
+        code = stop(proc, e.signum, SIGNAL_GRACE_S)
+        step.status += f" (exit {code})"
         raise
     finally:
+        kill_group(proc.pid)  # a rank the script left behind, however it ended
         step.seconds = time.monotonic() - start
 
 
-def run_all(steps: list[Step], budget: float, run, clock=time.monotonic) -> None:
-    """Run the steps in order within ``budget`` seconds; ``run(step, cap)`` runs one. A step
-    may overrun its cap by the grace and the kill wait, so its cap is what is left minus
-    that, minus ``MIN_STEP_S`` for each step still to come; a step with less than
-    ``MIN_STEP_S`` left is skipped. So every step ends by ``start + budget``."""
-    start = clock()
-    for i, step in enumerate(steps, 1):
-        left = budget - (clock() - start)
-        cap = min(step.cap_s, left - GRACE_S - KILL_WAIT_S - MIN_STEP_S * (len(steps) - i))
-        if cap < MIN_STEP_S:
-            step.status = "skipped: the time budget was spent"
-            print(f"\n[bench {i}/{len(steps)}] {step.title}: {step.status}", flush=True)
-            continue
-        print(f"\n[bench {i}/{len(steps)}] {step.title} (cap {cap:.0f} s, "
-              f"{clock() - start:.0f} s elapsed)\n  $ python {' '.join(step.argv)}", flush=True)
-        run(step, cap)
-        print(f"[bench {i}/{len(steps)}] {step.title}: {step.status} in {step.seconds:.0f} s",
-              flush=True)
+def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
+    """``signum`` to the step's script (its launcher ends the ranks, the script writes what it
+    finished); if it still runs after ``grace_s``, SIGKILL to its process group. Returns its
+    exit status (negative: the signal that ended it)."""
+    proc.send_signal(signum)
+    try:
+        return proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        return proc.wait(timeout=KILL_WAIT_S)
 
 
-def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, Path]]:
-    """(drawn by a stage script, its copy in the report: ``make run`` redraws the former)."""
-    return [(out / "allreduce_busbw.png", out / "bench_allreduce_busbw.png"),
-            (trace_dir / "05_overlap_ddp" / "timeline.png", out / "bench_overlap_timeline.png")]
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass  # nothing left in it
+
+
+def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, str]]:
+    """(drawn by a stage script, its name in the report): ``make run`` redraws the former."""
+    return list(zip([out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png"],
+                    STAGE_PICTURES))
 
 
 def main() -> None:
@@ -217,35 +349,55 @@ def main() -> None:
     shown = os.path.relpath(trace_dir, REPO_ROOT) if trace_dir.is_relative_to(REPO_ROOT) \
         else str(trace_dir)
     steps = plan(setup, quick, model, shown)
+    plan_budget(steps, budget)  # before anything runs: a budget too small is refused here
     run_id = "bench-" + time.strftime("%Y%m%d-%H%M%S")
     env = {**os.environ, "RESULTS_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
-    for stale in [*out.glob("bench_*.png"), *(src for src, _ in stage_pictures(out, trace_dir))]:
-        stale.unlink(missing_ok=True)  # a report shows this run's pictures or none
     print(f"make bench ({'quick' if quick else 'full'}) on {results.machine_name()}\n"
           f"{setup.picked}\nLM: {model}. Run id {run_id}; results in {out}; time budget "
-          f"{budget:.0f} s (BENCH_BUDGET_S).\nPlan:\n" + "\n".join(
-              f"  {i}. {s.title} (cap {s.cap_s} s)" for i, s in enumerate(steps, 1)), flush=True)
-    start, started = time.monotonic(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    interrupted = False
+          f"{budget:.0f} s (BENCH_BUDGET_S).\nPlan (seconds to each step's Ctrl-C; time a step "
+          "leaves passes on):\n" + "\n".join(
+              f"  {i}. {s.title}: " + (f"{s.cap_s:.0f} s" if s.cap_s else s.status)
+              for i, s in enumerate(steps, 1)), flush=True)
+    start = time.monotonic()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    started_at = time.time()
+    stopped_by = None
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, handler in previous.items():  # (ignored, as in `make bench &` from a script: stays so)
+        if handler is not signal.SIG_IGN:
+            signal.signal(s, on_stop_signal)
     try:
-        run_all(steps, budget, lambda step, cap: run_step(step, env, cap))
-    except KeyboardInterrupt:
-        interrupted = True
-        print("\ninterrupted: writing the report from what finished", flush=True)
-    total = time.monotonic() - start
-    for src, dst in stage_pictures(out, trace_dir):
-        if src.exists():
-            shutil.copyfile(src, dst)
-    results.write_json(RUN_FILE, {
-        "run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
-        "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
-        "torch": torch.__version__, "started_utc": started, "total_s": total,
-        "budget_s": budget, "steps": [asdict(s) for s in steps]})
-    print(f"\nmake bench finished in {total:.0f} s ({total / 60:.1f} min); report: "
-          f"{write_report(out)}", flush=True)
-    if interrupted:
-        raise SystemExit(130)
-    if any(s.status != "ok" for s in steps):
+        try:
+            run_all(steps, lambda step, cap: run_step(step, env, cap))
+        except Interrupted as e:
+            stopped_by = e.signum
+            print(f"\n{e}: the running step was stopped; writing the report of what finished",
+                  flush=True)
+        for s in STOP_SIGNALS:  # the report is seconds away: a signal now must not cut it short
+            signal.signal(s, signal.SIG_IGN)
+        total = time.monotonic() - start
+        info = {"run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
+                "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
+                "torch": torch.__version__, "started_utc": started, "total_s": total,
+                "budget_s": budget, "steps": [asdict(s) for s in steps]}
+        # a stage's picture is this run's if drawn since it started (else it is an older one)
+        pictures = [(src, name) for src, name in stage_pictures(out, trace_dir)
+                    if src.exists() and src.stat().st_mtime >= started_at - 1]
+        path, empty = write_report(out, info, pictures)
+    finally:
+        for s, handler in previous.items():  # as they were (tests run main() in their process)
+            signal.signal(s, handler)
+    print(f"\nmake bench finished in {total:.0f} s ({total / 60:.1f} min)", flush=True)
+    if path is None:
+        print(f"nothing was measured: the previous report, {out / 'README.md'}, is left as it "
+              "was", file=sys.stderr, flush=True)
+    else:
+        print(f"report: {path}" + (f" (no data for: {'; '.join(empty)})" if empty else ""),
+              flush=True)
+    if stopped_by is not None:
+        raise SystemExit(128 + stopped_by)
+    ran = [s for s in steps if s.cap_s > 0]
+    if path is None or any(s.status != "ok" for s in ran):
         raise SystemExit(1)
 
 

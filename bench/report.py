@@ -3,16 +3,27 @@
     python bench/report.py            # rewrite the report of the last run from results/
 
 Reads ``results/bench_run.json`` (what ran, on what, for how long) and, from each stage's
-CSV/JSON file, only the rows carrying that run's ``run_id``. Every reading is computed from
-the same numbers as its table, so the words cannot drift from the figures; the stages'
-READMEs explain what each measurement means. Plots need matplotlib; without it the report
-says so and keeps every table. One section that fails costs that section, not the report.
+CSV/JSON file, only the rows carrying that run's ``run_id``. Without that record (a fresh
+clone, stage scripts run by hand) each section shows the last run that wrote its file, and
+names it. Every reading is computed from the same numbers as its table, so the words cannot
+drift from the figures; the stages' READMEs explain what each measurement means. Plots need
+matplotlib; without it the report says so and keeps every table. One section that fails costs
+that section, not the report.
+
+The report is replaced only by a better one: it is written with its pictures into a temporary
+folder beside the old one and swapped in at the end, and where no section has any data the
+old report stays as it was.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import statistics
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -20,20 +31,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import results  # noqa: E402
 
 RUN_FILE = "bench_run.json"
+RUN_KEYS = ("run_id", "quick", "model", "setup", "machine", "started_utc", "total_s", "steps")
 MB = 2 ** 20
-NO_ROWS = "_No rows from this run: the step failed or was stopped (see Runs above)._\n"
+NO_ROWS = "_No rows from this run: the step failed, was stopped or skipped (see Runs above)._\n"
+NO_FILE_ROWS = "_No rows in the results files for this section._\n"
+# Pictures a stage script draws, copied in under these names by make bench (the report draws
+# the others itself).
+STAGE_PICTURES = ("bench_allreduce_busbw.png", "bench_overlap_timeline.png")
 IMPL_LABEL = {"none": "no communication", "torch_ddp": "torch DDP (25 MB buckets)",
               "naive": "naive (03)", "flat": "flat (04)", "overlap": "overlap (05)",
               "bucketed": "bucketed (06)"}
 
 
-def rows_of(out: Path, name: str, run_id: str) -> list[dict]:
-    return [r for r in results.read_csv(name, out) if r.get("run_id") == run_id]
+@dataclass
+class Where:
+    """What a section reads and where it draws."""
+    out: Path             # the results folder: the CSV/JSON files
+    draw: Path            # where this report's pictures go (swapped into ``out`` at the end)
+    run_id: str | None    # the run to report; None: each section takes its file's last run
+    machine: str          # for the plots' titles ("" without a run record: the rows say)
 
 
-def entries_of(out: Path, name: str, run_id: str) -> list[dict]:
-    return [v for _, v in sorted(results.read_json(name, out).items())
+def one_run(rows: list[dict], run_id: str | None) -> list[dict]:
+    """The rows of ``run_id``; with none named, those of the last run that wrote them (an upsert
+    puts its rows last)."""
+    if run_id is None and rows:
+        run_id = rows[-1].get("run_id")
+    return [r for r in rows if r.get("run_id") == run_id]
+
+
+def rows_of(where: Where, name: str) -> list[dict]:
+    return one_run(results.read_csv(name, where.out), where.run_id)
+
+
+def entries_of(where: Where, name: str, run_id: str) -> list[dict]:
+    return [v for _, v in sorted(results.read_json(name, where.out).items())
             if isinstance(v, dict) and v.get("run_id") == run_id]
+
+
+def machine_of(where: Where, rows: list[dict]) -> str:
+    return where.machine or rows[0].get("machine") or "machine not recorded"
 
 
 def num(row: dict, key: str) -> float:
@@ -55,12 +92,12 @@ def md_table(headers: list[str], rows: list[list]) -> str:
                      + ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]) + "\n"
 
 
-def picture(out: Path, name: str, alt: str) -> str:
-    return f"![{alt}]({name})\n" if (out / name).exists() else \
+def picture(where: Where, name: str, alt: str) -> str:
+    return f"![{alt}]({name})\n" if (where.draw / name).exists() else \
         f"_(no picture: `{name}` was not drawn: matplotlib missing, or the step did not finish)_\n"
 
 
-def bars(out: Path, name: str, labels: list[str], stacks: list[tuple[str, list[float]]],
+def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, list[float]]],
          xlabel: str, title: str) -> None:
     """A horizontal stacked bar chart, one bar per label (matplotlib, when installed)."""
     plt = results.pyplot()
@@ -76,17 +113,20 @@ def bars(out: Path, name: str, labels: list[str], stacks: list[tuple[str, list[f
     ax.set_title(title, fontsize=9)
     fig.legend(fontsize=7, loc="lower center", ncol=len(stacks), frameon=False)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(out / name, dpi=110)
+    fig.savefig(where.draw / name, dpi=110)
     plt.close(fig)
 
 
 # --------------------------------------------------------------------------- sections
 
 
-def allreduce_section(out: Path, run_id: str, info: dict):
-    rows = rows_of(out, "allreduce.csv", run_id)
+# Each returns None where it has no rows, else (its text, its headline rows, the rows it read).
+
+
+def allreduce_section(where: Where):
+    rows = rows_of(where, "allreduce.csv")
     if not rows:
-        return NO_ROWS, []
+        return None
     cells: dict[tuple, dict] = {}
     for r in rows:
         cells.setdefault((r["backend"], r["device"], int(r["world_size"]), int(r["bytes"])),
@@ -118,7 +158,7 @@ def allreduce_section(out: Path, run_id: str, info: dict):
                      f"{min(ratios['ring']):.2f}-{max(ratios['ring']):.2f}x the backend's busbw, "
                      f"pipelined {min(ratios['ring_pipelined']):.2f}-"
                      f"{max(ratios['ring_pipelined']):.2f}x.")
-    fits = entries_of(out, "allreduce_fit.json", run_id)
+    fits = entries_of(where, "allreduce_fit.json", rows[0]["run_id"])
     if fits:
         text += "\nFitted `t = a + N / w` (stage 06 takes its o = a and w from these):\n\n" + md_table(
             ["backend/device", "ranks", "a (us)", "w (GB/s)", "worst point error"],
@@ -126,13 +166,18 @@ def allreduce_section(out: Path, run_id: str, info: dict):
               f["w_bytes_per_s"] / 1e9, f"{max(abs(p['rel_error']) for p in f['points']):.0%}"]
              for f in fits])
     return text + "\n" + " ".join(words) + "\n\n" + picture(
-        out, "bench_allreduce_busbw.png", "all-reduce bus bandwidth against size"), headline
+        where, "bench_allreduce_busbw.png", "all-reduce bus bandwidth against size"), headline, rows
 
 
-def ddp_section(out: Path, run_id: str, info: dict):
-    rows = rows_of(out, "ddp_step.csv", run_id)
+def ratio_text(row: dict) -> str:
+    """'0.94x', or '-' for a row written before torch DDP's (a step stopped early)."""
+    return f"{num(row, 'ratio_vs_torch_ddp'):.2f}x" if row.get("ratio_vs_torch_ddp") else "-"
+
+
+def ddp_section(where: Where):
+    rows = rows_of(where, "ddp_step.csv")
     if not rows:
-        return NO_ROWS, []
+        return None
     r0 = rows[0]
     torch_ddp = next((r for r in rows if r["impl"] == "torch_ddp" and float(r["bucket_mb"]) == 25), None)
     best = min((r for r in rows if r["impl"] == "bucketed"), key=lambda r: num(r, "step_ms"), default=None)
@@ -147,13 +192,14 @@ def ddp_section(out: Path, run_id: str, info: dict):
                 ["implementation", "step ms", "fwd+bwd ms", "comm after backward ms",
                  "optimizer ms", "vs torch DDP"],
                 [[label, num(r, "step_ms"), num(r, "fwd_bwd_ms"), num(r, "comm_after_backward_ms"),
-                  num(r, "optimizer_ms"), f"{num(r, 'ratio_vs_torch_ddp'):.2f}x"] for label, r in shown]))
-    bars(out, "bench_ddp_step.png", [label for label, _ in shown],
+                  num(r, "optimizer_ms"), ratio_text(r)] for label, r in shown]))
+    bars(where, "bench_ddp_step.png", [label for label, _ in shown],
          [(part, [num(r, key) for _, r in shown]) for part, key in (
              ("forward + backward (overlapped communication hides here)", "fwd_bwd_ms"),
              ("communication left after backward", "comm_after_backward_ms"),
              ("optimizer", "optimizer_ms"))], "ms per training step",
-         f"LM {r0['model']}, {r0['world_size']} ranks {r0['backend']}/{r0['device']}\n{info['machine']}")
+         f"LM {r0['model']}, {r0['world_size']} ranks {r0['backend']}/{r0['device']}\n"
+         f"{machine_of(where, rows)}")
     headline = []
     if best and torch_ddp:
         ratio = num(best, "step_ms") / num(torch_ddp, "step_ms")
@@ -165,13 +211,14 @@ def ddp_section(out: Path, run_id: str, info: dict):
         headline.append(["BucketedDDP (best bucket) vs torch DDP, step time",
                          f"{ratio:.2f}x ({num(best, 'step_ms'):.1f} vs {num(torch_ddp, 'step_ms'):.1f}"
                          f" ms, LM {r0['model']})"])
-    return text + "\n" + picture(out, "bench_ddp_step.png", "DDP step time"), headline
+    return text + "\n" + picture(where, "bench_ddp_step.png", "DDP step time"), headline, rows
 
 
-def bucket_section(out: Path, run_id: str, info: dict):
-    entries = entries_of(out, "bucket_model.json", run_id)
+def bucket_section(where: Where):
+    steps = rows_of(where, "ddp_step.csv")  # the model is written by the run that wrote these
+    entries = entries_of(where, "bucket_model.json", steps[0]["run_id"]) if steps else []
     if not entries:
-        return NO_ROWS, []
+        return None
     m = entries[0]
     lo, hi = m["neighbour_range_mb"]
     text = md_table(["bucket cap MB", "buckets", "BucketedDDP step ms",
@@ -187,13 +234,14 @@ def bucket_section(out: Path, run_id: str, info: dict):
              f"{verdict} the best and its neighbours [{lo:g}, {hi:g}] MB.\n")
     return text, [["bucket size: model's best vs measured best",
                    f"{m['predicted_best_bucket_mb']:.3g} MiB vs {m['measured_best_bucket_mb']:g} MB "
-                   f"({verdict} [{lo:g}, {hi:g}])"]]
+                   f"({verdict} [{lo:g}, {hi:g}])"]], entries
 
 
-def overlap_section(out: Path, run_id: str, info: dict):
-    rows = [r for r in rows_of(out, "ddp_profile.csv", run_id) if r["stage"] == "05_overlap_ddp"]
+def overlap_section(where: Where):
+    rows = one_run([r for r in results.read_csv("ddp_profile.csv", where.out)
+                    if r.get("stage") == "05_overlap_ddp"], where.run_id)
     if not rows:
-        return NO_ROWS, []
+        return None
     text = md_table(["case", "step ms", "backward ms", "collectives", "comm during backward ms",
                      "comm after backward ms"],
                     [[r["case"], num(r, "step_ms"), num(r, "backward_ms"), r["collectives"],
@@ -204,13 +252,14 @@ def overlap_section(out: Path, run_id: str, info: dict):
     shares = [f"{case} {d / max(1e-9, d + a):.0%}" for case, d, a in during]
     return (text + f"\nShare of the communication that ran while backward computed (rank 0, one "
                    f"profiled step): {', '.join(shares)}.\n\n"
-            + picture(out, "bench_overlap_timeline.png", "timeline of naive vs overlapped DDP")), []
+            + picture(where, "bench_overlap_timeline.png", "timeline of naive vs overlapped DDP")), \
+        [], rows
 
 
-def tensor_parallel_section(out: Path, run_id: str, info: dict):
-    rows = rows_of(out, "tensor_parallel.csv", run_id)
+def tensor_parallel_section(where: Where):
+    rows = rows_of(where, "tensor_parallel.csv")
     if not rows:
-        return NO_ROWS, []
+        return None
     sums: dict[tuple, dict] = {}
     for r in rows:
         d = sums.setdefault((int(r["world_size"]), r["variant"]), {"forward": 0, "backward": 0})
@@ -227,14 +276,14 @@ def tensor_parallel_section(out: Path, run_id: str, info: dict):
         text += (f"\nAll-gathering after every layer moves {total['allgather'] / total['megatron']:.1f}x "
                  "Megatron's bytes: it also ships the d_ff-wide activation.\n")
         return text, [["tensor parallel MLP: bytes per forward+backward, Megatron vs all-gather",
-                       f"{size_text(total['megatron'])} vs {size_text(total['allgather'])}"]]
-    return text, []
+                       f"{size_text(total['megatron'])} vs {size_text(total['allgather'])}"]], rows
+    return text, [], rows
 
 
-def pipeline_section(out: Path, run_id: str, info: dict):
-    rows = rows_of(out, "pipeline_bubble.csv", run_id)
+def pipeline_section(where: Where):
+    rows = rows_of(where, "pipeline_bubble.csv")
     if not rows:
-        return NO_ROWS, []
+        return None
     groups: dict[tuple, list] = {}
     for r in rows:
         groups.setdefault((r["schedule"], int(r["micro_batches"]), int(r["chunks"]),
@@ -262,13 +311,13 @@ def pipeline_section(out: Path, run_id: str, info: dict):
                  f"{max(gaps):.3f} of its simulation (target 0.05).\n")
         headline.append(["pipeline, emulated compute: largest |measured - simulated| idle",
                          f"{max(gaps):.3f} over {len(gaps)} schedule settings"])
-    return text, headline
+    return text, headline, rows
 
 
-def sharding_section(out: Path, run_id: str, info: dict):
-    rows = rows_of(out, "sharding.csv", run_id)
+def sharding_section(where: Where):
+    rows = rows_of(where, "sharding.csv")
     if not rows:
-        return NO_ROWS, []
+        return None
     r0 = rows[0]
     order = ["ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp"]
     rows = sorted(rows, key=lambda r: (r["checkpointing"],
@@ -287,12 +336,13 @@ def sharding_section(out: Path, run_id: str, info: dict):
                          pair(r, "grad_bytes"), pair(r, "optim_bytes"), pair(r, "peak_bytes"),
                          pair(r, "activation_bytes"), pair(r, "sent_bytes")] for r in rows]))
     plain = [r for r in rows if r["checkpointing"] in ("off", "False", "0", "")] or rows
-    bars(out, "bench_sharding_bytes.png", [r["impl"] for r in plain],
+    bars(where, "bench_sharding_bytes.png", [r["impl"] for r in plain],
          [(part, [num(r, key) / MB for r in plain]) for part, key in (
              ("parameters", "param_bytes"), ("gradients", "grad_bytes"),
              ("optimizer state", "optim_bytes"))], "MiB per rank, held between steps",
-         f"LM {r0['model']}, {r0['world_size']} ranks\n{info['machine']}")
-    return text + "\n" + picture(out, "bench_sharding_bytes.png", "bytes per rank by strategy"), []
+         f"LM {r0['model']}, {r0['world_size']} ranks\n{machine_of(where, rows)}")
+    return text + "\n" + picture(where, "bench_sharding_bytes.png", "bytes per rank by strategy"), \
+        [], rows
 
 
 SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
@@ -304,39 +354,114 @@ SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section)
             ("Sharding: memory and communication per rank (stage 07)", sharding_section)]
 
 
-def write_report(out: Path) -> Path:
-    info = results.read_json(RUN_FILE, out)
-    run_id, setup = info["run_id"], info["setup"]
-    body, headline = [], []
-    for title, section in SECTIONS:
-        try:
-            text, head = section(out, run_id, info)
-        except Exception as e:  # noqa: BLE001 - one odd file must not cost the whole report
-            text, head = f"_This section failed: {type(e).__name__}: {e}_\n", []
-        body.append(f"## {title}\n\n{text}")
-        headline += head
+def load_run(out: Path) -> dict | None:
+    """The run record ``make bench`` wrote, or None (with a warning where it is unusable)."""
+    info = results.read_json(RUN_FILE, out)  # {} when missing, corrupt or not an object
+    missing = [k for k in RUN_KEYS if k not in info]
+    if info and missing:
+        print(f"warning: ignoring {out / RUN_FILE}: no {', '.join(missing)}", file=sys.stderr)
+    return None if missing else info
+
+
+def header(info: dict | None) -> list[str]:
+    """The report's top: the machine and the run, or, without a run record, a word on that."""
+    if info is None:
+        return ["# Benchmark report (`make bench`)\n",
+                f"No run record (`results/{RUN_FILE}` is missing or unreadable, as on a fresh "
+                "clone): each section shows the last run that wrote its results file, named "
+                "under its title with the machine its rows name.\n",
+                "Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 "
+                "bytes/s; sizes in binary units (1 MB = 2^20 bytes).\n"]
+    setup = info["setup"]
     gpu = f"{setup['gpus']} x {setup['gpu_name']}" if setup["gpus"] else "none"
-    parts = [
+    return [
         "# Benchmark report (`make bench`)\n",
-        f"Machine: **{info['machine']}**. Run `{run_id}`, started {info['started_utc']}, "
+        f"Machine: **{info['machine']}**. Run `{info['run_id']}`, started {info['started_utc']}, "
         f"{info['total_s']:.0f} s in all ({'quick' if info['quick'] else 'full'}); GPU: {gpu}; "
         f"LM for stages 03-06: `{info['model']}` (the ledger's: its step's title).\n\n"
         f"{setup['picked']}\n",
         "> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, "
         "not a GPU interconnect.\n" if not setup["gpus"] else "",
         "Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 bytes/s; "
-        "sizes in binary units (1 MB = 2^20 bytes).\n",
-        "## Headline\n\n" + (md_table(["what", "measured"], headline) if headline else NO_ROWS),
-        "## Runs\n\n" + md_table(["step", "outcome", "seconds", "command"],
-                                 [[s["title"], s["status"], f"{s['seconds']:.0f}",
-                                   "`python " + " ".join(s["argv"]) + "`"] for s in info["steps"]]),
-        *body,
-        "---\nWritten by `bench/report.py` from this run's rows in `results/*.csv` and "
-        "`results/*.json`. Regenerate: `make bench`, or `python bench/report.py` alone.\n"]
-    path = out / "README.md"
-    path.write_text("\n".join(p for p in parts if p))
-    return path
+        "sizes in binary units (1 MB = 2^20 bytes).\n"]
+
+
+def write_report(out: Path, info: dict | None = None,
+                 pictures: list[tuple[Path, str]] = ()) -> tuple[Path | None, list[str]]:
+    """Rewrite ``out/README.md`` from the rows of the run ``info`` names: ``make bench`` passes
+    its run record (written beside the report) and the stage pictures to copy in as
+    ``(source, name)``; alone, the record is read from ``out`` and the run's pictures there are
+    kept. Returns the report's path, or None when no section had data (the old report is left
+    as it was), and the titles of the sections without data."""
+    from_make_bench = info is not None
+    if not from_make_bench:
+        info = load_run(out)
+        pictures = [(out / name, name) for name in STAGE_PICTURES if info is not None]
+    draw = Path(tempfile.mkdtemp(dir=out, prefix=".report-"))  # beside: os.replace is atomic
+    try:
+        for source, name in pictures:
+            if source.exists():
+                shutil.copyfile(source, draw / name)
+        where = Where(out, draw, info["run_id"] if info else None, info["machine"] if info else "")
+        body, headline, empty = [], [], []
+        for title, section in SECTIONS:
+            try:
+                found = section(where)
+            except Exception as e:  # noqa: BLE001 - one odd file must not cost the whole report
+                found = (f"_This section failed: {type(e).__name__}: {e}_\n", [], None)
+            if found is None:
+                empty.append(title)
+                found = (NO_ROWS if info else NO_FILE_ROWS, [], None)
+            text, head, rows = found
+            if info is None and rows:  # no run record: name the run and machine shown
+                text = f"_Run `{rows[0].get('run_id')}`, {machine_of(where, rows)}._\n\n{text}"
+            body.append(f"## {title}\n\n{text}")
+            headline += head
+        if len(empty) == len(SECTIONS):
+            return None, empty  # nothing measured: the old report is better than an empty one
+        runs = [] if info is None else [
+            "## Runs\n\n" + md_table(["step", "outcome", "seconds", "command"],
+                                     [[s["title"], s["status"], f"{s['seconds']:.0f}",
+                                       "`python " + " ".join(s["argv"]) + "`"]
+                                      for s in info["steps"]])]
+        parts = [
+            *header(info),
+            "## Headline\n\n" + (md_table(["what", "measured"], headline) if headline else
+                                  "_Nothing to headline: see the sections below._\n"),
+            *runs,
+            *body,
+            "---\nWritten by `bench/report.py` from the rows in `results/*.csv` and "
+            "`results/*.json`. Regenerate: `make bench`, or `python bench/report.py` alone.\n"]
+        (draw / "README.md").write_text("\n".join(p for p in parts if p))
+        if from_make_bench:
+            (draw / RUN_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        return swap_in(draw, out), empty
+    finally:
+        shutil.rmtree(draw, ignore_errors=True)
+
+
+def swap_in(draw: Path, out: Path) -> Path:
+    """Move the new report's files over the old ones: pictures and run record first, the
+    README last; then remove the old pictures the new README does not show."""
+    new = sorted(p.name for p in draw.iterdir())
+    for name in new:
+        if name != "README.md":
+            os.replace(draw / name, out / name)
+    os.replace(draw / "README.md", out / "README.md")
+    for old in out.glob("bench_*.png"):
+        if old.name not in new:
+            old.unlink(missing_ok=True)
+    return out / "README.md"
+
+
+def main() -> None:
+    path, empty = write_report(results.results_dir())
+    if path is None:
+        print(f"nothing to report: no rows in {results.results_dir()} for any section; "
+              f"{results.results_dir() / 'README.md'} is left as it was", file=sys.stderr)
+        raise SystemExit(1)
+    print(f"report: {path}" + (f" (no data for: {'; '.join(empty)})" if empty else ""))
 
 
 if __name__ == "__main__":
-    print(f"report: {write_report(results.results_dir())}")
+    main()

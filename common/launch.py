@@ -4,18 +4,21 @@
 group: in spawned processes meeting on loopback at a free port, or in this very process under
 torchrun. Nothing hangs and nothing is silent: a rank that raises, dies or stalls ends the run
 and is named; Ctrl-C or SIGTERM to the parent stops every worker (one line, no tracebacks); a
-worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s); bad
-flags, and runs that cannot fit in memory, are one line and exit status 2 before any worker
-starts.
+worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s), and
+a rank still waiting for its peers after a few seconds says what for; bad flags, bad
+environment variables and runs that cannot fit in memory are one line and exit status 2 before
+any worker starts; ``python script.py | head -1`` ends quietly, as any Unix tool does.
 """
 
 import argparse
 import datetime
+import errno
 import gc
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
+import select
 import shutil
 import signal
 import socket
@@ -29,14 +32,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-
-def timeout_s() -> float:
-    """How long collectives and the rendezvous wait for a peer: ``DIST_TIMEOUT_S`` (300 s)."""
-    try:
-        return positive_float(os.environ.get("DIST_TIMEOUT_S", "300"))
-    except argparse.ArgumentTypeError as e:
-        usage_error(f"DIST_TIMEOUT_S={e}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +133,57 @@ def make_parser(doc: str | None, world_size: int = 2) -> Parser:
     return parser
 
 
+# --------------------------------------------------------------------------- environment
+# The variables a run reads, each checked for the range it really works in before any worker
+# starts, so a bad one is one line and exit 2, never a worker's traceback half way.
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; torch's deadlines overflow somewhere past 1e9 s
+
+
+def timeout_s() -> float:
+    """How long the rendezvous and each collective wait for a peer: ``DIST_TIMEOUT_S``, default
+    300 s, from 0.001 (torch counts whole milliseconds: less is an instant timeout) to a week."""
+    text = os.environ.get("DIST_TIMEOUT_S", "300")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.001 <= value <= MAX_TIMEOUT_S:  # NaN fails this too
+        usage_error(f"DIST_TIMEOUT_S={text!r}: give the seconds a rank waits for its peers, "
+                    f"from 0.001 to {MAX_TIMEOUT_S} (a week)")
+    return value
+
+
+def master_addr() -> str:
+    """Where the ranks meet: ``MASTER_ADDR`` (unset or empty: 127.0.0.1), which must resolve."""
+    addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as e:
+        usage_error(f"MASTER_ADDR={addr!r} does not resolve ({e}); give a host name or an IP "
+                    "address of the machine where rank 0 runs")
+    return addr
+
+
+def master_port() -> int | None:
+    """``MASTER_PORT``: a TCP port from 1 to 65535; None when unset or empty (pick a free one)."""
+    text = os.environ.get("MASTER_PORT", "").strip()
+    if not text:
+        return None
+    if not (text.isdecimal() and 1 <= int(text) <= 65535):
+        usage_error(f"MASTER_PORT={text!r}: give a TCP port from 1 to 65535, or leave it unset "
+                    "(a free port is picked)")
+    return int(text)
+
+
+def check_environment() -> None:
+    """Every environment variable a run reads, checked up front (one line, exit 2)."""
+    timeout_s()
+    master_addr()
+    master_port()
+    from common import results  # a late import: results imports this module
+    results.check_folder()  # RESULTS_DIR set but empty, a folder where a results file goes
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
@@ -152,7 +198,7 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     ranks_here = ranks_on_this_node(world_size)
-    timeout_s()  # a bad DIST_TIMEOUT_S is a usage error too, before any worker starts
+    check_environment()  # DIST_TIMEOUT_S, MASTER_ADDR/PORT, RESULTS_DIR: before any worker
     if not under_torchrun():
         check_ranks_fit(ranks_here)
     n_gpus = torch.cuda.device_count()
@@ -215,17 +261,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WAIT_NOTE_S = 10  # a rank still joining after this long says what it waits for
+
+
+def _say_what_we_wait_for(rank: int, world_size: int, waited_s: float, wait_s: float) -> None:
+    print(f"[rank {rank}] still waiting, after {waited_s:g} s, for the other {world_size - 1} "
+          f"rank(s) to join the process group at {os.environ.get('MASTER_ADDR')}:"
+          f"{os.environ.get('MASTER_PORT')} (rank 0 listens there); torch's limit for this "
+          f"wait is DIST_TIMEOUT_S = {wait_s:g} s", file=sys.stderr, flush=True)
+
+
 def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_error=None):
     dev = torch.device("cuda", local_rank % torch.cuda.device_count()) \
         if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    wait_s = timeout_s()
+    # Joining waits silently for every peer (an unreachable MASTER_ADDR: DIST_TIMEOUT_S long),
+    # so a rank not in after a few seconds says, once, what it waits for and for how long.
+    waited_s = min(WAIT_NOTE_S, wait_s / 2)
+    note = threading.Timer(waited_s, _say_what_we_wait_for, (rank, world_size, waited_s, wait_s))
+    note.daemon = True
     try:  # joining can fail too (a port taken, a peer gone): recorded like any failure
+        note.start()
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,  # env://
-                                timeout=datetime.timedelta(seconds=timeout_s()),
+                                timeout=datetime.timedelta(seconds=wait_s),
                                 **({"device_id": dev} if backend == "nccl" else {}))
+        note.cancel()
         return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
     except BaseException:
+        note.cancel()
         if on_error is not None:
             on_error()
         raise
@@ -259,6 +324,9 @@ def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, 
         error = sys.exc_info()[1]
         text = (f"exited with status {error.code} (its own checks failed: see its output)\n"
                 if isinstance(error, SystemExit) else traceback.format_exc())
+        if isinstance(error, BrokenPipeError) and output_reader_gone():
+            text = READER_GONE  # `| head -1` has its line: not a failure of this rank
+            discard_output()  # else exiting would flush into the closed pipe and complain
         path = os.path.join(error_dir, f"rank{rank}.err")
         with open(path + ".tmp", "w") as f:
             f.write(f"{time.time()!r}\n{text}")
@@ -277,8 +345,8 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = int(os.environ.get("MASTER_PORT") or free_port())
+    addr = master_addr()
+    port = master_port() or free_port()
     error_dir = tempfile.mkdtemp(prefix="launch-errors-")
     # daemon: the workers die with this process; so a worker cannot start processes of its
     # own (a DataLoader with num_workers > 0 would fail)
@@ -303,10 +371,13 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
 
 
 def _kill(processes) -> None:
-    for p in processes:
+    # Only those started: when a start() raises (a script without the `if __name__ ==
+    # "__main__":` guard, say), joining one never started would hide that error.
+    started = [p for p in processes if p.pid is not None]
+    for p in started:
         if p.is_alive():
             p.kill()  # SIGKILL: also ends a rank that is stopped (SIGSTOP) or stuck in C++
-    for p in processes:
+    for p in started:
         p.join(timeout=5)
 
 
@@ -333,6 +404,8 @@ def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
             raise Stopped(128 + stop["signum"])
         if any(c not in (None, 0) for c in codes):
             _kill(processes)
+            if _reader_left(error_dir):  # our own output went too: stop as quietly
+                raise BrokenPipeError(errno.EPIPE, "the reader of this output has exited")
             _report_failure(codes, error_dir, stalled)
             raise SystemExit(1)
         if deadline is not None and time.monotonic() > deadline:
@@ -343,6 +416,12 @@ def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
             raise SystemExit(1)
         multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None],
                                         timeout=0.5)
+
+
+def _reader_left(error_dir: str) -> bool:
+    """Whether a rank stopped because the reader of the output went away (``| head -1``)."""
+    return any(Path(error_dir, name).read_text().partition("\n")[2] == READER_GONE
+               for name in os.listdir(error_dir) if name.endswith(".err"))
 
 
 def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:
@@ -369,3 +448,39 @@ def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:
         lines.append(f"(then rank(s) {sorted(r for r, _ in raised[1:])} failed too, usually "
                      "because a peer went away)")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- output
+# `python script.py | head -1`: once head has its line it exits, and the next print raises
+# BrokenPipeError, in the parent or in a rank. As any Unix tool does, the run then ends without
+# a word: a rank records READER_GONE (not a failure), the parent stops the others and raises
+# BrokenPipeError itself, and this hook, for the parent, prints no traceback (exit status 1).
+READER_GONE = "the reader of the output has exited\n"
+
+
+def output_reader_gone() -> bool:
+    """Whether stdout (file descriptor 1) is a pipe whose reader has exited: Linux's poll()
+    reports POLLERR for it."""
+    poller = select.poll()
+    poller.register(1, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def discard_output() -> None:
+    """Point stdout at /dev/null, so what is still buffered can be flushed without an error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _quiet_when_the_reader_is_gone(kind, error, tb):
+    if issubclass(kind, BrokenPipeError) and output_reader_gone():
+        discard_output()
+        return
+    _previous_excepthook(kind, error, tb)
+
+
+sys.excepthook = _quiet_when_the_reader_is_gone

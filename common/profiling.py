@@ -9,7 +9,9 @@ kernel (``ncclDevKernel_...``). Rank 0 prints how much communication ran during 
 after it (also to ``results/ddp_profile.csv``) with a text timeline, and draws it as a PNG.
 """
 
+import argparse
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -36,8 +38,23 @@ def add_profile_args(parser):
     g.add_argument("--profile", action="store_true",
                    help="write a torch.profiler trace per rank of a few training steps of the "
                         "LM (--model etc.) and a timeline of compute and communication")
-    g.add_argument("--trace-dir", default=str(results.REPO_ROOT / "traces"),
+    # a Path, not a str: argparse checks a given --trace-dir with the type, never the default
+    g.add_argument("--trace-dir", type=writable_folder, default=results.REPO_ROOT / "traces",
                    help="where the traces and the timeline picture go")
+
+
+def writable_folder(text: str) -> Path:
+    """A flag type: a folder that can be written, or made (its nearest existing parent is a
+    folder that can be written), checked when the flag is parsed and made only when used, so a
+    bad one is one line before any worker starts, not a traceback after the profiled steps."""
+    existing = Path(text).absolute()
+    while not existing.exists():
+        existing = existing.parent  # ends at the root, which exists
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {existing} is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {existing} cannot be written")
+    return Path(text)
 
 
 def profile_case(ctx, factory, args, trace_path: Path) -> None:

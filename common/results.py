@@ -3,9 +3,10 @@
 Files are shared by stages and runs, so writing is an upsert: a run replaces the rows whose
 key matches its own and keeps the rest. Writers lock the file and replace it with a uniquely
 named temporary one, so runs side by side lose no row and no reader sees half a file; a file
-that cannot be read is named in a one-line warning and treated as empty. Every benchmark row
-carries ``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a report can pick one run's.
-``RESULTS_DIR`` redirects the folder (the tests use a temporary one).
+that cannot be read is named in a one-line warning and treated as empty (a header alone is a
+valid file with no rows). A file keeps its mode; a new one gets the mode the user's umask
+gives. Every benchmark row carries ``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a
+report can pick one run's. ``RESULTS_DIR`` redirects the folder (the tests use a temporary one).
 """
 
 import contextlib
@@ -32,7 +33,15 @@ from common.launch import usage_error
 
 
 def results_dir() -> Path:
-    return Path(os.environ.get("RESULTS_DIR", REPO_ROOT / "results"))
+    """``results/`` in the repository, or ``$RESULTS_DIR``; set but empty is refused (it would
+    mean the current folder)."""
+    folder = os.environ.get("RESULTS_DIR")
+    if folder is None:
+        return REPO_ROOT / "results"
+    if not folder.strip():
+        usage_error("RESULTS_DIR is set but empty: name a folder, or unset it for results/ in "
+                    "the repository")
+    return Path(folder)
 
 
 @functools.cache  # the same for every call in one process
@@ -66,16 +75,36 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
     return text
 
 
-def check_writable() -> Path:
-    """The results folder, or a one-line error (exit 2) when it cannot be written: called
-    before the first configuration, not after it."""
+def check_folder() -> Path:
+    """The results folder, without creating it; a one-line error (exit 2) when ``RESULTS_DIR``
+    is set but empty, or when something in the folder named like a results file or its lock
+    (``*.csv``, ``*.json``, ``.*.lock``) is not a plain file: a folder there would cost a whole
+    run's rows at its end. ``launch.resolve`` calls this before any worker starts."""
+    folder = results_dir()
     try:
-        results_dir().mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=results_dir()).close()
+        entries = list(os.scandir(folder)) if folder.is_dir() else []
+    except OSError:
+        entries = []  # unreadable: check_writable says so where a script writes
+    for entry in entries:
+        is_lock = entry.name.startswith(".") and entry.name.endswith(".lock")
+        if (is_lock or entry.name.endswith((".csv", ".json"))) and not entry.is_file():
+            kind = "a folder" if entry.is_dir() else "not a plain file"
+            usage_error(f"{entry.path} is {kind}: results {'locks' if is_lock else 'files'} "
+                        "go there; move it away, or set RESULTS_DIR to another folder")
+    return folder
+
+
+def check_writable() -> Path:
+    """The results folder, or a one-line error (exit 2) when it cannot be written (or holds a
+    folder where a results file goes): called before the first configuration, not after it."""
+    folder = check_folder()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
     except OSError as e:
-        usage_error(f"cannot write results to {results_dir()}: {e.strerror or e}; set "
+        usage_error(f"cannot write results to {folder}: {e.strerror or e}; set "
                     "RESULTS_DIR to a writable folder")
-    return results_dir()
+    return folder
 
 
 @contextlib.contextmanager
@@ -86,10 +115,25 @@ def _locked(path: Path):
         yield
 
 
+def _new_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the umask (Linux shows the umask in
+    /proc/self/status; elsewhere it is read by setting it, which has no reader-only call)."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def _replace(path: Path, write) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file 0600; the file it replaces keeps its mode, a new one gets the
+        # umask's, so a results folder shared with others stays readable to them
+        os.fchmod(fd, path.stat().st_mode & 0o7777 if path.exists() else _new_file_mode())
         with os.fdopen(fd, "w", newline="") as f:
             write(f)
         os.replace(tmp, path)
@@ -107,12 +151,12 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
     Columns: the old file's, then new ones, so a file several stages write keeps its order."""
     path = results_dir() / name
     with _locked(path):
-        old_rows = read_csv(name)
-        if not old_rows and path.exists() and path.stat().st_size:  # unreadable: keep it aside
+        old_columns, old_rows = _read_table(path)
+        if old_columns is None and path.exists():  # unreadable: keep it aside
             aside = path.with_name(f"{name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
             path.rename(aside)
             print(f"warning: moved the unreadable {path} to {aside.name}", file=sys.stderr)
-        columns = list(dict.fromkeys(c for r in old_rows[:1] + rows for c in r))
+        columns = list(dict.fromkeys([*(old_columns or []), *(c for r in rows for c in r)]))
         new_keys = {tuple(str(r[k]) for k in key) for r in rows}
         kept = [r for r in old_rows if tuple(str(r.get(k, "")) for k in key) not in new_keys]
 
@@ -125,19 +169,27 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
 
 
 def read_csv(name: str, folder: Path | None = None) -> list[dict]:
-    path = (folder or results_dir()) / name
+    """The rows of ``results/<name>``: [] when it is missing, holds a header alone, or cannot
+    be read (then with a warning)."""
+    return _read_table((folder or results_dir()) / name)[1]
+
+
+def _read_table(path: Path) -> tuple[list[str] | None, list[dict]]:
+    """(columns, rows); columns None when the file is missing or unreadable, [] when empty."""
     if not path.exists():
-        return []
+        return None, []
     try:
         with path.open(newline="") as f:
-            rows = list(csv.DictReader(f))
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = list(reader.fieldnames or [])
     except (csv.Error, UnicodeDecodeError, OSError) as e:
         _warn(path, str(e))
-        return []
+        return None, []
     if any(None in r or None in r.values() for r in rows):  # ragged: a torn or mangled file
         _warn(path, "rows with a different number of fields than the header")
-        return []
-    return rows
+        return None, []
+    return columns, rows
 
 
 def write_json(name: str, obj) -> Path:

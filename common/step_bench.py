@@ -150,7 +150,7 @@ def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
 
 def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
     """Time every case plus the ``none`` and ``torch_ddp`` (25 MB) references in one run;
-    print the table (rank 0), upsert ``results/<csv_name>`` after every round, return rows."""
+    print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows."""
     refs = [("none", None, None), ("torch_ddp", TORCH_DDP_DEFAULT_BUCKET_MB, torch_ddp_factory())]
     cases = [r for r in refs if r[:2] not in {c[:2] for c in cases}] + list(cases)
     assert all(impl in IMPLS for impl, _, _ in cases), "impl outside the ddp_step.csv contract"
@@ -160,20 +160,22 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
               f"{args.steps} timed steps x {args.rounds} round(s), AdamW, {ctx.world_size} "
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
+    by_case = [None] * len(cases)  # each case's row from its steps so far
     for _ in range(args.rounds):
-        for (impl, bucket_mb, factory), pool in zip(cases, pooled):
+        for i, ((impl, bucket_mb, factory), pool) in enumerate(zip(cases, pooled)):
             times = time_steps(ctx, factory, args)
             for acc, new in zip(pool, times):
                 acc.extend(new)
             ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
                       f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0",
                       all_ranks=False)
-        rows = [make_row(ctx, args, impl, b, pool) for (impl, b, _), pool in zip(cases, pooled)]
-        ref = rows[[c[:2] for c in cases].index(refs[1][:2])]
-        for r in rows:
-            r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"]
-        if ctx.is_main:  # after every round: a run stopped later keeps these
-            results.upsert_csv(csv_name, rows, key=CSV_KEY)
+            by_case[i] = make_row(ctx, args, impl, bucket_mb, pool)
+            rows = [r for r in by_case if r is not None]
+            ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
+            for r in rows:  # none until torch DDP's case has run
+                r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
+            if ctx.is_main:  # after every case: a run stopped later keeps what it measured
+                results.upsert_csv(csv_name, rows, key=CSV_KEY)
     if ctx.is_main:
         results.print_table([{
             "impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],

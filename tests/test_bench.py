@@ -1,21 +1,35 @@
 """``make bench``: what it plans on each kind of box (and that every planned command passes its
-script's own checks there), the cap on a script, the budget, the report from known numbers
-(and only this run's), and one real end-to-end run of the driver on tiny sizes, which is also
-where stages 02, 06 (with 03-05), 05's profile, 07's tensor-parallel, pipeline and sharding
-scripts are run the way ``make bench`` runs them."""
+script's own checks there), the budget planned up front (shares, minimums, skips, refusals),
+the cap on a script, signals (SIGINT and SIGTERM passed on to the running step; SIGTERM and
+SIGKILL to a real run leave nothing of its step alive), the report from known numbers (and only
+this run's), rebuilt on a fresh clone and never replaced by a worse one, and one real
+end-to-end run of the driver on tiny sizes, which is also where stages 02, 06 (with 03-05),
+05's profile, 07's tensor-parallel, pipeline and sharding scripts are run the way ``make
+bench`` runs them. It runs in the background from this file's first test to its last.
+"""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import importlib
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
 
 import pytest
+import torch
 
 from bench import make_bench, report
 from common import results
+from helpers import REPO, alive, session, start_script, wait_for_line
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -34,7 +48,7 @@ def test_plans_per_box(monkeypatch):
     cpu = make_bench.pick_setup(0)
     assert (cpu.backend, cpu.device, make_bench.bench_model(cpu, quick=False)) == ("gloo", "cpu", "tiny")
     steps = make_bench.plan(cpu, quick=False, model="tiny")
-    assert [s.key for s in steps] == KEYS and all(0 < s.cap_s <= 300 for s in steps)
+    assert [s.key for s in steps] == KEYS
     assert "GB" not in _flag(steps[0].argv, "--sizes") and _flag(steps[0].argv, "--budget-s") == "120"
     assert _flag(_step(steps, "ddp").argv, "--case-budget-s") == "120"
     one = make_bench.pick_setup(1, "NVIDIA H100 80GB HBM3")
@@ -90,21 +104,77 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
                 assert config.backend != "nccl" or config.world_size <= gpus, (step.argv, config)
 
 
-def test_environment_variables(monkeypatch, capsys):
+@pytest.mark.parametrize("gpus", [0, 1, 2, 8])
+def test_the_default_plans_fit_their_budgets(gpus):
+    """On every kind of box, quick and full: the shares add up to the default budget less one
+    stop at most, every share is above its step's minimum, and at the default budget every
+    step's cap is at least its share. Full fits 9 minutes, quick about 2 (the spec)."""
+    assert make_bench.DEFAULT_BUDGET_S[False] <= 9 * 60 and make_bench.DEFAULT_BUDGET_S[True] <= 150
+    for quick in (True, False):
+        steps = make_bench.plan(make_bench.pick_setup(gpus, "GPU"), quick, "small")
+        budget = make_bench.DEFAULT_BUDGET_S[quick]
+        assert sum(s.share_s for s in steps) <= budget - make_bench.STOP_S, (gpus, quick)
+        assert all(s.share_s > s.min_s > 0 for s in steps), steps
+        make_bench.plan_budget(steps, budget)
+        assert all(s.cap_s >= s.share_s for s in steps), steps
+
+
+def test_the_budget_is_planned_before_anything_runs(capsys):
+    """BENCH_BUDGET_S=60 with quick sizes used to skip steps 1-4 at 0 s elapsed ("the budget
+    was spent") and run the pipeline alone. Now: every step gets its minimum and a scaled part
+    of the rest, the steps that need the most are skipped first, with the reason, up front."""
+    steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
+    make_bench.plan_budget(steps, 60)
+    running = [s for s in steps if s.cap_s > 0]
+    assert [s.key for s in running] == ["allreduce", "profile", "tp", "pp"]
+    assert sum(s.cap_s for s in running) == pytest.approx(60 - make_bench.STOP_S)
+    assert all(s.cap_s >= s.min_s for s in running)
+    for key in ("ddp", "ledger"):  # the two with the largest minimum, 15 s
+        assert _step(steps, key).status == ("skipped: a 60 s budget cannot give every step its "
+                                            "minimum, and of those left this one needs the most "
+                                            "(15 s)")
+    smallest = min(s.min_s for s in steps) + make_bench.STOP_S
+    assert make_bench.smallest_budget_s() == smallest == 16
+    steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
+    make_bench.plan_budget(steps, smallest)  # exactly enough for the cheapest step alone
+    assert [(s.key, s.cap_s) for s in steps if s.cap_s > 0] == [("tp", 6)]
+    with pytest.raises(SystemExit) as e:
+        make_bench.plan_budget(steps, smallest - 0.5)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == ("make bench: error: BENCH_BUDGET_S=15.5 is too small "
+                                         "for any step: the smallest needs 16 s with its stop; "
+                                         "give at least that\n")
+
+
+def test_environment_variables_and_a_tiny_budget_are_refused_before_anything_runs(
+        monkeypatch, capfd):
     setup = make_bench.pick_setup(0)
     monkeypatch.setenv("BENCH_MODEL", "course")
     assert make_bench.bench_model(setup, quick=True) == "course"
     monkeypatch.setenv("BENCH_BUDGET_S", "300")
     assert make_bench.budget_s(quick=False) == 300.0
-    for name, value, needle in (("BENCH_MODEL", "huge", "tiny, course, small"),
-                                ("BENCH_BUDGET_S", "soon", ">= 60"),
-                                ("BENCH_BUDGET_S", "nan", ">= 60")):
-        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("BENCH_MODEL", "huge")
+    with pytest.raises(SystemExit) as e:
+        make_bench.bench_model(setup, True)
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "tiny, course, small" in err, err
+    for value in ("soon", "nan", "0", "-5", "1e30", "inf"):
+        monkeypatch.setenv("BENCH_BUDGET_S", value)
         with pytest.raises(SystemExit) as e:
-            make_bench.bench_model(setup, True) if name == "BENCH_MODEL" else make_bench.budget_s(True)
-        err = capsys.readouterr().err
-        assert e.value.code == 2 and err.count("\n") == 1 and needle in err, err
-        monkeypatch.delenv(name)
+            make_bench.budget_s(True)
+        err = capfd.readouterr().err
+        assert e.value.code == 2 and err == (f"make bench: error: BENCH_BUDGET_S={value!r}: give "
+                                             "the whole run's limit in seconds, from 16 (one step) "
+                                             "to 86400 (a day)\n"), err
+    monkeypatch.delenv("BENCH_MODEL")
+    monkeypatch.setenv("BENCH_BUDGET_S", "10")  # the whole driver: refused before any step
+    monkeypatch.setenv("BENCH_QUICK", "1")
+    with pytest.raises(SystemExit) as e:
+        make_bench.main()
+    out, err = capfd.readouterr()
+    assert e.value.code == 2 and err.splitlines() == [
+        "make bench: error: BENCH_BUDGET_S=10 is too small for any step: the smallest needs 16 s "
+        "with its stop; give at least that"] and out == "", (out, err)
 
 
 def test_a_script_past_its_cap_gets_ctrl_c_then_the_bench_goes_on(tmp_path):
@@ -118,31 +188,206 @@ def test_a_script_past_its_cap_gets_ctrl_c_then_the_bench_goes_on(tmp_path):
             open({str(flag)!r}, "w").write("rows")
             sys.exit(130)
     """))
-    step = make_bench.Step("slow", "a slow script", [str(script)], cap_s=60)
+    step = make_bench.Step("slow", "a slow script", [str(script)], share_s=60, min_s=1)
     start = time.monotonic()
-    make_bench.run_step(step, env=None, cap_s=2)
-    assert step.status == "stopped at its 2 s cap" and flag.read_text() == "rows"
+    make_bench.run_step(step, env=None, cap_s=1)
+    assert step.status == "stopped at its 1 s cap (exit 130)" and flag.read_text() == "rows"
     assert time.monotonic() - start < 20
 
 
-def test_the_budget_holds_even_when_every_script_overruns_its_cap():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_to_make_bench_is_passed_on_to_its_step(sig, tmp_path):
+    """make bench stopped by SIGINT or SIGTERM passes the signal on to the running step's
+    script (a stage's launcher then ends its ranks: tests/test_faults.py), which writes what it
+    finished; make bench then stops (``Interrupted``) and a second signal is ignored."""
+    ready = tmp_path / "ready"
+    script = tmp_path / "step.py"
+    script.write_text(textwrap.dedent(f"""
+        import pathlib, signal, sys, time
+        def finish(signum, frame):
+            pathlib.Path({str(tmp_path / 'got')!r}).write_text(signal.Signals(signum).name)
+            sys.exit(128 + signum)
+        signal.signal(signal.SIGINT, finish)
+        signal.signal(signal.SIGTERM, finish)
+        pathlib.Path({str(ready)!r}).write_text("")
+        time.sleep(60)
+    """))
+
+    def signal_make_bench_when_the_step_is_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), sig)  # this process plays make bench
+    step = make_bench.Step("step", "a step", [str(script)], share_s=60, min_s=1)
+    previous = {s: signal.getsignal(s) for s in make_bench.STOP_SIGNALS}
+    signal.signal(sig, make_bench.on_stop_signal)
+    threading.Thread(target=signal_make_bench_when_the_step_is_ready, daemon=True).start()
+    try:
+        with pytest.raises(make_bench.Interrupted):
+            make_bench.run_step(step, env=None, cap_s=60)
+        assert all(signal.getsignal(s) is signal.SIG_IGN for s in make_bench.STOP_SIGNALS)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    assert step.status == f"stopped by {sig.name} (exit {128 + sig})" and step.seconds < 30
+    assert (tmp_path / "got").read_text() == sig.name
+
+
+def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatch, tmp_path):
+    """Stage 06's --bench writes its rows after every case, not every round: stopped after
+    its first case (as make bench's cap stops it), that case's row is in ddp_step.csv. Rounds
+    pool their steps (2 per round here, 2 rounds: 4). One rank, in this process."""
+    import torch.distributed as dist
+
+    from common import launch, step_bench
+    args = argparse.Namespace(model="tiny", batch_size=2, context_length=8, steps=2, warmup=0,
+                              rounds=2, case_budget_s=120.0)
+    ctx = launch.Dist(0, 1, 0, "gloo", torch.device("cpu"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}",
+                            rank=0, world_size=1)
+    try:
+        timed = step_bench.time_steps
+        calls = []
+
+        def stopped_at_the_second_case(*a):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt  # Ctrl-C during the second case (torch DDP's)
+            return timed(*a)
+        monkeypatch.setattr(step_bench, "time_steps", stopped_at_the_second_case)
+        with pytest.raises(KeyboardInterrupt):
+            step_bench.run_step_bench(ctx, [], args)
+        rows = results.read_csv(step_bench.CSV_NAME)
+        assert [(r["impl"], r["steps"], r["ratio_vs_torch_ddp"]) for r in rows] == [("none", "2", "")]
+        monkeypatch.setattr(step_bench, "time_steps", timed)
+        step_bench.run_step_bench(ctx, [], args)
+    finally:
+        dist.destroy_process_group()
+    rows = results.read_csv(step_bench.CSV_NAME)
+    assert [(r["impl"], r["bucket_mb"], r["steps"]) for r in rows] == [("none", "", "4"),
+                                                                      ("torch_ddp", "25", "4")]
+    assert float(rows[1]["ratio_vs_torch_ddp"]) == 1.0
+
+
+def test_each_step_runs_to_its_deadline_and_the_budget_holds():
+    """A step's deadline is the start plus the caps so far: time a quick step leaves passes on,
+    an overrun comes out of the next step, one left under its minimum is skipped; the last
+    ends by the budget even when every script ignores its Ctrl-C and is killed late."""
     now = [0.0]
     steps = make_bench.plan(make_bench.pick_setup(1, "GPU"), quick=False, model="small")
+    make_bench.plan_budget(steps, 510)
+    given = []
 
     def overrun(step, cap):  # takes all it may, ignores Ctrl-C, and is killed late
-        assert make_bench.MIN_STEP_S <= cap <= step.cap_s
-        step.seconds, step.status = cap + make_bench.GRACE_S + make_bench.KILL_WAIT_S, "stopped"
+        given.append(cap)
+        step.seconds = cap + make_bench.STOP_S
+        step.status = "stopped"
         now[0] += step.seconds
-    make_bench.run_all(steps, budget=510, run=overrun, clock=lambda: now[0])
-    assert now[0] <= 510 and any(s.status == "stopped" for s in steps)
-    assert all(s.status.startswith(("stopped", "skipped")) for s in steps)
+    make_bench.run_all(steps, run=overrun, clock=lambda: now[0])
+    assert now[0] <= 510 and given[0] == pytest.approx(steps[0].cap_s)
+    assert given[1:] == pytest.approx([s.cap_s - make_bench.STOP_S for s in steps[1:]])
     now[0] = 0.0
+    given.clear()
 
-    def quick(step, cap):
-        step.status, step.seconds = "ok", 5.0
-        now[0] += 5.0
-    make_bench.run_all(steps, budget=510, run=quick, clock=lambda: now[0])
-    assert all(s.status == "ok" for s in steps)
+    def quick(step, cap):  # the first step needs 1 s: its time passes on to the second
+        given.append(cap)
+        step.status = "ok"
+        step.seconds = 1.0
+        now[0] += 1.0
+    make_bench.run_all(steps, run=quick, clock=lambda: now[0])
+    assert given[:2] == pytest.approx([steps[0].cap_s, steps[1].cap_s + steps[0].cap_s - 1])
+    now[0] = 0.0
+    steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
+    make_bench.plan_budget(steps, 130)
+
+    def hang(step, cap):  # the first overruns by a minute: the next is left under its minimum
+        step.status = "stopped"
+        now[0] += cap + 60
+    make_bench.run_all(steps[:3], run=hang, clock=lambda: now[0])
+    assert steps[1].status.startswith("skipped: the steps before it ran over, 0 s was left")
+
+
+# --------------------------------------------------------------------------- signals
+# make bench with a plan of two tiny steps: one writes rows the report shows, the other is a
+# real launcher with two busy ranks, to be stopped from outside.
+BENCH_DRIVER = """
+import sys
+from bench import make_bench
+
+def tiny_plan(setup, quick, model, trace_dir):
+    return [make_bench.Step("tp", "rows", [sys.argv[1]], share_s=20, min_s=2),
+            make_bench.Step("busy", "busy ranks", ["tests/fault_worker.py", "--fault", "busy",
+                            "--backend", "gloo", "--device", "cpu"], share_s=60, min_s=2)]
+
+make_bench.plan = tiny_plan
+make_bench.main()
+"""
+ROWS_STEP = """
+import csv, os
+with open(os.path.join(os.environ["RESULTS_DIR"], "tensor_parallel.csv"), "w") as f:
+    writer = csv.writer(f)
+    writer.writerow(["world_size", "tokens", "d_model", "d_ff", "variant", "phase",
+                     "bytes_counted", "run_id"])
+    for variant, n in (("megatron", 1000), ("allgather", 5000)):
+        for phase in ("forward", "backward"):
+            writer.writerow([2, 8, 4, 8, variant, phase, n, os.environ["RESULTS_RUN_ID"]])
+"""
+PREVIOUS_REPORT = {"README.md": "the previous report", "bench_old.png": "its picture",
+                   "bench_run.json": '{"run_id": "previous"}'}
+
+
+def test_sigterm_or_sigkill_to_make_bench_stop_its_step_and_every_rank(tmp_path):
+    """SIGTERM or SIGKILL to ``make bench`` used to leave the running step and its ranks alive
+    (in their own session) and the report's pictures deleted, and a ``launch-errors-*`` folder.
+    Now, 6 s after the signal, nothing of the step is alive and no temporary file is left.
+    (SIGINT takes SIGTERM's path in make bench: the test above; the launcher's answer to SIGINT
+    alone: tests/test_faults.py's Ctrl-C test.)"""
+    (tmp_path / "rows.py").write_text(ROWS_STEP)
+    runs = {}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        out = tmp_path / sig.name / "results"
+        out.mkdir(parents=True)
+        for name, text in PREVIOUS_REPORT.items():
+            (out / name).write_text(text)
+        runs[sig] = start_script(["-c", BENCH_DRIVER, tmp_path / "rows.py"],
+                                 tmp_path / sig.name / "tmp",
+                                 env={"RESULTS_DIR": str(out), "BENCH_BUDGET_S": "100"})
+    stages = {}  # signal: the step's pid, which is also its session's id
+    ranks = {}
+    signalled = {}
+    for sig, proc in runs.items():
+        lines = []
+        wait_for_line(proc, r"\[rank 1\] pid \d+ busy", lines)
+        if "[rank 0]" not in "".join(lines):
+            wait_for_line(proc, r"\[rank 0\] pid \d+ busy", lines)
+        ranks[sig] = [int(p) for p in re.findall(r"pid (\d+) busy", "".join(lines))]
+        rank_stat = Path(f"/proc/{ranks[sig][0]}/stat").read_text()
+        stages[sig] = int(rank_stat.rsplit(")", 1)[1].split()[1])  # the rank's parent
+        in_session = session(stages[sig])
+        assert stages[sig] in in_session and set(ranks[sig]) <= set(in_session), in_session
+        proc.send_signal(sig)  # to make bench alone: the step is in a session of its own
+        signalled[sig] = time.monotonic()
+    for sig, proc in runs.items():
+        code = proc.wait(timeout=30)
+        assert code == (-9 if sig == signal.SIGKILL else 128 + sig), (sig, code)
+    for sig in runs:  # before reading the outputs to their end: a live step would hold them open
+        time.sleep(max(0.0, signalled[sig] + 6 - time.monotonic()))
+        assert session(stages[sig]) == [] and not any(alive(p) for p in ranks[sig]), sig
+        assert not list((tmp_path / sig.name / "tmp").iterdir()), f"{sig.name}: temporary files"
+        assert [p.name for p in (tmp_path / sig.name / "results").iterdir()
+                if p.name.startswith(".")] == [], f"{sig.name}: the report's temporary folder"
+    for sig, proc in runs.items():
+        out, err = proc.communicate(timeout=30)
+        report = tmp_path / sig.name / "results"
+        if sig == signal.SIGKILL:  # nothing written: the previous report is whole
+            assert {p.name: p.read_text() for p in report.iterdir()
+                    if p.name != "tensor_parallel.csv"} == PREVIOUS_REPORT
+            continue
+        assert "Traceback" not in err and f"stopped by {sig.name}: all 2 ranks ended; results " \
+            "written before this point are kept" in err.splitlines(), err[-3000:]
+        assert f"[bench 2/2] busy ranks: stopped by {sig.name} (exit {128 + sig}) in " in out, out
+        text = (report / "README.md").read_text()  # the report of the steps that finished
+        assert f"| busy ranks | stopped by {sig.name} (exit {128 + sig}) |" in text
+        assert "moves 5.0x Megatron's bytes" in text and not (report / "bench_old.png").exists()
 
 
 # --------------------------------------------------------------------------- the report
@@ -221,8 +466,9 @@ def _fixture(out, gpus=0):
 def test_report_from_known_numbers(tmp_path):
     out = tmp_path / "results"
     _fixture(out)
-    text = report.write_report(out).read_text()
-    assert "Machine: **test box**" in text and "A CPU-only run" in text
+    path, empty = report.write_report(out)
+    text = path.read_text()
+    assert empty == [] and "Machine: **test box**" in text and "A CPU-only run" in text
     for title, _ in report.SECTIONS:
         assert f"## {title}" in text
     assert "No rows from this run" not in text and "This section failed" not in text
@@ -238,6 +484,7 @@ def test_report_from_known_numbers(tmp_path):
     if results.pyplot() is not None:
         for name in ("bench_ddp_step.png", "bench_sharding_bytes.png"):
             assert (out / name).stat().st_size > 1000 and f"]({name})" in text
+    assert [p.name for p in out.iterdir() if p.name.startswith(".report-")] == []
 
 
 def test_report_says_what_is_missing_and_one_bad_file_costs_one_section(tmp_path, monkeypatch,
@@ -247,49 +494,164 @@ def test_report_says_what_is_missing_and_one_bad_file_costs_one_section(tmp_path
     for name in ("ddp_step.csv", "bucket_model.json", "sharding.csv"):
         (out / name).unlink()
     (out / "ddp_profile.csv").write_text("run_id,stage\nr1,05_overlap_ddp\n")  # columns lost
-    text = report.write_report(out).read_text()
+    path, empty = report.write_report(out)
+    text = path.read_text()
     assert "1 x NVIDIA H100 80GB HBM3" in text and "NCCL refuses two ranks" in text
     assert "CPU-only" not in text and text.count("No rows from this run") == 3
+    assert empty == [report.SECTIONS[i][0] for i in (1, 2, 6)]
     assert "This section failed: KeyError" in text and "## Pipeline schedules" in text
     monkeypatch.setattr(results, "tabulate", None)  # a GPU box's Python may lack tabulate
     assert results.print_table([{"impl": "naive", "step_ms": 12.3456}]).splitlines() == [
         "| impl | step_ms |", "|---|---|", "| naive | 12.35 |"]
 
 
-# --------------------------------------------------------------------------- end to end
-
-
-def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
-    """The real driver, the real scripts, tiny sizes: every step ok and a report with every
-    section filled in from this run's rows, which are checked here as the stages' contract."""
+@pytest.mark.parametrize("run_file", [None, "{", "[]", '{"run_id": "r1"}'])
+def test_report_py_on_a_fresh_clone(run_file, tmp_path, monkeypatch, capsys):
+    """No run record (a fresh clone, stages run by hand), or a torn or wrong one: a traceback
+    (KeyError: 'run_id') before. Now every section shows the last run that wrote its file and
+    names it, and the command line says which sections have no data."""
     out = tmp_path / "results"
+    _fixture(out)
+    (out / "bench_run.json").unlink()
+    if run_file is not None:
+        (out / "bench_run.json").write_text(run_file)
+    (out / "sharding.csv").unlink()
     monkeypatch.setenv("RESULTS_DIR", str(out))
-    monkeypatch.setenv("BENCH_BUDGET_S", "900")
+    monkeypatch.setattr(results, "pyplot", lambda: None)  # no plots: not what this tests
+    report.main()
+    printed, err = capsys.readouterr()
+    assert printed == (f"report: {out / 'README.md'} (no data for: {report.SECTIONS[2][0]}; "
+                       f"{report.SECTIONS[6][0]})\n")  # 06's model: written by run r1, not r0
+    assert run_file is None or "warning: ignoring" in err, err
+    text = (out / "README.md").read_text()
+    assert "No run record (`results/bench_run.json` is missing or unreadable" in text
+    assert "## Runs" not in text and "No rows in the results files for this section" in text
+    sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])
+    # each file's last run: the stale r0 rows come last in allreduce.csv and ddp_step.csv
+    assert sections[report.SECTIONS[0][0]].startswith("\n_Run `r0`, machine not recorded._")
+    assert "| gloo/cpu | 2 | 16MB | 777 |" in sections[report.SECTIONS[0][0]]
+    assert sections[report.SECTIONS[1][0]].startswith("\n_Run `r0`")
+    assert "| naive (03) | 99999 |" in sections[report.SECTIONS[1][0]]
+    assert sections[report.SECTIONS[5][0]].startswith("\n_Run `r1`")
+
+
+def test_the_report_is_replaced_only_by_a_whole_better_one(tmp_path, monkeypatch, capsys):
+    """The old report and its pictures stay until the new ones exist: a build cut short (here a
+    section interrupted, as by a signal) leaves them as they were, with no temporary folder; a
+    run that measured nothing leaves them too, and says so; a new report then replaces the
+    README, its run record and pictures, and removes the pictures it no longer shows."""
+    out = tmp_path / "results"
+    out.mkdir()
+    old = {"README.md": "old report", "bench_ddp_step.png": "old ddp", "bench_gone.png": "old",
+           "bench_run.json": '{"run_id": "r0"}'}
+    for name, text in old.items():
+        (out / name).write_text(text)
+
+    def as_they_were():
+        assert {p.name: p.read_text() for p in out.iterdir()} == old
+    monkeypatch.setenv("RESULTS_DIR", str(out))
+    with pytest.raises(SystemExit) as e:  # a fresh clone: no rows at all
+        report.main()
+    assert e.value.code == 1 and "nothing to report" in capsys.readouterr().err
+    as_they_were()
+    info = {"run_id": "r1", "quick": True, "model": "tiny", "machine": "box",
+            "setup": make_bench.pick_setup(0).__dict__, "started_utc": "now", "total_s": 1.0,
+            "steps": []}
+    assert report.write_report(out, info) == (None, [t for t, _ in report.SECTIONS])
+    as_they_were()  # make bench's run that measured nothing: the old report and record kept
+    _fixture(out)
+    (out / "bench_run.json").write_text(old["bench_run.json"])
+
+    def interrupted(where):
+        raise KeyboardInterrupt
+    sections = report.SECTIONS
+    monkeypatch.setattr(report, "SECTIONS", [*sections[:3], (sections[3][0], interrupted),
+                                             *sections[4:]])
+    with pytest.raises(KeyboardInterrupt):
+        report.write_report(out, info)
+    assert {n: (out / n).read_text() for n in old} == old
+    assert [p.name for p in out.iterdir() if p.name.startswith(".report-")] == []
+    monkeypatch.setattr(report, "SECTIONS", sections)
+    source = tmp_path / "drawn_by_stage_02.png"
+    source.write_text("new busbw")
+    path, _ = report.write_report(out, info, [(source, "bench_allreduce_busbw.png")])
+    assert json.loads((out / "bench_run.json").read_text())["run_id"] == "r1"
+    assert "](bench_allreduce_busbw.png)" in path.read_text()
+    assert (out / "bench_allreduce_busbw.png").read_text() == "new busbw"
+    assert not (out / "bench_gone.png").exists()  # shown by the old report only
+    if results.pyplot() is not None:
+        assert (out / "bench_ddp_step.png").read_bytes()[:4] == b"\x89PNG"  # redrawn
+
+
+# --------------------------------------------------------------------------- end to end
+# The real driver and the real scripts, in a subprocess started with this file's first test and
+# awaited by its last: while each step's script and ranks import torch a core is idle, and the
+# quick tests above use it.
+
+END_TO_END = """
+from bench import make_bench
+
+WHERE = ["--backend", "gloo", "--device", "cpu"]
+LM = ["--model", "tiny", "--batch-size", "4", "--context-length", "16"]
+
+
+def tiny_plan(setup, quick, model, trace_dir):
+    return [make_bench.Step(key, key, argv, share_s=140, min_s=10) for key, argv in [
+        ("allreduce", ["02_allreduce_bench/allreduce_bench.py", *WHERE, "--sizes", "4100B,256KB",
+                       "--world-sizes", "2", "--iters", "3", "--warmup", "1"]),
+        ("ddp", ["06_bucketed_ddp/bucketed_ddp.py", "--bench", *WHERE, *LM, "--bucket-sizes",
+                 "0.01,1", "--steps", "4", "--warmup", "1", "--case-budget-s", "1e-6"]),
+        ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *WHERE, *LM,
+                     "--trace-dir", trace_dir]),
+        ("tp", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", *WHERE, "--d-model", "32",
+                "--d-ff", "64"]),
+        ("pp", ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", "2",
+                *WHERE, "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
+                "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
+        ("ledger", ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", *WHERE, *LM, "--steps", "1",
+                    "--warmup", "0", "--rounds", "1", "--checkpointing", "off"])]]
+
+
+make_bench.plan = tiny_plan
+make_bench.main()
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def end_to_end(request, tmp_path_factory):
+    """The end-to-end run in the background, when its test is selected: (process, folder)."""
+    if not any(item.name == "test_make_bench_end_to_end_on_tiny_sizes"
+               for item in request.session.items):
+        yield None
+        return
+    root = tmp_path_factory.mktemp("end_to_end")
+    out = root / "results"
     out.mkdir()
     (out / "allreduce_fit.json").write_text("{")  # a corrupt fit left by an older run
-    where = ["--backend", "gloo", "--device", "cpu"]
-    lm = ["--model", "tiny", "--batch-size", "4", "--context-length", "16"]
+    (root / "tmp").mkdir()
+    env = {**os.environ, "RESULTS_DIR": str(out), "TMPDIR": str(root / "tmp"),
+           "BENCH_BUDGET_S": "1500"}  # about 250 s a step: a loaded box too
+    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", END_TO_END], cwd=REPO, env=env,
+                                stdout=stdout, stderr=stderr)
+    yield proc, root
+    if proc.poll() is None:  # its test failed or was not reached: stop it, as a user would
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
-    def tiny_plan(setup, quick, model, trace_dir):
-        return [make_bench.Step(key, key, argv, 240) for key, argv in [
-            ("allreduce", ["02_allreduce_bench/allreduce_bench.py", *where, "--sizes", "4100B,256KB",
-                           "--world-sizes", "2", "--iters", "3", "--warmup", "1"]),
-            ("ddp", ["06_bucketed_ddp/bucketed_ddp.py", "--bench", *where, *lm, "--bucket-sizes",
-                     "0.01,1", "--steps", "4", "--warmup", "1", "--rounds", "2",
-                     "--case-budget-s", "1e-6"]),
-            ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *where, *lm,
-                         "--trace-dir", trace_dir]),
-            ("tp", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", *where, "--d-model", "32", "--d-ff", "64"]),
-            ("pp", ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", "2", *where,
-                    "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
-                    "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
-            ("ledger", ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", *where, *lm, "--steps", "1",
-                        "--warmup", "0", "--rounds", "1", "--checkpointing", "off"])]]
-    monkeypatch.setattr(make_bench, "plan", tiny_plan)
-    make_bench.main()
-    stdout, stderr = capfd.readouterr()
-    assert stdout.count(": ok in ") == 6, stdout[-4000:] + stderr[-4000:]
+
+def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
+    """The real driver, the real scripts, tiny sizes: every step ok, exit 0, no launcher's or
+    report's temporary folder left (torch may leave its compile cache), and a report with every
+    section filled in from this run's rows, which are checked here as the stages' contract."""
+    proc, root = end_to_end
+    out = root / "results"
+    code = proc.wait(timeout=1800)
+    stdout = (root / "stdout").read_text()
+    stderr = (root / "stderr").read_text()
+    assert code == 0 and stdout.count(": ok in ") == 6, stdout[-4000:] + stderr[-4000:]
     assert "warning: ignoring" in stderr and "allreduce_fit.json" in stderr  # replaced, said so
+    assert not list((root / "tmp").glob("launch-errors-*")) and not list(out.glob(".report-*"))
     info = json.loads((out / "bench_run.json").read_text())
     text = (out / "README.md").read_text()
     assert "No rows from this run" not in text and "section failed" not in text, text
@@ -301,12 +663,12 @@ def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
     assert {(r["bytes"], r["impl"]) for r in rows} == {
         (n, i) for n in ("4100", "262144") for i in ("backend", "ring", "ring_pipelined")}
     assert "gloo/cpu/2" in results.read_json("allreduce_fit.json", out)
-    # stage 06: 03-05, bucketed and torch DDP at every size, both rounds pooled, the model
+    # stage 06: 03-05, bucketed and torch DDP at every size, the model
     rows = results.read_csv("ddp_step.csv", out)
     assert sorted((r["impl"], r["bucket_mb"]) for r in rows) == sorted([
         ("none", ""), ("naive", ""), ("flat", ""), ("overlap", ""), ("bucketed", "0.01"),
         ("bucketed", "1.0"), ("torch_ddp", "25"), ("torch_ddp", "0.01"), ("torch_ddp", "1.0")])
-    assert {r["steps"] for r in rows} == {"4"}  # capped at 2 a round (said so), 2 rounds
+    assert {r["steps"] for r in rows} == {"2"}  # capped at 2 (said so); rounds: tested above
     model = results.read_json("bucket_model.json", out)["gloo/cpu/2/tiny"]  # from this run's
     assert model["predicted_best_bucket_mb"] > 0 and model["fit_source"] in (  # stage 02 fit, or
         "results/allreduce_fit.json [gloo/cpu/2] (stage 02)", "measured in this run")  # remeasured
@@ -316,7 +678,9 @@ def test_make_bench_end_to_end_on_tiny_sizes(tmp_path, monkeypatch, capfd):
     assert {(r["schedule"], float(r["emulated_ms"])) for r in results.read_csv(
         "pipeline_bubble.csv", out)} == {(s, e) for s in ("gpipe", "1f1b", "interleaved", "zbh1")
                                          for e in (0.0, 5.0)}
-    assert {r["impl"] for r in results.read_csv("sharding.csv", out)} >= {"ddp", "zero1", "zero2", "fsdp"}
+    assert {r["impl"] for r in results.read_csv("sharding.csv", out)} >= {"ddp", "zero1", "zero2",
+                                                                        "fsdp"}
     if results.pyplot() is not None:
-        for name in ("bench_allreduce_busbw.png", "bench_overlap_timeline.png", "bench_ddp_step.png"):
+        for name in ("bench_allreduce_busbw.png", "bench_overlap_timeline.png",
+                     "bench_ddp_step.png"):
             assert (out / name).exists(), name

@@ -1,19 +1,22 @@
 """Fault injection: every way a run was seen to go wrong, as a test, so none can come back.
 
-The launcher owns its workers: SIGTERM, SIGINT (to the parent alone) and SIGKILL to the parent
-leave no worker alive five seconds later and no temporary files, with one line and no
-traceback; a rank that raises, dies or stalls (SIGSTOP) ends the run and is named; Ctrl-C
-keeps the rows written so far. Results files survive corruption and concurrent writers; a
-folder that cannot be written, a world size that cannot fit, empty lists and NaN flags are
-refused before any worker starts. The processes of one test run side by side: each costs
-seconds of start-up on a small machine.
+The launcher owns its workers: Ctrl-C to the parent alone ends every rank at once and keeps
+the rows written so far, with one line and no traceback and no temporary file (SIGTERM and
+SIGKILL, through ``make bench``: tests/test_bench.py); a rank that raises, dies or stalls
+(SIGSTOP) ends the run and is named; a closed output (``| head -1``) ends it without a
+traceback; a rank waiting for its peers says so, once, and one that cannot join is recorded.
+Results files survive corruption and concurrent writers, accept a header alone and keep the
+umask's mode; a folder that cannot be written or holds a folder where a lock goes, a trace
+folder that cannot be made, a world size that cannot fit, empty lists, NaN flags and
+environment variables out of their range are refused before any worker starts. The processes
+of one test run side by side: each costs seconds of start-up on a small machine.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,67 +29,36 @@ import bucketed_ddp
 import naive_ddp
 import overlap_ddp
 from common import launch, results
-from helpers import REPO, assert_main_usage_error
+from helpers import REPO, alive, assert_main_usage_error, children, start_script, wait_for_line
 
 FAULTS = REPO / "tests" / "fault_worker.py"
 
 
-def _start(argv, tmp: Path, env=None) -> subprocess.Popen:
-    tmp.mkdir(parents=True, exist_ok=True)  # its own TMPDIR: leftovers are easy to see
-    return subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1",
-                                 **(env or {})})
+def _start_without_a_reader(argv, tmp: Path) -> subprocess.Popen:
+    """Start ``argv`` with its stdout a pipe whose reader has already gone: ``| head -1`` once
+    head has its line, so that the first print hits the closed pipe for sure."""
+    tmp.mkdir(parents=True)
+    reader, writer = os.pipe()
+    os.close(reader)
+    proc = subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, text=True, stdout=writer,
+                            stderr=subprocess.PIPE, env={**os.environ, "TMPDIR": str(tmp)})
+    os.close(writer)
+    return proc
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _wait_for(proc, pattern: str, lines: list[str], timeout: float = 90) -> None:
-    """Read proc's stdout into ``lines`` until a line matches ``pattern``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"exited before {pattern!r}: {''.join(lines)}"
-                                 f"{proc.stderr.read()[-2000:]}")
-        lines.append(line)
-        if re.search(pattern, line):
-            return
-    raise AssertionError(f"no {pattern!r} within {timeout} s: {''.join(lines)}")
-
-
-def test_signals_to_the_parent_stop_every_worker(tmp_path):
-    runs = {sig: _start([FAULTS, "--world-size", "2", "--fault", "busy", "--backend", "gloo",
-                         "--device", "cpu"], tmp_path / sig.name)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL)}
-    pids = {}
-    for sig, proc in runs.items():
-        lines = []
-        _wait_for(proc, r"\[rank 1\] pid \d+ busy", lines)
-        _wait_for(proc, r"\[rank 0\] pid \d+ busy", lines) if "[rank 0]" not in "".join(lines) else None
-        pids[sig] = [int(p) for p in re.findall(r"pid (\d+) busy", "".join(lines))]
-        proc.send_signal(sig)  # to the parent alone, not its process group
-    for sig, proc in runs.items():
-        code = proc.wait(timeout=30)
-        err = proc.stderr.read()
-        assert code == (-9 if sig == signal.SIGKILL else 128 + sig), (sig, code, err)
-        if sig != signal.SIGKILL:
-            assert err.strip() == f"stopped by {sig.name}: all 2 ranks ended; results written " \
-                                  "before this point are kept", err
-    time.sleep(5)
-    for sig in runs:
-        assert len(pids[sig]) == 2 and not any(_alive(p) for p in pids[sig]), (sig, pids[sig])
-        assert not list((tmp_path / sig.name).iterdir()), f"{sig.name}: temporary files left"
-
-
-def test_a_failing_or_stalled_rank_ends_the_run_and_is_named(tmp_path):
-    runs = {fault: _start([FAULTS, "--world-size", "2", "--fault", fault, "--bad-rank", "1",
+def test_a_failing_stalled_or_unread_rank_ends_the_run(tmp_path):
+    """A rank that raises, is killed or stalls ends the run and is named. A closed output
+    (``python script.py | head -1``): the next print raises BrokenPipeError, in a rank (the
+    launcher used to report it as the rank's failure, with its traceback) or in the parent (a
+    traceback); now the run ends without a word, as a Unix tool does. (One test: the runs start
+    side by side, and the closed outputs' ends overlap the stalled rank's timeout.)"""
+    one_rank = [FAULTS, "--world-size", "1", "--bad-rank", "0", "--fault", "none", "--backend",
+                "gloo", "--device", "cpu"]
+    unread = {"rank": _start_without_a_reader(one_rank, tmp_path / "unread_rank"),
+              "parent": _start_without_a_reader(["-c", "from common import launch\n"
+                                                 "for i in range(3):\n    print(i, flush=True)"],
+                                                tmp_path / "unread_parent")}
+    runs = {fault: start_script([FAULTS, "--world-size", "2", "--fault", fault, "--bad-rank", "1",
                            "--backend", "gloo", "--device", "cpu"], tmp_path / fault,
                           env={"DIST_TIMEOUT_S": "6"})
             for fault in ("raise", "kill", "stop")}
@@ -103,19 +75,65 @@ def test_a_failing_or_stalled_rank_ends_the_run_and_is_named(tmp_path):
         if fault != "stop":  # the others notice in well under the collective timeout
             assert time.time() - planted < 30, (fault, time.time() - planted)
         assert not list((tmp_path / fault).iterdir()), f"{fault}: temporary files left"
+    for who, proc in unread.items():
+        err = proc.communicate(timeout=90)[1]
+        assert proc.returncode == 1 and err == "", (who, proc.returncode, err[-3000:])
+        assert not list((tmp_path / f"unread_{who}").iterdir()), f"{who}: temporary files left"
 
 
-def test_ctrl_c_to_the_parent_alone_keeps_finished_rows(tmp_path):
+def test_joining_a_rank_that_waits_says_what_for_and_one_that_cannot_is_recorded(
+        monkeypatch, capfd):
+    """A rank whose peers never come (an unreachable MASTER_ADDR, rank 0 not started) used to
+    wait DIST_TIMEOUT_S (300 s) without a word. Now it says, once, after half of that (at most
+    10 s), where it waits and for how long; then torch's timeout ends the wait. A rank that
+    cannot even join (rank 0's port taken) is recorded like any failure, so the launcher names
+    it (as the raising rank above); both in this process, as one rank of two."""
+    port = launch.free_port()  # nobody listens there: rank 0 never comes
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.setenv("DIST_TIMEOUT_S", "1")
+    with pytest.raises(RuntimeError, match="timed out"):
+        launch._run_worker(print, 1, 2, 1, "gloo", "cpu", ())
+    notes = [line for line in capfd.readouterr().err.splitlines() if "still waiting" in line]
+    assert notes == [f"[rank 1] still waiting, after 0.5 s, for the other 1 rank(s) to join the "
+                     f"process group at 127.0.0.1:{port} (rank 0 listens there); torch's limit "
+                     "for this wait is DIST_TIMEOUT_S = 1 s"], notes
+    recorded = []
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
+        with pytest.raises(RuntimeError, match="EADDRINUSE"):
+            launch._run_worker(print, 0, 2, 0, "gloo", "cpu", (), lambda: recorded.append(1))
+    assert recorded == [1]
+
+
+def test_a_rank_that_cannot_start_shows_why():
+    """When a process's start() raises (here: an argument spawn cannot pickle; also a script
+    without the ``if __name__ == "__main__":`` guard), the launcher used to join processes
+    never started and raise AssertionError, hiding the real error."""
+    with pytest.raises(Exception) as e:
+        launch.launch(fit_file_worker, launch.LaunchConfig(2, "gloo", "cpu"), lambda: None)
+    assert not isinstance(e.value, AssertionError) and "pickle" in str(e.value), repr(e.value)
+
+
+def test_ctrl_c_to_the_parent_alone_ends_every_rank_and_keeps_finished_rows(tmp_path):
     results_dir = tmp_path / "results"
-    proc = _start([REPO / "02_allreduce_bench" / "allreduce_bench.py", "--backend", "gloo",
+    proc = start_script([REPO / "02_allreduce_bench" / "allreduce_bench.py", "--backend", "gloo",
                    "--device", "cpu", "--sizes", "4KB,64KB,1MB,4MB,16MB,64MB,256MB",
-                   "--world-sizes", "2"], tmp_path / "tmp", env={"RESULTS_DIR": str(results_dir)})
+                   "--world-sizes", "2", "--warmup", "1", "--iters", "3"], tmp_path / "tmp",
+                  env={"RESULTS_DIR": str(results_dir)})
     lines = []
-    _wait_for(proc, r"ws=2 64KB ring_pipelined:", lines)
+    wait_for_line(proc, r"ws=2 64KB ring_pipelined:", lines)
+    ranks = [pid for pid in children(proc.pid)  # not multiprocessing's resource tracker
+             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     proc.send_signal(signal.SIGINT)  # the parent only: not a terminal's process-group Ctrl-C
     assert proc.wait(timeout=60) == 130
     out, err = "".join(lines) + proc.stdout.read(), proc.stderr.read()
-    assert "Traceback" not in err and "stopped by SIGINT" in err, err
+    assert "Traceback" not in err and "stopped by SIGINT: all 2 ranks ended; results written " \
+        "before this point are kept" in err.splitlines(), err
+    assert len(ranks) == 2 and not any(alive(pid) for pid in ranks), ranks  # ended, joined
+    assert not list((tmp_path / "tmp").iterdir()), "temporary files left"
     rows = results.read_csv("allreduce.csv", results_dir)
     assert 6 <= len(rows) < 21 and all(float(r["busbw_gbps"]) > 0 for r in rows), out
     assert "fit of the backend's times" in out  # the report of what finished
@@ -186,17 +204,42 @@ def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monk
                             needle)
 
 
-def test_a_taken_port_and_a_sweep_with_nothing_measured_end_with_a_reason(tmp_path, capfd):
-    """A rank that cannot even join the group is named; a sweep that skipped everything
-    exits non-zero, with the reasons."""
-    import socket
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        r = subprocess.run([sys.executable, str(FAULTS), "--fault", "none", "--backend", "gloo",
-                            "--device", "cpu"], cwd=REPO, capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "MASTER_PORT": str(taken.getsockname()[1])})
-    assert r.returncode == 1 and "failed first" in r.stderr and "EADDRINUSE" in r.stderr, r.stderr
+@pytest.mark.parametrize("name, value, needle", [
+    ("DIST_TIMEOUT_S", "1e30", "DIST_TIMEOUT_S='1e30': give the seconds a rank waits for its "
+                               "peers, from 0.001 to 604800 (a week)"),  # an OverflowError
+    ("DIST_TIMEOUT_S", "0.0004", "from 0.001"),  # torch's whole milliseconds: an instant timeout
+    ("DIST_TIMEOUT_S", "nan", "from 0.001"),
+    ("MASTER_PORT", "abc", "MASTER_PORT='abc': give a TCP port from 1 to 65535"),  # a traceback
+    ("MASTER_PORT", "70000", "MASTER_PORT='70000'"),  # the workers started, then a traceback
+    ("MASTER_PORT", "0", "MASTER_PORT='0'"),
+    ("MASTER_ADDR", "bad..host", "MASTER_ADDR='bad..host' does not resolve"),
+    ("RESULTS_DIR", "", "RESULTS_DIR is set but empty"),  # wrote into the current folder
+])
+def test_environment_variables_out_of_range_are_refused(name, value, needle, monkeypatch,
+                                                        capsys):
+    monkeypatch.setenv(name, value)
+    assert_main_usage_error(naive_ddp.main, ["--backend", "gloo", "--device", "cpu"], capsys,
+                            needle)
+
+
+def test_a_lock_or_trace_folder_that_cannot_work_is_refused_up_front(tmp_path, monkeypatch,
+                                                                     capsys):
+    """A folder where a results lock goes: the whole run, then its rows lost (IsADirectoryError).
+    A trace folder that cannot be made: the profiled steps, then a traceback."""
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    (tmp_path / ".ddp_profile.csv.lock").mkdir()
+    for argv, needle in [([], f"{tmp_path / '.ddp_profile.csv.lock'} is a folder: results locks "
+                              "go there"),
+                         (["--bench"], ".ddp_profile.csv.lock is a folder")]:
+        assert_main_usage_error(overlap_ddp.main, ["--backend", "gloo", "--device", "cpu", *argv],
+                                capsys, needle)
+    (tmp_path / ".ddp_profile.csv.lock").rmdir()
+    assert_main_usage_error(overlap_ddp.main, ["--profile", "--trace-dir", "/dev/null/x"], capsys,
+                            "argument --trace-dir: '/dev/null/x': /dev/null is not a folder")
+
+
+def test_a_sweep_with_nothing_measured_ends_with_a_reason(capfd):
+    """A sweep that skipped everything exits non-zero, with the reasons."""
     with pytest.raises(SystemExit) as e:  # 4 KB over a 1 ns budget: every configuration skipped
         allreduce_bench.main(["--backend", "gloo", "--device", "cpu", "--sizes", "4KB",
                               "--world-sizes", "2", "--budget-s", "1e-9"])
@@ -215,3 +258,25 @@ def test_an_unreadable_csv_is_moved_aside_not_overwritten(tmp_path, monkeypatch,
     aside = list(tmp_path.glob("ddp_step.csv.corrupt-*"))
     assert len(aside) == 1 and "naive,1.0" in aside[0].read_text()  # nothing lost
     assert results.read_csv("ddp_step.csv") == [{"impl": "overlap", "step_ms": "3.0"}]
+
+
+def test_a_header_alone_is_valid_and_files_keep_the_umasks_mode(tmp_path, monkeypatch, capsys):
+    """A CSV with a header and no rows was called unreadable and moved aside; every CSV and JSON
+    write left the file 0600, so a shared results folder became unreadable to others."""
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    (tmp_path / "ddp_step.csv").write_text("impl,step_ms,note\n")
+    assert results.read_csv("ddp_step.csv") == []
+    results.upsert_csv("ddp_step.csv", [{"impl": "flat", "step_ms": 2.0}], key=["impl"])
+    assert capsys.readouterr().err == "" and list(tmp_path.glob("*.corrupt-*")) == []
+    assert (tmp_path / "ddp_step.csv").read_text().splitlines() == ["impl,step_ms,note",
+                                                                    "flat,2.0,"]
+    old_umask = os.umask(0o027)
+    try:
+        results.write_json("new.json", {})
+        results.upsert_csv("new.csv", [{"a": 1}], key=["a"])
+        os.chmod(tmp_path / "ddp_step.csv", 0o664)  # a mode of the user's own choosing: kept
+        results.upsert_csv("ddp_step.csv", [{"impl": "naive", "step_ms": 1.0}], key=["impl"])
+    finally:
+        os.umask(old_umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.suffix != ".lock"}
+    assert modes == {"new.json": 0o640, "new.csv": 0o640, "ddp_step.csv": 0o664}, modes
