@@ -252,21 +252,31 @@ def fsdp_step(fsdp, optimizer, step: int, batch_size: int, group) -> float:
 
 
 def fsdp_full_state(fsdp, optimizer, full_shapes: dict, group) -> dict:
-    """What FSDP holds, made whole again without the checkpoint: every rank's padded block
-    gathered (all_gather), the padding cut off; 1-D tensors are whole everywhere."""
+    """What FSDP holds, made whole again without the checkpoint: every rank's padded blocks
+    gathered (one all_gather of them all, flattened), the padding cut off; 1-D tensors are
+    whole everywhere."""
     world_size = dist.get_world_size(group)
     state = {}
+    blocks = []                                 # (full name, rows of the full tensor, block)
     for name, p in fsdp.module.named_parameters():
         tensors = {f"model.{name}": p.detach()}
         for key, value in optimizer.state[p].items():
             tensors[f"optimizer.{name}.{key}"] = value
         for full_name, local in tensors.items():
             if local.dim() >= 2:
-                blocks = [torch.empty_like(local) for _ in range(world_size)]
-                dist.all_gather(blocks, local.contiguous(), group=group)
-                state[full_name] = torch.cat(blocks)[:full_shapes[name][0]]
+                blocks.append((full_name, full_shapes[name][0], local))
             else:
                 state[full_name] = local.detach().clone()
+    flat = torch.cat([local.reshape(-1) for _, _, local in blocks])
+    everyone = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(everyone, flat, group=group)
+    offset = 0
+    for full_name, rows, local in blocks:
+        pieces = []
+        for theirs in everyone:                 # rank r's block of this tensor, rank by rank
+            pieces.append(theirs[offset:offset + local.numel()].view_as(local))
+        state[full_name] = torch.cat(pieces)[:rows]
+        offset += local.numel()
     return state
 
 
@@ -322,31 +332,51 @@ def fsdp_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
         losses.append(fsdp_step(fsdp, optimizer, step, batch_size, None))
     never_stopped = weights_of(fsdp_full_state(fsdp, optimizer, full_shapes, None))
     folder = checkpoint.latest_checkpoint(root / "fsdp")
-    group = dist.new_group(list(range(smaller)))          # every rank makes every group
+    found, target_rows, worst = fsdp_smaller_problems(ctx, folder, saved, full_shapes,
+                                                      never_stopped, losses)
+    problems += found
+    rows += target_rows
+    if ctx.rank == 0:
+        found, difference = one_process_problems(f"FSDP {world_size}", folder, saved,
+                                                 never_stopped, losses, batch_size)
+        problems += found
+        worst = max(worst, difference)
+    return problems, rows, worst
+
+
+def fsdp_smaller_problems(ctx, folder, saved: dict, full_shapes: dict, never_stopped=None,
+                          losses=None) -> tuple[list[str], list[dict], float]:
+    """The FSDP checkpoint of W ranks ``folder`` loaded by FSDP at W - 1 ranks: the bytes read
+    by each (the formula), the state made whole bitwise equal to ``saved``; with
+    ``never_stopped``: steps 3 and 4 from it equal to the run that never stopped."""
+    _, fsdp_mod, _, _ = lessons()
+    smaller = ctx.world_size - 1
+    batch_size = ctx.world_size * smaller
+    label = f"FSDP {ctx.world_size} -> FSDP {smaller}"
+    problems = []
+    rows = []
     worst = 0.0
-    if ctx.rank < smaller:
-        target = fsdp_mod.FSDP(tiny_lm(seed=2), process_group=group)
-        target_optimizer = torch.optim.AdamW(target.parameters(), lr=LR, eps=ADAM_EPS)
-        target_layout = layouts.fsdp_layout(target, target_optimizer, full_shapes, group)
-        stats = checkpoint.load(folder, target_layout, group=group)
-        want = fsdp_bytes(full_shapes, ctx.rank, smaller, written=False)
-        problems += count_problem(label, "read", stats["bytes_read"], want)
-        problems += count_problem(label, "needed", stats["bytes_needed"], want)
-        rows.append({"case": f"load FSDP {smaller}", "rank": ctx.rank,
-                     "bytes": stats["bytes_read"], "expected": want})
-        loaded = fsdp_full_state(target, target_optimizer, full_shapes, group)
-        problems += bitwise_problems(label, loaded, saved)
+    group = dist.new_group(list(range(smaller)))          # every rank makes every group
+    if ctx.rank >= smaller:
+        return problems, rows, worst
+    target = fsdp_mod.FSDP(tiny_lm(seed=2), process_group=group)
+    target_optimizer = torch.optim.AdamW(target.parameters(), lr=LR, eps=ADAM_EPS)
+    target_layout = layouts.fsdp_layout(target, target_optimizer, full_shapes, group)
+    stats = checkpoint.load(folder, target_layout, group=group)
+    want = fsdp_bytes(full_shapes, ctx.rank, smaller, written=False)
+    problems += count_problem(label, "read", stats["bytes_read"], want)
+    problems += count_problem(label, "needed", stats["bytes_needed"], want)
+    rows.append({"case": f"load FSDP {smaller}", "rank": ctx.rank,
+                 "bytes": stats["bytes_read"], "expected": want})
+    loaded = fsdp_full_state(target, target_optimizer, full_shapes, group)
+    problems += bitwise_problems(label, loaded, saved)
+    if never_stopped is not None:
         target_losses = []
         for step in (2, 3):
             target_losses.append(fsdp_step(target, target_optimizer, step, batch_size, group))
         continued = weights_of(fsdp_full_state(target, target_optimizer, full_shapes, group))
         found, worst = close_problems(label, continued, never_stopped, target_losses, losses)
         problems += found
-    if ctx.rank == 0:
-        found, difference = one_process_problems(f"FSDP {world_size}", folder, saved,
-                                                 never_stopped, losses, batch_size)
-        problems += found
-        worst = max(worst, difference)
     return problems, rows, worst
 
 
@@ -636,11 +666,11 @@ def refusal(folder, layout, group=None) -> dict:
     return result
 
 
-def damaged_case(ctx, root: Path) -> tuple[list[str], dict]:
-    """Every damaged checkpoint refused on every rank, one line naming the file, nothing
-    loaded; the rows case found by exactly the rank that reads those rows."""
+def damaged_case(ctx, folder: Path, root: Path) -> tuple[list[str], dict]:
+    """Damaged copies of the FSDP checkpoint of W ranks ``folder`` (made under ``root``), each
+    loaded back at W ranks: refused on every rank, one line naming the file, nothing loaded;
+    each found by exactly the ranks that read what is damaged."""
     _, fsdp_mod, _, _ = lessons()
-    folder = checkpoint.latest_checkpoint(root / "fsdp")
     cases = None
     if ctx.rank == 0:
         cases = damage(folder, root / "damaged", ctx.world_size)
@@ -724,7 +754,7 @@ def run_checks(ctx, root: Path, cases=CASES) -> dict:
         rows += case_rows
         worst = max(worst, difference)
     if "damaged" in cases:
-        found, damaged = damaged_case(ctx, root)
+        found, damaged = damaged_case(ctx, checkpoint.latest_checkpoint(root / "fsdp"), root)
         problems += found
     all_rows = [None] * ctx.world_size
     dist.all_gather_object(all_rows, rows)
