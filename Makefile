@@ -73,6 +73,7 @@ test: install
 	$(PYTHON) 07_parallelism/04_pipeline_parallel/run_pipeline.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/05_context_parallel/run_context_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/06_expert_parallel/run_expert_parallel.py --backend gloo --device cpu --world-size 4
+	$(PYTHON) 07_parallelism/08_checkpoints/run_checkpoint.py --backend gloo --device cpu --world-size 4
 
 # The algorithm part of a stage file: from its imports to the harness marker.
 ALGORITHM = sed -n '/^from __future__/,/^\# -* harness/p'

@@ -39,24 +39,25 @@ from helpers import REPO, assert_main_usage_error
 # --------------------------------------------------------------------------- planted bugs
 
 
-def place_ignoring_offsets(staging, local_box, full_box, overlap, values):
+def place_ignoring_offsets(staging, local_box, full_box, overlap):
     """Planted: every overlap put at the start of the local box, whatever its offset."""
     where = []
     for (local_start, _), (start, stop) in zip(local_box, overlap):
         where.append([local_start, local_start + stop - start])
-    staging[checkpoint.as_index(where)] = values
+    return staging[checkpoint.as_index(where)]
 
 
 ORIGINAL_READ_OVERLAP = checkpoint.Reader.read_overlap
 
 
-def read_whole_saved_boxes(self, name, saved, overlap):
+def read_whole_saved_boxes(self, name, saved, overlap, region):
     """Planted: each saved box read whole, then cut to the overlap (reads more than it holds)."""
-    values = ORIGINAL_READ_OVERLAP(self, name, saved, saved["box"])
+    whole = torch.empty(checkpoint.box_shape(saved["box"]), dtype=region.dtype)
+    ORIGINAL_READ_OVERLAP(self, name, saved, saved["box"], whole)
     index = []
     for (start, stop), (saved_start, _) in zip(overlap, saved["box"]):
         index.append(slice(start - saved_start, stop - saved_start))
-    return values[tuple(index)]
+    region.copy_(whole[tuple(index)])
 
 
 def no_checksum_check(self, *args):
@@ -90,15 +91,18 @@ def save_manifest_first(root, layout, step, rank_that_dies):
     if rank == 0:
         checkpoint.prepare_folder(folder)
     dist.barrier()
-    data, records = checkpoint.pack(layout, {})
+    pieces, records = checkpoint.pack(layout, {})
+    size = 0
+    for piece in pieces:
+        size += piece.numel() * piece.element_size()
     file_name = f"rank_{rank:05d}.bin"
-    everyone = checkpoint.gather_to_rank_0((file_name, len(data), records), None)
+    everyone = checkpoint.gather_to_rank_0((file_name, size, records), None)
     if rank == 0:
         manifest = checkpoint.build_manifest(step, "fsdp", dist.get_world_size(), {}, everyone)
         checkpoint.commit_manifest(folder, manifest)
     dist.barrier()
     if rank != rank_that_dies:
-        checkpoint.write_file(folder / file_name, data)
+        checkpoint.write_file(folder / file_name, pieces)
     dist.barrier()
 
 
@@ -185,9 +189,10 @@ def crash_worker(ctx, root_text: str) -> None:
         (root / "findings.json").write_text(json.dumps(findings))
     dist.barrier()
     if ctx.rank == 1:                       # killed while writing its file: half of it on disk
-        def write_half_then_die(path, data):
+        def write_half_then_die(path, pieces):
             with open(path, "wb") as f:
-                f.write(data[:len(data) // 2])
+                for piece in pieces[:len(pieces) // 2]:
+                    f.write(checkpoint.memory_of(piece))
             os.kill(os.getpid(), signal.SIGKILL)
         checkpoint.write_file = write_half_then_die
     run_checkpoint.fsdp_step(fsdp, optimizer, 1, 2 * ctx.world_size, None)

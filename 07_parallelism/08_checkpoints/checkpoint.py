@@ -68,6 +68,7 @@ Torch alone (and Python's standard library): copy this file anywhere.
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
 import re
@@ -221,16 +222,20 @@ def latest_checkpoint(root) -> Path | None:
     return found[-1][1]
 
 
-def pack(layout: list[dict], block_columns: dict) -> tuple[bytearray, list[dict]]:
-    """This rank's file, in memory: the boxes it writes, back to back, and a record of each
-    (name, full shape, dtype, box, offset, one CRC32 per unit). Nothing is written yet."""
-    total = 0
-    for entry in layout:
-        if entry["write"]:
-            for _, full_box in entry["boxes"]:
-                total += box_numel(full_box) * entry["tensor"].element_size()
-    data = bytearray(total)
-    view = memoryview(data)
+def memory_of(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy: a view that a file can be written
+    from or read into, and that zlib can check (ctypes sees the tensor's memory as bytes).
+    Valid while the tensor lives."""
+    size = tensor.numel() * tensor.element_size()
+    array = (ctypes.c_char * size).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
+    """What this rank writes: the pieces (its boxes, contiguous, on the CPU), in file order,
+    and a record of each (name, full shape, dtype, box, offset, one CRC32 per unit). Nothing is
+    written yet, and nothing is copied that is already contiguous in CPU memory."""
+    pieces = []
     records = []
     offset = 0
     for entry in layout:
@@ -240,21 +245,15 @@ def pack(layout: list[dict], block_columns: dict) -> tuple[bytearray, list[dict]
         element_size = tensor.element_size()
         blocks = block_columns.get(entry["name"], max(1, shape_last(entry["full_shape"])))
         for local_box, full_box in entry["boxes"]:
-            piece = tensor[as_index(local_box)].contiguous().reshape(-1)
-            size = piece.numel() * element_size
-            if offset % element_size == 0:      # the bytes seen as the tensor's dtype (fast)
-                destination = torch.frombuffer(view[offset:offset + size], dtype=tensor.dtype)
-            else:
-                destination = torch.frombuffer(view[offset:offset + size], dtype=torch.uint8)
-                piece = piece.view(torch.uint8)
-            destination.copy_(piece)                           # from a GPU too: one copy
-            checksums = unit_checksums(view[offset:offset + size], full_box, blocks, element_size)
+            piece = tensor[as_index(local_box)].contiguous().cpu()    # a GPU's: copied here
+            checksums = unit_checksums(memory_of(piece), full_box, blocks, element_size)
             records.append({"name": entry["name"], "shape": list(entry["full_shape"]),
                             "dtype": dtype_name(tensor.dtype), "block_columns": blocks,
                             "box": [list(pair) for pair in full_box], "offset": offset,
                             "crc32": encode_checksums(checksums)})
-            offset += size
-    return data, records
+            pieces.append(piece)
+            offset += piece.numel() * element_size
+    return pieces, records
 
 
 def shape_last(shape) -> int:
@@ -264,10 +263,11 @@ def shape_last(shape) -> int:
     return shape[-1]
 
 
-def write_file(path: Path, data: bytearray) -> None:
-    """Write and fsync: on disk before the manifest can name it."""
+def write_file(path: Path, pieces: list) -> None:
+    """Write the pieces back to back, and fsync: on disk before the manifest can name them."""
     with open(path, "wb") as f:
-        f.write(data)
+        for piece in pieces:
+            f.write(memory_of(piece))
         f.flush()
         os.fsync(f.fileno())
 
@@ -360,14 +360,17 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
         problem = prepare_folder(folder)
     agree_with_rank_0(problem, group)
     # 2. Every rank writes the boxes it writes (a replica: one rank) to its own file.
-    data, records = pack(layout, block_columns or {})
+    pieces, records = pack(layout, block_columns or {})
+    size = 0
+    for piece in pieces:
+        size += piece.numel() * piece.element_size()
     file_name = None
-    if len(data) > 0:
+    if size > 0:
         file_name = f"rank_{rank:05d}.bin"
-        write_file(folder / file_name, data)
+        write_file(folder / file_name, pieces)
     # 3. Rank 0 gathers every description: each rank sends it after its file is on disk, so
     #    when rank 0 has them all, every file is complete. Then, LAST, the manifest.
-    mine = (file_name, len(data), records)
+    mine = (file_name, size, records)
     everyone = gather_to_rank_0(mine, group)
     manifest_bytes = 0
     problem = None
@@ -381,7 +384,7 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
         else:
             problem = f"{folder}: not saved: {problem}"
     agree_with_rank_0(problem, group)
-    return {"folder": folder, "bytes_written": len(data), "manifest_bytes": manifest_bytes}
+    return {"folder": folder, "bytes_written": size, "manifest_bytes": manifest_bytes}
 
 
 def prune(root, keep: int) -> None:
@@ -499,10 +502,12 @@ class Reader:
             f.close()
         self.files = {}
 
-    def read_overlap(self, name: str, saved: dict, overlap) -> torch.Tensor:
-        """The values of ``overlap`` (a box inside the saved box), read from the file: the
-        rows of the overlap, each row only the columns it needs, widened to whole units if
-        the overlap cuts one (never here: see the module docstring); every unit checked."""
+    def read_overlap(self, name: str, saved: dict, overlap, region: torch.Tensor) -> None:
+        """Fill ``region`` (where this rank holds it) with the values of ``overlap`` (a box
+        inside the saved box), read from the file: the rows of the overlap, each row only the
+        columns it needs, widened to whole units if the overlap cuts one (no layout here does:
+        see the module docstring); every unit checked. Whole rows into a contiguous region
+        are read straight into it; anything else through a buffer."""
         info = self.manifest["tensors"][name]
         dtype = dtype_from_name(info["dtype"])
         element_size = torch.empty((), dtype=dtype).element_size()
@@ -518,11 +523,16 @@ class Reader:
         left = cuts[first_unit]                          # what is read of each row
         right = cuts[last_unit]
         rows = saved_rows(box, overlap)
-        buffer = bytearray(len(rows) * (right - left) * element_size)
-        view = memoryview(buffer)
+        whole_rows = left == 0 and right == width
+        straight = whole_rows and region.is_contiguous()
+        if straight:
+            buffer = region
+        else:
+            buffer = torch.empty(len(rows) * (right - left), dtype=dtype)
+        view = memory_of(buffer)
         f = self.open(saved["file"])
         position = 0
-        for first_row, row_count in row_runs(rows, whole_rows=(left == 0 and right == width)):
+        for first_row, row_count in row_runs(rows, whole_rows):
             start = saved["offset"] + (first_row * width + left) * element_size
             size = row_count * (right - left) * element_size
             got = read_into(f, start, view[position:position + size])
@@ -534,9 +544,9 @@ class Reader:
             self.reads += 1
         self.check_units(name, saved, view, rows, cuts, first_unit, last_unit, element_size)
         self.bytes_needed += box_numel(overlap) * element_size
-        values = torch.frombuffer(buffer, dtype=torch.uint8).view(dtype)
-        values = values.view(len(rows), right - left)[:, first - left:last - left]
-        return values.reshape(box_shape(overlap))
+        if not straight:
+            values = buffer.view(len(rows), right - left)[:, first - left:last - left]
+            region.copy_(values.reshape(box_shape(overlap)))
 
     def check_units(self, name, saved, view, rows, cuts, first_unit, last_unit,
                     element_size) -> None:
@@ -597,32 +607,38 @@ def row_runs(rows: list[int], whole_rows: bool) -> list[tuple[int, int]]:
     return runs
 
 
-def place(staging: torch.Tensor, local_box, full_box, overlap, values: torch.Tensor) -> None:
-    """Put the overlap's values where it sits in this rank's tensor: its offset inside the
-    full box, moved to the local box."""
+def place(staging: torch.Tensor, local_box, full_box, overlap) -> torch.Tensor:
+    """Where the overlap sits in this rank's tensor: its offset inside the full box, moved to
+    the local box. Returns that region of ``staging`` (a view)."""
     where = []
     for (local_start, _), (full_start, _), (start, stop) in zip(local_box, full_box, overlap):
         where.append([start - full_start + local_start, stop - full_start + local_start])
-    staging[as_index(where)] = values
+    return staging[as_index(where)]
 
 
 def read_layout(folder: Path, manifest: dict, layout: list[dict]) -> tuple[list, Reader]:
-    """Every tensor of the layout, assembled in a buffer of its own (zeros where no box is:
-    FSDP's padding): for each of its boxes, the overlap with each saved box."""
+    """Every tensor of the layout, assembled in a buffer of its own (on the CPU; zeros where no
+    box is: FSDP's padding): for each of its boxes, the overlap with each saved box."""
     reader = Reader(folder, manifest)
     staged = []
     try:
         for entry in layout:
             tensor = entry["tensor"]
-            staging = torch.zeros(tensor.shape, dtype=tensor.dtype)
+            held = 0
+            for local_box, _ in entry["boxes"]:
+                held += box_numel(local_box)
+            if held == tensor.numel():
+                staging = torch.empty(tensor.shape, dtype=tensor.dtype)
+            else:                               # zeros where no box is (FSDP's padding)
+                staging = torch.zeros(tensor.shape, dtype=tensor.dtype)
             saved_boxes = manifest["tensors"][entry["name"]]["slices"]
             for local_box, full_box in entry["boxes"]:
                 for saved in saved_boxes:
                     overlap = intersect(saved["box"], full_box)
                     if overlap is None:
                         continue
-                    values = reader.read_overlap(entry["name"], saved, overlap)
-                    place(staging, local_box, full_box, overlap, values)
+                    region = place(staging, local_box, full_box, overlap)
+                    reader.read_overlap(entry["name"], saved, overlap, region)
             staged.append(staging)
     finally:
         reader.close()
