@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 FORMAT = "distributed-training-from-scratch/checkpoint/1"
 MANIFEST = "manifest.json"
-FOLDER = re.compile(r"step_(\d{9})$")
+FOLDER = re.compile(r"step_(\d+)$")
 
 
 class CheckpointError(Exception):
@@ -227,6 +227,8 @@ def memory_of(tensor: torch.Tensor) -> memoryview:
     from or read into, and that zlib can check (ctypes sees the tensor's memory as bytes).
     Valid while the tensor lives."""
     size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(bytearray())
     array = (ctypes.c_char * size).from_address(tensor.data_ptr())
     return memoryview(array).cast("B")
 
@@ -304,22 +306,34 @@ def prepare_folder(folder: Path) -> str | None:
 
 
 def build_manifest(step: int, layout_name: str, world_size: int, meta: dict,
-                   everyone: list) -> dict:
-    """Rank 0: every rank's (file name, file size, records) -> the manifest."""
+                   everyone: list) -> tuple[dict, str | None]:
+    """Rank 0: every rank's (file name, file size, records) -> the manifest, and the first
+    problem: ranks that disagree on a tensor's shape, dtype or units, or boxes that do not
+    tile a tensor."""
     files = {}
     tensors = {}
+    problem = None
     for file_name, file_size, records in everyone:
         if file_name is not None:
             files[file_name] = file_size
         for record in records:
             name = record["name"]
+            described = {"shape": record["shape"], "dtype": record["dtype"],
+                         "block_columns": record["block_columns"]}
             if name not in tensors:
-                tensors[name] = {"shape": record["shape"], "dtype": record["dtype"],
-                                 "block_columns": record["block_columns"], "slices": []}
+                tensors[name] = {**described, "slices": []}
+            for key, value in described.items():
+                if tensors[name][key] != value and problem is None:
+                    problem = (f"{name}: {file_name} says {key} {value}, an earlier file "
+                               f"{tensors[name][key]}")
             tensors[name]["slices"].append({"file": file_name, "offset": record["offset"],
                                             "box": record["box"], "crc32": record["crc32"]})
-    return {"format": FORMAT, "step": step, "layout": layout_name, "world_size": world_size,
-            "meta": meta, "files": files, "tensors": tensors}
+    for name, info in tensors.items():
+        if problem is None:
+            problem = tiling_problem(name, info)
+    manifest = {"format": FORMAT, "step": step, "layout": layout_name,
+                "world_size": world_size, "meta": meta, "files": files, "tensors": tensors}
+    return manifest, problem
 
 
 def tiling_problem(name: str, info: dict) -> str | None:
@@ -375,9 +389,7 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
     manifest_bytes = 0
     problem = None
     if rank == 0:
-        manifest = build_manifest(step, layout_name, world_size, meta or {}, everyone)
-        for name, info in manifest["tensors"].items():
-            problem = problem or tiling_problem(name, info)
+        manifest, problem = build_manifest(step, layout_name, world_size, meta or {}, everyone)
         if problem is None:
             manifest_bytes = commit_manifest(folder, manifest)
             prune(root, keep)

@@ -170,14 +170,12 @@ def parameter_names() -> list[str]:
     return [name for name, _ in tiny_lm(0).named_parameters()]
 
 
-def full_state_bytes(with_optimizer: bool = True) -> int:
+def full_state_bytes() -> int:
     """The tiny LM's state, each element once: weights, and AdamW's two moments and a step
     (4 bytes) per parameter."""
     total = 0
     for p in tiny_lm(0).parameters():
-        total += p.numel() * 4
-        if with_optimizer:
-            total += 2 * p.numel() * 4 + 4
+        total += 3 * p.numel() * 4 + 4
     return total
 
 
