@@ -3,12 +3,13 @@
 One 4-rank launch runs the lesson's own checks (``run_checkpoint.run_checks``: FSDP 4 -> FSDP 3
 and one process, (dp, tp) = (2, 2) -> (pp, dp) = (2, 2) and one process, ZeRO-1 at 3 -> plain
 AdamW; bitwise loads, continued training equal to training that never stopped, bytes written
-and read counted against formulas, damaged checkpoints refused), then the same checks with a
-planted bug each (negative controls), then a save during which rank 1 is killed. A second test
-drives lesson 7's train.py: a run killed mid-training and restarted by the test, a run under
-``torchrun --max-restarts=1`` that restarts itself, and a resume that restarts the data order
-(planted), against a run that never stopped; then damaged and foreign checkpoints given to
-train.py, refused in one line with exit status 2.
+and read counted against formulas, damaged checkpoints refused), then, for each planted bug
+(negative controls), the check that must catch it, run with the bug in place, then a save
+during which rank 1 is killed. A second test drives lesson 7's train.py: a run killed
+mid-training and restarted by the test, a run under ``torchrun --max-restarts=1`` that restarts
+itself (beside the rest), and a resume that restarts the data order (planted), against a run
+that never stopped; then a damaged and a foreign checkpoint given to train.py, refused in one
+line with exit status 2. Bad flags are refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -438,14 +439,18 @@ def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path, capfd, monkeyp
     assert difference < TRAIN_ATOL, difference
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--checkpoint-every", "2"], "need --checkpoint-dir"),
-    (["--crash-at-step", "2"], "need --checkpoint-dir"),
-    (["--checkpoint-dir", "README.md"], "not a folder"),
+@pytest.mark.parametrize("main, argv, needle", [
+    (train.main, ["--checkpoint-every", "2"], "need --checkpoint-dir"),
+    (train.main, ["--crash-at-step", "2"], "need --checkpoint-dir"),
+    (train.main, ["--checkpoint-dir", "README.md"], "not a folder"),
+    (run_checkpoint.main, [], "give 2 ranks or more"),
+    (run_checkpoint.main, ["--bench", "--world-size", "2"], "give 3 ranks or more"),
+    (run_checkpoint.main, ["--iters", "0"], "is not a whole number >= 1"),
 ])
-def test_train_py_refuses_bad_checkpoint_flags(argv, needle, capsys, monkeypatch):
+def test_bad_flags_are_refused_before_any_worker_starts(main, argv, needle, capsys,
+                                                         monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("bad flags reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
     monkeypatch.chdir(REPO)
-    assert_main_usage_error(train.main, ["--world-size", "1", *argv], capsys, needle)
+    assert_main_usage_error(main, ["--world-size", "1", *argv], capsys, needle)

@@ -16,7 +16,8 @@ The layouts of the course, each a few lines:
 
 * DDP (stages 03-06) and one process: every rank holds everything; rank 0 writes it.
 * ZeRO-1 (lesson 1): every rank holds the weights, the owner of a parameter holds its AdamW
-  state; the owner writes both (its copy of the weights is the one it updated).
+  state; the owner writes both (its copy of the weights is the one it updated). ZeRO-2 holds
+  the same between steps (its gradients are not saved): the same layout.
 * FSDP (lesson 2), at any world size N: a weight of 2+ dimensions is held in padded row blocks,
   rank r rows [r k, (r+1) k) with k = ceil(rows / N), the padding (rows past the end) not in any
   box; 1-D parameters whole on every rank, written by rank 0.
