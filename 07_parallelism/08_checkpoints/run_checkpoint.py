@@ -879,7 +879,7 @@ def bench_main(ctx, args) -> None:
     """Save at 2 ranks and load at W, save at W and load at 2; ours and torch's alternately."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
-    from common import models, results, timing
+    from common import models
     root_text = None
     if ctx.is_main:
         root_text = args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-")
