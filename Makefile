@@ -75,6 +75,7 @@ test: install
 	$(PYTHON) 07_parallelism/05_context_parallel/run_context_parallel.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/06_expert_parallel/run_expert_parallel.py --backend gloo --device cpu --world-size 4
 	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 4 --dp 2 --tp 2 --steps 40 --log-every 20 --check
+	$(PYTHON) 07_parallelism/08_checkpoints/run_checkpoint.py --backend gloo --device cpu --world-size 4
 
 # The capstone on real text: one process, then the same run on a 2 x 2 grid (data x tensor
 # parallel); the second draws both loss curves in results/train_loss.png and samples text.

@@ -334,6 +334,8 @@ def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, 
 
     try:
         _run_worker(worker, rank, world_size, rank, backend, device, args, record_failure)
+    except SystemExit as stop:
+        sys.exit(2 if stop.code == 2 else 1)  # 2: bad input the ranks found, said in one line
     except BaseException:
         sys.exit(1)  # quietly: the parent prints the first failure, once
 
@@ -406,6 +408,8 @@ def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
             _kill(processes)
             if _reader_left(error_dir):  # our own output went too: stop as quietly
                 raise BrokenPipeError(errno.EPIPE, "the reader of this output has exited")
+            if _refused_bad_input(error_dir):
+                raise SystemExit(2)  # e.g. a damaged checkpoint: a rank said why, in one line
             _report_failure(codes, error_dir, stalled)
             raise SystemExit(1)
         if deadline is not None and time.monotonic() > deadline:
@@ -422,6 +426,15 @@ def _reader_left(error_dir: str) -> bool:
     """Whether a rank stopped because the reader of the output went away (``| head -1``)."""
     return any(Path(error_dir, name).read_text().partition("\n")[2] == READER_GONE
                for name in os.listdir(error_dir) if name.endswith(".err"))
+
+
+def _refused_bad_input(error_dir: str) -> bool:
+    """Whether every rank that failed exited with status 2: bad input only the ranks could see
+    (a damaged checkpoint, say), refused like a bad flag, its one line printed by a rank."""
+    texts = [Path(error_dir, name).read_text() for name in os.listdir(error_dir)
+             if name.endswith(".err")]
+    refusals = [text for text in texts if text.partition("\n")[2].startswith("exited with status 2 ")]
+    return len(texts) > 0 and len(refusals) == len(texts)
 
 
 def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:

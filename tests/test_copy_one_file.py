@@ -17,7 +17,8 @@ from helpers import REPO
 FILES = ["01_collectives/collectives.py", "02_allreduce_bench/allreduce_bench.py",
          "03_naive_ddp/naive_ddp.py", "04_flat_ddp/flat_ddp.py", "05_overlap_ddp/overlap_ddp.py",
          "06_bucketed_ddp/bucketed_ddp.py", "07_parallelism/03_tensor_parallel/tensor_parallel.py",
-         "07_parallelism/05_context_parallel/context_parallel.py"]
+         "07_parallelism/05_context_parallel/context_parallel.py",
+         "07_parallelism/08_checkpoints/checkpoint.py"]
 
 # 07's lessons whose algorithm file has no harness (their run_<lesson>.py has it)
 ALGORITHM_ONLY = ["07_parallelism/01_zero/zero.py", "07_parallelism/02_fsdp/fsdp.py",
@@ -209,6 +210,36 @@ if __name__ == "__main__":
         for got, want in zip(expert.parameters(), moe.experts[int(index)].parameters()):
             assert torch.allclose(got.grad, want.grad, atol=1e-6), index
     assert "common" not in sys.modules, "expert_parallel imported the repository's common"
+
+    ck = modules["checkpoint"]  # a sharded checkpoint of one rank, consolidated, then damaged
+    lay = load("layouts_alone", "layouts")  # 08's layouts: a file of their own, copied alone
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(torch.randn(3, 4)).square().mean().backward()
+    opt.step()
+    meta = {"parameter_order": [n for n, _ in net.named_parameters()],
+            "optimizer": lay.optimizer_options(opt)}
+    stats = ck.save("ckpt", lay.replicated_layout(net, opt), 1, "one process", meta)
+    assert stats["bytes_written"] == (8 * 4 + 8 + 2 * 8 + 2) * 4 * 3 + 4 * 4, stats
+    state = ck.consolidate(ck.latest_checkpoint("ckpt"))
+    twin = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    twin.load_state_dict(state["model"])
+    twin_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+    twin_opt.load_state_dict(state["optimizer"])
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()))
+    assert all(torch.equal(opt.state[a]["exp_avg"], twin_opt.state[b]["exp_avg"])
+               for a, b in zip(net.parameters(), twin.parameters()))
+    shard = "ckpt/step_000000001/rank_00000.bin"
+    damaged = bytearray(open(shard, "rb").read())
+    damaged[5] ^= 1
+    open(shard, "wb").write(damaged)
+    try:
+        ck.consolidate(ck.latest_checkpoint("ckpt"))
+        raise SystemExit("a corrupted checkpoint was loaded")
+    except ck.CheckpointError as e:
+        assert "rank_00000.bin: corrupted" in str(e) and "\n" not in str(e), e
+    assert "common" not in sys.modules, "08's checkpoint or layouts imported the repository's common"
     dist.destroy_process_group()
 
     for name, module in modules.items():  # the demo, run from a lone copy: one line
@@ -242,6 +273,9 @@ def test_every_stage_file_works_copied_alone(tmp_path):
         folder = tmp_path / path.split("/")[-2]
         folder.mkdir()
         shutil.copy(REPO / path, folder)
+    (tmp_path / "layouts_alone").mkdir()
+    shutil.copy(REPO / "07_parallelism" / "08_checkpoints" / "layouts.py",
+                tmp_path / "layouts_alone")  # no main(): the checkpoints' layouts, alone
     (tmp_path / "check.py").write_text(f"MODULES = {modules!r}\n" + textwrap.dedent(CHECK))
     r = subprocess.run([sys.executable, "check.py"], cwd=tmp_path, capture_output=True,
                        text=True, timeout=240,

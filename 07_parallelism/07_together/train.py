@@ -54,6 +54,12 @@ def lessons():
     return grid, parallel_lm, text_data
 
 
+def checkpoints_lesson():
+    """Lesson 8's checkpoints (--checkpoint-dir): save, resume, on any grid."""
+    from common import import_stage
+    return import_stage("07_parallelism/08_checkpoints/resume")
+
+
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1")
 CURVE_CSV = "train_curve.csv"
 SINGLE_PROCESS = "dp 1 x pp 1 x cp 1 x tp 1"
@@ -148,6 +154,17 @@ def train_main(ctx, args) -> None:
               parallel_lm.build_chunks(full_lm, grid, args.seq_len, args.chunks)]
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args, grid)
+    # lesson 8: resume from the newest checkpoint (step 0 without one), save as it goes
+    checkpoints = None
+    first_step = 0
+    if args.checkpoint_dir is not None:
+        checkpoints = checkpoints_lesson().TrainingCheckpoints(args, chunks, grid, optimizer,
+                                                               parallel_lm, full_lm)
+        first_step = checkpoints.resume()
+        if first_step >= args.steps:
+            ctx.print(f"{args.checkpoint_dir} is at step {first_step}: nothing left of --steps "
+                      f"{args.steps}", all_ranks=False)
+            return
     grid_text = f"dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp}"
     tokens_per_step = args.batch_size * args.seq_len
     parameter_count = sum(p.numel() for p in full_lm.parameters())
@@ -159,11 +176,13 @@ def train_main(ctx, args) -> None:
     ctx.print(parallel_lm_grid_picture(grid_mod, args), all_ranks=False)
     curve = []
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         inputs, targets = text.batch(step)
         result = parallel_lm.train_step(chunks, grid, args.schedule, args.micro_batches, inputs,
                                         targets, ctx.device)
         optimizer.step()
+        if checkpoints is not None:
+            checkpoints.after_step(step + 1)
         row = {"step": step + 1, "loss": result["loss"], "held_out_loss": float("nan")}
         last = step == args.steps - 1
         if (step + 1) % args.log_every == 0 or last:
@@ -174,8 +193,8 @@ def train_main(ctx, args) -> None:
                                          ctx.device))
             row["held_out_loss"] = sum(held_out) / len(held_out)
             elapsed = time.perf_counter() - start
-            tokens_per_s = (step + 1) * tokens_per_step / elapsed
-            left = elapsed / (step + 1) * (args.steps - step - 1)
+            tokens_per_s = (step + 1 - first_step) * tokens_per_step / elapsed
+            left = elapsed / (step + 1 - first_step) * (args.steps - step - 1)
             ctx.print(f"step {step + 1:5d}  loss {row['loss']:.3f}  held-out "
                       f"{row['held_out_loss']:.3f}  {tokens_per_s:8.0f} tokens/s  "
                       f"{left:5.0f} s left", all_ranks=False)
@@ -483,11 +502,27 @@ def main(argv=None) -> None:
                         help="steps of --check")
     parser.add_argument("--save-full", default=None,
                         help="write the trained model's full state dict (TransformerLM's names) here")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="lesson 8: resume from the newest complete checkpoint in this folder "
+                             "(on any grid), save into it at the end and every "
+                             "--checkpoint-every steps, keeping the newest two")
+    parser.add_argument("--checkpoint-every", type=launch.positive_int, default=None,
+                        help="with --checkpoint-dir: save every this many steps")
+    parser.add_argument("--crash-at-step", type=launch.positive_int, default=None,
+                        help="with --checkpoint-dir, to watch a resume: the last rank kills "
+                             "itself (SIGKILL) right after this step, on torchrun's first "
+                             "attempt only (torchrun --max-restarts=1 restarts and resumes)")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     if args.bench:
         bench.run(args, config, parser)     # the measurements instead of a training run
         return
+    if args.checkpoint_dir is None and (args.checkpoint_every is not None
+                                        or args.crash_at_step is not None):
+        parser.error("--checkpoint-every and --crash-at-step need --checkpoint-dir")
+    if args.checkpoint_dir is not None and Path(args.checkpoint_dir).exists() \
+            and not Path(args.checkpoint_dir).is_dir():
+        parser.error(f"--checkpoint-dir {args.checkpoint_dir}: not a folder")
     if args.dp is None:
         args.dp = max(1, config.world_size // (args.pp * args.cp * args.tp))
     check_grid(args, config.world_size, parser)
