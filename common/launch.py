@@ -254,6 +254,11 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
 
 
 # --------------------------------------------------------------------------- workers
+def rendezvous_timeout() -> datetime.timedelta:
+    """``DIST_TIMEOUT_S`` as a timedelta (``launch`` has a parameter named ``timeout_s``)."""
+    return datetime.timedelta(seconds=timeout_s())
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago (the OS picks it), so parallel runs never collide."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -303,7 +308,7 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
 
 
 def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, error_dir,
-                   parent_pid):
+                   parent_pid, parent_holds_store):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
 
     def exit_when_orphaned():  # the parent died, even by SIGKILL: we were re-parented
@@ -315,6 +320,8 @@ def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, 
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),  # as torchrun
                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
+    if parent_holds_store:  # every rank joins the parent's store as a client (see launch)
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     # Share the cores, as torchrun does: oversubscribed ranks would time each other's contention.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
@@ -332,12 +339,28 @@ def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, 
             f.write(f"{time.time()!r}\n{text}")
         os.replace(path + ".tmp", path)
 
+    code = 0
     try:
         _run_worker(worker, rank, world_size, rank, backend, device, args, record_failure)
     except SystemExit as stop:
-        sys.exit(2 if stop.code == 2 else 1)  # 2: bad input the ranks found, said in one line
+        code = 1
+        if stop.code == 2:
+            code = 2  # bad input the ranks found, said in one line
     except BaseException:
-        sys.exit(1)  # quietly: the parent prints the first failure, once
+        code = 1  # quietly: the parent prints the first failure, once
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """End a spawned rank without the interpreter's teardown: with torch loaded it costs a
+    second or more of CPU per rank (and torch's destructors have aborted a rank there). What
+    the rank wrote is closed by now; only the standard streams still need flushing."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass  # a reader that went away (| head -1), or a stream already closed
+    os._exit(code)
 
 
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
@@ -348,14 +371,22 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
     addr = master_addr()
-    port = master_port() or free_port()
+    port = master_port()
+    store = None
+    if port is None:
+        # This process holds the ranks' rendezvous store, on a port the OS picks and keeps for
+        # it: a port merely seen free could be taken by another process before rank 0 binds it.
+        # The ranks join the store as clients, as they do under torchrun's agent.
+        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=rendezvous_timeout())
+        port = store.port
     error_dir = tempfile.mkdtemp(prefix="launch-errors-")
     # daemon: the workers die with this process; so a worker cannot start processes of its
     # own (a DataLoader with num_workers > 0 would fail)
     processes = [multiprocessing.get_context("spawn").Process(
         target=_spawned_entry, daemon=True, args=(rank, worker, config.world_size, config.backend,
                                                   config.device, addr, port, args, error_dir,
-                                                  os.getpid()))
+                                                  os.getpid(), store is not None))
         for rank in range(config.world_size)]
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
     on_main_thread = threading.current_thread() is threading.main_thread()
