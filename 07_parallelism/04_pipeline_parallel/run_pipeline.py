@@ -292,6 +292,8 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
                              "sim": simulated, "gap": gap,
                              "formula": schedules.bubble_formula(name, stages, m, chunks_per_rank),
                              "step_ms": gather_times(pass_seconds).median * 1e3})
+                if ctx.is_main:
+                    write_rows(ctx, cfg, rows)
     return rows
 
 
@@ -314,9 +316,32 @@ def pipeline_parallel_main(ctx, cfg: dict) -> None:
         report(ctx, cfg, rows)
 
 
+def write_rows(ctx, cfg: dict, rows: list[dict]):
+    """Rank 0: upsert the settings measured so far into results/pipeline_bubble.csv (called as
+    each setting finishes, so a run stopped at make bench's cap keeps them)."""
+    from common.results import machine_name, run_id, upsert_csv
+    stages = ctx.world_size
+    size = {}
+    for key in ("layers", "d_model", "hidden", "batch"):
+        size[key] = cfg[key]
+    csv_rows = []
+    for row in rows:
+        for rank in range(stages):
+            csv_rows.append(dict(
+                backend=ctx.backend, device=ctx.device.type, world_size=stages, **size,
+                schedule=row["schedule"], micro_batches=row["m"], rank=rank,
+                idle_share=row["idle"][rank], idle_share_simulated=row["sim"][rank],
+                idle_share_formula=row["formula"], peak_held=row["peak"][rank],
+                step_ms=row["step_ms"], run_id=run_id(), emulated_ms=row["emulated_ms"],
+                chunks=row["v"], machine=machine_name()))
+    key = ["backend", "device", "world_size", *size, "schedule", "micro_batches", "chunks",
+           "emulated_ms", "rank"]
+    return upsert_csv("pipeline_bubble.csv", csv_rows, key=key)
+
+
 def report(ctx, cfg: dict, rows: list[dict]) -> None:
     """Rank 0: the table, the emulated-compute verdict, the timelines, the CSV."""
-    from common.results import machine_name, print_table, run_id, upsert_csv
+    from common.results import machine_name, print_table
     stages = ctx.world_size
     size = {}
     for key in ("layers", "d_model", "hidden", "batch"):
@@ -349,19 +374,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
           + verdict)
     for name in cfg["schedules"]:
         print("\n" + schedules.describe(name, stages, max(cfg["micro_batches"]), cfg["v"][name]))
-    csv_rows = []
-    for row in rows:
-        for rank in range(stages):
-            csv_rows.append(dict(
-                backend=ctx.backend, device=ctx.device.type, world_size=stages, **size,
-                schedule=row["schedule"], micro_batches=row["m"], rank=rank,
-                idle_share=row["idle"][rank], idle_share_simulated=row["sim"][rank],
-                idle_share_formula=row["formula"], peak_held=row["peak"][rank],
-                step_ms=row["step_ms"], run_id=run_id(), emulated_ms=row["emulated_ms"],
-                chunks=row["v"], machine=machine_name()))
-    key = ["backend", "device", "world_size", *size, "schedule", "micro_batches", "chunks",
-           "emulated_ms", "rank"]
-    path = upsert_csv("pipeline_bubble.csv", csv_rows, key=key)
+    path = write_rows(ctx, cfg, rows)
     print(f"\nwrote {path}")
 
 

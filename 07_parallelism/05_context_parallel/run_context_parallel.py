@@ -671,6 +671,8 @@ def bench_main(ctx, cfg: dict) -> None:
         seq_rows, problems = bench_sequence(ctx, cfg, seq, rings, single)
         rows += seq_rows
         failures += problems
+        if ctx.is_main:
+            write_bench_rows(ctx, rows)
         ctx.print(f"seq {seq}: done", all_ranks=False)
     failures = agree(failures)
     if ctx.is_main:
@@ -691,6 +693,19 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     return times["zigzag"] / times["contiguous"]
 
 
+def write_bench_rows(ctx, rows: list[dict]):
+    """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
+    sequence length, so a run stopped at make bench's cap keeps them)."""
+    same = {"backend": ctx.backend, "device": ctx.device.type}
+    csv_rows = []
+    for row in rows:
+        csv_rows.append({**same, **row, "machine": results.machine_name(),
+                         "run_id": results.run_id()})
+    return results.upsert_csv("context_parallel.csv", csv_rows,
+                              key=["backend", "device", "seq", "batch", "heads", "head_dim",
+                                   "impl", "W", "layout", "compute"])
+
+
 def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     machine = results.machine_name()
     print(f"\nOne causal attention layer, forward + backward, float32, batch {cfg['batch']}, "
@@ -705,13 +720,7 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
             del short["peak_bytes"]  # measured on a GPU only
         shown.append(short)
     results.print_table(shown, floatfmt=".3g")
-    same = {"backend": ctx.backend, "device": ctx.device.type}
-    csv_rows = []
-    for row in rows:
-        csv_rows.append({**same, **row, "machine": machine, "run_id": results.run_id()})
-    path = results.upsert_csv("context_parallel.csv", csv_rows,
-                              key=["backend", "device", "seq", "batch", "heads", "head_dim",
-                                   "impl", "W", "layout", "compute"])
+    path = write_bench_rows(ctx, rows)
     print(f"\nwrote {shown_path(path)}")
     print(f"\nTargets, measured in this run ({machine}):")
     longest = max(cfg["seqs"])

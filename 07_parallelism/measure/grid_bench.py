@@ -946,7 +946,11 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                         "per_rank": per_rank})
         ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step",
                   all_ranks=False)
+        if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
+            results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
     torch_rows = compare_with_torch(ctx, sizes, lessons)
+    if ctx.is_main:
+        results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
     ctx.print(f"  torch's composition beside ours: {torch_rows[1]['step_ms']:.1f} and "
               f"{torch_rows[0]['step_ms']:.1f} ms/step", all_ranks=False)
     pipeline_rows = compare_pipelines(ctx, sizes, lessons)

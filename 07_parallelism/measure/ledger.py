@@ -293,13 +293,15 @@ def mib_cell(row: dict, kind: str) -> str:
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
     """Each ``(impl, build)`` of ``strategies`` (see :func:`strategies`) with each
     ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>``
-    after every round (a run stopped later keeps them), then prints them and the targets."""
+    as each case finishes (a run stopped at make bench's cap keeps what it measured), then
+    prints them and the targets."""
     cases = []
     for impl, build in strategies:
         for checkpointing in args.checkpointing:
             cases.append((impl, build, checkpointing))
     seconds = [[] for _ in cases]
     counted = [None] * len(cases)
+    rows = [None] * len(cases)
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
             count = counted[index] is None  # count each case once, in its first round
@@ -310,11 +312,11 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
             median_here = sorted(case_seconds)[len(case_seconds) // 2]
             ctx.print(f"  round {round_number}/{args.rounds} {impl}, checkpointing {checkpointing}: "
                       f"{median_here * 1e3:.1f} ms/step on rank 0", all_ranks=False)
-        rows = []
-        for (impl, _, checkpointing), case_seconds, case_counted in zip(cases, seconds, counted):
-            rows.append(make_row(ctx, args, impl, checkpointing, case_seconds, case_counted))
-        if ctx.is_main:
-            path = results.upsert_csv(csv_name, rows, key=CSV_KEY)
+            # The case's row, its rounds so far pooled (a collective: on every rank).
+            rows[index] = make_row(ctx, args, impl, checkpointing, seconds[index], counted[index])
+            if ctx.is_main:
+                measured = [row for row in rows if row is not None]
+                path = results.upsert_csv(csv_name, measured, key=CSV_KEY)
     if ctx.is_main:
         kinds = list(KINDS)
         if ctx.device.type == "cuda":
