@@ -35,6 +35,19 @@ class CheckFailed(AssertionError):
     """A check failed somewhere: raised by ``agree`` on every rank at once."""
 
 
+def agree_on_problems(problems: list[str], group=None) -> list[str]:
+    """Every rank's list of problems, on every rank of ``group``, each named by its rank: one
+    verdict everywhere, so that every rank raises or none does (a rank raising alone would
+    leave the others waiting in their next collective). 07's run scripts use it."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, problems, group=group)
+    merged = []
+    for rank, rank_problems in enumerate(everyone):
+        for problem in rank_problems:
+            merged.append(f"rank {rank}: {problem}")
+    return merged
+
+
 def agree(problem: str | None, group=None) -> None:
     """One verdict for a check each rank made on its own. ``problem`` is None where it passed,
     else what differed and by how much. Every rank raises ``CheckFailed`` naming each rank

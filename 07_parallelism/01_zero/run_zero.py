@@ -43,16 +43,9 @@ def _repo() -> None:
 
 
 def agree_on_problems(ctx, problems: list[str]) -> list[str]:
-    """Every rank's problems, on every rank, each named by its rank: one verdict everywhere, so
-    that every rank raises or none does (a rank raising alone would leave the others waiting
-    in their next collective). The same in run_fsdp.py, on purpose: each script reads alone."""
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, problems)
-    merged = []
-    for rank, rank_problems in enumerate(everyone):
-        for problem in rank_problems:
-            merged.append(f"rank {rank}: {problem}")
-    return merged
+    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
+    from common import verify
+    return verify.agree_on_problems(problems)
 
 
 def tiny_lm_and_adamw(seed: int, sharded: bool):

@@ -216,14 +216,9 @@ def shown_path(path: Path) -> Path:
 
 
 def agree(failures: list[str]) -> list[str]:
-    """Every rank's failures, on every rank (each prefixed with its rank): one verdict."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, failures)
-    merged = []
-    for rank, theirs in enumerate(everyone):
-        for failure in theirs:
-            merged.append(f"rank {rank}: {failure}")
-    return merged
+    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
+    from common import verify
+    return verify.agree_on_problems(failures)
 
 
 def gather_from_ranks(mine: dict, group=None) -> list[dict]:

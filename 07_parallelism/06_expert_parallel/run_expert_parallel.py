@@ -73,14 +73,9 @@ def _repo() -> None:
 
 
 def agree(failures: list[str], group=None) -> list[str]:
-    """Every rank's failures, on every rank (each prefixed by its rank): one verdict for all."""
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, failures, group=group)
-    merged = []
-    for rank, theirs in enumerate(everyone):
-        for failure in theirs:
-            merged.append(f"rank {rank}: {failure}")
-    return merged
+    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
+    from common import verify
+    return verify.agree_on_problems(failures, group)
 
 
 def relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:

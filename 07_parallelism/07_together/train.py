@@ -232,14 +232,9 @@ def full_differences(state: dict | None, want: dict, what: str, step: int,
 
 
 def agree(problems: list[str]) -> list[str]:
-    """Every rank's problems, on every rank: one verdict."""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problems)
-    agreed = []
-    for rank, rank_problems in enumerate(everyone):
-        for problem in rank_problems:
-            agreed.append(f"rank {rank}: {problem}")
-    return agreed
+    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
+    from common import verify
+    return verify.agree_on_problems(problems)
 
 
 def check_against_one_process(ctx, args, steps: int, loss_fn=None,

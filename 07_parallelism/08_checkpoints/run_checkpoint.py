@@ -91,14 +91,9 @@ def lessons():
 
 
 def agree(problems: list[str], group=None) -> list[str]:
-    """Every rank's problems, on every rank of ``group``: one verdict for all."""
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, problems, group=group)
-    merged = []
-    for rank, theirs in enumerate(everyone):
-        for problem in theirs:
-            merged.append(f"rank {rank}: {problem}")
-    return merged
+    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
+    from common import verify
+    return verify.agree_on_problems(problems, group)
 
 
 def bitwise_problems(label: str, got: dict, want: dict) -> list[str]:
