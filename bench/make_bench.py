@@ -3,17 +3,22 @@
     make bench                       # = python bench/make_bench.py
     BENCH_QUICK=1 make bench         # the two-minute version
     BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
-    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 130)
+    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
 What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
 one GPU, the ranks share it over Gloo (NCCL refuses two ranks on one GPU); two or more, NCCL
-with one GPU per rank. In order: stage 02's sweep; stages 03-06 and torch DDP on the LM with
-06's bucket sweep and model (one run of ``06 --bench``: ratios are fair only within a run);
-05's profile; 07's tensor-parallel bytes, pipeline schedules (real and emulated compute), and
-the sharding ledger (DDP, ZeRO-1/2, FSDP, torch's). No stage is imported: the driver runs
-their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's
-rows and nothing older.
+with one GPU per rank. A 07 lesson that needs more GPUs than the box has, or cannot send CUDA
+tensors over Gloo, runs on the host's cores instead (``plan`` says which, step by step). In
+order: stage 02's sweep; stages 03-06 and torch DDP on the LM with 06's bucket sweep and model
+(one run of ``06 --bench``: ratios are fair only within a run); 05's profile; 07's tensor- and
+sequence-parallel bytes, pipeline schedules (real and emulated compute), the sharding ledger
+(DDP, ZeRO-1/2, FSDP, torch's), context parallelism (ring attention), expert parallelism on 2
+and 4 ranks, everything together (our grids beside torch's composition and pipelining; not in
+the quick run: ``train.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
+and checkpoints beside ``torch.distributed.checkpoint``. No stage is imported: the driver runs
+their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's rows
+and nothing older.
 
 The budget is planned before anything runs (``plan_budget``): each step has a share of the
 default budget and a minimum (``SHARES``); of ``BENCH_BUDGET_S`` every step gets its minimum and
@@ -51,7 +56,12 @@ from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
-DEFAULT_BUDGET_S = {True: 130, False: 510}  # quick, full: the whole run, every stop included
+# quick, full: the whole run, every stop included. Quick was 130 s for six steps, and on this
+# 2-core VM it already ended at 121 s with its ledger stopped at its cap; the three lessons it
+# now runs too (context and expert parallel, checkpoints) start 4 ranks each, about 5 s of
+# start-up apiece here. Smaller quick sizes elsewhere pay for most of them (the ledger on the
+# tiny LM, the pipeline's emulated compute shorter); 20 s more pays for the rest.
+DEFAULT_BUDGET_S = {True: 150, False: 510}
 MAX_BUDGET_S = 24 * 3600
 GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
 KILL_WAIT_S = 2    # after SIGKILL to its process group, the time to reap it
@@ -62,16 +72,22 @@ SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a sho
 # included), on a CPU box and on a GPU box, quick and full; and the least it needs to measure
 # anything (start-up and one configuration). On each box and in each mode the shares add up
 # to at most the default budget less STOP_S (a test checks), so a new step takes its share
-# from the others. A share is what a step may take, not what it takes: a step that ends
-# sooner passes its time on. The CPU shares come from this 2-core VM's runs; the GPU ones
+# from the others. A share of 0: the step is not in that mode's plan. A share is what a step
+# may take, not what it takes: a step that ends sooner passes its time on. The CPU shares come
+# from this 2-core VM's runs (about 1.5x what each took with the VM to itself); the GPU ones
 # are guesses until a GPU box has run them.
 SHARES = {  # key: (CPU quick, CPU full, GPU quick, GPU full, minimum)
-    "allreduce": (12, 50, 20, 80, 8),
-    "ddp": (26, 60, 30, 100, 15),
-    "profile": (14, 20, 15, 25, 10),
-    "tp": (8, 12, 10, 15, 6),
-    "pp": (28, 60, 20, 40, 12),
-    "ledger": (32, 60, 25, 60, 15),
+    "allreduce": (12, 40, 18, 69, 8),
+    "ddp": (28, 50, 26, 90, 15),
+    "profile": (12, 15, 12, 20, 10),
+    "tp": (8, 12, 9, 16, 6),
+    "pp": (20, 50, 18, 40, 12),
+    "ledger": (18, 60, 22, 60, 15),
+    "cp": (15, 55, 13, 45, 8),
+    "ep2": (0, 22, 0, 20, 6),      # quick: expert parallel on 4 ranks only
+    "ep4": (14, 28, 11, 25, 8),
+    "grid": (0, 130, 0, 80, 45),   # train.py --bench has no smaller size than its 1.5 minutes
+    "checkpoint": (13, 38, 11, 35, 6),
 }
 
 
@@ -141,8 +157,9 @@ def smallest_budget_s() -> float:
 
 
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
-    """The steps for this box, in order, each with its share of the default budget. To add a
-    step: a row in ``SHARES`` and a ``Step`` here (its script's flags sized for this box)."""
+    """The steps for this box, in order, each with its share of the default budget (a step
+    whose share is 0 in this mode is left out). To add a step: a row in ``SHARES`` and a
+    ``Step`` here (its script's flags sized for this box)."""
     gpus, cpu = setup.gpus, setup.gpus == 0
 
     def step(key: str, title: str, argv: list[str]) -> Step:
@@ -160,8 +177,9 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "10", "--warmup", "3", "--rounds", "3"]
         buckets = "0.25,1,4"
-        tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128"]
-        pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "50"]
+        tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128", "--heads", "8"]
+        pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms",
+              "30" if quick else "50"]
     else:
         ar = ["--sizes", "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB",  # 02 picks the
               "--world-sizes", "2" if quick else ("2,4" if gpus == 1 else ",".join(  # backends
@@ -170,16 +188,18 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "6", "--warmup", "2", "--rounds", "2"]
         buckets = "1,25,100" if quick else "1,5,25,100"
-        tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256"]
+        tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256",
+              "--heads", "16"]
         pp = ["--d-model", "1024", "--hidden", "4096", "--batch", "128", "--emulate-ms", "20"]
     lm[1] = str(ws * max(1, int(lm[1]) // ws))  # the global batch splits evenly over the ranks
     lm = ["--model", model, *lm]
-    # The ledger's default LM is `course` on a CPU too: per-block checkpointing cannot touch the
-    # tiny LM's activations, which are mostly its vocabulary logits.
-    ledger_lm = ["--model", "course"] if cpu else ["--model", "course" if quick else model,
-                                                   "--batch-size", str(2 * ws), "--context-length",
-                                                   "256", "--steps", "5", "--warmup", "2"]
-    return [
+    # The ledger's LM is `course` on a CPU too: per-block checkpointing cannot touch the tiny
+    # LM's activations, which are mostly its vocabulary logits. Quick runs it without
+    # checkpointing, on the tiny LM (a third of the time on a 2-core CPU).
+    ledger_lm = ["--model", "tiny" if quick else "course"] if cpu else \
+        ["--model", "course" if quick else model, "--batch-size", str(2 * ws),
+         "--context-length", "256", "--steps", "5", "--warmup", "2"]
+    planned = [
         step("allreduce", "02 all-reduce sweep",
              ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"]),
         step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
@@ -188,18 +208,126 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
              ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
               *lm, "--trace-dir", trace_dir]),
-        step("tp", "07 tensor parallel, 2 ranks",
-             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--world-size", "2", *where,
-              *tp]),
+        step("tp", "07 tensor and sequence parallel, 2 ranks",
+             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--world-size", "2",
+              *where, *tp]),
         step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
              ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size",
               str(pp_ws), *where, *pp, "--micro-batches",
               "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2", "--warmup", "1",
-              "--iters", "3"]),
+              "--iters", "2" if quick else "3"]),
         step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",
              ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where,
               *ledger_lm, "--checkpointing", "off" if quick else "off,on"]),
     ]
+    cp = context_parallel_argv(setup, quick)
+    rings = "4" if quick else "2 and 4"
+    planned.append(step("cp", f"07 context parallel: ring attention on {rings} ranks "
+                              f"({_flag(cp, '--backend')}/{_flag(cp, '--device')})", cp))
+    for world_size in (2, 4):
+        planned.append(step(f"ep{world_size}", f"07 expert parallel, {world_size} ranks",
+                            expert_parallel_argv(setup, quick, world_size)))
+    grid = together_argv(setup)
+    planned.append(step("grid", f"07 everything together: grids on {_flag(grid, '--world-size')} "
+                                "ranks, torch's composition and pipelining beside ours", grid))
+    checkpoint = checkpoint_argv(setup, quick)
+    planned.append(step("checkpoint", "07 checkpoints: saved at 2 ranks, loaded at "
+                                      f"{_flag(checkpoint, '--world-size')}, and back, beside "
+                                      "torch.distributed.checkpoint (LM "
+                                      f"{_flag(checkpoint, '--model')})", checkpoint))
+    kept = []
+    for planned_step in planned:
+        if planned_step.share_s > 0:
+            kept.append(planned_step)
+    return kept
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
+    """Lesson 5's ``--bench`` on 4 ranks: rings of 2 and 4 (quick: 4, the ring its 0.75 target
+    is set at). Ring attention sends with ``batch_isend_irecv`` and Gloo sends CPU tensors only,
+    so a box with 1-3 GPUs runs it on the host's cores, at sizes between the CPU's and the
+    GPU's. Emulated compute runs at the longest sequence only."""
+    if setup.gpus >= 4:
+        where = ["--backend", "nccl", "--device", "cuda"]
+        seqs = "1024,2048" if quick else "1024,2048,4096"
+    else:
+        where = ["--backend", "gloo", "--device", "cpu"]
+        seqs = "256,512" if quick else "256,512,1024"
+        if setup.gpus > 0:
+            seqs = "512,1024" if quick else "512,1024,2048"
+    shape = []
+    if setup.gpus > 0:
+        shape = ["--batch", "1", "--heads", "8", "--head-dim", "64"]
+    repeats = []
+    if quick:
+        repeats = ["--ring-sizes", "4", "--warmup", "1", "--iters", "2"]
+    elif setup.gpus == 0:
+        repeats = ["--warmup", "1", "--iters", "3"]
+    return ["07_parallelism/05_context_parallel/run_context_parallel.py", "--bench",
+            "--world-size", "4", *where, *shape, "--seqs", seqs, *repeats]
+
+
+def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str]:
+    """Lesson 6's ``--bench`` on ``world_size`` ranks, 8 experts: NCCL with a GPU per rank,
+    else the ranks share the GPUs over Gloo (it sends CUDA tensors all-to-all), else the CPU."""
+    if setup.gpus >= world_size:
+        where = ["--backend", "nccl", "--device", "cuda"]
+    elif setup.gpus > 0:
+        where = ["--backend", "gloo", "--device", "cuda"]
+    else:
+        where = ["--backend", "gloo", "--device", "cpu"]
+    sizes = []  # the CPU's: the script's --bench defaults, d_model 128, d_ff 512
+    if quick:
+        sizes = ["--tokens", "256,2048", "--warmup", "1", "--iters", "3"]
+    if setup.gpus > 0:
+        sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384,32768",
+                 "--warmup", "3", "--iters", "10"]
+        if quick:
+            sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384",
+                     "--warmup", "2", "--iters", "5"]
+    return ["07_parallelism/06_expert_parallel/run_expert_parallel.py", "--bench",
+            "--world-size", str(world_size), *where, "--num-experts", "8", *sizes]
+
+
+def together_argv(setup: Setup) -> list[str]:
+    """Lesson 7's ``train.py --bench``: its grids on 8 ranks with 8 GPUs, on 4 with 4-7 (NCCL,
+    its GPU sizes); with fewer GPUs its CPU sizes on 4 ranks of the host's cores (its bench
+    sends CUDA tensors over NCCL only). It has one size per box, no quicker one."""
+    if setup.gpus >= 4:
+        world_size = 8 if setup.gpus >= 8 else 4
+        return ["07_parallelism/07_together/train.py", "--bench", "--world-size",
+                str(world_size), "--backend", "nccl", "--device", "cuda", "--bench-sizes", "gpu"]
+    return ["07_parallelism/07_together/train.py", "--bench", "--world-size", "4", "--backend",
+            "gloo", "--device", "cpu", "--bench-sizes", "cpu"]
+
+
+def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
+    """Lesson 8's ``--bench``: saved at 2 ranks and loaded at the world size (3 or more), and
+    back. NCCL with a GPU per rank where there are 3 or more (4 ranks at most), else 4 ranks
+    sharing the GPUs over Gloo, else the CPU. The LM: small on a GPU (quick: course, 2 timed
+    iterations), course on a CPU (quick: tiny)."""
+    if setup.gpus >= 3:
+        world_size = min(setup.gpus, 4)
+        where = ["--backend", "nccl", "--device", "cuda"]
+    elif setup.gpus > 0:
+        world_size = 4
+        where = ["--backend", "gloo", "--device", "cuda"]
+    else:
+        world_size = 4
+        where = ["--backend", "gloo", "--device", "cpu"]
+    sizes = ["--model", "course"]
+    if quick:
+        sizes = ["--model", "tiny", "--iters", "2"]
+    if setup.gpus > 0:
+        sizes = ["--model", "small"]
+        if quick:
+            sizes = ["--model", "course", "--iters", "2"]
+    return ["07_parallelism/08_checkpoints/run_checkpoint.py", "--bench", "--world-size",
+            str(world_size), *where, *sizes]
 
 
 def plan_budget(steps: list[Step], budget: float) -> None:
@@ -333,8 +461,8 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
 
 def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, str]]:
     """(drawn by a stage script, its name in the report): ``make run`` redraws the former."""
-    return list(zip([out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png"],
-                    STAGE_PICTURES))
+    return list(zip([out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png",
+                     out / "expert_parallel_load.png"], STAGE_PICTURES))
 
 
 def main() -> None:

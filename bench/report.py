@@ -35,9 +35,12 @@ RUN_KEYS = ("run_id", "quick", "model", "setup", "machine", "started_utc", "tota
 MB = 2 ** 20
 NO_ROWS = "_No rows from this run: the step failed, was stopped or skipped (see Runs above)._\n"
 NO_FILE_ROWS = "_No rows in the results files for this section._\n"
+NOT_PLANNED = ("_Not in this run's plan, so no rows (`BENCH_QUICK=1` leaves out the steps "
+               "whose scripts have no quicker size; see Runs above)._\n")
 # Pictures a stage script draws, copied in under these names by make bench (the report draws
 # the others itself).
-STAGE_PICTURES = ("bench_allreduce_busbw.png", "bench_overlap_timeline.png")
+STAGE_PICTURES = ("bench_allreduce_busbw.png", "bench_overlap_timeline.png",
+                  "bench_expert_parallel_load.png")
 IMPL_LABEL = {"none": "no communication", "torch_ddp": "torch DDP (25 MB buckets)",
               "naive": "naive (03)", "flat": "flat (04)", "overlap": "overlap (05)",
               "bucketed": "bucketed (06)"}
@@ -345,13 +348,459 @@ def sharding_section(where: Where):
         [], rows
 
 
+def with_formula(counted, formula) -> str:
+    """'2MB (2MB)': a count and, in brackets, its formula; '-' where nothing was counted."""
+    text = "-" if counted in ("", None) else size_text(float(counted))
+    if formula not in ("", None):
+        text += f" ({size_text(float(formula))})"
+    return text
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def sequence_parallel_section(where: Where):
+    rows = rows_of(where, "sequence_parallel.csv")
+    if not rows:
+        return None
+    r0 = rows[0]
+    blocks: dict[tuple, dict] = {}  # (ranks, block): what it sent and what it saved
+    for r in rows:
+        cell = blocks.setdefault((int(r["world_size"]), r["block"]), {"ring": 0.0})
+        if r["what"] == "bytes":
+            cell[r["phase"]] = num(r, "bytes")
+            cell["ring"] += num(r, "ring_bytes_sent_per_rank")
+        else:  # "saved layernorms", "saved rest": counted, and the formula
+            cell[r["what"]] = (num(r, "bytes"), num(r, "formula"))
+    order = ["one process", "TP", "TP + SP", "torch TP + SP"]
+    table = []
+    exact = True
+    for (ranks, block), cell in sorted(blocks.items(), key=lambda kv: (kv[0][0],
+                                                                      order.index(kv[0][1]))):
+        sent = ["-", "-", "-"]
+        if "forward" in cell:
+            sent = [size_text(cell["forward"]), size_text(cell["backward"]),
+                    size_text(cell["ring"])]
+        layernorms = cell["saved layernorms"]
+        rest = cell["saved rest"]
+        exact = exact and layernorms[0] == layernorms[1] and rest[0] == rest[1]
+        table.append([ranks, block, *sent, with_formula(*layernorms), with_formula(*rest),
+                      size_text(layernorms[0] + rest[0])])
+    text = (f"A Transformer block of the course LM's shape (d_model {r0['d_model']}, d_ff "
+            f"{r0['d_ff']}, {r0['heads']} heads, {r0['tokens']} tokens), float32, on "
+            f"{r0['backend']}/{r0['device']}: the payloads of its collectives per forward and "
+            "backward (what each call carries, counted and equal to the prediction, which the "
+            "script checks), what a ring sends per rank for them, and the bytes autograd saves "
+            "for backward per rank, counted with saved-tensor hooks (formula in brackets).\n\n"
+            + md_table(["ranks", "block", "payload forward", "payload backward",
+                        "ring sends per rank", "saved in LayerNorms", "saved elsewhere",
+                        "saved in all"], table))
+    words = []
+    headline = []
+    for ranks in sorted({ranks for ranks, _ in blocks}):
+        plain = blocks.get((ranks, "TP"))
+        sequence = blocks.get((ranks, "TP + SP"))
+        if plain is None or sequence is None or "forward" not in plain:
+            continue
+        payload = (sequence["forward"] + sequence["backward"]) / (plain["forward"] + plain["backward"])
+        layernorms = sequence["saved layernorms"][0] / plain["saved layernorms"][0]
+        rest = sequence["saved rest"][0] / plain["saved rest"][0]
+        same_ring = sequence["ring"] == plain["ring"]
+        words.append(f"On {ranks} ranks, sequence parallelism's all-gathers and reduce-scatters "
+                     f"carry {payload:.1f}x the payload of plain TP's all-reduces, and a ring "
+                     f"sends {'the same' if same_ring else 'other'} bytes per rank for them "
+                     f"({size_text(sequence['ring'])} vs {size_text(plain['ring'])}): an "
+                     "all-reduce is a reduce-scatter then an all-gather. The LayerNorms keep "
+                     f"{layernorms:.2f}x plain TP's activations per rank (target 1/t = "
+                     f"{1 / ranks:.2f}: {verdict(abs(layernorms - 1 / ranks) < 1e-9)}); the "
+                     f"rest is {rest:.2f}x.")
+        headline.append([f"sequence parallel, {ranks} ranks: LayerNorm activations saved per "
+                         "rank, TP + SP vs TP", f"{layernorms:.2f}x (1/t = {1 / ranks:.2f}); "
+                         f"ring bytes per rank {'equal' if same_ring else 'NOT equal'}"])
+    words.append("Every saved count equals its formula." if exact else
+                 "Not every saved count equals its formula (on a GPU the attention kernel "
+                 "saves other tensors than the CPU's, which the formula describes).")
+    return text + "\n" + " ".join(words) + "\n", headline, rows
+
+
+def context_parallel_section(where: Where):
+    rows = rows_of(where, "context_parallel.csv")
+    if not rows:
+        return None
+    r0 = rows[0]
+    real = [r for r in rows if r["compute"] == "real"]
+    emulated = [r for r in rows if r["compute"] != "real"]
+
+    def label(r):
+        return r["impl"] if r["impl"] != "ring" else f"W={r['W']} {r['layout']}"
+    columns = []
+    for r in sorted(real, key=lambda r: (r["impl"] == "ring", int(r["W"]), r["layout"])):
+        if label(r) not in columns:
+            columns.append(label(r))
+    times: dict[int, dict] = {}
+    for r in real:
+        times.setdefault(int(r["seq"]), {})[label(r)] = num(r, "step_ms")
+    table = []
+    for seq, cells in sorted(times.items()):
+        table.append([seq, *[cells.get(column, "") for column in columns]])
+    text = (f"One causal attention layer, forward + backward, float32, batch {r0['batch']}, "
+            f"{r0['heads']} heads of {r0['head_dim']}, on {r0['backend']}/{r0['device']}: "
+            "torch's fused kernel and ours on one rank (the whole sequence), and ring "
+            "attention on rings of W ranks in both layouts. Step time in ms, real compute:\n\n"
+            + md_table(["seq", *columns], table))
+    longest = max(int(r["seq"]) for r in rows)
+    at_longest = [r for r in real if int(r["seq"]) == longest and r["impl"] == "ring"]
+    on_gpu = r0["device"] == "cuda"
+    balance = []
+    for r in sorted(at_longest, key=lambda r: (int(r["W"]), r["layout"])):
+        line = [r["W"], r["layout"], with_formula(r["sent_bytes"], r["bytes_formula"]),
+                f"{num(r, 'imbalance'):.3f} ({num(r, 'imbalance_formula'):.3f})",
+                with_formula(r["saved_bytes"], r["saved_formula"])]
+        if on_gpu:
+            line.append(size_text(num(r, "peak_bytes")))
+        balance.append(line)
+    text += (f"\nAt sequence length {longest}, per rank: bytes sent (the formula: K and V W-1 "
+             "hops forward and backward, dK and dV W hops), the work's imbalance, max / mean "
+             "over ranks of the (query, key) scores computed (the formula: 2 - 1/W contiguous, "
+             "1 zig-zag), and the bytes saved for backward:\n\n"
+             + md_table(["W", "layout", "sent per rank", "FLOP imbalance", "saved per rank",
+                         *(["peak GPU memory"] if on_gpu else [])], balance))
+    emulation = sorted({r["compute"] for r in emulated})  # one wait, "emulated 400 ms"
+    computes = ["real", *emulation]
+    ratios = {}  # W: {compute: zig-zag / contiguous at the longest sequence}
+    for world_size in sorted({int(r["W"]) for r in at_longest}):
+        step = {}
+        for r in [*at_longest, *emulated]:
+            if int(r["W"]) == world_size and int(r["seq"]) == longest:
+                step[(r["compute"], r["layout"])] = num(r, "step_ms")
+        ratios[world_size] = {}
+        for compute in computes:
+            if (compute, "zigzag") in step and (compute, "contiguous") in step:
+                ratios[world_size][compute] = step[(compute, "zigzag")] / step[(compute, "contiguous")]
+    text += (f"\nZig-zag / contiguous step time at sequence length {longest} (emulated: every "
+             "block of scores waits in proportion to its FLOPs, so the ranks do not compete "
+             "for cores; ideal W/(2W-1)):\n\n"
+             + md_table(["W", *[f"{c} compute" for c in computes], "ideal"],
+                        [[world_size, *[by_compute.get(c, "") for c in computes],
+                          world_size / (2 * world_size - 1)]
+                         for world_size, by_compute in ratios.items()]))
+    words = []
+    headline = []
+    exact = all(num(r, "sent_bytes") == num(r, "bytes_formula") for r in rows)
+    words.append(f"Ring bytes sent per rank equal the formula in {'every' if exact else 'NOT every'} "
+                 "row.")
+    largest = max(ratios, default=None)  # the widest ring: W=4 in make bench
+    imbalance = {}
+    for r in at_longest:
+        if int(r["W"]) == largest:
+            imbalance[r["layout"]] = num(r, "imbalance")
+    if {"zigzag", "contiguous"} <= set(imbalance):
+        formula = 2 - 1 / largest
+        off = abs(imbalance["contiguous"] / formula - 1)
+        words.append(f"At W={largest} zig-zag balances the causal work (imbalance "
+                     f"{imbalance['zigzag']:.3f}, target 1.00) and contiguous is "
+                     f"{imbalance['contiguous']:.3f}, {100 * off:.1f}% from 2 - 1/W = "
+                     f"{formula:.3f} (target within 2%: {verdict(off <= 0.02)}).")
+        headline.append([f"context parallel, FLOP imbalance at W={largest}: zig-zag, contiguous",
+                         f"{imbalance['zigzag']:.3f}, {imbalance['contiguous']:.3f} (targets "
+                         f"1.00 and {formula:.3f})"])
+    measured = ratios.get(largest, {})
+    if emulation and emulation[0] in measured and "real" in measured:
+        emulated_ratio = measured[emulation[0]]
+        real_ratio = measured["real"]
+        target = "the 0.75 target is set at W=4"
+        short_target = target
+        if largest == 4:
+            target = f"target <= 0.75 at W=4: {verdict(emulated_ratio <= 0.75)}"
+            short_target = "target <= 0.75"
+        words.append(f"With {emulation[0]} compute, zig-zag's step takes {emulated_ratio:.2f}x "
+                     f"contiguous's at W={largest} ({target}; ideal "
+                     f"{largest / (2 * largest - 1):.2f}); with real compute {real_ratio:.2f}x"
+                     + (", which on a CPU box measures the ranks sharing its cores more than the "
+                        "balance (the lesson's README says what it can show)."
+                        if r0["device"] == "cpu" else "."))
+        headline.append([f"context parallel, zig-zag / contiguous causal step, W={largest}",
+                         f"{emulated_ratio:.2f}x emulated compute ({short_target}), "
+                         f"{real_ratio:.2f}x real"])
+    return text + "\n" + " ".join(words) + "\n", headline, rows
+
+
+def expert_parallel_section(where: Where):
+    rows = rows_of(where, "expert_parallel.csv")
+    if not rows:
+        return None
+    steps = [r for r in rows if r["measure"] == "step"]
+    loads = [r for r in rows if r["measure"] == "load"]
+    r0 = rows[0]
+    text = (f"A mixture-of-experts layer, d_model {r0['d_model']}, d_ff {r0['d_ff']}, "
+            f"{r0['num_experts']} experts, top-{r0['top_k']}, on {r0['backend']}/{r0['device']}: "
+            "the replicated layer on every rank (no communication) against expert parallel "
+            "(each rank holds E/W experts; tokens go to them and back all-to-all). Step = "
+            "forward + backward, random routing, dropless; bytes: what rank 0 sends per step "
+            "in its 5 all-to-alls, counted (formula for the routing measured); dispatch: the "
+            "first forward exchange (uniform formula: top_k x tokens x d_model x (W-1)/W x 4 B).\n\n")
+    steps = sorted(steps, key=lambda r: (int(r["world_size"]), int(r["tokens_per_rank"])))
+    table = []
+    for r in steps:
+        table.append([r["world_size"], r["tokens_per_rank"], num(r, "replicated_ms"),
+                      num(r, "expert_parallel_ms"), f"{num(r, 'ep_over_replicated'):.2f}x",
+                      with_formula(r["bytes_sent_counted"], r["bytes_sent_formula"]),
+                      with_formula(r["dispatch_bytes"], r["uniform_bytes_per_exchange"])])
+    text += md_table(["ranks", "tokens per rank", "replicated ms", "expert parallel ms",
+                      "EP / replicated", "sent per step", "dispatch (uniform)"], table)
+    memory = {}
+    for r in steps:
+        memory[int(r["world_size"])] = r
+    text += "\nExpert parameters per rank (float32; the router is replicated):\n\n" + md_table(
+        ["ranks", "experts, whole layer", "per rank", "share", "1/W", "router"],
+        [[ranks, size_text(num(r, "expert_bytes_replicated")),
+          size_text(num(r, "expert_bytes_per_rank")), num(r, "share"), 1 / ranks,
+          size_text(num(r, "router_bytes"))] for ranks, r in sorted(memory.items())])
+    words = []
+    exact = 0
+    for r in steps:
+        if num(r, "bytes_sent_counted") == num(r, "bytes_sent_formula"):
+            exact += 1
+    words.append(f"Counted all-to-all bytes equal the formula in {exact} of {len(steps)} rows.")
+    shares = []
+    for ranks, r in sorted(memory.items()):
+        exactly = num(r, "expert_bytes_per_rank") * ranks == num(r, "expert_bytes_replicated")
+        shares.append(f"{num(r, 'share'):.4g} at W={ranks} ({'exactly' if exactly else 'NOT'} 1/W)")
+    words.append("Expert bytes per rank: " + ", ".join(shares) + ".")
+    if loads:
+        biggest = max(int(r["world_size"]) for r in loads)
+        shown = [r for r in loads if int(r["world_size"]) == biggest]
+        text += (f"\nLoad on {biggest} ranks, {shown[0]['tokens_per_rank']} tokens per rank: "
+                 "tokens per expert (all ranks, kept), max / mean, and the share of "
+                 "assignments dropped, per capacity factor (skewed: the inputs shifted so the "
+                 "router favours a few experts):\n\n" + md_table(
+                     ["routing", "capacity factor", "max / mean", "dropped", "tokens per expert"],
+                     [[r["routing"], r["capacity_factor"], num(r, "max_over_mean"),
+                       f"{100 * num(r, 'dropped_share'):.1f}%", r["tokens_per_expert"]]
+                      for r in shown]))
+        by_case = {(r["routing"], r["capacity_factor"]): r for r in shown}
+        tight = by_case.get(("skewed", "1.0"))
+        dropless = by_case.get(("skewed", "dropless"))
+        if tight is not None and dropless is not None:
+            words.append(f"Skewed routing at capacity factor 1.0 drops "
+                         f"{100 * num(tight, 'dropped_share'):.1f}% of the assignments; "
+                         f"dropless keeps them all, at {num(dropless, 'max_over_mean'):.2f}x the "
+                         "mean load on the busiest expert.")
+        text += "\n" + picture(where, "bench_expert_parallel_load.png", "tokens per expert")
+    headline = [["expert parallel: all-to-all bytes counted = formula; expert bytes per rank",
+                 f"{exact} of {len(steps)} rows; " + ", ".join(shares)]]
+    return text + "\n" + " ".join(words) + "\n", headline, rows
+
+
+def together_section(where: Where):
+    rows = rows_of(where, "grid.csv")
+    if not rows:
+        return None
+    pipelines = [r for r in rows if r.get("schedule")]
+    beside = [r for r in rows if not r.get("schedule") and (
+        r["impl"] == "torch" or "timed beside" in r["setting"])]
+    grids = [r for r in rows if not r.get("schedule") and r not in beside]
+    words = []
+    headline = []
+    text = ""
+    if grids:
+        r0 = grids[0]
+        unit = "KiB"
+        scale = 2 ** 10
+        if max(num(r, "param_bytes") for r in grids) > 64 * MB:
+            unit = "MiB"
+            scale = MB
+
+        def amount(r, kind):
+            counted = f"{num(r, kind + '_bytes') / scale:.1f}"
+            if r.get(kind + "_bytes_formula", "") != "":
+                counted += f" ({num(r, kind + '_bytes_formula') / scale:.1f})"
+            return counted
+        text += (f"The {r0['model']} LM, global batch {r0['batch_size']} x {r0['seq_len']} tokens, "
+                 f"AdamW, on {r0['world_size']} ranks ({r0['backend']}/{r0['device']}), one "
+                 f"training step per grid; per rank (the largest rank), in {unit}, counted "
+                 "(the formula combining the lessons' formulas):\n\n" + md_table(
+                     ["grid", "setting", "step ms", "tokens/s", "params", "grads",
+                      "AdamW state", "saved, 1 micro-batch", "worst difference"],
+                     [[r["grid"], r["setting"], num(r, "step_ms"), num(r, "tokens_per_s"),
+                       amount(r, "param"), amount(r, "grad"), amount(r, "optim"),
+                       amount(r, "activation"), f"{100 * num(r, 'worst_difference'):.2f}%"]
+                      for r in grids]))
+        text += (f"\nBytes sent per step per rank by axis, {unit} (ring shares), counted "
+                 "(formula):\n\n" + md_table(
+                     ["grid", "setting", "tp", "cp", "pp", "dp x cp", "world"],
+                     [[r["grid"], r["setting"], amount(r, "sent_tp"), amount(r, "sent_cp"),
+                       amount(r, "sent_pp"), amount(r, "sent_dp_cp"), amount(r, "sent_world")]
+                      for r in grids]))
+        worst = max(grids, key=lambda r: num(r, "worst_difference"))
+        share = num(worst, "worst_difference")
+        where_worst = f"{worst['grid']}, {worst['setting']}, {worst['worst_where']}; "
+        if share == 0:
+            where_worst = "every count equals its formula exactly; "
+        words.append(f"Counted bytes per rank against the combined formula, every grid, rank and "
+                     f"column: worst {100 * share:.2f}% ({where_worst}target within 5%: "
+                     f"{verdict(share <= 0.05)}).")
+        headline.append(["everything together: counted bytes per rank vs the combined formula",
+                         f"worst {100 * share:.2f}% over {len(grids)} grids (target 5%)"])
+    ours = next((r for r in beside if r["impl"] == "ours"), None)
+    theirs = next((r for r in beside if r["impl"] == "torch"), None)
+    if ours is not None and theirs is not None:
+        ratio = num(ours, "step_ms") / num(theirs, "step_ms")
+        text += (f"\nTorch's own composition on the same LM and grid ({ours['grid']}: "
+                 "`init_device_mesh`, `parallelize_module` with Colwise/Rowwise/SequenceParallel, "
+                 "`fully_shard` over the data axis), timed in alternating rounds with ours:\n\n"
+                 + md_table(["impl", "setting", "step ms", "params", "grads", "AdamW state",
+                             "saved", "first loss"],
+                            [[r["impl"], r["setting"], num(r, "step_ms"),
+                              with_formula(r["param_bytes"], r.get("param_bytes_formula")),
+                              with_formula(r["grad_bytes"], r.get("grad_bytes_formula")),
+                              with_formula(r["optim_bytes"], r.get("optim_bytes_formula")),
+                              size_text(num(r, "activation_bytes")), f"{num(r, 'first_loss'):.6f}"]
+                             for r in (ours, theirs)]))
+        words.append(f"Our {ours['grid']} step takes {ratio:.2f}x torch's parallelize_module + "
+                     f"fully_shard ({num(ours, 'step_ms'):.1f} vs {num(theirs, 'step_ms'):.1f} ms; "
+                     f"target <= 1.25x: {verdict(ratio <= 1.25)}).")
+        headline.append([f"our {ours['grid']} step vs torch's parallelize_module + fully_shard",
+                         f"{ratio:.2f}x (target <= 1.25x)"])
+    losses = [num(r, "first_loss") for r in grids + beside if r.get("first_loss", "") != ""]
+    if len(losses) > 1:
+        words.append(f"First-step losses of every grid and of torch's composition differ by at "
+                     f"most {max(losses) - min(losses):.1e}.")
+    pairs: dict[tuple, dict] = {}
+    for r in pipelines:
+        pairs.setdefault((int(r["stages"]), r["schedule"], r["setting"].split(", ", 1)[-1]),
+                         {})[r["impl"]] = r
+    table = []
+    emulated_pp4 = []
+    for (stages, schedule, compute), pair in pairs.items():
+        if "ours" not in pair or "torch" not in pair:
+            continue
+        ratio = num(pair["ours"], "step_ms") / num(pair["torch"], "step_ms")
+        ideal = num(pair["ours"], "ideal_ms") if pair["ours"].get("ideal_ms") else 0.0
+        table.append([pair["ours"]["grid"], schedule, compute, num(pair["ours"], "step_ms"),
+                      num(pair["torch"], "step_ms"), f"{ratio:.2f}x", ideal or "-"])
+        if stages == 4 and compute.startswith("emulated"):
+            emulated_pp4.append((ratio, schedule, compute))
+    if table:
+        r0 = pipelines[0]
+        text += (f"\nThe pipeline axis alone, our executor (lesson 4) beside "
+                 f"`torch.distributed.pipelining` (PipelineStage and its schedules): "
+                 f"{r0['model']}, {r0['micro_batches']} micro-batches, forward + backward; "
+                 "ideal: the unit-time simulation x the emulated wait:\n\n" + md_table(
+                     ["stages", "schedule", "compute", "ours ms", "torch ms", "ours / torch",
+                      "ideal ms"], table))
+    if emulated_pp4:
+        worst = max(emulated_pp4)
+        words.append("Our pipeline executor against torch.distributed.pipelining, pp 4, "
+                     f"{worst[2]} compute: " + ", ".join(
+                         f"{schedule} {ratio:.2f}x" for ratio, schedule, _ in emulated_pp4)
+                     + f" (target <= 1.10x: {verdict(worst[0] <= 1.10)}).")
+        headline.append(["our pipeline executor vs torch.distributed.pipelining, pp 4, emulated",
+                         f"{worst[0]:.2f}x at worst ({worst[1]}; target <= 1.10x)"])
+    return text + "\n" + " ".join(words) + "\n", headline, rows
+
+
+def checkpoint_section(where: Where):
+    rows = rows_of(where, "checkpoint.csv")
+    if not rows:
+        return None
+    r0 = rows[0]
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        cases.setdefault((int(r["saved_at"]), int(r["loaded_at"]), r["op"]), {})[r["impl"]] = r
+    table = []
+    ratios = []
+    for (saved_at, loaded_at, op), pair in cases.items():
+        ours = pair.get("ours")
+        theirs = pair.get("torch_dcp")
+        if ours is None or theirs is None:
+            continue
+        ratio = num(ours, "time_ms_median") / num(theirs, "time_ms_median")
+        ratios.append((ratio, op, saved_at, loaded_at))
+        table.append([f"{saved_at} -> {loaded_at}", op, ours["ranks"],
+                      num(ours, "time_ms_median"), num(theirs, "time_ms_median"),
+                      f"{ratio:.2f}x", size_text(num(ours, "data_bytes_max")),
+                      size_text(num(ours, "data_bytes_total")),
+                      size_text(num(ours, "manifest_bytes")),
+                      size_text(num(ours, "kernel_bytes_max")),
+                      size_text(num(theirs, "kernel_bytes_max"))])
+    text = (f"The {r0['model']} LM and its AdamW state in FSDP's row blocks, saved at one "
+            f"number of ranks and loaded at another, by this lesson and by "
+            f"`torch.distributed.checkpoint` on the same state, alternately, on "
+            f"{r0['backend']}/{r0['device']}: time (the slowest rank's median), the data bytes "
+            "this lesson wrote or read (the largest rank, and all ranks together), its "
+            "manifest, and what the kernel counted each process writing or reading "
+            "(/proc/self/io, the largest rank) for both.\n\n" + md_table(
+                ["saved at -> loaded at", "op", "ranks doing it", "ours ms", "torch ms", "ours / torch",
+                 "data per rank", "data, all ranks", "manifest", "kernel bytes per rank, ours",
+                 "torch's"], table))
+    words = []
+    headline = []
+    if ratios:
+        worst = max(ratios)
+        met = 0
+        for ratio, *_ in ratios:
+            if ratio <= 1.5:
+                met += 1
+        words.append(f"Ours takes {min(ratios)[0]:.2f}x to {worst[0]:.2f}x torch's time "
+                     f"(target <= 1.5x: met in {met} of {len(ratios)}).")
+        headline.append(["checkpoints: save and load time vs torch.distributed.checkpoint",
+                         f"{worst[0]:.2f}x at worst ({worst[1]} {worst[2]} -> {worst[3]} ranks; "
+                         f"target <= 1.5x; LM {r0['model']})"])
+    written = set()
+    for r in rows:
+        if r["impl"] == "ours" and r["op"] == "save" and r["data_bytes_total"] != "":
+            written.add(int(float(r["data_bytes_total"])))
+    if len(written) == 1:
+        words.append(f"Saved at either number of ranks, all ranks together wrote the same "
+                     f"{size_text(written.pop())} of data (the state once, replicas once; the "
+                     "script checks it against the state's size, and each load's bytes against "
+                     "the overlap with what the rank holds).")
+    return text + "\n" + " ".join(words) + "\n", headline, rows
+
+
 SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
             ("Data-parallel training step (stages 03-06, torch DDP beside them)", ddp_section),
             ("Bucket size: the sweep and the model (stage 06)", bucket_section),
             ("Overlap, seen in a profile (stage 05 `--profile`)", overlap_section),
             ("Tensor parallelism: bytes per MLP (stage 07)", tensor_parallel_section),
+            ("Sequence parallelism: bytes and saved activations per block (stage 07)",
+             sequence_parallel_section),
             ("Pipeline schedules: the bubble (stage 07)", pipeline_section),
-            ("Sharding: memory and communication per rank (stage 07)", sharding_section)]
+            ("Sharding: memory and communication per rank (stage 07)", sharding_section),
+            ("Context parallelism: ring attention, contiguous and zig-zag (stage 07)",
+             context_parallel_section),
+            ("Expert parallelism: all-to-all bytes, expert memory, load (stage 07)",
+             expert_parallel_section),
+            ("Everything together: grids, torch's composition and pipelining (stage 07)",
+             together_section),
+            ("Checkpoints: save and load beside torch.distributed.checkpoint (stage 07)",
+             checkpoint_section)]
+
+# The make bench steps whose rows each section reads (bench/make_bench.py's keys): a section
+# none of whose steps was planned says so instead of "no rows".
+FED_BY = {allreduce_section: ["allreduce"], ddp_section: ["ddp"], bucket_section: ["ddp"],
+          overlap_section: ["profile"], tensor_parallel_section: ["tp"],
+          sequence_parallel_section: ["tp"], pipeline_section: ["pp"],
+          sharding_section: ["ledger"], context_parallel_section: ["cp"],
+          expert_parallel_section: ["ep2", "ep4"], together_section: ["grid"],
+          checkpoint_section: ["checkpoint"]}
+
+
+def no_rows_text(info: dict | None, section) -> str:
+    """What a section without rows says: no run record, not planned, or planned and no rows."""
+    if info is None:
+        return NO_FILE_ROWS
+    planned = []
+    for step in info["steps"]:
+        planned.append(step.get("key"))
+    for key in FED_BY.get(section, []):
+        if key in planned:
+            return NO_ROWS
+    if section in FED_BY:
+        return NOT_PLANNED
+    return NO_ROWS
 
 
 def load_run(out: Path) -> dict | None:
@@ -411,7 +860,7 @@ def write_report(out: Path, info: dict | None = None,
                 found = (f"_This section failed: {type(e).__name__}: {e}_\n", [], None)
             if found is None:
                 empty.append(title)
-                found = (NO_ROWS if info else NO_FILE_ROWS, [], None)
+                found = (no_rows_text(info, section), [], None)
             text, head, rows = found
             if info is None and rows:  # no run record: name the run and machine shown
                 text = f"_Run `{rows[0].get('run_id')}`, {machine_of(where, rows)}._\n\n{text}"

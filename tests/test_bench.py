@@ -4,8 +4,11 @@ the cap on a script, signals (SIGINT and SIGTERM passed on to the running step; 
 SIGKILL to a real run leave nothing of its step alive), the report from known numbers (and only
 this run's), rebuilt on a fresh clone and never replaced by a worse one, and one real
 end-to-end run of the driver on tiny sizes, which is also where stages 02, 06 (with 03-05),
-05's profile, 07's tensor-parallel, pipeline and sharding scripts are run the way ``make
-bench`` runs them. It runs in the background from this file's first test to its last.
+05's profile, 07's tensor-parallel, pipeline, sharding and context-parallel scripts are run
+the way ``make bench`` runs them. It runs in the background from this file's first test to its
+last. Expert parallel, everything together and checkpoints are left out of it (several seconds
+each, a minute for the grids): their planned commands pass their scripts' checks here and
+their report sections are read from known numbers.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def _step(steps, key):
     return next(s for s in steps if s.key == key)
 
 
-KEYS = ["allreduce", "ddp", "profile", "tp", "pp", "ledger"]
+KEYS = ["allreduce", "ddp", "profile", "tp", "pp", "ledger", "cp", "ep2", "ep4", "grid", "checkpoint"]
+QUICK_KEYS = ["allreduce", "ddp", "profile", "tp", "pp", "ledger", "cp", "ep4", "checkpoint"]
 
 
 def test_plans_per_box(monkeypatch):
@@ -68,7 +72,54 @@ def test_plans_per_box(monkeypatch):
         assert _flag(_step(steps, "pp").argv, "--world-size") == pp_ws
 
 
-@pytest.mark.parametrize("gpus", [0, 1, 3, 8])
+def _where(argv) -> tuple:
+    """(world size, backend, device) of a planned command."""
+    return _flag(argv, "--world-size"), _flag(argv, "--backend"), _flag(argv, "--device")
+
+
+def test_the_07_lessons_are_planned_for_what_each_box_can_run():
+    """Context and expert parallel, everything together and checkpoints on each kind of box:
+    NCCL where there is a GPU per rank; ring attention, which Gloo can send CPU tensors only
+    for, and train.py --bench, which refuses CUDA over Gloo, on the host's cores otherwise;
+    expert parallel and checkpoints share the GPUs over Gloo. Quick leaves out the two steps
+    with no quicker size (expert parallel on 2 ranks, everything together)."""
+    cases = {  # gpus: (cp, ep2, ep4, grid, checkpoint)
+        0: (("4", "gloo", "cpu"), ("2", "gloo", "cpu"), ("4", "gloo", "cpu"),
+            ("4", "gloo", "cpu"), ("4", "gloo", "cpu")),
+        1: (("4", "gloo", "cpu"), ("2", "gloo", "cuda"), ("4", "gloo", "cuda"),
+            ("4", "gloo", "cpu"), ("4", "gloo", "cuda")),
+        2: (("4", "gloo", "cpu"), ("2", "nccl", "cuda"), ("4", "gloo", "cuda"),
+            ("4", "gloo", "cpu"), ("4", "gloo", "cuda")),
+        3: (("4", "gloo", "cpu"), ("2", "nccl", "cuda"), ("4", "gloo", "cuda"),
+            ("4", "gloo", "cpu"), ("3", "nccl", "cuda")),
+        4: (("4", "nccl", "cuda"), ("2", "nccl", "cuda"), ("4", "nccl", "cuda"),
+            ("4", "nccl", "cuda"), ("4", "nccl", "cuda")),
+        8: (("4", "nccl", "cuda"), ("2", "nccl", "cuda"), ("4", "nccl", "cuda"),
+            ("8", "nccl", "cuda"), ("4", "nccl", "cuda")),
+    }
+    for gpus, want in cases.items():
+        steps = make_bench.plan(make_bench.pick_setup(gpus, "GPU"), quick=False,
+                                model="small" if gpus else "tiny")
+        assert [s.key for s in steps] == KEYS
+        got = tuple(_where(_step(steps, key).argv) for key in KEYS[-5:])
+        assert got == want, (gpus, got)
+        grid = _step(steps, "grid").argv
+        assert _flag(grid, "--bench-sizes") == ("gpu" if gpus >= 4 else "cpu"), gpus
+        checkpoint = _step(steps, "checkpoint").argv
+        assert _flag(checkpoint, "--model") == ("small" if gpus else "course")
+        cp = _step(steps, "cp").argv
+        assert _flag(cp, "--seqs") == {0: "256,512,1024", 1: "512,1024,2048",
+                                       8: "1024,2048,4096"}.get(gpus, _flag(cp, "--seqs"))
+        assert "--ring-sizes" not in cp  # rings of 2 and 4
+        quick = make_bench.plan(make_bench.pick_setup(gpus, "GPU"), quick=True, model="course")
+        assert [s.key for s in quick] == QUICK_KEYS
+        assert _flag(_step(quick, "cp").argv, "--ring-sizes") == "4"
+        assert _flag(_step(quick, "checkpoint").argv, "--iters") == "2"
+    tp = _step(make_bench.plan(make_bench.pick_setup(0), False, "tiny"), "tp").argv
+    assert _flag(tp, "--heads") == "8"  # sequence parallelism splits whole heads
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 3, 4, 8])
 def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     """Each planned command through its script's main() on this box or a faked GPU box, up
     to the point where it would start its ranks: flags, world sizes, divisibility, NCCL's one
@@ -126,13 +177,13 @@ def test_the_budget_is_planned_before_anything_runs(capsys):
     steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
     make_bench.plan_budget(steps, 60)
     running = [s for s in steps if s.cap_s > 0]
-    assert [s.key for s in running] == ["allreduce", "profile", "tp", "pp"]
+    assert [s.key for s in running] == ["allreduce", "profile", "tp", "cp", "ep4", "checkpoint"]
     assert sum(s.cap_s for s in running) == pytest.approx(60 - make_bench.STOP_S)
     assert all(s.cap_s >= s.min_s for s in running)
-    for key in ("ddp", "ledger"):  # the two with the largest minimum, 15 s
+    for key, minimum in (("ddp", 15), ("ledger", 15), ("pp", 12)):  # the largest minimums
         assert _step(steps, key).status == ("skipped: a 60 s budget cannot give every step its "
                                             "minimum, and of those left this one needs the most "
-                                            "(15 s)")
+                                            f"({minimum} s)")
     smallest = min(s.min_s for s in steps) + make_bench.STOP_S
     assert make_bench.smallest_budget_s() == smallest == 16
     steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
@@ -297,7 +348,7 @@ def test_each_step_runs_to_its_deadline_and_the_budget_holds():
     assert given[:2] == pytest.approx([steps[0].cap_s, steps[1].cap_s + steps[0].cap_s - 1])
     now[0] = 0.0
     steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
-    make_bench.plan_budget(steps, 130)
+    make_bench.plan_budget(steps, make_bench.DEFAULT_BUDGET_S[True])
 
     def hang(step, cap):  # the first overruns by a minute: the next is left under its minimum
         step.status = "stopped"
@@ -394,8 +445,11 @@ def test_sigterm_or_sigkill_to_make_bench_stop_its_step_and_every_rank(tmp_path)
 
 
 def _write_csv(path, rows):
+    columns = list(rows[0])
+    for row in rows:  # a union, in order: grid.csv's rows differ by kind, as the lesson's do
+        columns += [key for key in row if key not in columns]
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
 
@@ -409,8 +463,8 @@ def _fixture(out, gpus=0):
         "run_id": "r1", "quick": False, "model": "tiny", "setup": setup.__dict__,
         "machine": "test box", "cpu_cores": 2, "torch": "2.x", "started_utc": "now",
         "total_s": 100.0, "budget_s": 510, "steps": [
-            {"key": "allreduce", "title": "02 all-reduce sweep", "argv": ["x.py"], "cap_s": 1,
-             "status": "ok", "seconds": 12.0}]}))
+            {"key": key, "title": f"step {key}", "argv": ["x.py"], "cap_s": 1, "status": "ok",
+             "seconds": 12.0} for key in KEYS]}))
     _write_csv(out / "allreduce.csv", [
         {"backend": "gloo", "device": "cpu", "world_size": 2, "bytes": n, "impl": impl,
          "time_ms_median": t * f, "busbw_gbps": (777.0 if rid == "r0" else 1.0) / f * n / 2**24,
@@ -461,6 +515,131 @@ def _fixture(out, gpus=0):
          "peak_bytes": "", "activation_bytes": 2**20, "sent_bytes": 3 * 2**20,
          "sent_bytes_predicted": 3 * 2**20, "run_id": "r1"}
         for impl, p, g in (("ddp", 4 * 2**20, 4 * 2**20), ("fsdp", 2 * 2**20, 2**20))])
+    _fixture_07(out)
+
+
+def _fixture_07(out):
+    """Lessons 3 (sequence parallel), 5-8's result files, known numbers for run r1 and a stale
+    row of r0 in each."""
+    same = {"backend": "gloo", "device": "cpu", "world_size": 2, "tokens": 32, "d_model": 8,
+            "d_ff": 16, "heads": 2}
+    rows = [{**same, "what": "bytes", "block": "TP", "phase": "forward", "bytes": 99999,
+             "formula": "", "ring_bytes_sent_per_rank": 99999, "run_id": "r0"}]
+    for block, payload in (("TP", 2048), ("TP + SP", 4096), ("torch TP + SP", 4096)):
+        for phase in ("forward", "backward"):
+            rows.append({**same, "what": "bytes", "block": block, "phase": phase,
+                         "bytes": payload, "formula": "", "ring_bytes_sent_per_rank": 2048,
+                         "run_id": "r1"})
+    for block, layernorms, rest in (("one process", 1000, 4000), ("TP", 1000, 3000),
+                                    ("TP + SP", 500, 3000), ("torch TP + SP", 500, 3000)):
+        for what, saved in (("saved layernorms", layernorms), ("saved rest", rest)):
+            rows.append({**same, "what": what, "block": block, "phase": "forward",
+                         "bytes": saved, "formula": saved, "ring_bytes_sent_per_rank": "",
+                         "run_id": "r1"})
+    _write_csv(out / "sequence_parallel.csv", rows)
+    same = {"backend": "gloo", "device": "cpu", "batch": 1, "heads": 2, "head_dim": 4}
+    rows = [{**same, "seq": 777, "impl": "full, sdpa", "W": 1, "layout": "-", "compute": "real",
+             "step_ms": 1.0, "sent_bytes": 0, "bytes_formula": 0, "imbalance": 1.0,
+             "imbalance_formula": 1.0, "saved_bytes": 1, "saved_formula": 1, "peak_bytes": 0,
+             "run_id": "r0"}]
+    for seq in (64, 128):
+        for impl, step in (("full, sdpa", 1.0), ("full, our kernel", 2.0)):
+            rows.append({**same, "seq": seq, "impl": impl, "W": 1, "layout": "-",
+                         "compute": "real", "step_ms": step, "sent_bytes": 0, "bytes_formula": 0,
+                         "imbalance": 1.0, "imbalance_formula": 1.0, "saved_bytes": 4096,
+                         "saved_formula": 4096, "peak_bytes": 0, "run_id": "r1"})
+        for world_size, layout, imbalance, real, emulated in (
+                (2, "contiguous", 1.49, 8.0, 80.0), (2, "zigzag", 1.0, 7.0, 56.0),
+                (4, "contiguous", 1.74, 10.0, 100.0), (4, "zigzag", 1.0, 12.0, 60.0)):
+            row = {**same, "seq": seq, "impl": "ring", "W": world_size, "layout": layout,
+                   "compute": "real", "step_ms": real, "sent_bytes": 1024 * world_size,
+                   "bytes_formula": 1024 * world_size, "imbalance": imbalance,
+                   "imbalance_formula": 2 - 1 / world_size if layout == "contiguous" else 1.0,
+                   "saved_bytes": 2048, "saved_formula": 2048, "peak_bytes": 0, "run_id": "r1"}
+            rows.append(row)
+            if seq == 128:  # emulated compute at the longest sequence only
+                rows.append({**row, "compute": "emulated 400 ms", "step_ms": emulated})
+    _write_csv(out / "context_parallel.csv", rows)
+    same = {"backend": "gloo", "device": "cpu", "d_model": 16, "d_ff": 32, "num_experts": 8,
+            "top_k": 2}
+    rows = [{**same, "world_size": 8, "measure": "step", "routing": "random",
+             "capacity_factor": "dropless", "tokens_per_rank": 64, "replicated_ms": 777.0,
+             "expert_parallel_ms": 777.0, "ep_over_replicated": 1.0, "bytes_sent_counted": 1,
+             "bytes_sent_formula": 1, "dispatch_bytes": 1, "uniform_bytes_per_exchange": 1,
+             "expert_bytes_replicated": 8192, "expert_bytes_per_rank": 1024, "share": 0.125,
+             "router_bytes": 64, "run_id": "r0"}]
+    for world_size in (2, 4):
+        for tokens in (64, 128):
+            rows.append({**same, "world_size": world_size, "measure": "step", "routing": "random",
+                         "capacity_factor": "dropless", "tokens_per_rank": tokens,
+                         "replicated_ms": 10.0, "expert_parallel_ms": 15.0,
+                         "ep_over_replicated": 1.5, "bytes_sent_counted": 40 * tokens,
+                         "bytes_sent_formula": 40 * tokens, "dispatch_bytes": 1000,
+                         "uniform_bytes_per_exchange": 1024.0, "expert_bytes_replicated": 8192,
+                         "expert_bytes_per_rank": 8192 // world_size, "share": 1 / world_size,
+                         "router_bytes": 64, "run_id": "r1"})
+    for routing, factor, most, dropped in (("random", "1.0", 1.02, 0.02),
+                                           ("random", "dropless", 1.05, 0.0),
+                                           ("skewed", "1.0", 1.6, 0.365),
+                                           ("skewed", "dropless", 3.6, 0.0)):
+        rows.append({**same, "world_size": 4, "measure": "load", "routing": routing,
+                     "capacity_factor": factor, "tokens_per_rank": 128, "capacity_per_rank": 40,
+                     "tokens_per_expert": "10 20 30 40 50 60 70 80", "rows_per_rank": "1 2 3 4",
+                     "max_over_mean": most, "dropped_share": dropped, "run_id": "r1"})
+    _write_csv(out / "expert_parallel.csv", rows)
+    same = {"model": "tiny", "batch_size": 16, "seq_len": 64, "world_size": 4, "backend": "gloo",
+            "device": "cpu", "tokens_per_s": 1000.0, "micro_batches": 1, "schedule": ""}
+    kinds = ("param", "grad", "optim", "activation", "sent_tp", "sent_cp", "sent_pp",
+             "sent_dp_cp", "sent_world")
+    rows = [{**same, "impl": "ours", "grid": "dp4", "setting": "AdamW", "step_ms": 99999.0,
+             "worst_difference": 0.0, "worst_where": "rank 0", "first_loss": 9.0, "run_id": "r0",
+             **{f"{kind}_bytes": 1024 for kind in kinds},
+             **{f"{kind}_bytes_formula": 1024 for kind in kinds}}]
+    for grid, setting, worst, where, loss in (
+            ("dp4", "AdamW", 0.0, "rank 0", 5.5), ("dp2 tp2", "ZeRO-1 AdamW", 0.012,
+                                                   "rank 1 optim", 5.5000002),
+            ("dp2 tp2", "AdamW, timed beside torch's", 0.0, "rank 0", 5.5)):
+        row = {**same, "impl": "ours", "grid": grid, "setting": setting,
+               "step_ms": 100.0 if "torch" in setting else 50.0, "worst_difference": worst,
+               "worst_where": where, "first_loss": loss, "run_id": "r1"}
+        for kind in kinds:
+            row[f"{kind}_bytes"] = 2048
+            row[f"{kind}_bytes_formula"] = 2048
+        rows.append(row)
+    rows.append({**same, "impl": "torch", "grid": "dp2 tp2",
+                 "setting": "parallelize_module + fully_shard, AdamW", "step_ms": 80.0,
+                 "worst_difference": 0.0, "worst_where": "rank 0", "first_loss": 5.5000001,
+                 "param_bytes": 1024, "param_bytes_formula": 1024, "grad_bytes": 1024,
+                 "grad_bytes_formula": 1024, "optim_bytes": 2048, "optim_bytes_formula": 2048,
+                 "activation_bytes": 4096, "sent_tp_bytes": 1024, "sent_dp_bytes": 512,
+                 "run_id": "r1"})
+    for stages, schedule, compute, ours, theirs, ideal in (
+            (2, "gpipe", "emulated 10 ms", 300.0, 150.0, 140.0),  # pp 2: not a target
+            (4, "gpipe", "real", 60.0, 50.0, 0.0), (4, "gpipe", "emulated 10 ms", 105.0, 100.0, 90.0),
+            (4, "1f1b", "real", 55.0, 50.0, 0.0), (4, "1f1b", "emulated 10 ms", 99.0, 100.0, 90.0)):
+        for impl, step in (("ours", ours), ("torch", theirs)):
+            rows.append({**same, "impl": impl, "grid": f"pp{stages}", "model": "8 tiny blocks",
+                         "setting": f"{schedule}, {compute}", "micro_batches": 8,
+                         "step_ms": step, "schedule": schedule,
+                         "compute": compute.split()[0], "stages": stages, "ideal_ms": ideal,
+                         "run_id": "r1"})
+    _write_csv(out / "grid.csv", rows)
+    same = {"model": "course", "backend": "gloo", "device": "cpu", "manifest_bytes": 2048}
+    rows = [{**same, "impl": "ours", "op": "save", "saved_at": 2, "loaded_at": 8, "ranks": 2,
+             "time_ms_median": 99999.0, "data_bytes_max": 1, "data_bytes_total": 1,
+             "kernel_bytes_max": 1, "run_id": "r0"}]
+    for saved_at, loaded_at, op, ours, theirs, ranks in ((2, 4, "save", 150.0, 100.0, 2),
+                                                         (2, 4, "load", 50.0, 100.0, 4),
+                                                         (4, 2, "save", 120.0, 100.0, 4),
+                                                         (4, 2, "load", 80.0, 100.0, 2)):
+        for impl, ms in (("ours", ours), ("torch_dcp", theirs)):
+            data = {"data_bytes_max": 1000000 // ranks, "data_bytes_total": 1000000}
+            if impl == "torch_dcp":
+                data = {"data_bytes_max": "", "data_bytes_total": ""}
+            rows.append({**same, "impl": impl, "op": op, "saved_at": saved_at,
+                         "loaded_at": loaded_at, "ranks": ranks, "time_ms_median": ms, **data,
+                         "kernel_bytes_max": 1100000 // ranks, "run_id": "r1"})
+    _write_csv(out / "checkpoint.csv", rows)
 
 
 def test_report_from_known_numbers(tmp_path):
@@ -480,6 +659,38 @@ def test_report_from_known_numbers(tmp_path):
     assert "within 0.040 of its simulation" in text  # the emulated rows' largest gap
     assert "naive (03) 0%, overlap (05) 75%" in text
     assert "| fsdp | off | 100 | 2MB (2MB) | 1MB (1MB) |" in text
+    # lessons 3 (sequence parallel) and 5-8
+    assert "| 2 | TP + SP | 4KB | 4KB | 4KB | 500B (500B) | 2.93KB (2.93KB) | 3.42KB |" in text
+    assert ("carry 2.0x the payload of plain TP's all-reduces, and a ring sends the same bytes per "
+            "rank for them (4KB vs 4KB)") in text
+    assert "keep 0.50x plain TP's activations per rank (target 1/t = 0.50: met)" in text
+    assert ("| sequence parallel, 2 ranks: LayerNorm activations saved per rank, TP + SP vs TP | "
+            "0.50x (1/t = 0.50); ring bytes per rank equal |") in text
+    assert "| seq | full, sdpa | full, our kernel | W=2 contiguous | W=2 zigzag | W=4 contiguous |" in text
+    assert "| 128 | 1 | 2 | 8 | 7 | 10 | 12 |" in text
+    assert "| 4 | contiguous | 4KB (4KB) | 1.740 (1.750) | 2KB (2KB) |" in text
+    assert "| 4 | 1.2 | 0.6 | 0.571 |" in text  # real, emulated, ideal 4/7
+    assert ("contiguous is 1.740, 0.6% from 2 - 1/W = 1.750 (target within 2%: met). With "
+            "emulated 400 ms compute, zig-zag's step takes 0.60x contiguous's at W=4 (target <= "
+            "0.75 at W=4: met; ideal 0.57); with real compute 1.20x, which on a CPU box") in text
+    assert "| 4 | 128 | 10 | 15 | 1.50x | 5KB (5KB) | 1000B (1KB) |" in text
+    assert "equal the formula in 4 of 4 rows" in text
+    assert "0.5 at W=2 (exactly 1/W), 0.25 at W=4 (exactly 1/W)" in text
+    assert "| skewed | 1.0 | 1.6 | 36.5% | 10 20 30 40 50 60 70 80 |" in text
+    assert "drops 36.5% of the assignments; dropless keeps them all, at 3.60x" in text
+    assert "| dp2 tp2 | ZeRO-1 AdamW | 50 | 1000 | 2.0 (2.0) | 2.0 (2.0) | 2.0 (2.0) |" in text
+    assert "worst 1.20% (dp2 tp2, ZeRO-1 AdamW, rank 1 optim; target within 5%: met)" in text
+    assert "takes 1.25x torch's parallelize_module + fully_shard (100.0 vs 80.0 ms; target <= 1.25x: met)" in text
+    assert "differ by at most 2.0e-07" in text
+    assert "| pp4 | gpipe | emulated 10 ms | 105 | 100 | 1.05x | 90 |" in text
+    assert "gpipe 1.05x, 1f1b 0.99x (target <= 1.10x: met)" in text
+    assert ("| our pipeline executor vs torch.distributed.pipelining, pp 4, emulated | 1.05x at "
+            "worst (gpipe; target <= 1.10x) |") in text
+    assert "| 2 -> 4 | save | 2 | 150 | 100 | 1.50x | 488KB | 977KB | 2KB | 537KB | 537KB |" in text
+    assert "Ours takes 0.50x to 1.50x torch's time (target <= 1.5x: met in 4 of 4)" in text
+    assert "all ranks together wrote the same 977KB of data" in text
+    assert ("| checkpoints: save and load time vs torch.distributed.checkpoint | 1.50x at worst "
+            "(save 2 -> 4 ranks; target <= 1.5x; LM course) |") in text
     assert "99999" not in text and "777" not in text and "| gloo/cpu | 4 |" not in text
     if results.pyplot() is not None:
         for name in ("bench_ddp_step.png", "bench_sharding_bytes.png"):
@@ -494,11 +705,16 @@ def test_report_says_what_is_missing_and_one_bad_file_costs_one_section(tmp_path
     for name in ("ddp_step.csv", "bucket_model.json", "sharding.csv"):
         (out / name).unlink()
     (out / "ddp_profile.csv").write_text("run_id,stage\nr1,05_overlap_ddp\n")  # columns lost
+    info = json.loads((out / "bench_run.json").read_text())  # a quick run: no grids planned
+    info["steps"] = [step for step in info["steps"] if step["key"] != "grid"]
+    (out / "bench_run.json").write_text(json.dumps(info))
+    (out / "grid.csv").unlink()
     path, empty = report.write_report(out)
     text = path.read_text()
     assert "1 x NVIDIA H100 80GB HBM3" in text and "NCCL refuses two ranks" in text
     assert "CPU-only" not in text and text.count("No rows from this run") == 3
-    assert empty == [report.SECTIONS[i][0] for i in (1, 2, 6)]
+    assert empty == [report.SECTIONS[i][0] for i in (1, 2, 7, 10)]
+    assert f"## {report.SECTIONS[10][0]}\n\n{report.NOT_PLANNED}" in text
     assert "This section failed: KeyError" in text and "## Pipeline schedules" in text
     monkeypatch.setattr(results, "tabulate", None)  # a GPU box's Python may lack tabulate
     assert results.print_table([{"impl": "naive", "step_ms": 12.3456}]).splitlines() == [
@@ -521,7 +737,7 @@ def test_report_py_on_a_fresh_clone(run_file, tmp_path, monkeypatch, capsys):
     report.main()
     printed, err = capsys.readouterr()
     assert printed == (f"report: {out / 'README.md'} (no data for: {report.SECTIONS[2][0]}; "
-                       f"{report.SECTIONS[6][0]})\n")  # 06's model: written by run r1, not r0
+                       f"{report.SECTIONS[7][0]})\n")  # 06's model: written by run r1, not r0
     assert run_file is None or "warning: ignoring" in err, err
     text = (out / "README.md").read_text()
     assert "No run record (`results/bench_run.json` is missing or unreadable" in text
@@ -532,7 +748,7 @@ def test_report_py_on_a_fresh_clone(run_file, tmp_path, monkeypatch, capsys):
     assert "| gloo/cpu | 2 | 16MB | 777 |" in sections[report.SECTIONS[0][0]]
     assert sections[report.SECTIONS[1][0]].startswith("\n_Run `r0`")
     assert "| naive (03) | 99999 |" in sections[report.SECTIONS[1][0]]
-    assert sections[report.SECTIONS[5][0]].startswith("\n_Run `r1`")
+    assert sections[report.SECTIONS[6][0]].startswith("\n_Run `r1`")
 
 
 def test_the_report_is_replaced_only_by_a_whole_better_one(tmp_path, monkeypatch, capsys):
@@ -609,7 +825,10 @@ def tiny_plan(setup, quick, model, trace_dir):
                 *WHERE, "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
                 "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
         ("ledger", ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", *WHERE, *LM, "--steps", "1",
-                    "--warmup", "0", "--rounds", "1", "--checkpointing", "off"])]]
+                    "--warmup", "0", "--rounds", "1", "--checkpointing", "off"]),
+        ("cp", ["07_parallelism/05_context_parallel/run_context_parallel.py", "--bench",
+                "--world-size", "2", *WHERE, "--seqs", "32", "--batch", "1", "--heads", "1",
+                "--head-dim", "4", "--warmup", "0", "--iters", "1", "--emulate-ms", "20"])]]
 
 
 make_bench.plan = tiny_plan
@@ -649,14 +868,23 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
     code = proc.wait(timeout=1800)
     stdout = (root / "stdout").read_text()
     stderr = (root / "stderr").read_text()
-    assert code == 0 and stdout.count(": ok in ") == 6, stdout[-4000:] + stderr[-4000:]
+    assert code == 0 and stdout.count(": ok in ") == 7, stdout[-4000:] + stderr[-4000:]
     assert "warning: ignoring" in stderr and "allreduce_fit.json" in stderr  # replaced, said so
     assert not list((root / "tmp").glob("launch-errors-*")) and not list(out.glob(".report-*"))
     info = json.loads((out / "bench_run.json").read_text())
     text = (out / "README.md").read_text()
-    assert "No rows from this run" not in text and "section failed" not in text, text
+    assert "section failed" not in text, text
+    # every section this plan's steps feed has rows; expert parallel, everything together and
+    # checkpoints are not in it: their sections are read from known numbers above
+    sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])
+    not_planned = [title for title, _ in report.SECTIONS[9:]]
+    assert len(not_planned) == 3 and not_planned[0].startswith("Expert parallelism")
+    assert "No rows from this run" not in text
+    for title, _ in report.SECTIONS:
+        assert (report.NOT_PLANNED in sections[title]) == (title in not_planned), title
     for name in ("allreduce.csv", "ddp_step.csv", "ddp_profile.csv", "tensor_parallel.csv",
-                 "pipeline_bubble.csv", "sharding.csv"):
+                 "sequence_parallel.csv", "pipeline_bubble.csv", "sharding.csv",
+                 "context_parallel.csv"):
         assert {r["run_id"] for r in results.read_csv(name, out)} == {info["run_id"]}, name
     # stage 02: every impl at both sizes (4100 B does not split evenly), a fit over the corrupt one
     rows = results.read_csv("allreduce.csv", out)
@@ -680,6 +908,13 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
                                          for e in (0.0, 5.0)}
     assert {r["impl"] for r in results.read_csv("sharding.csv", out)} >= {"ddp", "zero1", "zero2",
                                                                         "fsdp"}
+    # lesson 5: the one-rank kernels and both layouts on a ring of 2, real and emulated compute
+    assert sorted((r["impl"], r["layout"], r["compute"]) for r in results.read_csv(
+        "context_parallel.csv", out)) == sorted([
+            ("full, sdpa", "-", "real"), ("full, our kernel", "-", "real"),
+            ("ring", "contiguous", "real"), ("ring", "zigzag", "real"),
+            ("ring", "contiguous", "emulated 20 ms"), ("ring", "zigzag", "emulated 20 ms")])
+    assert "Ring bytes sent per rank equal the formula in every row" in text
     if results.pyplot() is not None:
         for name in ("bench_allreduce_busbw.png", "bench_overlap_timeline.png",
                      "bench_ddp_step.png"):
