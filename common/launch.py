@@ -1,10 +1,10 @@
 """Starting workers: stage 01's ten lines, made safe for every later stage.
 
 ``launch(worker, config, *args)`` runs ``worker(ctx, *args)`` on every rank, inside a process
-group: in spawned processes meeting on loopback at a free port, or in this very process under
-torchrun. Nothing hangs and nothing is silent: a rank that raises, dies or stalls ends the run
-and is named; Ctrl-C or SIGTERM to the parent stops every worker (one line, no tracebacks); a
-worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s), and
+group: in processes started here (forked from a server that imported torch once) meeting on
+loopback, or in this very process under torchrun. Nothing hangs and nothing is silent: a rank
+that raises, dies or stalls ends the run and is named; Ctrl-C or SIGTERM to the parent stops
+every worker (one line, no tracebacks); a worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s), and
 a rank still waiting for its peers after a few seconds says what for; bad flags, bad
 environment variables and runs that cannot fit in memory are one line and exit status 2 before
 any worker starts; ``python script.py | head -1`` ends quietly, as any Unix tool does.
@@ -17,6 +17,7 @@ import gc
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.util
 import os
 import select
 import shutil
@@ -28,6 +29,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import reduction
 from pathlib import Path
 
 import torch
@@ -307,14 +309,47 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
             dist.destroy_process_group()
 
 
-def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, error_dir,
-                   parent_pid, parent_holds_store):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+def _rank_processes():
+    """Where the ranks come from: a fork server that imported torch once. ``import torch``
+    costs about 2 s of CPU on a small box and spawned ranks paid it each: a 4-rank launch of
+    an empty worker took 3.7 s on a 2-core VM, 1.9 s from the server (its own start included;
+    the next launch reuses it). A child forked from the server starts with torch loaded. The server never
+    runs a tensor op (a fork after one can deadlock in OpenMP) and never touches CUDA, so the
+    ranks may. It was started by the first launch of this process, with that moment's
+    environment and standard streams: each rank takes the current ones (``_Streams``,
+    ``environ``) so every launch behaves as a fresh spawn would."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    return context
 
-    def exit_when_orphaned():  # the parent died, even by SIGKILL: we were re-parented
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
+
+class _Streams:
+    """This launcher's stdout and stderr, sent to a rank as file descriptors when it starts
+    (pickled with the rank's arguments; ``DupFd`` is multiprocessing's way to pass an fd)."""
+
+    def __reduce__(self):
+        return (_take_streams, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _take_streams(stdout, stderr) -> None:
+    for wrapped, target in ((stdout, 1), (stderr, 2)):
+        fd = wrapped.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _rank_entry(rank, worker, world_size, backend, device, addr, port, args, error_dir,
+                server_dir, environ, streams, parent_holds_store):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    os.environ.clear()
+    os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
+
+    def exit_when_orphaned():  # the launcher died, even by SIGKILL: its end of a pipe closed
+        multiprocessing.parent_process().join()
+        # What the launcher would have removed on its way out: its failure records, and the
+        # folder of the fork server's socket.
         shutil.rmtree(error_dir, ignore_errors=True)
+        shutil.rmtree(server_dir, ignore_errors=True)
         os._exit(1)
     threading.Thread(target=exit_when_orphaned, daemon=True).start()
     os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),  # as torchrun
@@ -352,7 +387,7 @@ def _spawned_entry(rank, worker, world_size, backend, device, addr, port, args, 
 
 
 def _leave(code: int) -> None:
-    """End a spawned rank without the interpreter's teardown: with torch loaded it costs a
+    """End a started rank without the interpreter's teardown: with torch loaded it costs a
     second or more of CPU per rank (and torch's destructors have aborted a rank there). What
     the rank wrote is closed by now; only the standard streams still need flushing."""
     for stream in (sys.stdout, sys.stderr):
@@ -365,7 +400,8 @@ def _leave(code: int) -> None:
 
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
     """Run ``worker(ctx, *args)`` on every rank: in this process under torchrun, else in
-    ``config.world_size`` spawned processes supervised here; ``timeout_s`` bounds the run."""
+    ``config.world_size`` processes started and supervised here; ``timeout_s`` bounds the
+    run."""
     if under_torchrun():
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
@@ -383,11 +419,14 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     error_dir = tempfile.mkdtemp(prefix="launch-errors-")
     # daemon: the workers die with this process; so a worker cannot start processes of its
     # own (a DataLoader with num_workers > 0 would fail)
-    processes = [multiprocessing.get_context("spawn").Process(
-        target=_spawned_entry, daemon=True, args=(rank, worker, config.world_size, config.backend,
-                                                  config.device, addr, port, args, error_dir,
-                                                  os.getpid(), store is not None))
-        for rank in range(config.world_size)]
+    context = _rank_processes()
+    server_dir = multiprocessing.util.get_temp_dir()  # where the fork server's socket lives
+    processes = []
+    for rank in range(config.world_size):
+        rank_args = (rank, worker, config.world_size, config.backend, config.device, addr, port,
+                     args, error_dir, server_dir, dict(os.environ), _Streams(),
+                     store is not None)
+        processes.append(context.Process(target=_rank_entry, args=rank_args, daemon=True))
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
     on_main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, lambda signum, _: stop.update(signum=signum))

@@ -412,7 +412,7 @@ def test_sigterm_or_sigkill_to_make_bench_stop_its_step_and_every_rank(tmp_path)
             wait_for_line(proc, r"\[rank 0\] pid \d+ busy", lines)
         ranks[sig] = [int(p) for p in re.findall(r"pid (\d+) busy", "".join(lines))]
         rank_stat = Path(f"/proc/{ranks[sig][0]}/stat").read_text()
-        stages[sig] = int(rank_stat.rsplit(")", 1)[1].split()[1])  # the rank's parent
+        stages[sig] = int(rank_stat.rsplit(")", 1)[1].split()[3])  # the rank's session
         in_session = session(stages[sig])
         assert stages[sig] in in_session and set(ranks[sig]) <= set(in_session), in_session
         proc.send_signal(sig)  # to make bench alone: the step is in a session of its own

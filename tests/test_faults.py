@@ -125,8 +125,11 @@ def test_ctrl_c_to_the_parent_alone_ends_every_rank_and_keeps_finished_rows(tmp_
                   env={"RESULTS_DIR": str(results_dir)})
     lines = []
     wait_for_line(proc, r"ws=2 64KB ring_pipelined:", lines)
-    ranks = [pid for pid in children(proc.pid)  # not multiprocessing's resource tracker
-             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    # the ranks are the children of the launcher's fork server (not of its resource tracker)
+    servers = [pid for pid in children(proc.pid)
+               if b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(servers) == 1, servers
+    ranks = children(servers[0])
     proc.send_signal(signal.SIGINT)  # the parent only: not a terminal's process-group Ctrl-C
     assert proc.wait(timeout=60) == 130
     out, err = "".join(lines) + proc.stdout.read(), proc.stderr.read()
