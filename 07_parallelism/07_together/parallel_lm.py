@@ -336,6 +336,12 @@ def full_state_dict(chunks: list, grid, to: int = 0, gradients: bool = False) ->
             index = tuple(slice(start, stop) for start, stop in local_box)
             pieces.append((full_box, values[index].to("cpu", torch.float32)))
         mine.append((entry["name"], entry["full_shape"], pieces))
+    return assemble_boxes(mine, to)
+
+
+def assemble_boxes(mine: list, to: int = 0) -> dict | None:
+    """Every rank's ``(name, full_shape, [(full_box, values), ...])`` gathered on global rank
+    ``to`` and written into whole tensors there (None elsewhere)."""
     gathered = None
     if dist.get_rank() == to:
         gathered = [None] * dist.get_world_size()

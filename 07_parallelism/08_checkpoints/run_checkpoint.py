@@ -484,21 +484,7 @@ def grid_full_state(chunks, grid, optimizer, parallel_lm) -> dict | None:
                 index = tuple(slice(start, stop) for start, stop in local_box)
                 pieces.append((full_box, local[index].clone()))
             mine.append((name, list(placement["full_shape"]), pieces))
-    everyone = None
-    if dist.get_rank() == 0:
-        everyone = [None] * dist.get_world_size()
-    dist.gather_object(mine, everyone, dst=0)
-    if everyone is None:
-        return None
-    state = {}
-    for theirs in everyone:
-        for name, full_shape, pieces in theirs:
-            if name not in state:
-                state[name] = torch.zeros(full_shape)
-            for full_box, values in pieces:
-                index = tuple(slice(start, stop) for start, stop in full_box)
-                state[name][index] = values
-    return state
+    return parallel_lm.assemble_boxes(mine, 0)
 
 
 def grid_steps(chunks, grid, optimizer, parallel_lm, steps, batch_size, device) -> list[float]:
