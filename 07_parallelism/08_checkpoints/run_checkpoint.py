@@ -756,15 +756,20 @@ def run_checks(ctx, root: Path, cases=CASES) -> dict:
             "worst": worst_everywhere.item(), "damaged": damaged, "skipped": skipped}
 
 
+def one_folder(ctx, given: str | None, prefix: str) -> Path:
+    """The folder every rank works in: ``given``, or one rank 0 makes in the temp folder."""
+    name = None
+    if ctx.is_main:
+        name = given or tempfile.mkdtemp(prefix=prefix)
+    shared = [name]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
 def check_main(ctx, args) -> None:
     """The plain run: every check, a table of bytes per rank, one verdict."""
     from common import results
-    root_text = None
-    if ctx.is_main:
-        root_text = args.dir or tempfile.mkdtemp(prefix="checkpoints-")
-    shared = [root_text]
-    dist.broadcast_object_list(shared, src=0)
-    root = Path(shared[0])
+    root = one_folder(ctx, args.dir, "checkpoints-")
     findings = run_checks(ctx, root)
     if ctx.is_main:
         print(f"checkpoints of the tiny LM and its AdamW state, {ctx.world_size} ranks "
@@ -861,12 +866,7 @@ def bench_main(ctx, args) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import DeviceMesh
     from common import models
-    root_text = None
-    if ctx.is_main:
-        root_text = args.dir or tempfile.mkdtemp(prefix="checkpoint-bench-")
-    shared = [root_text]
-    dist.broadcast_object_list(shared, src=0)
-    root = Path(shared[0])
+    root = one_folder(ctx, args.dir, "checkpoint-bench-")
     full_lm = models.TransformerLM(args.model, vocab_size=VOCAB, context_length=256)
     preset = models.PRESETS[args.model]
     names = [name for name, _ in full_lm.named_parameters()]
