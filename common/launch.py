@@ -318,6 +318,8 @@ def _rank_processes():
     ranks may. It was started by the first launch of this process, with that moment's
     environment and standard streams: each rank takes the current ones (``_Streams``,
     ``environ``) so every launch behaves as a fresh spawn would."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")  # Windows: no fork at all
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.distributed"])
     return context
@@ -421,10 +423,13 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     # own (a DataLoader with num_workers > 0 would fail)
     context = _rank_processes()
     server_dir = multiprocessing.util.get_temp_dir()  # where the fork server's socket lives
+    streams = None  # a spawned rank inherits this process's streams as they are now
+    if context.get_start_method() == "forkserver":
+        streams = _Streams()
     processes = []
     for rank in range(config.world_size):
         rank_args = (rank, worker, config.world_size, config.backend, config.device, addr, port,
-                     args, error_dir, server_dir, dict(os.environ), _Streams(),
+                     args, error_dir, server_dir, dict(os.environ), streams,
                      store is not None)
         processes.append(context.Process(target=_rank_entry, args=rank_args, daemon=True))
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
