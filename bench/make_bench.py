@@ -1,7 +1,7 @@
 """``make bench``: every measurement the course makes, on this box, in one command, and a report.
 
     make bench                       # = python bench/make_bench.py
-    BENCH_QUICK=1 make bench         # the two-minute version
+    BENCH_QUICK=1 make bench         # the quick version (76 s on a 2-core CPU)
     BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
     BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
@@ -137,7 +137,7 @@ def bench_model(setup: Setup, quick: bool) -> str:
 
 
 def budget_s(quick: bool) -> float:
-    """``BENCH_BUDGET_S``, else 130 s quick / 510 s full: the whole run's limit, at most a day
+    """``BENCH_BUDGET_S``, else 150 s quick / 510 s full: the whole run's limit, at most a day
     (whether it is enough for any step, ``plan_budget`` says)."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
     try:

@@ -418,9 +418,13 @@ def sequence_parallel_section(where: Where):
         headline.append([f"sequence parallel, {ranks} ranks: LayerNorm activations saved per "
                          "rank, TP + SP vs TP", f"{layernorms:.2f}x (1/t = {1 / ranks:.2f}); "
                          f"ring bytes per rank {'equal' if same_ring else 'NOT equal'}"])
-    words.append("Every saved count equals its formula." if exact else
-                 "Not every saved count equals its formula (on a GPU the attention kernel "
-                 "saves other tensors than the CPU's, which the formula describes).")
+    if exact:
+        words.append("Every saved count equals its formula.")
+    elif r0["device"] == "cuda":
+        words.append("Not every saved count equals its formula (on a GPU the attention kernel "
+                     "may save other tensors than the CPU's, which the formula describes).")
+    else:
+        words.append("Not every saved count equals its formula: see the bracketed columns.")
     return text + "\n" + " ".join(words) + "\n", headline, rows
 
 
@@ -583,9 +587,12 @@ def expert_parallel_section(where: Where):
         tight = by_case.get(("skewed", "1.0"))
         dropless = by_case.get(("skewed", "dropless"))
         if tight is not None and dropless is not None:
+            kept = "keeps them all"
+            if num(dropless, "dropped_share") != 0:
+                kept = f"drops {100 * num(dropless, 'dropped_share'):.1f}% (it should drop none)"
             words.append(f"Skewed routing at capacity factor 1.0 drops "
                          f"{100 * num(tight, 'dropped_share'):.1f}% of the assignments; "
-                         f"dropless keeps them all, at {num(dropless, 'max_over_mean'):.2f}x the "
+                         f"dropless {kept}, at {num(dropless, 'max_over_mean'):.2f}x the "
                          "mean load on the busiest expert.")
         text += "\n" + picture(where, "bench_expert_parallel_load.png", "tokens per expert")
     headline = [["expert parallel: all-to-all bytes counted = formula; expert bytes per rank",
@@ -660,7 +667,9 @@ def together_section(where: Where):
                              for r in (ours, theirs)]))
         words.append(f"Our {ours['grid']} step takes {ratio:.2f}x torch's parallelize_module + "
                      f"fully_shard ({num(ours, 'step_ms'):.1f} vs {num(theirs, 'step_ms'):.1f} ms; "
-                     f"target <= 1.25x: {verdict(ratio <= 1.25)}).")
+                     f"target <= 1.25x: {verdict(ratio <= 1.25)}). Not the same job: ours "
+                     "keeps whole replicas over the data axis, torch's shards them with "
+                     "fully_shard and gathers them each step (the params column).")
         headline.append([f"our {ours['grid']} step vs torch's parallelize_module + fully_shard",
                          f"{ratio:.2f}x (target <= 1.25x)"])
     losses = [num(r, "first_loss") for r in grids + beside if r.get("first_loss", "") != ""]
@@ -754,9 +763,9 @@ def checkpoint_section(where: Where):
             written.add(int(float(r["data_bytes_total"])))
     if len(written) == 1:
         words.append(f"Saved at either number of ranks, all ranks together wrote the same "
-                     f"{size_text(written.pop())} of data (the state once, replicas once; the "
-                     "script checks it against the state's size, and each load's bytes against "
-                     "the overlap with what the rank holds).")
+                     f"{size_text(written.pop())} of data (the script's own output compares it "
+                     "with the state's size, and checks each load's bytes against the overlap "
+                     "with what the rank holds).")
     return text + "\n" + " ".join(words) + "\n", headline, rows
 
 

@@ -313,11 +313,14 @@ def _rank_processes():
     """Where the ranks come from: a fork server that imported torch once. ``import torch``
     costs about 2 s of CPU on a small box and spawned ranks paid it each: a 4-rank launch of
     an empty worker took 3.7 s on a 2-core VM, 1.9 s from the server (its own start included;
-    the next launch reuses it). A child forked from the server starts with torch loaded. The server never
-    runs a tensor op (a fork after one can deadlock in OpenMP) and never touches CUDA, so the
-    ranks may. It was started by the first launch of this process, with that moment's
-    environment and standard streams: each rank takes the current ones (``_Streams``,
-    ``environ``) so every launch behaves as a fresh spawn would."""
+    the next launch reuses it). A child forked from the server starts with torch loaded. The
+    server never runs a tensor op (a fork after one can deadlock in OpenMP) and never touches
+    CUDA, so the ranks may. It was started by the first launch of this process, with that moment's
+    environment and standard streams. Each rank takes the current ones when it starts its
+    job (``_Streams``, ``environ``) and a seed of its own for torch's generator (``_rank_entry``),
+    as a spawned rank has. What stays the server's: the variables torch reads when imported
+    (``TORCH_DISTRIBUTED_DEBUG``, say: set them before the first launch, as a script does),
+    Python's hash seed, and the streams a rank has while it imports the script's ``__main__``."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")  # Windows: no fork at all
     context = multiprocessing.get_context("forkserver")
@@ -345,6 +348,7 @@ def _rank_entry(rank, worker, world_size, backend, device, addr, port, args, err
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
+    torch.seed()  # forked ranks would all share the server's generator state
 
     def exit_when_orphaned():  # the launcher died, even by SIGKILL: its end of a pipe closed
         multiprocessing.parent_process().join()
@@ -454,6 +458,13 @@ def _kill(processes) -> None:
     for p in started:
         if p.is_alive():
             p.kill()  # SIGKILL: also ends a rank that is stopped (SIGSTOP) or stuck in C++
+        elif p.exitcode == 255:
+            # 255 is also what a dead fork server (the OOM killer's pick?) reports for ranks
+            # that may still run: end them by pid, or they would outlive this launch.
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     for p in started:
         p.join(timeout=5)
 
