@@ -311,13 +311,12 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
 
 def _rank_processes():
     """Where the ranks come from: a fork server that imported torch once. ``import torch``
-    costs about 2 s of CPU on a small box and spawned ranks paid it each: a 4-rank launch of
-    an empty worker took 3.7 s on a 2-core VM, 1.9 s from the server (its own start included;
-    the next launch reuses it). A child forked from the server starts with torch loaded. The
-    server never runs a tensor op (a fork after one can deadlock in OpenMP) and never touches
-    CUDA, so the ranks may. It was started by the first launch of this process, with that moment's
-    environment and standard streams. Each rank takes the current ones when it starts its
-    job (``_Streams``, ``environ``) and a seed of its own for torch's generator (``_rank_entry``),
+    costs seconds of CPU on a small box, and spawned ranks paid it each; a child forked from
+    the server starts with torch loaded (the next launch reuses the server). The server never
+    runs a tensor op (a fork after one can deadlock in OpenMP) and never touches CUDA, so the
+    ranks may. It was started by the first launch of this process, with that moment's
+    environment and standard streams. Each rank takes the current ones when it starts its job
+    (``_Streams``, ``environ``) and a seed of its own for torch's generator (``_rank_entry``),
     as a spawned rank has. What stays the server's: the variables torch reads when imported
     (``TORCH_DISTRIBUTED_DEBUG``, say: set them before the first launch, as a script does),
     Python's hash seed, and the streams a rank has while it imports the script's ``__main__``."""
@@ -345,6 +344,8 @@ def _take_streams(stdout, stderr) -> None:
 
 def _rank_entry(rank, worker, world_size, backend, device, addr, port, args, error_dir,
                 server_dir, environ, streams, parent_holds_store):
+    # ``streams`` did its work already: unpickling it moved the launcher's stdout and stderr
+    # onto this rank's (``_Streams``).
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)

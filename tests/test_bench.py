@@ -109,7 +109,8 @@ def test_the_07_lessons_are_planned_for_what_each_box_can_run():
         assert _flag(checkpoint, "--model") == ("small" if gpus else "course")
         cp = _step(steps, "cp").argv
         assert _flag(cp, "--seqs") == {0: "256,512,1024", 1: "512,1024,2048",
-                                       8: "1024,2048,4096"}.get(gpus, _flag(cp, "--seqs"))
+                                       2: "512,1024,2048", 3: "512,1024,2048",
+                                       4: "1024,2048,4096", 8: "1024,2048,4096"}[gpus]
         assert "--ring-sizes" not in cp  # rings of 2 and 4
         quick = make_bench.plan(make_bench.pick_setup(gpus, "GPU"), quick=True, model="course")
         assert [s.key for s in quick] == QUICK_KEYS
