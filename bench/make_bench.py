@@ -56,11 +56,10 @@ from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
-# quick, full: the whole run, every stop included. Quick was 130 s for six steps, and on this
-# 2-core VM it already ended at 121 s with its ledger stopped at its cap; the three lessons it
-# now runs too (context and expert parallel, checkpoints) start 4 ranks each, about 5 s of
-# start-up apiece here. Smaller quick sizes elsewhere pay for most of them (the ledger on the
-# tiny LM, the pipeline's emulated compute shorter); 20 s more pays for the rest.
+# quick, full: the whole run, every stop included. Quick was 130 s for six steps; the three
+# lessons it now runs too (context and expert parallel, checkpoints) start 4 ranks each.
+# Smaller quick sizes elsewhere pay for most of them (the ledger on the tiny LM, the
+# pipeline's emulated compute shorter); 20 s more pays for the rest.
 DEFAULT_BUDGET_S = {True: 150, False: 510}
 MAX_BUDGET_S = 24 * 3600
 GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
