@@ -4,6 +4,7 @@ and a stage's algorithm never imports this (it must stay copyable alone): only h
 """
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -19,3 +20,19 @@ def import_stage(script: str):
     if path not in sys.path:
         sys.path.insert(0, path)
     return importlib.import_module(name)
+
+
+def hand_over(script: str) -> None:
+    """Become ``python <repo>/<script>`` with this process's own arguments, e.g. a lesson's
+    ``run_pipeline.py --bench`` becomes ``07_parallelism/measure/bench_pipeline.py --bench``.
+    Measurement sits above the lessons: a demo hands its ``--bench`` and ``--profile`` flags over
+    to it rather than importing it, so imports run one way and the demo stays short. The process
+    is replaced (``os.execv``), so this returns only if the exec fails, and under torchrun each
+    rank hands over on its own with its environment intact."""
+    path = REPO_ROOT / script
+    if not path.is_file():
+        raise SystemExit(f"{Path(sys.argv[0]).name}: {script} is missing: the measurement "
+                         "needs the repository around this file")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, str(path), *sys.argv[1:]])
