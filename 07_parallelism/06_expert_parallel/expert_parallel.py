@@ -44,8 +44,9 @@ Use it (after dist.init_process_group; every rank builds the same MoE from the s
     loss.backward()                         # expert gradients: already the mean over ranks
     # average replicated_parameters(model) over the ranks (a DDP of 03-06), then step
 
-Run the checks and the benchmark with run_expert_parallel.py beside this file. This file needs
-torch alone: copy it into another project and ``from expert_parallel import MoE, ExpertParallelMoE``.
+Run it beside one process with run_expert_parallel.py next to this file (its --bench measures
+it). This file needs torch alone: copy it into another project and
+``from expert_parallel import MoE, ExpertParallelMoE``.
 """
 
 from __future__ import annotations
