@@ -4,7 +4,7 @@ In this process: the routing rules (capacity, priority, drops) on a hand-made ro
 load-balancing loss's value on it (counted before drops), the reference MoE against a
 token-by-token sum, a deep copy after a forward, bad arguments and bad flags (the demo's and the
 measurement's: one line, exit 2, nothing launched). One launch per world size (2 and 4) runs
-every check of tests/checks_expert_parallel.py, with E = 3W experts so that W and E/W differ at
+every check of tests/checks_expert_parallel.py, with 6 and 8 experts so that W and E/W differ at
 both sizes; then the negative controls: each planted bug must fail the check that is there to
 catch it, with the same verdict on every rank (at W = 2, and the EP x DP one at W = 4). The
 W = 2 launch also runs a small --bench (stopped once half way: the rows measured stay), a
@@ -27,7 +27,9 @@ from common import launch, results
 from helpers import REPO, assert_main_usage_error, run_script
 
 DEMO = REPO / "07_parallelism" / "06_expert_parallel" / "run_expert_parallel.py"
-# E = 3W: W = 2 -> 6 experts (E/W = 3), W = 4 -> 12 (E/W = 3); d_model >= E for the balanced routing
+# Experts per world size such that W and E/W differ (a gradient divided by E/W instead of W
+# must fail): W = 2 -> 6 (E/W = 3), W = 4 -> 8 (E/W = 2). d_model >= E (the balanced routing).
+EXPERTS = {2: 6, 4: 8}
 CFG = {"d_model": 12, "d_ff": 16, "top_k": 2, "capacity_factor": 1.25, "lm": "tiny", "vocab": 256,
        "seq": 16, "batch": 2, "lm_steps": 3}
 BENCH = {"d_model": 16, "d_ff": 32, "tokens": [16, 48], "load_tokens": 48, "warmup": 1,
@@ -254,11 +256,13 @@ class Stop(Exception):
 
 
 def worker(ctx):
-    cfg = {**CFG, "num_experts": 3 * ctx.world_size}
+    cfg = {**CFG, "num_experts": EXPERTS[ctx.world_size]}
+    assert cfg["num_experts"] // ctx.world_size != ctx.world_size
     with pytest.raises(ValueError, match=f"{ctx.world_size + 1} experts cannot be split evenly"):
         ep.ExpertParallelMoE(ep.MoE(8, 16, ctx.world_size + 1))
     layer = ep.ExpertParallelMoE(checks.build_moe(cfg, checks.case("random", 2, None), ctx.device))
-    assert list(layer.experts) == [str(3 * ctx.rank + i) for i in range(3)]
+    per_rank = cfg["num_experts"] // ctx.world_size
+    assert list(layer.experts) == [str(per_rank * ctx.rank + i) for i in range(per_rank)]
     assert [p.shape for p in layer.parameters()][0] == (cfg["num_experts"], cfg["d_model"])
     checks.verify_all(ctx, cfg)     # every check; raises on every rank on a failure
     checks.negative_controls(ctx, cfg)
