@@ -7,8 +7,8 @@ measurement's: one line, exit 2, nothing launched). One launch per world size (2
 every check of tests/checks_expert_parallel.py, with 6 and 8 experts so that W and E/W differ at
 both sizes; then the negative controls: each planted bug must fail the check that is there to
 catch it, with the same verdict on every rank (at W = 2, and the EP x DP one at W = 4). The
-W = 2 launch also runs a small --bench (stopped once half way: the rows measured stay), a
---profile, and the demo's own worker.
+W = 2 launch also runs a small --bench (stopped once half way: the rows measured stay; once with
+a budget that leaves out the larger token count), a --profile, and the demo's own worker.
 """
 
 import copy
@@ -32,8 +32,8 @@ DEMO = REPO / "07_parallelism" / "06_expert_parallel" / "run_expert_parallel.py"
 EXPERTS = {2: 6, 4: 8}
 CFG = {"d_model": 12, "d_ff": 16, "top_k": 2, "capacity_factor": 1.25, "lm": "tiny", "vocab": 256,
        "seq": 16, "batch": 2, "lm_steps": 3}
-BENCH = {"d_model": 16, "d_ff": 32, "tokens": [16, 48], "load_tokens": 48, "warmup": 1,
-         "iters": 2, "capacity_factors": [1.0, None], "profile": False}
+BENCH = {"d_model": 16, "d_ff": 32, "tokens": [16, 48], "warmup": 1, "iters": 2,
+         "capacity_factors": [1.0, None], "profile": False, "budget_s": None}
 
 # --------------------------------------------------------------------------- routing rules
 
@@ -233,6 +233,7 @@ def test_demo_bad_input_one_line_exit_2(argv, needle, capsys):
     (["--tokens", "100000000"], "--tokens 100000000"),                 # memory
     (["--num-experts", "100000"], "--num-experts 100000"),
     (["--capacity-factors", "1.0,0"], "'0' is not a capacity factor"),
+    (["--capacity-factors", "1e300,none", "--budget-s", "nan"], "'nan' is not a finite number"),
     (["--profile", "--trace-dir", ""], "'' is not a folder"),
     (["--profile", "--trace-dir", "/dev/null/x"], "/dev/null is not a folder"),
     (["--world-size", "4", "--num-experts", "6"], "--num-experts 6 is not divisible"),
@@ -287,6 +288,12 @@ def worker(ctx):
     if ctx.is_main:
         steps = [r for r in results.read_csv("expert_parallel.csv") if r["measure"] == "step"]
         assert [int(r["tokens_per_rank"]) for r in steps] == [16], steps
+    bench.bench_main(ctx, {**small, "budget_s": 1e-9})   # 48 tokens skipped: past the budget
+    dist.barrier()
+    if ctx.is_main:
+        rows = results.read_csv("expert_parallel.csv")
+        assert [int(r["tokens_per_rank"]) for r in rows if r["measure"] == "step"] == [16]
+        assert {int(r["tokens_per_rank"]) for r in rows if r["measure"] == "load"} == {16}
     bench.bench_main(ctx, small)
     bench.profile_main(ctx, {**small, "trace_dir": str(results.results_dir() / "traces")})
 
@@ -298,7 +305,7 @@ def test_expert_parallel_checks_and_negative_controls(world_size):
         return
     rows = results.read_csv("expert_parallel.csv")      # the small --bench: its CSV
     steps = [r for r in rows if r["measure"] == "step"]
-    loads = [r for r in rows if r["measure"] == "load"]
+    loads = [r for r in rows if r["measure"] == "load" and r["tokens_per_rank"] == "48"]
     assert [int(r["tokens_per_rank"]) for r in steps] == BENCH["tokens"]
     assert all(r["bytes_sent_counted"] == r["bytes_sent_formula"] for r in steps)
     assert all(int(r["expert_bytes_per_rank"]) * 2 == int(r["expert_bytes_replicated"])

@@ -3,13 +3,14 @@
 ``run_expert_parallel.py --bench`` and ``--profile`` hand over to this script with the same flags.
 
 --bench, per token count (smallest first, each row written to results/expert_parallel.csv as it
-lands, so a run stopped at its cap keeps what it measured):
+lands, so a run stopped at its cap keeps what it measured; with --budget-s, the counts predicted
+to end past it are skipped, said in one line):
 * the step (forward + backward) of the replicated MoE, every rank on its own tokens and no
   communication, against expert parallel on the same tokens (slowest rank's median);
 * the bytes this rank sends in each all-to-all, counted (measure/counters.CommCounter) beside
   the formula for the routing measured;
-then the expert parameter bytes per rank (exactly 1/W), and the load for each routing and
-capacity factor (tokens per expert, drops), drawn to results/expert_parallel_load.png.
+then the expert parameter bytes per rank (exactly 1/W), and the load at the largest count
+measured for each routing and capacity factor (tokens per expert, drops), drawn to results/expert_parallel_load.png.
 --profile: a torch.profiler trace per rank of two expert-parallel steps, in
 <trace-dir>/expert_parallel/rank<r>.json (open in https://ui.perfetto.dev).
 
@@ -28,6 +29,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -233,9 +235,12 @@ def bench_main(ctx, cfg: dict) -> None:
         print(f"Expert parallel on {n} ranks: d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
               f"{cfg['num_experts']} experts, top-{cfg['top_k']}, {where}", flush=True)
     failures = []
+    start = time.monotonic()
     memory = expert_memory(ctx, cfg, failures)
     time_rows = []
     for tokens in sorted(cfg["tokens"]):      # smallest first; each row saved as it lands
+        if time_rows and not fits_budget(ctx, cfg, start, time_rows[-1], tokens):
+            break
         row = time_one(ctx, cfg, tokens, failures)
         time_rows.append(row)
         if ctx.is_main:
@@ -243,6 +248,7 @@ def bench_main(ctx, cfg: dict) -> None:
                                       "capacity_factor": "dropless", **row, **memory}], key=KEY)
             print(f"  {tokens} tokens per rank: replicated {row['replicated_ms']:.3g} ms, "
                   f"expert parallel {row['expert_parallel_ms']:.3g} ms", flush=True)
+    cfg = {**cfg, "load_tokens": time_rows[-1]["tokens_per_rank"]}   # the largest measured
     load_rows = []
     for routing in ("random", "skewed"):
         for capacity_factor in cfg["capacity_factors"]:
@@ -256,6 +262,22 @@ def bench_main(ctx, cfg: dict) -> None:
         report(cfg, n, time_rows, memory, load_rows)
     if failures:
         raise AssertionError("expert-parallel bench checks failed:\n  " + "\n  ".join(failures))
+
+
+def fits_budget(ctx, cfg: dict, start: float, last: dict, tokens: int) -> bool:
+    """Whether ``tokens`` tokens per rank still fit ``--budget-s``: its steps predicted from the
+    last configuration's, in proportion to the tokens (rank 0 decides, every rank follows)."""
+    if cfg["budget_s"] is None:
+        return True
+    steps = cfg["warmup"] + cfg["iters"]
+    per_step_s = (last["replicated_ms"] + last["expert_parallel_ms"]) / 1e3
+    predicted_s = steps * per_step_s * tokens / last["tokens_per_rank"]
+    decision = [time.monotonic() - start + predicted_s <= cfg["budget_s"]]
+    dist.broadcast_object_list(decision, src=0)
+    if ctx.is_main and not decision[0]:
+        print(f"  {tokens} tokens per rank and more skipped: about {predicted_s:.0f} s predicted, "
+              f"past --budget-s {cfg['budget_s']:g}", flush=True)
+    return decision[0]
 
 
 def verify_agree(failures: list[str]) -> list[str]:
@@ -395,6 +417,9 @@ def parse(argv=None):
                         help="tokens per rank, a sweep (the largest also for the load)")
     parser.add_argument("--capacity-factors", type=launch.list_of(capacity_factor_type),
                         default=[1.0, 1.25, 2.0, None], help="load statistics for each")
+    parser.add_argument("--budget-s", type=launch.positive_float, default=None,
+                        help="skip the token counts predicted to end past this many seconds "
+                             "(each predicted from the one before; default: run them all)")
     parser.add_argument("--capacity-factor", type=capacity_factor_type, default=1.25,
                         help="the demo's (ignored here)")
     parser.add_argument("--lm", choices=list(models.PRESETS), default="tiny",
@@ -409,9 +434,10 @@ def parse(argv=None):
     if args.top_k > num_experts:
         parser.error(f"--top-k {args.top_k} is more than --num-experts {num_experts}")
     cfg = {"d_model": args.d_model, "d_ff": args.d_ff, "num_experts": num_experts,
-           "top_k": args.top_k, "tokens": args.tokens, "load_tokens": max(args.tokens),
+           "top_k": args.top_k, "tokens": args.tokens,
            "capacity_factors": args.capacity_factors, "warmup": args.warmup,
-           "iters": args.iters, "trace_dir": str(args.trace_dir), "profile": args.profile}
+           "iters": args.iters, "trace_dir": str(args.trace_dir), "profile": args.profile,
+           "budget_s": args.budget_s}
     need = bytes_per_rank(cfg)
     check_fits(config, need, f"--num-experts {num_experts} --d-model {args.d_model} --d-ff "
                              f"{args.d_ff} --tokens {max(args.tokens)} ({need / 2**30:.2f} GiB "
