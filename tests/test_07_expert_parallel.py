@@ -8,7 +8,8 @@ every check of tests/checks_expert_parallel.py, with 6 and 8 experts so that W a
 both sizes; then the negative controls: each planted bug must fail the check that is there to
 catch it, with the same verdict on every rank (at W = 2, and the EP x DP one at W = 4). The
 W = 2 launch also runs a small --bench (stopped once half way: the rows measured stay; once with
-a budget that leaves out the larger token count), a --profile, and the demo's own worker.
+a budget that leaves out the larger token count), a --profile, and the demo's own worker (once
+with a planted bug: it prints what differed and exits 1).
 """
 
 import copy
@@ -270,7 +271,12 @@ def worker(ctx):
     if ctx.world_size != 2:
         return
     demo = runpy.run_path(str(DEMO))                     # the demo's worker, not its main
-    demo["demo"](ctx, {**cfg, "num_experts": 2 * ctx.world_size})
+    demo_cfg = {**cfg, "num_experts": 2 * ctx.world_size}
+    demo["demo"](ctx, demo_cfg)
+    with checks.planted(checks.on_class("mean_over_ranks", checks.not_divided)):
+        with pytest.raises(SystemExit) as stopped:       # the demo says so, and exits 1
+            demo["demo"](ctx, demo_cfg)
+    assert stopped.value.code == 1
     small = {**cfg, **BENCH, "num_experts": 8}
     original = bench.time_one
     calls = []
