@@ -15,7 +15,8 @@ Two layers, one contract: ``ExpertParallelMoE(moe)(x_local)`` returns exactly wh
   process. Routing: p = softmax(router(x)) over all E experts; each token takes its top_k most
   probable experts, with gates g = those p renormalised to sum to 1; out = sum_k g_k expert_k(x).
   Capacity (``capacity_factor`` not None): an expert takes at most
-  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice); every token's
+  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice), and never more
+  than tokens (an expert takes each token once at most, so that is already dropless); every token's
   first choice comes before any token's second choice, and within a choice the lower token
   index first. A dropped assignment contributes nothing; the kept gates are not renormalised.
 * ``ExpertParallelMoE(moe, group=None)``: built on every rank from the same full ``MoE``; rank r
@@ -83,9 +84,9 @@ def check_moe_arguments(num_experts: int, top_k: int, capacity_factor: float | N
 
 def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
                     num_experts: int) -> int | None:
-    """C = ceil(capacity_factor * tokens * top_k / num_experts): the assignments one expert
-    takes at most. tokens * top_k / num_experts is its share when routing is uniform, so a
-    factor of 1.0 leaves no slack and 1.25 a quarter. None: dropless."""
+    """C = min(ceil(capacity_factor * tokens * top_k / num_experts), tokens): the assignments
+    one expert takes at most. tokens * top_k / num_experts is its share when routing is
+    uniform, so a factor of 1.0 leaves no slack and 1.25 a quarter. None: dropless."""
     if capacity_factor is None:
         return None
     share = capacity_factor * tokens * top_k / num_experts
