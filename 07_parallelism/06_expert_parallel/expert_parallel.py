@@ -15,10 +15,10 @@ Two layers, one contract: ``ExpertParallelMoE(moe)(x_local)`` returns exactly wh
   process. Routing: p = softmax(router(x)) over all E experts; each token takes its top_k most
   probable experts, with gates g = those p renormalised to sum to 1; out = sum_k g_k expert_k(x).
   Capacity (``capacity_factor`` not None): an expert takes at most
-  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice), and never more
-  than tokens (an expert takes each token once at most, so that is already dropless); every token's
-  first choice comes before any token's second choice, and within a choice the lower token
-  index first. A dropped assignment contributes nothing; the kept gates are not renormalised.
+  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice), never more than
+  tokens (an expert takes each token once at most: C = tokens is dropless); every token's first
+  choice comes before any token's second choice, and within a choice the lower token index
+  first. A dropped assignment contributes nothing; the kept gates are not renormalised.
 * ``ExpertParallelMoE(moe, group=None)``: built on every rank from the same full ``MoE``; rank r
   keeps experts r*E/W ... (r+1)*E/W - 1, the router is replicated. Forward, on this rank's own
   tokens: route them (the capacity rule applies to them, as GShard's per-group capacity);
