@@ -10,7 +10,8 @@ to end past it are skipped, said in one line):
 * the bytes this rank sends in each all-to-all, counted (measure/counters.CommCounter) beside
   the formula for the routing measured;
 then the expert parameter bytes per rank (exactly 1/W), and the load at the largest count
-measured for each routing and capacity factor (tokens per expert, drops), drawn to results/expert_parallel_load.png.
+measured for each routing and capacity factor (tokens per expert, drops), drawn to
+results/expert_parallel_load.png.
 --profile: a torch.profiler trace per rank of two expert-parallel steps, in
 <trace-dir>/expert_parallel/rank<r>.json (open in https://ui.perfetto.dev).
 
