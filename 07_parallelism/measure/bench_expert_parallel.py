@@ -235,6 +235,9 @@ def bench_main(ctx, cfg: dict) -> None:
     if ctx.is_main:
         print(f"Expert parallel on {n} ranks: d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
               f"{cfg['num_experts']} experts, top-{cfg['top_k']}, {where}", flush=True)
+        if ctx.backend == "gloo" and ctx.device.type == "cuda":
+            print("(Gloo on CUDA: every all-to-all goes GPU -> host memory -> loopback -> GPU; "
+                  "its times describe that path, not an interconnect)", flush=True)
     failures = []
     start = time.monotonic()
     memory = expert_memory(ctx, cfg, failures)
