@@ -15,9 +15,10 @@ Two layers, one contract: ``ExpertParallelMoE(moe)(x_local)`` returns exactly wh
   process. Routing: p = softmax(router(x)) over all E experts; each token takes its top_k most
   probable experts, with gates g = those p renormalised to sum to 1; out = sum_k g_k expert_k(x).
   Capacity (``capacity_factor`` not None): an expert takes at most
-  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice); every token's
-  first choice comes before any token's second choice, and within a choice the lower token
-  index first. A dropped assignment contributes nothing; the kept gates are not renormalised.
+  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice), never more than
+  tokens (an expert takes each token once at most: C = tokens is dropless); every token's first
+  choice comes before any token's second choice, and within a choice the lower token index
+  first. A dropped assignment contributes nothing; the kept gates are not renormalised.
 * ``ExpertParallelMoE(moe, group=None)``: built on every rank from the same full ``MoE``; rank r
   keeps experts r*E/W ... (r+1)*E/W - 1, the router is replicated. Forward, on this rank's own
   tokens: route them (the capacity rule applies to them, as GShard's per-group capacity);
@@ -44,8 +45,9 @@ Use it (after dist.init_process_group; every rank builds the same MoE from the s
     loss.backward()                         # expert gradients: already the mean over ranks
     # average replicated_parameters(model) over the ranks (a DDP of 03-06), then step
 
-Run the checks and the benchmark with run_expert_parallel.py beside this file. This file needs
-torch alone: copy it into another project and ``from expert_parallel import MoE, ExpertParallelMoE``.
+Run it beside one process with run_expert_parallel.py next to this file (its --bench measures
+it). This file needs torch alone: copy it into another project and
+``from expert_parallel import MoE, ExpertParallelMoE``.
 """
 
 from __future__ import annotations
@@ -82,12 +84,17 @@ def check_moe_arguments(num_experts: int, top_k: int, capacity_factor: float | N
 
 def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
                     num_experts: int) -> int | None:
-    """C = ceil(capacity_factor * tokens * top_k / num_experts): the assignments one expert
-    takes at most. tokens * top_k / num_experts is its share when routing is uniform, so a
-    factor of 1.0 leaves no slack and 1.25 a quarter. None: dropless."""
+    """C = min(ceil(capacity_factor * tokens * top_k / num_experts), tokens): the assignments
+    one expert takes at most. tokens * top_k / num_experts is its share when routing is
+    uniform, so a factor of 1.0 leaves no slack and 1.25 a quarter. None: dropless."""
     if capacity_factor is None:
         return None
-    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+    share = capacity_factor * tokens * top_k / num_experts
+    # An expert can take each token once at most: a capacity of `tokens` is already dropless.
+    # (Capped before rounding: a huge factor would overflow ceil() or the int64 comparison.)
+    if share >= tokens:
+        return tokens
+    return math.ceil(share)
 
 
 @dataclass
@@ -161,6 +168,15 @@ def route_tokens(layer: nn.Module, x: torch.Tensor) -> Routing:
     return routing
 
 
+def without_graph(state: dict) -> dict:
+    """A layer's state for a copy (``copy.deepcopy``, pickle): the last call's ``aux_loss``
+    without that call's autograd graph. A tensor inside a graph cannot be deep-copied, and a
+    copy of the weights (a reference model, an EMA) has no use for the graph."""
+    if state.get("aux_loss") is not None:
+        state["aux_loss"] = state["aux_loss"].detach()
+    return state
+
+
 def combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """out[t] = sum_k gates[t, k] * expert_out[t, k]: [tokens, top_k, d_model] -> [tokens, d_model].
     A dropped assignment's row is zero and adds nothing. Both layers combine with this, so
@@ -174,7 +190,8 @@ def combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 class MoE(nn.Module):
     """A mixture-of-experts MLP on one process (the reference). ``forward`` takes
     [tokens, d_model] or [batch, seq, d_model] and returns the same shape. After each call:
-    ``aux_loss`` (see :func:`load_balancing_loss`), ``tokens_per_expert``, ``dropped``."""
+    ``aux_loss`` (see :func:`load_balancing_loss`; add it to the loss), ``tokens_per_expert``,
+    ``dropped``. ``copy.deepcopy`` works at any time: a copy's ``aux_loss`` is detached."""
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
                  capacity_factor: float | None = None):
@@ -200,6 +217,9 @@ class MoE(nn.Module):
             # run even on no rows: the expert's gradient is then zero, not None
             expert_out[token, choice] = expert(x[token])
         return combine(expert_out, routing.gates).reshape(shape)
+
+    def __getstate__(self) -> dict:
+        return without_graph(super().__getstate__())
 
 
 # --------------------------------------------------------------------------- the exchange
@@ -241,8 +261,6 @@ class ExpertParallelMoE(nn.Module):
     rank's experts keyed by global index (``experts["3"]`` is a copy of ``moe.experts[3]``).
     ``received_per_expert`` [W, E/W]: rows this rank's experts got from each rank, last call."""
 
-    all_to_all = AllToAll  # the exchange, as an attribute so that a test can plant a broken one
-
     def __init__(self, moe: MoE, group=None):
         super().__init__()
         self.group = group
@@ -268,6 +286,9 @@ class ExpertParallelMoE(nn.Module):
         self.dropped = None
         self.received_per_expert = None
 
+    def __getstate__(self) -> dict:
+        return without_graph(super().__getstate__())
+
     def mean_over_ranks(self, grad: torch.Tensor) -> torch.Tensor:
         """An expert's gradient arrives summed over every rank's tokens (backward brought the
         rows home); data parallelism's mean over ranks is that sum / W."""
@@ -286,15 +307,15 @@ class ExpertParallelMoE(nn.Module):
         send_splits = send_per_expert.view(self.world_size, -1).sum(dim=1).tolist()  # per rank
         recv_splits = recv_per_expert.sum(dim=1).tolist()              # per rank
         # 3. Dispatch: the rows travel to their experts' owners.
-        received = self.all_to_all.apply(x[token], send_splits, recv_splits, self.group)
+        received = AllToAll.apply(x[token], send_splits, recv_splits, self.group)
         # 4. Every local expert runs once, over what every rank sent it.
         results = self.run_local_experts(received, recv_per_expert)    # [received, d_model]
         # 5. The results travel back: the same exchange, reversed.
-        returned = self.all_to_all.apply(results, recv_splits, send_splits, self.group)
+        returned = AllToAll.apply(results, recv_splits, send_splits, self.group)
         # 6. Combine: each result to its (token, choice), then the gate-weighted sum.
         expert_out = x.new_zeros(x.shape[0], self.top_k, x.shape[1])   # [tokens, top_k, d_model]
         expert_out[token, choice] = returned
-        return self.combine(expert_out, routing.gates).reshape(shape)
+        return combine(expert_out, routing.gates).reshape(shape)
 
     def sort_by_destination(self, routing: Routing):
         """(token, choice, expert) of every kept assignment, sorted by expert. Rank r owns the
@@ -327,9 +348,6 @@ class ExpertParallelMoE(nn.Module):
         results = received.new_empty(received.shape)
         results[by_expert] = torch.cat(outputs)                        # the inverse permutation
         return results
-
-    def combine(self, expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-        return combine(expert_out, gates)
 
 
 # --------------------------------------------------------------------------- with data parallel

@@ -1,0 +1,462 @@
+"""Stage 07, expert parallelism, measured: what an ExpertParallelMoE costs and what it saves.
+
+``run_expert_parallel.py --bench`` and ``--profile`` hand over to this script with the same flags.
+
+--bench, per token count (smallest first, each row written to results/expert_parallel.csv as it
+lands, so a run stopped at its cap keeps what it measured; with --budget-s, the counts predicted
+to end past it are skipped, said in one line):
+* the step (forward + backward) of the replicated MoE, every rank on its own tokens and no
+  communication, against expert parallel on the same tokens (slowest rank's median);
+* the bytes this rank sends in each all-to-all, counted (measure/counters.CommCounter) beside
+  the formula for the routing measured;
+then the expert parameter bytes per rank (exactly 1/W), and the load at the largest count
+measured for each routing and capacity factor (tokens per expert, drops), drawn to
+results/expert_parallel_load.png.
+--profile: a torch.profiler trace per rank of two expert-parallel steps, in
+<trace-dir>/expert_parallel/rank<r>.json (open in https://ui.perfetto.dev).
+
+On one GPU the ranks share it over Gloo, whose all-to-all goes through host memory: the
+exchange times describe that path, not an interconnect. The bytes and loads are exact anywhere.
+
+Run:
+    python 07_parallelism/measure/bench_expert_parallel.py --world-size 4 --num-experts 8
+    python 07_parallelism/06_expert_parallel/run_expert_parallel.py --bench --world-size 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+for folder in (REPO, REPO / "07_parallelism" / "06_expert_parallel"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from common import import_stage, launch, results, timing  # noqa: E402
+from expert_parallel import ExpertParallelMoE, MoE, expert_capacity  # noqa: E402
+
+counters = import_stage("07_parallelism/measure/counters")
+
+AUX_WEIGHT = 0.01  # Switch Transformer's alpha, as in the lesson
+SKEW = 2.0         # "skewed": expert 0's router row leans towards the inputs' mean
+CSV = "expert_parallel.csv"
+KEY = ["backend", "device", "world_size", "d_model", "d_ff", "num_experts", "top_k",
+       "measure", "tokens_per_rank", "routing", "capacity_factor"]
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def predicted_sent_bytes(send_counts: torch.Tensor, rank: int, experts_per_rank: int,
+                         d_model: int, element_size: int = 4) -> list[int]:
+    """What rank ``rank`` sends in each all-to-all of one forward + backward, in call order,
+    given ``send_counts`` [W, E]: the rows every rank sends every expert. Forward: the counts
+    (E/W int64 to each other rank), the rows to other ranks' experts (dispatch), the rows
+    other ranks sent here (combine); backward: the same two exchanges reversed."""
+    world_size = send_counts.shape[0]
+    my_experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
+    to_others = send_counts[rank].sum().item() - send_counts[rank, my_experts].sum().item()
+    from_others = send_counts[:, my_experts].sum().item() - send_counts[rank, my_experts].sum().item()
+    row = d_model * element_size
+    counts = (world_size - 1) * experts_per_rank * 8
+    return [counts, to_others * row, from_others * row, to_others * row, from_others * row]
+
+
+def uniform_bytes_per_exchange(tokens: int, top_k: int, d_model: int, world_size: int,
+                               element_size: int = 4) -> float:
+    """Uniform routing, no drops: top_k * tokens * d_model * (W-1)/W * element size."""
+    return top_k * tokens * d_model * (world_size - 1) / world_size * element_size
+
+
+def gathered_send_counts(layer, group=None) -> torch.Tensor:
+    """[W, E]: every rank's ``tokens_per_expert`` (the rows it sends each expert), gathered
+    apart from the layer's own exchange so that the formula does not read what it checks."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, layer.tokens_per_expert.tolist(), group=group)
+    return torch.tensor(everyone)
+
+
+def moe_loss(out: torch.Tensor, target: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target) + AUX_WEIGHT * aux_loss
+
+
+def count_bytes(layer, x: torch.Tensor, target: torch.Tensor, loss_fn=moe_loss) -> list[float]:
+    """Bytes this rank sends in each all-to-all of one forward + backward, counted. ``x``
+    needs a gradient, as a layer's input in a model does: without one, backward would skip
+    the reverse of the dispatch (4 exchanges instead of 5)."""
+    x = x.detach().requires_grad_(True)
+    with counters.CommCounter() as comm:
+        out = layer(x)
+        loss_fn(out, target, layer.aux_loss).backward()
+    return [call["sent_bytes"] for call in comm.calls if call["op"] == "all_to_all"]
+
+
+# --------------------------------------------------------------------------- the measurements
+
+
+def bench_moe(cfg: dict, routing: str, capacity_factor, device) -> MoE:
+    """The same MoE on every rank (seeded); "skewed" favours expert 0, which overflows."""
+    torch.manual_seed(0)
+    moe = MoE(cfg["d_model"], cfg["d_ff"], cfg["num_experts"], cfg["top_k"], capacity_factor)
+    if routing == "skewed":
+        with torch.no_grad():
+            moe.router.weight[0] += SKEW / cfg["d_model"]
+    return moe.to(device)
+
+
+def bench_input(cfg: dict, routing: str, tokens: int, rank: int, device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(tokens, cfg["d_model"], generator=generator)
+    if routing == "skewed":
+        x += 1.0
+    return x.to(device)
+
+
+def step(layer, x: torch.Tensor) -> None:
+    """One forward + backward, as training runs it."""
+    out = layer(x)
+    moe_loss(out, torch.zeros_like(out), layer.aux_loss).backward()
+
+
+def relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
+
+
+def expert_memory(ctx, cfg: dict, failures: list[str]) -> dict:
+    """Expert parameter bytes per rank: exactly 1/W of the layer's, plus the whole router."""
+    moe = bench_moe(cfg, "random", None, ctx.device)
+    layer = ExpertParallelMoE(moe)
+    full = counters.state_bytes(moe.experts.parameters())
+    router = counters.state_bytes(layer.router.parameters())
+    held = counters.state_bytes(layer.parameters()) - router
+    if held * ctx.world_size != full:
+        failures.append(f"expert bytes per rank {held} x {ctx.world_size} != {full}")
+    return {"expert_bytes_replicated": full, "expert_bytes_per_rank": held,
+            "share": held / full, "router_bytes": router}
+
+
+def time_one(ctx, cfg: dict, tokens: int, failures: list[str]) -> dict:
+    """Step time of the replicated MoE and of expert parallel on ``tokens`` tokens per rank;
+    the bytes sent, counted and from the formula; the output against the replicated MoE's."""
+    moe = bench_moe(cfg, "random", None, ctx.device)
+    layer = ExpertParallelMoE(moe)
+    x = bench_input(cfg, "random", tokens, ctx.rank, ctx.device)
+    with torch.no_grad():
+        out_diff = relative_diff(layer(x), moe(x))
+    replicated = timing.gather_times(timing.measure(lambda: step(moe, x), ctx.device,
+                                                    cfg["warmup"], cfg["iters"], barrier=True))
+    expert_parallel = timing.gather_times(timing.measure(lambda: step(layer, x), ctx.device,
+                                                         cfg["warmup"], cfg["iters"], barrier=True))
+    counted = count_bytes(layer, x, torch.zeros_like(x))
+    want = predicted_sent_bytes(gathered_send_counts(layer), ctx.rank, layer.experts_per_rank,
+                                cfg["d_model"], x.element_size())
+    if counted != want:
+        failures.append(f"{tokens} tokens: bytes counted {counted}, formula {want}")
+    if out_diff > 1e-5:
+        failures.append(f"{tokens} tokens: output differs from the replicated MoE by {out_diff:.1e}")
+    return {"tokens_per_rank": tokens,
+            "replicated_ms": 1e3 * replicated.median,
+            "expert_parallel_ms": 1e3 * expert_parallel.median,
+            "ep_over_replicated": expert_parallel.median / replicated.median,
+            "bytes_sent_counted": sum(counted), "bytes_sent_formula": sum(want),
+            "dispatch_bytes": counted[1],
+            "uniform_bytes_per_exchange": uniform_bytes_per_exchange(
+                tokens, cfg["top_k"], cfg["d_model"], ctx.world_size, x.element_size()),
+            "output_diff": out_diff}
+
+
+def load_one(ctx, cfg: dict, routing: str, capacity_factor) -> dict:
+    """Tokens per expert (kept, all ranks' tokens), max / mean, share of assignments dropped,
+    and the rows each rank's experts receive, for one routing and capacity factor."""
+    tokens = cfg["load_tokens"]
+    moe = bench_moe(cfg, routing, capacity_factor, ctx.device)
+    layer = ExpertParallelMoE(moe)
+    with torch.no_grad():
+        layer(bench_input(cfg, routing, tokens, ctx.rank, ctx.device))
+    per_expert = gathered_send_counts(layer).sum(dim=0)             # [E], all ranks
+    dropped = [None] * ctx.world_size
+    dist.all_gather_object(dropped, layer.dropped)
+    assignments = ctx.world_size * tokens * cfg["top_k"]
+    capacity = expert_capacity(capacity_factor, tokens, cfg["top_k"], cfg["num_experts"])
+    per_rank = per_expert.view(ctx.world_size, -1).sum(dim=1)       # rows each rank's experts run
+    return {"routing": routing,
+            "capacity_factor": "dropless" if capacity_factor is None else capacity_factor,
+            "capacity_per_rank": "-" if capacity is None else capacity,
+            "tokens_per_expert": " ".join(str(n) for n in per_expert.tolist()),
+            "rows_per_rank": " ".join(str(n) for n in per_rank.tolist()),
+            "max_over_mean": per_expert.max().item() / per_expert.float().mean().item(),
+            "dropped_share": sum(dropped) / assignments}
+
+
+def plot_load(load_rows: list[dict], cfg: dict, world_size: int, title: str):
+    """Bars of tokens per expert, coloured by the rank that holds the expert, one panel per
+    routing and capacity factor, the capacity (W x C) dashed. None without matplotlib."""
+    plt = results.pyplot()
+    if plt is None or not load_rows:
+        return None
+    columns = math.ceil(len(load_rows) / 2)
+    figure, axes = plt.subplots(2, columns, figsize=(3 * columns, 5), sharey="row", squeeze=False)
+    per_rank = cfg["num_experts"] // world_size
+    colours = [f"C{expert // per_rank}" for expert in range(cfg["num_experts"])]
+    for axis, row in zip(axes.flatten(), load_rows):
+        counts = [int(n) for n in row["tokens_per_expert"].split()]
+        axis.bar(range(len(counts)), counts, color=colours)
+        if row["capacity_per_rank"] != "-":    # each rank sends an expert at most C rows
+            axis.axhline(world_size * row["capacity_per_rank"], color="grey", linestyle="--",
+                         linewidth=1)
+        axis.set_title(f"{row['routing']}, {row['capacity_factor']}\n"
+                       f"dropped {100 * row['dropped_share']:.1f}%", fontsize=8)
+        axis.set_xlabel("expert (colour: its rank)", fontsize=8)
+    axes[0][0].set_ylabel("tokens routed (all ranks)")
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path = results.results_dir() / "expert_parallel_load.png"
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def bench_main(ctx, cfg: dict) -> None:
+    n = ctx.world_size
+    where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
+    same = {"backend": ctx.backend, "device": ctx.device.type, "world_size": n,
+            "d_model": cfg["d_model"], "d_ff": cfg["d_ff"], "num_experts": cfg["num_experts"],
+            "top_k": cfg["top_k"], "machine": results.machine_name(), "run_id": results.run_id()}
+    if ctx.is_main:
+        print(f"Expert parallel on {n} ranks: d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
+              f"{cfg['num_experts']} experts, top-{cfg['top_k']}, {where}", flush=True)
+        if ctx.backend == "gloo" and ctx.device.type == "cuda":
+            print("(Gloo on CUDA: every all-to-all goes GPU -> host memory -> loopback -> GPU; "
+                  "its times describe that path, not an interconnect)", flush=True)
+    failures = []
+    start = time.monotonic()
+    memory = expert_memory(ctx, cfg, failures)
+    time_rows = []
+    for tokens in sorted(cfg["tokens"]):      # smallest first; each row saved as it lands
+        if time_rows and not fits_budget(ctx, cfg, start, time_rows[-1], tokens):
+            break
+        row = time_one(ctx, cfg, tokens, failures)
+        time_rows.append(row)
+        if ctx.is_main:
+            results.upsert_csv(CSV, [{**same, "measure": "step", "routing": "random",
+                                      "capacity_factor": "dropless", **row, **memory}], key=KEY)
+            print(f"  {tokens} tokens per rank: replicated {row['replicated_ms']:.3g} ms, "
+                  f"expert parallel {row['expert_parallel_ms']:.3g} ms", flush=True)
+    cfg = {**cfg, "load_tokens": time_rows[-1]["tokens_per_rank"]}   # the largest measured
+    load_rows = []
+    for routing in ("random", "skewed"):
+        for capacity_factor in cfg["capacity_factors"]:
+            row = load_one(ctx, cfg, routing, capacity_factor)
+            load_rows.append(row)
+            if ctx.is_main:
+                results.upsert_csv(CSV, [{**same, "measure": "load",
+                                          "tokens_per_rank": cfg["load_tokens"], **row}], key=KEY)
+    failures = verify_agree(failures)
+    if ctx.is_main:
+        report(cfg, n, time_rows, memory, load_rows)
+    if failures:
+        raise AssertionError("expert-parallel bench checks failed:\n  " + "\n  ".join(failures))
+
+
+def fits_budget(ctx, cfg: dict, start: float, last: dict, tokens: int) -> bool:
+    """Whether ``tokens`` tokens per rank still fit ``--budget-s``: its steps predicted from the
+    last configuration's, in proportion to the tokens (rank 0 decides, every rank follows)."""
+    if cfg["budget_s"] is None:
+        return True
+    steps = cfg["warmup"] + cfg["iters"]
+    per_step_s = (last["replicated_ms"] + last["expert_parallel_ms"]) / 1e3
+    predicted_s = steps * per_step_s * tokens / last["tokens_per_rank"]
+    decision = [time.monotonic() - start + predicted_s <= cfg["budget_s"]]
+    dist.broadcast_object_list(decision, src=0)
+    if ctx.is_main and not decision[0]:
+        print(f"  {tokens} tokens per rank and more skipped: about {predicted_s:.0f} s predicted, "
+              f"past --budget-s {cfg['budget_s']:g}", flush=True)
+    return decision[0]
+
+
+def verify_agree(failures: list[str]) -> list[str]:
+    from common import verify
+    return verify.agree_on_problems(failures)
+
+
+def report(cfg: dict, n: int, time_rows: list[dict], memory: dict, load_rows: list[dict]) -> None:
+    """Rank 0's tables, targets and picture (the rows are already in the CSV)."""
+    results.print_table(time_rows, "\nStep (forward + backward), slowest rank's median; bytes "
+                                   "rank 0 sends per step (5 all-to-alls; dispatch: the first "
+                                   "forward one):", floatfmt=".4g")
+    results.print_table([memory], "\nParameter bytes per rank (float32):", floatfmt=".3g")
+    results.print_table(load_rows, f"\nLoad, {cfg['load_tokens']} tokens per rank:",
+                        floatfmt=".3g")
+    formula_ok = all(r["bytes_sent_counted"] == r["bytes_sent_formula"] for r in time_rows)
+    worst_out = max(r["output_diff"] for r in time_rows)
+    targets = [
+        {"target": "counted all-to-all bytes == formula (every row)",
+         "measured": "equal" if formula_ok else "DIFFERENT", "met": formula_ok},
+        {"target": f"expert bytes per rank == 1/{n} of the layer's",
+         "measured": f"{memory['expert_bytes_per_rank']} of {memory['expert_bytes_replicated']}"
+                     f" B ({memory['share']:.4g})",
+         "met": memory["expert_bytes_per_rank"] * n == memory["expert_bytes_replicated"]},
+        {"target": "output equal to the replicated MoE (float32, rtol 1e-5)",
+         "measured": f"{worst_out:.1e}", "met": worst_out <= 1e-5},
+    ]
+    results.print_table(targets, f"\nTargets ({results.machine_name()}):")
+    path = plot_load(load_rows, cfg, n, f"Tokens per expert, {n} ranks x {cfg['load_tokens']} "
+                                        f"tokens, top-{cfg['top_k']}")
+    if path is not None:
+        print(f"\nplot: {os.path.relpath(path)}")
+
+
+# --------------------------------------------------------------------------- --profile
+
+
+def profile_main(ctx, cfg: dict) -> None:
+    """Two expert-parallel steps per rank under torch.profiler, after two unprofiled ones."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    tokens = min(cfg["tokens"])
+    layer = ExpertParallelMoE(bench_moe(cfg, "random", None, ctx.device))
+    x = bench_input(cfg, "random", tokens, ctx.rank, ctx.device)
+    for _ in range(2):
+        step(layer, x)
+    dist.barrier()
+    activities = [ProfilerActivity.CPU]
+    if ctx.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            with record_function("ep:step"):
+                step(layer, x)
+                timing.synchronize(ctx.device)
+    path = Path(cfg["trace_dir"]) / "expert_parallel" / f"rank{ctx.rank}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    # What the trace holds: the steps, and the exchanges (Gloo's all-to-alls on its worker
+    # thread, from start to finish, waiting for peers included; NCCL's kernels on the GPU).
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    step_ms = sum(e["dur"] for e in events if e["name"] == "ep:step") / 1e3 / 2
+    exchange_ms = sum(e["dur"] for e in events
+                      if "all_to_all" in e["name"] or e["name"].startswith("nccl")) / 1e3 / 2
+    ctx.print(f"trace of 2 steps, {tokens} tokens per rank: {path}; a step {step_ms:.1f} ms, "
+              f"{exchange_ms:.1f} ms of it in all-to-alls ({ctx.backend}/{ctx.device.type})")
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def capacity_factor_type(text: str):
+    """A flag type: 'none' (dropless) or a finite number > 0."""
+    if text.strip().lower() in ("none", "dropless"):
+        return None
+    try:
+        return launch.positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a capacity factor: give a finite "
+                                         "number > 0, or none (dropless)") from None
+
+
+def trace_folder(text: str) -> Path:
+    """A flag type: a folder named (never '': that would write into the current directory)
+    that can be written or made."""
+    from common.profiling import writable_folder
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a folder: name one for the traces")
+    return writable_folder(text)
+
+
+def bytes_per_rank(cfg: dict) -> int:
+    """A rank's rough peak, float32: the full MoE, its gradients and this rank's copies; for the
+    largest token count, the routing's [top_k x tokens, E] int64 one-hot and its running
+    count, and the activations of both layers (inputs, rows sent and received, hidden)."""
+    d_model = cfg["d_model"]
+    d_ff = cfg["d_ff"]
+    experts = cfg["num_experts"] * (2 * d_model * d_ff + d_model + d_ff)
+    tokens = max(cfg["tokens"])
+    rows = cfg["top_k"] * tokens
+    routing = 2 * 8 * rows * cfg["num_experts"]
+    activations = 4 * (2 * rows * (6 * d_model + 3 * d_ff) + 4 * tokens * d_model)
+    return 4 * 3 * experts + routing + activations
+
+
+def check_fits(config, need: int, what: str) -> None:
+    """One line and exit 2 when ``need`` bytes per rank cannot fit: in the GPUs' memory (ranks
+    sharing a GPU add up), else the host's. (The same rule as run_expert_parallel.py's.)"""
+    ranks_here = launch.ranks_on_this_node(config.world_size)
+    if config.device != "cuda":
+        launch.check_ranks_fit(ranks_here, need, what)
+        return
+    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())     # rounded up
+    total = torch.cuda.get_device_properties(0).total_memory
+    if ranks_per_gpu * need > 0.9 * total:
+        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
+                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
+
+
+def parse(argv=None):
+    """The flags of run_expert_parallel.py (the demo's own are accepted and ignored) and the
+    bench's; bad input one line, exit 2."""
+    from common import models
+    parser = launch.make_parser(__doc__, world_size=2)
+    parser.add_argument("--bench", action="store_true", help="measure (the default here)")
+    parser.add_argument("--profile", action="store_true",
+                        help="write a torch.profiler trace per rank of two expert-parallel steps")
+    parser.add_argument("--trace-dir", type=trace_folder, default=REPO / "traces",
+                        help="--profile: where the traces go (a folder made if missing)")
+    for flag, default, what in (("--d-model", 128, "model width"),
+                                ("--d-ff", 512, "expert hidden width"),
+                                ("--num-experts", None, "experts (default: 2 x world size)"),
+                                ("--top-k", 2, "experts per token"),
+                                ("--warmup", 2, "untimed steps"),
+                                ("--iters", 5, "timed steps")):
+        parser.add_argument(flag, type=launch.positive_int, default=default, help=what)
+    parser.add_argument("--tokens", type=launch.int_list, default=[256, 1024, 2048],
+                        help="tokens per rank, a sweep (the largest also for the load)")
+    parser.add_argument("--capacity-factors", type=launch.list_of(capacity_factor_type),
+                        default=[1.0, 1.25, 2.0, None], help="load statistics for each")
+    parser.add_argument("--budget-s", type=launch.positive_float, default=None,
+                        help="skip the token counts predicted to end past this many seconds "
+                             "(each predicted from the one before; default: run them all)")
+    parser.add_argument("--capacity-factor", type=capacity_factor_type, default=1.25,
+                        help="the demo's (ignored here)")
+    parser.add_argument("--lm", choices=list(models.PRESETS), default="tiny",
+                        help="the demo's (ignored here)")
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    n = config.world_size
+    num_experts = args.num_experts or 2 * n
+    if num_experts % n:
+        parser.error(f"--num-experts {num_experts} is not divisible by the number of ranks {n}: "
+                     "each rank holds num_experts / ranks experts")
+    if args.top_k > num_experts:
+        parser.error(f"--top-k {args.top_k} is more than --num-experts {num_experts}")
+    cfg = {"d_model": args.d_model, "d_ff": args.d_ff, "num_experts": num_experts,
+           "top_k": args.top_k, "tokens": args.tokens,
+           "capacity_factors": args.capacity_factors, "warmup": args.warmup,
+           "iters": args.iters, "trace_dir": str(args.trace_dir), "profile": args.profile,
+           "budget_s": args.budget_s}
+    need = bytes_per_rank(cfg)
+    check_fits(config, need, f"--num-experts {num_experts} --d-model {args.d_model} --d-ff "
+                             f"{args.d_ff} --tokens {max(args.tokens)} ({need / 2**30:.2f} GiB "
+                             "a rank)")
+    results.check_writable()
+    return config, cfg
+
+
+def main(argv=None) -> None:
+    config, cfg = parse(argv)
+    if cfg["profile"]:
+        launch.launch(profile_main, config, cfg)
+    else:
+        launch.launch(bench_main, config, cfg)
+
+
+if __name__ == "__main__":
+    main()
