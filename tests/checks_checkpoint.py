@@ -568,28 +568,28 @@ def damage(folder: Path, root: Path, world_size: int) -> dict:
     cases = {}
     everyone = list(range(world_size))
     last_file = f"rank_{world_size - 1:05d}.bin"
-    copy = root / "truncated"
+    copy = root / "truncated" / folder.name
     shutil.copytree(folder, copy)
     size = (copy / last_file).stat().st_size
     os.truncate(copy / last_file, size - 100)
     cases["truncated"] = (copy, "truncated", copy / last_file, [world_size - 1])
-    copy = root / "corrupted_rows"
+    copy = root / "corrupted_rows" / folder.name
     shutil.copytree(folder, copy)
     # row 5 of the token embedding's block on rank 1 (rows k .. 2k - 1): rank 1 reads it
     row_bytes = tiny_lm(0).token_embedding.weight.shape[1] * 4
     offset = slice_offset(copy, "model.token_embedding.weight", "rank_00001.bin")
     flip_byte(copy / "rank_00001.bin", offset + 5 * row_bytes + 2)
     cases["corrupted rows"] = (copy, "corrupted", copy / "rank_00001.bin", [1])
-    copy = root / "corrupted_replica"
+    copy = root / "corrupted_replica" / folder.name
     shutil.copytree(folder, copy)
     offset = slice_offset(copy, "model.norm.weight", "rank_00000.bin")    # every rank reads it
     flip_byte(copy / "rank_00000.bin", offset + 7)
     cases["corrupted replica"] = (copy, "corrupted", copy / "rank_00000.bin", everyone)
-    copy = root / "missing_file"
+    copy = root / "missing_file" / folder.name
     shutil.copytree(folder, copy)
     (copy / last_file).unlink()
     cases["missing file"] = (copy, "missing", copy / last_file, [world_size - 1])
-    copy = root / "no_manifest"
+    copy = root / "no_manifest" / folder.name
     shutil.copytree(folder, copy)
     (copy / checkpoint.MANIFEST).unlink()
     cases["no manifest"] = (copy, "missing", copy / checkpoint.MANIFEST, everyone)

@@ -572,7 +572,7 @@ def test_a_save_stopped_inside_its_manifest_leaves_the_previous_checkpoint(tmp_p
 # --------------------------------------------------------------------------- resume
 
 
-def resume_problems(tmp_path: Path, label: str) -> list[str]:
+def resume_problems(tmp_path: Path, label: str, seed: int = 0) -> list[str]:
     """resume.py's TrainingCheckpoints on a one-rank group, directly: save at step 2 with the
     random state S, draw (as training would), then resume as a restarted run would: the step
     it returns must be 2, the random state S again (the same draws follow), and the batch it
@@ -581,12 +581,12 @@ def resume_problems(tmp_path: Path, label: str) -> list[str]:
     parallel_lm = import_stage("07_parallelism/07_together/parallel_lm")
     text_data = import_stage("07_parallelism/07_together/text_data")
     from common import models
-    args = argparse.Namespace(model="tiny", seed=0, batch_size=4, seq_len=16, lr=1e-3,
+    args = argparse.Namespace(model="tiny", seed=seed, batch_size=4, seq_len=16, lr=1e-3,
                               data=None, max_bytes=100_000, dp=1, pp=1, cp=1, tp=1, fsdp=False,
                               steps=4, checkpoint_dir=str(tmp_path / label), checkpoint_every=2,
                               crash_at_step=None)
     tokens = torch.randint(256, (1000,), generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(args.seed)
+    torch.manual_seed(0)
     full_lm = models.TransformerLM("tiny", vocab_size=256, context_length=args.seq_len)
     grid = grid_mod.ProcessGrid()
     chunks = parallel_lm.build_chunks(full_lm, grid, args.seq_len)
@@ -627,7 +627,7 @@ def one_rank_group(tmp_path):
 
 
 def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_group,
-                                                            monkeypatch):
+                                                            monkeypatch, capfd):
     assert resume_problems(tmp_path, "correct") == []
     # planted: the random state loaded but not restored; then a resume that restarts the data
     with monkeypatch.context() as planted:
@@ -639,16 +639,28 @@ def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_
         planted.setattr(resume.TrainingCheckpoints, "resume", lambda self: original(self) * 0)
         found = resume_problems(tmp_path, "data_restarted")
     assert any("batch after the resume" in problem for problem in found), found
-    # a second run on a directory the first holds: refused (exit 2), one line
-    args_dir = tmp_path / "held"
-    held = checkpoint.lock(checkpoint.check_directory(args_dir))
+    # refused in one line, exit 2, as train.py's run would be: a directory another run holds,
+    # a damaged checkpoint, another run's (--seed 1)
+    held = checkpoint.lock(checkpoint.check_directory(tmp_path / "held"))
     try:
-        problems = None
-        with pytest.raises(SystemExit) as refused:
-            problems = resume_problems(tmp_path, "held")
-        assert refused.value.code == 2, problems
+        resume_refused(tmp_path, "held", capfd, "held by process", str(os.getpid()))
     finally:
         checkpoint.unlock(held)
+    shutil.copytree(tmp_path / "correct", tmp_path / "damaged")
+    newest = checkpoint.latest_checkpoint(tmp_path / "damaged")
+    checks.flip_byte(newest / "rank_00000.bin", 100)
+    resume_refused(tmp_path, "damaged", capfd, "rank_00000.bin: corrupted")
+    shutil.copytree(tmp_path / "correct", tmp_path / "another_run")
+    resume_refused(tmp_path, "another_run", capfd, "saved by a run with --seed 0, this one has 1",
+                   seed=1)
+
+
+def resume_refused(tmp_path: Path, label: str, capfd, *needles, seed: int = 0) -> None:
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        resume_problems(tmp_path, label, seed)
+    assert refused.value.code == 2
+    one_line(capfd.readouterr().err, *needles)
 
 
 # --------------------------------------------------------------------------- train.py
@@ -710,8 +722,8 @@ def one_line(err: str, *needles) -> None:
 def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
     """train.py as a user runs it: killed mid-training and restarted, beside a run that never
     stopped (bitwise: losses and weights); under torchrun --max-restarts=1 with the recipe as
-    the docstrings print it (beside the rest); then a damaged checkpoint, another run's, and a
-    directory another run holds, each refused in one line, exit 2. The demo runs beside."""
+    the docstrings print it (beside the rest); the lesson's demo, run_checkpoint.py, beside.
+    (The refusals train.py makes through resume.py are tested on resume itself, above.)"""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     torchrun = start(tmp_path, "torchrun_results", [
@@ -746,27 +758,7 @@ def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
     for step in (5, 6):
         assert resumed_losses[step] == never_stopped_losses[step]
     assert largest_difference(tmp_path / "resumed.pt", never_stopped) == 0.0
-    # 3. a damaged checkpoint; another run's (--seed 1); a directory another run holds
-    newest = checkpoint.latest_checkpoint(tmp_path / "resumed")
-    checks.flip_byte(newest / "rank_00000.bin", 100)
-    held = checkpoint.lock(crashed)
-    try:
-        refused = {
-            "damaged": start(tmp_path, "damaged_results", [TRAIN, *train_argv(
-                data, "--world-size", "1", "--checkpoint-dir", tmp_path / "resumed")]),
-            "seed": start(tmp_path, "seed_results", [TRAIN, *train_argv(
-                data, "--world-size", "1", "--checkpoint-dir", crashed, "--seed", "1")]),
-        }
-        _, err = finish(refused["seed"], 2)
-        one_line(err, "held by process", str(os.getpid()))
-    finally:
-        checkpoint.unlock(held)
-    _, err = finish(refused["damaged"], 2)
-    one_line(err, "rank_00000.bin: corrupted")
-    _, err = finish(start(tmp_path, "seed_results", [TRAIN, *train_argv(
-        data, "--world-size", "1", "--checkpoint-dir", crashed, "--seed", "1")]), 2)
-    one_line(err, "saved by a run with --seed 0, this one has 1")
-    # 4. torchrun's restarted run: against one process at float32 tolerance (TRAIN_ATOL)
+    # 3. torchrun's restarted run: against one process at float32 tolerance (TRAIN_ATOL)
     out, err = finish(torchrun, 0)
     output = out + err
     assert "[rank 1] --crash-at-step 3: killing this worker" in output, output[-3000:]
