@@ -489,7 +489,8 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
                                              preset["d_ff"])
     grid = grid_mod.ProcessGrid(dp=2, tp=tp)
-    chunks = parallel_lm.build_chunks(tiny_lm(seed=1), grid, SEQ)
+    chunks = [chunk.to(ctx.device) for chunk in parallel_lm.build_chunks(tiny_lm(seed=1), grid,
+                                                                         SEQ)]
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
     grid_steps(chunks, grid, optimizer, parallel_lm, (0, 1), batch_size, ctx.device)
@@ -509,7 +510,8 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     never_stopped = parallel_lm.full_state_dict(chunks, grid)
     folder = checkpoint.latest_checkpoint(root / "grid")
     target_grid = grid_mod.ProcessGrid(dp=tp, pp=2)
-    target_chunks = parallel_lm.build_chunks(tiny_lm(seed=2), target_grid, SEQ)
+    target_chunks = [chunk.to(ctx.device) for chunk in
+                     parallel_lm.build_chunks(tiny_lm(seed=2), target_grid, SEQ)]
     target_params = [p for chunk in target_chunks for p in chunk.parameters()]
     target_optimizer = torch.optim.AdamW(target_params, lr=LR, eps=ADAM_EPS)
     target_layout = layouts.grid_layout(parallel_lm.placements(target_chunks, target_grid),

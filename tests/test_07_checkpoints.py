@@ -1,15 +1,17 @@
-"""Stage 07, lesson 8: sharded checkpoints, resharded loads, crash-safe saves, exact resumes.
+"""Stage 07, lesson 8: sharded checkpoints, resharded loads, crash-safe saves, exact resumes,
+untrusted folders.
 
-One 4-rank launch runs the lesson's own checks (``checks.run_checks``: FSDP 4 -> FSDP 3
+One 4-rank launch runs the lesson's checks (``checks_checkpoint.run_checks``: FSDP 4 -> FSDP 3
 and one process, (dp, tp) = (2, 2) -> (pp, dp) = (2, 2) and one process, ZeRO-1 at 3 -> plain
 AdamW; bitwise loads, continued training equal to training that never stopped, bytes written
 and read counted against formulas, damaged checkpoints refused), then, for each planted bug
 (negative controls), the check that must catch it, run with the bug in place, then a save
-during which rank 1 is killed. A second test drives lesson 7's train.py: a run killed
-mid-training and restarted by the test, a run under ``torchrun --max-restarts=1`` that restarts
-itself (beside the rest), and a resume that restarts the data order (planted), against a run
-that never stopped; then a damaged and a foreign checkpoint given to train.py, refused in one
-line with exit status 2. Bad flags are refused before any worker starts.
+during which rank 1 is killed. In one process: manifests that point outside their folder,
+damaged manifests, pruning beside a user's folders, the lock, a save stopped inside its
+manifest, and resume.py's TrainingCheckpoints directly (random state, data order, refusals).
+train.py and the demo run as subprocesses (nothing here imports a run script): a run killed
+mid-training and restarted, beside one that never stopped, and a run under ``torchrun
+--max-restarts=1`` that restarts itself. Bad flags are refused before any worker starts.
 """
 
 from __future__ import annotations

@@ -62,6 +62,17 @@ layout cannot hold) raises ``CheckpointError`` on every rank with one line namin
 what is wrong, and nothing is loaded: every rank reads into buffers first, the ranks agree,
 and only then are the buffers copied into the layout's tensors.
 
+A checkpoint is untrusted input (people download and share them). Loading one reads nothing
+outside its folder: the manifest is validated against its schema first (``manifest_problem``:
+types, ranges, the step equal to the folder's number), it may name only ``rank_<digits>.bin``
+files, and each is opened inside the folder without following a symbolic link. Saving never
+deletes what it did not make: every folder it makes holds a marker (``MARKER``), and pruning
+touches only folders with it. One run per directory: ``lock(root)`` (a flock, which dies with
+its process), and ``check_directory(root)`` tries the directory before a run relies on it:
+
+    check_directory("ckpt")                   # made if missing, written to once; or one line
+    held = lock("ckpt")                       # a second run: CheckpointError, one line
+
 Torch alone (and Python's standard library): copy this file anywhere.
 """
 
