@@ -802,3 +802,37 @@ def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, ca
     assert refused.value.code == 2, err
     one_line(err, needle)
     assert "[rank" not in out
+
+
+# --------------------------------------------------------------------------- staging on a GPU
+
+
+def test_what_a_save_copies_to_the_host_is_counted(tmp_path):
+    """staging_counts, on the CPU, for the same layouts in CPU memory and on a device (meta:
+    shapes and strides, no data, as a GPU's tensors to the plan): in CPU memory only the
+    non-contiguous boxes (a block of columns) are copied; on a device every written box, once,
+    the bytes exactly what the rank writes. And a CPU save writes the same bytes either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    layout = layouts.replicated_layout(model, optimizer)
+    columns = layouts.entry("model.columns", torch.randn(6, 8), [6, 8],     # two column blocks
+                            [([[0, 6], [0, 4]], [[0, 6], [0, 4]]),
+                             ([[0, 6], [4, 8]], [[0, 6], [4, 8]])], True)
+    layout.append(columns)
+    written_boxes = 0
+    for item in layout:
+        if item["write"]:
+            written_boxes += len(item["boxes"])
+    on_cpu = checkpoint.staging_counts(layout)
+    assert on_cpu == {"bytes_staged": 2 * 6 * 4 * 4, "copies": 2}, on_cpu
+    on_device = []
+    for item in layout:
+        on_device.append({**item, "tensor": item["tensor"].to("meta")})
+    counted = checkpoint.staging_counts(on_device)
+    assert counted == {"bytes_staged": layouts.layout_bytes(layout, written_only=True),
+                       "copies": written_boxes}, counted
+    stats = checkpoint.save(tmp_path, layout, 1, "one process")
+    assert stats["bytes_written"] == layouts.layout_bytes(layout, written_only=True)
+    state = checkpoint.consolidate(checkpoint.latest_checkpoint(tmp_path))
+    assert torch.equal(state["model"]["columns"], columns["tensor"])

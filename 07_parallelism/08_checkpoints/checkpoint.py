@@ -342,28 +342,74 @@ def memory_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
-    """What this rank writes: the pieces (its boxes, contiguous, on the CPU), in file order,
-    and a record of each (name, full shape, dtype, box, offset, one CRC32 per unit). Nothing is
-    written yet, and nothing is copied that is already contiguous in CPU memory."""
-    pieces = []
-    records = []
-    offset = 0
+def staging_plan(layout: list[dict]) -> list[tuple]:
+    """The boxes this rank writes, in file order, as (entry, its box in the full tensor, the
+    view of the local tensor, whether it must be copied to the host first). A box already
+    contiguous in CPU memory is written as it is; any other (a GPU's, or a non-contiguous
+    slice, e.g. a tensor-parallel block of columns) is copied. Decided from devices and
+    strides alone, so a CPU can count what a GPU's save copies (``staging_counts``)."""
+    plan = []
     for entry in layout:
         if not entry["write"]:
             continue
         tensor = entry["tensor"].detach()
-        element_size = tensor.element_size()
-        blocks = block_columns.get(entry["name"], max(1, shape_last(entry["full_shape"])))
         for local_box, full_box in entry["boxes"]:
-            piece = tensor[as_index(local_box)].contiguous().cpu()    # a GPU's: copied here
-            checksums = unit_checksums(memory_of(piece), full_box, blocks, element_size)
-            records.append({"name": entry["name"], "shape": list(entry["full_shape"]),
-                            "dtype": dtype_name(tensor.dtype), "block_columns": blocks,
-                            "box": [list(pair) for pair in full_box], "offset": offset,
-                            "crc32": encode_checksums(checksums)})
-            pieces.append(piece)
-            offset += piece.numel() * element_size
+            view = tensor[as_index(local_box)]
+            copy = view.device.type != "cpu" or not view.is_contiguous()
+            plan.append((entry, full_box, view, copy))
+    return plan
+
+
+def staging_counts(layout: list[dict]) -> dict:
+    """What a save of ``layout`` copies to the host before writing: {"bytes_staged",
+    "copies"} (one copy per box that is not already contiguous in CPU memory)."""
+    counts = {"bytes_staged": 0, "copies": 0}
+    for _, _, view, copy in staging_plan(layout):
+        if copy:
+            counts["bytes_staged"] += view.numel() * view.element_size()
+            counts["copies"] += 1
+    return counts
+
+
+def stage(plan: list[tuple]) -> list[torch.Tensor]:
+    """The pieces of the plan in host memory, ready to checksum and write. A GPU's box goes to
+    a pinned (page-locked) buffer with ``non_blocking=True``: the GPU's copy engine moves it by
+    DMA while the CPU issues the next copy, instead of one blocking copy through a pageable
+    bounce buffer per box (torch.distributed.checkpoint stages the same way). Then one wait
+    for all of them, before anything reads the buffers."""
+    pieces = []
+    devices = set()
+    for _, _, view, copy in plan:
+        if not copy:
+            pieces.append(view)
+            continue
+        host = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
+        host.copy_(view, non_blocking=view.is_cuda)
+        if view.is_cuda:
+            devices.add(view.device)
+        pieces.append(host)
+    for device in devices:
+        torch.cuda.synchronize(device)      # the copies have landed: the buffers may be read
+    return pieces
+
+
+def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
+    """What this rank writes: the pieces (its boxes, contiguous, on the host: ``stage``), in
+    file order, and a record of each (name, full shape, dtype, box, offset, one CRC32 per
+    unit). Nothing is written yet."""
+    plan = staging_plan(layout)
+    pieces = stage(plan)
+    records = []
+    offset = 0
+    for (entry, full_box, _, _), piece in zip(plan, pieces):
+        element_size = piece.element_size()
+        blocks = block_columns.get(entry["name"], max(1, shape_last(entry["full_shape"])))
+        checksums = unit_checksums(memory_of(piece), full_box, blocks, element_size)
+        records.append({"name": entry["name"], "shape": list(entry["full_shape"]),
+                        "dtype": dtype_name(piece.dtype), "block_columns": blocks,
+                        "box": [list(pair) for pair in full_box], "offset": offset,
+                        "crc32": encode_checksums(checksums)})
+        offset += piece.numel() * element_size
     return pieces, records
 
 
