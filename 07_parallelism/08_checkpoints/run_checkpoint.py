@@ -103,7 +103,9 @@ def whole_state(layout: list[dict], host) -> dict | None:
             for local_box, full_box in item["boxes"]:
                 pieces.append((full_box, item["tensor"][checkpoint.as_index(local_box)].cpu()))
             mine.append((item["name"], item["full_shape"], pieces))
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    everyone = None
+    if dist.get_rank() == 0:
+        everyone = [None] * dist.get_world_size()
     dist.gather_object(mine, everyone, dst=0, group=host)
     if everyone is None:
         return None
