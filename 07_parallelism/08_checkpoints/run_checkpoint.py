@@ -1,19 +1,15 @@
 """Stage 07, lesson 8: checkpoints, run. The tiny LM and its AdamW state trained on lesson 7's
-grid at (dp, tp) = (W/2, 2), saved sharded, loaded into another layout, (dp, tp) = (W, 1),
-where each rank holds whole weights pieced together from the tensor-parallel slices, and
-into one process (``consolidate``); then training resumed from the loaded state. It prints
-what matched:
-
-* the state after the load (weights, AdamW's moments and steps) bitwise equal to what was
-  saved, in the other layout and in one process;
-* two more steps from the loaded state equal to two more steps of the run that never stopped
-  (loss and weights, float32 tolerance: the layouts sum the gradients in another order).
+grid at (dp, tp) = (W/2, 2), saved sharded, loaded into another layout, (dp, tp) = (W, 1)
+(each rank pieces whole weights together from the tensor-parallel slices), and into one
+process (``consolidate``); then training resumed from the loaded state. It prints what
+matched: the state after each load (weights, AdamW's moments and steps) bitwise equal to what
+was saved; two more steps from it equal to two more steps of the run that never stopped
+(loss and weights, float32 tolerance: the layouts sum the gradients in another order).
 
 Everything the model touches is on ``--device``; the checkpoint's own bookkeeping (each
 rank's description of its file, the verdicts) is host-side, on a Gloo group, deliberately.
-The checks with planted bugs (FSDP, ZeRO-1, a pipeline layout, damaged checkpoints, a crash
-mid-save, bytes read and written against formulas) are in tests/checks_checkpoint.py;
-``--bench`` (beside ``torch.distributed.checkpoint``) is 07_parallelism/measure/bench_checkpoint.py.
+The checks with planted bugs are in tests/checks_checkpoint.py; ``--bench`` (beside
+``torch.distributed.checkpoint``) is 07_parallelism/measure/bench_checkpoint.py.
 
 Run:
     python 07_parallelism/08_checkpoints/run_checkpoint.py                  # 4 ranks
