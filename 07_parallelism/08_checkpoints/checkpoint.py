@@ -296,7 +296,8 @@ def is_ours(folder: Path) -> bool:
     marker = folder / MARKER
     if marker.is_symlink() or not marker.is_file():
         return False
-    return marker.read_text(errors="replace").strip() == FORMAT
+    with open(marker, "rb") as f:
+        return f.read(len(FORMAT) + 2).decode(errors="replace").strip() == FORMAT
 
 
 def our_folders(root) -> list[tuple[int, Path]]:
