@@ -1,15 +1,17 @@
-"""Stage 07, lesson 8: sharded checkpoints, resharded loads, crash-safe saves, exact resumes.
+"""Stage 07, lesson 8: sharded checkpoints, resharded loads, crash-safe saves, exact resumes,
+untrusted folders.
 
-One 4-rank launch runs the lesson's own checks (``run_checkpoint.run_checks``: FSDP 4 -> FSDP 3
+One 4-rank launch runs the lesson's checks (``checks_checkpoint.run_checks``: FSDP 4 -> FSDP 3
 and one process, (dp, tp) = (2, 2) -> (pp, dp) = (2, 2) and one process, ZeRO-1 at 3 -> plain
 AdamW; bitwise loads, continued training equal to training that never stopped, bytes written
 and read counted against formulas, damaged checkpoints refused), then, for each planted bug
 (negative controls), the check that must catch it, run with the bug in place, then a save
-during which rank 1 is killed. A second test drives lesson 7's train.py: a run killed
-mid-training and restarted by the test, a run under ``torchrun --max-restarts=1`` that restarts
-itself (beside the rest), and a resume that restarts the data order (planted), against a run
-that never stopped; then a damaged and a foreign checkpoint given to train.py, refused in one
-line with exit status 2. Bad flags are refused before any worker starts.
+during which rank 1 is killed. In one process: manifests that point outside their folder,
+damaged manifests, pruning beside a user's folders, the lock, a save stopped inside its
+manifest, and resume.py's TrainingCheckpoints directly (random state, data order, refusals).
+train.py and the demo run as subprocesses (nothing here imports a run script): a run killed
+mid-training and restarted, beside one that never stopped, and a run under ``torchrun
+--max-restarts=1`` that restarts itself. Bad flags are refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import csv
 import datetime
 import json
 import os
+import runpy
 import shutil
 import signal
 import subprocess
@@ -31,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import checks_checkpoint as checks
 import layouts
-import run_checkpoint
-import train
-from common import launch
-from helpers import REPO, assert_main_usage_error
+import resume
+from common import import_stage, launch
+from helpers import REPO
 
 # --------------------------------------------------------------------------- planted bugs
 
@@ -127,16 +130,16 @@ def crash_problems(root: Path, step_before: int, truth: dict) -> list[str]:
     for index, name in enumerate(state["meta"]["parameter_order"]):
         for key, value in state["optimizer"]["state"][index].items():
             got[f"optimizer.{name}.{key}"] = value
-    return run_checkpoint.bitwise_problems("after the crash", got, truth)
+    return checks.bitwise_problems("after the crash", got, truth)
 
 
 def fsdp_model_for_crash(ctx, fsdp_mod):
-    model = run_checkpoint.tiny_lm(seed=1)
+    model = checks.tiny_lm(seed=1)
     full_shapes = {}
     for name, p in model.named_parameters():
         full_shapes[name] = list(p.shape)
     fsdp = fsdp_mod.FSDP(model)
-    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=run_checkpoint.LR)
+    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=checks.LR)
     return fsdp, optimizer, full_shapes
 
 
@@ -151,13 +154,13 @@ def planted_run(ctx, label: str, root: Path, folder: Path, truth: dict, full_sha
     result = {"problems": [], "refused": None}
     try:
         if label == "checksums unchecked":
-            result["problems"], _ = run_checkpoint.damaged_case(ctx, folder, root)
+            result["problems"], _ = checks.damaged_case(ctx, folder, root)
         elif label == "replicas written by every rank":
-            layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
-            checkpoint.save(root, layout, 1, "fsdp")
+            result["refused_on"], result["refused"] = save_verdicts(ctx, root, fsdp, optimizer,
+                                                                    full_shapes)
         else:
-            found, _, _ = run_checkpoint.fsdp_smaller_problems(ctx, folder, truth, full_shapes)
-            result["problems"] = run_checkpoint.agree(found)
+            found, _, _ = checks.fsdp_smaller_problems(ctx, folder, truth, full_shapes)
+            result["problems"] = checks.agree(found)
     except checkpoint.CheckpointError as error:
         result["refused"] = str(error)
     finally:
@@ -165,18 +168,40 @@ def planted_run(ctx, label: str, root: Path, folder: Path, truth: dict, full_sha
     return result
 
 
+def save_verdicts(ctx, root: Path, fsdp, optimizer, full_shapes: dict) -> tuple:
+    """Save a layout that writes every replica on every rank (checkpoint.save must refuse it):
+    the ranks on which save raised, gathered from every rank, and this rank's message (a
+    verdict raised on rank 0 alone, the others returning "saved", is a bug: they train on)."""
+    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
+    message = None
+    try:
+        checkpoint.save(root, layout, 1, "fsdp")
+    except checkpoint.CheckpointError as error:
+        message = str(error)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, message)
+    refused_on = [rank for rank, theirs in enumerate(everyone) if theirs is not None]
+    return refused_on, message
+
+
+def agree_on_rank_0_only(problem, group):
+    """Planted: the save's verdict raised on rank 0 alone; every other rank returns."""
+    if problem is not None and dist.get_rank() == 0:
+        raise checkpoint.CheckpointError(problem, found_by=[0])
+
+
 def crash_worker(ctx, root_text: str) -> None:
     """The lesson's checks; the check each planted bug must fail, with it; manifest-first with
     a rank that dies; then a real save during which rank 1 is killed (the launch ends there)."""
     root = Path(root_text)
-    _, fsdp_mod, _, _ = run_checkpoint.lessons()
-    findings = {"correct": run_checkpoint.run_checks(ctx, root / "correct")}
+    _, fsdp_mod, _, _ = checks.lessons()
+    findings = {"correct": checks.run_checks(ctx, root / "correct")}
     # the state the planted runs and the crash scenarios save at step 1 (made whole without
     # the library: the truth)
     fsdp, optimizer, full_shapes = fsdp_model_for_crash(ctx, fsdp_mod)
-    run_checkpoint.fsdp_step(fsdp, optimizer, 0, 2 * ctx.world_size, None)
-    truth = run_checkpoint.fsdp_full_state(fsdp, optimizer, full_shapes, None)
-    meta = run_checkpoint.meta_for(list(full_shapes), optimizer)
+    checks.fsdp_step(fsdp, optimizer, 0, 2 * ctx.world_size, None)
+    truth = checks.fsdp_full_state(fsdp, optimizer, full_shapes, None)
+    meta = checks.meta_for(list(full_shapes), optimizer)
     layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
     for name in ("base", "manifest_first", "crash"):
         checkpoint.save(root / name, layout, 1, "fsdp", meta)
@@ -184,6 +209,14 @@ def crash_worker(ctx, root_text: str) -> None:
     for label in PLANTS:
         findings[label] = planted_run(ctx, label, root / label.replace(" ", "_"), base, truth,
                                       full_shapes, fsdp, optimizer)
+    original_agree = checkpoint.agree               # planted: the verdict on rank 0 only
+    checkpoint.agree = agree_on_rank_0_only
+    try:
+        findings["verdict on rank 0 only"] = planted_run(
+            ctx, "replicas written by every rank", root / "rank_0_only", base, truth,
+            full_shapes, fsdp, optimizer)
+    finally:
+        checkpoint.agree = original_agree
     save_manifest_first(root / "manifest_first", layout, 2, rank_that_dies=1)
     if ctx.is_main:
         findings["manifest first"] = crash_problems(root / "manifest_first", 1, truth)
@@ -197,7 +230,7 @@ def crash_worker(ctx, root_text: str) -> None:
                     f.write(checkpoint.memory_of(piece))
             os.kill(os.getpid(), signal.SIGKILL)
         checkpoint.write_file = write_half_then_die
-    run_checkpoint.fsdp_step(fsdp, optimizer, 1, 2 * ctx.world_size, None)
+    checks.fsdp_step(fsdp, optimizer, 1, 2 * ctx.world_size, None)
     checkpoint.save(root / "crash", layout, 2, "fsdp", meta)
     raise AssertionError("the save during which rank 1 was killed returned")
 
@@ -219,12 +252,12 @@ def test_layouts_reshard_bitwise_and_read_exactly_their_overlap(four_ranks):
     _, findings = four_ranks
     correct = findings["correct"]
     assert correct["problems"] == [], correct["problems"][:10]
-    assert correct["worst"] < run_checkpoint.WEIGHT_ATOL
+    assert correct["worst"] < checks.WEIGHT_ATOL
     by_case = {}
     for row in correct["rows"]:
         assert row["bytes"] == row["expected"], row
         by_case.setdefault(row["case"], []).append(row["bytes"])
-    full = run_checkpoint.full_state_bytes()
+    full = checks.full_state_bytes()
     # every element written once: the ranks' files add up to the whole state, exactly
     for case in ("save FSDP 4", "save dp 2 x tp 2"):
         assert sum(by_case[case]) == full, (case, by_case[case], full)
@@ -254,8 +287,11 @@ def test_planted_bugs_are_caught(four_ranks):
     assert any("FSDP 4 -> FSDP 3: read" in p for p in whole), whole[:3]
     unchecked = findings["checksums unchecked"]["problems"]
     assert any("damaged (corrupted rows): loaded without an error" in p for p in unchecked)
-    twice = findings["replicas written by every rank"]["refused"]
-    assert twice is not None and "a replica written twice" in twice, twice
+    twice = findings["replicas written by every rank"]
+    assert twice["refused"] is not None and "a replica written twice" in twice["refused"], twice
+    # the save's verdict reached every rank; with it raised on rank 0 alone, the check sees it
+    assert twice["refused_on"] == [0, 1, 2, 3], twice
+    assert findings["verdict on rank 0 only"]["refused_on"] == [0], findings
     assert findings["reads whole saved boxes"]["refused"] is None
     manifest_first = findings["manifest first"]
     assert manifest_first and "not step 1's" in manifest_first[0], manifest_first
@@ -272,7 +308,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(four_ranks):
     assert 0 < half < (checkpoint.checkpoint_folder(crash, 1) / "rank_00001.bin").stat().st_size
     # a new save of step 2 (one process) replaces the partial folder; the newest two are kept
     state = checkpoint.consolidate(checkpoint.latest_checkpoint(crash))
-    model = run_checkpoint.tiny_lm(seed=9)
+    model = checks.tiny_lm(seed=9)
     model.load_state_dict(state["model"])
     for step in (2, 3):
         checkpoint.save(crash, layouts.replicated_layout(model), step, "one process")
@@ -282,11 +318,360 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(four_ranks):
         checkpoint.save(crash, layouts.replicated_layout(model), 3, "one process")
 
 
+# --------------------------------------------------------------------------- untrusted files
+
+
+def small_checkpoint(root: Path, step: int = 2) -> tuple[Path, torch.nn.Module]:
+    """One process's checkpoint of a small model with its AdamW state, under ``root``."""
+    torch.manual_seed(step)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 6)).sum().backward()
+    optimizer.step()
+    checkpoint.save(root, layouts.replicated_layout(model, optimizer), step, "one process")
+    return checkpoint.checkpoint_folder(root, step), model
+
+
+def edit_manifest(folder: Path, change) -> None:
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    change(manifest)
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+
+
+def refused_everywhere(folder: Path, model: torch.nn.Module, *needles) -> str:
+    """``folder`` refused by consolidate and by load, one line with every needle, and the
+    layout loaded into untouched."""
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.consolidate(folder)
+    message = str(refused.value)
+    assert "\n" not in message and all(needle in message for needle in needles), message
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.load(folder, layouts.replicated_layout(model))
+    for p, value in zip(model.parameters(), before):
+        assert torch.equal(p, value)
+    return message
+
+
+def test_a_checkpoint_never_reads_outside_its_folder(tmp_path):
+    """A manifest naming a file outside the folder (a copy of the right bytes, so size and
+    CRC32 match), an absolute path, ``..``, a name not of the format, and a shard replaced by
+    a symbolic link: refused in one line naming the file, nothing loaded."""
+    folder, model = small_checkpoint(tmp_path / "root")
+    outside = tmp_path / "outside.bin"
+    shutil.copy(folder / "rank_00000.bin", outside)
+    shard_size = outside.stat().st_size
+    names = {"an absolute path": str(outside), "..": "../../outside.bin",
+             "a sub-folder": "sub/rank_00000.bin", "another name": "notes.txt"}
+    for label, name in names.items():
+        copy = tmp_path / label.replace(" ", "_") / folder.name
+        shutil.copytree(folder, copy)
+        (copy / "sub").mkdir()
+        shutil.copy(outside, copy / "sub" / "rank_00000.bin")
+
+        def point_outside(manifest, name=name):
+            manifest["files"] = {name: shard_size}
+            for info in manifest["tensors"].values():
+                for saved in info["slices"]:
+                    saved["file"] = name
+        edit_manifest(copy, point_outside)
+        refused_everywhere(copy, model, repr(name), "a shard is rank_<digits>.bin")
+    link = tmp_path / "symlink" / folder.name
+    shutil.copytree(folder, link)
+    (link / "rank_00000.bin").unlink()
+    (link / "rank_00000.bin").symlink_to(outside)
+    refused_everywhere(link, model, str(link / "rank_00000.bin"), "symbolic link")
+    manifest_link = tmp_path / "manifest_link" / folder.name
+    shutil.copytree(folder, manifest_link)
+    (tmp_path / "manifest.json").write_text((folder / checkpoint.MANIFEST).read_text())
+    (manifest_link / checkpoint.MANIFEST).unlink()
+    (manifest_link / checkpoint.MANIFEST).symlink_to(tmp_path / "manifest.json")
+    refused_everywhere(manifest_link, model, "symbolic link")
+    checkpoint.consolidate(folder)              # the original, untouched, loads
+
+
+def set_key(path, value):
+    """A change to the manifest: the key at ``path`` (keys and list indexes) set to ``value``
+    (or removed, for the marker REMOVE)."""
+    def change(manifest):
+        node = manifest
+        for key in path[:-1]:
+            node = node[key] if not isinstance(node, dict) or key in node else node[key]
+        if value is REMOVE:
+            del node[path[-1]]
+        else:
+            node[path[-1]] = value
+    return change
+
+
+REMOVE = object()
+FIRST = ("tensors", "model.0.weight")
+SLICE = (*FIRST, "slices", 0)
+DAMAGED_MANIFESTS = {   # label: (change, words in the message)
+    "no tensors": (set_key(("tensors",), REMOVE), "tensors"),
+    "no step": (set_key(("step",), REMOVE), "step None"),
+    "tensors a list": (set_key(("tensors",), []), "tensors"),
+    "a slice a list": (set_key(SLICE, []), "not an object"),
+    "a box of one pair": (set_key((*SLICE, "box"), [[0, 5]]), "box"),
+    "a box past the shape": (set_key((*SLICE, "box"), [[0, 50], [0, 6]]), "not inside"),
+    "a bad crc32": (set_key((*SLICE, "crc32"), "not base64!"), "crc32"),
+    "too few crc32s": (set_key((*SLICE, "crc32"), "AAAAAA=="), "CRC32s"),
+    "a negative offset": (set_key((*SLICE, "offset"), -4), "offset"),
+    "a string offset": (set_key((*SLICE, "offset"), "0"), "offset"),
+    "an offset past the file": (set_key((*SLICE, "offset"), 10**6), "past the"),
+    "a string step": (set_key(("step",), "2"), "step '2'"),
+    "a float step": (set_key(("step",), 2.0), "step 2.0"),
+    "step -3": (set_key(("step",), -3), "step -3"),
+    "step 1e30": (set_key(("step",), 1e30), "step 1e+30"),
+    "another folder's step": (set_key(("step",), 1), "says step 1, its folder step 2"),
+    "block_columns 0": (set_key((*FIRST, "block_columns"), 0), "block_columns 0"),
+    "a dtype torch has but the format does not": (set_key((*FIRST, "dtype"), "save"), "dtype"),
+    "a shape of strings": (set_key((*FIRST, "shape"), ["5", "6"]), "shape"),
+    "meta a list": (set_key(("meta",), []), "meta"),
+    "files sizes a string": (set_key(("files", "rank_00000.bin"), "1"), "size"),
+    "world_size 0": (set_key(("world_size",), 0), "world_size"),
+}
+
+
+def test_a_damaged_manifest_is_refused_in_one_line_before_anything_is_read(tmp_path):
+    folder, model = small_checkpoint(tmp_path / "root")
+    for label, (change, words) in DAMAGED_MANIFESTS.items():
+        copy = tmp_path / label.replace(" ", "_") / folder.name
+        shutil.copytree(folder, copy)
+        edit_manifest(copy, change)
+        message = refused_everywhere(copy, model, str(copy / checkpoint.MANIFEST))
+        assert words in message, (label, message)
+    renamed = tmp_path / "renamed" / "best"           # not a checkpoint's folder name
+    shutil.copytree(folder, renamed)
+    refused_everywhere(renamed, model, "not a checkpoint's folder")
+
+
+def test_pruning_touches_only_the_folders_this_format_made(tmp_path):
+    root = tmp_path / "ckpt"
+    user = root / "step_000000001"                  # the user's, named like a checkpoint
+    user.mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    (root / "step_000000002").mkdir()              # the user's, with a manifest of its own
+    (root / "step_000000002" / checkpoint.MANIFEST).write_text("{}")
+    linked = tmp_path / "elsewhere"
+    shutil.copytree(root / "step_000000002", linked)
+    (linked / checkpoint.MARKER).write_text(checkpoint.FORMAT)
+    (root / "step_000000000").symlink_to(linked)    # a link to a folder that looks ours
+    folder, model = small_checkpoint(root, step=3)
+    (folder.parent / "step_000000004").mkdir()       # ours, a save that crashed: no manifest
+    (folder.parent / "step_000000004" / checkpoint.MARKER).write_text(checkpoint.FORMAT)
+    for step in (5, 6, 7):
+        checkpoint.save(root, layouts.replicated_layout(model), step, "one process")
+    assert [step for step, _ in checkpoint.list_checkpoints(root)] == [6, 7]
+    assert (user / "notes.txt").read_text() == "mine"
+    assert (root / "step_000000002" / checkpoint.MANIFEST).exists() and linked.is_dir()
+    assert not (root / "step_000000004").exists() and not folder.exists()
+    # a save onto the user's folder refuses and leaves it alone
+    with pytest.raises(checkpoint.CheckpointError, match="not made by this format"):
+        checkpoint.save(root, layouts.replicated_layout(model), 1, "one process")
+    assert (user / "notes.txt").read_text() == "mine"
+    # the directory itself: named, a folder, writable (tried)
+    for given, words in (("", "''"), ("/dev/null", "not a folder"),
+                         (str(tmp_path / "a_file" / "sub"), "cannot be made"),
+                         ("/proc/self", "not writable")):
+        (tmp_path / "a_file").write_text("x")
+        with pytest.raises(checkpoint.CheckpointError, match=words):
+            checkpoint.check_directory(given)
+
+
+def test_one_run_per_checkpoint_directory(tmp_path):
+    """The lock: a second holder refused in one line naming the first; a killed holder's lock
+    file left behind is taken again (flock dies with its process)."""
+    root = checkpoint.check_directory(tmp_path / "ckpt")
+    held = checkpoint.lock(root)
+    with pytest.raises(checkpoint.CheckpointError, match=f"held by process {os.getpid()}"):
+        checkpoint.lock(root)
+    checkpoint.unlock(held)
+    child = os.fork()
+    if child == 0:                              # a run that takes the lock and is killed
+        checkpoint.lock(root)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert (root / checkpoint.LOCK).read_text().strip() == str(child)    # left behind
+    checkpoint.unlock(checkpoint.lock(root))
+
+
+# --------------------------------------------------------------------------- an atomic manifest
+
+
+def commit_manifest_in_place(folder, manifest):
+    """Planted: the manifest written straight into manifest.json (no temporary, no rename)."""
+    text = json.dumps(manifest, indent=1)
+    (folder / checkpoint.MANIFEST).write_text(text)
+    return len(text)
+
+
+class StopInsideTheManifest:
+    """An audit hook (sys.addaudithook; it cannot be removed, so it is armed only for one
+    save): after a file named manifest.json* is opened for writing, the next file operation
+    of the save halves that file and raises, as a crash halfway through writing it would
+    leave it, whatever the code that writes it looks like."""
+
+    armed = False
+    written = None
+
+    def __call__(self, event, args):
+        if not StopInsideTheManifest.armed:
+            return
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = Path(os.fsdecode(args[0]))
+            writing = (args[1] or "r") != "r" and (args[1] or "r") != "rb"
+            if args[1] is None:
+                writing = bool(args[2] & (os.O_WRONLY | os.O_RDWR))
+            if path.name.startswith(checkpoint.MANIFEST) and writing:
+                StopInsideTheManifest.written = path
+                return
+        if event in ("open", "os.rename", "os.replace", "os.scandir", "os.listdir",
+                     "os.remove", "shutil.rmtree") and StopInsideTheManifest.written is not None:
+            if event == "open" and isinstance(args[0], int):
+                return                          # open(fd): the same file, not a new operation
+            path = StopInsideTheManifest.written
+            StopInsideTheManifest.armed = False
+            StopInsideTheManifest.written = None
+            os.truncate(path, path.stat().st_size // 2)
+            raise KeyboardInterrupt(f"stopped halfway through writing {path}")
+
+
+STOP = StopInsideTheManifest()
+sys.addaudithook(STOP)
+
+
+def stopped_mid_manifest_problems(root: Path) -> list[str]:
+    """Save step 2, then a save of step 3 stopped halfway through its manifest: the newest
+    checkpoint must still be step 2's, and the half manifest never taken for a checkpoint."""
+    folder, model = small_checkpoint(root, step=2)
+    StopInsideTheManifest.armed = True
+    try:
+        checkpoint.save(root, layouts.replicated_layout(model), 3, "one process")
+        return ["the save stopped inside its manifest returned"]
+    except KeyboardInterrupt:
+        pass
+    finally:
+        StopInsideTheManifest.armed = False
+    problems = []
+    if checkpoint.latest_checkpoint(root) != folder:
+        problems.append(f"the newest checkpoint is {checkpoint.latest_checkpoint(root)}, not "
+                        "step 2's")
+    if [step for step, _ in checkpoint.list_checkpoints(root)] != [2]:
+        problems.append("a half-written manifest listed as a checkpoint")
+    return problems
+
+
+def test_a_save_stopped_inside_its_manifest_leaves_the_previous_checkpoint(tmp_path,
+                                                                           monkeypatch):
+    assert stopped_mid_manifest_problems(tmp_path / "atomic") == []
+    monkeypatch.setattr(checkpoint, "commit_manifest", commit_manifest_in_place)
+    planted = stopped_mid_manifest_problems(tmp_path / "in_place")
+    assert planted and "not step 2's" in planted[0], planted
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def resume_problems(tmp_path: Path, label: str, seed: int = 0) -> list[str]:
+    """resume.py's TrainingCheckpoints on a one-rank group, directly: save at step 2 with the
+    random state S, draw (as training would), then resume as a restarted run would: the step
+    it returns must be 2, the random state S again (the same draws follow), and the batch it
+    trains next the batch the run that never stopped trained at step 2."""
+    grid_mod = import_stage("07_parallelism/07_together/grid")
+    parallel_lm = import_stage("07_parallelism/07_together/parallel_lm")
+    text_data = import_stage("07_parallelism/07_together/text_data")
+    from common import models
+    args = argparse.Namespace(model="tiny", seed=seed, batch_size=4, seq_len=16, lr=1e-3,
+                              data=None, max_bytes=100_000, dp=1, pp=1, cp=1, tp=1, fsdp=False,
+                              steps=4, checkpoint_dir=str(tmp_path / label), checkpoint_every=2,
+                              crash_at_step=None)
+    tokens = torch.randint(256, (1000,), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    full_lm = models.TransformerLM("tiny", vocab_size=256, context_length=args.seq_len)
+    grid = grid_mod.ProcessGrid()
+    chunks = parallel_lm.build_chunks(full_lm, grid, args.seq_len)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=args.lr)
+    first = resume.TrainingCheckpoints(args, chunks, grid, optimizer, parallel_lm, full_lm)
+    problems = []
+    if first.resume() != 0:
+        problems.append("a fresh directory did not start at step 0")
+    torch.manual_seed(1234)
+    saved_state = torch.get_rng_state()
+    first.after_step(2)                                     # --checkpoint-every 2: a save
+    draws = torch.rand(8)
+    next_batch = text_data.batch_at(tokens, 2, args.batch_size, args.seq_len, args.seed)
+    first.give_back_directory()                             # the run ends
+    restarted = resume.TrainingCheckpoints(args, chunks, grid, optimizer, parallel_lm, full_lm)
+    step = restarted.resume()
+    restarted.give_back_directory()
+    if step != 2:
+        problems.append(f"resumed at step {step}, saved at 2")
+    if not torch.equal(torch.get_rng_state(), saved_state):
+        problems.append("the random state after the resume is not the saved one")
+    if not torch.equal(torch.rand(8), draws):
+        problems.append("the draws after the resume differ from the run that never stopped")
+    batch = text_data.batch_at(tokens, step, args.batch_size, args.seq_len, args.seed)
+    if not torch.equal(batch[0], next_batch[0]):
+        problems.append("the batch after the resume is not the one the run would have trained")
+    return problems
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    store = tmp_path / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    yield
+    dist.destroy_process_group()
+
+
+def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_group,
+                                                            monkeypatch, capfd):
+    assert resume_problems(tmp_path, "correct") == []
+    # planted: the random state loaded but not restored; then a resume that restarts the data
+    with monkeypatch.context() as planted:
+        planted.setattr(torch, "set_rng_state", lambda state: None)
+        found = resume_problems(tmp_path, "no_set_rng_state")
+    assert any("random state" in problem for problem in found), found
+    original = resume.TrainingCheckpoints.resume
+    with monkeypatch.context() as planted:
+        planted.setattr(resume.TrainingCheckpoints, "resume", lambda self: original(self) * 0)
+        found = resume_problems(tmp_path, "data_restarted")
+    assert any("batch after the resume" in problem for problem in found), found
+    # refused in one line, exit 2, as train.py's run would be: a directory another run holds,
+    # a damaged checkpoint, another run's (--seed 1)
+    held = checkpoint.lock(checkpoint.check_directory(tmp_path / "held"))
+    try:
+        resume_refused(tmp_path, "held", capfd, "held by process", str(os.getpid()))
+    finally:
+        checkpoint.unlock(held)
+    shutil.copytree(tmp_path / "correct", tmp_path / "damaged")
+    newest = checkpoint.latest_checkpoint(tmp_path / "damaged")
+    checks.flip_byte(newest / "rank_00000.bin", 100)
+    resume_refused(tmp_path, "damaged", capfd, "rank_00000.bin: corrupted")
+    shutil.copytree(tmp_path / "correct", tmp_path / "another_run")
+    resume_refused(tmp_path, "another_run", capfd, "saved by a run with --seed 0, this one has 1",
+                   seed=1)
+
+
+def resume_refused(tmp_path: Path, label: str, capfd, *needles, seed: int = 0) -> None:
+    capfd.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        resume_problems(tmp_path, label, seed)
+    assert refused.value.code == 2
+    one_line(capfd.readouterr().err, *needles)
+
+
 # --------------------------------------------------------------------------- train.py
 
 
 TEXT = (REPO / "README.md").read_text() * 3
 STEPS = 6
+TRAIN = REPO / "07_parallelism" / "07_together" / "train.py"
+DEMO = REPO / "07_parallelism" / "08_checkpoints" / "run_checkpoint.py"
 # Weights of a pipeline (pp 2) against one process after STEPS AdamW steps: they sum a few
 # gradients in another order (measured: 1.2e-7, float32 rounding); a resume that restarts the
 # data order moves them by about the learning rate times the steps (3e-3).
@@ -299,60 +684,28 @@ def train_argv(data: Path, *extra) -> list[str]:
             str(data), *extra]
 
 
-def train_args(data: Path, **changes) -> argparse.Namespace:
-    """train.py's flags for one rank, as its main() would make them."""
-    parser_args = dict(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
-                       micro_batches=1, model="tiny", steps=STEPS, batch_size=8, seq_len=32,
-                       lr=3e-3, seed=0, data=str(data), max_bytes=4_000_000, log_every=STEPS,
-                       eval_batches=1, check=False, check_steps=3, save_full=None,
-                       checkpoint_dir=None, checkpoint_every=None, crash_at_step=None)
-    parser_args.update(changes)
-    return argparse.Namespace(**parser_args)
+def start(tmp_path: Path, name: str, argv: list, env: dict | None = None) -> subprocess.Popen:
+    """A script as a subprocess (tests import no run script), its results in a folder of its
+    own: ``tmp_path / name``."""
+    environment = {**os.environ, "RESULTS_DIR": str(tmp_path / name), **(env or {})}
+    return subprocess.Popen([sys.executable, *map(str, argv)], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
 
 
-def curve_losses() -> dict:
-    """step -> loss, from the last train.py run's results/train_curve.csv (then removed)."""
-    path = Path(os.environ["RESULTS_DIR"]) / "train_curve.csv"
+def finish(process: subprocess.Popen, code: int) -> tuple[str, str]:
+    out, err = process.communicate(timeout=240)
+    assert process.returncode == code, (process.args, process.returncode, out[-3000:],
+                                        err[-3000:])
+    return out, err
+
+
+def curve_losses(results: Path) -> dict:
+    """step -> loss, from a train.py run's train_curve.csv."""
     losses = {}
-    with open(path) as f:
+    with open(results / "train_curve.csv") as f:
         for row in csv.DictReader(f):
             losses[int(row["step"])] = float(row["loss"])
-    path.unlink()
     return losses
-
-
-def one_rank_run(args) -> None:
-    """train.py's training on a 1-rank group in this process (no worker to start)."""
-    store = Path(tempfile.mkdtemp(prefix="one-rank-")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        context = launch.Dist(0, 1, 0, "gloo", torch.device("cpu"))
-        train.train_main(context, args)
-    finally:
-        dist.destroy_process_group()
-
-
-def planted_data_order_restart(args) -> None:
-    """Planted: a resume that restarts the data order (batch 0 again after the resume)."""
-    resume_module = train.checkpoints_lesson()
-    original_resume = resume_module.TrainingCheckpoints.resume
-    original_batch = train.Text.batch
-    resumed_at = {}
-
-    def resume_and_remember(self):
-        resumed_at["step"] = original_resume(self)
-        return resumed_at["step"]
-
-    def batch_from_the_start(self, step):
-        return original_batch(self, step - resumed_at["step"])
-    resume_module.TrainingCheckpoints.resume = resume_and_remember
-    train.Text.batch = batch_from_the_start
-    try:
-        one_rank_run(args)
-    finally:
-        resume_module.TrainingCheckpoints.resume = original_resume
-        train.Text.batch = original_batch
 
 
 def largest_difference(path: Path, want: dict) -> float:
@@ -363,94 +716,123 @@ def largest_difference(path: Path, want: dict) -> float:
     return largest
 
 
-def start_torchrun(data: Path, folder: Path) -> subprocess.Popen:
-    """train.py under torchrun --max-restarts=1, two ranks (pp 2): rank 1 killed after step 3,
-    the group restarted by torchrun and resumed from step 2's checkpoint. (With
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch 2.13's restarted workers otherwise meet in the
-    store of the attempt before and cannot connect; see the README.)"""
-    port = launch.free_port()
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-            "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            str(REPO / "07_parallelism" / "07_together" / "train.py"),
-            *train_argv(data, "--pp", "2", "--checkpoint-dir", str(folder / "torchrun"),
-                        "--checkpoint-every", "2", "--crash-at-step", "3", "--save-full",
-                        str(folder / "torchrun.pt"))]
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
-           "RESULTS_DIR": str(folder / "torchrun_results")}
-    return subprocess.Popen(argv, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+def one_line(err: str, *needles) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and all(needle in lines[0] for needle in needles), err[-2000:]
 
 
-def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path, capfd, monkeypatch):
+def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
+    """train.py as a user runs it: killed mid-training and restarted, beside a run that never
+    stopped (bitwise: losses and weights); under torchrun --max-restarts=1 with the recipe as
+    the docstrings print it (beside the rest); the lesson's demo, run_checkpoint.py, beside.
+    (The refusals train.py makes through resume.py are tested on resume itself, above.)"""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
-    # the runs in this process skip the picture and the generated sample (presentation only)
-    monkeypatch.setattr(train, "plot_curve", lambda *args: None)
-    monkeypatch.setattr(train, "sample", lambda *args: "")
-    torchrun = start_torchrun(data, tmp_path)       # runs beside the rest of this test
+    torchrun = start(tmp_path, "torchrun_results", [
+        "-m", "torch.distributed.run", "--nproc-per-node=2", "--max-restarts=1",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{launch.free_port()}", TRAIN,
+        *train_argv(data, "--pp", "2", "--checkpoint-dir", tmp_path / "torchrun",
+                    "--checkpoint-every", "2", "--crash-at-step", "3", "--save-full",
+                    tmp_path / "torchrun.pt")], env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     crashed = tmp_path / "crashed"
     # 1. the worker killed after step 5 (checkpoints at steps 2 and 4): the run ends
-    with pytest.raises(SystemExit) as ended:
-        train.main(train_argv(data, "--world-size", "1", "--checkpoint-dir", str(crashed),
-                              "--checkpoint-every", "2", "--crash-at-step", "5"))
-    assert ended.value.code == 1
+    finish(start(tmp_path, "crashed_results", [TRAIN, *train_argv(
+        data, "--world-size", "1", "--checkpoint-dir", crashed, "--checkpoint-every", "2",
+        "--crash-at-step", "5")]), 1)
     assert [step for step, _ in checkpoint.list_checkpoints(crashed)] == [2, 4]
-    # 2. restarted by the test (one rank, in this process) beside the run that never stopped:
-    #    bitwise equal, losses and weights; a resume that restarts the data order (planted) not
-    for name in ("resumed", "planted"):
-        shutil.copytree(crashed, tmp_path / name)
-    one_rank_run(train_args(data, checkpoint_dir=str(tmp_path / "resumed"),
-                            save_full=str(tmp_path / "resumed.pt")))
-    resumed_losses = curve_losses()
-    planted_data_order_restart(train_args(data, checkpoint_dir=str(tmp_path / "planted"),
-                                          save_full=str(tmp_path / "planted.pt")))
-    curve_losses()
-    one_rank_run(train_args(data, save_full=str(tmp_path / "never_stopped.pt")))
-    never_stopped_losses = curve_losses()
+    # 2. restarted beside the run that never stopped, and the demo
+    shutil.copytree(crashed, tmp_path / "resumed")
+    resumed = start(tmp_path, "resumed_results", [TRAIN, *train_argv(
+        data, "--world-size", "1", "--checkpoint-dir", tmp_path / "resumed", "--save-full",
+        tmp_path / "resumed.pt")])
+    never = start(tmp_path, "never_results", [TRAIN, *train_argv(
+        data, "--world-size", "1", "--save-full", tmp_path / "never_stopped.pt")])
+    demo = start(tmp_path, "demo_results", [DEMO, "--world-size", "2", "--backend", "gloo",
+                                            "--device", "cpu"])
+    finish(resumed, 0)
+    finish(never, 0)
+    out, _ = finish(demo, 0)
+    assert "bitwise equal to what was saved; resumed training equal" in out, out[-2000:]
+    resumed_losses = curve_losses(tmp_path / "resumed_results")
+    never_stopped_losses = curve_losses(tmp_path / "never_results")
     never_stopped = torch.load(tmp_path / "never_stopped.pt")
     assert sorted(resumed_losses) == [5, 6]
     for step in (5, 6):
         assert resumed_losses[step] == never_stopped_losses[step]
     assert largest_difference(tmp_path / "resumed.pt", never_stopped) == 0.0
-    planted = largest_difference(tmp_path / "planted.pt", never_stopped)
-    assert planted > 100 * TRAIN_ATOL, planted
-    # 3. a damaged checkpoint (through the launcher: the run exits 2), and one of another run
-    #    (here): one line, exit status 2
-    newest = checkpoint.latest_checkpoint(tmp_path / "resumed")
-    run_checkpoint.flip_byte(newest / "rank_00000.bin", 100)
-    capfd.readouterr()
-    with pytest.raises(SystemExit) as refused:
-        train.main(train_argv(data, "--world-size", "1", "--checkpoint-dir",
-                              str(tmp_path / "resumed")))
-    assert refused.value.code == 2
-    lines = capfd.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "rank_00000.bin: corrupted" in lines[0], lines
-    with pytest.raises(SystemExit) as refused:
-        one_rank_run(train_args(data, checkpoint_dir=str(crashed), seed=1))
-    assert refused.value.code == 2
-    lines = capfd.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and "saved by a run with --seed 0, this one has 1" in lines[0], lines
-    # 4. torchrun's restarted run: against one process at float32 tolerance (TRAIN_ATOL)
-    output = torchrun.communicate(timeout=240)[0]
-    assert torchrun.returncode == 0, output[-4000:]
+    # 3. torchrun's restarted run: against one process at float32 tolerance (TRAIN_ATOL)
+    out, err = finish(torchrun, 0)
+    output = out + err
     assert "[rank 1] --crash-at-step 3: killing this worker" in output, output[-3000:]
     assert "(step 2, saved from grid dp 1 x pp 2" in output, output[-3000:]
     difference = largest_difference(tmp_path / "torchrun.pt", never_stopped)
     assert difference < TRAIN_ATOL, difference
 
 
-@pytest.mark.parametrize("main, argv, needle", [
-    (train.main, ["--checkpoint-every", "2"], "need --checkpoint-dir"),
-    (train.main, ["--crash-at-step", "2"], "need --checkpoint-dir"),
-    (train.main, ["--checkpoint-dir", "README.md"], "not a folder"),
-    (run_checkpoint.main, [], "give 2 ranks or more"),
-    (run_checkpoint.main, ["--bench", "--world-size", "2"], "give 3 ranks or more"),
-    (run_checkpoint.main, ["--iters", "0"], "is not a whole number >= 1"),
-])
-def test_bad_flags_are_refused_before_any_worker_starts(main, argv, needle, capsys,
+BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
+BAD_FLAGS = [   # script, flags, the words of its one line
+    (TRAIN, ["--checkpoint-every", "2"], "need --checkpoint-dir"),
+    (TRAIN, ["--crash-at-step", "2"], "need --checkpoint-dir"),
+    (TRAIN, ["--checkpoint-dir", "README.md"], "not a folder"),
+    (DEMO, [], "give 2 ranks or more"),
+    (DEMO, ["--world-size", "3"], "give an even number of ranks"),
+    (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more"),
+    (DEMO, ["--iters", "0"], "is not a whole number >= 1"),
+    (DEMO, ["--world-size", "2", "--dir", "README.md"], "not a folder"),
+    (DEMO, ["--world-size", "2", "--dir", "/dev/null"], "not a folder"),
+    (DEMO, ["--world-size", "2", "--dir", "/proc/self/fdinfo"], "already used"),
+    (DEMO, ["--world-size", "2", "--dir", "/proc/sys/new"], "cannot be made"),
+    (DEMO, ["--world-size", "2", "--dir", "07_parallelism"], "already used"),
+]
+
+
+@pytest.mark.parametrize("script, argv, needle", BAD_FLAGS)
+def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, capsys,
                                                          monkeypatch):
+    """The script run as __main__ in this process (runpy: run, not imported as a library; a
+    subprocess each would cost a torch start-up): exit 2, one line, no launch."""
     def no_launch(*args, **kwargs):
         raise AssertionError("bad flags reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
     monkeypatch.chdir(REPO)
-    assert_main_usage_error(main, ["--world-size", "1", *argv], capsys, needle)
+    monkeypatch.setattr(sys, "argv", [str(script), "--world-size", "1", *argv])
+    with pytest.raises(SystemExit) as refused:
+        runpy.run_path(str(script), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert refused.value.code == 2, err
+    one_line(err, needle)
+    assert "[rank" not in out
+
+
+# --------------------------------------------------------------------------- staging on a GPU
+
+
+def test_what_a_save_copies_to_the_host_is_counted(tmp_path):
+    """staging_counts, on the CPU, for the same layouts in CPU memory and on a device (meta:
+    shapes and strides, no data, as a GPU's tensors to the plan): in CPU memory only the
+    non-contiguous boxes (a block of columns) are copied; on a device every written box, once,
+    the bytes exactly what the rank writes. And a CPU save writes the same bytes either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    layout = layouts.replicated_layout(model, optimizer)
+    columns = layouts.entry("model.columns", torch.randn(6, 8), [6, 8],     # two column blocks
+                            [([[0, 6], [0, 4]], [[0, 6], [0, 4]]),
+                             ([[0, 6], [4, 8]], [[0, 6], [4, 8]])], True)
+    layout.append(columns)
+    written_boxes = 0
+    for item in layout:
+        if item["write"]:
+            written_boxes += len(item["boxes"])
+    on_cpu = checkpoint.staging_counts(layout)
+    assert on_cpu == {"bytes_staged": 2 * 6 * 4 * 4, "copies": 2}, on_cpu
+    on_device = []
+    for item in layout:
+        on_device.append({**item, "tensor": item["tensor"].to("meta")})
+    counted = checkpoint.staging_counts(on_device)
+    assert counted == {"bytes_staged": layouts.layout_bytes(layout, written_only=True),
+                       "copies": written_boxes}, counted
+    stats = checkpoint.save(tmp_path, layout, 1, "one process")
+    assert stats["bytes_written"] == layouts.layout_bytes(layout, written_only=True)
+    state = checkpoint.consolidate(checkpoint.latest_checkpoint(tmp_path))
+    assert torch.equal(state["model"]["columns"], columns["tensor"])

@@ -62,27 +62,55 @@ layout cannot hold) raises ``CheckpointError`` on every rank with one line namin
 what is wrong, and nothing is loaded: every rank reads into buffers first, the ranks agree,
 and only then are the buffers copied into the layout's tensors.
 
+A checkpoint is untrusted input (people download and share them). Loading one reads nothing
+outside its folder: the manifest is validated against its schema first (``manifest_problem``:
+types, ranges, the step equal to the folder's number), it may name only ``rank_<digits>.bin``
+files, and each is opened inside the folder without following a symbolic link. Saving never
+deletes what it did not make: every folder it makes holds a marker (``MARKER``), and pruning
+touches only folders with it. One run per directory: ``lock(root)`` (a flock, which dies with
+its process), and ``check_directory(root)`` tries the directory before a run relies on it:
+
+    check_directory("ckpt")                   # made if missing, written to once; or one line
+    held = lock("ckpt")                       # a second run: CheckpointError, one line
+
 Torch alone (and Python's standard library): copy this file anywhere.
 """
 
 from __future__ import annotations
 
 import base64
+import binascii
 import ctypes
 import json
 import os
 import re
 import shutil
+import stat
 import struct
+import tempfile
 import zlib
 from pathlib import Path
+
+try:
+    import fcntl                # flock, for the lock on a checkpoint directory (not on Windows)
+except ImportError:
+    fcntl = None
 
 import torch
 import torch.distributed as dist
 
 FORMAT = "distributed-training-from-scratch/checkpoint/1"
 MANIFEST = "manifest.json"
-FOLDER = re.compile(r"step_(\d+)$")
+FOLDER = re.compile(r"step_(\d+)")                 # a checkpoint's folder: step_000000200
+SHARD = re.compile(r"rank_\d{5,}\.bin")            # the only files a manifest may name
+MARKER = "checkpoint-format.txt"    # in every folder save() makes: proof that it is ours
+LOCK = "checkpoint.lock"            # in the checkpoint directory, held by one run at a time
+# The dtypes a manifest may name (a name is looked up in this table, never in torch itself).
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
+          "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
+# Files handed to us are opened without following a symbolic link (where the system has it).
+NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 class CheckpointError(Exception):
@@ -155,7 +183,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    return getattr(torch, name)
+    return DTYPES[name]
 
 
 def rank_and_size(group) -> tuple[int, int]:
@@ -193,6 +221,66 @@ def decode_checksums(text: str) -> tuple[int, ...]:
     return struct.unpack(f"<{len(packed) // 4}I", packed)
 
 
+# --------------------------------------------------------------------------- the directory
+
+
+def check_directory(root) -> Path:
+    """A checkpoint directory that can be used: named (``''`` would be the current folder), a
+    folder (made if missing), and writable, tried by writing a file in it, not guessed from
+    its permissions. Raises CheckpointError in one line; returns the folder."""
+    if root is None or str(root) == "":
+        raise CheckpointError("the checkpoint directory is '': give a folder (one of its own: "
+                              "checkpoints are saved into it and old ones pruned)")
+    folder = Path(root)
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder}: not a folder (a checkpoint directory is a folder)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckpointError(f"{folder}: cannot be made ({error.strerror})") from None
+    try:
+        handle, trial = tempfile.mkstemp(dir=folder, prefix=".write-test-")
+        try:
+            os.write(handle, b"checkpoint")
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+            os.unlink(trial)
+    except OSError as error:
+        raise CheckpointError(f"{folder}: not writable ({error.strerror})") from None
+    return folder
+
+
+def lock(root):
+    """Take the checkpoint directory for this run: an exclusive ``flock`` on its lock file,
+    held while the returned file is open. A second run gets CheckpointError, one line naming
+    the process that holds it. The kernel drops a flock when its process dies, however it
+    dies, so a killed run's lock file left behind is not held: it is simply taken again."""
+    path = Path(root) / LOCK
+    try:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT | NO_FOLLOW, 0o644)
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be opened ({error.strerror})") from None
+    held = open(handle, "r+b", buffering=0)
+    if fcntl is None:           # no flock on this system: the lock is a no-op there
+        return held
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = held.read(32).decode(errors="replace").strip() or "another process"
+        held.close()
+        raise CheckpointError(f"{path}: held by process {holder}: another run is using "
+                              f"{root} (one run per checkpoint directory)") from None
+    held.truncate(0)
+    held.write(f"{os.getpid()}\n".encode())
+    return held
+
+
+def unlock(held) -> None:
+    """Give the directory back (closing the file drops the flock)."""
+    held.close()
+
+
 # --------------------------------------------------------------------------- save
 
 
@@ -200,18 +288,40 @@ def checkpoint_folder(root, step: int) -> Path:
     return Path(root) / f"step_{step:09d}"
 
 
-def list_checkpoints(root) -> list[tuple[int, Path]]:
-    """(step, folder) of every COMPLETE checkpoint under ``root`` (one with its manifest),
-    oldest first. A folder without a manifest is a save that did not finish: not listed."""
+def is_ours(folder: Path) -> bool:
+    """A folder this format made: a real folder (not a link to one) with our marker file in
+    it. Only such folders are ever deleted; anything else in the directory is the user's."""
+    if folder.is_symlink() or not folder.is_dir():
+        return False
+    marker = folder / MARKER
+    if marker.is_symlink() or not marker.is_file():
+        return False
+    with open(marker, "rb") as f:
+        return f.read(len(FORMAT) + 2).decode(errors="replace").strip() == FORMAT
+
+
+def our_folders(root) -> list[tuple[int, Path]]:
+    """(step, folder) of every folder under ``root`` that this format made, complete or not,
+    oldest first."""
     found = []
     root = Path(root)
     if not root.is_dir():
         return found
     for folder in root.iterdir():
-        match = FOLDER.match(folder.name)
-        if match is not None and (folder / MANIFEST).is_file():
+        match = FOLDER.fullmatch(folder.name)
+        if match is not None and is_ours(folder):
             found.append((int(match.group(1)), folder))
     return sorted(found)
+
+
+def list_checkpoints(root) -> list[tuple[int, Path]]:
+    """(step, folder) of every COMPLETE checkpoint under ``root`` (ours, with its manifest),
+    oldest first. A folder without a manifest is a save that did not finish: not listed."""
+    found = []
+    for step, folder in our_folders(root):
+        if (folder / MANIFEST).is_file():
+            found.append((step, folder))
+    return found
 
 
 def latest_checkpoint(root) -> Path | None:
@@ -233,28 +343,74 @@ def memory_of(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
-    """What this rank writes: the pieces (its boxes, contiguous, on the CPU), in file order,
-    and a record of each (name, full shape, dtype, box, offset, one CRC32 per unit). Nothing is
-    written yet, and nothing is copied that is already contiguous in CPU memory."""
-    pieces = []
-    records = []
-    offset = 0
+def staging_plan(layout: list[dict]) -> list[tuple]:
+    """The boxes this rank writes, in file order, as (entry, its box in the full tensor, the
+    view of the local tensor, whether it must be copied to the host first). A box already
+    contiguous in CPU memory is written as it is; any other (a GPU's, or a non-contiguous
+    slice, e.g. a tensor-parallel block of columns) is copied. Decided from devices and
+    strides alone, so a CPU can count what a GPU's save copies (``staging_counts``)."""
+    plan = []
     for entry in layout:
         if not entry["write"]:
             continue
         tensor = entry["tensor"].detach()
-        element_size = tensor.element_size()
-        blocks = block_columns.get(entry["name"], max(1, shape_last(entry["full_shape"])))
         for local_box, full_box in entry["boxes"]:
-            piece = tensor[as_index(local_box)].contiguous().cpu()    # a GPU's: copied here
-            checksums = unit_checksums(memory_of(piece), full_box, blocks, element_size)
-            records.append({"name": entry["name"], "shape": list(entry["full_shape"]),
-                            "dtype": dtype_name(tensor.dtype), "block_columns": blocks,
-                            "box": [list(pair) for pair in full_box], "offset": offset,
-                            "crc32": encode_checksums(checksums)})
-            pieces.append(piece)
-            offset += piece.numel() * element_size
+            view = tensor[as_index(local_box)]
+            copy = view.device.type != "cpu" or not view.is_contiguous()
+            plan.append((entry, full_box, view, copy))
+    return plan
+
+
+def staging_counts(layout: list[dict]) -> dict:
+    """What a save of ``layout`` copies to the host before writing: {"bytes_staged",
+    "copies"} (one copy per box that is not already contiguous in CPU memory)."""
+    counts = {"bytes_staged": 0, "copies": 0}
+    for _, _, view, copy in staging_plan(layout):
+        if copy:
+            counts["bytes_staged"] += view.numel() * view.element_size()
+            counts["copies"] += 1
+    return counts
+
+
+def stage(plan: list[tuple]) -> list[torch.Tensor]:
+    """The pieces of the plan in host memory, ready to checksum and write. A GPU's box goes to
+    a pinned (page-locked) buffer with ``non_blocking=True``: the GPU's copy engine moves it by
+    DMA while the CPU issues the next copy, instead of one blocking copy through a pageable
+    bounce buffer per box (torch.distributed.checkpoint stages the same way). Then one wait
+    for all of them, before anything reads the buffers."""
+    pieces = []
+    devices = set()
+    for _, _, view, copy in plan:
+        if not copy:
+            pieces.append(view)
+            continue
+        host = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
+        host.copy_(view, non_blocking=view.is_cuda)
+        if view.is_cuda:
+            devices.add(view.device)
+        pieces.append(host)
+    for device in devices:
+        torch.cuda.synchronize(device)      # the copies have landed: the buffers may be read
+    return pieces
+
+
+def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
+    """What this rank writes: the pieces (its boxes, contiguous, on the host: ``stage``), in
+    file order, and a record of each (name, full shape, dtype, box, offset, one CRC32 per
+    unit). Nothing is written yet."""
+    plan = staging_plan(layout)
+    pieces = stage(plan)
+    records = []
+    offset = 0
+    for (entry, full_box, _, _), piece in zip(plan, pieces):
+        element_size = piece.element_size()
+        blocks = block_columns.get(entry["name"], max(1, shape_last(entry["full_shape"])))
+        checksums = unit_checksums(memory_of(piece), full_box, blocks, element_size)
+        records.append({"name": entry["name"], "shape": list(entry["full_shape"]),
+                        "dtype": dtype_name(piece.dtype), "block_columns": blocks,
+                        "box": [list(pair) for pair in full_box], "offset": offset,
+                        "crc32": encode_checksums(checksums)})
+        offset += piece.numel() * element_size
     return pieces, records
 
 
@@ -265,9 +421,16 @@ def shape_last(shape) -> int:
     return shape[-1]
 
 
+def create(path: Path):
+    """A new file, opened for writing: never one that is there already, never through a
+    symbolic link."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW
+    return open(os.open(path, flags, 0o644), "wb")
+
+
 def write_file(path: Path, pieces: list) -> None:
     """Write the pieces back to back, and fsync: on disk before the manifest can name them."""
-    with open(path, "wb") as f:
+    with create(path) as f:
         for piece in pieces:
             f.write(memory_of(piece))
         f.flush()
@@ -280,8 +443,8 @@ def commit_manifest(folder: Path, manifest: dict) -> int:
     Returns its size in bytes."""
     text = json.dumps(manifest, indent=1)
     temporary = folder / (MANIFEST + ".tmp")
-    with open(temporary, "w") as f:
-        f.write(text)
+    with create(temporary) as f:
+        f.write(text.encode())
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, folder / MANIFEST)
@@ -294,14 +457,23 @@ def commit_manifest(folder: Path, manifest: dict) -> int:
 
 
 def prepare_folder(folder: Path) -> str | None:
-    """Rank 0, before a save: a fresh folder for it. What a crashed save of the same step left
-    (a folder without a manifest) is removed; a complete checkpoint is never overwritten."""
+    """Rank 0, before a save: a fresh folder for it, with our marker in it. What a crashed
+    save of ours left there (our folder without a manifest) is removed; a complete checkpoint
+    is never overwritten, and a folder that is not ours is never touched."""
     if (folder / MANIFEST).exists():
         return (f"{folder}: already holds a complete checkpoint; a checkpoint is never "
                 "overwritten (move it away, or save to another directory)")
-    if folder.exists():
+    if folder.exists() or folder.is_symlink():
+        if not is_ours(folder):
+            return (f"{folder}: is there and was not made by this format (no {MARKER} in it); "
+                    "it is left alone: move it, or save to another directory")
         shutil.rmtree(folder)
-    folder.mkdir(parents=True)
+    try:
+        folder.mkdir(parents=True)
+        with create(folder / MARKER) as f:
+            f.write(f"{FORMAT}\n".encode())
+    except OSError as error:
+        return f"{folder}: cannot be made ({error.strerror})"
     return None
 
 
@@ -363,25 +535,33 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
     of ``step`` under ``root``, keeping the ``keep`` newest. ``meta``: anything JSON the caller
     wants back (optimizer settings, the parameters' order). ``block_columns``: {name: width}
     for tensors a layout may cut along their last dimension (see the module docstring).
-    Returns this rank's {"folder", "bytes_written", "manifest_bytes"}."""
+    Returns this rank's {"folder", "bytes_written", "manifest_bytes"}. On any problem on any
+    rank, every rank raises the same CheckpointError (each rank's verdict is gathered)."""
     if keep < 1:
         raise ValueError(f"save: keep={keep}; keep at least the checkpoint being saved (1)")
+    if type(step) is not int or step < 0:
+        raise ValueError(f"save: step={step!r}; a step is a whole number >= 0")
     rank, world_size = rank_and_size(group)
     folder = checkpoint_folder(root, step)
-    # 1. Rank 0 makes the folder; the others wait for its verdict.
+    # 1. Rank 0 makes the folder; every rank hears its verdict.
     problem = None
     if rank == 0:
         problem = prepare_folder(folder)
-    agree_with_rank_0(problem, group)
+    agree(problem, group)
     # 2. Every rank writes the boxes it writes (a replica: one rank) to its own file.
     pieces, records = pack(layout, block_columns or {})
     size = 0
     for piece in pieces:
         size += piece.numel() * piece.element_size()
     file_name = None
+    problem = None
     if size > 0:
         file_name = f"rank_{rank:05d}.bin"
-        write_file(folder / file_name, pieces)
+        try:
+            write_file(folder / file_name, pieces)
+        except OSError as error:
+            problem = f"{folder / file_name}: not saved: {error.strerror}"
+    agree(problem, group)
     # 3. Rank 0 gathers every description: each rank sends it after its file is on disk, so
     #    when rank 0 has them all, every file is complete. Then, LAST, the manifest.
     mine = (file_name, size, records)
@@ -390,25 +570,28 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
     problem = None
     if rank == 0:
         manifest, problem = build_manifest(step, layout_name, world_size, meta or {}, everyone)
-        if problem is None:
-            manifest_bytes = commit_manifest(folder, manifest)
-            prune(root, keep)
-        else:
+        if problem is not None:
             problem = f"{folder}: not saved: {problem}"
-    agree_with_rank_0(problem, group)
+        else:
+            try:
+                manifest_bytes = commit_manifest(folder, manifest)
+                prune(root, keep)
+            except OSError as error:
+                problem = f"{folder}: not saved: {error.filename}: {error.strerror}"
+    agree(problem, group)
     return {"folder": folder, "bytes_written": size, "manifest_bytes": manifest_bytes}
 
 
 def prune(root, keep: int) -> None:
     """Remove all but the ``keep`` newest complete checkpoints, and what crashed saves older
-    than the newest left behind."""
+    than the newest left behind: only folders this format made (``is_ours``), whatever else
+    is in the directory."""
     complete = list_checkpoints(root)
     for _, folder in complete[:-keep]:
         shutil.rmtree(folder)
     newest = complete[-1][0]
-    for folder in Path(root).iterdir():
-        match = FOLDER.match(folder.name)
-        if match is not None and int(match.group(1)) < newest and not (folder / MANIFEST).exists():
+    for step, folder in our_folders(root):
+        if step < newest and not (folder / MANIFEST).exists():
             shutil.rmtree(folder)
 
 
@@ -431,38 +614,182 @@ def group_or_world(group):
     return group
 
 
-def agree_with_rank_0(problem: str | None, group) -> None:
-    """Rank 0's verdict on every rank: all raise, or none does."""
+def agree(problem: str | None, group) -> None:
+    """Every rank's verdict on every rank (all_gather): if any rank has a problem, every rank
+    raises the first one, naming the ranks that found it; else none does."""
     _, world_size = rank_and_size(group)
-    verdict = [problem]
+    everyone = [problem]
     if world_size > 1:
-        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group_or_world(group), 0),
-                                   group=group)
-    if verdict[0] is not None:
-        raise CheckpointError(verdict[0], found_by=[0])
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, problem, group=group)
+    found_by = [rank for rank, theirs in enumerate(everyone) if theirs is not None]
+    if found_by:
+        raise CheckpointError(everyone[found_by[0]], found_by=found_by)
 
 
 # --------------------------------------------------------------------------- load
 
 
+def open_inside(folder: Path, file_name: str):
+    """Open a file the checkpoint names, for reading, only if it is what this format writes:
+    a plain file directly inside ``folder`` (a shard's name matches ``SHARD``, so no ``/``,
+    no ``..``, no absolute path), not a symbolic link (O_NOFOLLOW), not a device or a pipe
+    (O_NONBLOCK: a pipe does not block the open; then fstat says what it is). A checkpoint
+    is something people download and share: nothing outside its folder is ever read.
+    Returns (the file, unbuffered, and its size)."""
+    path = folder / file_name
+    if file_name != MANIFEST and SHARD.fullmatch(file_name) is None:
+        raise CheckpointError(f"{folder / MANIFEST}: names the file {file_name!r}; a shard is "
+                              "rank_<digits>.bin inside the checkpoint's folder")
+    try:
+        handle = os.open(path, os.O_RDONLY | NO_FOLLOW | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:
+        if path.is_symlink():
+            raise CheckpointError(f"{path}: a symbolic link; a checkpoint's files are read "
+                                  "only as plain files inside its folder") from None
+        if not path.exists():
+            raise CheckpointError(f"{path}: missing") from None
+        raise CheckpointError(f"{path}: unreadable ({error.strerror})") from None
+    status = os.fstat(handle)
+    if not stat.S_ISREG(status.st_mode):
+        os.close(handle)
+        raise CheckpointError(f"{path}: not a plain file; a checkpoint's files are read only "
+                              "as plain files inside its folder")
+    return open(handle, "rb", buffering=0), status.st_size
+
+
 def read_manifest(folder) -> dict:
+    """The manifest of the checkpoint in ``folder``, validated (``manifest_problem``) before
+    anything it names is read."""
     folder = Path(folder)
     path = folder / MANIFEST
-    if not path.is_file():
+    match = FOLDER.fullmatch(folder.name)
+    if match is None:
+        raise CheckpointError(f"{folder}: not a checkpoint's folder (step_<digits>, as save() "
+                              "names them)")
+    if not path.exists() and not path.is_symlink():
         raise CheckpointError(f"{path}: missing: {folder} is not a complete checkpoint (a save "
                               "that did not finish leaves no manifest)")
+    f, _ = open_inside(folder, MANIFEST)
     try:
-        manifest = json.loads(path.read_text())
+        with f:
+            manifest = json.loads(f.read().decode())
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable ({error})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a manifest of this format ({FORMAT})")
+        message = str(error).splitlines()[0]
+        raise CheckpointError(f"{path}: unreadable ({message})") from None
+    problem = manifest_problem(manifest, int(match.group(1)))
+    if problem is not None:
+        raise CheckpointError(f"{path}: {problem}")
     return manifest
+
+
+def is_count(value) -> bool:
+    """A whole number >= 0 (JSON's 1e30 and 2.0 are floats; True is not a count)."""
+    return type(value) is int and value >= 0
+
+
+def manifest_problem(manifest, folder_step: int) -> str | None:
+    """The manifest against its schema: the first thing wrong, in words, or None. Types and
+    ranges of every field, the step equal to the folder's number, every shard name one this
+    format writes, every box inside its tensor and inside its file, the checksums one per
+    unit, and the boxes of each tensor tiling it."""
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        return f"not a manifest of this format ({FORMAT})"
+    step = manifest.get("step")
+    if not is_count(step):
+        return f"step {step!r}: not a whole number >= 0"
+    if step != folder_step:
+        return f"says step {step}, its folder step {folder_step}"
+    if not isinstance(manifest.get("layout"), str):
+        return "layout: not a string"
+    world_size = manifest.get("world_size")
+    if not is_count(world_size) or world_size < 1:
+        return f"world_size {world_size!r}: not a whole number >= 1"
+    if not isinstance(manifest.get("meta"), dict):
+        return "meta: not an object"
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return "files: not an object"
+    for file_name, size in files.items():
+        if SHARD.fullmatch(file_name) is None:
+            return (f"names the file {file_name!r}; a shard is rank_<digits>.bin inside the "
+                    "checkpoint's folder")
+        if not is_count(size):
+            return f"files: {file_name} has size {size!r}, not a whole number >= 0"
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, dict) or not tensors:
+        return "tensors: not an object naming at least one tensor"
+    for name, info in tensors.items():
+        problem = tensor_problem(name, info, files)
+        if problem is not None:
+            return problem
+    return None
+
+
+def tensor_problem(name: str, info, files: dict) -> str | None:
+    """One tensor's entry of the manifest: shape, dtype, block_columns, and its slices."""
+    if not isinstance(info, dict):
+        return f"{name}: not an object"
+    shape = info.get("shape")
+    if not isinstance(shape, list) or not all(is_count(size) for size in shape):
+        return f"{name}: shape {shape!r} is not a list of whole numbers >= 0"
+    if info.get("dtype") not in DTYPES:
+        return f"{name}: dtype {info.get('dtype')!r} is not one of {', '.join(DTYPES)}"
+    block_columns = info.get("block_columns")
+    if not is_count(block_columns) or block_columns < 1:
+        return f"{name}: block_columns {block_columns!r} is not a whole number >= 1"
+    slices = info.get("slices")
+    if not isinstance(slices, list) or not slices:
+        return f"{name}: slices is not a list of at least one slice"
+    element_size = torch.empty((), dtype=DTYPES[info["dtype"]]).element_size()
+    for saved in slices:
+        problem = slice_problem(name, saved, shape, block_columns, element_size, files)
+        if problem is not None:
+            return problem
+    return tiling_problem(name, info)
+
+
+def slice_problem(name: str, saved, shape, block_columns: int, element_size: int,
+                  files: dict) -> str | None:
+    """One saved box: in a file the manifest lists, at an offset where it fits in that file,
+    a box inside the tensor ([start, stop) with 0 <= start < stop <= size per dimension),
+    and one CRC32 per unit."""
+    if not isinstance(saved, dict):
+        return f"{name}: a slice is not an object"
+    file_name = saved.get("file")
+    if file_name not in files:
+        return f"{name}: a slice is in {file_name!r}, which is not in the manifest's files"
+    offset = saved.get("offset")
+    if not is_count(offset):
+        return f"{name}: offset {offset!r} in {file_name} is not a whole number >= 0"
+    box = saved.get("box")
+    if not isinstance(box, list) or len(box) != len(shape):
+        return f"{name}: the box {box!r} is not one [start, stop) per dimension of {shape}"
+    for pair, size in zip(box, shape):
+        if not isinstance(pair, list) or len(pair) != 2 or not all(is_count(v) for v in pair):
+            return f"{name}: the box {box!r} is not one [start, stop) per dimension of {shape}"
+        if not pair[0] < pair[1] <= size:
+            return f"{name}: the box {box} is not inside its shape {shape}"
+    end = offset + box_numel(box) * element_size
+    if end > files[file_name]:
+        return (f"{name}: the box {box} at offset {offset} ends at byte {end}, past the "
+                f"{files[file_name]} bytes of {file_name}")
+    text = saved.get("crc32")
+    try:
+        packed = base64.b64decode(text, validate=True)
+    except (TypeError, ValueError, binascii.Error):
+        return f"{name}: crc32 in {file_name} is not base64"
+    rows, columns = rows_and_columns(box)
+    units = rows * (len(unit_cuts(columns, block_columns)) - 1)
+    if len(packed) != 4 * units:
+        return (f"{name}: {len(packed) // 4} CRC32s in {file_name} for the {units} units of "
+                f"the box {box}")
+    return None
 
 
 def check_layout(manifest: dict, layout: list[dict], path: Path) -> None:
     """Before reading anything: every tensor this rank will hold is in the checkpoint with the
-    same full shape and dtype, and its saved boxes tile it."""
+    same full shape and dtype (that its saved boxes tile it, read_manifest has checked)."""
     for entry in layout:
         name = entry["name"]
         info = manifest["tensors"].get(name)
@@ -476,9 +803,6 @@ def check_layout(manifest: dict, layout: list[dict], path: Path) -> None:
         if info["dtype"] != dtype_name(entry["tensor"].dtype):
             raise CheckpointError(f"{path}: {name} was saved as {info['dtype']}; this layout "
                                   f"holds {dtype_name(entry['tensor'].dtype)}")
-        problem = tiling_problem(name, info)
-        if problem is not None:
-            raise CheckpointError(f"{path}: {problem}")
 
 
 class Reader:
@@ -498,16 +822,17 @@ class Reader:
         if file_name in self.files:
             return self.files[file_name]
         path = self.folder / file_name
-        expected = self.manifest["files"].get(file_name)
-        if not path.is_file():
+        expected = self.manifest["files"][file_name]
+        if not path.exists() and not path.is_symlink():
             raise CheckpointError(f"{path}: missing (the manifest lists it with {expected} "
                                   "bytes)")
-        size = path.stat().st_size
+        f, size = open_inside(self.folder, file_name)     # no read-ahead: we count
         if size != expected:
+            f.close()
             raise CheckpointError(f"{path}: truncated or overwritten: {size} bytes, the "
                                   f"manifest says {expected}")
-        self.files[file_name] = open(path, "rb", buffering=0)   # no read-ahead: we count
-        return self.files[file_name]
+        self.files[file_name] = f
+        return f
 
     def close(self) -> None:
         for f in self.files.values():
@@ -729,6 +1054,12 @@ def consolidate(folder) -> dict:
     "step", "meta"}. The optimizer's parameter order: ``meta["parameter_order"]`` when the
     saver gave it, else the manifest's order of the model's tensors."""
     manifest = read_manifest(folder)
+    for file_name, expected in manifest["files"].items():    # before allocating what it says
+        f, size = open_inside(Path(folder), file_name)
+        f.close()
+        if size != expected:
+            raise CheckpointError(f"{Path(folder) / file_name}: truncated or overwritten: {size} "
+                                  f"bytes, the manifest says {expected}", found_by=[0])
     layout = []
     for name, info in manifest["tensors"].items():
         whole = [[0, size] for size in info["shape"]]

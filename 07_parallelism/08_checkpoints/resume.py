@@ -10,15 +10,20 @@ a run resumed at step s draws batches s, s + 1, ... exactly as the run that neve
         --checkpoint-dir ckpt --checkpoint-every 50        # saves at 50, 100, ..., and 300
     python 07_parallelism/07_together/train.py --pp 2 --steps 300 --checkpoint-dir ckpt
                                                           # resumes at 300's newest, on pp 2
-    torchrun --nproc-per-node=4 --max-restarts=1 07_parallelism/07_together/train.py \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=4 --max-restarts=1 \\
+        07_parallelism/07_together/train.py \\
         --dp 2 --tp 2 --checkpoint-dir ckpt --checkpoint-every 50 --crash-at-step 120
                                                           # a worker dies; the group restarts
                                                           # and resumes from step 100
+(The variable: without it, torch's restarted workers look for the rendezvous store of the
+attempt before and wait for it until they time out.)
 
 Each save goes to a new folder under the checkpoint directory, the newest two are kept; a
 resume takes the newest complete one (with its manifest) on whatever grid the run was
 started with. A damaged checkpoint, or one of another run (another model, seed, batch...)
-stops the run before it trains: one line, exit status 2.
+stops the run before it trains: one line, exit status 2. So does a directory another run is
+using: rank 0 holds the directory's lock (``checkpoint.lock``) from the resume to the last
+save; the kernel drops it when the process ends, however it ends.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ class TrainingCheckpoints:
         self.grid = grid
         self.optimizer = optimizer
         self.parallel_lm = parallel_lm
+        self.held = None            # rank 0: the directory's lock, from resume() to the end
         self.run = {}
         for flag in RUN_FLAGS:
             self.run[flag] = getattr(args, flag)
@@ -73,15 +79,39 @@ class TrainingCheckpoints:
                                     dist.get_rank() == 0))
         return layout
 
+    def take_directory(self) -> None:
+        """Rank 0: the checkpoint directory usable (a folder, writable: tried) and locked for
+        this run; every rank hears the verdict."""
+        problem = None
+        if dist.get_rank() == 0:
+            try:
+                checkpoint.check_directory(self.args.checkpoint_dir)
+                self.held = checkpoint.lock(self.args.checkpoint_dir)
+            except checkpoint.CheckpointError as error:
+                problem = str(error)
+        try:
+            checkpoint.agree(problem, None)
+        except checkpoint.CheckpointError as error:
+            refuse(error)
+
+    def give_back_directory(self) -> None:
+        if self.held is not None:
+            checkpoint.unlock(self.held)
+            self.held = None
+
     def resume(self) -> int:
-        """Load the newest complete checkpoint of the directory, if any; return its step (the
-        first step to train), 0 without one. A bad one: one line, exit 2, on every rank."""
+        """Take the directory (``take_directory``), load its newest complete checkpoint, if
+        any; return its step (the first step to train), 0 without one. A bad one: one line,
+        exit 2, on every rank."""
+        self.take_directory()
         folder = checkpoint.latest_checkpoint(self.args.checkpoint_dir)
         if folder is None:
             return 0
         try:
             manifest = checkpoint.read_manifest(folder)
-            saved_run = manifest.get("meta", {}).get("run", {})
+            saved_run = manifest["meta"].get("run")
+            if not isinstance(saved_run, dict):
+                saved_run = {}
             for flag in RUN_FLAGS:
                 if saved_run.get(flag) != self.run[flag]:
                     raise checkpoint.CheckpointError(
@@ -96,6 +126,8 @@ class TrainingCheckpoints:
         if dist.get_rank() == 0:
             print(f"[rank 0] resumed from {folder} (step {manifest['step']}, saved from "
                   f"{manifest['layout']})", flush=True)
+        if manifest["step"] >= self.args.steps:         # nothing left to train: done with it
+            self.give_back_directory()
         return manifest["step"]
 
     def after_step(self, step: int) -> None:
@@ -105,6 +137,8 @@ class TrainingCheckpoints:
         last = step == self.args.steps
         if last or (every is not None and step % every == 0):
             self.save(step)
+        if last:
+            self.give_back_directory()
         if step == self.args.crash_at_step:
             crash_once(step)
 

@@ -1,44 +1,29 @@
-"""Stage 07, lesson 8: checkpoints, run. Saves the tiny LM and its AdamW state from one layout,
-loads it into another, and checks every step; ``--bench`` measures it beside torch's own
-``torch.distributed.checkpoint``.
+"""Stage 07, lesson 8: checkpoints, run. The tiny LM and its AdamW state trained on lesson 7's
+grid at (dp, tp) = (W/2, 2), saved sharded, loaded into another layout, (dp, tp) = (W, 1)
+(each rank pieces whole weights together from the tensor-parallel slices), and into one
+process (``consolidate``); then training resumed from the loaded state. It prints what
+matched: the state after each load (weights, AdamW's moments and steps) bitwise equal to what
+was saved; two more steps from it equal to two more steps of the run that never stopped
+(loss and weights, float32 tolerance: the layouts sum the gradients in another order).
 
-The plain run (4 ranks by default; W ranks in general) checks, each case saved after two
-training steps and loaded into another layout:
-* FSDP at W ranks -> FSDP at W - 1 ranks, and -> one process (``consolidate``);
-* the grid (dp, tp) = (2, W/2) -> (pp, dp) = (2, W/2), and -> one process;
-* ZeRO-1 at W - 1 ranks -> one process with a plain AdamW (``load_state_dict``);
-and for each: the full tensors (weights and AdamW's moments and steps) after the load bitwise
-equal to what was saved; two more steps from the loaded state equal to two more steps of the
-run that never stopped (loss and weights, float32 tolerance: the layouts sum the gradients in
-a different order); the bytes each rank wrote equal to its own boxes (replicas once; together
-exactly the full state) and the bytes each rank read equal to what it holds (the overlap);
-then damaged checkpoints (truncated, corrupted, a file missing, no manifest, another model's,
-one the layout cannot hold): each refused on every rank with one line naming the file, and
-nothing loaded. Every verdict is gathered: all ranks fail together, naming what differed.
-
---bench: the LM (--model) in FSDP's padded row blocks with its AdamW state, saved at 2 ranks
-and loaded at W, saved at W and loaded at 2 (resharding), by this lesson and by
-``torch.distributed.checkpoint`` on the same state (DTensors Shard(0) made from the same
-shards), alternately in the same run: time (the slowest rank's median) and bytes per rank.
-Rows go to results/checkpoint.csv.
+Everything the model touches is on ``--device``; the checkpoint's own bookkeeping (each
+rank's description of its file, the verdicts) is host-side, on a Gloo group, deliberately.
+The checks with planted bugs are in tests/checks_checkpoint.py; ``--bench`` (beside
+``torch.distributed.checkpoint``) is 07_parallelism/measure/bench_checkpoint.py.
 
 Run:
     python 07_parallelism/08_checkpoints/run_checkpoint.py                  # 4 ranks
-    python 07_parallelism/08_checkpoints/run_checkpoint.py --world-size 3
+    python 07_parallelism/08_checkpoints/run_checkpoint.py --world-size 2 --dir ckpt
     python 07_parallelism/08_checkpoints/run_checkpoint.py --bench --model course
     torchrun --nproc-per-node=4 07_parallelism/08_checkpoints/run_checkpoint.py
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -48,99 +33,21 @@ import checkpoint
 import layouts
 
 LR = 1e-3
-# AdamW's eps, as in lesson 7's train.py: with torch's 1e-8, rounding noise in a near-zero
-# gradient becomes a step of about the learning rate; 1e-6 keeps it below float32 tolerance.
-ADAM_EPS = 1e-6
+ADAM_EPS = 1e-6         # as in lesson 7's train.py: keeps rounding noise below float32 tolerance
 VOCAB = 256
 SEQ = 16
-# Training continued in another layout sums the gradients in another order: the weights agree
-# to float32 rounding carried through two AdamW steps of LR (measured: below 1e-6), the loss
-# to float32's relative precision. A bug (a moment lost, a step counter reset, a box moved)
-# moves weights by about LR = 1e-3.
+# Training continued in another layout sums the gradients in another order: weights agree to
+# float32 rounding carried through two AdamW steps (below 1e-6), the loss to float32's relative
+# precision. A bug (a moment lost, a step counter reset, a box moved) moves weights by ~LR.
 WEIGHT_ATOL = 1e-5
 WEIGHT_RTOL = 1e-4
 LOSS_RTOL = 1e-5
 
 
-def _repo() -> None:
-    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                             "demo and benchmark need the repository around this file (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
-def lessons():
-    """The lessons whose layouts are checkpointed: ZeRO, FSDP, and lesson 7's grid."""
-    from common import import_stage
-    zero = import_stage("07_parallelism/01_zero/zero")
-    fsdp = import_stage("07_parallelism/02_fsdp/fsdp")
-    import_stage("07_parallelism/03_tensor_parallel/tensor_parallel")
-    import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
-    import_stage("07_parallelism/05_context_parallel/context_parallel")
-    grid = import_stage("07_parallelism/07_together/grid")
-    parallel_lm = import_stage("07_parallelism/07_together/parallel_lm")
-    return zero, fsdp, grid, parallel_lm
-
-
-# --------------------------------------------------------------------------- verdicts
-
-
-def agree(problems: list[str], group=None) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
-    from common import verify
-    return verify.agree_on_problems(problems, group)
-
-
-def bitwise_problems(label: str, got: dict, want: dict) -> list[str]:
-    """Every tensor of ``want`` in ``got``, bitwise equal."""
-    problems = []
-    for name, expected in want.items():
-        if name not in got:
-            problems.append(f"{label}: {name} is missing")
-            continue
-        if not torch.equal(got[name], expected):
-            difference = (got[name].double() - expected.double()).abs().max().item()
-            problems.append(f"{label}: {name} is not bitwise equal to what was saved (max "
-                            f"difference {difference:.3g})")
-    return problems
-
-
-def close_problems(label: str, got: dict, want: dict, got_losses, want_losses) -> tuple:
-    """Weights allclose (WEIGHT_ATOL, WEIGHT_RTOL) and losses within LOSS_RTOL; returns the
-    problems and the largest weight difference."""
-    problems = []
-    worst = 0.0
-    for name, expected in want.items():
-        difference = (got[name] - expected).abs().max().item()
-        worst = max(worst, difference)
-        if not torch.allclose(got[name], expected, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL):
-            problems.append(f"{label}: {name} differs from the run that never stopped by "
-                            f"{difference:.3g}")
-    for step, (loss, expected) in enumerate(zip(got_losses, want_losses)):
-        if not math.isclose(loss, expected, rel_tol=LOSS_RTOL):
-            problems.append(f"{label}: loss {loss:.7f} after the load, {expected:.7f} in the run "
-                            f"that never stopped (step {step + 3})")
-    return problems, worst
-
-
-def count_problem(label: str, what: str, got: int, want: int) -> list[str]:
-    if got != want:
-        return [f"{label}: {what} {got} bytes, expected {want}"]
-    return []
-
-
-# --------------------------------------------------------------------------- the model, the data
-
-
-def tiny_lm(seed: int, context_length: int = SEQ):
+def tiny_lm(seed: int):
     from common import models
     torch.manual_seed(seed)
-    return models.TransformerLM("tiny", vocab_size=VOCAB, context_length=context_length)
+    return models.TransformerLM("tiny", vocab_size=VOCAB, context_length=SEQ)
 
 
 def global_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,344 +57,29 @@ def global_batch(step: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def my_rows(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    rows = tensor.shape[0] // world_size
-    return tensor[rank * rows:(rank + 1) * rows]
+def lessons():
+    """Lesson 7's grid and the LM cut for it (which composes lessons 3-5)."""
+    from common import import_stage
+    for lesson in ("03_tensor_parallel/tensor_parallel", "04_pipeline_parallel/pipeline_parallel",
+                   "05_context_parallel/context_parallel"):
+        import_stage(f"07_parallelism/{lesson}")
+    grid = import_stage("07_parallelism/07_together/grid")
+    parallel_lm = import_stage("07_parallelism/07_together/parallel_lm")
+    return grid, parallel_lm
 
 
-def meta_for(parameter_names: list[str], optimizer) -> dict:
-    """What the manifest carries for consolidate: the plain model's parameter order and the
-    optimizer's settings."""
-    return {"parameter_order": parameter_names, "optimizer": layouts.optimizer_options(optimizer)}
+def build(grid, seed: int, device):
+    """The LM cut for ``grid`` on ``device``, its AdamW, and its checkpoint layout."""
+    _, parallel_lm = lessons()
+    chunks = [chunk.to(device) for chunk in parallel_lm.build_chunks(tiny_lm(seed), grid, SEQ)]
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+    layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
+    return chunks, optimizer, layout
 
 
-def parameter_names() -> list[str]:
-    return [name for name, _ in tiny_lm(0).named_parameters()]
-
-
-def full_state_bytes() -> int:
-    """The tiny LM's state, each element once: weights, and AdamW's two moments and a step
-    (4 bytes) per parameter."""
-    total = 0
-    for p in tiny_lm(0).parameters():
-        total += 3 * p.numel() * 4 + 4
-    return total
-
-
-def plain_state(model, optimizer) -> dict:
-    """One process's model and AdamW state under the checkpoint's names."""
-    state = {}
-    for name, p in model.named_parameters():
-        state[f"model.{name}"] = p.detach().clone()
-        if optimizer is not None:
-            for key, value in optimizer.state[p].items():
-                state[f"optimizer.{name}.{key}"] = value.detach().clone()
-    return state
-
-
-def weights_of(state: dict) -> dict:
-    weights = {}
-    for name, value in state.items():
-        if name.startswith("model."):
-            weights[name] = value
-    return weights
-
-
-def one_process_steps(model, optimizer, steps, batch_size) -> list[float]:
-    """Train one process on the whole batches of ``steps``."""
-    from common import models
-    losses = []
-    for step in steps:
-        inputs, targets = global_batch(step, batch_size)
-        optimizer.zero_grad(set_to_none=True)
-        loss = models.lm_loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def one_process_problems(label: str, folder, saved: dict, never_stopped: dict, losses,
-                         batch_size: int) -> tuple[list[str], float]:
-    """Load ``folder`` into one process (``consolidate``, then a plain LM and a plain AdamW's
-    load_state_dict), compare it with ``saved`` bitwise, train steps 3 and 4, compare with the
-    run that never stopped."""
-    state = checkpoint.consolidate(folder)
-    model = tiny_lm(seed=3)
-    model.load_state_dict(state["model"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, eps=ADAM_EPS)
-    optimizer.load_state_dict(state["optimizer"])
-    problems = bitwise_problems(f"{label} -> one process", plain_state(model, optimizer), saved)
-    got_losses = one_process_steps(model, optimizer, (2, 3), batch_size)
-    found, worst = close_problems(f"{label} -> one process", plain_state(model, None),
-                                  never_stopped, got_losses, losses)
-    return problems + found, worst
-
-
-# --------------------------------------------------------------------------- FSDP
-
-
-def fsdp_step(fsdp, optimizer, step: int, batch_size: int, group) -> float:
-    """One step of FSDP over ``group``: this rank's rows of the batch; returns the batch loss."""
-    from common import models
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
-    inputs, targets = global_batch(step, batch_size)
-    optimizer.zero_grad(set_to_none=True)
-    loss = models.lm_loss(fsdp(my_rows(inputs, rank, world_size)),
-                          my_rows(targets, rank, world_size))
-    loss.backward()
-    fsdp.finish_gradient_synchronization()
-    optimizer.step()
-    mean = loss.detach().reshape(1) / world_size
-    dist.all_reduce(mean, group=group)
-    return mean.item()
-
-
-def fsdp_full_state(fsdp, optimizer, full_shapes: dict, group) -> dict:
-    """What FSDP holds, made whole again without the checkpoint: every rank's padded blocks
-    gathered (one all_gather of them all, flattened), the padding cut off; 1-D tensors are
-    whole everywhere."""
-    world_size = dist.get_world_size(group)
-    state = {}
-    blocks = []                                 # (full name, rows of the full tensor, block)
-    for name, p in fsdp.module.named_parameters():
-        tensors = {f"model.{name}": p.detach()}
-        for key, value in optimizer.state[p].items():
-            tensors[f"optimizer.{name}.{key}"] = value
-        for full_name, local in tensors.items():
-            if local.dim() >= 2:
-                blocks.append((full_name, full_shapes[name][0], local))
-            else:
-                state[full_name] = local.detach().clone()
-    flat = torch.cat([local.reshape(-1) for _, _, local in blocks])
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(everyone, flat, group=group)
-    offset = 0
-    for full_name, rows, local in blocks:
-        pieces = []
-        for theirs in everyone:                 # rank r's block of this tensor, rank by rank
-            pieces.append(theirs[offset:offset + local.numel()].view_as(local))
-        state[full_name] = torch.cat(pieces)[:rows]
-        offset += local.numel()
-    return state
-
-
-def fsdp_bytes(full_shapes: dict, rank: int, world_size: int, written: bool) -> int:
-    """Bytes of FSDP's state on ``rank`` at ``world_size`` (padding excluded), counted from the
-    shapes alone: the rank's rows of each weight, three times (the weight and two moments);
-    the 1-D parameters whole, three times too; a step counter (4 bytes) per parameter.
-    ``written``: what the rank writes: the 1-D parameters and the steps on rank 0 only (rank 0
-    holds every weight's first row); else what it holds: the steps everywhere."""
-    total = 0
-    for shape in full_shapes.values():
-        numel = 1
-        for size in shape:
-            numel *= size
-        if len(shape) >= 2:
-            rows_per_rank = math.ceil(shape[0] / world_size)
-            rows_here = max(0, min(rows_per_rank, shape[0] - rank * rows_per_rank))
-            total += 3 * rows_here * (numel // shape[0]) * 4
-        elif rank == 0 or not written:
-            total += 3 * numel * 4
-        if rank == 0 or not written:
-            total += 4
-    return total
-
-
-def fsdp_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
-    """FSDP at W ranks, saved after 2 steps; loaded at W - 1 ranks and in one process."""
-    _, fsdp_mod, _, _ = lessons()
-    world_size = ctx.world_size
-    smaller = world_size - 1
-    batch_size = world_size * smaller
-    problems = []
-    rows = []
-    label = f"FSDP {world_size} -> FSDP {smaller}"
-    model = tiny_lm(seed=1)
-    full_shapes = {}
-    for name, p in model.named_parameters():
-        full_shapes[name] = list(p.shape)
-    fsdp = fsdp_mod.FSDP(model)
-    optimizer = torch.optim.AdamW(fsdp.parameters(), lr=LR, eps=ADAM_EPS)
-    for step in (0, 1):
-        fsdp_step(fsdp, optimizer, step, batch_size, None)
-    saved = fsdp_full_state(fsdp, optimizer, full_shapes, None)
-    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
-    stats = checkpoint.save(root / "fsdp", layout, 2, f"fsdp at {world_size} ranks",
-                            meta_for(list(full_shapes), optimizer))
-    want = fsdp_bytes(full_shapes, ctx.rank, world_size, written=True)
-    problems += count_problem(label, "written", stats["bytes_written"], want)
-    rows.append({"case": f"save FSDP {world_size}", "rank": ctx.rank,
-                 "bytes": stats["bytes_written"], "expected": want})
-    losses = []
-    for step in (2, 3):
-        losses.append(fsdp_step(fsdp, optimizer, step, batch_size, None))
-    never_stopped = weights_of(fsdp_full_state(fsdp, optimizer, full_shapes, None))
-    folder = checkpoint.latest_checkpoint(root / "fsdp")
-    found, target_rows, worst = fsdp_smaller_problems(ctx, folder, saved, full_shapes,
-                                                      never_stopped, losses)
-    problems += found
-    rows += target_rows
-    if ctx.rank == 0:
-        found, difference = one_process_problems(f"FSDP {world_size}", folder, saved,
-                                                 never_stopped, losses, batch_size)
-        problems += found
-        worst = max(worst, difference)
-    return problems, rows, worst
-
-
-def fsdp_smaller_problems(ctx, folder, saved: dict, full_shapes: dict, never_stopped=None,
-                          losses=None) -> tuple[list[str], list[dict], float]:
-    """The FSDP checkpoint of W ranks ``folder`` loaded by FSDP at W - 1 ranks: the bytes read
-    by each (the formula), the state made whole bitwise equal to ``saved``; with
-    ``never_stopped``: steps 3 and 4 from it equal to the run that never stopped."""
-    _, fsdp_mod, _, _ = lessons()
-    smaller = ctx.world_size - 1
-    batch_size = ctx.world_size * smaller
-    label = f"FSDP {ctx.world_size} -> FSDP {smaller}"
-    problems = []
-    rows = []
-    worst = 0.0
-    group = dist.new_group(list(range(smaller)))          # every rank makes every group
-    if ctx.rank >= smaller:
-        return problems, rows, worst
-    target = fsdp_mod.FSDP(tiny_lm(seed=2), process_group=group)
-    target_optimizer = torch.optim.AdamW(target.parameters(), lr=LR, eps=ADAM_EPS)
-    target_layout = layouts.fsdp_layout(target, target_optimizer, full_shapes, group)
-    stats = checkpoint.load(folder, target_layout, group=group)
-    want = fsdp_bytes(full_shapes, ctx.rank, smaller, written=False)
-    problems += count_problem(label, "read", stats["bytes_read"], want)
-    problems += count_problem(label, "needed", stats["bytes_needed"], want)
-    rows.append({"case": f"load FSDP {smaller}", "rank": ctx.rank,
-                 "bytes": stats["bytes_read"], "expected": want})
-    loaded = fsdp_full_state(target, target_optimizer, full_shapes, group)
-    problems += bitwise_problems(label, loaded, saved)
-    if never_stopped is not None:
-        target_losses = []
-        for step in (2, 3):
-            target_losses.append(fsdp_step(target, target_optimizer, step, batch_size, group))
-        continued = weights_of(fsdp_full_state(target, target_optimizer, full_shapes, group))
-        found, worst = close_problems(label, continued, never_stopped, target_losses, losses)
-        problems += found
-    return problems, rows, worst
-
-
-# --------------------------------------------------------------------------- ZeRO-1
-
-
-def zero_full_state(model, optimizer, group) -> dict:
-    """ZeRO-1's state made whole without the checkpoint: the weights (every rank's are the
-    same) and each parameter's AdamW state from its owner (all_gather_object)."""
-    names = {}
-    for name, p in model.named_parameters():
-        names[p] = name
-    mine = {}
-    for p, state in optimizer.optim.state.items():
-        for key, value in state.items():
-            mine[f"optimizer.{names[p]}.{key}"] = value.detach().clone()
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    state = plain_state(model, None)
-    for theirs in everyone:
-        state.update(theirs)
-    return state
-
-
-def zero_step(model, optimizer, step: int, batch_size: int, group) -> float:
-    """One data-parallel step: this rank's rows, gradients averaged over ``group``, then the
-    ShardedOptimizer's step (each owner updates, then broadcasts)."""
-    from common import models
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
-    inputs, targets = global_batch(step, batch_size)
-    optimizer.zero_grad(set_to_none=True)
-    loss = models.lm_loss(model(my_rows(inputs, rank, world_size)),
-                          my_rows(targets, rank, world_size))
-    loss.backward()
-    for p in model.parameters():
-        dist.all_reduce(p.grad, group=group)
-        p.grad.div_(world_size)
-    optimizer.step()
-    mean = loss.detach().reshape(1) / world_size
-    dist.all_reduce(mean, group=group)
-    return mean.item()
-
-
-def zero_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
-    """ZeRO-1 at W - 1 ranks, saved after 2 steps; loaded in one process with a plain AdamW."""
-    zero, _, _, _ = lessons()
-    ranks = max(1, ctx.world_size - 1)
-    batch_size = 2 * ranks
-    label = f"ZeRO-1 {ranks} -> plain AdamW"
-    problems = []
-    rows = []
-    group = dist.new_group(list(range(ranks)))
-    worst = 0.0
-    saved = None
-    never_stopped = None
-    losses = []
-    if ctx.rank < ranks:
-        model = tiny_lm(seed=1)
-        optimizer = zero.ShardedOptimizer(model.parameters(), torch.optim.AdamW,
-                                          process_group=group, lr=LR, eps=ADAM_EPS)
-        for step in (0, 1):
-            zero_step(model, optimizer, step, batch_size, group)
-        saved = zero_full_state(model, optimizer, group)
-        layout = layouts.zero1_layout(model, optimizer, group)
-        stats = checkpoint.save(root / "zero", layout, 2, f"zero-1 at {ranks} ranks",
-                                meta_for(parameter_names(), optimizer), group=group)
-        want = 0            # the owner's parameters, each with two moments and a step
-        for p in model.parameters():
-            if optimizer.owner[p] == dist.get_rank(group):
-                want += 3 * p.numel() * 4 + 4
-        problems += count_problem(label, "written", stats["bytes_written"], want)
-        rows.append({"case": f"save ZeRO-1 {ranks}", "rank": ctx.rank,
-                     "bytes": stats["bytes_written"], "expected": want})
-        for step in (2, 3):
-            losses.append(zero_step(model, optimizer, step, batch_size, group))
-        never_stopped = plain_state(model, None)
-    if ctx.rank == 0:
-        folder = checkpoint.latest_checkpoint(root / "zero")
-        found, worst = one_process_problems(f"ZeRO-1 {ranks}", folder, saved, never_stopped,
-                                            losses, batch_size)
-        problems += found
-    return problems, rows, worst
-
-
-# --------------------------------------------------------------------------- the grid
-
-
-def grid_full_state(chunks, grid, optimizer, parallel_lm) -> dict | None:
-    """The grid's weights and AdamW state made whole on rank 0 without the checkpoint: each
-    rank sends the boxes it is the saving replica of (``placements``), for the weight and its
-    moments alike, and its step counter with the first element."""
-    mine = []
-    for placement in parallel_lm.placements(chunks, grid):
-        if not placement["replica"]:
-            continue
-        p = placement["tensor"]
-        tensors = {f"model.{placement['name']}": p.detach()}
-        for key, value in optimizer.state[p].items():
-            tensors[f"optimizer.{placement['name']}.{key}"] = value
-        for name, local in tensors.items():
-            if local.dim() == 0:
-                has_origin = False
-                for _, full_box in placement["boxes"]:
-                    if all(start == 0 for start, _ in full_box):
-                        has_origin = True
-                if has_origin:
-                    mine.append((name, [], [([], local.clone())]))
-                continue
-            pieces = []
-            for local_box, full_box in placement["boxes"]:
-                index = tuple(slice(start, stop) for start, stop in local_box)
-                pieces.append((full_box, local[index].clone()))
-            mine.append((name, list(placement["full_shape"]), pieces))
-    return parallel_lm.assemble_boxes(mine, 0)
-
-
-def grid_steps(chunks, grid, optimizer, parallel_lm, steps, batch_size, device) -> list[float]:
+def train(chunks, grid, optimizer, steps, batch_size: int, device) -> list[float]:
+    _, parallel_lm = lessons()
     losses = []
     for step in steps:
         inputs, targets = global_batch(step, batch_size)
@@ -497,560 +89,139 @@ def grid_steps(chunks, grid, optimizer, parallel_lm, steps, batch_size, device) 
     return losses
 
 
-def grid_fits(world_size: int) -> bool:
-    """(dp, tp) = (2, W/2) needs W even and W/2 dividing the tiny LM's 4 heads."""
-    return world_size % 2 == 0 and 4 % (world_size // 2) == 0
-
-
-def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
-    """(dp, tp) = (2, W/2), saved after 2 steps; loaded into (pp, dp) = (2, W/2) and into one
-    process."""
-    from common import models
-    _, _, grid_mod, parallel_lm = lessons()
-    world_size = ctx.world_size
-    tp = world_size // 2
-    batch_size = 2 * tp
-    label = f"(dp, tp) = (2, {tp}) -> (pp, dp) = (2, {tp})"
-    problems = []
-    rows = []
-    preset = models.PRESETS["tiny"]
-    names = parameter_names()
-    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
-                                             preset["d_ff"])
-    grid = grid_mod.ProcessGrid(dp=2, tp=tp)
-    chunks = parallel_lm.build_chunks(tiny_lm(seed=1), grid, SEQ)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
-    grid_steps(chunks, grid, optimizer, parallel_lm, (0, 1), batch_size, ctx.device)
-    saved = grid_full_state(chunks, grid, optimizer, parallel_lm)
-    layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
-    stats = checkpoint.save(root / "grid", layout, 2, f"grid dp 2 x tp {tp}",
-                            meta_for(names, optimizer), block_columns)
-    want = layouts.layout_bytes(layout, written_only=True)
-    problems += count_problem(label, "written", stats["bytes_written"], want)
-    total = torch.tensor([stats["bytes_written"]], dtype=torch.int64)
-    dist.all_reduce(total)
-    problems += count_problem(label, "written by all ranks", int(total.item()),
-                              full_state_bytes())
-    rows.append({"case": f"save dp 2 x tp {tp}", "rank": ctx.rank,
-                 "bytes": stats["bytes_written"], "expected": want})
-    losses = grid_steps(chunks, grid, optimizer, parallel_lm, (2, 3), batch_size, ctx.device)
-    never_stopped = parallel_lm.full_state_dict(chunks, grid)
-    folder = checkpoint.latest_checkpoint(root / "grid")
-    target_grid = grid_mod.ProcessGrid(dp=tp, pp=2)
-    target_chunks = parallel_lm.build_chunks(tiny_lm(seed=2), target_grid, SEQ)
-    target_params = [p for chunk in target_chunks for p in chunk.parameters()]
-    target_optimizer = torch.optim.AdamW(target_params, lr=LR, eps=ADAM_EPS)
-    target_layout = layouts.grid_layout(parallel_lm.placements(target_chunks, target_grid),
-                                        target_grid, target_optimizer)
-    stats = checkpoint.load(folder, target_layout)
-    want = layouts.layout_bytes(target_layout)
-    problems += count_problem(label, "read", stats["bytes_read"], want)
-    problems += count_problem(label, "needed", stats["bytes_needed"], want)
-    rows.append({"case": f"load pp 2 x dp {tp}", "rank": ctx.rank,
-                 "bytes": stats["bytes_read"], "expected": want})
-    loaded = grid_full_state(target_chunks, target_grid, target_optimizer, parallel_lm)
-    if ctx.rank == 0:
-        problems += bitwise_problems(label, loaded, saved)
-    target_losses = grid_steps(target_chunks, target_grid, target_optimizer, parallel_lm,
-                               (2, 3), batch_size, ctx.device)
-    continued = parallel_lm.full_state_dict(target_chunks, target_grid)
-    worst = 0.0
-    if ctx.rank == 0:
-        prefixed = {}
-        want_weights = {}
-        for name, value in continued.items():
-            prefixed[f"model.{name}"] = value
-            want_weights[f"model.{name}"] = never_stopped[name]
-        found, worst = close_problems(label, prefixed, want_weights, target_losses, losses)
-        problems += found
-        found, difference = one_process_problems(f"dp 2 x tp {tp}", folder, saved,
-                                                 want_weights, losses, batch_size)
-        problems += found
-        worst = max(worst, difference)
-    return problems, rows, worst
-
-
-# --------------------------------------------------------------------------- damaged checkpoints
-
-
-def flip_byte(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x40
-    path.write_bytes(data)
-
-
-def slice_offset(folder: Path, name: str, file_name: str) -> int:
-    """Where ``name``'s first saved box in ``file_name`` starts (read from the manifest)."""
-    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
-    for saved in manifest["tensors"][name]["slices"]:
-        if saved["file"] == file_name:
-            return saved["offset"]
-    raise ValueError(f"{name} has no box in {file_name}")
-
-
-def damage(folder: Path, root: Path, world_size: int) -> dict:
-    """Rank 0: damaged copies of the FSDP checkpoint ``folder``: {case: (folder, expected
-    words in the message, the file it must name, the ranks that must find it)}. The
-    checkpoint saved by W ranks is loaded back at W ranks: rank r reads rank r's file (its
-    rows) and rank 0's (the 1-D parameters, the steps)."""
-    cases = {}
-    everyone = list(range(world_size))
-    last_file = f"rank_{world_size - 1:05d}.bin"
-    copy = root / "truncated"
-    shutil.copytree(folder, copy)
-    size = (copy / last_file).stat().st_size
-    os.truncate(copy / last_file, size - 100)
-    cases["truncated"] = (copy, "truncated", copy / last_file, [world_size - 1])
-    copy = root / "corrupted_rows"
-    shutil.copytree(folder, copy)
-    # row 5 of the token embedding's block on rank 1 (rows k .. 2k - 1): rank 1 reads it
-    row_bytes = tiny_lm(0).token_embedding.weight.shape[1] * 4
-    offset = slice_offset(copy, "model.token_embedding.weight", "rank_00001.bin")
-    flip_byte(copy / "rank_00001.bin", offset + 5 * row_bytes + 2)
-    cases["corrupted rows"] = (copy, "corrupted", copy / "rank_00001.bin", [1])
-    copy = root / "corrupted_replica"
-    shutil.copytree(folder, copy)
-    offset = slice_offset(copy, "model.norm.weight", "rank_00000.bin")    # every rank reads it
-    flip_byte(copy / "rank_00000.bin", offset + 7)
-    cases["corrupted replica"] = (copy, "corrupted", copy / "rank_00000.bin", everyone)
-    copy = root / "missing_file"
-    shutil.copytree(folder, copy)
-    (copy / last_file).unlink()
-    cases["missing file"] = (copy, "missing", copy / last_file, [world_size - 1])
-    copy = root / "no_manifest"
-    shutil.copytree(folder, copy)
-    (copy / checkpoint.MANIFEST).unlink()
-    cases["no manifest"] = (copy, "missing", copy / checkpoint.MANIFEST, everyone)
-    return cases
-
-
-def refusal(folder, layout, group=None) -> dict:
-    """Load a damaged checkpoint: the message, who found it, and whether the layout's
-    tensors are untouched."""
-    before = []
+def whole_state(layout: list[dict], host) -> dict | None:
+    """The full tensors of a layout, pieced together on rank 0 from the boxes their writers
+    hold, on the host (CPU copies over the Gloo group ``host``); None on other ranks."""
+    mine = []
     for item in layout:
-        before.append(item["tensor"].detach().clone())
-    result = {"message": None, "found_by": None}
-    try:
-        checkpoint.load(folder, layout, group=group)
-    except checkpoint.CheckpointError as error:
-        result["message"] = str(error)
-        result["found_by"] = error.found_by
-    unchanged = True
-    for item, value in zip(layout, before):
-        if not torch.equal(item["tensor"], value):
-            unchanged = False
-    result["unchanged"] = unchanged
-    return result
-
-
-def damaged_case(ctx, folder: Path, root: Path) -> tuple[list[str], dict]:
-    """Damaged copies of the FSDP checkpoint of W ranks ``folder`` (made under ``root``), each
-    loaded back at W ranks: refused on every rank, one line naming the file, nothing loaded;
-    each found by exactly the ranks that read what is damaged."""
-    _, fsdp_mod, _, _ = lessons()
-    cases = None
-    if ctx.rank == 0:
-        cases = damage(folder, root / "damaged", ctx.world_size)
-    shared = [cases]
-    dist.broadcast_object_list(shared, src=0)
-    cases = shared[0]
-    # another model's checkpoint: the LM with twice the context (a longer position table);
-    # one without optimizer state, which a layout holding AdamW's cannot be filled from
-    other = tiny_lm(seed=4, context_length=2 * SEQ)
-    other_optimizer = torch.optim.AdamW(other.parameters(), lr=LR)
-    checkpoint.save(root / "damaged" / "other_model",
-                    layouts.replicated_layout(other, other_optimizer, ctx.rank), 2, "ddp")
-    folder_other = checkpoint.latest_checkpoint(root / "damaged" / "other_model")
-    cases["another model"] = (folder_other, "another model", folder_other / "manifest.json",
-                              list(range(ctx.world_size)))
-    checkpoint.save(root / "damaged" / "weights_only",
-                    layouts.replicated_layout(tiny_lm(seed=4), None, ctx.rank), 2, "ddp")
-    folder_weights = checkpoint.latest_checkpoint(root / "damaged" / "weights_only")
-    cases["cannot hold"] = (folder_weights, "cannot fill", folder_weights / "manifest.json",
-                            list(range(ctx.world_size)))
-    model = tiny_lm(seed=5)
-    full_shapes = {}
-    for name, p in model.named_parameters():
-        full_shapes[name] = list(p.shape)
-    target = fsdp_mod.FSDP(model)
-    optimizer = torch.optim.AdamW(target.parameters(), lr=LR, eps=ADAM_EPS)
-    layout = layouts.fsdp_layout(target, optimizer, full_shapes)
-    findings = {}
-    problems = []
-    for label, (damaged, words, path, finders) in cases.items():
-        result = refusal(damaged, layout)
-        findings[label] = result
-        message = result["message"]
-        if message is None:
-            problems.append(f"damaged ({label}): loaded without an error")
-            continue
-        if "\n" in message or str(path) not in message or words not in message:
-            problems.append(f"damaged ({label}): the message {message!r} is not one line "
-                            f"naming {path} and saying {words!r}")
-        if result["found_by"] != finders:
-            problems.append(f"damaged ({label}): found by ranks {result['found_by']}, "
-                            f"expected {finders}")
-        if not result["unchanged"]:
-            problems.append(f"damaged ({label}): the layout's tensors changed")
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, findings)
-    for label in findings:
-        messages = set(theirs[label]["message"] for theirs in everyone)
-        if len(messages) != 1:
-            problems.append(f"damaged ({label}): the ranks raised different messages")
-    return problems, findings
-
-
-# --------------------------------------------------------------------------- the checks
-
-
-CASES = ("fsdp", "zero", "grid", "damaged")
-
-
-def run_checks(ctx, root: Path, cases=CASES) -> dict:
-    """The lesson's checks (each a function above), on every rank; returns, the same on every
-    rank: {"problems": [...], "rows": bytes per rank and case, "worst": the largest weight
-    difference of continued training, "damaged": what each damaged checkpoint raised,
-    "skipped": the cases this world size cannot run}."""
-    problems = []
-    rows = []
-    worst = 0.0
-    damaged = {}
-    if "fsdp" in cases:
-        found, case_rows, difference = fsdp_case(ctx, root)
-        problems += found
-        rows += case_rows
-        worst = max(worst, difference)
-    if "zero" in cases:
-        found, case_rows, difference = zero_case(ctx, root)
-        problems += found
-        rows += case_rows
-        worst = max(worst, difference)
-    skipped = []
-    if "grid" in cases and grid_fits(ctx.world_size):
-        found, case_rows, difference = grid_case(ctx, root)
-        problems += found
-        rows += case_rows
-        worst = max(worst, difference)
-    elif "grid" in cases:
-        skipped.append(f"the grid case: (dp, tp) = (2, W/2) needs W even and W/2 dividing "
-                       f"the tiny LM's 4 heads, and W = {ctx.world_size}")
-    if "damaged" in cases:
-        found, damaged = damaged_case(ctx, checkpoint.latest_checkpoint(root / "fsdp"), root)
-        problems += found
-    all_rows = [None] * ctx.world_size
-    dist.all_gather_object(all_rows, rows)
-    merged_rows = []
-    for theirs in all_rows:
-        merged_rows += theirs
-    case_order = []                     # the cases in the order they ran
-    for row in merged_rows:
-        if row["case"] not in case_order:
-            case_order.append(row["case"])
-    merged_rows.sort(key=lambda row: (case_order.index(row["case"]), row["rank"]))
-    worst_everywhere = torch.tensor([worst], dtype=torch.float64)
-    dist.all_reduce(worst_everywhere, op=dist.ReduceOp.MAX)
-    return {"problems": agree(problems), "rows": merged_rows,
-            "worst": worst_everywhere.item(), "damaged": damaged, "skipped": skipped}
-
-
-def one_folder(ctx, given: str | None, prefix: str) -> Path:
-    """The folder every rank works in: ``given``, or one rank 0 makes in the temp folder."""
-    name = None
-    if ctx.is_main:
-        name = given or tempfile.mkdtemp(prefix=prefix)
-    shared = [name]
-    dist.broadcast_object_list(shared, src=0)
-    return Path(shared[0])
-
-
-def check_main(ctx, args) -> None:
-    """The plain run: every check, a table of bytes per rank, one verdict."""
-    from common import results
-    root = one_folder(ctx, args.dir, "checkpoints-")
-    findings = run_checks(ctx, root)
-    if ctx.is_main:
-        print(f"checkpoints of the tiny LM and its AdamW state, {ctx.world_size} ranks "
-              f"({results.machine_name()}); bytes per rank, counted beside expected:",
-              flush=True)
-        results.print_table(findings["rows"])
-        for reason in findings["skipped"]:
-            print(f"skipped {reason}", flush=True)
-        for label, result in findings["damaged"].items():
-            print(f"damaged ({label}): refused on every rank (found by rank(s) "
-                  f"{result['found_by']}), nothing loaded: {result['message']}", flush=True)
-    if findings["problems"]:
-        raise AssertionError("checkpoint checks failed:\n  " +
-                             "\n  ".join(findings["problems"][:20]))
-    ctx.print("every load bitwise equal to what was saved; training continued from it equal to "
-              f"training that never stopped (largest weight difference {findings['worst']:.2e}); "
-              "bytes written = own boxes, bytes read = the overlap", all_ranks=False)
-    dist.barrier()
-    if ctx.is_main and args.dir is None:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-# --------------------------------------------------------------------------- --bench
-
-
-def bench_state(full_lm, rank: int, world_size: int, device) -> tuple[list, dict]:
-    """The LM in FSDP's padded row blocks at ``world_size`` ranks, with AdamW moments (random
-    values: what matters is their size) and steps: (layout for this lesson, the same shards as
-    DTensors for torch.distributed.checkpoint). Rank ``rank`` of the group."""
-    layout = []
-    tensors = {}
-    generator = torch.Generator().manual_seed(7)
-    for name, p in full_lm.named_parameters():
-        full_shape = list(p.shape)
-        moments = {"exp_avg": torch.randn(full_shape, generator=generator),
-                   "exp_avg_sq": torch.rand(full_shape, generator=generator)}
-        for key, full in [("model", p.detach())] + list(moments.items()):
-            full_name = f"model.{name}"
-            if key != "model":
-                full_name = f"optimizer.{name}.{key}"
-            if len(full_shape) >= 2:
-                rows_per_rank = math.ceil(full_shape[0] / world_size)
-                local = torch.zeros([rows_per_rank] + full_shape[1:], device=device)
-                boxes = layouts.padded_row_block(full_shape, rank, world_size)
-                for local_box, full_box in boxes:
-                    local[checkpoint.as_index(local_box)] = full[checkpoint.as_index(full_box)]
-                write = True
-            else:
-                local = full.clone().to(device)
-                boxes = [(layouts.whole(full_shape), layouts.whole(full_shape))]
-                write = rank == 0
-            layout.append(layouts.entry(full_name, local, full_shape, boxes, write))
-            tensors[full_name] = (local, full_shape, boxes)
-        step = torch.tensor(10.0)
-        layout.append(layouts.entry(f"optimizer.{name}.step", step, [], [([], [])], rank == 0))
-        tensors[f"optimizer.{name}.step"] = (step, [], None)
-    return layout, tensors
-
-
-def as_dtensors(tensors: dict, mesh) -> dict:
-    """The same shards as DTensors: Shard(0) (torch's even split: ceil(rows / N) rows each,
-    the last ones shorter, as FSDP's blocks without their padding), 1-D ones Replicate()."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+        if item["write"]:
+            pieces = []
+            for local_box, full_box in item["boxes"]:
+                pieces.append((full_box, item["tensor"][checkpoint.as_index(local_box)].cpu()))
+            mine.append((item["name"], item["full_shape"], pieces))
+    everyone = None
+    if dist.get_rank() == 0:
+        everyone = [None] * dist.get_world_size()
+    dist.gather_object(mine, everyone, dst=0, group=host)
+    if everyone is None:
+        return None
     state = {}
-    for name, (local, full_shape, boxes) in tensors.items():
-        if boxes is None:
-            state[name] = local                 # a plain tensor: replicated, saved once
-            continue
-        if len(full_shape) >= 2:
-            rows = 0
-            for local_box, _ in boxes:
-                rows = local_box[0][1]
-            stride = torch.empty(full_shape, device="meta").stride()
-            state[name] = DTensor.from_local(local[:rows], mesh, [Shard(0)], run_check=False,
-                                             shape=torch.Size(full_shape), stride=stride)
-        else:
-            state[name] = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    for theirs in everyone:
+        for name, full_shape, pieces in theirs:
+            state.setdefault(name, torch.zeros(full_shape, dtype=pieces[0][1].dtype))
+            for full_box, values in pieces:
+                state[name][checkpoint.as_index(full_box)] = values
     return state
 
 
-def io_counts() -> tuple[int, int]:
-    """(bytes read, bytes written) by this process's read and write calls, from the kernel
-    (/proc/self/io rchar, wchar: including the page cache), or (0, 0) where there is none."""
-    try:
-        with open("/proc/self/io") as f:
-            fields = dict(line.split(": ") for line in f.read().splitlines())
-        return int(fields["rchar"]), int(fields["wchar"])
-    except (OSError, KeyError, ValueError):
-        return 0, 0
+def compare(label: str, got: dict, want: dict, exact: bool) -> list[str]:
+    """What differs between two full states: bitwise (``exact``) or at float32 tolerance."""
+    problems = []
+    for name, expected in want.items():
+        if exact:
+            same = torch.equal(got[name], expected)
+        else:
+            same = torch.allclose(got[name], expected, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
+        if not same:
+            difference = (got[name].double() - expected.double()).abs().max().item()
+            problems.append(f"{label}: {name} differs by {difference:.3g}")
+    return problems
 
 
-def bench_main(ctx, args) -> None:
-    """Save at 2 ranks and load at W, save at W and load at 2; ours and torch's alternately."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import DeviceMesh
+def demo(ctx, args) -> None:
     from common import models
-    root = one_folder(ctx, args.dir, "checkpoint-bench-")
-    full_lm = models.TransformerLM(args.model, vocab_size=VOCAB, context_length=256)
-    preset = models.PRESETS[args.model]
-    names = [name for name, _ in full_lm.named_parameters()]
+    grid_mod, _ = lessons()
+    host = dist.new_group(backend="gloo")     # host-side bookkeeping, whatever the device
+    root = Path(args.dir) if args.dir else None
+    if ctx.is_main and root is None:
+        root = Path(tempfile.mkdtemp(prefix="checkpoints-"))
+    shared = [root]
+    dist.broadcast_object_list(shared, src=0, group=host)
+    root = shared[0]
+    world_size = ctx.world_size
+    batch_size = 2 * world_size
+    names = [name for name, _ in tiny_lm(0).named_parameters()]
+    preset = models.PRESETS["tiny"]
     block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
                                              preset["d_ff"])
-    world_size = ctx.world_size
-    groups = {2: dist.new_group([0, 1]), world_size: dist.group.WORLD}
-    meshes = {}
-    states = {}
-    for size, group in groups.items():
-        if ctx.rank < size:
-            meshes[size] = DeviceMesh.from_group(group, ctx.device.type)
-            states[size] = bench_state(full_lm, dist.get_rank(group), size, ctx.device)
-    rows = []
-    for saved_at, loaded_at in ((2, world_size), (world_size, 2)):
-        for impl in ("ours", "torch_dcp"):
-            rows += bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes,
-                               states, block_columns, dcp)
-    full_bytes = 0                  # the state, each element once: weights, 2 moments, a step
-    for p in full_lm.parameters():
-        full_bytes += 3 * p.numel() * 4 + 4
+    meta = {"parameter_order": names}
+    # 1. train two steps at (dp, tp) = (W/2, 2), save, and go on: the run that never stops
+    source = grid_mod.ProcessGrid(dp=world_size // 2, tp=2)
+    chunks, optimizer, layout = build(source, seed=1, device=ctx.device)
+    train(chunks, source, optimizer, (0, 1), batch_size, ctx.device)
+    saved = whole_state(layout, host)
+    meta["optimizer"] = layouts.optimizer_options(optimizer)
+    stats = checkpoint.save(root, layout, 2, f"grid dp {world_size // 2} x tp 2", meta,
+                            block_columns, group=host)
+    never_stopped_losses = train(chunks, source, optimizer, (2, 3), batch_size, ctx.device)
+    never_stopped = whole_state(layout, host)
+    # 2. load it into (dp, tp) = (W, 1): every rank reads the slices of every weight
+    target = grid_mod.ProcessGrid(dp=world_size)
+    target_chunks, target_optimizer, target_layout = build(target, seed=2, device=ctx.device)
+    folder = checkpoint.latest_checkpoint(root)
+    loaded = checkpoint.load(folder, target_layout, group=host)
+    problems = []
+    state = whole_state(target_layout, host)
     if ctx.is_main:
-        finish_bench(args, rows, full_bytes)
-    dist.barrier()
-    if ctx.is_main and args.dir is None:
+        problems += compare(f"load into dp {world_size}", state, saved, exact=True)
+    # 3. resume: two more steps from the loaded state, against the run that never stopped
+    losses = train(target_chunks, target, target_optimizer, (2, 3), batch_size, ctx.device)
+    state = whole_state(target_layout, host)
+    if ctx.is_main:
+        problems += compare("resumed", state, never_stopped, exact=False)
+        for step, (loss, expected) in enumerate(zip(losses, never_stopped_losses)):
+            if not math.isclose(loss, expected, rel_tol=LOSS_RTOL):
+                problems.append(f"resumed: loss {loss:.7f} at step {step + 3}, {expected:.7f} "
+                                "in the run that never stopped")
+        # 4. one process: the whole checkpoint in plain tensors
+        problems += compare("one process", consolidated(folder), saved, exact=True)
+        print(f"saved at (dp, tp) = ({world_size // 2}, 2): {folder}, rank 0 wrote "
+              f"{stats['bytes_written']} bytes; loaded at (dp, tp) = ({world_size}, 1): rank 0 "
+              f"read {loaded['bytes_read']} bytes ({ctx.device})", flush=True)
+    everyone = [None] * world_size               # one verdict, on every rank
+    dist.all_gather_object(everyone, problems, group=host)
+    problems = [problem for theirs in everyone for problem in theirs]
+    if problems:
+        raise AssertionError("checkpoint demo: what differed:\n  " + "\n  ".join(problems))
+    ctx.print("loaded into dp and into one process: bitwise equal to what was saved; resumed "
+              "training equal to the run that never stopped (losses and weights)",
+              all_ranks=False)
+    dist.barrier(group=host)
+    if ctx.is_main and not args.dir:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, states,
-               block_columns, dcp) -> list[dict]:
-    """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many
-    loads of the last one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's
-    median and each rank's bytes."""
-    from common import timing
-    rows = []
-    folder = root / f"{impl}_{saved_at}"
-    for op, size in (("save", saved_at), ("load", loaded_at)):
-        group = groups[size]
-        times = []
-        counted = []
-        kernel = []
-        for iteration in range(args.warmup + args.iters):
-            if ctx.rank < size:
-                layout, tensors = states[size]
-                dist.barrier(group=group)
-                timing.synchronize(ctx.device)
-                read_before, written_before = io_counts()
-                start = time.perf_counter()
-                count = run_op(impl, op, folder, iteration, layout, tensors, meshes[size],
-                               group, block_columns, dcp)
-                timing.synchronize(ctx.device)
-                elapsed = time.perf_counter() - start
-                read_after, written_after = io_counts()
-                if iteration >= args.warmup:
-                    times.append(elapsed)
-                    counted.append(count)
-                    if op == "save":
-                        kernel.append(written_after - written_before)
-                    else:
-                        kernel.append(read_after - read_before)
-            dist.barrier()
-            if ctx.is_main and op == "save" and impl == "torch_dcp" \
-                    and iteration < args.warmup + args.iters - 1:
-                shutil.rmtree(dcp_folder(folder, iteration), ignore_errors=True)
-        rows.append(bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size))
-    return rows
+def consolidated(folder) -> dict:
+    """consolidate()'s model and AdamW state under the layout's names."""
+    state = checkpoint.consolidate(folder)
+    tensors = {}
+    for name, value in state["model"].items():
+        tensors[f"model.{name}"] = value
+    for index, name in enumerate(state["meta"]["parameter_order"]):
+        for key, value in state["optimizer"]["state"][index].items():
+            tensors[f"optimizer.{name}.{key}"] = value
+    return tensors
 
 
-def dcp_folder(folder: Path, iteration: int) -> Path:
-    return folder / f"dcp_{iteration:03d}"
-
-
-def run_op(impl, op, folder, iteration, layout, tensors, mesh, group, block_columns,
-           dcp) -> dict | None:
-    """One save or load; returns the bytes this lesson counted: {"data", "manifest"} (None
-    for torch's)."""
-    if impl == "ours" and op == "save":
-        stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {},
-                                block_columns, group=group)
-        return {"data": stats["bytes_written"], "manifest": stats["manifest_bytes"]}
-    if impl == "ours":
-        stats = checkpoint.load(checkpoint.latest_checkpoint(folder), layout, group=group)
-        return {"data": stats["bytes_read"], "manifest": stats["manifest_bytes"],
-                "needed": stats["bytes_needed"]}
-    state = as_dtensors(tensors, mesh)
-    if op == "save":
-        dcp.save(state, checkpoint_id=str(dcp_folder(folder, iteration)), process_group=group)
-        return None
-    last = sorted(folder.glob("dcp_*"))[-1]
-    dcp.load(state, checkpoint_id=str(last), process_group=group)
-    return None
-
-
-def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) -> dict:
-    """One row: the slowest rank's median time and the spread, and the most bytes any rank
-    moved (counted here: the data, and the manifest; and by the kernel: every read or write
-    call of the process meanwhile, /proc/self/io), from every rank of the group that ran it."""
-    mine = {"times": times, "counted": counted, "kernel": kernel}
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    ran = everyone[:size]
-    medians = []
-    all_times = []
-    data_bytes = []
-    manifest_bytes = []
-    kernel_bytes = []
-    for theirs in ran:
-        medians.append(statistics.median(theirs["times"]))
-        all_times.extend(theirs["times"])
-        kernel_bytes.append(theirs["kernel"][-1])
-        counted_here = theirs["counted"][-1]
-        if counted_here is not None:
-            data_bytes.append(counted_here["data"])
-            manifest_bytes.append(counted_here["manifest"])
-            if counted_here.get("needed", counted_here["data"]) != counted_here["data"]:
-                raise AssertionError(f"{impl} {op}: a rank read {counted_here['data']} bytes "
-                                     f"for an overlap of {counted_here['needed']}")
-    row = {"impl": impl, "op": op, "saved_at": saved_at, "loaded_at": loaded_at, "ranks": size,
-           "time_ms_median": 1000 * max(medians), "time_ms_min": 1000 * min(all_times),
-           "time_ms_max": 1000 * max(all_times), "data_bytes_max": "", "data_bytes_total": "",
-           "manifest_bytes": "", "kernel_bytes_max": max(kernel_bytes),
-           "kernel_bytes_total": sum(kernel_bytes)}
-    if data_bytes:
-        row["data_bytes_max"] = max(data_bytes)
-        row["data_bytes_total"] = sum(data_bytes)
-        row["manifest_bytes"] = max(manifest_bytes)
-    return row
-
-
-def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
-    """Rank 0: the table, the targets measured beside their values, results/checkpoint.csv."""
-    from common import results
-    machine = results.machine_name()
-    for row in rows:
-        row.update({"model": args.model, "backend": dist.get_backend(),
-                    "device": str(args.device_used), "machine": machine,
-                    "run_id": results.run_id()})
-    by_key = {}
-    for row in rows:
-        by_key[(row["impl"], row["op"], row["saved_at"], row["loaded_at"])] = row
-    for row in rows:
-        theirs = by_key[("torch_dcp", row["op"], row["saved_at"], row["loaded_at"])]
-        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"]
-    shown = []
-    for row in rows:
-        shown.append({"impl": row["impl"], "op": row["op"],
-                      "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
-                      "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
-                      "x torch": row["ratio_vs_torch"],
-                      "data bytes/rank (max)": row["data_bytes_max"],
-                      "manifest bytes": row["manifest_bytes"],
-                      "kernel bytes/rank (max)": row["kernel_bytes_max"]})
-    results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW "
-                                     f"({machine})")
-    path = results.upsert_csv("checkpoint.csv", rows, key=["model", "backend", "device", "impl",
-                                                          "op", "saved_at", "loaded_at"])
-    print(f"wrote {path}", flush=True)
-    for row in rows:
-        if row["impl"] == "ours" and row["op"] == "save":
-            verdict = "met" if row["data_bytes_total"] == full_bytes else "NOT met"
-            print(f"target: bytes written at {row['saved_at']} ranks, all ranks together, "
-                  f"exactly the state once ({full_bytes}): measured {row['data_bytes_total']} "
-                  f"({verdict})", flush=True)
-        if row["impl"] == "ours" and row["op"] == "load":
-            print(f"target: bytes read per rank exactly the overlap with what it holds, at "
-                  f"{row['loaded_at']} ranks: met on every rank (checked at each load)",
-                  flush=True)
-    for row in rows:
-        if row["impl"] == "ours":
-            verdict = "met" if row["ratio_vs_torch"] <= 1.5 else "NOT met"
-            print(f"target: {row['op']} {row['saved_at']} -> {row['loaded_at']} ranks at most "
-                  f"1.5x torch.distributed.checkpoint: measured {row['ratio_vs_torch']:.2f}x "
-                  f"({verdict}; {machine})", flush=True)
-
-
-# --------------------------------------------------------------------------- command line
+def refuse_directory(parser, given: str) -> None:
+    """--dir: a new folder or an empty one that can be written (tried, not guessed)."""
+    folder = Path(given)
+    if folder.is_dir() and any(folder.iterdir()):
+        parser.error(f"--dir {given}: already used (not empty); give a new or empty folder")
+    try:
+        checkpoint.check_directory(folder)
+    except checkpoint.CheckpointError as error:
+        parser.error(f"--dir {error}")
 
 
 def main(argv=None) -> None:
-    _repo()
-    from common import launch, models, results
+    root = Path(__file__).resolve().parent.parent.parent
+    sys.path.insert(0, str(root))
+    from common import hand_over, launch, models
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true",
-                        help="measure save and load against torch.distributed.checkpoint")
+                        help="measure save and load against torch.distributed.checkpoint "
+                             "(07_parallelism/measure/bench_checkpoint.py)")
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",
                         help="--bench: the LM preset")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=1,
@@ -1058,23 +229,21 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=launch.positive_int, default=3,
                         help="--bench: timed saves and loads")
     parser.add_argument("--dir", default=None,
-                        help="where checkpoints go (kept); default: a temporary folder, removed")
+                        help="where checkpoints go (kept; a new or empty folder); default: a "
+                             "temporary folder, removed")
     args = parser.parse_args(argv)
+    if args.bench:
+        hand_over("07_parallelism/measure/bench_checkpoint.py")
     config = launch.resolve(args)
     if config.world_size < 2:
         parser.error(f"--world-size {config.world_size}: checkpoints move between layouts of "
                      "different sizes; give 2 ranks or more")
-    if args.bench and config.world_size < 3:
-        parser.error(f"--bench --world-size {config.world_size}: it saves at 2 ranks and loads "
-                     "at the world size, and back: give 3 ranks or more")
+    if config.world_size % 2 != 0:
+        parser.error(f"--world-size {config.world_size}: the demo saves at (dp, tp) = (W/2, 2); "
+                     "give an even number of ranks")
     if args.dir is not None:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    args.device_used = config.device
-    results.check_writable()
-    if args.bench:
-        launch.launch(bench_main, config, args)
-    else:
-        launch.launch(check_main, config, args)
+        refuse_directory(parser, args.dir)
+    launch.launch(demo, config, args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,329 @@
+"""Stage 07, lesson 8, measured: the LM (--model) in FSDP's padded row blocks with its AdamW
+state, saved at 2 ranks and loaded at W, saved at W and loaded at 2 (resharding), by this
+lesson's checkpoint.py and by ``torch.distributed.checkpoint`` on the same state (DTensors
+Shard(0) made from the same shards), alternately in the same run: time (the slowest rank's
+median) and bytes per rank. Rows go to results/checkpoint.csv.
+
+    python 07_parallelism/measure/bench_checkpoint.py --model course --world-size 4
+    python 07_parallelism/08_checkpoints/run_checkpoint.py --bench --model course   # the same
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
+
+from common import import_stage  # noqa: E402  (the repository root is on the path now)
+
+checkpoint = import_stage("07_parallelism/08_checkpoints/checkpoint")
+layouts = import_stage("07_parallelism/08_checkpoints/layouts")
+
+VOCAB = 256
+
+
+def one_folder(ctx, given: str | None, prefix: str) -> Path:
+    """The folder every rank works in: ``given``, or one rank 0 makes in the temp folder."""
+    name = None
+    if ctx.is_main:
+        name = given or tempfile.mkdtemp(prefix=prefix)
+    shared = [name]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0])
+
+
+# --------------------------------------------------------------------------- --bench
+
+
+def bench_state(full_lm, rank: int, world_size: int, device) -> tuple[list, dict]:
+    """The LM in FSDP's padded row blocks at ``world_size`` ranks, with AdamW moments (random
+    values: what matters is their size) and steps: (layout for this lesson, the same shards as
+    DTensors for torch.distributed.checkpoint). Rank ``rank`` of the group."""
+    layout = []
+    tensors = {}
+    generator = torch.Generator().manual_seed(7)
+    for name, p in full_lm.named_parameters():
+        full_shape = list(p.shape)
+        moments = {"exp_avg": torch.randn(full_shape, generator=generator),
+                   "exp_avg_sq": torch.rand(full_shape, generator=generator)}
+        for key, full in [("model", p.detach())] + list(moments.items()):
+            full_name = f"model.{name}"
+            if key != "model":
+                full_name = f"optimizer.{name}.{key}"
+            if len(full_shape) >= 2:
+                rows_per_rank = math.ceil(full_shape[0] / world_size)
+                local = torch.zeros([rows_per_rank] + full_shape[1:], device=device)
+                boxes = layouts.padded_row_block(full_shape, rank, world_size)
+                for local_box, full_box in boxes:
+                    local[checkpoint.as_index(local_box)] = full[checkpoint.as_index(full_box)]
+                write = True
+            else:
+                local = full.clone().to(device)
+                boxes = [(layouts.whole(full_shape), layouts.whole(full_shape))]
+                write = rank == 0
+            layout.append(layouts.entry(full_name, local, full_shape, boxes, write))
+            tensors[full_name] = (local, full_shape, boxes)
+        step = torch.tensor(10.0)
+        layout.append(layouts.entry(f"optimizer.{name}.step", step, [], [([], [])], rank == 0))
+        tensors[f"optimizer.{name}.step"] = (step, [], None)
+    return layout, tensors
+
+
+def as_dtensors(tensors: dict, mesh) -> dict:
+    """The same shards as DTensors: Shard(0) (torch's even split: ceil(rows / N) rows each,
+    the last ones shorter, as FSDP's blocks without their padding), 1-D ones Replicate()."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    state = {}
+    for name, (local, full_shape, boxes) in tensors.items():
+        if boxes is None:
+            state[name] = local                 # a plain tensor: replicated, saved once
+            continue
+        if len(full_shape) >= 2:
+            rows = 0
+            for local_box, _ in boxes:
+                rows = local_box[0][1]
+            stride = torch.empty(full_shape, device="meta").stride()
+            state[name] = DTensor.from_local(local[:rows], mesh, [Shard(0)], run_check=False,
+                                             shape=torch.Size(full_shape), stride=stride)
+        else:
+            state[name] = DTensor.from_local(local, mesh, [Replicate()], run_check=False)
+    return state
+
+
+def io_counts() -> tuple[int, int]:
+    """(bytes read, bytes written) by this process's read and write calls, from the kernel
+    (/proc/self/io rchar, wchar: including the page cache), or (0, 0) where there is none."""
+    try:
+        with open("/proc/self/io") as f:
+            fields = dict(line.split(": ") for line in f.read().splitlines())
+        return int(fields["rchar"]), int(fields["wchar"])
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+def bench_main(ctx, args) -> None:
+    """Save at 2 ranks and load at W, save at W and load at 2; ours and torch's alternately."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import DeviceMesh
+    from common import models
+    root = one_folder(ctx, args.dir, "checkpoint-bench-")
+    full_lm = models.TransformerLM(args.model, vocab_size=VOCAB, context_length=256)
+    preset = models.PRESETS[args.model]
+    names = [name for name, _ in full_lm.named_parameters()]
+    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
+                                             preset["d_ff"])
+    world_size = ctx.world_size
+    groups = {2: dist.new_group([0, 1]), world_size: dist.group.WORLD}
+    meshes = {}
+    states = {}
+    for size, group in groups.items():
+        if ctx.rank < size:
+            meshes[size] = DeviceMesh.from_group(group, ctx.device.type)
+            states[size] = bench_state(full_lm, dist.get_rank(group), size, ctx.device)
+    rows = []
+    for saved_at, loaded_at in ((2, world_size), (world_size, 2)):
+        for impl in ("ours", "torch_dcp"):
+            rows += bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes,
+                               states, block_columns, dcp)
+    full_bytes = 0                  # the state, each element once: weights, 2 moments, a step
+    for p in full_lm.parameters():
+        full_bytes += 3 * p.numel() * 4 + 4
+    if ctx.is_main:
+        finish_bench(args, rows, full_bytes)
+    dist.barrier()
+    if ctx.is_main and args.dir is None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, states,
+               block_columns, dcp) -> list[dict]:
+    """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many
+    loads of the last one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's
+    median and each rank's bytes."""
+    from common import timing
+    rows = []
+    folder = root / f"{impl}_{saved_at}"
+    for op, size in (("save", saved_at), ("load", loaded_at)):
+        group = groups[size]
+        times = []
+        counted = []
+        kernel = []
+        for iteration in range(args.warmup + args.iters):
+            if ctx.rank < size:
+                layout, tensors = states[size]
+                dist.barrier(group=group)
+                timing.synchronize(ctx.device)
+                read_before, written_before = io_counts()
+                start = time.perf_counter()
+                count = run_op(impl, op, folder, iteration, layout, tensors, meshes[size],
+                               group, block_columns, dcp)
+                timing.synchronize(ctx.device)
+                elapsed = time.perf_counter() - start
+                read_after, written_after = io_counts()
+                if iteration >= args.warmup:
+                    times.append(elapsed)
+                    counted.append(count)
+                    if op == "save":
+                        kernel.append(written_after - written_before)
+                    else:
+                        kernel.append(read_after - read_before)
+            dist.barrier()
+            if ctx.is_main and op == "save" and impl == "torch_dcp" \
+                    and iteration < args.warmup + args.iters - 1:
+                shutil.rmtree(dcp_folder(folder, iteration), ignore_errors=True)
+        rows.append(bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size))
+    return rows
+
+
+def dcp_folder(folder: Path, iteration: int) -> Path:
+    return folder / f"dcp_{iteration:03d}"
+
+
+def run_op(impl, op, folder, iteration, layout, tensors, mesh, group, block_columns,
+           dcp) -> dict | None:
+    """One save or load; returns the bytes this lesson counted: {"data", "manifest"} (None
+    for torch's)."""
+    if impl == "ours" and op == "save":
+        stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {},
+                                block_columns, group=group)
+        return {"data": stats["bytes_written"], "manifest": stats["manifest_bytes"]}
+    if impl == "ours":
+        stats = checkpoint.load(checkpoint.latest_checkpoint(folder), layout, group=group)
+        return {"data": stats["bytes_read"], "manifest": stats["manifest_bytes"],
+                "needed": stats["bytes_needed"]}
+    state = as_dtensors(tensors, mesh)
+    if op == "save":
+        dcp.save(state, checkpoint_id=str(dcp_folder(folder, iteration)), process_group=group)
+        return None
+    last = sorted(folder.glob("dcp_*"))[-1]
+    dcp.load(state, checkpoint_id=str(last), process_group=group)
+    return None
+
+
+def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) -> dict:
+    """One row: the slowest rank's median time and the spread, and the most bytes any rank
+    moved (counted here: the data, and the manifest; and by the kernel: every read or write
+    call of the process meanwhile, /proc/self/io), from every rank of the group that ran it."""
+    mine = {"times": times, "counted": counted, "kernel": kernel}
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    ran = everyone[:size]
+    medians = []
+    all_times = []
+    data_bytes = []
+    manifest_bytes = []
+    kernel_bytes = []
+    for theirs in ran:
+        medians.append(statistics.median(theirs["times"]))
+        all_times.extend(theirs["times"])
+        kernel_bytes.append(theirs["kernel"][-1])
+        counted_here = theirs["counted"][-1]
+        if counted_here is not None:
+            data_bytes.append(counted_here["data"])
+            manifest_bytes.append(counted_here["manifest"])
+            if counted_here.get("needed", counted_here["data"]) != counted_here["data"]:
+                raise AssertionError(f"{impl} {op}: a rank read {counted_here['data']} bytes "
+                                     f"for an overlap of {counted_here['needed']}")
+    row = {"impl": impl, "op": op, "saved_at": saved_at, "loaded_at": loaded_at, "ranks": size,
+           "time_ms_median": 1000 * max(medians), "time_ms_min": 1000 * min(all_times),
+           "time_ms_max": 1000 * max(all_times), "data_bytes_max": "", "data_bytes_total": "",
+           "manifest_bytes": "", "kernel_bytes_max": max(kernel_bytes),
+           "kernel_bytes_total": sum(kernel_bytes)}
+    if data_bytes:
+        row["data_bytes_max"] = max(data_bytes)
+        row["data_bytes_total"] = sum(data_bytes)
+        row["manifest_bytes"] = max(manifest_bytes)
+    return row
+
+
+def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
+    """Rank 0: the table, the targets measured beside their values, results/checkpoint.csv."""
+    from common import results
+    machine = results.machine_name()
+    for row in rows:
+        row.update({"model": args.model, "backend": dist.get_backend(),
+                    "device": str(args.device_used), "machine": machine,
+                    "run_id": results.run_id()})
+    by_key = {}
+    for row in rows:
+        by_key[(row["impl"], row["op"], row["saved_at"], row["loaded_at"])] = row
+    for row in rows:
+        theirs = by_key[("torch_dcp", row["op"], row["saved_at"], row["loaded_at"])]
+        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"]
+    shown = []
+    for row in rows:
+        shown.append({"impl": row["impl"], "op": row["op"],
+                      "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
+                      "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
+                      "x torch": row["ratio_vs_torch"],
+                      "data bytes/rank (max)": row["data_bytes_max"],
+                      "manifest bytes": row["manifest_bytes"],
+                      "kernel bytes/rank (max)": row["kernel_bytes_max"]})
+    results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW "
+                                     f"({machine})")
+    path = results.upsert_csv("checkpoint.csv", rows, key=["model", "backend", "device", "impl",
+                                                          "op", "saved_at", "loaded_at"])
+    print(f"wrote {path}", flush=True)
+    for row in rows:
+        if row["impl"] == "ours" and row["op"] == "save":
+            verdict = "met" if row["data_bytes_total"] == full_bytes else "NOT met"
+            print(f"target: bytes written at {row['saved_at']} ranks, all ranks together, "
+                  f"exactly the state once ({full_bytes}): measured {row['data_bytes_total']} "
+                  f"({verdict})", flush=True)
+        if row["impl"] == "ours" and row["op"] == "load":
+            print(f"target: bytes read per rank exactly the overlap with what it holds, at "
+                  f"{row['loaded_at']} ranks: met on every rank (checked at each load)",
+                  flush=True)
+    for row in rows:
+        if row["impl"] == "ours":
+            verdict = "met" if row["ratio_vs_torch"] <= 1.5 else "NOT met"
+            print(f"target: {row['op']} {row['saved_at']} -> {row['loaded_at']} ranks at most "
+                  f"1.5x torch.distributed.checkpoint: measured {row['ratio_vs_torch']:.2f}x "
+                  f"({verdict}; {machine})", flush=True)
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv=None) -> None:
+    from common import launch, models, results
+    parser = launch.make_parser(__doc__, world_size=4)
+    parser.add_argument("--bench", action="store_true",
+                        help="accepted (the lesson's run_checkpoint.py --bench hands over here)")
+    parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",
+                        help="the LM preset")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=1,
+                        help="untimed saves and loads")
+    parser.add_argument("--iters", type=launch.positive_int, default=3,
+                        help="timed saves and loads")
+    parser.add_argument("--dir", default=None,
+                        help="where checkpoints go (kept); default: a temporary folder, removed")
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    if config.world_size < 3:
+        parser.error(f"--bench --world-size {config.world_size}: it saves at 2 ranks and loads "
+                     "at the world size, and back: give 3 ranks or more")
+    if args.dir is not None:
+        try:
+            checkpoint.check_directory(args.dir)
+        except checkpoint.CheckpointError as error:
+            parser.error(f"--dir {error}")
+        if any(Path(args.dir).iterdir()):
+            parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty "
+                         "folder")
+    args.device_used = config.device
+    results.check_writable()
+    launch.launch(bench_main, config, args)
+
+
+if __name__ == "__main__":
+    main()
