@@ -254,16 +254,7 @@ class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
         super().__init__()
-        for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
-            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
-        if not any(param.dim() >= 2 for param in module.parameters()):
-            raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; "
-                             f"use a DDP (03-06)")
-        submodules = list(module.modules())
-        for unit in units:
-            if not any(unit is submodule for submodule in submodules):
-                raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
+        check_fsdp_args(module, compute_dtype, reduce_dtype, units)  # (at the end of the file)
         self.module = module
         self.group = process_group
         self.compute_dtype = compute_dtype
@@ -468,3 +459,22 @@ class FSDP(nn.Module):
             else:
                 gathered[name] = param.detach().clone()  # replicated: whole already
         return gathered
+
+
+# --------------------------------------------------------------------------- argument checks
+# Kept apart from the algorithm: each says in one line what was wrong and what is allowed.
+
+
+def check_fsdp_args(module: nn.Module, compute_dtype, reduce_dtype, units) -> None:
+    """FSDP's arguments, checked: floating dtypes (or None), a weight to shard, and units that
+    are submodules of the wrapped module."""
+    for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
+    if not any(param.dim() >= 2 for param in module.parameters()):
+        raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; "
+                         f"use a DDP (03-06)")
+    submodules = list(module.modules())
+    for unit in units:
+        if not any(unit is submodule for submodule in submodules):
+            raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
