@@ -159,7 +159,7 @@ def check_one_way(ctx, way: str, micro_batches: int) -> tuple[dict, list[str], l
     state_tensors = []
     for state in optimizer.optim.state.values():
         state_tensors.extend(value for value in state.values() if torch.is_tensor(value))
-    held = torch.tensor([bytes_held(state_tensors)], device=ctx.device)
+    held = torch.tensor([bytes_held(state_tensors)], device=ctx.device)  # (NCCL: no CPU tensors)
     everyone_held = [torch.zeros_like(held) for _ in range(ctx.world_size)]
     dist.all_gather(everyone_held, held)
     state_kb = []
