@@ -70,6 +70,7 @@ def test_bad_input_one_line(capsys, tmp_path, monkeypatch):
     # the flags --bench and --profile hand over (bench_fsdp.py), and their up-front checks:
     # one line, exit 2, no worker started
     for argv, needle in ((["--world-size", "0"], "--world-size"), (["--steps", "0"], "'0' is not a whole number"),
+                         (["--backend", "nccl", "--device", "cpu"], "--backend nccl needs"),  # no pair carries
                          (["--rounds", "nan"], "'nan' is not a whole number"), (["--model", "huge"], "'huge'"),
                          (["--checkpointing", "maybe"], "'maybe' is not allowed"),
                          (["--checkpointing", ","], "subset of off, on"),
@@ -78,8 +79,8 @@ def test_bad_input_one_line(capsys, tmp_path, monkeypatch):
                          (["--bench", "--model", "2.7B", "--batch-size", "2", "--context-length", "100000"],
                           "GiB")):
         ranks = [] if argv[0] == "--world-size" else ["--world-size", "2"]
-        assert_main_usage_error(bench_fsdp.main, [*argv, *ranks, "--backend", "gloo", "--device", "cpu"],
-                                capsys, needle)
+        where = [] if "--backend" in argv else ["--backend", "gloo", "--device", "cpu"]
+        assert_main_usage_error(bench_fsdp.main, [*argv, *ranks, *where], capsys, needle)
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("RESULTS_DIR", str(tmp_path / "a_file"))
     assert_main_usage_error(bench_fsdp.main, ["--bench", "--world-size", "2", "--backend", "gloo", "--device",
@@ -109,17 +110,14 @@ def test_units_plan():
 
 def test_run_fsdp_demo():
     """The demo as a learner runs it: the tied tiny LM against one process, on the device it
-    names (here the CPU), every check passed; a backend/device pair nothing can carry refused in
-    one line (exit 2), and --profile handed over to measure/bench_fsdp.py, which refuses an
-    uneven batch before any worker starts."""
+    names (here the CPU), every check passed; --profile handed over to measure/bench_fsdp.py,
+    which refuses an uneven batch in one line (exit 2) before any worker starts."""
     where = ["--backend", "gloo", "--device", "cpu"]
-    done, pair, profile = run_demo(DEMO, ["--world-size", "2", *where], ["--backend", "nccl", "--device", "cpu"],
-                                   ["--profile", "--batch-size", "3", *where])
+    done, profile = run_demo(DEMO, ["--world-size", "2", *where], ["--profile", "--batch-size", "3", *where])
     assert done.returncode == 0, done.stdout + done.stderr
     for line in ("FSDP vs one process, tiny LM in 4 units, 2 ranks (gloo, tensors on cpu)",
                  "allclose, and bitwise equal across ranks", "[rank 0] all checks passed"):
         assert line in done.stdout, done.stdout
-    for refused, says in ((pair, "run_fsdp.py: error: --backend nccl"),
-                          (profile, "bench_fsdp.py: error: --batch-size 3 is not divisible by world size 2")):
-        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
-        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    says = "bench_fsdp.py: error: --batch-size 3 is not divisible by world size 2"
+    assert profile.returncode == 2 and says in profile.stderr, profile.stderr
+    assert len(profile.stderr.strip().splitlines()) == 1, profile.stderr
