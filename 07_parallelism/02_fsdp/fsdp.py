@@ -47,10 +47,9 @@ Use it in your own loop (this file needs only torch; copy it anywhere):
 
 Every rank must run the same units in the same order (collectives pair up by order).
 Gradient accumulation: k times backward() + finish_gradient_synchronization(), then step().
-The collectives are looked up on torch.distributed at each call, so a counter that swaps
-those functions sees them.
 
-Run the checks, the ledger and the profile with the script beside this file:
+Run it against one process with the demo beside this file (the ledger: ``--bench``; the
+timeline: ``--profile``):
     python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2
 """
 
@@ -198,7 +197,6 @@ class Unit:
             shard[:mine.numel()].copy_(mine)
             param.data = shard.view(k, *param.shape[1:])  # now the shard: a view of flat_shard
             full.untyped_storage().resize_(0)  # storage only while gathered
-        self.full_bytes = sum(full.nbytes for full in self.full)
         self.trainable = len([param for param in self.params if param.requires_grad])
         self.pending = self.trainable  # gradients still to come in this backward
         self.gathered = False     # the full weights hold the gathered values
@@ -250,23 +248,13 @@ class FSDP(nn.Module):
     weights outside them get a unit per module that owns them). ``compute_dtype``: cast the
     weights before the all-gather, and the units' inputs and biases (masters stay float32).
     ``reduce_dtype``: the dtype the gradients are reduce-scattered in. The wrapped model is
-    ``.module``. ``gathered_bytes`` counts the full weights alive now, ``peak_gathered_bytes``
-    the most at once.
+    ``.module``.
     """
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None):
         super().__init__()
-        for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
-            if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-                raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
-        if not any(param.dim() >= 2 for param in module.parameters()):
-            raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; "
-                             f"use a DDP (03-06)")
-        submodules = list(module.modules())
-        for unit in units:
-            if not any(unit is submodule for submodule in submodules):
-                raise ValueError("FSDP: every unit must be a submodule of the wrapped module")
+        check_fsdp_args(module, compute_dtype, reduce_dtype, units)  # (at the end of the file)
         self.module = module
         self.group = process_group
         self.compute_dtype = compute_dtype
@@ -297,8 +285,6 @@ class FSDP(nn.Module):
         self._position = 0           # how far this forward is along _forward_order
         self._next_in_backward = {}  # unit -> the unit whose backward comes next
         self._reducing = []          # reduce-scatters in flight: (unit, work, out, grad_buffer)
-        self.gathered_bytes = 0      # bytes of full weights alive now
-        self.peak_gathered_bytes = 0  # ... and the most at once
 
     def forward(self, *args, **kwargs):
         self._position = 0
@@ -331,8 +317,6 @@ class FSDP(nn.Module):
         unit.gathered = True
         unit.work = None
         unit.buffer = None
-        self.gathered_bytes += unit.full_bytes
-        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _reshard(self, unit: Unit) -> None:
         """Free the unit's full weights: their storage shrinks to 0 bytes, the tensors stay."""
@@ -341,7 +325,6 @@ class FSDP(nn.Module):
         for full in unit.full:
             full.untyped_storage().resize_(0)
         unit.gathered = False
-        self.gathered_bytes -= unit.full_bytes
 
     def _swap(self, unit: Unit, to_full: bool) -> None:
         """Put the full weights (and the cast biases) into the modules, or the shards back."""
@@ -477,12 +460,21 @@ class FSDP(nn.Module):
                 gathered[name] = param.detach().clone()  # replicated: whole already
         return gathered
 
-    def gathered_storage_keys(self) -> set:
-        """(device, data_ptr) of the full weights allocated now: tensors autograd saves there
-        are weights, not activations."""
-        keys = set()
-        for unit in self.units:
-            if unit.gathered:
-                for full in unit.full:
-                    keys.add((full.device, full.untyped_storage().data_ptr()))
-        return keys
+
+# --------------------------------------------------------------------------- argument checks
+# Kept apart from the algorithm: each says in one line what was wrong and what is allowed.
+
+
+def check_fsdp_args(module: nn.Module, compute_dtype, reduce_dtype, units) -> None:
+    """FSDP's arguments, checked: floating dtypes (or None), a weight to shard, and units that
+    are submodules of the wrapped module."""
+    for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
+    if not any(param.dim() >= 2 for param in module.parameters()):
+        raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; "
+                         f"use a DDP (03-06)")
+    submodules = list(module.modules())
+    for unit in units:
+        if not any(unit is submodule for submodule in submodules):
+            raise ValueError("FSDP: every unit must be a submodule of the wrapped module")

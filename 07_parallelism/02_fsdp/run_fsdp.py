@@ -1,16 +1,17 @@
-"""Stage 07, lesson 2, runnable: FSDP (fsdp.py) checked against one process, the sharding
-ledger, and a profile.
+"""Stage 07, lesson 2, runnable: FSDP (fsdp.py) checked against one process.
 
 The plain run trains the tiny LM (its embedding and output layer tied: one matrix in two
 layers, one unit; a unit per block; activation checkpointing) under FSDP and on one process
-with the whole batch, 3 AdamW steps: the weights allclose at float32 tolerance after every
-step, and bitwise equal across ranks. Every rank reaches the same verdict; a failure names
-what differed and by how much, and exits 1.
+with the whole batch, 3 AdamW steps, on the device the run names (--device): the weights
+allclose at float32 tolerance after every step, and bitwise equal across ranks. Every rank
+reaches the same verdict; a failure names what differed and by how much, and exits 1.
 
     python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2    # the checks
     torchrun --nproc-per-node=2 07_parallelism/02_fsdp/run_fsdp.py
     python 07_parallelism/02_fsdp/run_fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
     python 07_parallelism/02_fsdp/run_fsdp.py --profile         # timeline: all-gathers during compute
+
+--bench and --profile hand the command line over to 07_parallelism/measure/bench_fsdp.py.
 """
 
 from __future__ import annotations
@@ -38,33 +39,22 @@ def _repo() -> None:
         sys.path.insert(0, str(root))
 
 
-def agree_on_problems(ctx, problems: list[str]) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
-    from common import verify
-    return verify.agree_on_problems(problems)
-
-
-def tied_tiny_lm(seed: int):
+def tied_tiny_lm(seed: int, device):
     """The tiny LM with activation checkpointing, its output layer tied to the embedding."""
     from common import models
     torch.manual_seed(seed)
     lm = models.TransformerLM("tiny", context_length=32, checkpoint_activations=True)
     lm.lm_head.weight = lm.token_embedding.weight  # one matrix in two layers: one unit
-    return lm
+    return lm.to(device)
 
 
-def fsdp_per_block(model):
-    """FSDP with a unit per Transformer block (the rest: a unit per module that owns weights)."""
-    return FSDP(model, units=list(model.blocks))
-
-
-def check_against_one_process(ctx, wrap=fsdp_per_block) -> list[str]:
-    """The plain run, with ``wrap`` building the FSDP (a test passes a broken one to see this
-    fail). Prints the summary; returns the problems every rank agreed on (empty: all passed)."""
-    from common import models, results
-    model = tied_tiny_lm(1 + ctx.rank)  # ranks start apart: FSDP broadcasts rank 0's weights
-    reference = tied_tiny_lm(1)
-    fsdp = wrap(model)
+def check_against_one_process(ctx) -> list[str]:
+    """The plain run. Prints the summary; returns the problems every rank agreed on (empty:
+    all passed)."""
+    from common import models, results, verify
+    model = tied_tiny_lm(1 + ctx.rank, ctx.device)  # ranks start apart: FSDP broadcasts rank 0's
+    reference = tied_tiny_lm(1, ctx.device)
+    fsdp = FSDP(model, units=list(model.blocks))  # a unit per block, one for the tied embedding
     # eps 1e-6: with 1e-8 Adam turns summation-order noise in near-zero gradients into lr-sized steps
     optimizer = torch.optim.AdamW(fsdp.parameters(), lr=1e-3, eps=1e-6)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3, eps=1e-6)
@@ -72,7 +62,7 @@ def check_against_one_process(ctx, wrap=fsdp_per_block) -> list[str]:
     problems = []
     max_diff = 0.0
     for step in range(STEPS):
-        x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step)
+        x, y = models.random_tokens(2 * ctx.world_size, 32, seed=step, device=ctx.device)
         optimizer.zero_grad(set_to_none=True)  # FSDP: this rank's sequences
         models.lm_loss(fsdp(x[mine]), y[mine]).backward()
         fsdp.finish_gradient_synchronization()
@@ -96,23 +86,25 @@ def check_against_one_process(ctx, wrap=fsdp_per_block) -> list[str]:
             if not torch.equal(other, flat):
                 problems.append(f"step {step}: weights differ from rank {rank}'s by "
                                 f"{(other - flat).abs().max().item():.2e}")
-    problems = agree_on_problems(ctx, problems)
+    problems = verify.agree_on_problems(problems)  # every rank's problems, on every rank
     ok = not problems
     if ok:
         verdict = "allclose, and bitwise equal across ranks"
     else:
         verdict = "NOT allclose, or ranks differ"
-    shard_kb = sum(param.nbytes for param in fsdp.parameters()) / 1e3
+    shards = list(fsdp.parameters())
+    shard_kb = sum(param.nbytes for param in shards) / 1e3
     ctx.print(f"FSDP vs one process, tiny LM in {len(fsdp.units)} units, {ctx.world_size} ranks "
-              f"({ctx.backend}/{ctx.device.type}), {STEPS} AdamW steps ({results.machine_name()}):\n"
-              f"  max |diff| {max_diff:.1e}: {verdict}; per rank {shard_kb:.0f} kB of shards, at most "
-              f"{fsdp.peak_gathered_bytes / 1e3:.0f} kB of full weights gathered at once", all_ranks=not ok)
+              f"({ctx.backend}, tensors on {shards[0].device}), {STEPS} AdamW steps "
+              f"({results.machine_name()}):\n"
+              f"  max |diff| {max_diff:.1e}: {verdict}; per rank {shard_kb:.0f} kB of shards",
+              all_ranks=not ok)
     for problem in problems:
         ctx.print(problem, all_ranks=False)
     return problems
 
 
-def verify_main(ctx, args) -> None:
+def check_main(ctx) -> None:
     """The plain run; exits 1, on every rank, on a difference."""
     problems = check_against_one_process(ctx)
     ctx.print("all checks passed" if not problems else "SOME CHECKS FAILED", all_ranks=bool(problems))
@@ -120,30 +112,22 @@ def verify_main(ctx, args) -> None:
         raise SystemExit(1)
 
 
-def bench_main(ctx, args) -> None:
-    """--bench: the ledger and the targets read off it (reported, not checked: one run's timing
-    is a measurement, not a test). --profile: a unit per block in stage 05's timeline."""
-    from common import import_stage, profiling
-    if args.profile:
-        profiling.profile_ddp(ctx, [("fsdp (07)", fsdp_per_block)], args, name="07_fsdp")
-    else:
-        ledger = import_stage("07_parallelism/measure/ledger")
-        ledger.run_ledger(ctx, ledger.strategies(), args)  # all six rows, in one run
-
-
 def main(argv=None) -> None:
     _repo()
-    from common import import_stage, launch, profiling, step_bench
+    from common import hand_over, launch
     parser = launch.make_parser(__doc__)
-    import_stage("07_parallelism/measure/ledger").add_ledger_args(parser)
-    profiling.add_profile_args(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    if args.bench or args.profile:  # (the plain run has its own sizes)
-        step_bench.check_step_bench_args(args, config)  # batch, memory, results/: one line, exit 2
-        launch.launch(bench_main, config, args)
-    else:
-        launch.launch(verify_main, config, args)
+    parser.add_argument("--bench", action="store_true", help="the sharding ledger: hands this command "
+                        "line to 07_parallelism/measure/bench_fsdp.py (its --help lists its flags)")
+    parser.add_argument("--profile", action="store_true", help="a profiled step and its timeline: "
+                        "hands this command line to 07_parallelism/measure/bench_fsdp.py")
+    args, measure_flags = parser.parse_known_args(argv)
+    if args.bench or args.profile:
+        hand_over("07_parallelism/measure/bench_fsdp.py")
+    if measure_flags:
+        parser.error(f"unrecognized arguments: {' '.join(measure_flags)} (flags of --bench and "
+                     f"--profile only)")
+    config = launch.resolve(args)  # a backend/device pair nothing can carry: one line, exit 2
+    launch.launch(check_main, config)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ the formula a lesson derives, and a wrong implementation shows up as a gap:
   and, given the process groups by name, the axis each call ran on.
 * ``FunctionalCommCounter``: the same for the functional collectives torch's DTensor issues
   (tensor parallelism's ``parallelize_module``), caught at dispatch.
+* ``GatheredWeights``: the most bytes of full weights lesson 2's FSDP holds at once, and
+  ``gathered_storage_keys``: where those weights live now. Both read its units' storages;
+  the FSDP file itself keeps no count.
 
     with CommCounter(axes={"tp": tp_group, "dp": dp_group}) as comm:
         loss = model(x).sum()
@@ -113,6 +116,53 @@ class SavedActivations(contextlib.ExitStack):
 
 def unpack_hook(t):
     return t
+
+
+def gathered_bytes(fsdp) -> int:
+    """Bytes of full weights allocated now in lesson 2's FSDP: its units' full tensors, whose
+    storage is resized to 0 bytes whenever they are freed."""
+    total_bytes = 0
+    for unit in fsdp.units:
+        for full in unit.full:
+            total_bytes += full.untyped_storage().nbytes()
+    return total_bytes
+
+
+def gathered_storage_keys(fsdp) -> set:
+    """Storage keys of the full weights lesson 2's FSDP holds now: tensors autograd saves
+    there are weights, not activations (``SavedActivations(exclude_now=...)``)."""
+    keys = set()
+    for unit in fsdp.units:
+        for full in unit.full:
+            if full.untyped_storage().nbytes() > 0:
+                keys.add(storage_key(full))
+    return keys
+
+
+class GatheredWeights(contextlib.ExitStack):
+    """``with GatheredWeights(fsdp) as gathered: ...`` -> ``gathered.peak_bytes``: the most
+    bytes of full weights that lesson 2's FSDP held at once (not counting the receive buffer
+    of an all-gather in flight). It wraps this one object's ``_gather`` from outside and reads
+    the storages after every gather (weights are only allocated there); on exit the class's
+    own method is back."""
+
+    def __init__(self, fsdp):
+        super().__init__()
+        self.fsdp = fsdp
+        self.peak_bytes = 0
+
+    def __enter__(self):
+        self.peak_bytes = gathered_bytes(self.fsdp)
+        original = self.fsdp._gather
+
+        def counted_gather(*args, **kwargs):
+            out = original(*args, **kwargs)
+            self.peak_bytes = max(self.peak_bytes, gathered_bytes(self.fsdp))
+            return out
+
+        self.fsdp._gather = counted_gather  # an attribute of this object: found before the class's
+        self.callback(delattr, self.fsdp, "_gather")
+        return self
 
 
 def ring_send_bytes(op: str, payload: int, world_size: int) -> float:

@@ -1,11 +1,18 @@
 """Not a lesson: stage 07's memory and communication ledger, the table of
-``python 07_parallelism/02_fsdp/run_fsdp.py --bench`` (its ZeRO rows: ``run_zero.py --bench``).
+``python 07_parallelism/02_fsdp/run_fsdp.py --bench`` (its ZeRO rows: ``run_zero.py --bench``);
+the demos hand those flags to ``bench_fsdp.py`` and ``bench_zero.py``, which run it.
 
 Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOptimizer), ZeRO-2
 (Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard).
 For each, one step is counted with ``counters.py`` (the bytes each rank holds, saves for
 backward and sends) and set beside the formula the lessons derive (``predicted_bytes``), the
 step time is measured, and the rows go to ``results/sharding.csv``.
+
+Everything runs on the device the run names (model, batch, optimizer state). The bytes are
+counts, true on any interconnect. The step times are not: under Gloo every collective goes
+through host memory and loopback TCP (with ``--device cuda``: GPU -> host -> TCP -> host ->
+GPU), so on one GPU, or on CPUs, they measure Gloo's host path, and the table says so
+(``comm_path`` in the CSV).
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from common import import_stage, launch, models, results, timing
-from counters import CommCounter, SavedActivations, optimizer_state_bytes, state_bytes, storage_key
+from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
+                      optimizer_state_bytes, state_bytes, storage_key)
 
 CSV_KEY = ["backend", "device", "world_size", "model", "impl", "checkpointing"]
 KINDS = ("param", "grad", "optim", "peak", "activation", "sent")
@@ -185,7 +193,7 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
                                  checkpoint_activations=checkpointing).to(ctx.device)
     counted = {"predicted": predicted_bytes(impl, model, ctx.world_size), "peak": -1, "cuda_peak": -1}
     wrapper, optimizer = build(model)
-    ours = hasattr(wrapper, "gathered_storage_keys")  # our FSDP
+    ours = impl == "fsdp"  # our FSDP: its gathered weights are counted (counters.GatheredWeights)
     x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=ctx.device)
     first = ctx.rank * args.batch_size // ctx.world_size
     last = (ctx.rank + 1) * args.batch_size // ctx.world_size
@@ -218,12 +226,14 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
         if ours:
-            wrapper.peak_gathered_bytes = wrapper.gathered_bytes
-            gathered_now = wrapper.gathered_storage_keys  # weights, not activations
+            def gathered_now():  # weights, not activations
+                return gathered_storage_keys(wrapper)
+            gathered = GatheredWeights(wrapper)
         else:
             gathered_now = weights_in_the_modules
+            gathered = contextlib.nullcontext()
         saved = SavedActivations(model, exclude_now=gathered_now)
-        with CommCounter() as comm:
+        with CommCounter() as comm, gathered:
             step(saved)
         counted["param"] = state_bytes(model.parameters())
         counted["activation"] = saved.bytes
@@ -234,7 +244,7 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
             counted["optim"] = optimizer_state_bytes(optimizer)
         if ours:  # the shards held, plus the most full weights gathered at once
             shards = counted["param"] + counted["grad"] + counted["optim"]
-            counted["peak"] = shards + wrapper.peak_gathered_bytes
+            counted["peak"] = shards + gathered.peak_bytes
         if ctx.device.type == "cuda":
             counted["cuda_peak"] = torch.cuda.max_memory_allocated(ctx.device)
     del wrapper, optimizer, model
@@ -248,6 +258,7 @@ def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], cou
     """The slowest rank's median step time; the largest rank's bytes, beside the formula."""
     stats = timing.gather_times(seconds)
     kinds = [*KINDS, "cuda_peak"]
+    # Host-side bookkeeping: on the host under Gloo; NCCL moves GPU memory only.
     if ctx.backend == "nccl":
         device = ctx.device
     else:
@@ -269,12 +280,22 @@ def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], cou
     row["batch_size"] = args.batch_size
     row["context_length"] = args.context_length
     row["steps"] = len(seconds)
+    row["comm_path"] = comm_path(ctx)
     row["machine"] = results.machine_name()
     row["run_id"] = results.run_id()
     return row
 
 
 # --------------------------------------------------------------------------- the run
+
+
+def comm_path(ctx) -> str:
+    """What the step times' communication went through (the CSV's ``comm_path``)."""
+    if ctx.backend == "nccl":
+        return "nccl"
+    if ctx.device.type == "cuda":
+        return "gloo host path (GPU -> host memory -> loopback TCP -> GPU)"
+    return "gloo host path (host memory, loopback TCP)"
 
 
 def mib_cell(row: dict, kind: str) -> str:
@@ -329,8 +350,12 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
             table.append(line)
         results.print_table(table, floatfmt=".1f",
                             title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
-                                  f"rank's median step; {args.model} LM, AdamW, {ctx.world_size} ranks "
-                                  f"({results.machine_name()}):")
+                                  f"rank's median step; {args.model} LM, AdamW, {ctx.world_size} ranks, "
+                                  f"{ctx.backend}/{ctx.device.type} ({results.machine_name()}):")
+        if ctx.backend == "gloo":
+            print(f"step_ms: the collectives ran over the {comm_path(ctx)}, not an interconnect: "
+                  f"these step times do not rank one strategy against another. The bytes are counts, "
+                  f"true on any interconnect.", flush=True)
         print(f"wrote {path}\n" + "\n".join(target_lines(rows)), flush=True)
     return rows
 

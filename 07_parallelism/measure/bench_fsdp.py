@@ -1,0 +1,47 @@
+"""Not a lesson: what ``run_fsdp.py --bench`` and ``--profile`` hand over to (lesson 2, FSDP).
+
+``--bench``: the sharding ledger (ledger.py), all six ways to train the LM (DDP, ZeRO-1/2, our
+FSDP, torch's ZeroRedundancyOptimizer and fully_shard), bytes counted beside the formulas and
+the step time, to results/sharding.csv. ``--profile``: one step of FSDP (a unit per block) in
+stage 05's timeline, to show the all-gathers running while the blocks compute.
+
+    python 07_parallelism/02_fsdp/run_fsdp.py --bench      # or this file, with the same flags
+    python 07_parallelism/02_fsdp/run_fsdp.py --profile
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+
+import ledger  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
+from common import import_stage, launch, profiling, step_bench  # noqa: E402
+
+
+def fsdp_per_block(model):
+    """Our FSDP with a unit per Transformer block, as the demo wraps it."""
+    fsdp = import_stage("07_parallelism/02_fsdp/fsdp")
+    return fsdp.FSDP(model, units=list(model.blocks))
+
+
+def bench_main(ctx, args) -> None:
+    if args.profile:
+        profiling.profile_ddp(ctx, [("fsdp (07)", fsdp_per_block)], args, name="07_fsdp")
+    else:
+        ledger.run_ledger(ctx, ledger.strategies(), args)  # all six rows, in one run
+
+
+def main(argv=None) -> None:
+    parser = launch.make_parser(__doc__)
+    ledger.add_ledger_args(parser)
+    profiling.add_profile_args(parser)
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    step_bench.check_step_bench_args(args, config)  # batch, memory, results/: one line, exit 2
+    launch.launch(bench_main, config, args)
+
+
+if __name__ == "__main__":
+    main()
