@@ -9,6 +9,7 @@ in-process on the benchmark's flags, and the demo run as a learner runs it (a su
 it passes, refuses Gloo on CUDA and bad input in one line, and hands --bench over."""
 
 import csv
+import json
 import math
 
 import pytest
@@ -255,28 +256,57 @@ def test_gloo_on_cuda_is_refused_in_one_line(capsys, monkeypatch):
 
 
 DEMO = REPO / "07_parallelism/05_context_parallel/run_context_parallel.py"
-FAKE_GPU = ("import os, runpy, sys, torch; torch.cuda.device_count = lambda: 1; "
-            "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
-            "runpy.run_path(sys.argv[0], run_name='__main__')")
-
-
-@pytest.mark.parametrize("argv, needles", [
-    (["-c", FAKE_GPU, DEMO, "--world-size", "2", "--backend", "gloo", "--device", "cuda"],
+# The demo run as a program (``__main__``) once per command line, in one interpreter that
+# imports torch once; "gpus" fakes that many GPUs for that command (none is needed to refuse).
+RUN_EACH = """
+import contextlib, io, json, os, runpy, sys, torch
+script = sys.argv[1]
+sys.path.insert(0, os.path.dirname(script))
+count = torch.cuda.device_count
+verdicts = []
+for case in json.loads(sys.argv[2]):
+    torch.cuda.device_count = lambda: case["gpus"]
+    sys.argv = [script, *case["argv"]]
+    stderr = io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code
+    torch.cuda.device_count = count
+    verdicts.append({"code": code, "stderr": stderr.getvalue()})
+print(json.dumps(verdicts))
+"""
+REFUSED = [
+    (["--world-size", "2", "--backend", "gloo", "--device", "cuda"], 1,
      ["run_context_parallel.py", "batch_isend_irecv", "CPU tensors"]),
-    ([DEMO, *WHERE, "--seq", "12"], ["--seq 12 does not divide into 8 equal chunks (zigzag"]),
-    ([DEMO, *WHERE, "--dp", "3"], ["--dp 3 does not divide the world size 4"]),
-    ([DEMO, *WHERE, "--seq", "8000000", "--layouts", "contiguous"], ["host memory"]),
-    ([DEMO, *WHERE, "--bench", "--ring-sizes", "8"], ["bench_context_parallel.py",
-                                                      "--ring-sizes [8]"]),   # handed over
-])
-def test_the_demo_refuses_in_one_line(argv, needles):
-    assert_usage_error(run_script(*argv, timeout=120), *needles)
+    ([*WHERE, "--seq", "12"], 0, ["--seq 12 does not divide into 8 equal chunks (zigzag"]),
+    ([*WHERE, "--dp", "3"], 0, ["--dp 3 does not divide the world size 4"]),
+    ([*WHERE, "--seq", "8000000", "--layouts", "contiguous"], 0, ["host memory"]),
+]
+
+
+def test_the_demo_refuses_gloo_on_cuda_and_bad_input_in_one_line():
+    cases = [{"argv": argv, "gpus": gpus} for argv, gpus, _ in REFUSED]
+    result = run_script("-c", RUN_EACH, DEMO, json.dumps(cases), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    verdicts = json.loads(result.stdout.strip().splitlines()[-1])
+    for (argv, _, needles), verdict in zip(REFUSED, verdicts):
+        lines = verdict["stderr"].strip().splitlines()
+        assert verdict["code"] == 2 and len(lines) == 1, (argv, verdict)
+        assert all(needle in lines[0] for needle in needles), (argv, lines[0])
+
+
+def test_the_demo_hands_bench_over():
+    result = run_script(DEMO, *WHERE, "--bench", "--ring-sizes", "8", timeout=120)
+    assert_usage_error(result, "bench_context_parallel.py", "--ring-sizes [8]")
 
 
 def test_the_demo_passes_with_data_and_context_ranks():
     result = run_script(DEMO, *WHERE, "--dp", "2", "--batch", "2", "--heads", "1", "--head-dim",
-                        "4", "--seq", "16")
+                        "4", "--seq", "16", "--layouts", "zigzag")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for text in ("float64 contiguous causal=True", "float32 zigzag     causal=False",
+    for text in ("float64 zigzag     causal=True", "float32 zigzag     causal=False",
                  "LM dp=2 cp=2 zigzag step 2", "all checks passed on every rank"):
         assert text in result.stdout, text
