@@ -257,26 +257,27 @@ def test_gloo_on_cuda_is_refused_in_one_line(capsys, monkeypatch):
 
 DEMO = REPO / "07_parallelism/05_context_parallel/run_context_parallel.py"
 # The demo run as a program (``__main__``) once per command line, in one interpreter that
-# imports torch once; "gpus" fakes that many GPUs for that command (none is needed to refuse).
+# imports torch once ("gpus" fakes that many GPUs: none is needed to refuse). Each verdict is
+# printed as it lands; the last command hands over to the benchmark (an exec), which ends it.
 RUN_EACH = """
 import contextlib, io, json, os, runpy, sys, torch
 script = sys.argv[1]
 sys.path.insert(0, os.path.dirname(script))
 count = torch.cuda.device_count
-verdicts = []
 for case in json.loads(sys.argv[2]):
     torch.cuda.device_count = lambda: case["gpus"]
     sys.argv = [script, *case["argv"]]
     stderr = io.StringIO()
     code = 0
+    if case["last"]:
+        runpy.run_path(script, run_name="__main__")
     with contextlib.redirect_stderr(stderr):
         try:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as stop:
             code = stop.code
     torch.cuda.device_count = count
-    verdicts.append({"code": code, "stderr": stderr.getvalue()})
-print(json.dumps(verdicts))
+    print(json.dumps({"code": code, "stderr": stderr.getvalue()}), flush=True)
 """
 REFUSED = [
     (["--world-size", "2", "--backend", "gloo", "--device", "cuda"], 1,
@@ -287,19 +288,17 @@ REFUSED = [
 ]
 
 
-def test_the_demo_refuses_gloo_on_cuda_and_bad_input_in_one_line():
-    cases = [{"argv": argv, "gpus": gpus} for argv, gpus, _ in REFUSED]
+def test_the_demo_refuses_in_one_line_and_hands_bench_over():
+    cases = [{"argv": argv, "gpus": gpus, "last": False} for argv, gpus, _ in REFUSED]
+    cases.append({"argv": [*WHERE, "--bench", "--ring-sizes", "8"], "gpus": 0, "last": True})
     result = run_script("-c", RUN_EACH, DEMO, json.dumps(cases), timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    verdicts = json.loads(result.stdout.strip().splitlines()[-1])
+    verdicts = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(verdicts) == len(REFUSED), result.stdout + result.stderr[-3000:]
     for (argv, _, needles), verdict in zip(REFUSED, verdicts):
         lines = verdict["stderr"].strip().splitlines()
         assert verdict["code"] == 2 and len(lines) == 1, (argv, verdict)
         assert all(needle in lines[0] for needle in needles), (argv, lines[0])
-
-
-def test_the_demo_hands_bench_over():
-    result = run_script(DEMO, *WHERE, "--bench", "--ring-sizes", "8", timeout=120)
+    # handed over: the benchmark's own one-line refusal of a ring larger than the world
     assert_usage_error(result, "bench_context_parallel.py", "--ring-sizes [8]")
 
 
