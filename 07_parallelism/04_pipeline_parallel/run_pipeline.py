@@ -232,20 +232,15 @@ def check_flags(args, config) -> None:
     stages = config.world_size
     if args.micro_batches is None:
         args.micro_batches = [2 * stages]
-    layers_per_stage = args.layers // stages
-    if "interleaved" in args.schedules and args.layers % stages == 0 \
-            and args.chunks > layers_per_stage:
-        launch.usage_error(f"--chunks {args.chunks} with --layers {args.layers} on {stages} "
-                           f"stages: a stage holds {layers_per_stage} layer(s), so at most "
-                           f"{layers_per_stage} chunk(s) (allowed: 1 to {layers_per_stage})")
     for name in args.schedules:
         for m in args.micro_batches:
             try:
                 schedules.check_setting(name, stages, m, chunks_for(args, name), args.layers,
                                         args.batch)
-            except ValueError as error:
-                launch.usage_error(f"--schedules {name} --micro-batches {m} --layers "
-                                   f"{args.layers} --batch {args.batch}: {error}")
+            except ValueError as error:       # layers, batch, the schedule's own rules
+                launch.usage_error(f"--schedules {name} --micro-batches {m} --chunks "
+                                   f"{chunks_for(args, name)} --layers {args.layers} --batch "
+                                   f"{args.batch}: {error}")
     # A rank's rough peak, float32: the stack and the reference with their gradients and
     # copies (5 x the parameters) and the activations of the micro-batches held.
     parameters = args.layers * (2 * args.d_model * args.hidden + args.d_model + args.hidden)
