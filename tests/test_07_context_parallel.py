@@ -2,20 +2,26 @@
 whole sequence (outputs, dq, dk, dv; float64 and float32; causal and not; both layouts; W = 4
 and W = 2; head_dim 5), the bytes and work per rank against their formulas, the course LM on
 CP = 2 and CP = 2 x DP = 2 against one process, the TP + SP block with ring attention (tp = 2 x
-cp = 2), all in one launch of 4 ranks; each check beside a planted bug it must catch. Then the
-layouts by hand, and bad input."""
+cp = 2), all in one launch of 4 ranks (tests/checks_context_parallel.py); each check beside a
+planted bug it must catch; in the same launch the benchmark's sweep on a ring of 2 and 4
+(measure/bench_context_parallel.py: rows as they land). Then the layouts by hand, bad input
+in-process on the benchmark's flags, and the demo run as a learner runs it (a subprocess):
+it passes, refuses Gloo on CUDA and bad input in one line, and hands --bench over."""
 
+import csv
+import json
 import math
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import bench_context_parallel as bench
+import checks_context_parallel as run_cp
 import context_parallel as cp
-import run_context_parallel as run_cp
 import tensor_parallel as tp
 from common import launch, models
-from helpers import assert_main_usage_error
+from helpers import REPO, assert_main_usage_error, assert_usage_error, run_script
 
 CFG = {"batch": 2, "heads": 2, "seq": 16, "head_dim": 5, "layouts": ["contiguous", "zigzag"]}
 
@@ -178,8 +184,25 @@ def cp_worker(ctx):
         expect_caught(failures, what, "reported loss")
 
 
-def test_ring_attention_and_the_lm_on_4_ranks_with_planted_bugs():
+    # The benchmark's sweep, in the same launch: one rank, rings of 2 and 4, both layouts, real
+    # and emulated compute; it checks its own byte counts against the formula.
+    bench_cfg = {"batch": 1, "heads": 1, "head_dim": 4, "layouts": ["contiguous", "zigzag"],
+                 "seqs": [16], "ring_sizes": [2, 4], "warmup": 0, "iters": 1, "emulate_ms": 2.0}
+    bench.bench_main(ctx, bench_cfg)
+
+
+def test_ring_attention_and_the_lm_on_4_ranks_with_planted_bugs(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
     launch.launch(cp_worker, launch.LaunchConfig(4, "gloo", "cpu"), timeout_s=240)
+    out = capfd.readouterr().out
+    assert "ring bytes sent per rank equal the formula in every row: True" in out, out[-3000:]
+    rows = list(csv.DictReader((tmp_path / "context_parallel.csv").open()))
+    assert sorted((r["impl"], r["W"], r["layout"], r["compute"]) for r in rows) == sorted(
+        [("full, sdpa", "1", "-", "real"), ("full, our kernel", "1", "-", "real")]
+        + [("ring", w, layout, compute) for w in ("2", "4") for layout in ("contiguous", "zigzag")
+           for compute in ("real", "emulated 2 ms")])
+    for row in rows:
+        assert row["sent_bytes"] == row["bytes_formula"] and float(row["step_ms"]) > 0, row
 
 
 def test_layouts_by_hand():
@@ -190,10 +213,10 @@ def test_layouts_by_hand():
     assert cp.shard_sequence(x, 0, 1, 2, "zigzag").tolist() == [2, 3, 4, 5]
     assert cp.shard_positions(2, 1, 4, "zigzag").tolist() == [1, 6]
     # work per rank, causal, W = 4, seq 8: contiguous 1+2 | 3+4 | 5+6 | 7+8, zig-zag all 9
-    assert [run_cp.visible_scores(r, 4, 8, "contiguous", True, 1) for r in range(4)] == \
+    assert [bench.visible_scores(r, 4, 8, "contiguous", True, 1) for r in range(4)] == \
         [3, 7, 11, 15]
-    assert [run_cp.visible_scores(r, 4, 8, "zigzag", True, 1) for r in range(4)] == [9, 9, 9, 9]
-    assert run_cp.ring_bytes(4, 100) == (600, 600 + 800)
+    assert [bench.visible_scores(r, 4, 8, "zigzag", True, 1) for r in range(4)] == [9, 9, 9, 9]
+    assert bench.ring_bytes(4, 100) == (600, 600 + 800)
 
 
 @pytest.mark.parametrize("call, needle", [
@@ -207,17 +230,82 @@ def test_bad_arguments_raise_before_any_communication(call, needle):
         call()
 
 
+WHERE = ["--world-size", "4", "--backend", "gloo", "--device", "cpu"]
+
+
 @pytest.mark.parametrize("argv, needle", [
-    (["--seq", "12"], "--seq 12 does not divide into 8 equal chunks (zigzag"),
-    (["--seq", "6", "--layouts", "contiguous"], "--seq 6 does not divide into 4 equal chunks"),
     (["--layouts", "spiral"], "'spiral' is not allowed"),
-    (["--dp", "3"], "--dp 3 does not divide the world size 4"),
     (["--bench", "--seqs", "100"], "--seqs 100 does not divide into"),
     (["--bench", "--ring-sizes", "8"], "--ring-sizes [8]"),
-    (["--seq", "8000000", "--layouts", "contiguous"], "host memory"),
+    (["--bench", "--seqs", "8000000", "--layouts", "contiguous"], "host memory"),
     (["--bench", "--emulate-ms", "1e30"], "--emulate-ms 1e+30: at most 60000"),
     (["--profile", "--trace-dir", "/dev/null/x"], "--trace-dir /dev/null/x: cannot write"),
 ])
 def test_bad_input_one_line_exit_2(argv, needle, capsys):
-    assert_main_usage_error(run_cp.main, ["--world-size", "4", "--backend", "gloo", "--device",
-                                          "cpu", *argv], capsys, needle)
+    assert_main_usage_error(bench.main, [*WHERE, *argv], capsys, needle)
+
+
+def test_gloo_on_cuda_is_refused_in_one_line(capsys, monkeypatch):
+    """Ring attention's only message is batch_isend_irecv, which Gloo runs on CPU tensors:
+    refused before any worker starts (a GPU faked: none is needed to refuse)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    line = assert_main_usage_error(bench.main, ["--world-size", "2", "--backend", "gloo",
+                                                "--device", "cuda", "--bench"], capsys,
+                                   "batch_isend_irecv", "Gloo", "CPU tensors")
+    assert "--device cpu" in line and "NCCL" in line
+
+
+DEMO = REPO / "07_parallelism/05_context_parallel/run_context_parallel.py"
+# The demo run as a program (``__main__``) once per command line, in one interpreter that
+# imports torch once ("gpus" fakes that many GPUs: none is needed to refuse). Each verdict is
+# printed as it lands; the last command hands over to the benchmark (an exec), which ends it.
+RUN_EACH = """
+import contextlib, io, json, os, runpy, sys, torch
+script = sys.argv[1]
+sys.path.insert(0, os.path.dirname(script))
+count = torch.cuda.device_count
+for case in json.loads(sys.argv[2]):
+    torch.cuda.device_count = lambda: case["gpus"]
+    sys.argv = [script, *case["argv"]]
+    stderr = io.StringIO()
+    code = 0
+    if case["last"]:
+        runpy.run_path(script, run_name="__main__")
+    with contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code
+    torch.cuda.device_count = count
+    print(json.dumps({"code": code, "stderr": stderr.getvalue()}), flush=True)
+"""
+REFUSED = [
+    (["--world-size", "2", "--backend", "gloo", "--device", "cuda"], 1,
+     ["run_context_parallel.py", "batch_isend_irecv", "CPU tensors"]),
+    ([*WHERE, "--seq", "12"], 0, ["--seq 12 does not divide into 8 equal chunks (zigzag"]),
+    ([*WHERE, "--dp", "3"], 0, ["--dp 3 does not divide the world size 4"]),
+    ([*WHERE, "--seq", "8000000", "--layouts", "contiguous"], 0, ["host memory"]),
+]
+
+
+def test_the_demo_refuses_in_one_line_and_hands_bench_over():
+    cases = [{"argv": argv, "gpus": gpus, "last": False} for argv, gpus, _ in REFUSED]
+    cases.append({"argv": [*WHERE, "--bench", "--ring-sizes", "8"], "gpus": 0, "last": True})
+    result = run_script("-c", RUN_EACH, DEMO, json.dumps(cases), timeout=120)
+    verdicts = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert len(verdicts) == len(REFUSED), result.stdout + result.stderr[-3000:]
+    for (argv, _, needles), verdict in zip(REFUSED, verdicts):
+        lines = verdict["stderr"].strip().splitlines()
+        assert verdict["code"] == 2 and len(lines) == 1, (argv, verdict)
+        assert all(needle in lines[0] for needle in needles), (argv, lines[0])
+    # handed over: the benchmark's own one-line refusal of a ring larger than the world
+    assert_usage_error(result, "bench_context_parallel.py", "--ring-sizes [8]")
+
+
+def test_the_demo_passes_with_data_and_context_ranks():
+    result = run_script(DEMO, *WHERE, "--dp", "2", "--batch", "2", "--heads", "1", "--head-dim",
+                        "4", "--seq", "16", "--layouts", "zigzag")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for text in ("float64 zigzag     causal=True", "float32 zigzag     causal=False",
+                 "LM dp=2 cp=2 zigzag step 2", "all checks passed on every rank"):
+        assert text in result.stdout, text

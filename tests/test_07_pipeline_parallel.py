@@ -5,9 +5,12 @@ The schedules are tested as pure data, without processes: order of events, match
 deadlocks (with Gloo's and with NCCL's send semantics), the unit-time simulator against each
 formula, the activations held, labels for any number of chunks. The executor and the plain
 1F1B loops run once per stage count (2 and 4), every schedule and m inside that one launch,
-checked against one process with one verdict on every rank, beside planted bugs that the same
-checks must catch; the 4-stage launch also runs the script's own worker (table, CSV). Bad input
-is checked in-process. The copies (alone, and the folder whole) are in test_copy_one_file.py.
+checked against one process with one verdict on every rank (tests/checks_pipeline.py), beside
+planted bugs that the same checks must catch; the 4-stage launch also runs the bubble
+measurement (measure/bench_pipeline.py: emulated compute, table, CSV). Bad input is checked
+in-process on the measurement's flags, and the demo run_pipeline.py runs as a learner runs it
+(a subprocess): it passes, refuses bad input in one line, and hands measurement flags over.
+The copies (alone, and the folder whole) are in test_copy_one_file.py.
 """
 
 import csv
@@ -19,12 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench_pipeline
+import checks_pipeline as checks
 import one_f_one_b
 import pipeline_parallel as pp
 import pipeline_schedules as ps
-import run_pipeline as rp
 from common import launch
-from helpers import assert_main_usage_error
+from helpers import REPO, assert_main_usage_error, assert_usage_error, run_script
 
 CFG = dict(layers=8, d_model=16, hidden=32, batch=16, chunks=2)  # batch divides by 1, 2, 4, 8
 
@@ -174,8 +178,8 @@ def test_grouped_p2p_check_catches_a_deadlocking_plan_and_late_receives():
 def test_setting_errors():
     ps.check_setting("interleaved", 4, 8, 2, layers=8, batch=64)
     for args, says in [(("interleaved", 4, 6, 2), "multiple"),
-                       (("interleaved", 4, 8, 2, 12), "--layers 12"),
-                       (("zbh1", 4, 8, 1, 8, 12), "--batch 12")]:
+                       (("interleaved", 4, 8, 2, 12), "12 layers do not split into 8"),
+                       (("zbh1", 4, 8, 1, 8, 12), "a batch of 12 rows does not split into 8")]:
         with pytest.raises(ValueError, match=says):
             ps.check_setting(*args)
 
@@ -218,14 +222,14 @@ def one_warmup_too_many(rank: int, stages: int, micro_batches: int) -> int:
 
 
 def verdict_of(ctx, problems: list[str]) -> str:
-    """run_pipeline's verdict on ``problems`` ('' when none), the same text on every rank."""
+    """The checks' verdict on ``problems`` ('' when none), the same text on every rank."""
     try:
-        rp.one_verdict(ctx, problems, "planted bug")
+        checks.one_verdict(ctx, problems, "planted bug")
     except AssertionError as error:
         text = str(error)
     else:
         text = ""
-    everyone = rp.gather_from_every_rank(ctx, text)
+    everyone = checks.gather_from_every_rank(ctx, text)
     assert everyone == [text] * ctx.world_size, everyone      # one verdict, every rank
     return text
 
@@ -238,7 +242,7 @@ def error_of(ctx, run) -> str:
         text = str(error)
     else:
         text = ""
-    everyone = rp.gather_from_every_rank(ctx, text)
+    everyone = checks.gather_from_every_rank(ctx, text)
     assert everyone == [text] * ctx.world_size, everyone
     return text
 
@@ -332,41 +336,43 @@ def pipeline_worker(ctx, harness_cfg):
     rank = ctx.rank
     cfg = dict(CFG, v={name: chunks_for(name) for name in ps.SCHEDULES})
     model = pp.build_model(CFG["layers"], CFG["d_model"], CFG["hidden"])
-    reference = rp.one_process(cfg, ctx.device)
+    reference = checks.one_process(cfg, ctx.device)
     problems = []
     ran = []
     for name in ps.SCHEDULES:
         for m in (1, p, 2 * p):
             if name == "interleaved" and m % p:
                 continue
-            found, _ = rp.check_schedule_pass(model, reference, ctx, cfg, name, m)
+            found, _ = checks.check_schedule_pass(model, reference, ctx, cfg, name, m)
             problems += found
             ran.append((name, m))
     for m in (1, p, 2 * p):
-        found, _ = rp.check_plain_pass(model, reference, ctx, cfg, m)
+        found, _ = checks.check_plain_pass(model, reference, ctx, cfg, m)
         problems += found
         ran.append(("plain 1F1B", m))
     if p == 4:
         problems += lm_on_pipeline_groups(ctx)
         ran.append(("LM on pipeline groups", 2))
+    # Emulated compute, as the measurement runs it: chunks that only wait, every F, B and W
+    # 2 ms, timed from outside the executor; busy at least the waits, held as promised.
     steps = ps.schedule_steps("zbh1", rank, p, p, 1)
-    result = rp.pipeline_pass(model, "zbh1", ctx, p, cfg, emulate_ms=2.0)
+    result = bench_pipeline.one_pass(ctx, cfg, model, "zbh1", p, emulated_ms=2.0)
     if result["busy_s"] < len(steps) * 2e-3 or result["peak_held"] != ps.peak_held(steps):
         problems.append(f"emulated zbh1: busy {result['busy_s']:.4f} s for {len(steps)} steps "
                         f"of 2 ms, held {result['peak_held']}")
-    if any(q.grad is not None for q in model.parameters()):
-        problems.append("emulated zbh1 computed gradients")
+    if not 0 < result["busy_s"] < result["total_s"]:
+        problems.append(f"emulated zbh1: busy {result['busy_s']} s of a {result['total_s']} s pass")
     assert verdict_of(ctx, problems) == ""
     assert len(ran) == (15 if p == 4 else 14)   # 11 schedules x m, 3 plain (+ the LM)
 
     # Planted bugs. The loss not divided by m: every rank's gradients are m times too large.
     m = 2 * p
-    found, _ = rp.check_schedule_pass(model, reference, ctx, cfg, "1f1b", m, undivided_loss(m))
+    found, _ = checks.check_schedule_pass(model, reference, ctx, cfg, "1f1b", m, undivided_loss(m))
     text = verdict_of(ctx, found)
     for r in range(p):
         assert f"rank {r}: 1f1b m={m}: layer " in text and "differs from one process by" in text
     assert f"rank {p - 1}: 1f1b m={m}: loss " in text
-    found, _ = rp.check_plain_pass(model, reference, ctx, cfg, m, undivided_loss(m))
+    found, _ = checks.check_plain_pass(model, reference, ctx, cfg, m, undivided_loss(m))
     text = verdict_of(ctx, found)
     for r in range(p):
         assert f"rank {r}: plain 1F1B m={m}: layer " in text, text
@@ -374,7 +380,7 @@ def pipeline_worker(ctx, harness_cfg):
     saved = one_f_one_b.warmup_forwards
     one_f_one_b.warmup_forwards = one_warmup_too_many
     try:
-        found, _ = rp.check_plain_pass(model, reference, ctx, cfg, m)
+        found, _ = checks.check_plain_pass(model, reference, ctx, cfg, m)
     finally:
         one_f_one_b.warmup_forwards = saved
     text = verdict_of(ctx, found)
@@ -386,21 +392,23 @@ def pipeline_worker(ctx, harness_cfg):
     lists = ps.all_ranks("1f1b", p, m)
     last = lists[p - 1]                                    # F0 B0 F1 B1 ...
     swapped = [*lists[:-1], [last[1], last[0], *last[2:]]]
-    text = error_of(ctx, lambda: rp.pipeline_pass(model, "1f1b", ctx, m, cfg, schedule=swapped))
+    text = error_of(ctx, lambda: checks.pipeline_pass(model, "1f1b", ctx, m, cfg, schedule=swapped))
     assert f"rank {p - 1} runs B0 before F0" in text, text
     b0 = lists[1].index(ps.make_step("B", 1, p, 0))
     wrong_peer = dataclasses.replace(lists[1][b0], send_to=(lists[1][b0].send_to + 1) % p)
     misrouted = [lists[0], _replace(lists[1], b0, wrong_peer), *lists[2:]]
-    text = error_of(ctx, lambda: rp.pipeline_pass(model, "1f1b", ctx, m, cfg, schedule=misrouted))
+    text = error_of(ctx, lambda: checks.pipeline_pass(model, "1f1b", ctx, m, cfg, schedule=misrouted))
     assert "rank 1 step B0 has the wrong peers" in text, text
     if harness_cfg:
-        rp.pipeline_parallel_main(ctx, harness_cfg)
+        largest = checks.check_against_one_process(ctx, harness_cfg, model)
+        assert 0 < largest < checks.GRAD_RTOL, largest
+        bench_pipeline.bench_main(ctx, harness_cfg)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gradients_match_single_process(stages, tmp_path, capfd, monkeypatch):
     harness = None
-    if stages == 4:   # the script's worker too, in the same launch: one start-up fewer
+    if stages == 4:   # the measurement too, in the same launch: one start-up fewer
         monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
         harness = dict(CFG, batch=16, schedules=list(ps.SCHEDULES), micro_batches=[8],
                        v={name: chunks_for(name) for name in ps.SCHEDULES}, emulate_ms=1.0,
@@ -411,8 +419,7 @@ def test_gradients_match_single_process(stages, tmp_path, capfd, monkeypatch):
         return
     out = capfd.readouterr().out
     for text in ("emulated 1 ms", "zbh1, p=4, m=8", "interleaved, p=4, m=8, v=2", "W7",
-                 "gradients match one process for every schedule and m and the plain 1F1B "
-                 "loops"):
+                 "emulated compute: measured idle within 0.05 of the simulation"):
         assert text in out, text
     rows = list(csv.DictReader((tmp_path / "pipeline_bubble.csv").open()))
     assert len(rows) == 4 * 2 * 4                      # schedules x (real, emulated) x ranks
@@ -424,6 +431,7 @@ def test_gradients_match_single_process(stages, tmp_path, capfd, monkeypatch):
         want_peak = ps.peak_held(ps.schedule_steps(row["schedule"], int(row["rank"]), 4, 8,
                                                    int(row["chunks"])))
         assert int(row["peak_held"]) == want_peak, row
+        assert 0 < float(row["idle_share"]) < 1, row
     for column in ("backend", "device", "world_size", "layers", "d_model", "hidden", "batch",
                    "idle_share", "idle_share_formula", "peak_held", "step_ms", "run_id",
                    "machine"):
@@ -439,7 +447,7 @@ def launched_config(monkeypatch, argv) -> dict:
     def record(worker, config, cfg):
         launched.append(cfg)
     monkeypatch.setattr(launch, "launch", record)
-    rp.main([*WHERE, *argv])
+    bench_pipeline.main([*WHERE, *argv])
     assert len(launched) == 1
     return launched[0]
 
@@ -472,4 +480,40 @@ def test_main_defaults_and_the_edges_of_each_range_reach_the_launch(monkeypatch)
     (["--d-model", "100000", "--hidden", "100000"], ["GiB", "--d-model 100000"]),
 ])
 def test_bad_input_one_line_exit_2(argv, needles, capsys):
-    assert_main_usage_error(rp.main, [*WHERE, *argv], capsys, *needles)
+    assert_main_usage_error(bench_pipeline.main, [*WHERE, *argv], capsys, *needles)
+
+
+DEMO = REPO / "07_parallelism/04_pipeline_parallel/run_pipeline.py"
+
+
+def test_the_demo_passes_on_two_stages_and_names_every_schedule():
+    result = run_script(DEMO, "--world-size", "2", "--backend", "gloo", "--device", "cpu",
+                        "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for text in ("gpipe m=4", "1f1b m=4", "interleaved m=4", "zbh1 m=4", "plain 1F1B m=4",
+                 "zbh1, p=2, m=4", "all checks passed"):
+        assert text in result.stdout, text
+
+
+def test_the_demo_refuses_bad_input_and_hands_measurement_over():
+    """In one interpreter (torch imported once): the demo's own check refuses --layers 6 in one
+    line; then --emulate-ms hands the command over (an exec) to the measurement, whose own
+    check refuses 'nan' in one line."""
+    run_each = ("import contextlib, io, os, runpy, sys\n"
+                "script = sys.argv[1]\n"
+                "sys.path.insert(0, os.path.dirname(script))\n"
+                "sys.argv = [script, *sys.argv[2:], '--layers', '6']\n"
+                "stderr = io.StringIO()\n"
+                "with contextlib.redirect_stderr(stderr):\n"
+                "    try:\n"
+                "        runpy.run_path(script, run_name='__main__')\n"
+                "    except SystemExit as stop:\n"
+                "        print(stop.code, stderr.getvalue().strip(), flush=True)\n"
+                "sys.argv = [script, *sys.argv[1:-2], '--emulate-ms', 'nan']\n"
+                "runpy.run_path(script, run_name='__main__')\n")
+    result = run_script("-c", run_each, DEMO, *WHERE, timeout=120)
+    demo_verdict = result.stdout.strip().splitlines()
+    assert len(demo_verdict) == 1 and demo_verdict[0].startswith("2 run_pipeline.py: error: "), \
+        result.stdout + result.stderr
+    assert "--layers 6" in demo_verdict[0], demo_verdict
+    assert_usage_error(result, "bench_pipeline.py", "'nan'")

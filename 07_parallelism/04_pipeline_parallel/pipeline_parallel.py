@@ -33,9 +33,11 @@ with a ``loss_fn`` that averages over its micro-batch and equal micro-batches, t
 backwards add up in ``.grad`` to the gradient of the mean loss over the whole batch, which
 is what one process computes. Data-parallel replicas, if any, average on top of that.
 
-``emulate_s`` > 0 turns every F, B and W into a wait of that many seconds while the messages
-and their order stay real: the measured idle share then tests the executor against the
-schedule's unit-time simulation on any machine.
+The executor runs the schedule and nothing else: no clock, no barrier, no wait for the GPU
+between steps (that would drain the queue after every step and remove the overlap the
+schedules exist for). ``run_pipeline.py`` beside it checks it against one process;
+``07_parallelism/measure/bench_pipeline.py`` times it from outside (a timer around each
+step, emulated compute as chunks that only wait).
 
 Use it (this file needs torch and ``pipeline_schedules.py``: copy the folder whole):
 
@@ -54,8 +56,6 @@ logits for ``loss_fn``.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.distributed as dist
@@ -169,52 +169,30 @@ def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1) -> list[r
 # --------------------------------------------------------------------------- the executor
 
 
-def _synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so that a clock read afterwards means something."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class ScheduleRunner:
     """One rank running its steps of a schedule: its chunks, what it holds between steps,
     and the messages in flight. ``run_schedule`` drives it one step at a time."""
 
     def __init__(self, chunks, schedule: list[list[schedules.Step]], micro_inputs, micro_targets,
-                 activation_shape, device: torch.device, loss_fn, emulate_s: float, group,
-                 dtype: torch.dtype):
+                 activation_shape, device: torch.device, loss_fn, group, dtype: torch.dtype):
         if isinstance(chunks, nn.Module):
             chunks = [chunks]
         self.chunks = list(chunks)
         self.group = group
         self.rank = dist.get_rank(group)                  # this rank's place in the pipeline
-        if self.rank < 0:
-            raise ValueError(f"rank {dist.get_rank()} is not in the pipeline group it was given")
         self.stages = len(schedule)
-        if self.stages != dist.get_world_size(group):
-            raise ValueError(f"the schedule has {self.stages} stages but the pipeline group has "
-                             f"{dist.get_world_size(group)} ranks")
-        # A broken schedule (an F after its B, a wrong peer, a message received out of
-        # order) is refused here, alike on every rank, before any message is posted.
-        schedules.check_order(schedule)
         self.steps = schedule[self.rank]
         self.plan = schedules.p2p_plan(schedule)[self.rank]   # [k]: message groups before step k
         self.micro_batches = 0
         for step in self.steps:
             if step.op == FORWARD and step.chunk == 0:
                 self.micro_batches += 1
-        chunks_in_schedule = 1 + max(step.chunk for step in self.steps)
-        if len(self.chunks) != chunks_in_schedule:
-            raise ValueError(f"rank {self.rank}: {len(self.chunks)} model chunk(s) given, the "
-                             f"schedule runs {chunks_in_schedule}")
         self.micro_inputs = micro_inputs                  # the first stage's data, else None
         self.micro_targets = micro_targets                # the last stage's targets, else None
         self.activation_shape = tuple(activation_shape)   # what crosses every stage boundary
         self.dtype = dtype
         self.device = device
         self.loss_fn = loss_fn
-        if not 0 <= emulate_s <= 3600:
-            raise ValueError(f"emulate_s={emulate_s}: a wait per step of 0 to 3600 seconds")
-        self.emulate_s = emulate_s
         self.nccl = dist.get_backend(group) == "nccl"
         if self.nccl:
             self.wire = device                            # NCCL sends GPU memory
@@ -231,19 +209,8 @@ class ScheduleRunner:
         self.arriving = {}        # Gloo: posted receives not waited for yet
         self.sends_in_flight = []     # Gloo: posted sends, waited for at the end
         self.sent_tensors = []        # kept alive until every send has completed
-        self.placeholder = torch.zeros(self.activation_shape, dtype=dtype, device=device)
         self.most_held = 0
         self.loss_sum = torch.zeros((), device=device)
-        self.check_data()
-
-    def check_data(self) -> None:
-        if self.rank == 0 and len(self.micro_inputs or []) != self.micro_batches:
-            raise ValueError(f"rank 0 holds the first stage: it needs micro_inputs, "
-                             f"{self.micro_batches} of them")
-        last = self.stages - 1
-        if self.rank == last and len(self.micro_targets or []) != self.micro_batches:
-            raise ValueError(f"rank {last} holds the last stage: it needs micro_targets, "
-                             f"{self.micro_batches} of them")
 
     def global_rank(self, peer: int) -> int:
         """Peers in the schedule are ranks within the pipeline group; P2P ops take global ones."""
@@ -299,9 +266,6 @@ class ScheduleRunner:
         else:
             x = received.requires_grad_()                  # B sends its gradient back
         self.inputs[key] = x
-        if self.emulate_s > 0:
-            self.outputs[key] = self.placeholder           # emulated: bookkeeping only
-            return self.placeholder
         y = self.chunks[step.chunk](x)
         if step.send_to is not None:
             self.outputs[key] = y
@@ -319,10 +283,6 @@ class ScheduleRunner:
         key = (step.chunk, step.micro_batch)
         x = self.inputs.pop(key)
         y = self.outputs.pop(key)                          # frees all but what W needs
-        if self.emulate_s > 0:
-            if self.defer_weight_grads:
-                self.weight_work[key] = []
-            return self.placeholder
         chunk = self.chunks[step.chunk]
         if self.defer_weight_grads:
             store = []
@@ -347,11 +307,7 @@ class ScheduleRunner:
     def hand_on(self, step: schedules.Step, output: torch.Tensor | None) -> None:
         """Leave a step's output for the send that ``p2p_plan`` posts next (in the inbox when
         the next virtual stage is on this rank too: one rank, interleaved)."""
-        if output is None or output.shape != self.activation_shape or output.dtype != self.dtype:
-            made = "nothing" if output is None else f"{tuple(output.shape)} {output.dtype}"
-            raise ValueError(f"rank {self.rank}: {step.op}{step.micro_batch} of chunk "
-                             f"{step.chunk} made {made}, but every stage boundary carries "
-                             f"activation_shape {self.activation_shape} {self.dtype}")
+        _check_boundary(self, step, output)
         message = schedules.message(step, self.rank, self.stages, True)
         on_wire = output.to(self.wire).contiguous()
         if step.send_to == self.rank:
@@ -373,7 +329,7 @@ class ScheduleRunner:
 
 def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, micro_targets,
                  activation_shape, device: torch.device, loss_fn=F.mse_loss,
-                 emulate_s: float = 0.0, group: dist.ProcessGroup | None = None,
+                 group: dist.ProcessGroup | None = None,
                  dtype: torch.dtype = torch.float32) -> dict:
     """Run this rank's steps of ``schedule``; the gradients accumulate in the chunks' .grad.
 
@@ -384,26 +340,17 @@ def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, mic
     rank holding the first stage (group rank 0), else None; ``micro_targets``: their targets
     on the last (group rank p-1), else None. ``activation_shape`` and ``dtype``: the tensor
     that crosses every stage boundary, forward (the activation) and backward (its gradient).
-    The last stage adds ``loss_fn(output, target) / m`` per micro-batch. ``emulate_s`` > 0:
-    every F, B, W only waits that long (the messages stay real).
+    The last stage adds ``loss_fn(output, target) / m`` per micro-batch.
 
-    Returns ``busy_s`` (seconds computing), ``total_s`` (the pass, barrier to barrier),
-    ``peak_held`` (most (chunk, micro-batch) pairs held at once) and ``loss`` (the batch's
-    mean loss on the last stage's rank, 0.0 elsewhere).
+    Returns ``peak_held`` (most (chunk, micro-batch) pairs held at once) and ``loss`` (the
+    batch's mean loss on the last stage's rank, 0.0 elsewhere).
     """
+    _check_arguments(chunks, schedule, micro_inputs, micro_targets, group)
     runner = ScheduleRunner(chunks, schedule, micro_inputs, micro_targets, activation_shape,
-                            device, loss_fn, emulate_s, group, dtype)
-    busy_s = 0.0
-    _synchronize(device)
-    dist.barrier(group=group)
-    start = time.perf_counter()
+                            device, loss_fn, group, dtype)
     for index, step in enumerate(runner.steps):
         runner.post_messages(runner.plan[index])
         received = runner.wait_for_input(step)
-        _synchronize(device)
-        step_start = time.perf_counter()
-        if emulate_s > 0:
-            time.sleep(emulate_s)                          # stands in for the compute
         output = None
         if step.op == FORWARD:
             output = runner.forward_one(step, received)
@@ -412,14 +359,52 @@ def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, mic
         else:
             runner.weight_grad_one(step)
         runner.most_held = max(runner.most_held, runner.held())
-        _synchronize(device)
-        busy_s += time.perf_counter() - step_start
         if step.send_to is not None:
             runner.hand_on(step, output)
     runner.post_messages(runner.plan[len(runner.steps)])   # the last sends
     runner.finish()
-    _synchronize(device)
-    dist.barrier(group=group)                              # the pass ends with its slowest rank
-    total_s = time.perf_counter() - start
-    return {"busy_s": busy_s, "total_s": total_s, "peak_held": runner.most_held,
-            "loss": runner.loss_sum.item()}
+    return {"peak_held": runner.most_held, "loss": runner.loss_sum.item()}
+
+
+# --------------------------------------------------------------------------- argument checks
+# What a wrong call gets instead of a hang or a shape error deep inside a send: one line,
+# alike on every rank, before any message is posted.
+
+
+def _check_arguments(chunks, schedule: list[list[schedules.Step]], micro_inputs, micro_targets,
+                     group) -> None:
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"rank {dist.get_rank()} is not in the pipeline group it was given")
+    stages = len(schedule)
+    if stages != dist.get_world_size(group):
+        raise ValueError(f"the schedule has {stages} stages but the pipeline group has "
+                         f"{dist.get_world_size(group)} ranks")
+    # A broken schedule (an F after its B, a wrong peer, a message received out of order).
+    schedules.check_order(schedule)
+    steps = schedule[rank]
+    if isinstance(chunks, nn.Module):
+        chunks = [chunks]
+    chunks_in_schedule = 1 + max(step.chunk for step in steps)
+    if len(chunks) != chunks_in_schedule:
+        raise ValueError(f"rank {rank}: {len(chunks)} model chunk(s) given, the schedule runs "
+                         f"{chunks_in_schedule}")
+    micro_batches = 0
+    for step in steps:
+        if step.op == FORWARD and step.chunk == 0:
+            micro_batches += 1
+    if rank == 0 and len(micro_inputs or []) != micro_batches:
+        raise ValueError(f"rank 0 holds the first stage: it needs micro_inputs, "
+                         f"{micro_batches} of them")
+    if rank == stages - 1 and len(micro_targets or []) != micro_batches:
+        raise ValueError(f"rank {stages - 1} holds the last stage: it needs micro_targets, "
+                         f"{micro_batches} of them")
+
+
+def _check_boundary(runner: ScheduleRunner, step: schedules.Step, output) -> None:
+    """What a step hands on must be the tensor every stage boundary carries."""
+    if output is None or output.shape != runner.activation_shape or output.dtype != runner.dtype:
+        made = "nothing" if output is None else f"{tuple(output.shape)} {output.dtype}"
+        raise ValueError(f"rank {runner.rank}: {step.op}{step.micro_batch} of chunk "
+                         f"{step.chunk} made {made}, but every stage boundary carries "
+                         f"activation_shape {runner.activation_shape} {runner.dtype}")

@@ -160,10 +160,11 @@ def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
     into p*v chunks, a batch that does not split into m, the schedule's own constraint (m a
     multiple of p for interleaved), a broken order of events, a deadlock."""
     if layers is not None and layers % (stages * chunks):
-        raise ValueError(f"--layers {layers} is not divisible by {stages * chunks} "
+        raise ValueError(f"{layers} layers do not split into {stages * chunks} equal chunks "
                          f"({stages} stages x {chunks} chunks per stage)")
     if batch is not None and batch % micro_batches:
-        raise ValueError(f"--batch {batch} is not divisible by {micro_batches} micro-batches")
+        raise ValueError(f"a batch of {batch} rows does not split into {micro_batches} "
+                         "equal micro-batches")
     lists = all_ranks(name, stages, micro_batches, chunks)
     check_order(lists)
     try:

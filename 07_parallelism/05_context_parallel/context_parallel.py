@@ -50,8 +50,9 @@ with their global positions (``shard_positions``), and average the gradients ove
 AND context ranks together (``average_gradients``): each rank's loss is the mean over its own
 tokens only.
 
-Run the checks, the benchmark and the timeline with
-``python 07_parallelism/05_context_parallel/run_context_parallel.py`` (see its --help).
+Run the check against one process with
+``python 07_parallelism/05_context_parallel/run_context_parallel.py`` (see its --help); the
+benchmark and the timeline are in ``07_parallelism/measure/bench_context_parallel.py``.
 This file needs torch alone: copy it into another project and ``from context_parallel import
 ring_attention, shard_sequence, unshard_sequence``.
 """
@@ -139,38 +140,40 @@ def shard_positions(local_len: int, rank: int, world_size: int, layout: str,
 # --------------------------------------------------------------------------- one block of attention
 
 
-class ChunkAttention:
-    """Exact attention of a chunk of queries against a chunk of keys/values, forward and
-    backward, written out with matmuls (a fused kernel such as FlashAttention does the same
-    tile by tile, without holding the [q_len, k_len] scores). Shapes: q [batch, heads, q_len,
-    head_dim], k and v [batch, heads, k_len, head_dim]; ``allowed`` [q_len, k_len], True where
-    query i may see key j, or None when it sees them all."""
+# Exact attention of a chunk of queries against a chunk of keys/values, forward and backward,
+# written out with matmuls (a fused kernel such as FlashAttention does the same tile by tile,
+# without holding the [q_len, k_len] scores). Shapes: q [batch, heads, q_len, head_dim], k and
+# v [batch, heads, k_len, head_dim]; ``allowed`` [q_len, k_len], True where query i may see
+# key j, or None when it sees them all.
 
-    def scores(self, q, k, allowed, scale):
-        scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [batch, heads, q_len, k_len]
-        if allowed is not None:
-            scores = scores.masked_fill(~allowed, float("-inf"))  # exp(-inf) = 0: never seen
-        return scores
 
-    def forward(self, q, k, v, allowed, scale):
-        """(softmax over this chunk's keys times V, log-sum-exp of the scores per query)."""
-        scores = self.scores(q, k, allowed, scale)
-        lse = torch.logsumexp(scores, dim=-1)            # [batch, heads, q_len]
-        probs = torch.exp(scores - lse.unsqueeze(-1))    # softmax within this chunk
-        out = torch.matmul(probs, v)                     # [batch, heads, q_len, head_dim]
-        return out, lse
+def chunk_scores(q, k, allowed, scale):
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # [batch, heads, q_len, k_len]
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))  # exp(-inf) = 0: never seen
+    return scores
 
-    def backward(self, grad_out, q, k, v, lse, delta, allowed, scale):
-        """(dQ, dK, dV) of this chunk pair, given the FINAL lse of the queries (so P is the
-        true attention weight over all keys) and delta = rowsum(dO * O)."""
-        scores = self.scores(q, k, allowed, scale)
-        probs = torch.exp(scores - lse.unsqueeze(-1))                 # P
-        grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)      # dV = P^T dO
-        grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))      # dP = dO V^T
-        grad_scores = probs * (grad_probs - delta.unsqueeze(-1))      # dS = P * (dP - D)
-        grad_q = torch.matmul(grad_scores, k) * scale                 # dQ = dS K / sqrt(d)
-        grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * scale  # dK = dS^T Q / sqrt(d)
-        return grad_q, grad_k, grad_v
+
+def chunk_attention(q, k, v, allowed, scale):
+    """(softmax over this chunk's keys times V, log-sum-exp of the scores per query)."""
+    scores = chunk_scores(q, k, allowed, scale)
+    lse = torch.logsumexp(scores, dim=-1)            # [batch, heads, q_len]
+    probs = torch.exp(scores - lse.unsqueeze(-1))    # softmax within this chunk
+    out = torch.matmul(probs, v)                     # [batch, heads, q_len, head_dim]
+    return out, lse
+
+
+def chunk_attention_backward(grad_out, q, k, v, lse, delta, allowed, scale):
+    """(dQ, dK, dV) of this chunk pair, given the FINAL lse of the queries (so P is the true
+    attention weight over all keys) and delta = rowsum(dO * O)."""
+    scores = chunk_scores(q, k, allowed, scale)
+    probs = torch.exp(scores - lse.unsqueeze(-1))                 # P
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)      # dV = P^T dO
+    grad_probs = torch.matmul(grad_out, v.transpose(-2, -1))      # dP = dO V^T
+    grad_scores = probs * (grad_probs - delta.unsqueeze(-1))      # dS = P * (dP - D)
+    grad_q = torch.matmul(grad_scores, k) * scale                 # dQ = dS K / sqrt(d)
+    grad_k = torch.matmul(grad_scores.transpose(-2, -1), q) * scale  # dK = dS^T Q / sqrt(d)
+    return grad_q, grad_k, grad_v
 
 
 def merge(out, lse, chunk_out, chunk_lse):
@@ -253,7 +256,7 @@ class RingAttention(torch.autograd.Function):
     """softmax(q k^T / sqrt(d) + mask) v over the whole sequence, each rank holding a shard."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, layout, kernel):
+    def forward(ctx, q, k, v, group, causal, layout):
         rank = dist.get_rank(group)
         world_size = dist.get_world_size(group)
         scale = 1.0 / math.sqrt(q.shape[-1])
@@ -277,8 +280,8 @@ class RingAttention(torch.autograd.Function):
                 requests = post_exchange([k_block, v_block], [next_k, next_v], group)
             k_positions = shard_positions(local_len, source, world_size, layout, q.device)
             for rows, cols, allowed in visible_pairs(q_positions, k_positions, chunk_len, causal):
-                chunk_out, chunk_lse = kernel.forward(q[:, :, rows], k_block[:, :, cols],
-                                                      v_block[:, :, cols], allowed, scale)
+                chunk_out, chunk_lse = chunk_attention(q[:, :, rows], k_block[:, :, cols],
+                                                       v_block[:, :, cols], allowed, scale)
                 merged_out, merged_lse = merge(out[:, :, rows], lse[:, :, rows], chunk_out,
                                                chunk_lse)
                 out[:, :, rows] = merged_out
@@ -291,7 +294,6 @@ class RingAttention(torch.autograd.Function):
         ctx.group = group
         ctx.causal = causal
         ctx.layout = layout
-        ctx.kernel = kernel
         return out
 
     @staticmethod
@@ -333,7 +335,7 @@ class RingAttention(torch.autograd.Function):
             k_positions = shard_positions(local_len, source, world_size, ctx.layout, q.device)
             for rows, cols, allowed in visible_pairs(q_positions, k_positions, chunk_len,
                                                      ctx.causal):
-                chunk_dq, chunk_dk, chunk_dv = ctx.kernel.backward(
+                chunk_dq, chunk_dk, chunk_dv = chunk_attention_backward(
                     grad_out[:, :, rows], q[:, :, rows], k_block[:, :, cols],
                     v_block[:, :, cols], lse[:, :, rows], delta[:, :, rows], allowed, scale)
                 grad_q[:, :, rows] += chunk_dq
@@ -353,28 +355,18 @@ class RingAttention(torch.autograd.Function):
         else:
             grad_k = travelling_k
             grad_v = travelling_v
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
-                   causal: bool = True, layout: str = "zigzag",
-                   kernel: ChunkAttention | None = None) -> torch.Tensor:
+                   causal: bool = True, layout: str = "zigzag") -> torch.Tensor:
     """This rank's shard of softmax(q k^T / sqrt(head_dim) + causal mask) v over the whole
     sequence. q, k, v: this rank's shards in ``layout``, [batch, heads, local_seq, head_dim]
     (as ``shard_sequence(..., dim=2, ...)`` cuts them); the result has q's shape and layout.
-    Differentiable. ``kernel``: the attention of one pair of chunks (default ``ChunkAttention()``;
-    the benchmark passes one that counts work, or only waits, to emulate compute). Tensors of
-    float32 or float64: the running sums are kept in the inputs' dtype."""
-    chunks = chunks_per_rank(layout)  # raises on an unknown layout
-    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
-        raise ValueError(f"q, k, v must share one shape [batch, heads, local_seq, head_dim]; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[2] % chunks != 0:
-        raise ValueError(f"a {layout} shard holds {chunks} equal chunks; local sequence length "
-                         f"{q.shape[2]} does not divide by {chunks}")
-    if kernel is None:
-        kernel = ChunkAttention()
-    return RingAttention.apply(q, k, v, group, causal, layout, kernel)
+    Differentiable. Tensors of float32 or float64: the running sums are kept in the inputs'
+    dtype."""
+    _check_shards(q, k, v, layout)
+    return RingAttention.apply(q, k, v, group, causal, layout)
 
 
 # --------------------------------------------------------------------------- a model on the ring
@@ -412,3 +404,17 @@ def average_gradients(model: torch.nn.Module, group=None) -> None:
             continue
         dist.all_reduce(param.grad, group=group)
         param.grad /= world_size
+
+
+# --------------------------------------------------------------------------- argument checks
+
+
+def _check_shards(q, k, v, layout: str) -> None:
+    """One line before any message is sent, instead of a shape error inside the ring."""
+    chunks = chunks_per_rank(layout)  # raises on an unknown layout
+    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
+        raise ValueError(f"q, k, v must share one shape [batch, heads, local_seq, head_dim]; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] % chunks != 0:
+        raise ValueError(f"a {layout} shard holds {chunks} equal chunks; local sequence length "
+                         f"{q.shape[2]} does not divide by {chunks}")

@@ -768,8 +768,8 @@ class Wait(torch.autograd.Function):
 
 
 class EmulatedStage(nn.Module):
-    """torch's stage with emulated compute: one wait forward, one backward, as our executor's
-    ``emulate_s`` makes every F and B (a scale parameter gives backward something to do)."""
+    """A stage with emulated compute, for torch's executor and ours alike: one wait forward,
+    one backward (a scale parameter gives backward something to do)."""
 
     def __init__(self, seconds: float):
         super().__init__()
@@ -826,7 +826,8 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         pieces = [copy.deepcopy(blocks[layer]) for layer in layer_numbers]
         our_chunks.append(nn.Sequential(*pieces))
         module = nn.Sequential(*[copy.deepcopy(piece) for piece in pieces])
-        if compute == "emulated":
+        if compute == "emulated":   # the same waiting stage for both executors
+            our_chunks[-1] = EmulatedStage(emulate_s).to(ctx.device)
             module = EmulatedStage(emulate_s).to(ctx.device)
         virtual_stage = chunk * stages + pp_rank
         torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
@@ -845,7 +846,7 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
             chunk.zero_grad(set_to_none=True)
         pipeline_parallel.run_schedule(our_chunks, schedule, micro_inputs, micro_targets,
                                        activation_shape, ctx.device, loss_fn=F.mse_loss,
-                                       emulate_s=emulate_s, group=group)
+                                       group=group)
 
     def torch_step():
         for stage in torch_stages:

@@ -1,0 +1,743 @@
+"""Not a lesson: lesson 5's ring attention, measured (``--bench``) and drawn (``--profile``).
+
+``--bench`` (the default here): a sequence-length sweep of one causal attention layer's
+forward + backward, float32: on one rank (torch's fused ``scaled_dot_product_attention`` and
+our kernel, a ring of one) and on rings of 2 and 4 ranks in both layouts: step time (real
+compute, and emulated compute where each chunk of work only waits in proportion to the
+scores it covers, backward twice as long), bytes sent beside the ring's formula, each rank's
+attention work (max / mean) beside the load-balance formula, activation memory saved for
+backward beside its formula (and the GPU's peak, on a GPU). Rows go to
+``results/context_parallel.csv`` after each sequence length, so a run stopped at its cap keeps
+them. ``--profile``: a timeline of one step per rank, the K/V transfers drawn under the
+compute they overlap (text, a Perfetto trace per panel, a picture when matplotlib is there).
+
+The algorithm file carries no counter and no clock: here its chunk kernels
+(``context_parallel.chunk_attention`` and ``chunk_attention_backward``) are replaced, for the
+length of a ``with`` block, by ones that count the scores, only wait, or time each chunk, and
+``dist.batch_isend_irecv`` by one that times each transfer from posting to completion.
+
+Run:  python 07_parallelism/measure/bench_context_parallel.py --bench
+      python 07_parallelism/measure/bench_context_parallel.py --profile
+      python 07_parallelism/05_context_parallel/run_context_parallel.py --bench   # the same
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from common import import_stage, launch, results, timing  # noqa: E402  (after the path)
+
+cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
+counters = import_stage("07_parallelism/measure/counters")
+
+# --------------------------------------------------------------------------- the formulas
+
+
+def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
+    shard. Forward: W-1 hops of K and V. Backward: W-1 hops of K and V again, and W hops of
+    dK and dV (W-1 travelling with the K/V blocks, one last hop home). A ring of one sends
+    nothing."""
+    if world_size == 1:
+        return 0, 0
+    forward = (world_size - 1) * 2 * block_bytes
+    backward = (world_size - 1) * 2 * block_bytes + world_size * 2 * block_bytes
+    return forward, backward
+
+
+def visible_scores(rank: int, world_size: int, seq_len: int, layout: str, causal: bool,
+                   batch_heads: int) -> int:
+    """The (query, key) scores rank's queries see, over all keys: causal, a query at global
+    position p sees p + 1 keys; otherwise all seq_len."""
+    if not causal:
+        return batch_heads * (seq_len // world_size) * seq_len
+    positions = cp.shard_positions(seq_len // world_size, rank, world_size, layout)
+    return batch_heads * int((positions + 1).sum())
+
+
+def imbalance_formula(world_size: int, layout: str, causal: bool) -> float:
+    """max / mean work over ranks for long sequences: contiguous causal 2 - 1/W, else 1."""
+    if causal and layout == "contiguous":
+        return 2 - 1 / world_size
+    return 1.0
+
+
+def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_size: int) -> int:
+    """What one attention layer keeps for backward on a rank holding seq_len queries: q, k, v,
+    the output ([batch, heads, seq, head_dim] each) and the log-sum-exp per query."""
+    return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
+
+
+# --------------------------------------------------------------------------- kernels that count, wait, time
+
+
+class ChunkKernels(contextlib.ContextDecorator):
+    """While active (``with``), ring attention computes each pair of chunks with this object's
+    ``forward`` and ``backward``: the module's ``chunk_attention`` and
+    ``chunk_attention_backward`` are replaced, and put back on exit. These call the kernels
+    that were there before, so the wrappers nest (a timer around an emulated kernel)."""
+
+    def __enter__(self):
+        self.inner_forward = cp.chunk_attention
+        self.inner_backward = cp.chunk_attention_backward
+        cp.chunk_attention = self.forward
+        cp.chunk_attention_backward = self.backward
+        return self
+
+    def __exit__(self, *exc):
+        cp.chunk_attention = self.inner_forward
+        cp.chunk_attention_backward = self.inner_backward
+        return False
+
+    def forward(self, q, k, v, allowed, scale):
+        return self.inner_forward(q, k, v, allowed, scale)
+
+    def backward(self, grad_out, q, k, v, lse, delta, allowed, scale):
+        return self.inner_backward(grad_out, q, k, v, lse, delta, allowed, scale)
+
+
+class CountingAttention(ChunkKernels):
+    """The exact kernel, counting the scores its forward computes and those a query sees."""
+
+    def __init__(self):
+        self.computed = 0
+        self.visible = 0
+
+    def forward(self, q, k, v, allowed, scale):
+        batch_heads = q.shape[0] * q.shape[1]
+        self.computed += batch_heads * q.shape[2] * k.shape[2]
+        if allowed is None:
+            self.visible += batch_heads * q.shape[2] * k.shape[2]
+        else:
+            self.visible += batch_heads * int(allowed.sum())
+        return self.inner_forward(q, k, v, allowed, scale)
+
+
+class EmulatedAttention(ChunkKernels):
+    """No arithmetic: each chunk waits in proportion to the scores a causal kernel would compute
+    (backward twice as long as forward), then returns zeros. The sends stay real."""
+
+    def __init__(self, seconds_per_score: float):
+        self.seconds_per_score = seconds_per_score
+
+    def wait(self, q, k, allowed, factor):
+        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+        if allowed is not None:
+            scores = q.shape[0] * q.shape[1] * int(allowed.sum())
+        time.sleep(factor * scores * self.seconds_per_score)
+
+    def forward(self, q, k, v, allowed, scale):
+        self.wait(q, k, allowed, 1)
+        return torch.zeros_like(q), torch.zeros(q.shape[:-1], dtype=q.dtype, device=q.device)
+
+    def backward(self, grad_out, q, k, v, lse, delta, allowed, scale):
+        self.wait(q, k, allowed, 2)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+class TimedAttention(ChunkKernels):
+    """Records when each chunk's compute (the kernel active before it) starts and ends."""
+
+    def __init__(self, device):
+        self.device = device
+        self.spans = []  # (start, end, "forward" | "backward")
+
+    def forward(self, q, k, v, allowed, scale):
+        start = time.perf_counter()
+        result = self.inner_forward(q, k, v, allowed, scale)
+        timing.synchronize(self.device)
+        self.spans.append((start, time.perf_counter(), "forward"))
+        return result
+
+    def backward(self, grad_out, q, k, v, lse, delta, allowed, scale):
+        start = time.perf_counter()
+        result = self.inner_backward(grad_out, q, k, v, lse, delta, allowed, scale)
+        timing.synchronize(self.device)
+        self.spans.append((start, time.perf_counter(), "backward"))
+        return result
+
+
+class TransferClock:
+    """While active, times every ``batch_isend_irecv`` from posting to completion: a thread
+    polls its requests (``is_completed``), so the main thread's own wait is untouched."""
+
+    def __init__(self):
+        self.spans = []  # (start, end)
+        self.threads = []
+        self.original = None
+
+    def __enter__(self):
+        self.original = dist.batch_isend_irecv
+        dist.batch_isend_irecv = self.post
+        return self
+
+    def post(self, operations):
+        start = time.perf_counter()
+        requests = self.original(operations)
+        thread = threading.Thread(target=self.watch, args=(requests, start), daemon=True)
+        thread.start()
+        self.threads.append(thread)
+        return requests
+
+    def watch(self, requests, start):
+        while not all(request.is_completed() for request in requests):
+            time.sleep(20e-6)
+        self.spans.append((start, time.perf_counter()))
+
+    def __exit__(self, *exc):
+        dist.batch_isend_irecv = self.original
+        for thread in self.threads:
+            thread.join(timeout=30)
+        return False
+
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def shown_path(path: Path) -> Path:
+    """``path`` relative to the current folder when it is inside it (shorter to read)."""
+    if path.is_relative_to(Path.cwd()):
+        return path.relative_to(Path.cwd())
+    return path
+
+
+def agree(failures: list[str]) -> list[str]:
+    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
+    from common import verify
+    return verify.agree_on_problems(failures)
+
+
+def gather_from_ranks(mine: dict, group=None) -> list[dict]:
+    """Each rank's ``mine`` (numbers by name), in the order of the ranks of ``group``."""
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def random_attention(cfg: dict, seq: int, dtype, device, seed: int):
+    """Full q, k, v (leaves that require grad) and an output gradient, [batch, heads, seq,
+    head_dim], the same on every rank for a given seed."""
+    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
+    k = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
+    v = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
+    grad_out = torch.randn(shape, generator=generator, dtype=dtype).to(device)
+    return q, k, v, grad_out
+
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
+    """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
+    gradient at sequence length ``seq``."""
+    q, k, v, grad_out = random_attention(cfg, seq, torch.float32, "cpu", seed=seq)
+
+    def mine(t):
+        shard = cp.shard_sequence(t.detach(), 2, rank, world_size, layout)
+        return shard.to(ctx.device)
+
+    return (mine(q).requires_grad_(True), mine(k).requires_grad_(True),
+            mine(v).requires_grad_(True), mine(grad_out))
+
+
+def full_attention_step(q, k, v, grad_out):
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out.backward(grad_out)
+
+
+def ring_step(q, k, v, grad_out, group, layout, kernel=None):
+    """One forward + backward of causal ring attention, its chunks computed by ``kernel`` (a
+    ``ChunkKernels``; None: the algorithm's own)."""
+    if kernel is None:
+        kernel = contextlib.nullcontext()
+    with kernel:
+        out = cp.ring_attention(q, k, v, group=group, causal=True, layout=layout)
+        out.backward(grad_out)
+
+
+def do_nothing():
+    return None
+
+
+def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
+    """The slowest member's median seconds of ``step()``; ranks outside ``members`` only keep
+    the barriers company (and report 0 s)."""
+    if ctx.rank not in members:
+        step = do_nothing
+    times = timing.measure(step, ctx.device, warmup=cfg["warmup"], iters=cfg["iters"],
+                           barrier=True)
+    if ctx.rank not in members:
+        times = [0.0] * len(times)
+    return timing.gather_times(times).median
+
+
+def saved_and_peak(ctx, step) -> tuple[int, int]:
+    """(bytes saved for backward, counted; peak GPU bytes above the start, 0 on a CPU)."""
+    start = 0
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        start = torch.cuda.memory_allocated(ctx.device)
+    with counters.SavedActivations() as saved:
+        step()
+    peak = 0
+    if ctx.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(ctx.device) - start
+    return saved.bytes, peak
+
+
+def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple[list, list]:
+    """Every implementation at one sequence length: (rows, failures)."""
+    rows = []
+    failures = []
+    batch_heads = cfg["batch"] * cfg["heads"]
+    element_size = 4
+    same = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"]}
+    # One rank, the whole sequence: torch's fused kernel, and ours (a ring of one).
+    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, 0, 1, "contiguous")
+
+    def sdpa_step():
+        full_attention_step(q, k, v, grad_out)
+
+    def ours_step():
+        ring_step(q, k, v, grad_out, single["group"], "contiguous")
+
+    for impl, step in (("full, sdpa", sdpa_step), ("full, our kernel", ours_step)):
+        seconds = measure_case(ctx, cfg, step, [0])
+        saved = 0
+        peak = 0
+        if ctx.rank == 0:
+            saved, peak = saved_and_peak(ctx, step)
+        rank_0 = gather_from_ranks({"saved": saved, "peak": peak})[0]
+        rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
+                     "step_ms": seconds * 1e3, "sent_bytes": 0, "bytes_formula": 0,
+                     "imbalance": 1.0, "imbalance_formula": 1.0,
+                     "saved_bytes": rank_0["saved"],
+                     "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"],
+                                                          element_size),
+                     "peak_bytes": rank_0["peak"]})
+    for world_size, ring in rings.items():
+        members = list(range(world_size))
+        for layout in cfg["layouts"]:
+            inside = ctx.rank in members
+            rank = 0  # ranks outside the ring draw rank 0's shard, and only wait
+            if inside:
+                rank = ctx.rank
+            q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
+            counting = CountingAttention()
+            sent = 0
+            saved = 0
+            peak = 0
+            if inside:
+                with counters.CommCounter() as comm:
+                    ring_step(q, k, v, grad_out, ring, layout, counting)
+                sent = comm.sent_bytes
+
+                def step_for_memory():
+                    ring_step(q, k, v, grad_out, ring, layout)
+                saved, peak = saved_and_peak(ctx, step_for_memory)
+            everyone = gather_from_ranks({"inside": inside, "sent": sent, "saved": saved,
+                                          "peak": peak, "visible": counting.visible})
+            ring_ranks = []
+            for numbers in everyone:
+                if numbers["inside"]:
+                    ring_ranks.append(numbers)
+            visible = [numbers["visible"] for numbers in ring_ranks]
+            sent_per_rank = [numbers["sent"] for numbers in ring_ranks]
+            local_len = seq // world_size
+            block_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
+            formula = sum(ring_bytes(world_size, block_bytes))
+            if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
+                failures.append(f"seq {seq} W={world_size} {layout}: ranks sent "
+                                f"{min(sent_per_rank):.0f} to {max(sent_per_rank):.0f} B; the "
+                                f"formula says {formula}")
+            imbalance = max(visible) / (sum(visible) / len(visible))
+            row = {**same, "impl": "ring", "W": world_size, "layout": layout, "compute": "real",
+                   "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
+                   "imbalance": imbalance,
+                   "imbalance_formula": imbalance_formula(world_size, layout, True),
+                   "saved_bytes": max(numbers["saved"] for numbers in ring_ranks),
+                   "saved_formula": saved_bytes_formula(batch_heads, local_len, cfg["head_dim"],
+                                                        element_size),
+                   "peak_bytes": max(numbers["peak"] for numbers in ring_ranks)}
+
+            def real_step():
+                ring_step(q, k, v, grad_out, ring, layout)
+
+            row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
+            rows.append(row)
+            if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
+                all_scores = batch_heads * seq * (seq + 1) / 2
+                emulated = EmulatedAttention(cfg["emulate_ms"] / 1e3 / all_scores)
+
+                def emulated_step():
+                    ring_step(q, k, v, grad_out, ring, layout, emulated)
+
+                emulated_row = dict(row)
+                emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
+                emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
+                rows.append(emulated_row)
+    return rows, failures
+
+
+def bench_main(ctx, cfg: dict) -> None:
+    """The sweep; rank 0 prints, writes the CSV and the targets beside what was measured."""
+    single = {"group": None}
+    for rank in range(ctx.world_size):  # a ring of one per rank (every rank creates each)
+        group = dist.new_group([rank])
+        if rank == ctx.rank:
+            single["group"] = group
+    rings = {}
+    for world_size in cfg["ring_sizes"]:
+        group = dist.new_group(list(range(world_size)))
+        rings[world_size] = group
+    rows = []
+    failures = []
+    for seq in cfg["seqs"]:
+        seq_rows, problems = bench_sequence(ctx, cfg, seq, rings, single)
+        rows += seq_rows
+        failures += problems
+        if ctx.is_main:
+            write_bench_rows(ctx, rows)
+        ctx.print(f"seq {seq}: done", all_ranks=False)
+    failures = agree(failures)
+    if ctx.is_main:
+        report_bench(ctx, cfg, rows)
+    if failures:
+        raise AssertionError("context-parallel benchmark check failed:\n  " + "\n  ".join(failures))
+
+
+def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
+    """zig-zag step time / contiguous step time at the longest sequence."""
+    seq = max(row["seq"] for row in rows)
+    times = {}
+    for row in rows:
+        if row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute):
+            times[row["layout"]] = row["step_ms"]
+    if "zigzag" not in times or "contiguous" not in times:
+        return None
+    return times["zigzag"] / times["contiguous"]
+
+
+def write_bench_rows(ctx, rows: list[dict]):
+    """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
+    sequence length, so a run stopped at make bench's cap keeps them)."""
+    same = {"backend": ctx.backend, "device": ctx.device.type}
+    csv_rows = []
+    for row in rows:
+        csv_rows.append({**same, **row, "machine": results.machine_name(),
+                         "run_id": results.run_id()})
+    return results.upsert_csv("context_parallel.csv", csv_rows,
+                              key=["backend", "device", "seq", "batch", "heads", "head_dim",
+                                   "impl", "W", "layout", "compute"])
+
+
+def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
+    machine = results.machine_name()
+    print(f"\nOne causal attention layer, forward + backward, float32, batch {cfg['batch']}, "
+          f"heads {cfg['heads']}, head_dim {cfg['head_dim']}; {ctx.backend}/{ctx.device.type}, "
+          f"{machine}; median of {cfg['iters']} after {cfg['warmup']} warm-up, slowest rank:")
+    shown = []
+    for row in rows:
+        short = dict(row)
+        for size in ("batch", "heads", "head_dim"):  # in the title
+            del short[size]
+        if ctx.device.type != "cuda":
+            del short["peak_bytes"]  # measured on a GPU only
+        shown.append(short)
+    results.print_table(shown, floatfmt=".3g")
+    path = write_bench_rows(ctx, rows)
+    print(f"\nwrote {shown_path(path)}")
+    print(f"\nTargets, measured in this run ({machine}):")
+    longest = max(cfg["seqs"])
+    for row in rows:
+        if row["impl"] != "ring" or row["compute"] != "real" or row["seq"] != longest:
+            continue
+        if row["layout"] == "zigzag":
+            target = "1.00"
+        else:
+            target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
+        print(f"  FLOP imbalance (max/mean), W={row['W']} {row['layout']}: "
+              f"{row['imbalance']:.3f} (target {target})")
+    exact = all(row["sent_bytes"] == row["bytes_formula"] for row in rows)
+    print(f"  ring bytes sent per rank equal the formula in every row: {exact}")
+    for world_size in cfg["ring_sizes"]:
+        emulated = ratio(rows, world_size, "emulated")
+        real = ratio(rows, world_size, "real")
+        ideal = world_size / (2 * world_size - 1)
+        if emulated is not None:
+            print(f"  zig-zag / contiguous step time, W={world_size}, seq {longest}: emulated "
+                  f"compute {emulated:.2f}, real compute {real:.2f} (target <= 0.75 at W=4; "
+                  f"ideal W/(2W-1) = {ideal:.2f})")
+
+
+# --------------------------------------------------------------------------- the timeline
+
+
+def profile_one(ctx, cfg: dict, ring, layout: str, kernel) -> dict:
+    """One timed step (after two untimed ones) of ring attention: this rank's compute spans
+    and transfer spans, in ms since a common start (a barrier just before)."""
+    world_size = ctx.world_size
+    seq = max(cfg["seqs"])
+    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, ctx.rank, world_size, layout)
+    for _ in range(2):
+        ring_step(q, k, v, grad_out, ring, layout, kernel)
+    timed = TimedAttention(ctx.device)
+    if kernel is None:
+        kernel = contextlib.nullcontext()
+    dist.barrier()
+    origin = time.perf_counter()
+    with kernel, TransferClock() as clock:
+        ring_step(q, k, v, grad_out, ring, layout, timed)
+        timing.synchronize(ctx.device)
+        end = time.perf_counter()
+    compute = []
+    for start, stop, phase in timed.spans:
+        compute.append(((start - origin) * 1e3, (stop - origin) * 1e3, phase))
+    transfers = []
+    for start, stop in sorted(clock.spans):
+        transfers.append(((start - origin) * 1e3, (stop - origin) * 1e3))
+    return {"compute": compute, "transfers": transfers, "step_ms": (end - origin) * 1e3}
+
+
+def hidden_ms(transfers, compute) -> float:
+    """How much of the transfers' time ran while this rank was computing."""
+    total = 0.0
+    for t_start, t_end in transfers:
+        for c_start, c_end, _ in compute:
+            total += max(0.0, min(t_end, c_end) - max(t_start, c_start))
+    return total
+
+
+def text_timeline(title: str, timelines: list[dict], width: int = 80) -> str:
+    """Two rows per rank on one time axis: compute (f forward, b backward) and K/V transfers."""
+    span = max(tl["step_ms"] for tl in timelines)
+    scale = width / span
+    lines = [f"{title}: step {span:.1f} ms (slowest rank)"]
+    for rank, tl in enumerate(timelines):
+        rows = {"compute": [" "] * width, "K/V    ": [" "] * width}
+        for start, stop, phase in tl["compute"]:
+            first = int(start * scale)
+            for i in range(first, min(width, max(first + 1, int(stop * scale)))):
+                rows["compute"][i] = phase[0]
+        for index, (start, stop) in enumerate(tl["transfers"]):
+            first = int(start * scale)
+            for i in range(first, min(width, max(first + 1, int(stop * scale)))):
+                rows["K/V    "][i] = "#="[index % 2]  # one batch #, the next =, ...
+        transfer_ms = sum(stop - start for start, stop in tl["transfers"])
+        hidden = hidden_ms(tl["transfers"], tl["compute"])
+        lines.append(f"  rank {rank} compute |{''.join(rows['compute'])}|")
+        lines.append(f"         K/V     |{''.join(rows['K/V    '])}| {hidden:.1f} of "
+                     f"{transfer_ms:.1f} ms in flight under compute")
+    lines.append("  f forward chunk, b backward chunk; # and = alternate: one ring step's batch "
+                 "of K/V (and dK/dV) sends and receives, in flight from posting to completion")
+    return "\n".join(lines)
+
+
+def chrome_trace(timelines: list[dict], path: Path) -> None:
+    """The same spans as a trace Perfetto opens (https://ui.perfetto.dev): one process a rank."""
+    events = []
+    for rank, tl in enumerate(timelines):
+        for start, stop, phase in tl["compute"]:
+            events.append({"name": f"{phase} chunk", "ph": "X", "pid": rank, "tid": 0,
+                           "ts": start * 1e3, "dur": (stop - start) * 1e3})
+        for start, stop in tl["transfers"]:
+            events.append({"name": "K/V transfer", "ph": "X", "pid": rank, "tid": 1,
+                           "ts": start * 1e3, "dur": (stop - start) * 1e3})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": events}))
+
+
+def draw(panels: list[tuple[str, list[dict]]], path: Path, title: str) -> Path | None:
+    plt = results.pyplot()
+    if plt is None:
+        print("(matplotlib not installed: text timeline only)")
+        return None
+    figure, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 1.1 * len(panels[0][1]) *
+                                                           len(panels) / 2), squeeze=False)
+    colours = {"forward": "#9ecae1", "backward": "#3182bd"}
+    span = max(tl["step_ms"] for _, timelines in panels for tl in timelines)
+    for ax, (label, timelines) in zip(axes[:, 0], panels):
+        names = []
+        for rank, tl in enumerate(timelines):
+            row = 2 * rank
+            for start, stop, phase in tl["compute"]:
+                ax.broken_barh([(start, stop - start)], (row + 0.1, 0.8), color=colours[phase])
+            for index, (start, stop) in enumerate(tl["transfers"]):
+                shade = ("#e6550d", "#fdae6b")[index % 2]  # one ring step, the next, ...
+                ax.broken_barh([(start, stop - start)], (row + 1.2, 0.6), color=shade)
+            names += [f"rank {rank} compute", f"rank {rank} K/V"]
+        ax.set_yticks([i + 0.5 for i in range(len(names))], names, fontsize=7)
+        ax.set_ylim(len(names), 0)
+        ax.set_xlim(0, span * 1.01)
+        ax.set_title(label, fontsize=9, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step started (forward: light, backward: dark; "
+                           "orange, dark and light in turn: each ring step's transfers in flight)")
+    figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    print(f"timeline picture: {shown_path(path)}")
+    return path
+
+
+def profile_main(ctx, cfg: dict) -> None:
+    """Both layouts, real and emulated compute, at the longest --seqs on all ranks."""
+    ring = dist.new_group(list(range(ctx.world_size)))
+    seq = max(cfg["seqs"])
+    batch_heads = cfg["batch"] * cfg["heads"]
+    emulated = EmulatedAttention(cfg["emulate_ms"] / 1e3 / (batch_heads * seq * (seq + 1) / 2))
+    panels = []
+    for compute, kernel in (("real", None),
+                            (f"emulated {cfg['emulate_ms']:g} ms", emulated)):
+        for layout in cfg["layouts"]:
+            mine = profile_one(ctx, cfg, ring, layout, kernel)
+            everyone = [None] * ctx.world_size
+            dist.all_gather_object(everyone, mine)
+            panels.append((f"{layout}, {compute} compute", everyone))
+    if not ctx.is_main:
+        return
+    out_dir = Path(cfg["trace_dir"]) / "context_parallel"
+    for label, timelines in panels:
+        print(text_timeline(label, timelines) + "\n")
+        slug = label.replace(",", "").replace(" ", "_")
+        chrome_trace(timelines, out_dir / f"{slug}.json")
+    print(f"traces (open in https://ui.perfetto.dev): {shown_path(out_dir)}/*.json")
+    draw(panels, out_dir / "timeline.png",
+         f"ring attention, one causal step, seq {seq}, {ctx.world_size} ranks, "
+         f"{ctx.backend}/{ctx.device.type}, {results.machine_name()}")
+
+
+# --------------------------------------------------------------------------- flags
+
+
+def per_rank_bytes(args) -> int:
+    """A rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
+    whole-sequence attention by our kernel (seq x seq scores)."""
+    batch_heads = args.batch * args.heads
+    seq = max(args.seqs)
+    return 4 * batch_heads * (6 * seq * seq + 24 * seq * args.head_dim)
+
+
+def refuse_gloo_on_cuda(config) -> None:
+    """Ring attention sends K/V with ``batch_isend_irecv``, which Gloo runs on CPU tensors
+    only: one line, exit 2, before any worker starts."""
+    if config.backend == "gloo" and config.device == "cuda":
+        launch.usage_error("ring attention sends with batch_isend_irecv, which Gloo runs on CPU "
+                           "tensors only: use --device cpu (a rank per CPU core), or NCCL with a "
+                           "GPU per rank")
+
+
+def check_fits(config, need: int, what: str) -> None:
+    """One line and exit 2, before any worker starts, when ``need`` bytes per rank (described by
+    ``what``) cannot fit: in the GPUs' memory (ranks sharing a GPU add up), else the host's."""
+    ranks_here = launch.ranks_on_this_node(config.world_size)
+    if config.device != "cuda":
+        launch.check_ranks_fit(ranks_here, need, what)
+        return
+    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
+    total = torch.cuda.get_device_properties(0).total_memory
+    if ranks_per_gpu * need > 0.9 * total:
+        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
+                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
+
+
+def main(argv=None) -> None:
+    parser = launch.make_parser(__doc__, world_size=4)
+    parser.add_argument("--batch", type=launch.positive_int, default=4, help="sequences")
+    parser.add_argument("--heads", type=launch.positive_int, default=3, help="attention heads")
+    parser.add_argument("--head-dim", type=launch.positive_int, default=24,
+                        help="width of one head")
+    parser.add_argument("--layouts", type=launch.choice_list(list(cp.LAYOUTS)),
+                        default=list(cp.LAYOUTS), help="subset of " + ",".join(cp.LAYOUTS))
+    parser.add_argument("--bench", action="store_true",
+                        help="measure step time, bytes, FLOP balance and memory (the default)")
+    parser.add_argument("--profile", action="store_true",
+                        help="draw one step's compute and K/V transfers per rank instead")
+    parser.add_argument("--seqs", type=launch.int_list, default=None,
+                        help="sequence lengths of --bench (default 256,512,1024 on a CPU, "
+                             "1024,2048,4096 on a GPU); --profile uses the longest")
+    parser.add_argument("--ring-sizes", type=launch.int_list, default=None,
+                        help="ring sizes W of --bench (default 2 and 4, up to the world size)")
+    parser.add_argument("--emulate-ms", type=launch.positive_float, default=400.0,
+                        help="emulated compute: the forward of causal attention over the whole "
+                             "sequence on one rank takes this long; each chunk waits its share "
+                             "of it, backward twice as long")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=2,
+                        help="untimed steps before the timed ones")
+    parser.add_argument("--iters", type=launch.positive_int, default=5, help="timed steps")
+    parser.add_argument("--trace-dir", default=str(results.REPO_ROOT / "traces"),
+                        help="where --profile writes its traces and picture")
+    # The lesson's check flags, accepted so that run_context_parallel.py's command lines work here.
+    parser.add_argument("--seq", type=launch.positive_int, default=64, help="(the check's)")
+    parser.add_argument("--dp", type=launch.positive_int, default=1, help="(the check's)")
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    world_size = config.world_size
+    if args.bench and args.profile:
+        parser.error("--bench and --profile: choose one")
+    if args.emulate_ms > 60_000:
+        parser.error(f"--emulate-ms {args.emulate_ms:g}: at most 60000 (a minute of emulated "
+                     "forward per step)")
+    if args.profile:
+        try:
+            (Path(args.trace_dir) / "context_parallel").mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            parser.error(f"--trace-dir {args.trace_dir}: cannot write there ({error.strerror})")
+    refuse_gloo_on_cuda(config)
+    if args.seqs is None:
+        args.seqs = [256, 512, 1024]
+        if config.device == "cuda":
+            args.seqs = [1024, 2048, 4096]
+    if args.ring_sizes is None:
+        args.ring_sizes = []
+        for ring_size in (2, 4):
+            if ring_size <= world_size:
+                args.ring_sizes.append(ring_size)
+    ring_sizes = args.ring_sizes
+    if args.profile:
+        ring_sizes = [world_size]
+    else:
+        wrong = []
+        for ring_size in args.ring_sizes:
+            if ring_size < 2 or ring_size > world_size:
+                wrong.append(ring_size)
+        if wrong or not args.ring_sizes:
+            parser.error(f"--ring-sizes {wrong or args.ring_sizes}: each must be between 2 and "
+                         f"the world size {world_size}")
+    for seq in args.seqs:
+        for ring_size in ring_sizes:
+            for layout in args.layouts:
+                chunks = ring_size * cp.chunks_per_rank(layout)
+                if seq % chunks != 0:
+                    parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
+                                 f"({layout} layout over {ring_size} ranks)")
+    need = per_rank_bytes(args)
+    check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {max(args.seqs)}")
+    results.check_writable()
+    if args.profile:
+        launch.launch(profile_main, config, vars(args))
+    else:
+        launch.launch(bench_main, config, vars(args))
+
+
+if __name__ == "__main__":
+    main()

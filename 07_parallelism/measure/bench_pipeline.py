@@ -1,0 +1,369 @@
+"""Not a lesson: lesson 4's bubble, measured (each rank's idle share per schedule and m).
+
+The executor (``pipeline_parallel.run_schedule``) carries no clock; this wraps it from
+outside. Each step's compute (F, B, W) is timed by a subclass of the executor's
+``ScheduleRunner``, put in its place for the pass, that synchronizes the GPU and reads the
+clock around the step, and the whole pass is timed between two barriers: a rank's idle share
+is 1 - busy / pass. Then the same with emulated compute, where each chunk of the model is
+replaced by one that only waits (``EmulatedChunk``: forward waits, backward waits, and under
+ZB-H1 the weight-gradient step W waits too), while the messages keep their real size and
+order. Four ranks on two shared cores cannot show a bubble with real compute (a rank computes
+slower while others compute); emulated compute can, so the measured idle tests the executor
+against the schedule's unit-time simulation and the formula on any machine.
+
+Writes ``results/pipeline_bubble.csv`` (one row per schedule, m, chunks, emulated_ms (0:
+real) and rank), each setting's rows as soon as it is measured; prints the table, whether
+emulated compute came within 0.05 of the simulation, and each schedule's timeline.
+
+Run:  python 07_parallelism/measure/bench_pipeline.py --micro-batches 4,8,16 --emulate-ms 50
+      python 07_parallelism/04_pipeline_parallel/run_pipeline.py --emulate-ms 50   # the same
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from common import import_stage, launch, results, timing  # noqa: E402  (after the path)
+
+pipeline_parallel = import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
+schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
+
+MAX_EMULATE_MS = 60_000.0               # a minute per step: more is a typo, not a measurement
+SIZE_COLUMNS = ("layers", "d_model", "hidden", "batch")
+
+
+# --------------------------------------------------------------------------- timing from outside
+
+
+class TimedRunner(pipeline_parallel.ScheduleRunner):
+    """The executor's runner with a clock around each step's compute. The synchronize before
+    and after each step drains the GPU there, which a real run never does: that is the price
+    of knowing when a step's compute ended, and why the executor itself has none."""
+
+    latest = None                       # the runner of the last pass: its busy time
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.busy_s = 0.0
+        TimedRunner.latest = self
+
+    def timed(self, work, *args):
+        timing.synchronize(self.device)
+        start = time.perf_counter()
+        output = work(*args)
+        timing.synchronize(self.device)
+        self.busy_s += time.perf_counter() - start
+        return output
+
+    def forward_one(self, step, received):
+        return self.timed(super().forward_one, step, received)
+
+    def backward_one(self, step, received):
+        return self.timed(super().backward_one, step, received)
+
+    def weight_grad_one(self, step):
+        return self.timed(super().weight_grad_one, step)
+
+
+def timed_pass(chunks, schedule, micro_inputs, micro_targets, activation_shape,
+               device: torch.device) -> dict:
+    """``run_schedule`` with a clock around each step and one around the pass (barrier to
+    barrier: the pass ends with its slowest rank). Adds busy_s and total_s to its result."""
+    original = pipeline_parallel.ScheduleRunner
+    pipeline_parallel.ScheduleRunner = TimedRunner
+    try:
+        timing.synchronize(device)
+        dist.barrier()
+        start = time.perf_counter()
+        result = pipeline_parallel.run_schedule(chunks, schedule, micro_inputs, micro_targets,
+                                                activation_shape, device)
+        timing.synchronize(device)
+        dist.barrier()
+        total_s = time.perf_counter() - start
+    finally:
+        pipeline_parallel.ScheduleRunner = original
+    return {**result, "busy_s": TimedRunner.latest.busy_s, "total_s": total_s}
+
+
+class Wait(torch.autograd.Function):
+    """Stands in for a chunk's compute: the forward waits, and so does the backward (B)."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class WaitingLinear(pipeline_parallel.DeferredLinear):
+    """A 1 x 1 DeferredLinear (applied to every element) whose weight-gradient work waits
+    ``w_seconds``: ZB-H1's W step, emulated (the executor defers it as it would a real one)."""
+
+    def __init__(self, w_seconds: float):
+        super().__init__(1, 1)
+        self.w_seconds = w_seconds
+
+    def weight_grad(self, x, grad_output):
+        time.sleep(self.w_seconds)
+        super().weight_grad(x, grad_output)
+
+
+class EmulatedChunk(nn.Module):
+    """A model chunk that only waits: F, B (and W when the schedule splits the backward) each
+    take ``seconds``; the activation it hands on keeps its shape, so the messages are real."""
+
+    def __init__(self, seconds: float, split_backward: bool):
+        super().__init__()
+        self.seconds = seconds
+        w_seconds = 0.0
+        if split_backward:
+            w_seconds = seconds
+        self.linear = WaitingLinear(w_seconds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x.unsqueeze(-1)).squeeze(-1)   # [rows, d_model, 1] -> [rows, d_model]
+        return Wait.apply(y, self.seconds)
+
+
+# --------------------------------------------------------------------------- the bubble
+
+
+def one_pass(ctx, cfg: dict, model: nn.Sequential, name: str, m: int, emulated_ms: float) -> dict:
+    """One timed pass of schedule ``name`` with m micro-batches: this rank's chunks of the
+    model (real compute), or as many emulated chunks."""
+    stages = ctx.world_size
+    v = cfg["v"][name]
+    chunks = []
+    if emulated_ms > 0:
+        for _ in range(v):
+            chunks.append(EmulatedChunk(emulated_ms / 1e3, name == "zbh1").to(ctx.device))
+    else:
+        model.zero_grad(set_to_none=True)
+        for layers in pipeline_parallel.chunk_layers(cfg["layers"], stages, ctx.rank, v):
+            chunks.append(model[layers.start:layers.stop])
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(cfg["batch"], cfg["d_model"], generator=generator).to(ctx.device)
+    targets = torch.randn(cfg["batch"], cfg["d_model"], generator=generator).to(ctx.device)
+    micro_inputs = None
+    if ctx.rank == 0:
+        micro_inputs = list(inputs.chunk(m))           # m x [batch / m, d_model]
+    micro_targets = None
+    if ctx.rank == stages - 1:
+        micro_targets = list(targets.chunk(m))
+    schedule = schedules.all_ranks(name, stages, m, v)
+    activation_shape = (cfg["batch"] // m, cfg["d_model"])
+    return timed_pass(chunks, schedule, micro_inputs, micro_targets, activation_shape, ctx.device)
+
+
+def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
+    """Every schedule and m: each rank's idle share (median over the timed passes), with real
+    compute, then emulated; the step time; the most micro-batches held. Rank 0 writes the
+    rows measured so far after each setting."""
+    stages = ctx.world_size
+    rows = []
+    for name in cfg["schedules"]:
+        v = cfg["v"][name]
+        for m in cfg["micro_batches"]:
+            simulated = schedules.simulated_idle(name, stages, m, v)
+            peak = None
+            for emulated_ms in (0.0, cfg["emulate_ms"]):    # real compute, then emulated
+                passes = cfg["iters"]
+                if emulated_ms == 0.0:
+                    passes += cfg["warmup"]
+                measured = []
+                for _ in range(passes):
+                    measured.append(one_pass(ctx, cfg, model, name, m, emulated_ms))
+                timed = measured[-cfg["iters"]:]            # the warm-up passes are not timed
+                if peak is None:
+                    held = timing.gather_times([timed[0]["peak_held"]]).rank_medians
+                    peak = [int(count) for count in held]
+                idle_shares = []
+                for result in timed:
+                    idle_shares.append(1 - result["busy_s"] / result["total_s"])
+                idle = timing.gather_times(idle_shares).rank_medians
+                gap = 0.0
+                for measured_share, unit_time in zip(idle, simulated):
+                    gap = max(gap, abs(measured_share - unit_time))
+                pass_seconds = [result["total_s"] for result in timed]
+                rows.append({"schedule": name, "m": m, "v": v, "emulated_ms": emulated_ms,
+                             "peak": peak, "idle": idle, "sim": simulated, "gap": gap,
+                             "formula": schedules.bubble_formula(name, stages, m, v),
+                             "step_ms": timing.gather_times(pass_seconds).median * 1e3})
+                if ctx.is_main:
+                    write_rows(ctx, cfg, rows)
+    return rows
+
+
+def bench_main(ctx, cfg: dict) -> None:
+    """The worker: every schedule and m measured; rank 0 prints and writes the results."""
+    # Each rank builds all layers from one seed (the same weights, nothing sent), runs its own.
+    model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"])
+    model = model.to(ctx.device)
+    rows = measure_bubble(ctx, cfg, model)
+    if ctx.is_main:
+        report(ctx, cfg, rows)
+
+
+def write_rows(ctx, cfg: dict, rows: list[dict]):
+    """Rank 0: upsert the settings measured so far into results/pipeline_bubble.csv."""
+    size = {}
+    for key in SIZE_COLUMNS:
+        size[key] = cfg[key]
+    csv_rows = []
+    for row in rows:
+        for rank in range(ctx.world_size):
+            csv_rows.append(dict(
+                backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size, **size,
+                schedule=row["schedule"], micro_batches=row["m"], rank=rank,
+                idle_share=row["idle"][rank], idle_share_simulated=row["sim"][rank],
+                idle_share_formula=row["formula"], peak_held=row["peak"][rank],
+                step_ms=row["step_ms"], run_id=results.run_id(), emulated_ms=row["emulated_ms"],
+                chunks=row["v"], machine=results.machine_name()))
+    key = ["backend", "device", "world_size", *size, "schedule", "micro_batches", "chunks",
+           "emulated_ms", "rank"]
+    return results.upsert_csv("pipeline_bubble.csv", csv_rows, key=key)
+
+
+def report(ctx, cfg: dict, rows: list[dict]) -> None:
+    """Rank 0: the table, the emulated-compute verdict, the timelines, the CSV."""
+    stages = ctx.world_size
+    size_text = ", ".join(f"{key} {cfg[key]}" for key in SIZE_COLUMNS)
+    print(f"\nPipeline parallel, {stages} stages, {size_text}; {ctx.backend}/{ctx.device.type}, "
+          f"{results.machine_name()}\n")
+    table = []
+    for row in rows:
+        compute = "real"
+        if row["emulated_ms"]:
+            compute = f"emulated {row['emulated_ms']:g} ms"
+        table.append({"schedule": row["schedule"], "m": row["m"], "v": row["v"],
+                      "compute": compute,
+                      "idle per rank": " ".join(f"{share:.3f}" for share in row["idle"]),
+                      "simulated": statistics.fmean(row["sim"]), "formula": row["formula"],
+                      "max gap": row["gap"], "step_ms": row["step_ms"],
+                      "peak held per rank": " ".join(str(count) for count in row["peak"])})
+    results.print_table(table, f"Idle share per rank (median of {cfg['iters']} passes) beside "
+                        "the unit-time simulation and the formula; activations held at once:",
+                        floatfmt=".3f")
+    emulated_gaps = [row["gap"] for row in rows if row["emulated_ms"]]
+    gap = max(emulated_gaps)
+    if gap <= 0.05:
+        verdict = f"yes (largest gap {gap:.3f})"
+    else:
+        verdict = (f"no, {gap:.3f} (each message's delay on a busy box adds to it; a larger "
+                   "--emulate-ms shrinks its share)")
+    print("\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
+          + verdict)
+    for name in cfg["schedules"]:
+        print("\n" + schedules.describe(name, stages, max(cfg["micro_batches"]), cfg["v"][name]))
+    path = write_rows(ctx, cfg, rows)
+    print(f"\nwrote {path}")
+
+
+# --------------------------------------------------------------------------- flags
+# The lesson's flags (as run_pipeline.py has them) and the measurement's.
+
+
+def emulate_ms_flag(text: str) -> float:
+    """--emulate-ms: a finite number of milliseconds in (0, MAX_EMULATE_MS]."""
+    allowed = f"a number of milliseconds > 0 and <= {MAX_EMULATE_MS:g}"
+    try:
+        value = launch.positive_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {allowed}") from None
+    if value > MAX_EMULATE_MS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {allowed}")
+    return value
+
+
+def check_memory(args, config) -> None:
+    """A rank's rough peak, float32: the whole stack built on every rank with its gradients
+    and copies (5 x the parameters), and the activations of the micro-batches held."""
+    parameters = args.layers * (2 * args.d_model * args.hidden + args.d_model + args.hidden)
+    activations = 2 * args.layers * args.batch * (args.d_model + 2 * args.hidden)
+    need = 4 * (5 * parameters + activations)
+    what = (f"--layers {args.layers} --d-model {args.d_model} --hidden {args.hidden} "
+            f"--batch {args.batch}")
+    ranks_here = launch.ranks_on_this_node(config.world_size)
+    if config.device == "cuda":
+        per_gpu = -(-ranks_here // torch.cuda.device_count()) * need     # ceil
+        total = torch.cuda.get_device_properties(0).total_memory
+        if per_gpu > 0.9 * total:
+            launch.usage_error(f"{what} needs about {per_gpu / 2**30:.1f} GiB per GPU but a GPU "
+                               f"has {total / 2**30:.1f} GiB; use smaller sizes")
+    else:
+        launch.check_ranks_fit(ranks_here, need, f"{need / 2**30:.2f} GiB each for {what}")
+
+
+def main(argv=None) -> None:
+    names = list(schedules.SCHEDULES)
+    parser = launch.make_parser(__doc__, world_size=4)
+    parser.add_argument("--layers", type=launch.positive_int, default=8,
+                        help="residual MLP blocks; must divide by p (x v)")
+    parser.add_argument("--d-model", type=launch.positive_int, default=256,
+                        help="activation width")
+    parser.add_argument("--hidden", type=launch.positive_int, default=1024,
+                        help="hidden width inside a block")
+    parser.add_argument("--batch", type=launch.positive_int, default=64,
+                        help="rows per batch; must divide by every m")
+    parser.add_argument("--micro-batches", type=launch.int_list, default=None,
+                        help="micro-batch counts m; default: 2p")
+    parser.add_argument("--schedules", type=launch.choice_list(names), default=names,
+                        help="subset of " + ",".join(names))
+    parser.add_argument("--chunks", type=launch.positive_int, default=2,
+                        help="v, model chunks per rank (interleaved only); at most layers / p")
+    parser.add_argument("--emulate-ms", type=emulate_ms_flag, default=20.0,
+                        help="measure also with every F, B, W replaced by a wait of this many ms "
+                        f"(emulated compute; the messages stay real); at most {MAX_EMULATE_MS:g}")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=0,
+                        help="untimed passes before the timed ones (real compute)")
+    parser.add_argument("--iters", type=launch.positive_int, default=3,
+                        help="timed passes per setting")
+    parser.add_argument("--bench", action="store_true",
+                        help="accepted for run_pipeline.py's sake: this script only measures")
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    stages = config.world_size
+    if args.micro_batches is None:
+        args.micro_batches = [2 * stages]
+    args.v = {}
+    for name in args.schedules:
+        args.v[name] = 1
+    if "interleaved" in args.schedules:
+        args.v["interleaved"] = args.chunks
+        layers_per_stage = args.layers // stages           # a chunk holds one layer at least
+        if args.layers % stages == 0 and args.chunks > layers_per_stage:
+            launch.usage_error(f"--chunks {args.chunks} with --layers {args.layers} on {stages} "
+                               f"stages: a stage holds {layers_per_stage} layer(s), so at most "
+                               f"{layers_per_stage} chunk(s) (allowed: 1 to {layers_per_stage})")
+    for name in args.schedules:
+        for m in args.micro_batches:
+            try:
+                schedules.check_setting(name, stages, m, args.v[name], args.layers, args.batch)
+            except ValueError as error:
+                launch.usage_error(f"--schedules {name} --micro-batches {m} --layers "
+                                   f"{args.layers} --batch {args.batch}: {error}")
+    check_memory(args, config)
+    results.check_writable()
+    launch.launch(bench_main, config, vars(args))
+
+
+if __name__ == "__main__":
+    main()
