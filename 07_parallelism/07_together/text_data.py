@@ -45,23 +45,21 @@ def stdlib_files() -> list[Path]:
 
 def load_text(data_file: str | None = None, max_bytes: int | None = None,
               held_out_share: float = 0.05, seed: int = 0) -> tuple[bytes, bytes]:
-    """(training bytes, held-out bytes).
+    """(training bytes, held-out bytes): two parts that share no byte of the text and together
+    are all of it (what was read).
 
-    ``data_file``: any file, its first 1 - ``held_out_share`` for training and the rest held
-    out. Without it, the standard library's source: its files shuffled by ``seed``, every
-    file wholly in one of the two parts. ``max_bytes`` caps how much training text is read.
+    ``data_file``: any file, at most its first ``max_bytes`` read (a 3 GB file is not read
+    whole for a short run); the first 1 - ``held_out_share`` of that for training, the rest
+    held out. Without it, the standard library's source: its files shuffled by ``seed``, every
+    file wholly in one of the two parts, the training files read until ``max_bytes``.
     """
     if data_file is not None:
-        data = Path(data_file).read_bytes()
-        cut = int(len(data) * (1 - held_out_share))
-        return data[:cut][:max_bytes], data[cut:]
-    files = stdlib_files()
-    random.Random(seed).shuffle(files)
-    held_out_count = max(1, round(len(files) * held_out_share))
-    held_out = b"".join(path.read_bytes() for path in files[:held_out_count])
+        return split_bytes(read_head(data_file, max_bytes), held_out_share)
+    train_files, held_out_files = split_files(stdlib_files(), held_out_share, seed)
+    held_out = b"".join(path.read_bytes() for path in held_out_files)
     train_parts = []
     train_bytes = 0
-    for path in files[held_out_count:]:
+    for path in train_files:
         if max_bytes is not None and train_bytes >= max_bytes:
             break
         data = path.read_bytes()
@@ -69,6 +67,30 @@ def load_text(data_file: str | None = None, max_bytes: int | None = None,
         train_bytes += len(data)
     train = b"".join(train_parts)
     return train[:max_bytes], held_out
+
+
+def read_head(data_file: str, max_bytes: int | None = None) -> bytes:
+    """The first ``max_bytes`` bytes of a file (all of it when None)."""
+    with open(data_file, "rb") as f:
+        if max_bytes is None:
+            return f.read()
+        return f.read(max_bytes)
+
+
+def split_bytes(data: bytes, held_out_share: float = 0.05) -> tuple[bytes, bytes]:
+    """One text cut in two at 1 - ``held_out_share``: (the start, the end)."""
+    cut = int(len(data) * (1 - held_out_share))
+    return data[:cut], data[cut:]
+
+
+def split_files(files: list[Path], held_out_share: float = 0.05,
+                seed: int = 0) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): the files shuffled by ``seed``, the first
+    ``held_out_share`` of them (at least one) held out, the rest for training."""
+    shuffled = list(files)
+    random.Random(seed).shuffle(shuffled)
+    held_out_count = max(1, round(len(shuffled) * held_out_share))
+    return shuffled[held_out_count:], shuffled[:held_out_count]
 
 
 def as_tokens(data: bytes) -> torch.Tensor:

@@ -3,6 +3,10 @@
     python 07_parallelism/07_together/train.py --bench                    # 4 ranks, CPU sizes
     python 07_parallelism/07_together/train.py --bench --bench-sizes gpu --world-size 8
     torchrun --nproc-per-node=8 07_parallelism/07_together/train.py --bench --bench-sizes gpu
+    python 07_parallelism/measure/grid_bench.py --bench                   # the same, directly
+
+``train.py --bench`` hands its arguments over to this file (the process becomes it), which
+parses them with the lesson's own flags (``train_flags.py``) and ignores the training ones.
 
 What it measures, in one run:
 
@@ -86,9 +90,11 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -179,13 +185,13 @@ def setting_label(spec: dict) -> str:
 
 
 def load_lessons() -> types.SimpleNamespace:
-    """``train`` (train.py: its model and optimizer), the files it composes (``grid``,
+    """``training`` (lesson 7's model and optimizer), the files it composes (``grid``,
     ``parallel_lm``), and lesson 4's executor and schedules (``pipeline``, ``schedules``)."""
     from common import import_stage
-    train = import_stage("07_parallelism/07_together/train")
-    grid_module, parallel_lm, _ = train.lessons()
+    training = import_stage("07_parallelism/07_together/training")
+    grid_module, parallel_lm, _ = training.lessons()
     return types.SimpleNamespace(
-        train=train, grid=grid_module, parallel_lm=parallel_lm,
+        train=training, grid=grid_module, parallel_lm=parallel_lm,
         pipeline=import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel"),
         schedules=import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules"))
 
@@ -399,7 +405,7 @@ def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
 
 def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
-    """What train.py's build_full_lm and make_optimizer read."""
+    """What training.py's build_full_lm and make_optimizer read."""
     return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
                               lr=sizes["lr"], fsdp=spec["fsdp"])
 
@@ -569,9 +575,53 @@ def reference_loss(sizes: dict, lessons) -> float:
 # --------------------------------------------------------------------------- torch's composition
 
 
+# Lesson 3's SplitQKVBlock, repeated here on purpose: it lives in lesson 3's run script, and a
+# measurement imports no run script. The course block with q, k and v as three Linears, for
+# torch's ColwiseParallel (which cuts one Linear's outputs into t contiguous slices: on the
+# fused projection a slice would mix q, k and v). The same weights.
+
+
+class SplitQKVAttention(nn.Module):
+    def __init__(self, full_attn: nn.Module):
+        super().__init__()
+        width = full_attn.out.in_features
+        self.head_dim = width // full_attn.num_heads
+        self.attend = full_attn.attend
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width, bias=False)
+        q_weight, k_weight, v_weight = full_attn.qkv.weight.detach().chunk(3, dim=0)
+        self.q.weight = nn.Parameter(q_weight.clone())
+        self.k.weight = nn.Parameter(k_weight.clone())
+        self.v.weight = nn.Parameter(v_weight.clone())
+        self.out = copy.deepcopy(full_attn.out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # [batch, seq, local heads * head_dim] -> [batch, local heads, seq, head_dim]
+        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        y = self.attend(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SplitQKVBlock(nn.Module):
+    def __init__(self, full: nn.Module):
+        super().__init__()
+        self.norm1 = copy.deepcopy(full.norm1)
+        self.attn = SplitQKVAttention(full.attn)
+        self.norm2 = copy.deepcopy(full.norm2)
+        self.mlp = copy.deepcopy(full.mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
 class TorchLM(nn.Module):
     """The course LM in the shape torch's tensor parallel plans expect: q, k and v as three
-    Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
+    Linears (SplitQKVBlock above: ColwiseParallel cuts one Linear's outputs contiguously,
     and the fused projection would be cut across q, k and v). The same weights."""
 
     def __init__(self, full_lm: nn.Module, split_block):
@@ -624,15 +674,13 @@ def torch_plans() -> tuple[dict, dict]:
 def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict:
     """The LM with torch's own parts: parallelize_module over tp, then fully_shard over dp
     (each block a unit, and the root), AdamW as ours."""
-    from common import import_stage
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     train = lessons.train
-    lesson_3 = import_stage("07_parallelism/03_tensor_parallel/run_tensor_parallel")
     mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     args = train_args(sizes, grid_spec())
-    lm = TorchLM(train.build_full_lm(args), lesson_3.SplitQKVBlock).to(ctx.device)
+    lm = TorchLM(train.build_full_lm(args), SplitQKVBlock).to(ctx.device)
     model_plan, _ = torch_plans()
     parallelize_module(lm, mesh["tp"], model_plan)
     for block in lm.blocks:
@@ -1129,17 +1177,6 @@ def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, refe
 # --------------------------------------------------------------------------- command line
 
 
-def add_bench_args(parser) -> None:
-    """train.py's --bench flags."""
-    group = parser.add_argument_group("measurements (--bench: measure/grid_bench.py)")
-    group.add_argument("--bench", action="store_true",
-                       help="instead of training: time and count a set of grids on 4 ranks (or "
-                            "8), torch's composition and torch's pipelining beside ours, into "
-                            "results/grid.csv; the training flags are not used")
-    group.add_argument("--bench-sizes", choices=list(SIZES), default=None,
-                       help="the sizes of --bench (default: gpu with a GPU per rank, else cpu)")
-
-
 def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
     """What ``sizes`` cannot run: the first problem of each kind, one line each."""
     shape = lm_shape(sizes)
@@ -1168,14 +1205,16 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
     return problems
 
 
-def run(args, config, parser) -> None:
+def run(args, config) -> None:
     """``train.py --bench``: check everything, then launch the measurements."""
     from common import launch, results
     if config.world_size not in GRIDS:
-        parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
-                     f"{config.world_size}: use --world-size 4 (or 8 with a GPU per rank)")
+        launch.usage_error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, "
+                           f"not {config.world_size}: use --world-size 4 (or 8 with a GPU per "
+                           "rank)")
     if config.device == "cuda" and config.backend != "nccl":
-        parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
+        launch.usage_error("--bench with --device cuda needs NCCL, a GPU per rank; use --device "
+                           "cpu")
     name = args.bench_sizes
     if name is None:
         name = "cpu"
@@ -1184,6 +1223,21 @@ def run(args, config, parser) -> None:
     sizes = SIZES[name]
     problems = size_problems(sizes, GRIDS[config.world_size], config.world_size)
     if problems:
-        parser.error(f"--bench-sizes {name}: " + problems[0])
+        launch.usage_error(f"--bench-sizes {name}: " + problems[0])
     results.check_writable()
+    load_lessons()                  # the lessons' folders on the path, for every worker
     launch.launch(bench_worker, config, sizes, GRIDS[config.world_size])
+
+
+def main(argv=None) -> None:
+    """train.py's flags (the training ones unused): the measurements on the grids of
+    ``GRIDS`` for the world size."""
+    from common import import_stage
+    train_flags = import_stage("07_parallelism/07_together/train_flags")
+    args, config = train_flags.parse(argv, __doc__, bench=True)
+    run(args, config)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))   # common/
+    main()
