@@ -290,7 +290,8 @@ def check_main(ctx, args) -> None:
 def check_against_one_process(ctx, args, steps: int) -> tuple[list[str], float]:
     """Train the grid of ``args`` and one process side by side for ``steps`` steps on the same
     global batches. Before the first step: the pieces marked to be saved cover every element
-    of the full model exactly once. After each backward: the gradients (gathered whole) and
+    of the full model exactly once, and the forward-only evaluation of a held-out batch gives
+    one process's loss. After each backward: the gradients (gathered whole) and
     the loss the grid reports against one process's; after each step: the weights, and every
     replica bitwise equal to its copies. Returns the problems, the same list on every rank, and
     the largest weight difference. Stops at the first step with a problem."""
@@ -305,7 +306,15 @@ def check_against_one_process(ctx, args, steps: int) -> tuple[list[str], float]:
     reference = build_full_lm(args).to(ctx.device)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0,
                                             eps=ADAM_EPS)
-    agreed = agree(saved_once_problems(chunks, grid, parallel_lm, reference))
+    problems = saved_once_problems(chunks, grid, parallel_lm, reference)
+    inputs, targets = text.held_out_batch(0)
+    evaluated = parallel_lm.evaluate(chunks, grid, inputs, targets, ctx.device)
+    with torch.no_grad():
+        reference_loss = models.lm_loss(reference(inputs.to(ctx.device)), targets.to(ctx.device))
+    if not math.isclose(evaluated, reference_loss.item(), rel_tol=1e-5, abs_tol=1e-6):
+        problems.append(f"the held-out loss, forward only: the grid {evaluated:.7f}, one process "
+                        f"{reference_loss.item():.7f}")
+    agreed = agree(problems)
     if agreed:
         return agreed, 0.0
     worst = 0.0
