@@ -123,7 +123,8 @@ def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_p
         else:
             assert found["problems"], f"{label}: the planted bug was not caught"
     unscaled = findings["dp2 cp2, loss not divided by R"]["problems"]
-    assert any("reports loss" in problem for problem in unscaled), unscaled[:3]
+    assert any("reports loss" in problem or "the held-out loss, forward only" in problem
+               for problem in unscaled), unscaled[:3]
     dp_only = findings["dp2 cp2, summed over dp only"]["problems"]
     assert any("gradient differs" in problem for problem in dp_only), dp_only[:3]
     twice = findings["dp2 tp2, summed over tp twice"]["problems"]

@@ -47,16 +47,37 @@ def _repo() -> None:
         sys.path.insert(0, str(root))
 
 
+# Two flags hand the whole run over (the process becomes that script, with the same arguments,
+# which parses them with the same flags): measurement, and lesson 8's checkpoints.
+HAND_OVER = {"--bench": "07_parallelism/measure/grid_bench.py",
+             "--checkpoint-dir": "07_parallelism/08_checkpoints/resume.py"}
+
+
+def hand_over_to(argv: list[str]) -> str | None:
+    """The script that takes the run over, read from the arguments before torch is imported
+    (else a hand-over would import it twice)."""
+    for flag, script in HAND_OVER.items():
+        for argument in argv:
+            if argument == flag or argument.startswith(flag + "="):
+                return script
+    return None
+
+
 def main(argv=None) -> None:
     _repo()
-    from common import hand_over, import_stage, launch
+    from common import hand_over
+    if argv is None:
+        script = hand_over_to(sys.argv[1:])
+        if script is not None:
+            hand_over(script)
+    from common import import_stage, launch
     train_flags = import_stage("07_parallelism/07_together/train_flags")
     training = import_stage("07_parallelism/07_together/training")
     args, config = train_flags.parse(argv, __doc__)    # bad input: one line, exit 2, here
-    if args.bench:
-        hand_over("07_parallelism/measure/grid_bench.py")
+    if args.bench:                                     # an abbreviated flag, say (--ben)
+        hand_over(HAND_OVER["--bench"])
     if args.checkpoint_dir is not None:
-        hand_over("07_parallelism/08_checkpoints/resume.py")
+        hand_over(HAND_OVER["--checkpoint-dir"])
     training.lessons()                                 # the lessons' files on the path
     launch.launch(training.train_main, config, args)
 

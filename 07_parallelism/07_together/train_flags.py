@@ -27,6 +27,7 @@ MAX_SEED = 2**32 - 1             # batch_at seeds a generator with seed * 1_000_
 def build_parser(doc: str | None):
     from common import launch, models
     parser = launch.make_parser(doc, world_size=4)
+    parser.prog = "train.py"       # also when grid_bench.py or resume.py parses train.py's flags
     group = parser.add_argument_group("measurements (--bench: measure/grid_bench.py)")
     group.add_argument("--bench", action="store_true",
                        help="instead of training: time and count a set of grids on 4 ranks (or "
@@ -85,7 +86,7 @@ def build_parser(doc: str | None):
                              "only, and torchrun restarts the group, which resumes: "
                              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 "
                              "--max-restarts=1 07_parallelism/07_together/train.py --dp 2 "
-                             "--steps 6 --checkpoint-dir ckpt --checkpoint-every 2 "
+                             "--steps 4 --checkpoint-dir ckpt --checkpoint-every 2 "
                              "--crash-at-step 3 (without the variable the restarted ranks wait "
                              "for a store the dead group held)")
     return parser
