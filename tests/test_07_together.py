@@ -448,7 +448,7 @@ BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "it
 BENCH_GRIDS = [grid_bench.grid_spec(dp=2, tp=2, fsdp=True),
                grid_bench.grid_spec(pp=2, cp=2, micro_batches=2),
                grid_bench.grid_spec(cp=2, tp=2)]
-BENCH_COLUMNS = ["impl", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
+BENCH_COLUMNS = ["impl", "pair", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
                  "world_size", "backend", "device", "step_ms", "tokens_per_s", "machine", "run_id"]
 for _kind in [*grid_bench.KINDS, *(f"sent_{_axis}" for _axis in grid_bench.AXES)]:
     BENCH_COLUMNS += [f"{_kind}_bytes", f"{_kind}_bytes_formula"]
@@ -492,11 +492,16 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
                 for r in pair:
                     assert r["counted"]["optim"] <= mean * (1 + bound), r
     assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 4, caught
-    ours, theirs = found["torch_rows"]
-    assert (ours["impl"], theirs["impl"], theirs["grid"]) == ("ours", "torch", "dp2 tp2")
-    torch_formula = grid_bench.torch_formula(shape, 2, 2)
-    for kind in ("param", "grad", "optim"):
-        assert theirs[f"{kind}_bytes"] == torch_formula[kind], (kind, theirs)
+    torch_rows = found["torch_rows"]
+    assert [(row["pair"], row["impl"], row["grid"]) for row in torch_rows] == [
+        ("replicated_tp", "ours", "dp2 tp2"), ("replicated_tp", "torch", "dp2 tp2"),
+        ("fsdp_tp", "ours", "dp2 tp2"), ("fsdp_tp", "torch", "dp2 tp2")]
+    assert "ZeRO-1" in torch_rows[2]["setting"] and "ZeRO-1" not in torch_rows[0]["setting"]
+    assert "replicate" in torch_rows[1]["setting"] and "fully_shard" in torch_rows[3]["setting"]
+    for theirs, sharded in ((torch_rows[1], False), (torch_rows[3], True)):
+        torch_formula = grid_bench.torch_formula(shape, 2, 2, sharded=sharded)
+        for kind in ("param", "grad", "optim"):
+            assert theirs[f"{kind}_bytes"] == torch_formula[kind], (kind, theirs)
     losses = [row["first_loss"] for row in found["grid_rows"] + found["torch_rows"]]
     assert max(abs(loss - found["reference_loss"]) for loss in losses) < 1e-5, losses
     pipelines = found["pipeline_rows"]
@@ -504,7 +509,8 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
         ("ours", "real"), ("torch", "real"), ("ours", "emulated"), ("torch", "emulated")]
     assert pipelines[0]["gradient_max_difference"] < 1e-6, pipelines[0]
     rows = results.read_csv("grid.csv")
-    assert len(rows) == 3 + 2 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert len(rows) == 3 + 4 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert sorted(row["pair"] for row in rows if row["pair"]) == ["fsdp_tp"] * 2 + ["replicated_tp"] * 2
     assert rows[0]["machine"] == results.machine_name()
 
 

@@ -19,9 +19,13 @@ What it measures, in one run:
    lessons' formulas. Random tokens: the step does not depend on the text.
 2. torch's own composition as the control: the same LM (the same weights) with
    ``init_device_mesh``, ``parallelize_module`` (ColwiseParallel, RowwiseParallel,
-   SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) and
-   ``fully_shard`` over the data axis, on dp x tp = 2 x 2 (4 x 2 on 8 ranks); its step time
-   and bytes beside ours on the same grid, timed in alternating rounds.
+   SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) on tp, on
+   dp x tp = 2 x 2 (4 x 2 on 8 ranks), in two pairs that each do one job on the data axis
+   (the ``pair`` column of results/grid.csv): ``replicated_tp``, ours replicated beside
+   torch's replicated (``fully_shard`` on a (dp, 1) mesh: shards of one rank, gradients
+   all-reduced over dp; ``build_torch_composition`` says why not ``replicate``), and
+   ``fsdp_tp``, ours with ZeRO-1 (--fsdp) beside torch's ``fully_shard`` over dp; step times
+   and bytes of all four, timed in alternating rounds. A ratio is printed only within a pair.
 3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
    ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``): the same blocks and
    micro-batches on pp = 2 and 4 (pipelines side by side on the other ranks), real compute,
@@ -114,7 +118,7 @@ VOCAB = 256         # bytes as tokens, as train.py trains
 AXES = ("tp", "cp", "pp", "dp_cp", "world", "other")   # "other": a group no axis names
 KINDS = ("param", "grad", "optim", "activation")
 TARGET_BYTES = 0.05          # counted within 5% of the formula
-TARGET_TORCH_TP = 1.25       # our dp x tp step at most 1.25x torch's composition
+TARGET_TORCH_TP = 1.25       # ours at most 1.25x torch's composition, in each pair
 TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipelining
 
 
@@ -353,10 +357,11 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
     return (2 * FLOAT * largest + STEP_COUNT) / mean
 
 
-def torch_formula(shape: dict, dp: int, tp: int) -> dict:
+def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
     """torch's composition, per rank: parameters, gradients, AdamW state. Its plan splits the
-    embeddings (rows) and the head (vocabulary) over tp too, and fully_shard cuts every tensor's
-    first dimension over dp: P = ((V + s) h / t + L (5h + (4h^2 + 2hf + f) / t) + 2h + V h / t) / d.
+    embeddings (rows) and the head (vocabulary) over tp too; ``sharded`` (fully_shard) cuts
+    every tensor's first dimension over dp, replicate keeps it whole on every data rank:
+    P = ((V + s) h / t + L (5h + (4h^2 + 2hf + f) / t) + 2h + V h / t) / d (d = 1 replicated).
     q, k and v are three Linears there: 12 tensors a block."""
     h = shape["h"]
     f = shape["f"]
@@ -366,7 +371,9 @@ def torch_formula(shape: dict, dp: int, tp: int) -> dict:
     over_tp = (vocab + seq) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
     over_tp += vocab * h // tp
     whole_over_tp = layers * 5 * h + 2 * h
-    params = (over_tp + whole_over_tp) // dp
+    params = over_tp + whole_over_tp
+    if sharded:
+        params = params // dp
     tensors = 2 + layers * 12 + 3
     return {"param": FLOAT * params, "grad": FLOAT * params,
             "optim": 2 * FLOAT * params + STEP_COUNT * tensors}
@@ -530,7 +537,7 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
     from common import results, timing
     stats = timing.gather_times(seconds)
     tokens = sizes["batch_size"] * sizes["seq_len"]
-    return {"impl": impl, "grid": grid, "setting": setting, "model": sizes["model"],
+    return {"impl": impl, "pair": "", "grid": grid, "setting": setting, "model": sizes["model"],
             "batch_size": sizes["batch_size"], "seq_len": sizes["seq_len"],
             "micro_batches": micro_batches, "world_size": ctx.world_size,
             "backend": ctx.backend, "device": ctx.device.type, "step_ms": stats.median * 1e3,
@@ -671,14 +678,24 @@ def torch_plans() -> tuple[dict, dict]:
     return model_plan, block_plan
 
 
-def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict:
+def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons,
+                            data_axis: str = "fully_shard") -> dict:
     """The LM with torch's own parts: parallelize_module over tp, then fully_shard over dp
-    (each block a unit, and the root), AdamW as ours."""
+    (each block a unit, and the root), in one of two layouts: ``fully_shard`` shards the
+    parameters, gradients and AdamW state over the data ranks; ``replicate`` keeps them whole
+    on every data rank and all-reduces the gradients: fully_shard on a (dp, 1) mesh, FSDP2's
+    hybrid sharding with shards of one rank (torch's composable ``replicate(model,
+    device_mesh=mesh["dp"])`` after parallelize_module runs, but here trained nothing: its
+    parameters are swapped for local copies at the first forward, after the optimizer took
+    them, and the loss stayed the same over three steps). AdamW as ours."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     train = lessons.train
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+    data_mesh = mesh["dp", "dp_shard"]           # replicated over dp, shards of one rank
+    if data_axis == "fully_shard":
+        data_mesh = mesh["dp"]                   # sharded over dp
     args = train_args(sizes, grid_spec())
     lm = TorchLM(train.build_full_lm(args), SplitQKVBlock).to(ctx.device)
     model_plan, _ = torch_plans()
@@ -686,8 +703,8 @@ def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict
     for block in lm.blocks:
         _, block_plan = torch_plans()            # a plan's objects serve one module
         parallelize_module(block, mesh["tp"], block_plan)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(lm, mesh=mesh["dp"])
+        fully_shard(block, mesh=data_mesh)
+    fully_shard(lm, mesh=data_mesh)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
                                   eps=train.ADAM_EPS)
     inputs, targets = random_batch(sizes)
@@ -744,42 +761,69 @@ def count_torch_composition(ctx, built: dict) -> dict:
     return {"counted": counted, "loss": reported.item() / dist.get_world_size(built["dp_group"])}
 
 
+# Each torch control beside the one of ours that does the same job on the same dp x tp grid,
+# named by the CSV's ``pair`` column: our replicated data axis (AdamW whole on every data rank)
+# beside torch's replicated one, and our ZeRO-1 data axis (--fsdp: AdamW state sharded over the data
+# ranks) beside torch's fully_shard (which also shards the parameters and gradients, gathering
+# them for every forward and backward: the nearest torch control, not the same memory).
+PAIRS = (("replicated_tp", False, "replicate"), ("fsdp_tp", True, "fully_shard"))
+TORCH_DATA_AXIS = {"replicate": "fully_shard on (dp, 1): replicated",
+                   "fully_shard": "fully_shard"}
+
+
 def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Ours and torch's on the same dp x tp grid, timed in alternating rounds (background load
-    hits both alike): two rows, each with its bytes (ours beside our formula, torch's beside
-    the formula of torch's sharding)."""
+    """Ours and torch's on the same dp x tp grid, two pairs (``PAIRS``), all four timed in
+    alternating rounds (background load hits them alike): four rows, each with its bytes
+    (ours beside our formula, torch's beside the formula of torch's layout), ours first in
+    each pair."""
     tp = 2
     dp = ctx.world_size // tp
-    spec = grid_spec(dp=dp, tp=tp)
-    ours = build_grid(ctx, spec, sizes, lessons)
-    ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+    shape = lm_shape(sizes)
+    built = {}
+    steps = {}
+    for pair, fsdp, data_axis in PAIRS:
+        spec = grid_spec(dp=dp, tp=tp, fsdp=fsdp)
+        ours = build_grid(ctx, spec, sizes, lessons)
+        built[("ours", pair)] = (spec, ours, count_grid(ctx, spec, sizes, ours, lessons))
+        steps[f"ours {pair}"] = ours["step"]
     with warnings.catch_warnings():
         # fully_shard warns that the root returns a view (the logits DTensor's local part);
         # nothing here changes the logits in place, which is what the warning is about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        theirs = build_torch_composition(ctx, sizes, dp, tp, lessons)
-        theirs_mine = count_torch_composition(ctx, theirs)
-        steps = {"ours": ours["step"], "torch": theirs["step"]}
+        for pair, fsdp, data_axis in PAIRS:
+            theirs = build_torch_composition(ctx, sizes, dp, tp, lessons, data_axis)
+            built[("torch", pair)] = (data_axis, theirs, count_torch_composition(ctx, theirs))
+            steps[f"torch {pair}"] = theirs["step"]
         seconds = measure_alternating(ctx, steps, sizes)
-    grid = grid_label(spec)
-    row_ours = timed_row(ctx, sizes, "ours", grid, "AdamW, timed beside torch's", seconds["ours"],
-                         1)
-    row_ours["first_loss"] = ours_mine["loss"]
-    ours_ranks = everyone(ours_mine)
     kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
-    row_ours.update(byte_columns(ours_ranks, kinds))
-    row_ours["zero1_deal_bound"] = ""
-    row_torch = timed_row(ctx, sizes, "torch", grid,
-                          "parallelize_module + fully_shard, AdamW", seconds["torch"], 1)
-    row_torch["first_loss"] = theirs_mine["loss"]
-    formula = torch_formula(lm_shape(sizes), dp, tp)
-    worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
-    torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
-                  "worst": worst, "worst_kind": worst_kind}
-    torch_ranks = everyone(torch_mine)
     torch_kinds = list(KINDS) + ["sent_tp", "sent_dp", "sent_world", "sent_other"]
-    row_torch.update(byte_columns(torch_ranks, torch_kinds))
-    return [row_ours, row_torch]
+    rows = []
+    for pair, fsdp, data_axis in PAIRS:
+        spec, ours, ours_mine = built[("ours", pair)]
+        grid = grid_label(spec)
+        row_ours = timed_row(ctx, sizes, "ours", grid,
+                             f"{setting_label(spec)}, timed beside torch's",
+                             seconds[f"ours {pair}"], 1)
+        row_ours["pair"] = pair
+        row_ours["first_loss"] = ours_mine["loss"]
+        row_ours.update(byte_columns(everyone(ours_mine), kinds))
+        row_ours["zero1_deal_bound"] = ""
+        if fsdp:
+            row_ours["zero1_deal_bound"] = zero1_deal_bound(shape, spec, 0)
+        rows.append(row_ours)
+        data_axis, theirs, theirs_mine = built[("torch", pair)]
+        row_torch = timed_row(ctx, sizes, "torch", grid,
+                              f"parallelize_module + {TORCH_DATA_AXIS[data_axis]}, AdamW",
+                              seconds[f"torch {pair}"], 1)
+        row_torch["pair"] = pair
+        row_torch["first_loss"] = theirs_mine["loss"]
+        formula = torch_formula(shape, dp, tp, sharded=data_axis == "fully_shard")
+        worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
+        torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
+                      "worst": worst, "worst_kind": worst_kind}
+        row_torch.update(byte_columns(everyone(torch_mine), torch_kinds))
+        rows.append(row_torch)
+    return rows
 
 
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
@@ -999,14 +1043,15 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     torch_rows = compare_with_torch(ctx, sizes, lessons)
     if ctx.is_main:
         results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-    ctx.print(f"  torch's composition beside ours: {torch_rows[1]['step_ms']:.1f} and "
-              f"{torch_rows[0]['step_ms']:.1f} ms/step", all_ranks=False)
+    for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
+        ctx.print(f"  {ours['pair']}: ours {ours['step_ms']:.1f}, torch's {theirs['step_ms']:.1f} "
+                  "ms/step", all_ranks=False)
     pipeline_rows = compare_pipelines(ctx, sizes, lessons)
     reference = reference_loss(sizes, lessons)
     if not ctx.is_main:
         return
     path = results.upsert_csv(CSV_NAME, grid_rows + torch_rows + pipeline_rows, key=CSV_KEY)
-    report(ctx, sizes, grid_rows + [torch_rows[0]], torch_rows, pipeline_rows, reference)
+    report(ctx, sizes, grid_rows + torch_rows[0::2], torch_rows, pipeline_rows, reference)
     print(f"wrote {path}", flush=True)
     if out_path is not None:
         import json
@@ -1074,7 +1119,8 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                                     "the largest rank), counted (formula):")
     beside = []
     for row in torch_rows:
-        line = {"impl": row["impl"], "setting": row["setting"], "step ms": row["step_ms"],
+        line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
+                "step ms": row["step_ms"],
                 "tokens/s": row["tokens_per_s"],
                 f"params {unit_name}": counted_and_formula(row, "param", unit),
                 f"grads {unit_name}": counted_and_formula(row, "grad", unit),
@@ -1086,7 +1132,11 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
         beside.append(line)
     results.print_table(beside, floatfmt=".1f",
                         title=f"\ntorch's composition beside ours, {torch_rows[0]['grid']}, the "
-                              f"same LM and batch, timed in {sizes['rounds']} alternating rounds:")
+                              f"same LM and batch, timed in {sizes['rounds']} alternating rounds; "
+                              "each pair does the same job on the data axis (replicated_tp: "
+                              "everything whole on every data rank; fsdp_tp: ours shards the "
+                              "AdamW state, torch's fully_shard also the parameters and "
+                              "gradients):")
     pairs = pipeline_pairs(pipeline_rows)
     pipeline_table = []
     for (stages, schedule, compute), pair in pairs.items():
@@ -1151,12 +1201,15 @@ def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, refe
                      + "; ".join(inexact))
     else:
         lines.append("    every count equals its formula exactly")
-    ours = torch_rows[0]
-    theirs = torch_rows[1]
-    ratio = ours["step_ms"] / theirs["step_ms"]
-    lines.append(f"  our {ours['grid']} step / torch's parallelize_module + fully_shard: "
-                 f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f} ms = {ratio:.2f}x "
-                 f"(target <= {TARGET_TORCH_TP}x)")
+    for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
+        ratio = ours["step_ms"] / theirs["step_ms"]
+        verdict = "met"
+        if ratio > TARGET_TORCH_TP:
+            verdict = "NOT met"
+        lines.append(f"  {ours['pair']}: our {ours['grid']} step ({ours['setting'].split(',')[0]}) "
+                     f"/ torch's {theirs['setting'].split(',')[0]}: {ours['step_ms']:.1f} / "
+                     f"{theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= {TARGET_TORCH_TP}x: "
+                     f"{verdict})")
     for (stages, schedule, compute), pair in pairs.items():
         if compute != "emulated" or stages != 4:
             continue
