@@ -502,6 +502,9 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
         torch_formula = grid_bench.torch_formula(shape, 2, 2, sharded=sharded)
         for kind in ("param", "grad", "optim"):
             assert theirs[f"{kind}_bytes"] == torch_formula[kind], (kind, theirs)
+        # its tensor-parallel collectives counted on tp (torch's plan sends more than ours:
+        # vocabulary-parallel embeddings, whole logits), nothing on a group no axis names
+        assert theirs["sent_tp_bytes"] > 0 and theirs["sent_other_bytes"] == 0, theirs
     losses = [row["first_loss"] for row in found["grid_rows"] + found["torch_rows"]]
     assert max(abs(loss - found["reference_loss"]) for loss in losses) < 1e-5, losses
     pipelines = found["pipeline_rows"]

@@ -41,7 +41,8 @@ adds only what composing needs and no lesson had:
 
 Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
 ``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
-(lesson 4), ``context_parallel.py`` (lesson 5). ``train.py`` beside it puts them on the path.
+(lesson 4), ``context_parallel.py`` (lesson 5). ``training.py`` beside it puts them on the
+path (``lessons()``).
 """
 
 from __future__ import annotations

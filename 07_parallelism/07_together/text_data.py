@@ -3,15 +3,16 @@
 Every machine that runs Python has megabytes of carefully written text on its disk: the
 standard library. Tokens are bytes (vocabulary 256), so there is no tokenizer to train or
 ship. The files are split into training and held-out text by a seeded shuffle of their names,
-so the split is the same on every run and every rank.
+so the split is the same on every run and every rank; a file of your own is cut in two, its
+start for training and its end held out. Either way the two parts share nothing: a held-out
+loss measured on text the model trained on would say nothing.
 
 The batches are what makes every grid train the same model: batch ``step`` is drawn from a
 generator seeded with (seed, step) alone, the same global batch on every rank and for every
 grid; each rank then takes its own part of it (its rows for data parallelism, its positions
 for context and sequence parallelism).
 
-    text = load_text()                     # or load_text("some_file.txt")
-    train, held_out = split_text(text)
+    train, held_out = load_text()          # or load_text("some_file.txt", max_bytes=10**6)
     x, y = batch_at(train, step=0, batch_size=8, seq_len=64)   # [8, 64] inputs, next bytes
 
 Torch alone: copy this file anywhere.
