@@ -2,7 +2,11 @@
 
 The grid's groups are checked against torch's ``init_device_mesh`` without spawning: torch's
 fake process group lets one process play any rank of any world size, so every rank of every
-shape is checked in a few fresh interpreters (one per shape).
+shape is checked in a few fresh interpreters (one per shape). Training over grids of four
+ranks, beside one process, with planted bugs, runs in one launch (``checks_together.py``);
+train.py itself runs as a subprocess (under torchrun on two "nodes", and the crash recipe of
+its help, as printed); its flags are checked in this process (``train_flags.parse``), and so
+is the training loop on a one-rank group (a NaN loss). Nothing here imports train.py.
 """
 
 from __future__ import annotations
