@@ -266,6 +266,7 @@ def bad_input_cases(tmp: Path) -> list:
         (["--data", write_bytes(tmp / "twelve_hundred", 1200)],
          "1200 bytes read give 1140 training and 60 held-out bytes; each needs at least 66"),
         (["--data", str(sparse), "--max-bytes", "1000"], "1000 bytes read give"),
+        (["--max-bytes", "10"], "--max-bytes 10: the training text needs at least 66 bytes"),
         (["--checkpoint-every", "2"], "need --checkpoint-dir"),
         (["--crash-at-step", "2"], "need --checkpoint-dir"),
         (["--checkpoint-dir", ""], "--checkpoint-dir '': give a folder"),

@@ -181,7 +181,11 @@ def run_problem(args, config) -> str | None:
 def data_problem(args, config) -> str | None:
     """--data: readable, and long enough (of its first --max-bytes) for one training window
     and one held-out window of --seq-len + 1 bytes."""
+    window = args.seq_len + 2            # batch_at needs more than seq_len + 1 tokens
     if args.data is None:
+        if args.max_bytes < window:      # the standard library: --max-bytes of training text
+            return (f"--max-bytes {args.max_bytes}: the training text needs at least {window} "
+                    f"bytes (--seq-len {args.seq_len} + 2)")
         return None
     from common import import_stage
     text_data = import_stage("07_parallelism/07_together/text_data")
@@ -194,7 +198,6 @@ def data_problem(args, config) -> str | None:
     except OSError as error:
         return f"--data {args.data}: cannot read it ({error.strerror or error})"
     train, held_out = text_data.split_bytes(data)
-    window = args.seq_len + 2            # batch_at needs more than seq_len + 1 tokens
     if len(train) < window or len(held_out) < window:
         need = math.ceil(window / 0.05)  # the held-out part is the last 5%
         return (f"--data {args.data}: {len(data)} bytes read give {len(train)} training and "
