@@ -74,10 +74,15 @@ def main(argv=None) -> None:
     train_flags = import_stage("07_parallelism/07_together/train_flags")
     training = import_stage("07_parallelism/07_together/training")
     args, config = train_flags.parse(argv, __doc__)    # bad input: one line, exit 2, here
+    script = None
     if args.bench:                                     # an abbreviated flag, say (--ben)
-        hand_over(HAND_OVER["--bench"])
-    if args.checkpoint_dir is not None:
-        hand_over(HAND_OVER["--checkpoint-dir"])
+        script = HAND_OVER["--bench"]
+    elif args.checkpoint_dir is not None:
+        script = HAND_OVER["--checkpoint-dir"]
+    if script is not None and argv is not None:        # called in a process (a test, say)
+        raise RuntimeError(f"main(argv) cannot hand the run over to {script}: call its main")
+    if script is not None:
+        hand_over(script)
     training.lessons()                                 # the lessons' files on the path
     launch.launch(training.train_main, config, args)
 
