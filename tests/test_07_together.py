@@ -2,7 +2,11 @@
 
 The grid's groups are checked against torch's ``init_device_mesh`` without spawning: torch's
 fake process group lets one process play any rank of any world size, so every rank of every
-shape is checked in a few fresh interpreters (one per shape).
+shape is checked in a few fresh interpreters (one per shape). Training over grids of four
+ranks, beside one process, with planted bugs, runs in one launch (``checks_together.py``);
+train.py itself runs as a subprocess (under torchrun on two "nodes", and the crash recipe of
+its help, as printed); its flags are checked in this process (``train_flags.parse``), and so
+is the training loop on a one-rank group (a NaN loss). Nothing here imports train.py.
 """
 
 from __future__ import annotations
@@ -89,107 +93,33 @@ def test_grid_coordinates_without_processes():
 # --------------------------------------------------------------------------- training over grids
 
 import argparse  # noqa: E402
+import datetime  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
+import tempfile  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-import train  # noqa: E402
+import checks_together  # noqa: E402
+import text_data  # noqa: E402
+import train_flags  # noqa: E402
+import training  # noqa: E402
 from common import launch  # noqa: E402
 from helpers import assert_main_usage_error  # noqa: E402
 
 TEXT = (REPO / "README.md").read_text() * 3  # a small real text: the tests read no stdlib
-
-
-def small_args(data: str, **grid) -> argparse.Namespace:
-    """train.py's flags for a fast check: the tiny LM, 8 sequences of 32 bytes."""
-    args = dict(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1, micro_batches=1,
-                model="tiny", batch_size=8, seq_len=32, lr=3e-3, seed=0, data=data,
-                max_bytes=None)
-    args.update(grid)
-    return argparse.Namespace(**args)
-
-
-def replicated_parameters(chunks) -> list:
-    params = []
-    for chunk in chunks:
-        for block in chunk.blocks:
-            params.extend(block.replicated_parameters())
-        for module in (chunk.embedding, chunk.head):
-            if module is not None:
-                params.extend(module.parameters())
-    return [p for p in params if p.grad is not None]
-
-
-def sum_over_dp_only(chunks, grid):
-    """Planted bug (torchtitan #3280's kind): gradients summed over the data ranks, not over
-    data and context: each context rank steps with its part of the sequence alone."""
-    parallel_lm = train.lessons()[1]
-    everything = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
-    parallel_lm.all_reduce_sum(replicated_parameters(chunks), grid.group("tp"))
-    parallel_lm.all_reduce_sum(everything, grid.group("dp"))
-
-
-def no_sum_over_tp(chunks, grid):
-    """Planted bug: the tp-replicated parameters (LayerNorms, biases, embeddings, head) keep
-    the gradient of this rank's tokens only (sequence parallelism split them)."""
-    parallel_lm = train.lessons()[1]
-    everything = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
-    parallel_lm.all_reduce_sum(everything, grid.group("dp_cp"))
-
-
-def twice_over_tp(chunks, grid):
-    """Planted bug: the tp-replicated gradients summed over tp twice (2x too big: AdamW would
-    hide it in the weights, the gradient check must not)."""
-    parallel_lm = train.lessons()[1]
-    parallel_lm.all_reduce_sum(replicated_parameters(chunks), grid.group("tp"))
-    parallel_lm.sum_gradients(chunks, grid)
-
-
-def unscaled_loss(logits, targets):
-    """Planted bug: each rank's mean loss not divided by R, the ranks holding different tokens."""
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-# (label, grid, planted bug or None): four ranks; every correct grid must equal one process,
-# every planted bug must be caught
-FOUR_RANK_CASES = [
-    ("dp2 tp2", dict(dp=2, tp=2), None),
-    ("pp2 tp2, 1f1b, 2 micro-batches", dict(pp=2, tp=2, micro_batches=2), None),
-    ("dp2 pp2, gpipe, 4 micro-batches", dict(dp=2, pp=2, schedule="gpipe", micro_batches=4), None),
-    ("cp2 tp2", dict(cp=2, tp=2), None),
-    ("dp2 cp2, ZeRO-1 (--fsdp)", dict(dp=2, cp=2, fsdp=True), None),
-    ("pp2 tp2, zbh1, 4 micro-batches", dict(pp=2, tp=2, schedule="zbh1", micro_batches=4), None),
-    ("dp2 cp2, summed over dp only", dict(dp=2, cp=2), "dp only"),
-    ("dp2 tp2, no sum over tp", dict(dp=2, tp=2), "no tp sum"),
-    ("dp2 tp2, summed over tp twice", dict(dp=2, tp=2), "twice over tp"),
-    ("dp2 cp2, loss not divided by R", dict(dp=2, cp=2), "unscaled"),
-]
-PLANTED = {"dp only": (None, sum_over_dp_only), "no tp sum": (None, no_sum_over_tp),
-           "twice over tp": (None, twice_over_tp), "unscaled": (unscaled_loss, None)}
-
-
-def grid_worker(ctx, data: str, out: str) -> None:
-    findings = {}
-    for label, grid, planted in FOUR_RANK_CASES:
-        loss_fn = None
-        sum_grads = None
-        if planted is not None:
-            loss_fn, sum_grads = PLANTED[planted]
-        problems, worst = train.check_against_one_process(ctx, small_args(data, **grid), 2,
-                                                          loss_fn, sum_grads)
-        findings[label] = {"problems": problems, "worst": worst}
-    if ctx.is_main:
-        Path(out).write_text(json.dumps(findings))
+TRAIN_PY = REPO / "07_parallelism" / "07_together" / "train.py"
 
 
 def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_path):
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     out = tmp_path / "findings.json"
-    launch.launch(grid_worker, launch.LaunchConfig(4, "gloo", "cpu"), str(data), str(out),
-                  timeout_s=240)
+    launch.launch(checks_together.grid_worker, launch.LaunchConfig(4, "gloo", "cpu"), str(data),
+                  str(out), timeout_s=240)
     findings = json.loads(out.read_text())
-    for label, grid, planted in FOUR_RANK_CASES:
+    for label, grid, planted in checks_together.FOUR_RANK_CASES:
         found = findings[label]
         if planted is None:
             assert found["problems"] == [], (label, found["problems"][:5])
@@ -197,11 +127,20 @@ def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_p
         else:
             assert found["problems"], f"{label}: the planted bug was not caught"
     unscaled = findings["dp2 cp2, loss not divided by R"]["problems"]
-    assert any("reports loss" in problem for problem in unscaled), unscaled[:3]
+    assert any("reports loss" in problem or "the held-out loss, forward only" in problem
+               for problem in unscaled), unscaled[:3]
     dp_only = findings["dp2 cp2, summed over dp only"]["problems"]
     assert any("gradient differs" in problem for problem in dp_only), dp_only[:3]
     twice = findings["dp2 tp2, summed over tp twice"]["problems"]
     assert any("norm1.weight gradient differs" in problem for problem in twice), twice[:3]
+    replicas = findings["dp2 tp2, replicas saved on every tp rank"]["problems"]
+    assert any("blocks.0.norm1.weight: marked to be saved by ranks [0, 1]" in problem
+               for problem in replicas), replicas[:3]
+    # a NaN loss: every rank exits 2, rank 0 alone says one line naming the step
+    stops = findings["nan stop"]
+    assert [stop["code"] for stop in stops] == [2, 2, 2, 2], stops
+    assert stops[0]["stderr"].count("\n") == 1 and "step 7: the loss is nan" in stops[0]["stderr"]
+    assert all(stop["stderr"] == "" for stop in stops[1:]), stops
 
 
 def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
@@ -215,7 +154,7 @@ def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
     port = launch.free_port()
     node = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test07",
-            str(REPO / "07_parallelism" / "07_together" / "train.py"), "--backend", "gloo",
+            str(TRAIN_PY), "--backend", "gloo",
             "--device", "cpu", "--dp", "2", "--pp", "2", "--tp", "2", "--micro-batches", "2",
             "--batch-size", "8", "--seq-len", "32", "--steps", "2", "--log-every", "1",
             "--eval-batches", "1", "--check", "--check-steps", "2", "--data", str(data),
@@ -232,24 +171,271 @@ def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
     lm.load_state_dict(torch.load(saved))  # the single-process LM's names and shapes
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--world-size", "4", "--dp", "3", "--tp", "2"], "= 6, but the world size is 4"),
-    (["--world-size", "3", "--dp", "1", "--tp", "3", "--seq-len", "36"], "must divide the tiny"),
-    (["--world-size", "2", "--dp", "1", "--tp", "2", "--seq-len", "30"], "divide by 2 x cp x tp"),
-    (["--world-size", "4", "--dp", "1", "--pp", "4"], "layers do not split"),
-    (["--world-size", "2", "--dp", "1", "--pp", "2", "--schedule", "interleaved",
-      "--micro-batches", "3", "--batch-size", "6", "--chunks", "1"], "multiple of --pp"),
-    (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
-     "must divide each data-parallel"),
-    (["--world-size", "2", "--dp", "1", "--cp", "2", "--fsdp", "--data", "/no/such/file"],
-     "no such file"),
-    (["--bench", "--world-size", "3"], "--bench runs its grids on 4 or 8 ranks, not 3"),
-])
-def test_bad_grids_are_refused_before_any_worker_starts(argv, needle, capsys, monkeypatch):
+def crash_recipe() -> str:
+    """The torchrun recipe, exactly as ``train.py --help`` prints it (in --crash-at-step's help)."""
+    parser = train_flags.build_parser("train.py")
+    for action in parser._actions:
+        if "--crash-at-step" in action.option_strings:
+            help_text = " ".join(action.help.split())
+    start = help_text.index("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun")
+    end = help_text.index(" (without the variable")
+    return help_text[start:end]
+
+
+def test_the_printed_torchrun_recipe_resumes_after_the_crash(tmp_path):
+    """The recipe of --crash-at-step's help, run as printed (a shell, torchrun on the PATH, the
+    repository's folder under the current one): rank 1 dies after step 3, torchrun restarts
+    the group, which resumes from step 2's checkpoint and finishes. Without the variable the
+    restarted ranks would wait for the store of the group that died."""
+    recipe = crash_recipe()
+    assert recipe.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 "
+                             "--max-restarts=1 07_parallelism/07_together/train.py"), recipe
+    (tmp_path / "07_parallelism").symlink_to(REPO / "07_parallelism")
+    bin_folder = tmp_path / "bin"
+    bin_folder.mkdir()
+    torchrun = bin_folder / "torchrun"       # torchrun of the interpreter running the tests
+    torchrun.write_text(f"#!/bin/sh\nexec {sys.executable} -m torch.distributed.run \"$@\"\n")
+    torchrun.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_folder}:{os.environ['PATH']}",
+           "RESULTS_DIR": str(tmp_path / "results")}
+    result = subprocess.run(["bash", "-c", recipe], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "[rank 1] --crash-at-step 3: killing this worker" in output, output[-3000:]
+    assert "resumed from ckpt/step_000000002 (step 2" in output, output[-3000:]
+    assert "step     4  loss" in output, output[-3000:]
+
+
+def one_rank(args, checkpoints_class=None) -> None:
+    """train.py's training on a 1-rank group in this process (no worker to start)."""
+    store = Path(tempfile.mkdtemp(prefix="one-rank-")) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        training.train_main(launch.Dist(0, 1, 0, "gloo", torch.device("cpu")), args)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_loss_stops_training_with_one_line_naming_the_step(tmp_path, capsys):
+    """--lr 1e6: the loss goes to NaN within a few steps; the run stops there, one line, exit 2
+    (in this process, on one rank: the loop itself, no worker to start)."""
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    args, _ = train_flags.parse(["--world-size", "1", "--lr", "1e6", "--steps", "50",
+                                 "--log-every", "50", "--batch-size", "8", "--seq-len", "32",
+                                 "--data", str(data), "--backend", "gloo", "--device", "cpu"])
+    with pytest.raises(SystemExit) as stopped:
+        one_rank(args)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "the loss is nan; training stopped" in lines[0], lines
+    step = int(lines[0].split("step ")[1].split(":")[0])
+    assert 1 < step < 50, lines
+
+
+def write_bytes(path: Path, size: int) -> str:
+    path.write_bytes((TEXT.encode() * (1 + size // len(TEXT)))[:size])
+    return str(path)
+
+
+def bad_input_cases(tmp: Path) -> list:
+    """(argv, needle): every refusal of train.py's flags, before any worker starts."""
+    afile = tmp / "afile"
+    afile.write_text("x")
+    sparse = tmp / "three_gb.txt"          # 3 GB that take no disk: read at most --max-bytes
+    with open(sparse, "wb") as f:
+        f.truncate(3 * 2**30)
+    return [
+        (["--world-size", "4", "--dp", "3", "--tp", "2"], "= 6, but the world size is 4"),
+        (["--world-size", "3", "--dp", "1", "--tp", "3", "--seq-len", "36"], "must divide the tiny"),
+        (["--world-size", "2", "--dp", "1", "--tp", "2", "--seq-len", "30"], "divide by 2 x cp x tp"),
+        (["--world-size", "4", "--dp", "1", "--pp", "4"], "layers do not split"),
+        (["--world-size", "2", "--dp", "1", "--pp", "2", "--schedule", "interleaved",
+          "--micro-batches", "3", "--batch-size", "6", "--chunks", "1"], "multiple of --pp"),
+        (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
+         "must divide each data-parallel"),
+        (["--data", "/no/such/file"], "cannot read it (No such file or directory)"),
+        (["--data", ""], "--data '': give a text file"),
+        (["--data", str(tmp)], "a folder; give a text file"),
+        (["--data", "/proc/self/mem"], "cannot read it"),
+        (["--data", write_bytes(tmp / "empty", 0)], "0 bytes read give 0 training and 0 held-out"),
+        (["--data", write_bytes(tmp / "one", 1)], "1 bytes read give"),
+        (["--data", write_bytes(tmp / "sixty", 60)], "60 bytes read give 57 training and 3"),
+        (["--data", write_bytes(tmp / "twelve_hundred", 1200)],
+         "1200 bytes read give 1140 training and 60 held-out bytes; each needs at least 66"),
+        (["--data", str(sparse), "--max-bytes", "1000"], "1000 bytes read give"),
+        (["--max-bytes", "10"], "--max-bytes 10: the training text needs at least 66 bytes"),
+        (["--checkpoint-every", "2"], "need --checkpoint-dir"),
+        (["--crash-at-step", "2"], "need --checkpoint-dir"),
+        (["--checkpoint-dir", ""], "--checkpoint-dir '': give a folder"),
+        (["--checkpoint-dir", str(afile)], "not a folder"),
+        (["--checkpoint-dir", str(afile / "sub")], "cannot write there"),
+        (["--checkpoint-dir", "/proc/self"], "--checkpoint-dir '/proc/self': cannot write there"),
+        (["--save-full", ""], "--save-full '': give a file name"),
+        (["--save-full", str(tmp)], "a folder; give a file name"),
+        (["--save-full", str(tmp / "missing" / "model.pt")], "no folder"),
+        (["--save-full", "/proc/self/model.pt"], "cannot write it"),
+        (["--seed", "10000000000000000"], "--seed 10000000000000000: at most 4294967295"),
+        (["--model", "2.7B"], "GiB of host memory"),
+        (["--batch-size", "100000", "--seq-len", "4096"], "GiB of host memory"),
+    ]
+
+
+def test_bad_input_is_refused_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    """Every case in this process (no launch): exit 2, one line on stderr naming the flag."""
     def no_launch(*args, **kwargs):
-        raise AssertionError("a bad grid reached the launch")
+        raise AssertionError("bad input reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
-    assert_main_usage_error(train.main, argv, capsys, needle)
+    for argv, needle in bad_input_cases(tmp_path):
+        full = ["--world-size", "1", "--backend", "gloo", "--device", "cpu", *argv]
+        line = assert_main_usage_error(train_flags.parse, full, capsys, needle)
+        assert "train" in line or "pytest" in line or "error" in line, line
+    # the 3 GB file with a large enough --max-bytes is read in part and accepted
+    sparse = str(tmp_path / "three_gb.txt")
+    args, _ = train_flags.parse(["--world-size", "1", "--data", sparse, "--max-bytes", "100000"])
+    assert len(text_data.read_head(args.data, args.max_bytes)) == 100000
+    # nothing of the tries is left behind: the --save-full file a check created is gone
+    assert not (tmp_path / "model.pt").exists()
+    args, _ = train_flags.parse(["--world-size", "1", "--save-full", str(tmp_path / "model.pt")])
+    assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_folders_are_refused(tmp_path, capsys):
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    for argv, needle in ((["--checkpoint-dir", str(read_only)], "cannot write there"),
+                         (["--save-full", str(read_only / "m.pt")], "cannot write it")):
+        assert_main_usage_error(train_flags.parse, ["--world-size", "1", *argv], capsys, needle)
+
+
+@pytest.mark.parametrize("backend, device, grid, refused", [
+    ("gloo", "cuda", dict(cp=2), "batch_isend_irecv"),       # ring attention: CPU tensors only
+    ("gloo", "cuda", dict(cp=2, tp=2), "batch_isend_irecv"),
+    ("nccl", "cuda", dict(cp=2), None),
+    ("gloo", "cpu", dict(cp=2), None),
+    ("gloo", "cuda", dict(pp=2), None),       # the pipeline's sends cross host memory on Gloo
+    ("gloo", "cuda", dict(tp=2, dp=2), None),  # all-gather, reduce-scatter, all-reduce: Gloo has CUDA
+])
+def test_backend_and_device_pairs_the_grid_cannot_carry_are_refused(backend, device, grid,
+                                                                     refused):
+    """The up-front decision, for pairs this CPU machine cannot launch: (backend, device) and
+    the grid's axes -> refused (naming the collective) or not."""
+    args = argparse.Namespace(**{"dp": 1, "pp": 1, "cp": 1, "tp": 1, **grid})
+    config = launch.LaunchConfig(4, backend, device)
+    problem = train_flags.device_problem(args, config)
+    if refused is None:
+        assert problem is None, problem
+    else:
+        assert refused in problem and f"--cp {args.cp}" in problem, problem
+
+
+# --------------------------------------------------------------------------- the text
+
+
+def file_split_problems(train: bytes, held_out: bytes, whole: bytes) -> list[str]:
+    """A file's two parts: the training text then the held-out text, one after the other, are
+    the text read: no byte in both, none left out."""
+    problems = []
+    if not train or not held_out:
+        problems.append(f"a part is empty: {len(train)} training, {len(held_out)} held-out bytes")
+    if train + held_out != whole:
+        problems.append(f"training ({len(train)} bytes) then held-out ({len(held_out)}) is not "
+                        f"the {len(whole)} bytes read")
+    return problems
+
+
+def split_problems(train: bytes, held_out: bytes, pieces: list[bytes]) -> list[str]:
+    """The standard library's two parts: every file (``pieces``, each whole and different) in
+    exactly one of them, and nothing else."""
+    problems = []
+    if not train or not held_out:
+        problems.append(f"a part is empty: {len(train)} training, {len(held_out)} held-out bytes")
+    if len(train) + len(held_out) != sum(len(piece) for piece in pieces):
+        problems.append(f"{len(train)} + {len(held_out)} bytes, the text has "
+                        f"{sum(len(piece) for piece in pieces)}")
+    for piece in pieces:
+        if (piece in train) == (piece in held_out):
+            problems.append(f"a piece is in both parts or in neither: {piece[:30]!r}")
+    return problems
+
+
+def test_held_out_text_is_disjoint_from_the_training_text_and_covers_it(tmp_path, monkeypatch):
+    """Both paths of text_data: a file (cut at 95%, at most --max-bytes read) and the standard
+    library's (whole files dealt to one part or the other; here a folder of made-up files).
+    A planted bug, the training text returned as the held-out text, fails the same check."""
+    data = tmp_path / "text.txt"
+    data.write_bytes(bytes(range(256)) * 40)
+    whole = data.read_bytes()
+    train, held_out = text_data.load_text(str(data))
+    assert file_split_problems(train, held_out, whole) == []
+    assert len(held_out) == len(whole) - int(len(whole) * 0.95)
+    train, held_out = text_data.load_text(str(data), max_bytes=5000)
+    assert file_split_problems(train, held_out, whole[:5000]) == [] and len(held_out) == 250
+    files = []
+    for index in range(40):
+        path = tmp_path / f"module_{index}.py"
+        path.write_text(f"# module {index}\n" + f"value_{index} = {index}\n" * (index + 1))
+        files.append(path)
+    monkeypatch.setattr(text_data, "stdlib_files", lambda: list(files))
+    pieces = [path.read_bytes() for path in files]
+    train, held_out = text_data.load_text()
+    assert split_problems(train, held_out, pieces) == []
+    assert held_out.count(b"# module ") == 2          # 5% of 40 files, whole
+    # the planted bugs: the training part returned as the held-out part, on either path
+    real_split_files = text_data.split_files
+    monkeypatch.setattr(text_data, "split_files",
+                        lambda *a, **k: (real_split_files(*a, **k)[0],) * 2)
+    train, held_out = text_data.load_text()
+    assert split_problems(train, held_out, pieces), "a held-out part equal to training passed"
+    monkeypatch.setattr(text_data, "split_bytes", lambda data, share=0.05: (data, data))
+    train, held_out = text_data.load_text(str(data))
+    assert file_split_problems(train, held_out, whole)
+
+
+# --------------------------------------------------------------------------- who saves what
+
+
+class StubGrid:
+    """A rank of a dp_cp x tp grid, without processes: what placement_of asks."""
+
+    def __init__(self, dp_cp_rank: int, tp_rank: int, tp: int):
+        self.ranks = {"dp_cp": dp_cp_rank, "tp": tp_rank}
+        self.sizes = {"dp_cp": 2, "tp": tp}
+
+    def rank(self, axis: str) -> int:
+        return self.ranks[axis]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+
+def test_each_piece_is_saved_by_exactly_one_rank_of_a_grid():
+    """placement_of's ``replica``, on every rank of dp_cp 2 x tp 2 (no processes): a
+    tp-replicated parameter (a LayerNorm) by one rank of all four, a tp-split weight by one
+    rank per tp slice; a planted bug (replicas on every tp rank) is caught by the same count."""
+    parallel_lm = training.lessons()[1]
+    import tensor_parallel
+    layer = torch.nn.Linear(8, 8)
+    norm_weight = torch.nn.Parameter(torch.ones(8))
+    column = tensor_parallel.ColumnParallelLinear.__new__(tensor_parallel.ColumnParallelLinear)
+    column.stacked = 1
+    plant = checks_together.replica_on_every_tp_rank(parallel_lm.placement_of)
+
+    def savers(placement_of, p, module) -> list:
+        found = []
+        for dp_cp_rank in range(2):
+            for tp_rank in range(2):
+                grid = StubGrid(dp_cp_rank, tp_rank, 2)
+                if placement_of("w", p, module, grid)["replica"]:
+                    found.append((dp_cp_rank, tp_rank))
+        return found
+    assert savers(parallel_lm.placement_of, norm_weight, None) == [(0, 0)]
+    assert savers(parallel_lm.placement_of, layer.weight, column) == [(0, 0), (0, 1)]
+    assert savers(plant, norm_weight, None) == [(0, 0), (0, 1)]      # caught: two savers
 
 
 # --------------------------------------------------------------------------- the measurements
@@ -267,7 +453,7 @@ BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "it
 BENCH_GRIDS = [grid_bench.grid_spec(dp=2, tp=2, fsdp=True),
                grid_bench.grid_spec(pp=2, cp=2, micro_batches=2),
                grid_bench.grid_spec(cp=2, tp=2)]
-BENCH_COLUMNS = ["impl", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
+BENCH_COLUMNS = ["impl", "pair", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
                  "world_size", "backend", "device", "step_ms", "tokens_per_s", "machine", "run_id"]
 for _kind in [*grid_bench.KINDS, *(f"sent_{_axis}" for _axis in grid_bench.AXES)]:
     BENCH_COLUMNS += [f"{_kind}_bytes", f"{_kind}_bytes_formula"]
@@ -311,11 +497,19 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
                 for r in pair:
                     assert r["counted"]["optim"] <= mean * (1 + bound), r
     assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 4, caught
-    ours, theirs = found["torch_rows"]
-    assert (ours["impl"], theirs["impl"], theirs["grid"]) == ("ours", "torch", "dp2 tp2")
-    torch_formula = grid_bench.torch_formula(shape, 2, 2)
-    for kind in ("param", "grad", "optim"):
-        assert theirs[f"{kind}_bytes"] == torch_formula[kind], (kind, theirs)
+    torch_rows = found["torch_rows"]
+    assert [(row["pair"], row["impl"], row["grid"]) for row in torch_rows] == [
+        ("replicated_tp", "ours", "dp2 tp2"), ("replicated_tp", "torch", "dp2 tp2"),
+        ("fsdp_tp", "ours", "dp2 tp2"), ("fsdp_tp", "torch", "dp2 tp2")]
+    assert "ZeRO-1" in torch_rows[2]["setting"] and "ZeRO-1" not in torch_rows[0]["setting"]
+    assert "replicate" in torch_rows[1]["setting"] and "fully_shard" in torch_rows[3]["setting"]
+    for theirs, sharded in ((torch_rows[1], False), (torch_rows[3], True)):
+        torch_formula = grid_bench.torch_formula(shape, 2, 2, sharded=sharded)
+        for kind in ("param", "grad", "optim"):
+            assert theirs[f"{kind}_bytes"] == torch_formula[kind], (kind, theirs)
+        # its tensor-parallel collectives counted on tp (torch's plan sends more than ours:
+        # vocabulary-parallel embeddings, whole logits), nothing on a group no axis names
+        assert theirs["sent_tp_bytes"] > 0 and theirs["sent_other_bytes"] == 0, theirs
     losses = [row["first_loss"] for row in found["grid_rows"] + found["torch_rows"]]
     assert max(abs(loss - found["reference_loss"]) for loss in losses) < 1e-5, losses
     pipelines = found["pipeline_rows"]
@@ -323,5 +517,16 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
         ("ours", "real"), ("torch", "real"), ("ours", "emulated"), ("torch", "emulated")]
     assert pipelines[0]["gradient_max_difference"] < 1e-6, pipelines[0]
     rows = results.read_csv("grid.csv")
-    assert len(rows) == 3 + 2 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert len(rows) == 3 + 4 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert sorted(row["pair"] for row in rows if row["pair"]) == ["fsdp_tp"] * 2 + ["replicated_tp"] * 2
     assert rows[0]["machine"] == results.machine_name()
+
+
+def test_bench_refuses_a_world_size_without_grids(capsys, monkeypatch):
+    """train.py --bench hands over to grid_bench.py (an exec); here its main, in this process."""
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a bad bench reached the launch")
+    monkeypatch.setattr(launch, "launch", no_launch)
+    assert_main_usage_error(grid_bench.main, ["--bench", "--world-size", "3"], capsys,
+                            "--bench runs its grids on 4 or 8 ranks, not 3")
+    assert tuple(grid_bench.SIZES) == train_flags.BENCH_SIZES

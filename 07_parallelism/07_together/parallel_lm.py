@@ -33,14 +33,16 @@ adds only what composing needs and no lesson had:
 
    Forget the cp part of the sum and each context rank steps with the gradient of its slice
    of the sequence alone; forget the 1/R and the loss (and its gradient) is R times too big:
-   the tests plant both and watch them fail.
+   the tests plant both (replacing ``scaled_loss_fn`` or ``sum_gradients``) and watch
+   them fail.
 
 4. Where each parameter sits in the full model, so the pieces can be put back together
    (``full_state_dict``) and checkpointed (lesson 8): ``placements()``.
 
 Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
 ``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
-(lesson 4), ``context_parallel.py`` (lesson 5). ``train.py`` beside it puts them on the path.
+(lesson 4), ``context_parallel.py`` (lesson 5). ``training.py`` beside it puts them on the
+path (``lessons()``).
 """
 
 from __future__ import annotations
@@ -222,13 +224,12 @@ def all_reduce_sum(params: list[nn.Parameter], group) -> None:
 
 
 def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, inputs, targets,
-               device, loss_fn=None, sum_grads=sum_gradients) -> dict:
+               device) -> dict:
     """One forward and backward of the global batch (``inputs``, ``targets``: [batch, seq], the
     same on every rank) through the pipeline, gradients summed; the optimizer step is the
     caller's. Returns the executor's timings and ``loss``: the global batch's mean loss, the
     same number on every rank."""
-    if loss_fn is None:
-        loss_fn = scaled_loss_fn(grid)
+    loss_fn = scaled_loss_fn(grid)
     pp = grid.size("pp")
     pp_rank = grid.rank("pp")
     schedule = pipeline_schedules.all_ranks(schedule_name, pp, micro_batches, len(chunks))
@@ -248,13 +249,51 @@ def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, input
     result = pipeline_parallel.run_schedule(chunks, schedule, micro_inputs, micro_targets,
                                             activation_shape, device, loss_fn=loss_fn,
                                             group=grid.group("pp"))
-    sum_grads(chunks, grid)
+    sum_gradients(chunks, grid)
     # The loss lives on the last pipeline stage, as this rank's share (1/R of its mean): the
     # sum over every rank, with zeros from the other stages, is the batch's mean loss.
     loss = torch.tensor([result["loss"]], dtype=torch.float64, device=device)
     dist.all_reduce(loss)
     result["loss"] = loss.item()
     return result
+
+
+def evaluate(chunks: list, grid, inputs, targets, device) -> float:
+    """The mean loss of one global batch, forward only: each virtual stage in turn, its
+    activation sent on to the next stage's rank (no pipelining: it is only an evaluation).
+    NCCL sends the activation from GPU memory; Gloo's point-to-point takes CPU tensors only,
+    so on a Gloo group it crosses through host memory, as lesson 4's executor does."""
+    pp = grid.size("pp")
+    pp_group = grid.group("pp")
+    wire = torch.device("cpu")
+    if dist.get_backend(pp_group) == "nccl":
+        wire = device
+    loss_fn = scaled_loss_fn(grid)
+    x = local_tokens(inputs, grid).to(device)
+    my_targets = local_tokens(targets, grid).to(device)
+    d_model = chunks[0].blocks[0].norm1.normalized_shape[0]
+    shape = (x.shape[0], x.shape[1], d_model)            # [rows, local_seq, d_model]
+    share = torch.zeros(1, dtype=torch.float64, device=device)
+    virtual_stages = pp * len(chunks)
+    me = grid.rank("pp")
+    with torch.no_grad():
+        for stage in range(virtual_stages):
+            if stage % pp != me:                # virtual stage s lives on pipeline rank s % pp
+                continue
+            previous = (stage - 1) % pp
+            if stage > 0 and previous != me:
+                received = torch.empty(shape, device=wire)
+                dist.recv(received, dist.get_global_rank(pp_group, previous), group=pp_group)
+                x = received.to(device)
+            x = chunks[stage // pp](x)          # after the last stage: the logits
+            following = (stage + 1) % pp
+            if stage < virtual_stages - 1 and following != me:
+                dist.send(x.to(wire).contiguous(), dist.get_global_rank(pp_group, following),
+                          group=pp_group)
+        if me == (virtual_stages - 1) % pp:
+            share[0] = loss_fn(x, my_targets)
+    dist.all_reduce(share)                      # the shares of the R token holders, and zeros
+    return share.item()
 
 
 # --------------------------------------------------------------------------- the full model again

@@ -3,15 +3,16 @@
 Every machine that runs Python has megabytes of carefully written text on its disk: the
 standard library. Tokens are bytes (vocabulary 256), so there is no tokenizer to train or
 ship. The files are split into training and held-out text by a seeded shuffle of their names,
-so the split is the same on every run and every rank.
+so the split is the same on every run and every rank; a file of your own is cut in two, its
+start for training and its end held out. Either way the two parts share nothing: a held-out
+loss measured on text the model trained on would say nothing.
 
 The batches are what makes every grid train the same model: batch ``step`` is drawn from a
 generator seeded with (seed, step) alone, the same global batch on every rank and for every
 grid; each rank then takes its own part of it (its rows for data parallelism, its positions
 for context and sequence parallelism).
 
-    text = load_text()                     # or load_text("some_file.txt")
-    train, held_out = split_text(text)
+    train, held_out = load_text()          # or load_text("some_file.txt", max_bytes=10**6)
     x, y = batch_at(train, step=0, batch_size=8, seq_len=64)   # [8, 64] inputs, next bytes
 
 Torch alone: copy this file anywhere.
@@ -45,23 +46,21 @@ def stdlib_files() -> list[Path]:
 
 def load_text(data_file: str | None = None, max_bytes: int | None = None,
               held_out_share: float = 0.05, seed: int = 0) -> tuple[bytes, bytes]:
-    """(training bytes, held-out bytes).
+    """(training bytes, held-out bytes): two parts that share no byte of the text and together
+    are all of it (what was read).
 
-    ``data_file``: any file, its first 1 - ``held_out_share`` for training and the rest held
-    out. Without it, the standard library's source: its files shuffled by ``seed``, every
-    file wholly in one of the two parts. ``max_bytes`` caps how much training text is read.
+    ``data_file``: any file, at most its first ``max_bytes`` read (a 3 GB file is not read
+    whole for a short run); the first 1 - ``held_out_share`` of that for training, the rest
+    held out. Without it, the standard library's source: its files shuffled by ``seed``, every
+    file wholly in one of the two parts, the training files read until ``max_bytes``.
     """
     if data_file is not None:
-        data = Path(data_file).read_bytes()
-        cut = int(len(data) * (1 - held_out_share))
-        return data[:cut][:max_bytes], data[cut:]
-    files = stdlib_files()
-    random.Random(seed).shuffle(files)
-    held_out_count = max(1, round(len(files) * held_out_share))
-    held_out = b"".join(path.read_bytes() for path in files[:held_out_count])
+        return split_bytes(read_head(data_file, max_bytes), held_out_share)
+    train_files, held_out_files = split_files(stdlib_files(), held_out_share, seed)
+    held_out = b"".join(path.read_bytes() for path in held_out_files)
     train_parts = []
     train_bytes = 0
-    for path in files[held_out_count:]:
+    for path in train_files:
         if max_bytes is not None and train_bytes >= max_bytes:
             break
         data = path.read_bytes()
@@ -69,6 +68,30 @@ def load_text(data_file: str | None = None, max_bytes: int | None = None,
         train_bytes += len(data)
     train = b"".join(train_parts)
     return train[:max_bytes], held_out
+
+
+def read_head(data_file: str, max_bytes: int | None = None) -> bytes:
+    """The first ``max_bytes`` bytes of a file (all of it when None)."""
+    with open(data_file, "rb") as f:
+        if max_bytes is None:
+            return f.read()
+        return f.read(max_bytes)
+
+
+def split_bytes(data: bytes, held_out_share: float = 0.05) -> tuple[bytes, bytes]:
+    """One text cut in two at 1 - ``held_out_share``: (the start, the end)."""
+    cut = int(len(data) * (1 - held_out_share))
+    return data[:cut], data[cut:]
+
+
+def split_files(files: list[Path], held_out_share: float = 0.05,
+                seed: int = 0) -> tuple[list[Path], list[Path]]:
+    """(training files, held-out files): the files shuffled by ``seed``, the first
+    ``held_out_share`` of them (at least one) held out, the rest for training."""
+    shuffled = list(files)
+    random.Random(seed).shuffle(shuffled)
+    held_out_count = max(1, round(len(shuffled) * held_out_share))
+    return shuffled[held_out_count:], shuffled[:held_out_count]
 
 
 def as_tokens(data: bytes) -> torch.Tensor:

@@ -169,3 +169,23 @@ def crash_once(step: int) -> None:
         print(f"[rank {dist.get_rank()}] --crash-at-step {step}: killing this worker (SIGKILL)",
               flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(argv=None) -> None:
+    """``train.py --checkpoint-dir`` hands its run over here, with the same arguments: lesson
+    7's training loop (``training.train_main``) with these checkpoints. Lesson 8 builds on
+    lesson 7; lesson 7 imports nothing of lesson 8."""
+    from common import import_stage, launch
+    train_flags = import_stage("07_parallelism/07_together/train_flags")
+    training = import_stage("07_parallelism/07_together/training")
+    args, config = train_flags.parse(argv, __doc__)
+    if args.checkpoint_dir is None:
+        launch.usage_error("resume.py trains with checkpoints: give --checkpoint-dir")
+    training.lessons()
+    launch.launch(training.train_main, config, args, TrainingCheckpoints)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__)))))          # the repository: common/
+    main()

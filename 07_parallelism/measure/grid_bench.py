@@ -3,6 +3,10 @@
     python 07_parallelism/07_together/train.py --bench                    # 4 ranks, CPU sizes
     python 07_parallelism/07_together/train.py --bench --bench-sizes gpu --world-size 8
     torchrun --nproc-per-node=8 07_parallelism/07_together/train.py --bench --bench-sizes gpu
+    python 07_parallelism/measure/grid_bench.py --bench                   # the same, directly
+
+``train.py --bench`` hands its arguments over to this file (the process becomes it), which
+parses them with the lesson's own flags (``train_flags.py``) and ignores the training ones.
 
 What it measures, in one run:
 
@@ -15,9 +19,13 @@ What it measures, in one run:
    lessons' formulas. Random tokens: the step does not depend on the text.
 2. torch's own composition as the control: the same LM (the same weights) with
    ``init_device_mesh``, ``parallelize_module`` (ColwiseParallel, RowwiseParallel,
-   SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) and
-   ``fully_shard`` over the data axis, on dp x tp = 2 x 2 (4 x 2 on 8 ranks); its step time
-   and bytes beside ours on the same grid, timed in alternating rounds.
+   SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) on tp, on
+   dp x tp = 2 x 2 (4 x 2 on 8 ranks), in two pairs that each do one job on the data axis
+   (the ``pair`` column of results/grid.csv): ``replicated_tp``, ours replicated beside
+   torch's replicated (``fully_shard`` on a (dp, 1) mesh: shards of one rank, gradients
+   all-reduced over dp; ``build_torch_composition`` says why not ``replicate``), and
+   ``fsdp_tp``, ours with ZeRO-1 (--fsdp) beside torch's ``fully_shard`` over dp; step times
+   and bytes of all four, timed in alternating rounds. A ratio is printed only within a pair.
 3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
    ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``): the same blocks and
    micro-batches on pp = 2 and 4 (pipelines side by side on the other ranks), real compute,
@@ -86,9 +94,11 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import sys
 import time
 import types
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -108,7 +118,7 @@ VOCAB = 256         # bytes as tokens, as train.py trains
 AXES = ("tp", "cp", "pp", "dp_cp", "world", "other")   # "other": a group no axis names
 KINDS = ("param", "grad", "optim", "activation")
 TARGET_BYTES = 0.05          # counted within 5% of the formula
-TARGET_TORCH_TP = 1.25       # our dp x tp step at most 1.25x torch's composition
+TARGET_TORCH_TP = 1.25       # ours at most 1.25x torch's composition, in each pair
 TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipelining
 
 
@@ -179,13 +189,13 @@ def setting_label(spec: dict) -> str:
 
 
 def load_lessons() -> types.SimpleNamespace:
-    """``train`` (train.py: its model and optimizer), the files it composes (``grid``,
+    """``training`` (lesson 7's model and optimizer), the files it composes (``grid``,
     ``parallel_lm``), and lesson 4's executor and schedules (``pipeline``, ``schedules``)."""
     from common import import_stage
-    train = import_stage("07_parallelism/07_together/train")
-    grid_module, parallel_lm, _ = train.lessons()
+    training = import_stage("07_parallelism/07_together/training")
+    grid_module, parallel_lm, _ = training.lessons()
     return types.SimpleNamespace(
-        train=train, grid=grid_module, parallel_lm=parallel_lm,
+        train=training, grid=grid_module, parallel_lm=parallel_lm,
         pipeline=import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel"),
         schedules=import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules"))
 
@@ -347,10 +357,11 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
     return (2 * FLOAT * largest + STEP_COUNT) / mean
 
 
-def torch_formula(shape: dict, dp: int, tp: int) -> dict:
+def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
     """torch's composition, per rank: parameters, gradients, AdamW state. Its plan splits the
-    embeddings (rows) and the head (vocabulary) over tp too, and fully_shard cuts every tensor's
-    first dimension over dp: P = ((V + s) h / t + L (5h + (4h^2 + 2hf + f) / t) + 2h + V h / t) / d.
+    embeddings (rows) and the head (vocabulary) over tp too; ``sharded`` (fully_shard) cuts
+    every tensor's first dimension over dp, replicate keeps it whole on every data rank:
+    P = ((V + s) h / t + L (5h + (4h^2 + 2hf + f) / t) + 2h + V h / t) / d (d = 1 replicated).
     q, k and v are three Linears there: 12 tensors a block."""
     h = shape["h"]
     f = shape["f"]
@@ -360,7 +371,9 @@ def torch_formula(shape: dict, dp: int, tp: int) -> dict:
     over_tp = (vocab + seq) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
     over_tp += vocab * h // tp
     whole_over_tp = layers * 5 * h + 2 * h
-    params = (over_tp + whole_over_tp) // dp
+    params = over_tp + whole_over_tp
+    if sharded:
+        params = params // dp
     tensors = 2 + layers * 12 + 3
     return {"param": FLOAT * params, "grad": FLOAT * params,
             "optim": 2 * FLOAT * params + STEP_COUNT * tensors}
@@ -399,7 +412,7 @@ def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
 
 def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
-    """What train.py's build_full_lm and make_optimizer read."""
+    """What training.py's build_full_lm and make_optimizer read."""
     return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
                               lr=sizes["lr"], fsdp=spec["fsdp"])
 
@@ -524,7 +537,7 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
     from common import results, timing
     stats = timing.gather_times(seconds)
     tokens = sizes["batch_size"] * sizes["seq_len"]
-    return {"impl": impl, "grid": grid, "setting": setting, "model": sizes["model"],
+    return {"impl": impl, "pair": "", "grid": grid, "setting": setting, "model": sizes["model"],
             "batch_size": sizes["batch_size"], "seq_len": sizes["seq_len"],
             "micro_batches": micro_batches, "world_size": ctx.world_size,
             "backend": ctx.backend, "device": ctx.device.type, "step_ms": stats.median * 1e3,
@@ -569,9 +582,53 @@ def reference_loss(sizes: dict, lessons) -> float:
 # --------------------------------------------------------------------------- torch's composition
 
 
+# Lesson 3's SplitQKVBlock, repeated here on purpose: it lives in lesson 3's run script, and a
+# measurement imports no run script. The course block with q, k and v as three Linears, for
+# torch's ColwiseParallel (which cuts one Linear's outputs into t contiguous slices: on the
+# fused projection a slice would mix q, k and v). The same weights.
+
+
+class SplitQKVAttention(nn.Module):
+    def __init__(self, full_attn: nn.Module):
+        super().__init__()
+        width = full_attn.out.in_features
+        self.head_dim = width // full_attn.num_heads
+        self.attend = full_attn.attend
+        self.q = nn.Linear(width, width, bias=False)
+        self.k = nn.Linear(width, width, bias=False)
+        self.v = nn.Linear(width, width, bias=False)
+        q_weight, k_weight, v_weight = full_attn.qkv.weight.detach().chunk(3, dim=0)
+        self.q.weight = nn.Parameter(q_weight.clone())
+        self.k.weight = nn.Parameter(k_weight.clone())
+        self.v.weight = nn.Parameter(v_weight.clone())
+        self.out = copy.deepcopy(full_attn.out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # [batch, seq, local heads * head_dim] -> [batch, local heads, seq, head_dim]
+        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        y = self.attend(q, k, v)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class SplitQKVBlock(nn.Module):
+    def __init__(self, full: nn.Module):
+        super().__init__()
+        self.norm1 = copy.deepcopy(full.norm1)
+        self.attn = SplitQKVAttention(full.attn)
+        self.norm2 = copy.deepcopy(full.norm2)
+        self.mlp = copy.deepcopy(full.mlp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
 class TorchLM(nn.Module):
     """The course LM in the shape torch's tensor parallel plans expect: q, k and v as three
-    Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
+    Linears (SplitQKVBlock above: ColwiseParallel cuts one Linear's outputs contiguously,
     and the fused projection would be cut across q, k and v). The same weights."""
 
     def __init__(self, full_lm: nn.Module, split_block):
@@ -621,25 +678,39 @@ def torch_plans() -> tuple[dict, dict]:
     return model_plan, block_plan
 
 
-def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict:
-    """The LM with torch's own parts: parallelize_module over tp, then fully_shard over dp
-    (each block a unit, and the root), AdamW as ours."""
-    from common import import_stage
+def torch_mesh(ctx, dp: int, tp: int):
+    """torch's (dp, 1, tp) mesh, one for both compositions (a second mesh of the same ranks
+    would reuse the first one's groups under other names, and the counter matches by name)."""
     from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+
+
+def build_torch_composition(ctx, sizes: dict, mesh, lessons,
+                            data_axis: str = "fully_shard") -> dict:
+    """The LM with torch's own parts: parallelize_module over tp, then fully_shard over dp
+    (each block a unit, and the root), in one of two layouts: ``fully_shard`` shards the
+    parameters, gradients and AdamW state over the data ranks; ``replicate`` keeps them whole
+    on every data rank and all-reduces the gradients: fully_shard on a (dp, 1) mesh, FSDP2's
+    hybrid sharding with shards of one rank (torch's composable ``replicate(model,
+    device_mesh=mesh["dp"])`` after parallelize_module runs, but here trained nothing: its
+    parameters are swapped for local copies at the first forward, after the optimizer took
+    them, and the loss stayed the same over three steps). AdamW as ours."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     train = lessons.train
-    lesson_3 = import_stage("07_parallelism/03_tensor_parallel/run_tensor_parallel")
-    mesh = init_device_mesh(ctx.device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].size()
+    data_mesh = mesh["dp", "dp_shard"]           # replicated over dp, shards of one rank
+    if data_axis == "fully_shard":
+        data_mesh = mesh["dp"]                   # sharded over dp
     args = train_args(sizes, grid_spec())
-    lm = TorchLM(train.build_full_lm(args), lesson_3.SplitQKVBlock).to(ctx.device)
+    lm = TorchLM(train.build_full_lm(args), SplitQKVBlock).to(ctx.device)
     model_plan, _ = torch_plans()
     parallelize_module(lm, mesh["tp"], model_plan)
     for block in lm.blocks:
         _, block_plan = torch_plans()            # a plan's objects serve one module
         parallelize_module(block, mesh["tp"], block_plan)
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(lm, mesh=mesh["dp"])
+        fully_shard(block, mesh=data_mesh)
+    fully_shard(lm, mesh=data_mesh)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
                                   eps=train.ADAM_EPS)
     inputs, targets = random_batch(sizes)
@@ -647,7 +718,8 @@ def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict
     first = mesh["dp"].get_local_rank() * rows
     my_inputs = inputs[first:first + rows].to(ctx.device)       # every tp rank: all the tokens
     my_targets = targets[first:first + rows].to(ctx.device)
-    dp_group = mesh.get_group("dp")
+    dp_group = mesh["dp"].get_group()
+    tp_group = mesh["tp"].get_group()            # the group parallelize_module's collectives name
 
     def forward_loss():
         logits = lm(my_inputs)
@@ -661,7 +733,7 @@ def build_torch_composition(ctx, sizes: dict, dp: int, tp: int, lessons) -> dict
         return loss
 
     return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss,
-            "axes": {"dp": dp_group, "tp": mesh.get_group("tp")}, "dp_group": dp_group}
+            "axes": {"dp": dp_group, "tp": tp_group}, "dp_group": dp_group}
 
 
 def count_torch_composition(ctx, built: dict) -> dict:
@@ -696,42 +768,70 @@ def count_torch_composition(ctx, built: dict) -> dict:
     return {"counted": counted, "loss": reported.item() / dist.get_world_size(built["dp_group"])}
 
 
+# Each torch control beside the one of ours that does the same job on the same dp x tp grid,
+# named by the CSV's ``pair`` column: our replicated data axis (AdamW whole on every data rank)
+# beside torch's replicated one, and our ZeRO-1 data axis (--fsdp: AdamW state sharded over the data
+# ranks) beside torch's fully_shard (which also shards the parameters and gradients, gathering
+# them for every forward and backward: the nearest torch control, not the same memory).
+PAIRS = (("replicated_tp", False, "replicate"), ("fsdp_tp", True, "fully_shard"))
+TORCH_DATA_AXIS = {"replicate": "fully_shard on (dp, 1): replicated",
+                   "fully_shard": "fully_shard"}
+
+
 def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Ours and torch's on the same dp x tp grid, timed in alternating rounds (background load
-    hits both alike): two rows, each with its bytes (ours beside our formula, torch's beside
-    the formula of torch's sharding)."""
+    """Ours and torch's on the same dp x tp grid, two pairs (``PAIRS``), all four timed in
+    alternating rounds (background load hits them alike): four rows, each with its bytes
+    (ours beside our formula, torch's beside the formula of torch's layout), ours first in
+    each pair."""
     tp = 2
     dp = ctx.world_size // tp
-    spec = grid_spec(dp=dp, tp=tp)
-    ours = build_grid(ctx, spec, sizes, lessons)
-    ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+    shape = lm_shape(sizes)
+    built = {}
+    steps = {}
+    for pair, fsdp, data_axis in PAIRS:
+        spec = grid_spec(dp=dp, tp=tp, fsdp=fsdp)
+        ours = build_grid(ctx, spec, sizes, lessons)
+        built[("ours", pair)] = (spec, ours, count_grid(ctx, spec, sizes, ours, lessons))
+        steps[f"ours {pair}"] = ours["step"]
     with warnings.catch_warnings():
         # fully_shard warns that the root returns a view (the logits DTensor's local part);
         # nothing here changes the logits in place, which is what the warning is about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        theirs = build_torch_composition(ctx, sizes, dp, tp, lessons)
-        theirs_mine = count_torch_composition(ctx, theirs)
-        steps = {"ours": ours["step"], "torch": theirs["step"]}
+        mesh = torch_mesh(ctx, dp, tp)
+        for pair, fsdp, data_axis in PAIRS:
+            theirs = build_torch_composition(ctx, sizes, mesh, lessons, data_axis)
+            built[("torch", pair)] = (data_axis, theirs, count_torch_composition(ctx, theirs))
+            steps[f"torch {pair}"] = theirs["step"]
         seconds = measure_alternating(ctx, steps, sizes)
-    grid = grid_label(spec)
-    row_ours = timed_row(ctx, sizes, "ours", grid, "AdamW, timed beside torch's", seconds["ours"],
-                         1)
-    row_ours["first_loss"] = ours_mine["loss"]
-    ours_ranks = everyone(ours_mine)
     kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
-    row_ours.update(byte_columns(ours_ranks, kinds))
-    row_ours["zero1_deal_bound"] = ""
-    row_torch = timed_row(ctx, sizes, "torch", grid,
-                          "parallelize_module + fully_shard, AdamW", seconds["torch"], 1)
-    row_torch["first_loss"] = theirs_mine["loss"]
-    formula = torch_formula(lm_shape(sizes), dp, tp)
-    worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
-    torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
-                  "worst": worst, "worst_kind": worst_kind}
-    torch_ranks = everyone(torch_mine)
     torch_kinds = list(KINDS) + ["sent_tp", "sent_dp", "sent_world", "sent_other"]
-    row_torch.update(byte_columns(torch_ranks, torch_kinds))
-    return [row_ours, row_torch]
+    rows = []
+    for pair, fsdp, data_axis in PAIRS:
+        spec, ours, ours_mine = built[("ours", pair)]
+        grid = grid_label(spec)
+        row_ours = timed_row(ctx, sizes, "ours", grid,
+                             f"{setting_label(spec)}, timed beside torch's",
+                             seconds[f"ours {pair}"], 1)
+        row_ours["pair"] = pair
+        row_ours["first_loss"] = ours_mine["loss"]
+        row_ours.update(byte_columns(everyone(ours_mine), kinds))
+        row_ours["zero1_deal_bound"] = ""
+        if fsdp:
+            row_ours["zero1_deal_bound"] = zero1_deal_bound(shape, spec, 0)
+        rows.append(row_ours)
+        data_axis, theirs, theirs_mine = built[("torch", pair)]
+        row_torch = timed_row(ctx, sizes, "torch", grid,
+                              f"parallelize_module + {TORCH_DATA_AXIS[data_axis]}, AdamW",
+                              seconds[f"torch {pair}"], 1)
+        row_torch["pair"] = pair
+        row_torch["first_loss"] = theirs_mine["loss"]
+        formula = torch_formula(shape, dp, tp, sharded=data_axis == "fully_shard")
+        worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
+        torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
+                      "worst": worst, "worst_kind": worst_kind}
+        row_torch.update(byte_columns(everyone(torch_mine), torch_kinds))
+        rows.append(row_torch)
+    return rows
 
 
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
@@ -952,14 +1052,15 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     torch_rows = compare_with_torch(ctx, sizes, lessons)
     if ctx.is_main:
         results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-    ctx.print(f"  torch's composition beside ours: {torch_rows[1]['step_ms']:.1f} and "
-              f"{torch_rows[0]['step_ms']:.1f} ms/step", all_ranks=False)
+    for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
+        ctx.print(f"  {ours['pair']}: ours {ours['step_ms']:.1f}, torch's {theirs['step_ms']:.1f} "
+                  "ms/step", all_ranks=False)
     pipeline_rows = compare_pipelines(ctx, sizes, lessons)
     reference = reference_loss(sizes, lessons)
     if not ctx.is_main:
         return
     path = results.upsert_csv(CSV_NAME, grid_rows + torch_rows + pipeline_rows, key=CSV_KEY)
-    report(ctx, sizes, grid_rows + [torch_rows[0]], torch_rows, pipeline_rows, reference)
+    report(ctx, sizes, grid_rows + torch_rows[0::2], torch_rows, pipeline_rows, reference)
     print(f"wrote {path}", flush=True)
     if out_path is not None:
         import json
@@ -1027,7 +1128,8 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                                     "the largest rank), counted (formula):")
     beside = []
     for row in torch_rows:
-        line = {"impl": row["impl"], "setting": row["setting"], "step ms": row["step_ms"],
+        line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
+                "step ms": row["step_ms"],
                 "tokens/s": row["tokens_per_s"],
                 f"params {unit_name}": counted_and_formula(row, "param", unit),
                 f"grads {unit_name}": counted_and_formula(row, "grad", unit),
@@ -1039,7 +1141,11 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
         beside.append(line)
     results.print_table(beside, floatfmt=".1f",
                         title=f"\ntorch's composition beside ours, {torch_rows[0]['grid']}, the "
-                              f"same LM and batch, timed in {sizes['rounds']} alternating rounds:")
+                              f"same LM and batch, timed in {sizes['rounds']} alternating rounds; "
+                              "each pair does the same job on the data axis (replicated_tp: "
+                              "everything whole on every data rank; fsdp_tp: ours shards the "
+                              "AdamW state, torch's fully_shard also the parameters and "
+                              "gradients):")
     pairs = pipeline_pairs(pipeline_rows)
     pipeline_table = []
     for (stages, schedule, compute), pair in pairs.items():
@@ -1104,12 +1210,17 @@ def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, refe
                      + "; ".join(inexact))
     else:
         lines.append("    every count equals its formula exactly")
-    ours = torch_rows[0]
-    theirs = torch_rows[1]
-    ratio = ours["step_ms"] / theirs["step_ms"]
-    lines.append(f"  our {ours['grid']} step / torch's parallelize_module + fully_shard: "
-                 f"{ours['step_ms']:.1f} / {theirs['step_ms']:.1f} ms = {ratio:.2f}x "
-                 f"(target <= {TARGET_TORCH_TP}x)")
+    for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
+        ratio = ours["step_ms"] / theirs["step_ms"]
+        verdict = "met"
+        if ratio > TARGET_TORCH_TP:
+            verdict = "NOT met"
+        ours_setting = ours["setting"].split(", timed")[0]
+        torch_setting = theirs["setting"].rsplit(", AdamW", 1)[0]
+        lines.append(f"  {ours['pair']}: our {ours['grid']} step ({ours_setting}) / torch's "
+                     f"{torch_setting}: {ours['step_ms']:.1f} / "
+                     f"{theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= {TARGET_TORCH_TP}x: "
+                     f"{verdict})")
     for (stages, schedule, compute), pair in pairs.items():
         if compute != "emulated" or stages != 4:
             continue
@@ -1128,17 +1239,6 @@ def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, refe
 
 
 # --------------------------------------------------------------------------- command line
-
-
-def add_bench_args(parser) -> None:
-    """train.py's --bench flags."""
-    group = parser.add_argument_group("measurements (--bench: measure/grid_bench.py)")
-    group.add_argument("--bench", action="store_true",
-                       help="instead of training: time and count a set of grids on 4 ranks (or "
-                            "8), torch's composition and torch's pipelining beside ours, into "
-                            "results/grid.csv; the training flags are not used")
-    group.add_argument("--bench-sizes", choices=list(SIZES), default=None,
-                       help="the sizes of --bench (default: gpu with a GPU per rank, else cpu)")
 
 
 def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
@@ -1169,14 +1269,16 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
     return problems
 
 
-def run(args, config, parser) -> None:
+def run(args, config) -> None:
     """``train.py --bench``: check everything, then launch the measurements."""
     from common import launch, results
     if config.world_size not in GRIDS:
-        parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
-                     f"{config.world_size}: use --world-size 4 (or 8 with a GPU per rank)")
+        launch.usage_error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, "
+                           f"not {config.world_size}: use --world-size 4 (or 8 with a GPU per "
+                           "rank)")
     if config.device == "cuda" and config.backend != "nccl":
-        parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
+        launch.usage_error("--bench with --device cuda needs NCCL, a GPU per rank; use --device "
+                           "cpu")
     name = args.bench_sizes
     if name is None:
         name = "cpu"
@@ -1185,6 +1287,21 @@ def run(args, config, parser) -> None:
     sizes = SIZES[name]
     problems = size_problems(sizes, GRIDS[config.world_size], config.world_size)
     if problems:
-        parser.error(f"--bench-sizes {name}: " + problems[0])
+        launch.usage_error(f"--bench-sizes {name}: " + problems[0])
     results.check_writable()
+    load_lessons()                  # the lessons' folders on the path, for every worker
     launch.launch(bench_worker, config, sizes, GRIDS[config.world_size])
+
+
+def main(argv=None) -> None:
+    """train.py's flags (the training ones unused): the measurements on the grids of
+    ``GRIDS`` for the world size."""
+    from common import import_stage
+    train_flags = import_stage("07_parallelism/07_together/train_flags")
+    args, config = train_flags.parse(argv, __doc__, bench=True)
+    run(args, config)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))   # common/
+    main()
