@@ -497,6 +497,13 @@ def mlp_columns(ctx, cfg: dict) -> dict:
             "tokens": cfg["batch"] * cfg["seq"], "d_model": cfg["d_model"], "d_ff": cfg["d_ff"]}
 
 
+def shown(path: Path) -> Path:
+    """``path`` relative to the current folder when it is inside it (shorter to read)."""
+    if path.is_relative_to(Path.cwd()):
+        return path.relative_to(Path.cwd())
+    return path
+
+
 def land_variant(ctx, cfg: dict, result: dict) -> None:
     """One MLP variant's rows into results/tensor_parallel.csv (rank 0)."""
     if not ctx.is_main:
@@ -505,8 +512,9 @@ def land_variant(ctx, cfg: dict, result: dict) -> None:
     rows = []
     for row in result["bytes"]:
         rows.append({**same, **row, "run_id": results.run_id()})
-    results.upsert_csv("tensor_parallel.csv", rows, key=[*same, "variant", "layer", "phase"])
-    ctx.print(f"MLP, {rows[0]['variant']}: rows in results/tensor_parallel.csv", all_ranks=False)
+    path = results.upsert_csv("tensor_parallel.csv", rows,
+                              key=[*same, "variant", "layer", "phase"])
+    ctx.print(f"MLP, {rows[0]['variant']}: rows in {shown(path)}", all_ranks=False)
 
 
 def land_block(ctx, cfg: dict, part: dict) -> None:
@@ -526,8 +534,9 @@ def land_block(ctx, cfg: dict, part: dict) -> None:
         rows.append({**same, "what": f"saved {kind}", "block": saved["block"], "phase": "forward",
                      "collectives": "", "bytes": saved[kind], "formula": saved[f"{kind} formula"],
                      "ring_bytes_sent_per_rank": "", "run_id": results.run_id()})
-    results.upsert_csv("sequence_parallel.csv", rows, key=[*same, "what", "block", "phase"])
-    ctx.print(f"block, {part['label']}: rows in results/sequence_parallel.csv", all_ranks=False)
+    path = results.upsert_csv("sequence_parallel.csv", rows,
+                              key=[*same, "what", "block", "phase"])
+    ctx.print(f"block, {part['label']}: rows in {shown(path)}", all_ranks=False)
 
 
 # --------------------------------------------------------------------------- the run
