@@ -2,8 +2,8 @@
 tests/checks_tensor_parallel.py beside the planted bugs it must catch (both MLP variants and
 the block at t = 4 and t = 2 against one process, bytes and saved activations beside their
 formulas, torch's parallelize_module, the rows written as each configuration lands). Then the
-formulas on their own, the demo as a learner runs it and its hand-over to the measurement,
-torch's control refused on Gloo with CUDA tensors, and bad input."""
+formulas on their own, the demo as a learner runs it (a subprocess) and its hand-over to the
+measurement, torch's control refused on Gloo with CUDA tensors, and bad input."""
 
 import runpy
 import sys
@@ -13,8 +13,9 @@ import pytest
 import bench_tensor_parallel as bench
 import checks_tensor_parallel as checks
 import torch_tensor_parallel as torch_tp
+import common
 from common import launch
-from helpers import REPO, assert_main_usage_error, assert_usage_error, run_script
+from helpers import REPO, assert_main_usage_error, run_script
 
 DEMO = REPO / "07_parallelism/03_tensor_parallel/run_tensor_parallel.py"
 
@@ -60,29 +61,41 @@ def test_torch_control_refused_on_gloo_with_cuda_tensors():
     assert torch_tp.unsupported("nccl", "cuda") is None
 
 
-def test_demo_passes_and_hands_bench_over():
-    """The demo as `make 07` and `make check` run it; then `--bench` with sizes only the
-    measurement script refuses: its own one-line error proves the hand-over (no ranks start)."""
+def test_demo_passes_as_make_07_runs_it():
     result = run_script(DEMO, "--backend", "gloo", "--device", "cpu", "--d-model", "32",
                         "--d-ff", "64", "--batch", "2", "--seq", "8")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all 38 checks passed on every rank" in result.stdout, result.stdout
     assert "| block, torch TP + SP | input.grad" in result.stdout
     assert "False" not in result.stdout
-    result = run_script(DEMO, "--bench", "--world-size", "4", "--d-ff", "250",
-                        "--backend", "gloo", "--device", "cpu")
-    assert_usage_error(result, "bench_tensor_parallel.py: error: --d-ff 250 is not divisible")
 
 
 def run_demo(argv):
     """The demo script's main, run as `python run_tensor_parallel.py ARGV` runs it, in this
-    process (every case here is refused before a worker starts)."""
+    process (every case here ends before a worker starts)."""
     old_argv = sys.argv
     sys.argv = [str(DEMO), *argv]
     try:
         runpy.run_path(str(DEMO), run_name="__main__")
     finally:
         sys.argv = old_argv
+
+
+class HandedOver(Exception):
+    pass
+
+
+def test_demo_hands_bench_over(monkeypatch):
+    """--bench: the demo hands its flags over to the measurement script (an exec, see
+    common.hand_over) before its own refusals, which the measurement script repeats."""
+    def hand_over(script):
+        raise HandedOver(script)
+    monkeypatch.setattr(common, "hand_over", hand_over)
+    with pytest.raises(HandedOver) as handed:
+        run_demo(["--bench", "--world-size", "4", "--d-ff", "250"])
+    script = str(handed.value)
+    assert script == "07_parallelism/measure/bench_tensor_parallel.py"
+    assert (REPO / script).is_file()
 
 
 @pytest.mark.parametrize("script", ["demo", "bench"])
