@@ -41,9 +41,9 @@ Use it: every rank builds the same full layer (same seed), then keeps its slices
 
 ``full_block`` is any module shaped like the course LM's block (common/models.py ``Block``):
 ``norm1``, ``attn`` (``qkv``, ``out``, ``num_heads``, ``attend``), ``norm2``, and ``mlp`` a
-Sequential of Linear, activation, Linear. Run the checks with
-``python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py`` (see its --help). This file
-needs torch alone: copy it into another project and
+Sequential of Linear, activation, Linear. See it run beside one process with
+``python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py`` (see its --help; the bytes
+each layer sends: ``--bench``). This file needs torch alone: copy it into another project and
 ``from tensor_parallel import ColumnParallelLinear, RowParallelLinear``.
 """
 
@@ -331,29 +331,6 @@ class AllGatherMLP(nn.Module):
 VARIANTS = {"megatron": TensorParallelMLP, "allgather": AllGatherMLP}
 
 
-def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
-                   element_size: int = 4) -> dict[tuple[str, str], tuple[str, int]]:
-    """What each layer must communicate: {(layer, phase): (op, bytes)}, tokens = batch x seq.
-
-    Megatron: fc1's forward nothing (f is the identity), its backward all-reduces dX (tokens x
-    d_model); fc2's forward all-reduces Y (tokens x d_model), its backward nothing (g's is the
-    identity). All-gather: each layer gathers its output forward and all-reduces dX backward.
-    """
-    activation = tokens * d_model * element_size  # one [tokens, d_model] tensor
-    hidden = tokens * d_ff * element_size         # one [tokens, d_ff] tensor
-    if variant == "megatron":
-        return {("fc1", "forward"): ("-", 0),
-                ("fc1", "backward"): ("all_reduce", activation),
-                ("fc2", "forward"): ("all_reduce", activation),
-                ("fc2", "backward"): ("-", 0)}
-    if variant == "allgather":
-        return {("fc1", "forward"): ("all_gather", hidden),
-                ("fc1", "backward"): ("all_reduce", activation),
-                ("fc2", "forward"): ("all_gather", activation),
-                ("fc2", "backward"): ("all_reduce", hidden)}
-    raise ValueError(f"unknown variant {variant!r}; allowed: {', '.join(VARIANTS)}")
-
-
 # --------------------------------------------------------------------------- a Transformer block
 
 
@@ -436,32 +413,3 @@ class TensorParallelBlock(nn.Module):
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=self.group)
 
-
-def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
-                         element_size: int = 4) -> dict[tuple[str, str], tuple[str, int]]:
-    """What each parallel layer of a block communicates: {(layer, phase): (op, payload bytes)},
-    tokens = batch x seq, the payload being the full [tokens, d_model] tensor each time.
-
-    Plain: the column-parallel layers (attn.qkv, mlp.0) all-reduce dX backward (``f``), the
-    row-parallel ones (attn.out, mlp.2) all-reduce Y forward (``g``). Sequence parallel: each
-    all-reduce becomes a reduce-scatter in the same place, and an all-gather appears where
-    ``f`` and ``g`` did nothing. A ring sends 2 (t-1)/t of the payload per all-reduce and
-    (t-1)/t per all-gather or reduce-scatter: the same bytes either way.
-    """
-    activation = tokens * d_model * element_size
-    predicted = {}
-    for layer in ("attn.qkv", "mlp.0"):     # column-parallel: the input side
-        if sequence_parallel:
-            predicted[(layer, "forward")] = ("all_gather", activation)
-            predicted[(layer, "backward")] = ("reduce_scatter", activation)
-        else:
-            predicted[(layer, "forward")] = ("-", 0)
-            predicted[(layer, "backward")] = ("all_reduce", activation)
-    for layer in ("attn.out", "mlp.2"):     # row-parallel: the output side
-        if sequence_parallel:
-            predicted[(layer, "forward")] = ("reduce_scatter", activation)
-            predicted[(layer, "backward")] = ("all_gather", activation)
-        else:
-            predicted[(layer, "forward")] = ("all_reduce", activation)
-            predicted[(layer, "backward")] = ("-", 0)
-    return predicted
