@@ -190,12 +190,14 @@ def setting_label(spec: dict) -> str:
 
 def load_lessons() -> types.SimpleNamespace:
     """``training`` (lesson 7's model and optimizer), the files it composes (``grid``,
-    ``parallel_lm``), and lesson 4's executor and schedules (``pipeline``, ``schedules``)."""
+    ``parallel_lm``), lesson 3's torch plan (``torch_tp``), and lesson 4's executor and
+    schedules (``pipeline``, ``schedules``)."""
     from common import import_stage
     training = import_stage("07_parallelism/07_together/training")
     grid_module, parallel_lm, _ = training.lessons()
     return types.SimpleNamespace(
         train=training, grid=grid_module, parallel_lm=parallel_lm,
+        torch_tp=import_stage("07_parallelism/03_tensor_parallel/torch_tensor_parallel"),
         pipeline=import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel"),
         schedules=import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules"))
 
@@ -582,53 +584,9 @@ def reference_loss(sizes: dict, lessons) -> float:
 # --------------------------------------------------------------------------- torch's composition
 
 
-# Lesson 3's SplitQKVBlock, repeated here on purpose: it lives in lesson 3's run script, and a
-# measurement imports no run script. The course block with q, k and v as three Linears, for
-# torch's ColwiseParallel (which cuts one Linear's outputs into t contiguous slices: on the
-# fused projection a slice would mix q, k and v). The same weights.
-
-
-class SplitQKVAttention(nn.Module):
-    def __init__(self, full_attn: nn.Module):
-        super().__init__()
-        width = full_attn.out.in_features
-        self.head_dim = width // full_attn.num_heads
-        self.attend = full_attn.attend
-        self.q = nn.Linear(width, width, bias=False)
-        self.k = nn.Linear(width, width, bias=False)
-        self.v = nn.Linear(width, width, bias=False)
-        q_weight, k_weight, v_weight = full_attn.qkv.weight.detach().chunk(3, dim=0)
-        self.q.weight = nn.Parameter(q_weight.clone())
-        self.k.weight = nn.Parameter(k_weight.clone())
-        self.v.weight = nn.Parameter(v_weight.clone())
-        self.out = copy.deepcopy(full_attn.out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # [batch, seq, local heads * head_dim] -> [batch, local heads, seq, head_dim]
-        q = self.q(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        y = self.attend(q, k, v)
-        return self.out(y.transpose(1, 2).reshape(batch, seq, -1))
-
-
-class SplitQKVBlock(nn.Module):
-    def __init__(self, full: nn.Module):
-        super().__init__()
-        self.norm1 = copy.deepcopy(full.norm1)
-        self.attn = SplitQKVAttention(full.attn)
-        self.norm2 = copy.deepcopy(full.norm2)
-        self.mlp = copy.deepcopy(full.mlp)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
 class TorchLM(nn.Module):
     """The course LM in the shape torch's tensor parallel plans expect: q, k and v as three
-    Linears (SplitQKVBlock above: ColwiseParallel cuts one Linear's outputs contiguously,
+    Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
     and the fused projection would be cut across q, k and v). The same weights."""
 
     def __init__(self, full_lm: nn.Module, split_block):
@@ -648,34 +606,19 @@ class TorchLM(nn.Module):
         return self.lm_head(self.norm(x))        # [batch, seq, vocab], whole on every tp rank
 
 
-def torch_plans() -> tuple[dict, dict]:
-    """torch's tensor-parallel plans (its tutorial's, for our module names): (the model's, a
-    block's). Embeddings row-wise over the vocabulary / positions with sequence-sharded
-    output; the LayerNorms sequence parallel; q, k, v and fc1 column-wise with their input
-    gathered; the out projection and fc2 row-wise, reduce-scattered along the sequence; the
-    head column-wise, its logits gathered whole."""
+def torch_model_plan() -> dict:
+    """torch's tensor-parallel plan for the model around the blocks (its tutorial's, for our
+    module names; lesson 3's ``block_plan`` does the blocks): the embeddings row-wise over the
+    vocabulary / positions with sequence-sharded output; the final LayerNorm sequence
+    parallel; the head column-wise, its logits gathered whole."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel)
-    model_plan = {
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    return {
         "token_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "position_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
-    block_plan = {
-        "norm1": SequenceParallel(),
-        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "attn.q": ColwiseParallel(),
-        "attn.k": ColwiseParallel(),
-        "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(output_layouts=Shard(1)),
-        "norm2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "mlp.0": ColwiseParallel(),
-        "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
-    }
-    return model_plan, block_plan
 
 
 def torch_mesh(ctx, dp: int, tp: int):
@@ -703,12 +646,10 @@ def build_torch_composition(ctx, sizes: dict, mesh, lessons,
     if data_axis == "fully_shard":
         data_mesh = mesh["dp"]                   # sharded over dp
     args = train_args(sizes, grid_spec())
-    lm = TorchLM(train.build_full_lm(args), SplitQKVBlock).to(ctx.device)
-    model_plan, _ = torch_plans()
-    parallelize_module(lm, mesh["tp"], model_plan)
-    for block in lm.blocks:
-        _, block_plan = torch_plans()            # a plan's objects serve one module
-        parallelize_module(block, mesh["tp"], block_plan)
+    lm = TorchLM(train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock).to(ctx.device)
+    parallelize_module(lm, mesh["tp"], torch_model_plan())
+    for block in lm.blocks:                      # a plan's objects serve one module
+        parallelize_module(block, mesh["tp"], lessons.torch_tp.block_plan())
         fully_shard(block, mesh=data_mesh)
     fully_shard(lm, mesh=data_mesh)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
