@@ -6,8 +6,11 @@ found so that a test can run it on the real code and beside a planted bug:
   counted beside the ring's formula, and the (query, key) scores its kernel saw beside those
   its queries see; ``check_ring_attention`` runs every dtype, layout and causal setting, with
   the work per rank (max / mean) beside the load-balance formula;
-* ``check_lm``: the course LM trained a few SGD steps on dp x cp ranks beside one process,
-  with the reduction of the gradients and the loss a test may replace.
+* ``ulysses_case``: the same for Ulysses on contiguous shards, its all-to-all bytes beside
+  their formula; ``check_ulysses`` runs every dtype and causal setting;
+* ``check_lm``: the course LM trained a few SGD steps on dp x cp ranks (ring attention or
+  Ulysses) beside one process, with the reduction of the gradients and the loss a test may
+  replace.
 
 run_context_parallel.py has its own plain loops for the learner; this is the version the
 tests bend. The formulas and the counting kernel are the measurement's
@@ -194,6 +197,67 @@ def check_ring_attention(ctx, group, cfg: dict) -> tuple[list[dict], list[dict],
     return rows, balance_rows(ctx, group, rows), failures
 
 
+def ulysses_case(ctx, group, cfg: dict, dtype, causal: bool) -> tuple[dict, list]:
+    """One forward + backward of Ulysses on this rank's contiguous shards beside
+    scaled_dot_product_attention on the full sequence, and the bytes its all-to-alls send
+    beside the formula. Returns (a row for the table, failures)."""
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    q_ref, k_ref, v_ref, grad_out = random_attention(cfg, cfg["seq"], dtype, ctx.device, seed=0)
+    out_ref = F.scaled_dot_product_attention(q_ref, k_ref, v_ref, is_causal=causal)
+    out_ref.backward(grad_out)
+
+    def mine(t):
+        return cp.shard_sequence(t.detach(), 2, rank, world_size, "contiguous")
+
+    q = mine(q_ref).requires_grad_(True)
+    k = mine(k_ref).requires_grad_(True)
+    v = mine(v_ref).requires_grad_(True)
+    with counters.CommCounter() as comm:
+        comm.current = "forward"
+        out = cp.ulysses_attention(q, k, v, group=group, causal=causal)
+        comm.current = "backward"
+        out.backward(mine(grad_out))
+    rtol, atol = TOLERANCE[dtype]
+    compared = [("output", out, mine(out_ref)), ("dq", q.grad, mine(q_ref.grad)),
+                ("dk", k.grad, mine(k_ref.grad)), ("dv", v.grad, mine(v_ref.grad))]
+    case = f"Ulysses W={world_size} {str(dtype)[6:]} causal={causal}"
+    row = {"W": world_size, "dtype": str(dtype)[6:], "causal": causal}
+    failures = []
+    for name, got, want in compared:
+        difference = (got - want).abs().max().item()
+        row[f"{name} max diff"] = difference
+        if not torch.allclose(got, want, rtol=rtol, atol=atol):
+            failures.append(f"{case}: {name} differs from one process by {difference:.3g} "
+                            f"(rtol {rtol:g}, atol {atol:g})")
+    shard_bytes = q.numel() * q.element_size()
+    forward_formula, backward_formula = bench.ulysses_bytes(world_size, shard_bytes)
+    counted = comm.by_label
+    forward_counted = counted.get("forward", {"sent_bytes": 0})["sent_bytes"]
+    backward_counted = counted.get("backward", {"sent_bytes": 0})["sent_bytes"]
+    row["fwd bytes"] = int(forward_counted)
+    row["fwd formula"] = forward_formula
+    row["bwd bytes"] = int(backward_counted)
+    row["bwd formula"] = backward_formula
+    if forward_counted != forward_formula or backward_counted != backward_formula:
+        failures.append(f"{case}: sent {forward_counted:.0f} B forward, {backward_counted:.0f} B "
+                        f"backward; the formula says {forward_formula} and {backward_formula}")
+    row["ok"] = not failures
+    return row, failures
+
+
+def check_ulysses(ctx, group, cfg: dict) -> tuple[list[dict], list[str]]:
+    """Every dtype and causal setting on ``group``: (case rows, failures)."""
+    rows = []
+    failures = []
+    for dtype in DTYPES.values():
+        for causal in (True, False):
+            row, problems = ulysses_case(ctx, group, cfg, dtype, causal)
+            rows.append(row)
+            failures += problems
+    return rows, failures
+
+
 # --------------------------------------------------------------------------- check 2: the LM
 
 
@@ -215,11 +279,11 @@ def lm_batch(step: int, batch: int, seq: int, device) -> tuple[torch.Tensor, tor
 
 
 def check_lm(ctx, groups: dict, cfg: dict, layout: str,
-             reduce=reduce_over_data_and_context) -> tuple[list[dict], list[str]]:
+             reduce=reduce_over_data_and_context, kind: str = "ring") -> tuple[list[dict], list[str]]:
     """The course LM trained LM_STEPS SGD steps on the dp x cp ranks of ``groups``
-    (``make_groups``: ring attention over the context ranks, global positions, ``reduce`` for
-    the gradients and the loss) beside the same LM trained on the whole batch in one process.
-    (rows, failures)."""
+    (``make_groups``: ring attention, or Ulysses on contiguous shards, over the context ranks,
+    global positions, ``reduce`` for the gradients and the loss) beside the same LM trained on
+    the whole batch in one process. (rows, failures)."""
     dp = groups["dp"]
     cp_size = groups["cp"]
     context_rank = groups["context_rank"]
@@ -228,7 +292,10 @@ def check_lm(ctx, groups: dict, cfg: dict, layout: str,
     model = models.TransformerLM(LM_PRESET, vocab_size=LM_VOCAB, context_length=seq)
     model = model.to(ctx.device)
     reference = copy.deepcopy(model)  # the one-process LM, from the same weights
-    cp.use_ring_attention(model, groups["context"], layout)
+    if kind == "ulysses":
+        cp.use_ulysses_attention(model, groups["context"])
+    else:
+        cp.use_ring_attention(model, groups["context"], layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=LM_LR, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LM_LR, momentum=0.9)
     positions = cp.shard_positions(seq // cp_size, context_rank, cp_size, layout, ctx.device)
@@ -266,7 +333,7 @@ def check_lm(ctx, groups: dict, cfg: dict, layout: str,
         same = True
         for replica in replicas:
             same = same and torch.equal(replica, flat)
-        case = f"LM dp={dp} cp={cp_size} {layout} step {step}"
+        case = f"LM dp={dp} cp={cp_size} {kind} {layout} step {step}"
         if not close:
             failures.append(f"{case}: weights differ from one process by up to {worst:.3g}")
         if not loss_close:
@@ -274,7 +341,7 @@ def check_lm(ctx, groups: dict, cfg: dict, layout: str,
                             f"{ref_loss.item():.6f}")
         if not same:
             failures.append(f"{case}: the replicas' weights are not bitwise equal")
-        rows.append({"dp": dp, "cp": cp_size, "layout": layout, "step": step,
+        rows.append({"dp": dp, "cp": cp_size, "kind": kind, "layout": layout, "step": step,
                      "loss": reported, "one-process loss": ref_loss.item(),
                      "max |weight - one process|": worst, "replicas bitwise equal": same,
                      "ok": close and loss_close and same})

@@ -1,7 +1,8 @@
 """Stage 07, context parallelism: ring attention against scaled_dot_product_attention on the
 whole sequence (outputs, dq, dk, dv; float64 and float32; causal and not; both layouts; W = 4
-and W = 2; head_dim 5), the bytes and work per rank against their formulas, the course LM on
-CP = 2 and CP = 2 x DP = 2 against one process, the TP + SP block with ring attention (tp = 2 x
+and W = 2; head_dim 5), the bytes and work per rank against their formulas, Ulysses the same
+way (its all-to-all bytes beside their formula), the course LM on CP = 2 and CP = 2 x DP = 2
+against one process with either, the TP + SP block with ring attention (tp = 2 x
 cp = 2), all in one launch of 4 ranks (tests/checks_context_parallel.py); each check beside a
 planted bug it must catch; in the same launch the benchmark's sweep on a ring of 2 and 4
 (measure/bench_context_parallel.py: rows as they land). Then the layouts by hand, bad input
@@ -24,6 +25,7 @@ from common import launch, models
 from helpers import REPO, assert_main_usage_error, assert_usage_error, run_script
 
 CFG = {"batch": 2, "heads": 2, "seq": 16, "head_dim": 5, "layouts": ["contiguous", "zigzag"]}
+ULYSSES_CFG = {**CFG, "heads": 4}    # Ulysses splits the heads: they divide by W = 2 and 4
 
 
 def expect_pass(failures, what):
@@ -75,6 +77,29 @@ def summed_over_context(model, loss, groups):
     total = loss.clone()
     dist.all_reduce(total, group=group)
     return total / groups["dp"]
+
+
+def forgets_to_regroup(x, group, to_heads):
+    """An all-to-all that sends the tensor as it lies, [b, H, S/W, d] cut along its first
+    dimension, instead of regrouping it by heads first: block j is not head group j."""
+    world_size = dist.get_world_size(group)
+    if not to_heads:
+        return ORIGINAL_SWAP(x, group, to_heads)
+    batch, heads, local_seq, head_dim = x.shape
+    send = x.reshape(world_size, batch, heads // world_size, local_seq, head_dim).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    received = received.permute(1, 2, 0, 3, 4)
+    return received.reshape(batch, heads // world_size, world_size * local_seq, head_dim)
+
+
+ORIGINAL_SWAP = cp.swap_split
+
+
+def ulysses_once(ctx, group, cfg):
+    """float64 causal: the case the planted all-to-all is tried on."""
+    row, failures = run_cp.ulysses_case(ctx, group, cfg, torch.float64, True)
+    return run_cp.agree(failures)
 
 
 def patched(name, replacement, run):
@@ -148,6 +173,16 @@ def cp_worker(ctx):
             else:
                 assert row["max/mean"] == 1.0, row
 
+    for world_size, groups in rings.items():
+        rows, failures = run_cp.check_ulysses(ctx, groups["context"], ULYSSES_CFG)
+        expect_pass(run_cp.agree(failures), f"Ulysses at W={world_size}")
+        assert len(rows) == 4 and all(row["W"] == world_size for row in rows)
+    with pytest.raises(ValueError, match="3 heads do not divide by 4 ranks"):
+        cp.ulysses_attention(*[torch.zeros(1, 3, 4, 2)] * 3)
+    expect_caught(patched("swap_split", forgets_to_regroup,
+                          lambda: ulysses_once(ctx, rings[4]["context"], ULYSSES_CFG)),
+                  "an all-to-all that forgets to regroup the heads", "output differs")
+
     group = rings[4]["context"]
     expect_pass(ring_once(ctx, group, CFG), "the unpatched control case")
     expect_caught(patched("merge", forgets_to_rescale, lambda: ring_once(ctx, group, CFG)),
@@ -172,6 +207,10 @@ def cp_worker(ctx):
         rows, failures = run_cp.check_lm(ctx, groups, lm_cfg, layout)
         expect_pass(run_cp.agree(failures), f"LM dp={groups['dp']} cp={groups['cp']} {layout}")
         assert len(rows) == run_cp.LM_STEPS and all(row["ok"] for row in rows), rows
+    for groups in (rings[2], grids[0][0]):       # Ulysses: cp 2, and dp 2 x cp 2
+        rows, failures = run_cp.check_lm(ctx, groups, lm_cfg, "contiguous", kind="ulysses")
+        expect_pass(run_cp.agree(failures), f"LM dp={groups['dp']} cp={groups['cp']} Ulysses")
+        assert len(rows) == run_cp.LM_STEPS and all(row["ok"] for row in rows), rows
     dp2_cp2 = grids[0][0]
     # tp = neighbours (the context rings of two above), cp = every other rank (dp2_cp2's data)
     failures = tensor_and_context_parallel_block(ctx, rings[2]["context"], dp2_cp2["data"])
@@ -186,7 +225,7 @@ def cp_worker(ctx):
 
     # The benchmark's sweep, in the same launch: one rank, rings of 2 and 4, both layouts, real
     # and emulated compute; it checks its own byte counts against the formula.
-    bench_cfg = {"batch": 1, "heads": 1, "head_dim": 4, "layouts": ["contiguous", "zigzag"],
+    bench_cfg = {"batch": 1, "heads": 4, "head_dim": 4, "layouts": ["contiguous", "zigzag"],
                  "seqs": [16], "ring_sizes": [2, 4], "warmup": 0, "iters": 1, "emulate_ms": 2.0}
     bench.bench_main(ctx, bench_cfg)
 
@@ -196,10 +235,13 @@ def test_ring_attention_and_the_lm_on_4_ranks_with_planted_bugs(tmp_path, monkey
     launch.launch(cp_worker, launch.LaunchConfig(4, "gloo", "cpu"), timeout_s=240)
     out = capfd.readouterr().out
     assert "ring bytes sent per rank equal the formula in every row: True" in out, out[-3000:]
+    assert "Ulysses bytes sent per rank equal the formula in every row: True" in out, out[-3000:]
     rows = list(csv.DictReader((tmp_path / "context_parallel.csv").open()))
     assert sorted((r["impl"], r["W"], r["layout"], r["compute"]) for r in rows) == sorted(
         [("full, sdpa", "1", "-", "real"), ("full, our kernel", "1", "-", "real")]
         + [("ring", w, layout, compute) for w in ("2", "4") for layout in ("contiguous", "zigzag")
+           for compute in ("real", "emulated 2 ms")]
+        + [("ulysses", w, "contiguous", compute) for w in ("2", "4")
            for compute in ("real", "emulated 2 ms")])
     for row in rows:
         assert row["sent_bytes"] == row["bytes_formula"] and float(row["step_ms"]) > 0, row
@@ -284,6 +326,7 @@ REFUSED = [
      ["run_context_parallel.py", "batch_isend_irecv", "CPU tensors"]),
     ([*WHERE, "--seq", "12"], 0, ["--seq 12 does not divide into 8 equal chunks (zigzag"]),
     ([*WHERE, "--dp", "3"], 0, ["--dp 3 does not divide the world size 4"]),
+    ([*WHERE, "--heads", "3"], 0, ["Ulysses splits the heads", "--heads 3"]),
     ([*WHERE, "--seq", "8000000", "--layouts", "contiguous"], 0, ["host memory"]),
 ]
 
@@ -303,9 +346,10 @@ def test_the_demo_refuses_in_one_line_and_hands_bench_over():
 
 
 def test_the_demo_passes_with_data_and_context_ranks():
-    result = run_script(DEMO, *WHERE, "--dp", "2", "--batch", "2", "--heads", "1", "--head-dim",
+    result = run_script(DEMO, *WHERE, "--dp", "2", "--batch", "2", "--heads", "2", "--head-dim",
                         "4", "--seq", "16", "--layouts", "zigzag")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for text in ("float64 zigzag     causal=True", "float32 zigzag     causal=False",
-                 "LM dp=2 cp=2 zigzag step 2", "all checks passed on every rank"):
+    for text in ("ring    float64 zigzag     causal=True", "ring    float32 zigzag     causal=False",
+                 "ulysses float64 contiguous causal=True", "LM dp=2 cp=2 ring zigzag step 2",
+                 "LM dp=2 cp=2 ulysses contiguous step 2", "all checks passed on every rank"):
         assert text in result.stdout, text

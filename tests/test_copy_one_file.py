@@ -55,6 +55,14 @@ def ring_worker(rank, port):
     got.backward(torch.ones_like(got))
     assert torch.allclose(cp.unshard_sequence(got.detach(), 2), want, atol=1e-12)
     assert torch.allclose(cp.unshard_sequence(mine[1].grad, 2), k.grad, atol=1e-12)
+    q.grad = None                                                  # Ulysses, 2 ranks, 2 heads
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    want.backward(torch.ones_like(want))
+    mine = [cp.shard_sequence(t.detach(), 2, rank, 2, "contiguous").requires_grad_() for t in (q, k, v)]
+    got = cp.ulysses_attention(*mine)
+    got.backward(torch.ones_like(got))
+    assert torch.allclose(cp.unshard_sequence(got.detach(), 2, layout="contiguous"), want, atol=1e-12)
+    assert torch.allclose(cp.unshard_sequence(mine[0].grad, 2, layout="contiguous"), q.grad, atol=1e-12)
 
     tp = load("07_parallelism/03_tensor_parallel", "tensor_parallel")  # sequence parallel, 2 ranks
     full = tp.MLP(4, 8)

@@ -50,11 +50,16 @@ with their global positions (``shard_positions``), and average the gradients ove
 AND context ranks together (``average_gradients``): each rank's loss is the mean over its own
 tokens only.
 
+Ulysses (``ulysses_attention``, after the ring) splits the other way round, for attention only:
+one all-to-all gives each rank every token of H/W heads, plain attention runs on them, one
+all-to-all gives the tokens back. The same contract on contiguous shards; for the LM
+``use_ulysses_attention(model, group)``.
+
 Run the check against one process with
 ``python 07_parallelism/05_context_parallel/run_context_parallel.py`` (see its --help); the
 benchmark and the timeline are in ``07_parallelism/measure/bench_context_parallel.py``.
 This file needs torch alone: copy it into another project and ``from context_parallel import
-ring_attention, shard_sequence, unshard_sequence``.
+ring_attention, ulysses_attention, shard_sequence, unshard_sequence``.
 """
 
 from __future__ import annotations
@@ -369,6 +374,82 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return RingAttention.apply(q, k, v, group, causal, layout)
 
 
+# --------------------------------------------------------------------------- Ulysses: swap the split
+#
+# DeepSpeed-Ulysses (Jacobs et al., 2023) takes the other road. Attention is independent across
+# heads, so a rank that holds every token of a few heads needs nothing from anyone. One
+# all-to-all turns "my tokens, every head" into "every token, my heads" (H/W of them), plain
+# attention runs on the whole sequence, and one all-to-all turns the output back. Each rank
+# sends (W-1)/W of its q, k, v and output: when the sequence and the ranks grow together, that
+# stays the same per rank, while a ring's K and V hops grow with W. The price: the heads must
+# divide by W, and W is capped by the number of heads.
+
+
+def swap_split(x: torch.Tensor, group, to_heads: bool) -> torch.Tensor:
+    """One all-to-all: [b, H, S/W, d] (this rank's tokens, every head) -> [b, H/W, S, d]
+    (every token, this rank's heads) when ``to_heads``, and back when not. Block j of what a
+    rank sends goes to rank j: its head group j (to_heads), or its sequence shard j."""
+    world_size = dist.get_world_size(group)
+    if to_heads:
+        batch, heads, local_seq, head_dim = x.shape
+        # [b, H, S/W, d] -> [W, b, H/W, S/W, d]
+        send = x.reshape(batch, world_size, heads // world_size, local_seq, head_dim)
+        send = send.transpose(0, 1).contiguous()
+    else:
+        batch, my_heads, seq, head_dim = x.shape
+        # [b, H/W, S, d] -> [W, b, H/W, S/W, d]
+        send = x.reshape(batch, my_heads, world_size, seq // world_size, head_dim)
+        send = send.permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    if to_heads:
+        # block j: rank j's tokens of this rank's heads; in rank order, the whole sequence
+        # [W, b, H/W, S/W, d] -> [b, H/W, S, d]
+        received = received.permute(1, 2, 0, 3, 4)
+        return received.reshape(batch, heads // world_size, world_size * local_seq, head_dim)
+    # block j: this rank's tokens of rank j's heads; [W, b, H/W, S/W, d] -> [b, H, S/W, d]
+    received = received.transpose(0, 1)
+    return received.reshape(batch, world_size * my_heads, seq // world_size, head_dim)
+
+
+class SwapSplit(torch.autograd.Function):
+    """``swap_split`` for autograd. The swap only moves elements between ranks, so its
+    gradient is the gradient moved back: the swap the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group, to_heads):
+        ctx.group = group
+        ctx.to_heads = to_heads
+        return swap_split(x, group, to_heads)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return swap_split(grad.contiguous(), ctx.group, not ctx.to_heads), None, None
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None,
+                      causal: bool = True) -> torch.Tensor:
+    """Attention over the whole sequence with Ulysses' all-to-alls. q, k, v: this rank's
+    contiguous sequence shards [batch, heads, local_seq, head_dim] (``shard_sequence(...,
+    layout="contiguous")``); returns this rank's shard of the output, the same shape."""
+    world_size = dist.get_world_size(group)
+    heads = q.shape[1]
+    if heads % world_size:
+        raise ValueError(f"Ulysses splits the heads: {heads} heads do not divide by "
+                         f"{world_size} ranks")
+    q_heads = SwapSplit.apply(q, group, True)
+    k_heads = SwapSplit.apply(k, group, True)
+    v_heads = SwapSplit.apply(v, group, True)
+    out = heads_attention(q_heads, k_heads, v_heads, causal)
+    return SwapSplit.apply(out, group, False)
+
+
+def heads_attention(q, k, v, causal: bool) -> torch.Tensor:
+    """Every token of this rank's heads, in order: plain attention, the causal mask as on one
+    process (torch's fused kernel)."""
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 # --------------------------------------------------------------------------- a model on the ring
 
 
@@ -381,6 +462,20 @@ def use_ring_attention(model: torch.nn.Module, group=None, layout: str = "zigzag
     def attend(q, k, v):
         return ring_attention(q, k, v, group=group, causal=True, layout=layout)
 
+    return swap_attention(model, attend)
+
+
+def use_ulysses_attention(model: torch.nn.Module, group=None) -> int:
+    """The same with Ulysses' all-to-alls: feed each rank its contiguous shard of the tokens
+    (``shard_sequence(..., layout="contiguous")``) with their global positions."""
+
+    def attend(q, k, v):
+        return ulysses_attention(q, k, v, group=group, causal=True)
+
+    return swap_attention(model, attend)
+
+
+def swap_attention(model: torch.nn.Module, attend) -> int:
     swapped = 0
     for module in model.modules():
         if hasattr(module, "attend"):

@@ -1,11 +1,13 @@
-"""Stage 07, lesson 5, runnable: ring attention and a context-parallel LM against one process.
+"""Stage 07, lesson 5, runnable: ring attention, Ulysses and a context-parallel LM against one
+process.
 
 Ring attention (context_parallel.py) on W = world size / --dp ranks beside torch's
 scaled_dot_product_attention on the whole sequence: the output and the gradients of q, k and
-v, in float64 and float32, causal and not, both layouts. Then the course LM trained a few SGD
-steps on --dp data x W context ranks beside the same LM on one process: the weights and the
-loss equal, and the weights bitwise equal on every rank. It prints what matched and exits 1
-on any difference (every rank reaches the same verdict).
+v, in float64 and float32, causal and not, both layouts; then Ulysses (its all-to-alls swap
+the sequence split for a head split) the same way, on contiguous shards. Then the course LM
+trained a few SGD steps on --dp data x W context ranks with each (--kinds) beside the same LM
+on one process: the weights and the loss equal, and the weights bitwise equal on every rank.
+It prints what matched and exits 1 on any difference (every rank reaches the same verdict).
 
 Run:  python 07_parallelism/05_context_parallel/run_context_parallel.py          # 4 ranks (make 07)
       python 07_parallelism/05_context_parallel/run_context_parallel.py --dp 2   # 2 data x 2 context
@@ -41,6 +43,8 @@ TOLERANCE = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-4, 1e-5)}
 LM_STEPS = 3
 LM_VOCAB = 256
 LM_TOLERANCE = (1e-5, 1e-6)  # SGD: a difference in the gradient is not amplified (AdamW's is)
+KINDS = ("ring", "ulysses")
+LM_HEADS = 4                 # the course's tiny LM: Ulysses needs them to divide by W
 MEASUREMENT_FLAGS = ("--bench", "--profile", "--seqs", "--ring-sizes", "--emulate-ms",
                      "--warmup", "--iters", "--trace-dir")
 
@@ -70,8 +74,9 @@ def make_groups(ctx, dp: int):
     return context_group, ctx.rank // cp_size, ctx.rank % cp_size
 
 
-def check_ring(ctx, group, args, dtype, layout: str, causal: bool) -> tuple[dict, list[str]]:
-    """One forward + backward of ring attention on this rank's shards beside
+def check_attention(ctx, group, args, dtype, kind: str, layout: str,
+                    causal: bool) -> tuple[dict, list[str]]:
+    """One forward + backward of ring attention (or Ulysses) on this rank's shards beside
     scaled_dot_product_attention on the whole sequence (every rank draws the same q, k, v and
     output gradient, then keeps its shard): (the largest differences, the problems)."""
     world_size = dist.get_world_size(group)
@@ -93,14 +98,17 @@ def check_ring(ctx, group, args, dtype, layout: str, causal: bool) -> tuple[dict
     q = mine(q_full).requires_grad_(True)
     k = mine(k_full).requires_grad_(True)
     v = mine(v_full).requires_grad_(True)
-    out = cp.ring_attention(q, k, v, group=group, causal=causal, layout=layout)
+    if kind == "ulysses":
+        out = cp.ulysses_attention(q, k, v, group=group, causal=causal)
+    else:
+        out = cp.ring_attention(q, k, v, group=group, causal=causal, layout=layout)
     out.backward(mine(grad_full))
     compared = [("output", out, mine(out_full)), ("dq", q.grad, mine(q_full.grad)),
                 ("dk", k.grad, mine(k_full.grad)), ("dv", v.grad, mine(v_full.grad)),
                 ("unsharded output", cp.unshard_sequence(out.detach(), 2, group, layout),
                  out_full)]
     rtol, atol = TOLERANCE[dtype]
-    case = f"{str(dtype)[6:]} {layout} causal={causal}"
+    case = f"{kind} {str(dtype)[6:]} {layout} causal={causal}"
     differences = {}
     problems = []
     for name, got, want in compared:
@@ -112,10 +120,10 @@ def check_ring(ctx, group, args, dtype, layout: str, causal: bool) -> tuple[dict
     return differences, problems
 
 
-def check_lm(ctx, args, layout: str) -> tuple[list[str], list[str]]:
-    """The course LM, LM_STEPS SGD steps, on dp x cp ranks (ring attention over the context
-    ranks, each rank its tokens with their global positions, gradients averaged over the data
-    AND context ranks) beside the same LM on one process: (lines to print, problems)."""
+def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
+    """The course LM, LM_STEPS SGD steps, on dp x cp ranks (ring attention or Ulysses over the
+    context ranks, each rank its tokens with their global positions, gradients averaged over
+    the data AND context ranks) beside the same LM on one process: (lines to print, problems)."""
     from common import models
     context_group, data_rank, context_rank = make_groups(ctx, args.dp)
     cp_size = ctx.world_size // args.dp
@@ -123,7 +131,10 @@ def check_lm(ctx, args, layout: str) -> tuple[list[str], list[str]]:
     model = models.TransformerLM("tiny", vocab_size=LM_VOCAB, context_length=args.seq)
     model = model.to(ctx.device)
     reference = copy.deepcopy(model)                 # the one-process LM, the same weights
-    cp.use_ring_attention(model, context_group, layout)
+    if kind == "ulysses":
+        cp.use_ulysses_attention(model, context_group)
+    else:
+        cp.use_ring_attention(model, context_group, layout)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     positions = cp.shard_positions(args.seq // cp_size, context_rank, cp_size, layout, ctx.device)
@@ -153,7 +164,7 @@ def check_lm(ctx, args, layout: str) -> tuple[list[str], list[str]]:
         ref_loss.backward()
         ref_optimizer.step()
 
-        case = f"LM dp={args.dp} cp={cp_size} {layout} step {step}"
+        case = f"LM dp={args.dp} cp={cp_size} {kind} {layout} step {step}"
         worst = 0.0
         close = True
         for param, ref_param in zip(model.parameters(), reference.parameters()):
@@ -184,18 +195,19 @@ def context_parallel_main(ctx, args) -> None:
               f"heads {args.heads}, seq {args.seq}, head_dim {args.head_dim}, "
               f"{ctx.backend}/{ctx.device.type}; max |difference| from "
               "scaled_dot_product_attention on the whole sequence (rank 0's shard):")
-    for dtype in TOLERANCE:
-        for layout in args.layouts:
+    for kind, layout in kinds_and_layouts(args):
+        for dtype in TOLERANCE:
             for causal in (True, False):
-                differences, found = check_ring(ctx, context_group, args, dtype, layout, causal)
+                differences, found = check_attention(ctx, context_group, args, dtype, kind,
+                                                     layout, causal)
                 problems += found
                 shown = ", ".join(f"{name} {value:.1e}" for name, value in differences.items())
-                ctx.print(f"  {str(dtype)[6:]} {layout:10} causal={causal!s:5}: {shown}",
+                ctx.print(f"  {kind:7} {str(dtype)[6:]} {layout:10} causal={causal!s:5}: {shown}",
                           all_ranks=False)
     ctx.print(f"The course LM (tiny, SGD) on {args.dp} data x {cp_size} context ranks beside one "
               "process on the whole batch:", all_ranks=False)
-    for layout in args.layouts:
-        lines, found = check_lm(ctx, args, layout)
+    for kind, layout in kinds_and_layouts(args):
+        lines, found = check_lm(ctx, args, kind, layout)
         problems += found
         for line in lines:
             ctx.print(line, all_ranks=False)
@@ -203,8 +215,20 @@ def context_parallel_main(ctx, args) -> None:
     if problems:
         ctx.print("context-parallel check FAILED:\n  " + "\n  ".join(problems), all_ranks=False)
         raise SystemExit(1)
-    ctx.print("all checks passed on every rank: ring attention equals one process (outputs, dq, "
-              "dk, dv), the LM trains as one process", all_ranks=False)
+    ctx.print(f"all checks passed on every rank: {' and '.join(args.kinds)} equal one process "
+              "(outputs, dq, dk, dv), the LM trains as one process", all_ranks=False)
+
+
+def kinds_and_layouts(args) -> list[tuple[str, str]]:
+    """The ring in every layout asked for; Ulysses on contiguous shards (its only layout)."""
+    cases = []
+    for kind in args.kinds:
+        if kind == "ulysses":
+            cases.append((kind, "contiguous"))
+            continue
+        for layout in args.layouts:
+            cases.append((kind, layout))
+    return cases
 
 
 def main(argv=None) -> None:
@@ -219,7 +243,10 @@ def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--batch", type=launch.positive_int, default=4,
                         help="sequences per batch (the LM's global batch: divides by --dp)")
-    parser.add_argument("--heads", type=launch.positive_int, default=3, help="attention heads")
+    parser.add_argument("--heads", type=launch.positive_int, default=4,
+                        help="attention heads (Ulysses: they divide by the context ranks)")
+    parser.add_argument("--kinds", type=launch.choice_list(list(KINDS)), default=list(KINDS),
+                        help="context-parallel attention to check: subset of " + ",".join(KINDS))
     parser.add_argument("--head-dim", type=launch.positive_int, default=24,
                         help="width of one head")
     parser.add_argument("--seq", type=launch.positive_int, default=64, help="sequence length")
@@ -247,6 +274,12 @@ def check_flags(args, config) -> None:
     if args.batch % args.dp != 0:
         launch.usage_error(f"--batch {args.batch} does not divide into --dp {args.dp} equal parts")
     cp_size = config.world_size // args.dp
+    if "ulysses" in args.kinds:
+        for what, heads in (("--heads", args.heads), ("the LM's heads", LM_HEADS)):
+            if heads % cp_size != 0:
+                launch.usage_error(f"Ulysses splits the heads over the {cp_size} context ranks: "
+                                   f"{what} {heads} do not divide by {cp_size} (use --kinds ring, "
+                                   "or another --dp)")
     for layout in args.layouts:
         chunks = cp_size * cp.chunks_per_rank(layout)
         if args.seq % chunks != 0:

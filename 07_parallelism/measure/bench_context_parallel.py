@@ -58,6 +58,18 @@ def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     return forward, backward
 
 
+def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k,
+    v, the output), [batch, heads, seq / W, head_dim]. Each all-to-all keeps 1/W of its tensor
+    and sends the rest: forward swaps q, k, v and the output, backward their four gradients.
+    Per rank this stays the same when the sequence and W grow together; the ring's grows with
+    W (``ring_bytes``)."""
+    if world_size == 1:
+        return 0, 0
+    per_swap = (world_size - 1) * shard_bytes // world_size
+    return 4 * per_swap, 4 * per_swap
+
+
 def visible_scores(rank: int, world_size: int, seq_len: int, layout: str, causal: bool,
                    batch_heads: int) -> int:
     """The (query, key) scores rank's queries see, over all keys: causal, a query at global
@@ -146,6 +158,66 @@ class EmulatedAttention(ChunkKernels):
     def backward(self, grad_out, q, k, v, lse, delta, allowed, scale):
         self.wait(q, k, allowed, 2)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+
+class HeadsAttention(contextlib.ContextDecorator):
+    """While active, Ulysses computes its heads' attention with this object's ``attention``
+    (``context_parallel.heads_attention`` is replaced, and put back on exit); by default the
+    kernel that was there, counting the scores its queries see."""
+
+    def __init__(self):
+        self.visible = 0
+
+    def __enter__(self):
+        self.inner = cp.heads_attention
+        cp.heads_attention = self.attention
+        return self
+
+    def __exit__(self, *exc):
+        cp.heads_attention = self.inner
+        return False
+
+    def attention(self, q, k, v, causal):
+        self.visible += scores_seen(q, causal)
+        return self.inner(q, k, v, causal)
+
+
+def scores_seen(q, causal: bool) -> int:
+    """The (query, key) scores of attention over the whole sequence of q's heads."""
+    batch_heads = q.shape[0] * q.shape[1]
+    seq = q.shape[2]
+    if causal:
+        return batch_heads * seq * (seq + 1) // 2
+    return batch_heads * seq * seq
+
+
+class EmulatedWait(torch.autograd.Function):
+    """Waits ``seconds`` forward and twice that backward; returns zeros of q's shape."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seconds):
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return torch.zeros_like(q)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(2 * ctx.seconds)
+        return torch.zeros_like(grad), torch.zeros_like(grad), torch.zeros_like(grad), None
+
+
+class EmulatedHeadsAttention(HeadsAttention):
+    """No arithmetic: waits in proportion to the scores a causal kernel computes, as
+    ``EmulatedAttention`` does for the ring's chunks. The all-to-alls stay real."""
+
+    def __init__(self, seconds_per_score: float):
+        super().__init__()
+        self.seconds_per_score = seconds_per_score
+
+    def attention(self, q, k, v, causal):
+        seen = scores_seen(q, causal)
+        self.visible += seen
+        return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
 
 
 class TimedAttention(ChunkKernels):
@@ -272,6 +344,16 @@ def ring_step(q, k, v, grad_out, group, layout, kernel=None):
         out.backward(grad_out)
 
 
+def ulysses_step(q, k, v, grad_out, group, kernel=None):
+    """One forward + backward of causal Ulysses attention, its heads' attention computed by
+    ``kernel`` (a ``HeadsAttention``; None: the algorithm's own)."""
+    if kernel is None:
+        kernel = contextlib.nullcontext()
+    with kernel:
+        out = cp.ulysses_attention(q, k, v, group=group, causal=True)
+        out.backward(grad_out)
+
+
 def do_nothing():
     return None
 
@@ -394,6 +476,74 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple
                 emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
                 emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
                 rows.append(emulated_row)
+        if cfg["heads"] % world_size == 0:
+            ulysses_rows, problems = bench_ulysses(ctx, cfg, seq, world_size, ring)
+            rows += ulysses_rows
+            failures += problems
+    return rows, failures
+
+
+def bench_ulysses(ctx, cfg: dict, seq: int, world_size: int, group) -> tuple[list, list]:
+    """Ulysses on the first ``world_size`` ranks at one sequence length: its row (bytes beside
+    the formula, work per rank, saved bytes, step time) and, at the longest sequence, the same
+    with emulated compute. (rows, failures)."""
+    members = list(range(world_size))
+    inside = ctx.rank in members
+    rank = 0
+    if inside:
+        rank = ctx.rank
+    batch_heads = cfg["batch"] * cfg["heads"]
+    element_size = 4
+    local_len = seq // world_size
+    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, "contiguous")
+    counting = HeadsAttention()
+    sent = 0
+    saved = 0
+    peak = 0
+    if inside:
+        with counters.CommCounter() as comm:
+            ulysses_step(q, k, v, grad_out, group, counting)
+        sent = comm.sent_bytes
+
+        def step_for_memory():
+            ulysses_step(q, k, v, grad_out, group)
+        saved, peak = saved_and_peak(ctx, step_for_memory)
+    everyone = [numbers for numbers in gather_from_ranks(
+        {"inside": inside, "sent": sent, "saved": saved, "peak": peak,
+         "visible": counting.visible}) if numbers["inside"]]
+    visible = [numbers["visible"] for numbers in everyone]
+    sent_per_rank = [numbers["sent"] for numbers in everyone]
+    shard_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
+    formula = sum(ulysses_bytes(world_size, shard_bytes))
+    failures = []
+    if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
+        failures.append(f"seq {seq} W={world_size} ulysses: ranks sent {min(sent_per_rank):.0f} "
+                        f"to {max(sent_per_rank):.0f} B; the formula says {formula}")
+    row = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"],
+           "impl": "ulysses", "W": world_size, "layout": "contiguous", "compute": "real",
+           "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
+           "imbalance": max(visible) / (sum(visible) / len(visible)), "imbalance_formula": 1.0,
+           "saved_bytes": max(numbers["saved"] for numbers in everyone),
+           "saved_formula": saved_bytes_formula(batch_heads // world_size, seq, cfg["head_dim"],
+                                                element_size),
+           "peak_bytes": max(numbers["peak"] for numbers in everyone)}
+
+    def real_step():
+        ulysses_step(q, k, v, grad_out, group)
+
+    row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
+    rows = [row]
+    if seq == max(cfg["seqs"]):
+        all_scores = batch_heads * seq * (seq + 1) / 2
+        emulated = EmulatedHeadsAttention(cfg["emulate_ms"] / 1e3 / all_scores)
+
+        def emulated_step():
+            ulysses_step(q, k, v, grad_out, group, emulated)
+
+        emulated_row = dict(row)
+        emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
+        emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
+        rows.append(emulated_row)
     return rows, failures
 
 
@@ -476,8 +626,13 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
             target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
         print(f"  FLOP imbalance (max/mean), W={row['W']} {row['layout']}: "
               f"{row['imbalance']:.3f} (target {target})")
-    exact = all(row["sent_bytes"] == row["bytes_formula"] for row in rows)
+    exact = all(row["sent_bytes"] == row["bytes_formula"] for row in rows if row["impl"] == "ring")
     print(f"  ring bytes sent per rank equal the formula in every row: {exact}")
+    ulysses = [row for row in rows if row["impl"] == "ulysses"]
+    if ulysses:
+        exact = all(row["sent_bytes"] == row["bytes_formula"] for row in ulysses)
+        print(f"  Ulysses bytes sent per rank equal the formula in every row: {exact}")
+        print_ring_beside_ulysses(rows)
     for world_size in cfg["ring_sizes"]:
         emulated = ratio(rows, world_size, "emulated")
         real = ratio(rows, world_size, "real")
@@ -486,6 +641,29 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
             print(f"  zig-zag / contiguous step time, W={world_size}, seq {longest}: emulated "
                   f"compute {emulated:.2f}, real compute {real:.2f} (target <= 0.75 at W=4; "
                   f"ideal W/(2W-1) = {ideal:.2f})")
+
+
+def print_ring_beside_ulysses(rows: list[dict]) -> None:
+    """Rank 0: per sequence length and W, the bytes each sends per rank and their step times
+    (zig-zag ring, real compute; and emulated at the longest sequence)."""
+    table = []
+    for row in rows:
+        if row["impl"] != "ulysses":
+            continue
+        ring = None
+        for other in rows:
+            same = (other["seq"], other["W"], other["compute"]) == (row["seq"], row["W"], row["compute"])
+            if other["impl"] == "ring" and other["layout"] == "zigzag" and same:
+                ring = other
+        if ring is None:
+            continue
+        table.append({"seq": row["seq"], "W": row["W"], "compute": row["compute"],
+                      "ring bytes/rank": ring["sent_bytes"], "Ulysses bytes/rank": row["sent_bytes"],
+                      "ring ms": ring["step_ms"], "Ulysses ms": row["step_ms"],
+                      "Ulysses / ring": row["step_ms"] / ring["step_ms"]})
+    if table:
+        results.print_table(table, title="\nRing attention (zig-zag) beside Ulysses: bytes each rank "
+                                         "sends, and step time", floatfmt=".3g")
 
 
 # --------------------------------------------------------------------------- the timeline
@@ -663,7 +841,8 @@ def check_fits(config, need: int, what: str) -> None:
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--batch", type=launch.positive_int, default=4, help="sequences")
-    parser.add_argument("--heads", type=launch.positive_int, default=3, help="attention heads")
+    parser.add_argument("--heads", type=launch.positive_int, default=4,
+                        help="attention heads (Ulysses runs on the ring sizes that divide them)")
     parser.add_argument("--head-dim", type=launch.positive_int, default=24,
                         help="width of one head")
     parser.add_argument("--layouts", type=launch.choice_list(list(cp.LAYOUTS)),
