@@ -770,10 +770,11 @@ def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
 
 
 BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
+RESUME = REPO / "07_parallelism" / "08_checkpoints" / "resume.py"
 BAD_FLAGS = [   # script, flags, the words of its one line
     (TRAIN, ["--checkpoint-every", "2"], "need --checkpoint-dir"),
     (TRAIN, ["--crash-at-step", "2"], "need --checkpoint-dir"),
-    (TRAIN, ["--checkpoint-dir", "README.md"], "not a folder"),
+    (RESUME, ["--checkpoint-dir", "README.md"], "not a folder"),   # train.py hands it here
     (DEMO, [], "give 2 ranks or more"),
     (DEMO, ["--world-size", "3"], "give an even number of ranks"),
     (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more"),
