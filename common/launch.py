@@ -254,7 +254,8 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
     """One-line usage error when ``ranks_here`` workers (each its baseline plus
     ``per_rank_bytes``, described by ``what``) would not fit in host memory."""
     baseline = rank_baseline_bytes()
-    need, have = ranks_here * (baseline + per_rank_bytes), int(0.9 * host_available_bytes())
+    need = ranks_here * (baseline + per_rank_bytes)
+    have = int(0.9 * host_available_bytes())
     if need > have:
         usage_error(f"{ranks_here} ranks need about {need / GIB:.1f} GiB of host memory "
                     f"({baseline / 2**20:.0f} MiB each to start{', plus ' + what if what else ''})"
@@ -326,13 +327,14 @@ READER_GONE = 141  # a rank's exit status when the reader of the output left (12
 
 
 def _start_method() -> str:
-    """Fork ranks from Python's fork server, which imports torch once (``import torch`` costs
-    seconds of CPU on a small box; the server is kept for the next launch of this process);
-    spawn them where there is no fork server (Windows). The server never runs a tensor op
-    (a fork after one can deadlock in OpenMP) nor touches CUDA, so the ranks may."""
+    """Fork ranks from Python's fork server, which imports torch and this file once (``import
+    torch`` costs seconds of CPU on a small box; the server is kept for the next launch of
+    this process); spawn them where there is no fork server (Windows). The server never runs
+    a tensor op (a fork after one can deadlock in OpenMP) nor touches CUDA, so the ranks may."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "common.fork_server"])
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "common.launch",
+                                            "common.fork_server"])
     return "forkserver"
 
 

@@ -9,6 +9,7 @@ barriers for a minute (something to stop from outside).
 
 import ctypes
 import os
+import resource
 import signal
 import sys
 import time
@@ -32,6 +33,7 @@ def faulty_main(ctx, fault: str, bad_rank: int) -> None:
         if fault == "raise":
             raise ValueError(f"planted failure on rank {ctx.rank}")
         if fault == "segv":
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file left in the repo
             ctypes.string_at(0)
         if fault in ("kill", "stop"):
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
