@@ -338,6 +338,17 @@ def _start_method() -> str:
     return "forkserver"
 
 
+def _leave_the_server_to_the_launcher() -> None:
+    """The fork server ends when no one holds the other end of its "alive" pipe, and a rank
+    forked from it holds a copy: closed, the server ends with the launcher (even one killed by
+    SIGKILL), and Linux then ends the server's ranks."""
+    from multiprocessing import forkserver  # not on every platform
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
 class _Streams:
     """This launcher's stdout and stderr, as file descriptors sent to a forked rank with its
     arguments (``DupFd`` is multiprocessing's way to pass one). The fork server kept the
@@ -362,10 +373,11 @@ def _rank(rank, worker, config, args, environ, streams):
     # torch asked Linux to send SIGINT when this rank's parent dies: let it end the rank at once,
     # even inside a collective (Ctrl-C is the launcher's to handle, and it ends every rank).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if streams is not None:  # forked by the fork server
+        streams.take()
+        _leave_the_server_to_the_launcher()
     if not multiprocessing.parent_process().is_alive():
         os._exit(1)  # the launcher died while this rank started, before that request was made
-    if streams is not None:
-        streams.take()
     faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
