@@ -308,9 +308,9 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
         note.cancel()
         return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
     except Exception as error:
-        # When this rank failed, before its peers notice (they fail because it left): the
-        # launcher names the rank that raised first. (torchrun does its own naming.)
-        if not under_torchrun():
+        # The time it failed, taken before the group is torn down below (its peers fail after
+        # that, because it left): the launcher names the rank that raised first by it.
+        if not under_torchrun():  # torchrun names it its own way
             error.add_note(f"{RAISED_AT}{time.time()!r}")
         raise
     finally:
@@ -330,7 +330,9 @@ def _start_method() -> str:
     """Fork ranks from Python's fork server, which imports torch and this file once (``import
     torch`` costs seconds of CPU on a small box; the server is kept for the next launch of
     this process); spawn them where there is no fork server (Windows). The server never runs
-    a tensor op (a fork after one can deadlock in OpenMP) nor touches CUDA, so the ranks may."""
+    a tensor op (a fork after one can deadlock in OpenMP) nor touches CUDA, so the ranks may.
+    A rank keeps from the server what was fixed when it started: the variables torch reads on
+    import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first launch) and the hash seed."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "common.launch",
@@ -411,7 +413,8 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     if master_port() is None:
         # This process holds the ranks' rendezvous store, on a port the OS picks and keeps for
         # it: a port merely seen free could be taken by another process before rank 0 binds it.
-        # The ranks join the store as clients, as they do under torchrun's agent.
+        # The ranks join the store as clients, as they do under torchrun's agent; ``store``
+        # lives until this function returns.
         store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                               timeout=rendezvous_timeout())
         environ["MASTER_PORT"] = str(store.port)
