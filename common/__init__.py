@@ -11,6 +11,13 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def usage_error(message: str, prog: str | None = None) -> None:
+    """Bad input: one line on stderr naming it and what is allowed, then exit status 2 (the
+    flags' parser, the launcher's checks and the results folder's all end this way)."""
+    print(f"{prog or os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def import_stage(script: str):
     """Import a sibling stage's script, e.g. ``import_stage("03_naive_ddp/naive_ddp")``: stage
     folders are not packages, so the folder goes on ``sys.path`` (spawned workers inherit it,

@@ -1,39 +1,49 @@
-"""Starting workers: stage 01's ten lines, made safe for every later stage.
+"""Starting workers: stage 01's ten lines on torch's own process starter, plus what a course needs.
 
 ``launch(worker, config, *args)`` runs ``worker(ctx, *args)`` on every rank, inside a process
-group: in processes started here (forked from a server that imported torch once) meeting on
-loopback, or in this very process under torchrun. Nothing hangs and nothing is silent: a rank
-that raises, dies or stalls ends the run and is named; Ctrl-C or SIGTERM to the parent stops
-every worker (one line, no tracebacks); a worker whose parent died exits; collectives time out (``DIST_TIMEOUT_S``, default 300 s), and
-a rank still waiting for its peers after a few seconds says what for; bad flags, bad
-environment variables and runs that cannot fit in memory are one line and exit status 2 before
-any worker starts; ``python script.py | head -1`` ends quietly, as any Unix tool does.
+group: in this very process under torchrun (which reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``), or else in ``config.world_size`` processes on this machine.
+
+What torch does here: ``torch.multiprocessing.start_processes`` starts the ranks (forked from
+Python's fork server, which imported torch once, so a rank does not pay ``import torch``
+again; spawned where there is no fork server), records each failing rank's traceback, and
+asks Linux to end a rank whose parent dies. What this file adds:
+
+- the rendezvous: on 127.0.0.1, at a port the OS picks and keeps for the store this process
+  holds (a port merely seen free can be taken before rank 0 binds it), unless MASTER_PORT is set;
+- process-group init with a timeout (``DIST_TIMEOUT_S``, default 300 s) and teardown, the device
+  of each rank, and a note from a rank still waiting for its peers after a few seconds;
+- one-line refusals (exit 2) before any worker starts: bad flags, bad environment variables,
+  runs that cannot fit in host memory;
+- supervision: the first rank to fail is named with its traceback and the others are ended at
+  once; a rank killed by a signal or stopped (SIGSTOP) is named; Ctrl-C or SIGTERM ends every
+  rank with one line; ``faulthandler`` in every rank, so a segfault prints a Python stack;
+  ``python script.py | head -1`` ends quietly, as any Unix tool does.
 """
 
 import argparse
 import datetime
-import errno
+import faulthandler
 import gc
 import math
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.util
 import os
+import pickle
 import select
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass
 from multiprocessing import reduction
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
+
+from common import results, usage_error
 
 
 @dataclass(frozen=True)
@@ -74,11 +84,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D401 - argparse's API
         usage_error(message, prog=self.prog)
-
-
-def usage_error(message: str, prog: str | None = None) -> None:
-    print(f"{prog or os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)
 
 
 def _number(kind, lowest, what: str):
@@ -123,7 +128,10 @@ int_list = list_of(positive_int)  # '1,2,4' -> [1, 2, 4]
 
 
 def make_parser(doc: str | None, world_size: int = 2) -> Parser:
-    """A parser with the flags every stage shares: --world-size, --backend, --device."""
+    """A parser with the flags every stage shares: --world-size, --backend, --device. A script
+    that makes one is a command-line tool, so it also ends quietly when its reader does
+    (``quiet_when_the_reader_leaves``)."""
+    quiet_when_the_reader_leaves()
     parser = Parser(description=(doc or "").strip().split("\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--world-size", type=positive_int, default=world_size,
@@ -182,7 +190,6 @@ def check_environment() -> None:
     timeout_s()
     master_addr()
     master_port()
-    from common import results  # a late import: results imports this module
     results.check_folder()  # RESULTS_DIR set but empty, a folder where a results file goes
 
 
@@ -247,7 +254,8 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
     """One-line usage error when ``ranks_here`` workers (each its baseline plus
     ``per_rank_bytes``, described by ``what``) would not fit in host memory."""
     baseline = rank_baseline_bytes()
-    need, have = ranks_here * (baseline + per_rank_bytes), int(0.9 * host_available_bytes())
+    need = ranks_here * (baseline + per_rank_bytes)
+    have = int(0.9 * host_available_bytes())
     if need > have:
         usage_error(f"{ranks_here} ranks need about {need / GIB:.1f} GiB of host memory "
                     f"({baseline / 2**20:.0f} MiB each to start{', plus ' + what if what else ''})"
@@ -255,7 +263,7 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
                     + (" or size" if what else ""))
 
 
-# --------------------------------------------------------------------------- workers
+# --------------------------------------------------------------------------- one rank
 def rendezvous_timeout() -> datetime.timedelta:
     """``DIST_TIMEOUT_S`` as a timedelta (``launch`` has a parameter named ``timeout_s``)."""
     return datetime.timedelta(seconds=timeout_s())
@@ -269,6 +277,7 @@ def free_port() -> int:
 
 
 WAIT_NOTE_S = 10  # a rank still joining after this long says what it waits for
+RAISED_AT = "launch: this rank raised at "  # a note on a started rank's error, read by launch
 
 
 def _say_what_we_wait_for(rank: int, world_size: int, waited_s: float, wait_s: float) -> None:
@@ -278,7 +287,9 @@ def _say_what_we_wait_for(rank: int, world_size: int, waited_s: float, wait_s: f
           f"wait is DIST_TIMEOUT_S = {wait_s:g} s", file=sys.stderr, flush=True)
 
 
-def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_error=None):
+def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
+    """One rank, the same under torchrun and here: pick the device, join the process group
+    (env://: MASTER_ADDR, MASTER_PORT), run ``worker``, leave the group."""
     dev = torch.device("cuda", local_rank % torch.cuda.device_count()) \
         if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
@@ -289,19 +300,21 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
     waited_s = min(WAIT_NOTE_S, wait_s / 2)
     note = threading.Timer(waited_s, _say_what_we_wait_for, (rank, world_size, waited_s, wait_s))
     note.daemon = True
-    try:  # joining can fail too (a port taken, a peer gone): recorded like any failure
-        note.start()
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,  # env://
+    note.start()
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=wait_s),
                                 **({"device_id": dev} if backend == "nccl" else {}))
         note.cancel()
         return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
-    except BaseException:
-        note.cancel()
-        if on_error is not None:
-            on_error()
+    except Exception as error:
+        # The time it failed, taken before the group is torn down below (its peers fail after
+        # that, because it left): the launcher names the rank that raised first by it.
+        if not under_torchrun():  # torchrun names it its own way
+            error.add_note(f"{RAISED_AT}{time.time()!r}")
         raise
     finally:
+        note.cancel()
         if dist.is_initialized():
             # Collect what still holds the group's work first (torch's fully_shard leaves
             # cycles): torn down later, during interpreter exit, it can abort the process.
@@ -309,100 +322,78 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args, on_
             dist.destroy_process_group()
 
 
-def _rank_processes():
-    """Where the ranks come from: a fork server that imported torch once. ``import torch``
-    costs seconds of CPU on a small box, and spawned ranks paid it each; a child forked from
-    the server starts with torch loaded (the next launch reuses the server). The server never
-    runs a tensor op (a fork after one can deadlock in OpenMP) and never touches CUDA, so the
-    ranks may. It was started by the first launch of this process, with that moment's
-    environment and standard streams. Each rank takes the current ones when it starts its job
-    (``_Streams``, ``environ``) and a seed of its own for torch's generator (``_rank_entry``),
-    as a spawned rank has. What stays the server's: the variables torch reads when imported
-    (``TORCH_DISTRIBUTED_DEBUG``, say: set them before the first launch, as a script does),
-    Python's hash seed, and the streams a rank has while it imports the script's ``__main__``."""
+# --------------------------------------------------------------------------- the ranks
+READER_GONE = 141  # a rank's exit status when the reader of the output left (128 + SIGPIPE)
+
+
+def _start_method() -> str:
+    """Fork ranks from Python's fork server, which imports torch and this file once (``import
+    torch`` costs seconds of CPU on a small box; the server is kept for the next launch of
+    this process); spawn them where there is no fork server (Windows). The server never runs
+    a tensor op (a fork after one can deadlock in OpenMP) nor touches CUDA, so the ranks may.
+    A rank keeps from the server what was fixed when it started: the variables torch reads on
+    import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first launch) and the hash seed."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")  # Windows: no fork at all
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed"])
-    return context
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "common.launch",
+                                            "common.fork_server"])
+    return "forkserver"
+
+
+def _leave_the_server_to_the_launcher() -> None:
+    """The fork server ends when no one holds the other end of its "alive" pipe, and a rank
+    forked from it holds a copy: closed, the server ends with the launcher (even one killed by
+    SIGKILL), and Linux then ends the server's ranks."""
+    from multiprocessing import forkserver  # not on every platform
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 class _Streams:
-    """This launcher's stdout and stderr, sent to a rank as file descriptors when it starts
-    (pickled with the rank's arguments; ``DupFd`` is multiprocessing's way to pass an fd)."""
+    """This launcher's stdout and stderr, as file descriptors sent to a forked rank with its
+    arguments (``DupFd`` is multiprocessing's way to pass one). The fork server kept the
+    streams of the moment it started, so without these a rank's output would go where an
+    earlier launch's went (pytest's capture of an earlier test, say)."""
+
+    def __init__(self, fds=()):
+        self.fds = fds
 
     def __reduce__(self):
-        return (_take_streams, (reduction.DupFd(1), reduction.DupFd(2)))
+        return (_Streams, ([reduction.DupFd(1), reduction.DupFd(2)],))
+
+    def take(self) -> None:
+        for wrapped, target in zip(self.fds, (1, 2)):
+            fd = wrapped.detach()
+            os.dup2(fd, target)
+            os.close(fd)
 
 
-def _take_streams(stdout, stderr) -> None:
-    for wrapped, target in ((stdout, 1), (stderr, 2)):
-        fd = wrapped.detach()
-        os.dup2(fd, target)
-        os.close(fd)
-
-
-def _rank_entry(rank, worker, world_size, backend, device, addr, port, args, error_dir,
-                server_dir, environ, streams, parent_holds_store):
-    # ``streams`` did its work already: unpickling it moved the launcher's stdout and stderr
-    # onto this rank's (``_Streams``).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+def _rank(rank, worker, config, args, environ, streams):
+    """A started rank (torch's wrapper around it records its traceback if it raises)."""
+    # torch asked Linux to send SIGINT when this rank's parent dies: let it end the rank at once,
+    # even inside a collective (Ctrl-C is the launcher's to handle, and it ends every rank).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if streams is not None:  # forked by the fork server
+        streams.take()
+        _leave_the_server_to_the_launcher()
+    if not multiprocessing.parent_process().is_alive():
+        os._exit(1)  # the launcher died while this rank started, before that request was made
+    faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.seed()  # forked ranks would all share the server's generator state
-
-    def exit_when_orphaned():  # the launcher died, even by SIGKILL: its end of a pipe closed
-        multiprocessing.parent_process().join()
-        # What the launcher would have removed on its way out: its failure records, and the
-        # folder of the fork server's socket.
-        shutil.rmtree(error_dir, ignore_errors=True)
-        shutil.rmtree(server_dir, ignore_errors=True)
-        os._exit(1)
-    threading.Thread(target=exit_when_orphaned, daemon=True).start()
-    os.environ.update(MASTER_ADDR=addr, MASTER_PORT=str(port), RANK=str(rank),  # as torchrun
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    if parent_holds_store:  # every rank joins the parent's store as a client (see launch)
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     # Share the cores, as torchrun does: oversubscribed ranks would time each other's contention.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-
-    def record_failure():
-        # A failure makes the peers fail moments later ("connection closed by peer"): record
-        # when each failed, so the parent can name the first. Renamed into place.
-        error = sys.exc_info()[1]
-        text = (f"exited with status {error.code} (its own checks failed: see its output)\n"
-                if isinstance(error, SystemExit) else traceback.format_exc())
-        if isinstance(error, BrokenPipeError) and output_reader_gone():
-            text = READER_GONE  # `| head -1` has its line: not a failure of this rank
-            discard_output()  # else exiting would flush into the closed pipe and complain
-        path = os.path.join(error_dir, f"rank{rank}.err")
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{time.time()!r}\n{text}")
-        os.replace(path + ".tmp", path)
-
-    code = 0
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
     try:
-        _run_worker(worker, rank, world_size, rank, backend, device, args, record_failure)
-    except SystemExit as stop:
-        code = 1
-        if stop.code == 2:
-            code = 2  # bad input the ranks found, said in one line
-    except BaseException:
-        code = 1  # quietly: the parent prints the first failure, once
-    _leave(code)
-
-
-def _leave(code: int) -> None:
-    """End a started rank without the interpreter's teardown: with torch loaded it costs a
-    second or more of CPU per rank (and torch's destructors have aborted a rank there). What
-    the rank wrote is closed by now; only the standard streams still need flushing."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass  # a reader that went away (| head -1), or a stream already closed
-    os._exit(code)
+        _run_worker(worker, rank, config.world_size, rank, config.backend, config.device, args)
+    except BrokenPipeError:
+        if not output_reader_gone():
+            raise
+        discard_output()  # `| head -1` has its line: not a failure of this rank
+        sys.exit(READER_GONE)
 
 
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
@@ -410,63 +401,56 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     ``config.world_size`` processes started and supervised here; ``timeout_s`` bounds the
     run."""
     if under_torchrun():
+        if not faulthandler.is_enabled():
+            faulthandler.enable()
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
     addr = master_addr()
-    port = master_port()
+    environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
+               "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
     store = None
-    if port is None:
+    if master_port() is None:
         # This process holds the ranks' rendezvous store, on a port the OS picks and keeps for
         # it: a port merely seen free could be taken by another process before rank 0 binds it.
-        # The ranks join the store as clients, as they do under torchrun's agent.
+        # The ranks join the store as clients, as they do under torchrun's agent; ``store``
+        # lives until this function returns.
         store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                               timeout=rendezvous_timeout())
-        port = store.port
-    error_dir = tempfile.mkdtemp(prefix="launch-errors-")
-    # daemon: the workers die with this process; so a worker cannot start processes of its
-    # own (a DataLoader with num_workers > 0 would fail)
-    context = _rank_processes()
-    server_dir = multiprocessing.util.get_temp_dir()  # where the fork server's socket lives
-    streams = None  # a spawned rank inherits this process's streams as they are now
-    if context.get_start_method() == "forkserver":
-        streams = _Streams()
-    processes = []
-    for rank in range(config.world_size):
-        rank_args = (rank, worker, config.world_size, config.backend, config.device, addr, port,
-                     args, error_dir, server_dir, dict(os.environ), streams,
-                     store is not None)
-        processes.append(context.Process(target=_rank_entry, args=rank_args, daemon=True))
+        environ["MASTER_PORT"] = str(store.port)
+        environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    start_method = _start_method()
+    streams = _Streams() if start_method == "forkserver" else None
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
     on_main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, lambda signum, _: stop.update(signum=signum))
            for s in (signal.SIGINT, signal.SIGTERM)} if on_main_thread else {}
+    ranks = None
     try:
-        for p in processes:
-            p.start()
-        _supervise(processes, timeout_s, error_dir, stop)
+        ranks = torch.multiprocessing.start_processes(
+            _rank, (worker, config, args, environ, streams), nprocs=config.world_size,
+            join=False, start_method=start_method)
+        _supervise(ranks, timeout_s, stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        _kill(processes)
-        shutil.rmtree(error_dir, ignore_errors=True)
+        if ranks is not None:
+            _end(ranks.processes)
+            for path in ranks.error_files:
+                if os.path.exists(path):
+                    os.remove(path)
 
 
-def _kill(processes) -> None:
-    # Only those started: when a start() raises (a script without the `if __name__ ==
-    # "__main__":` guard, say), joining one never started would hide that error.
-    started = [p for p in processes if p.pid is not None]
-    for p in started:
+# --------------------------------------------------------------------------- supervision
+# Not torch's ProcessContext.join: it names the first exit it happens to see, which on a busy
+# machine is often a peer that failed *because* the first rank went away; it cannot tell a
+# stalled rank; and it gives the others 30 s after SIGTERM, which a stopped rank ignores.
+
+def _end(processes) -> None:
+    for p in processes:
         if p.is_alive():
             p.kill()  # SIGKILL: also ends a rank that is stopped (SIGSTOP) or stuck in C++
-        elif p.exitcode == 255:
-            # 255 is also what a dead fork server (the OOM killer's pick?) reports for ranks
-            # that may still run: end them by pid, or they would outlive this launch.
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    for p in started:
+    for p in processes:
         p.join(timeout=5)
 
 
@@ -479,28 +463,25 @@ def _stopped(pid: int) -> bool:
         return False
 
 
-def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
+def _supervise(ranks, timeout_s, stop: dict) -> None:
+    processes = ranks.processes
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         codes = [p.exitcode for p in processes]  # read once: every decision below uses them
-        if all(c == 0 for c in codes):
+        if all(code == 0 for code in codes):
             return
-        stalled = [r for r, p in enumerate(processes) if codes[r] is None and _stopped(p.pid)]
+        stalled = [rank for rank, p in enumerate(processes)
+                   if codes[rank] is None and _stopped(p.pid)]
         if stop["signum"] is not None:
-            _kill(processes)
+            _end(processes)
             print(f"stopped by {signal.Signals(stop['signum']).name}: all {len(processes)} ranks "
                   "ended; results written before this point are kept", file=sys.stderr, flush=True)
             raise Stopped(128 + stop["signum"])
-        if any(c not in (None, 0) for c in codes):
-            _kill(processes)
-            if _reader_left(error_dir):  # our own output went too: stop as quietly
-                raise BrokenPipeError(errno.EPIPE, "the reader of this output has exited")
-            if _refused_bad_input(error_dir):
-                raise SystemExit(2)  # e.g. a damaged checkpoint: a rank said why, in one line
-            _report_failure(codes, error_dir, stalled)
-            raise SystemExit(1)
+        if any(code not in (None, 0) for code in codes):
+            _end(processes)
+            _report_failure(codes, ranks.error_files, stalled)
         if deadline is not None and time.monotonic() > deadline:
-            _kill(processes)
+            _end(processes)
             print(f"error: run exceeded its {timeout_s:.0f}s limit; all ranks killed"
                   + (f" (rank(s) {stalled} were stopped by a signal)" if stalled else ""),
                   file=sys.stderr, flush=True)
@@ -509,54 +490,71 @@ def _supervise(processes, timeout_s, error_dir: str, stop: dict) -> None:
                                         timeout=0.5)
 
 
-def _reader_left(error_dir: str) -> bool:
-    """Whether a rank stopped because the reader of the output went away (``| head -1``)."""
-    return any(Path(error_dir, name).read_text().partition("\n")[2] == READER_GONE
-               for name in os.listdir(error_dir) if name.endswith(".err"))
+def _raised(path: str) -> tuple[float, str]:
+    """When a rank raised, and its traceback, from the file torch's wrapper wrote."""
+    with open(path, "rb") as f:
+        text = pickle.load(f).rstrip("\n")  # our own rank's file, in our own temporary folder
+    body, _, when = text.rpartition("\n" + RAISED_AT)
+    if not body:
+        return math.inf, text
+    return float(when), body
 
 
-def _refused_bad_input(error_dir: str) -> bool:
-    """Whether every rank that failed exited with status 2: bad input only the ranks could see
-    (a damaged checkpoint, say), refused like a bad flag, its one line printed by a rank."""
-    texts = [Path(error_dir, name).read_text() for name in os.listdir(error_dir)
-             if name.endswith(".err")]
-    refusals = [text for text in texts if text.partition("\n")[2].startswith("exited with status 2 ")]
-    return len(texts) > 0 and len(refusals) == len(texts)
+CRASHES = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")  # faulthandler prints a stack
 
 
-def _report_failure(codes: list, error_dir: str, stalled: list[int]) -> None:
-    """Print the root cause: ranks killed by a signal or gone without a word, a stalled rank
-    the others gave up waiting for, ranks whose own checks failed, and the first traceback."""
-    failures = sorted((float(text.partition("\n")[0]), int(name[4:-4]), text.partition("\n")[2])
-                      for name in os.listdir(error_dir) if name.endswith(".err")
-                      for text in [Path(error_dir, name).read_text()])  # the first one first
-    own = sorted(r for _, r, text in failures if text.startswith("exited with status"))
-    raised = [(r, text) for _, r, text in failures if r not in own]
-    lines = [f"error: rank {rank} was killed by {signal.Signals(-code).name}" if code < 0 else
-             f"error: rank {rank} exited with status {code}" for rank, code in enumerate(codes)
-             if code not in (None, 0) and rank not in {r for _, r, _ in failures}]
+def _killed(rank: int, code: int) -> str:
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name in CRASHES:
+        why = "a crash in native code: its Python stack, from faulthandler, is above"
+    elif name == "SIGKILL":
+        why = "sent from outside, by the out-of-memory killer or kill -9: no stack can be printed"
+    else:
+        why = "sent from outside"
+    return f"error: rank {rank} was killed by {name} ({why})"
+
+
+def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
+    """Name the root cause, then exit: ranks killed by a signal, a stalled rank the others gave
+    up waiting for, ranks whose own checks failed (exited without a traceback), and the
+    traceback of the rank that raised first."""
+    failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+    if READER_GONE in codes:  # `| head -1`: our own output went too, so stop as quietly
+        discard_output()
+        raise SystemExit(1)
+    raised = sorted((*_raised(error_files[rank]), rank) for rank in failed
+                    if os.path.exists(error_files[rank]))  # the first one first
+    said = [rank for rank in failed if rank not in {r for _, _, r in raised}]
+    if not raised and all(codes[rank] == 2 for rank in failed):
+        raise SystemExit(2)  # bad input only the ranks could see, said by them in one line
+    lines = [_killed(rank, codes[rank]) for rank in said if codes[rank] < 0]
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
                      "others gave up waiting for them")
+    own = [rank for rank in said if codes[rank] > 0]
     if own:
-        lines.append(f"error: rank(s) {own} failed their own checks (see their output)")
+        lines.append(f"error: rank(s) {own} exited with status "
+                     f"{', '.join(str(codes[rank]) for rank in own)} without a traceback (their "
+                     "own checks failed, or they could not start: see their output)")
     if raised:
-        lines.append(f"error: rank {raised[0][0]} failed first"
+        lines.append(f"error: rank {raised[0][2]} failed first"
                      f"{' while waiting for a stalled rank' if stalled else ''}:\n"
-                     f"{raised[0][1].rstrip()}")
+                     f"{raised[0][1]}")
     if len(raised) > 1:
-        lines.append(f"(then rank(s) {sorted(r for r, _ in raised[1:])} failed too, usually "
-                     "because a peer went away)")
+        lines.append(f"(then rank(s) {sorted(rank for _, _, rank in raised[1:])} failed too, "
+                     "usually because a peer went away)")
     print("\n".join(lines), file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 # --------------------------------------------------------------------------- output
 # `python script.py | head -1`: once head has its line it exits, and the next print raises
 # BrokenPipeError, in the parent or in a rank. As any Unix tool does, the run then ends without
-# a word: a rank records READER_GONE (not a failure), the parent stops the others and raises
-# BrokenPipeError itself, and this hook, for the parent, prints no traceback (exit status 1).
-READER_GONE = "the reader of the output has exited\n"
-
+# a word: a rank exits with READER_GONE, the launcher stops the others and exits 1, and a
+# command-line script (``make_parser``) ends the same way when its own print meets the pipe.
 
 def output_reader_gone() -> bool:
     """Whether stdout (file descriptor 1) is a pipe whose reader has exited: Linux's poll()
@@ -583,4 +581,10 @@ def _quiet_when_the_reader_is_gone(kind, error, tb):
     _previous_excepthook(kind, error, tb)
 
 
-sys.excepthook = _quiet_when_the_reader_is_gone
+def quiet_when_the_reader_leaves() -> None:
+    """From now on, this process ends with status 1 and no traceback when a print meets a pipe
+    whose reader has exited (any other error keeps its traceback)."""
+    global _previous_excepthook
+    if sys.excepthook is not _quiet_when_the_reader_is_gone:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _quiet_when_the_reader_is_gone

@@ -28,8 +28,7 @@ try:
 except ImportError:  # a GPU box whose Python has torch but not tabulate: plain tables
     tabulate = None
 
-from common import REPO_ROOT
-from common.launch import usage_error
+from common import REPO_ROOT, usage_error
 
 
 def results_dir() -> Path:

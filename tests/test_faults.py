@@ -56,21 +56,27 @@ def test_a_failing_stalled_or_unread_rank_ends_the_run(tmp_path):
                 "gloo", "--device", "cpu"]
     unread = {"rank": _start_without_a_reader(one_rank, tmp_path / "unread_rank"),
               "parent": _start_without_a_reader(["-c", "from common import launch\n"
+                                                 "launch.make_parser(None)\n"
                                                  "for i in range(3):\n    print(i, flush=True)"],
                                                 tmp_path / "unread_parent")}
     runs = {fault: start_script([FAULTS, "--world-size", "2", "--fault", fault, "--bad-rank", "1",
                            "--backend", "gloo", "--device", "cpu"], tmp_path / fault,
                           env={"DIST_TIMEOUT_S": "6"})
-            for fault in ("raise", "kill", "stop")}
+            for fault in ("raise", "kill", "segv", "stop")}
     for fault, proc in runs.items():
         out, err = proc.communicate(timeout=90)
         assert proc.returncode == 1, (fault, out, err)
         assert "passed the second barrier" not in out
         want = {"raise": "rank 1 failed first:", "kill": "rank 1 was killed by SIGKILL",
+                "segv": "rank 1 was killed by SIGSEGV (a crash in native code: its Python stack, "
+                        "from faulthandler, is above)",
                 "stop": "rank(s) [1] stalled (stopped by a signal, SIGSTOP?)"}[fault]
         assert want in err, (fault, err[-3000:])
-        if fault == "raise":
-            assert "ValueError: planted failure on rank 1" in err
+        if fault == "raise":  # its traceback, without the note the launcher orders failures by
+            assert "ValueError: planted failure on rank 1" in err and launch.RAISED_AT not in err
+        if fault == "segv":  # faulthandler's stack of the crashed rank, down to the bad line
+            assert "Fatal Python error: Segmentation fault" in err, err[-3000:]
+            assert 'fault_worker.py", line' in err and "in faulty_main" in err, err[-3000:]
         planted = float(out.split(f"planting {fault} at ")[1].split()[0])
         if fault != "stop":  # the others notice in well under the collective timeout
             assert time.time() - planted < 30, (fault, time.time() - planted)
@@ -81,31 +87,31 @@ def test_a_failing_stalled_or_unread_rank_ends_the_run(tmp_path):
         assert not list((tmp_path / f"unread_{who}").iterdir()), f"{who}: temporary files left"
 
 
-def test_joining_a_rank_that_waits_says_what_for_and_one_that_cannot_is_recorded(
-        monkeypatch, capfd):
+def test_joining_a_rank_that_waits_says_what_for_and_one_that_cannot_raises(monkeypatch, capfd):
     """A rank whose peers never come (an unreachable MASTER_ADDR, rank 0 not started) used to
     wait DIST_TIMEOUT_S (300 s) without a word. Now it says, once, after half of that (at most
     10 s), where it waits and for how long; then torch's timeout ends the wait. A rank that
-    cannot even join (rank 0's port taken) is recorded like any failure, so the launcher names
-    it (as the raising rank above); both in this process, as one rank of two."""
+    cannot even join (rank 0's port taken) raises, so torch's wrapper records it and the
+    launcher names it (as the raising rank above); both in this process, as one rank of two,
+    each error carrying the time the launcher orders failures by."""
     port = launch.free_port()  # nobody listens there: rank 0 never comes
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     monkeypatch.setenv("DIST_TIMEOUT_S", "1")
-    with pytest.raises(RuntimeError, match="timed out"):
+    with pytest.raises(RuntimeError, match="timed out") as e:
         launch._run_worker(print, 1, 2, 1, "gloo", "cpu", ())
     notes = [line for line in capfd.readouterr().err.splitlines() if "still waiting" in line]
     assert notes == [f"[rank 1] still waiting, after 0.5 s, for the other 1 rank(s) to join the "
                      f"process group at 127.0.0.1:{port} (rank 0 listens there); torch's limit "
                      "for this wait is DIST_TIMEOUT_S = 1 s"], notes
-    recorded = []
+    assert e.value.__notes__[0].startswith(launch.RAISED_AT), e.value.__notes__
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         monkeypatch.setenv("MASTER_PORT", str(taken.getsockname()[1]))
-        with pytest.raises(RuntimeError, match="EADDRINUSE"):
-            launch._run_worker(print, 0, 2, 0, "gloo", "cpu", (), lambda: recorded.append(1))
-    assert recorded == [1]
+        with pytest.raises(RuntimeError, match="EADDRINUSE") as e:
+            launch._run_worker(print, 0, 2, 0, "gloo", "cpu", ())
+    assert e.value.__notes__[0].startswith(launch.RAISED_AT), e.value.__notes__
 
 
 def test_a_rank_that_cannot_start_shows_why():
