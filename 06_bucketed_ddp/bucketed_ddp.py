@@ -296,6 +296,8 @@ def verify_main(ctx, args) -> None:
     if not verify.verify_ddp(ctx, functools.partial(BucketedDDP, bucket_size_mb=1 / 1024),
                              "BucketedDDP (1 KiB buckets)"):
         raise SystemExit(1)
+    if args.check:
+        return
     ctx.print(f"quick sweep on the {args.model} LM (--bench for the real one):", all_ranks=False)
     sweep_and_model(ctx, args, with_earlier_stages=False, demo=True)
 

@@ -38,6 +38,9 @@ def torch_ddp_factory(bucket_mb=None):
 
 
 def add_step_bench_args(parser):
+    parser.add_argument("--check", action="store_true",
+                        help="verify against one process and stop, without the plain run's "
+                             "quick demo (what `make check` runs)")
     g = parser.add_argument_group("training-step benchmark (--bench)")
     g.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="LM preset")
     g.add_argument("--batch-size", type=launch.positive_int, default=8,

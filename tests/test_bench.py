@@ -920,3 +920,44 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
         for name in ("bench_allreduce_busbw.png", "bench_overlap_timeline.png",
                      "bench_ddp_step.png"):
             assert (out / name).exists(), name
+
+
+# --------------------------------------------------------------------------- make check
+def test_make_check_covers_every_stage_and_lesson_and_reads_a_refusal():
+    """``make check`` runs bench/check.py on $(DEVICE); its list names every stage script and
+    every 07 lesson's demo, each with --device added; a refusal (exit 2, one ``prog: error``
+    line) is "refused", while a traceback, a wrong flag (argparse's usage text) or any other
+    exit status is FAILED. Nothing is run here but ``make -n``."""
+    from bench import check
+    scripts = [argv[0] for _, argv in check.CHECKS]
+    stages = sorted(str(p.relative_to(REPO)) for p in REPO.glob("0[1-6]_*/*.py")
+                    if p.name not in ("sweep_extras.py", "bucket_model.py"))
+    for stage_script in stages:
+        assert stage_script in scripts, f"make check does not run {stage_script}"
+    lessons = sorted(p for p in (REPO / "07_parallelism").glob("[0-9][0-9]_*") if p.is_dir())
+    assert len(lessons) >= 8
+    for lesson in lessons:
+        demos = sorted(lesson.glob("run_*.py")) + sorted(lesson.glob("train.py"))
+        assert demos, f"{lesson.name} has no demo script"
+        for demo in demos:
+            assert str(demo.relative_to(REPO)) in scripts, f"make check does not run {demo}"
+    for _, argv in check.CHECKS:
+        assert (REPO / argv[0]).exists() and "--device" not in argv and "--backend" not in argv
+    assert "--check" in dict(check.CHECKS)["07.7 everything together"]
+    dry = subprocess.run(["make", "-n", "check", "DEVICE=cuda"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert "bench/check.py --device cuda" in dry
+
+    refusal = ("[rank 0] starting\nrun_context_parallel.py: error: --device cuda over gloo: "
+               "batch_isend_irecv sends CPU tensors only on Gloo; use --backend nccl\n")
+    assert check.outcome(2, refusal) == ("refused", refusal.splitlines()[-1])
+    assert check.outcome(0, "all checks passed\n") == ("ok", "")
+    traceback = "Traceback (most recent call last):\n  ...\nx.py: error: boom\n"
+    assert check.outcome(2, traceback)[0] == "FAILED"
+    wrong_flag = "usage: x.py [-h]\nx.py: error: unrecognized arguments: --chek\n"
+    assert check.outcome(2, wrong_flag)[0] == "FAILED"
+    assert check.outcome(1, "[rank 0] [FAILED] weights differ\n")[0] == "FAILED"
+    assert check.outcome(-11, "error: rank 1 was killed by SIGSEGV\n")[0] == "FAILED"
+    table = check.summary([("01 collectives", "cuda", "ok", 9.0, ""),
+                           ("07.5 context parallel", "cuda", "refused", 3.0, refusal.splitlines()[-1])])
+    assert "refused" in table and "07.5 context parallel" in table and "cuda" in table
