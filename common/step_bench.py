@@ -151,9 +151,11 @@ def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
     }
 
 
-def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
+def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) -> list[dict]:
     """Time every case plus the ``none`` and ``torch_ddp`` (25 MB) references in one run;
-    print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows."""
+    print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows.
+    ``after_case(rows)``, if given, runs on every rank after each case with the rows so far
+    (stage 06 writes its bucket model from them: a sweep stopped later keeps it)."""
     refs = [("none", None, None), ("torch_ddp", TORCH_DDP_DEFAULT_BUCKET_MB, torch_ddp_factory())]
     cases = [r for r in refs if r[:2] not in {c[:2] for c in cases}] + list(cases)
     assert all(impl in IMPLS for impl, _, _ in cases), "impl outside the ddp_step.csv contract"
@@ -179,6 +181,8 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
                 r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
             if ctx.is_main:  # after every case: a run stopped later keeps what it measured
                 results.upsert_csv(csv_name, rows, key=CSV_KEY)
+            if after_case is not None:
+                after_case(rows)
     if ctx.is_main:
         results.print_table([{
             "impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],

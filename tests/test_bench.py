@@ -320,6 +320,60 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     assert float(rows[1]["ratio_vs_torch_ddp"]) == 1.0
 
 
+def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path):
+    """The bucket model is written as each swept size lands, not after the whole sweep: stage
+    06 stopped (Ctrl-C) during its second bucket size has results/bucket_model.json with the
+    first size in it. The profile's summary likewise: stage 05's --profile stopped during its
+    second case has the first case's row in ddp_profile.csv and its picture. One rank, here."""
+    import torch.distributed as dist
+
+    from common import import_stage, launch, profiling, step_bench
+    bucketed = import_stage("06_bucketed_ddp/bucketed_ddp")
+    args = argparse.Namespace(model="tiny", batch_size=2, context_length=8, steps=2, warmup=1,
+                              rounds=1, case_budget_s=120.0, bucket_sizes=[0.25, 1.0, 4.0],
+                              trace_dir=tmp_path / "traces")
+    ctx = launch.Dist(0, 1, 0, "gloo", torch.device("cpu"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{launch.free_port()}",
+                            rank=0, world_size=1)
+    try:
+        timed = step_bench.time_steps
+        calls = []
+
+        def stopped_at_the_second_bucket_size(ctx_, factory, args_):
+            calls.append(getattr(factory, "keywords", {}).get("bucket_size_mb"))
+            if calls.count(1.0) == 1:  # none, torch DDP and 0.25 MB have run
+                raise KeyboardInterrupt
+            return timed(ctx_, factory, args_)
+        monkeypatch.setattr(step_bench, "time_steps", stopped_at_the_second_bucket_size)
+        with pytest.raises(KeyboardInterrupt):
+            bucketed.sweep_and_model(ctx, args, with_earlier_stages=False)
+        models = results.read_json("bucket_model.json")
+        assert len(models) == 1, models
+        (model,) = models.values()
+        assert [float(s["bucket_mb"]) for s in model["sweep"]] == [0.25]
+        assert model["measured_best_bucket_mb"] == 0.25 and model["predicted_best_bucket_mb"] > 0
+
+        profiled = profiling.profile_case
+        cases = []
+
+        def stopped_at_the_second_case(ctx_, factory, args_, path):
+            cases.append(path)
+            if len(cases) == 2:
+                raise KeyboardInterrupt
+            return profiled(ctx_, factory, args_, path)
+        monkeypatch.setattr(profiling, "profile_case", stopped_at_the_second_case)
+        with pytest.raises(KeyboardInterrupt):
+            profiling.profile_ddp(ctx, [("naive (03)", None), ("overlap (05)", None)], args,
+                                  name="05_overlap_ddp")
+    finally:
+        dist.destroy_process_group()
+    rows = results.read_csv(profiling.PROFILE_CSV)
+    assert [(r["stage"], r["case"]) for r in rows] == [("05_overlap_ddp", "naive (03)")]
+    assert float(rows[0]["step_ms"]) > 0
+    if results.pyplot() is not None:
+        assert (tmp_path / "traces" / "05_overlap_ddp" / "timeline.png").exists()
+
+
 def test_each_step_runs_to_its_deadline_and_the_budget_holds():
     """A step's deadline is the start plus the caps so far: time a quick step leaves passes on,
     an overrun comes out of the next step, one left under its minimum is skipped; the last
