@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -185,7 +186,9 @@ def allreduce_sweep(ctx, cfg: dict) -> None:
     last: dict[str, tuple[int, float]] = {}  # impl -> (bytes, seconds) at the previous size
     for nbytes in cfg["sizes"]:
         for impl in cfg["impls"]:
-            why = skip_reason(ctx, impl, nbytes, last.get(impl), cfg)
+            decision = [skip_reason(ctx, impl, nbytes, last.get(impl), cfg)]
+            dist.broadcast_object_list(decision, src=0)  # rank 0's: clocks and memory differ
+            why = decision[0]
             row = why or measure(ctx, impl, impls[impl], nbytes, cfg)
             label = f"{ctx.backend}/{ctx.device.type} ws={ctx.world_size} {format_size(nbytes)} {impl}"
             if isinstance(row, str):
@@ -225,6 +228,11 @@ def skip_reason(ctx, impl: str, nbytes: int, previous, cfg: dict) -> str | None:
         if estimate > cfg["budget_s"]:
             return (f"estimated {estimate:.0f} s from {format_size(previous[0])}: over the "
                     f"{cfg['budget_s']:g} s budget")
+        # make bench's deadline for this step (the caller takes rank 0's verdict)
+        left = cfg["deadline"] - time.time() if cfg.get("deadline") else math.inf
+        if estimate > left:
+            return (f"estimated {estimate:.0f} s from {format_size(previous[0])}: {left:.0f} s "
+                    "is left before make bench stops this step")
     cuda = ctx.device.type == "cuda"  # the buffer, the backend's and a ring's scratch per rank
     return import_stage("02_allreduce_bench/sweep_extras").memory_shortfall(
         ctx, (2 if cuda else 4) * nbytes, 3 * nbytes)
@@ -357,7 +365,8 @@ def main(argv=None) -> None:
     is_main = not torchrun or os.environ["RANK"] == "0"
     cfg = dict(sizes=args.sizes, warmup=args.warmup, iters=args.iters, budget_s=args.budget_s,
                impls=["backend"] + ([] if args.no_ring else ["ring", "ring_pipelined"]),
-               run_id=results.run_id(), machine=results.machine_name())
+               run_id=results.run_id(), machine=results.machine_name(),
+               deadline=float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0))
     if is_main:
         what = "exact-sum check" if args.check else "sweep"
         print(f"all_reduce {what} on {cfg['machine']}: {len(configs)} backend/device/world "
