@@ -700,6 +700,12 @@ def _fixture_07(out):
                      "capacity_factor": factor, "tokens_per_rank": 128, "capacity_per_rank": 40,
                      "tokens_per_expert": "10 20 30 40 50 60 70 80", "rows_per_rank": "1 2 3 4",
                      "max_over_mean": most, "dropped_share": dropped, "run_id": "r1"})
+    for routing, factor, most, dropped in (("random", "1.0", 7.77, 0.777),  # the smaller world
+                                           ("skewed", "1.0", 6.66, 0.666)):  # size: not shown
+        rows.append({**same, "world_size": 2, "measure": "load", "routing": routing,
+                     "capacity_factor": factor, "tokens_per_rank": 64, "capacity_per_rank": 20,
+                     "tokens_per_expert": "1 1 1 1 1 1 1 99", "rows_per_rank": "5 6",
+                     "max_over_mean": most, "dropped_share": dropped, "run_id": "r1"})
     _write_csv(out / "expert_parallel.csv", rows)
     same = {"model": "tiny", "batch_size": 16, "seq_len": 64, "world_size": 4, "backend": "gloo",
             "device": "cpu", "tokens_per_s": 1000.0, "micro_batches": 1, "schedule": ""}
@@ -810,6 +816,20 @@ def test_report_from_known_numbers(tmp_path):
         for name in ("bench_ddp_step.png", "bench_sharding_bytes.png"):
             assert (out / name).stat().st_size > 1000 and f"]({name})" in text
     assert [p.name for p in out.iterdir() if p.name.startswith(".report-")] == []
+
+
+def test_report_shows_the_expert_load_of_the_largest_world_size(tmp_path):
+    """The expert-parallel load table comes from the largest world size measured: the fixture
+    has load rows at 2 and 4 ranks with different numbers, and only 4's are shown."""
+    out = tmp_path / "results"
+    _fixture(out)
+    text = report.write_report(out)[0].read_text()
+    section = text.split("## Expert parallelism")[1].split("\n## ")[0]
+    assert "Load on 4 ranks, 128 tokens per rank" in section
+    assert "| skewed | 1.0 | 1.6 | 36.5% | 10 20 30 40 50 60 70 80 |" in section
+    assert "Load on 2 ranks" not in section
+    for smaller in ("7.77", "6.66", "77.7%", "66.6%", "1 1 1 1 1 1 1 99"):
+        assert smaller not in section, smaller
 
 
 def test_report_says_what_is_missing_and_one_bad_file_costs_one_section(tmp_path, monkeypatch,
