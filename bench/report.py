@@ -11,14 +11,17 @@ matplotlib; without it the report says so and keeps every table. One section tha
 that section, not the report.
 
 The report is replaced only by a better one: it is written with its pictures into a temporary
-folder beside the old one and swapped in at the end, and where no section has any data the
-old report stays as it was.
+folder beside the old one and swapped in at the end; where no section has any data the old
+report stays as it was; and a section this run did not fill (a step stopped, skipped or not
+planned) keeps the old report's section, marked with the run and machine it came from, and
+the pictures it shows. So an interrupted ``make bench`` never loses what a better run measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -797,6 +800,33 @@ FED_BY = {allreduce_section: ["allreduce"], ddp_section: ["ddp"], bucket_section
           checkpoint_section: ["checkpoint"]}
 
 
+CARRIED = ("_Carried over from run `{run}` on {machine}: this run did not fill this "
+           "section._\n\n")
+EMPTY_TEXTS = (NO_ROWS, NO_FILE_ROWS, NOT_PLANNED, "_This section failed")
+
+
+def previous_sections(out: Path) -> dict[str, str]:
+    """The filled sections of the report now in ``out``, by title, each opening with a line that
+    names the run and machine it came from (one carried before keeps the line it has)."""
+    path = out / "README.md"
+    if not path.is_file():
+        return {}
+    text = path.read_text(errors="replace")
+    found = re.search(r"Machine: \*\*(.+?)\*\*\. Run `([^`]+)`", text)
+    run, machine = (found.group(2), found.group(1)) if found else ("unknown", "an unknown machine")
+    titles = [title for title, _ in SECTIONS]
+    sections = {}
+    for chunk in text.split("\n## ")[1:]:
+        title, _, body = chunk.partition("\n\n")
+        body = body.split("\n---\nWritten by `bench/report.py`")[0].rstrip("\n") + "\n"
+        if title not in titles or body.startswith(EMPTY_TEXTS):
+            continue
+        if not body.startswith(("_Carried over from run", "_Run `")):  # the latter: its own run
+            body = CARRIED.format(run=run, machine=machine) + body
+        sections[title] = body
+    return sections
+
+
 def no_rows_text(info: dict | None, section) -> str:
     """What a section without rows says: no run record, not planned, or planned and no rows."""
     if info is None:
@@ -855,13 +885,14 @@ def write_report(out: Path, info: dict | None = None,
     if not from_make_bench:
         info = load_run(out)
         pictures = [(out / name, name) for name in STAGE_PICTURES if info is not None]
+    earlier = previous_sections(out)
     draw = Path(tempfile.mkdtemp(dir=out, prefix=".report-"))  # beside: os.replace is atomic
     try:
         for source, name in pictures:
             if source.exists():
                 shutil.copyfile(source, draw / name)
         where = Where(out, draw, info["run_id"] if info else None, info["machine"] if info else "")
-        body, headline, empty = [], [], []
+        body, headline, empty, carried = [], [], [], []
         for title, section in SECTIONS:
             try:
                 found = section(where)
@@ -870,6 +901,9 @@ def write_report(out: Path, info: dict | None = None,
             if found is None:
                 empty.append(title)
                 found = (no_rows_text(info, section), [], None)
+                if title in earlier:  # the better run's section stays, marked as such
+                    carried.append(title)
+                    found = (earlier[title], [], None)
             text, head, rows = found
             if info is None and rows:  # no run record: name the run and machine shown
                 text = f"_Run `{rows[0].get('run_id')}`, {machine_of(where, rows)}._\n\n{text}"
@@ -882,8 +916,13 @@ def write_report(out: Path, info: dict | None = None,
                                      [[s["title"], s["status"], f"{s['seconds']:.0f}",
                                        "`python " + " ".join(s["argv"]) + "`"]
                                       for s in info["steps"]])]
+        kept = []
+        if carried:
+            kept = [f"Sections this run did not fill, kept from the report before it (each "
+                    f"names its run and machine): {'; '.join(carried)}.\n"]
         parts = [
             *header(info),
+            *kept,
             "## Headline\n\n" + (md_table(["what", "measured"], headline) if headline else
                                   "_Nothing to headline: see the sections below._\n"),
             *runs,
@@ -900,14 +939,16 @@ def write_report(out: Path, info: dict | None = None,
 
 def swap_in(draw: Path, out: Path) -> Path:
     """Move the new report's files over the old ones: pictures and run record first, the
-    README last; then remove the old pictures the new README does not show."""
+    README last; then remove the old pictures the new README does not show (a carried-over
+    section's pictures it still shows)."""
     new = sorted(p.name for p in draw.iterdir())
+    readme = (draw / "README.md").read_text()
     for name in new:
         if name != "README.md":
             os.replace(draw / name, out / name)
     os.replace(draw / "README.md", out / "README.md")
     for old in out.glob("bench_*.png"):
-        if old.name not in new:
+        if old.name not in new and f"]({old.name})" not in readme:
             old.unlink(missing_ok=True)
     return out / "README.md"
 

@@ -933,6 +933,42 @@ def test_the_report_is_replaced_only_by_a_whole_better_one(tmp_path, monkeypatch
         assert (out / "bench_ddp_step.png").read_bytes()[:4] == b"\x89PNG"  # redrawn
 
 
+def test_a_run_that_filled_fewer_sections_keeps_the_better_reports_sections(tmp_path):
+    """An interrupted or partial make bench (here run r2, whose only rows are the all-reduce
+    sweep's) never replaces a better report: each section it did not fill keeps the previous
+    report's, marked with that run and machine, and the pictures those sections show stay; a
+    third partial run keeps the mark of the run that measured them (r1), not r2's."""
+    out = tmp_path / "results"
+    _fixture(out)
+    info = json.loads((out / "bench_run.json").read_text())
+    first, empty = report.write_report(out, info)
+    assert empty == []
+    before = first.read_text()
+    pictures = sorted(p.name for p in out.glob("bench_*.png"))
+    ddp_table = before.split("## Data-parallel training step")[1].split("\n## ")[0]
+    ddp_table = ddp_table.split("\n\n", 1)[1].split("\n\n")[0]  # its first paragraph
+    for run in ("r2", "r3"):
+        rows = results.read_csv("allreduce.csv", out)
+        rows += [{**r, "run_id": run, "time_ms_median": 3.0} for r in rows if r["run_id"] == "r1"]
+        _write_csv(out / "allreduce.csv", rows)
+        partial = {**info, "run_id": run, "machine": f"box {run}", "steps": [
+            {**step, "status": "ok" if step["key"] == "allreduce" else "stopped by SIGTERM (exit 143)"}
+            for step in info["steps"]]}
+        path, empty = report.write_report(out, partial)
+        text = path.read_text()
+        assert f"Run `{run}`" in text and "Machine: **box " + run in text
+        assert len(empty) == len(report.SECTIONS) - 1  # all but the all-reduce sweep
+        for title, _ in report.SECTIONS[1:]:
+            section = text.split(f"## {title}\n\n")[1]
+            assert section.startswith("_Carried over from run `r1` on test box: this run did not "
+                                      "fill this section._"), (run, title)
+        assert ddp_table in text
+        assert "Sections this run did not fill, kept from the report before it" in text
+        assert "No rows from this run" not in text
+        assert sorted(p.name for p in out.glob("bench_*.png")) == pictures
+        assert "](bench_ddp_step.png)" in text or not pictures
+
+
 # --------------------------------------------------------------------------- end to end
 # The real driver and the real scripts, in a subprocess started with this file's first test and
 # awaited by its last: while each step's script and ranks import torch a core is idle, and the
