@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compute import flops_per_token  # noqa: E402
 from common import results  # noqa: E402
 
 RUN_FILE = "bench_run.json"
@@ -81,6 +82,37 @@ def machine_of(where: Where, rows: list[dict]) -> str:
 
 def num(row: dict, key: str) -> float:
     return float(row[key])
+
+
+HOST_PATH = ("> **Gloo's host path, not an interconnect.** These ranks share one GPU over Gloo, so "
+             "every collective here goes GPU -> pinned host memory -> loopback TCP -> CPU "
+             "reduction -> GPU. Communication timings describe that path (a few GB/s), not "
+             "NVLink or InfiniBand (hundreds of GB/s); {claim}\n\n")
+
+
+def host_path_note(rows: list[dict], claim: str) -> str:
+    """The label over a section whose rows ran CUDA tensors over Gloo (ranks sharing a GPU)."""
+    if any(r.get("backend") == "gloo" and r.get("device") == "cuda" for r in rows):
+        return HOST_PATH.format(claim=claim)
+    return ""
+
+
+def measured_peak(where: Where, run_id: str | None, device: str) -> dict | None:
+    """The float32 matmul peak and copy bandwidth ``bench/compute.py`` measured on ``device``
+    in the run ``run_id`` (None: in no run of these rows, so no MFU is shown)."""
+    entry = results.read_json("matmul_peak.json", where.out).get(device)
+    if isinstance(entry, dict) and run_id is not None and entry.get("run_id") == run_id:
+        return entry
+    return None
+
+
+def model_flops_utilisation(row: dict, peak: dict) -> tuple[float, float]:
+    """(tokens/s, MFU) of a DDP row: all ranks' tokens per second, over the devices doing the
+    work (one GPU per rank under NCCL; one device shared by every rank otherwise)."""
+    tokens_per_s = num(row, "batch_size") * num(row, "context_length") / (num(row, "step_ms") / 1e3)
+    devices = int(row["world_size"]) if row.get("backend") == "nccl" else 1
+    per_token = flops_per_token(row["model"], int(row["context_length"]))
+    return tokens_per_s, per_token * tokens_per_s / (peak["matmul_flops_per_s"] * devices)
 
 
 def size_text(nbytes: float) -> str:
@@ -142,8 +174,9 @@ def allreduce_section(where: Where):
                                               for i in impls],
               num(c["backend"], "time_ms_median") if "backend" in c else ""]
              for (b, d, ws, n), c in sorted(cells.items())]
-    text = md_table(["backend/device", "ranks", "size", *[f"{i} busbw GB/s" for i in impls],
-                     "backend ms"], table)
+    text = host_path_note(rows, "the bus bandwidth below is that path's.") + md_table(
+        ["backend/device", "ranks", "size", *[f"{i} busbw GB/s" for i in impls], "backend ms"],
+        table)
     largest = max(n for *_, n in cells)
     best = max((c["backend"] for k, c in cells.items() if k[3] == largest and "backend" in c),
                key=lambda r: num(r, "busbw_gbps"), default=None)
@@ -191,14 +224,27 @@ def ddp_section(where: Where):
              for i in ("none", "torch_ddp", "naive", "flat", "overlap", "bucketed")
              for r in [torch_ddp if i == "torch_ddp" else best if i == "bucketed" else
                        next((x for x in rows if x["impl"] == i), None)] if r is not None]
-    text = (f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
+    peak = measured_peak(where, r0.get("run_id"), r0["device"])
+    mfu_columns = ["tokens/s", "MFU"] if peak else []
+
+    def mfu_cells(r):
+        if not peak or not r.get("batch_size") or not r.get("context_length"):
+            return ["-", "-"] if peak else []
+        tokens_per_s, mfu = model_flops_utilisation(r, peak)
+        return [f"{tokens_per_s:.0f}", f"{mfu:.1%}"]
+    text = (host_path_note(rows, "the step times below are those of that path, so they say how "
+                                 "the implementations compare on it, not what each costs on NCCL.")
+            + f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
             f"{r0['batch_size']}, context {r0['context_length']}, AdamW, {r0['world_size']} ranks "
             f"on {r0['backend']}/{r0['device']}, all in one process group; slowest rank's "
-            "medians.\n\n" + md_table(
+            "medians." + (" Tokens/s: the global batch's tokens per step time; MFU: (6 N + 12 L "
+                          "H Q T) FLOPs per token x tokens/s over the float32 matmul peak "
+                          "measured in this run, times the devices doing the work." if peak
+                          else "") + "\n\n" + md_table(
                 ["implementation", "step ms", "fwd+bwd ms", "comm after backward ms",
-                 "optimizer ms", "vs torch DDP"],
+                 "optimizer ms", "vs torch DDP", *mfu_columns],
                 [[label, num(r, "step_ms"), num(r, "fwd_bwd_ms"), num(r, "comm_after_backward_ms"),
-                  num(r, "optimizer_ms"), ratio_text(r)] for label, r in shown]))
+                  num(r, "optimizer_ms"), ratio_text(r), *mfu_cells(r)] for label, r in shown]))
     bars(where, "bench_ddp_step.png", [label for label, _ in shown],
          [(part, [num(r, key) for _, r in shown]) for part, key in (
              ("forward + backward (overlapped communication hides here)", "fwd_bwd_ms"),
@@ -333,7 +379,11 @@ def sharding_section(where: Where):
         got, pred = r.get(key, ""), r.get(f"{key}_predicted", "")
         return ("-" if got in ("", None) else size_text(float(got))) + (
             f" ({size_text(float(pred))})" if pred not in ("", None) else "")
-    text = (f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {r0['backend']}/{r0['device']}: "
+    text = (host_path_note(rows, "Gloo's reduce-scatter is an all-reduce underneath and each "
+                                 "of its calls crosses host memory, so ZeRO-2's and FSDP's step "
+                                 "times here are not a comparison of strategies; the bytes per "
+                                 "rank (counted against formulas) are, on any interconnect.")
+            + f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {r0['backend']}/{r0['device']}: "
             "bytes per rank counted from the tensors themselves (each storage once), predicted in "
             "brackets where a formula exists.\n\n"
             + md_table(["impl", "checkpointing", "step ms", "params", "grads", "optimizer state",
@@ -540,7 +590,9 @@ def expert_parallel_section(where: Where):
     steps = [r for r in rows if r["measure"] == "step"]
     loads = [r for r in rows if r["measure"] == "load"]
     r0 = rows[0]
-    text = (f"A mixture-of-experts layer, d_model {r0['d_model']}, d_ff {r0['d_ff']}, "
+    text = (host_path_note(rows, "the expert-parallel times include its all-to-alls over "
+                                 "that path; the bytes, memory and load are the device's own.")
+            + f"A mixture-of-experts layer, d_model {r0['d_model']}, d_ff {r0['d_ff']}, "
             f"{r0['num_experts']} experts, top-{r0['top_k']}, on {r0['backend']}/{r0['device']}: "
             "the replicated layer on every rank (no communication) against expert parallel "
             "(each rank holds E/W experts; tokens go to them and back all-to-all). Step = "
@@ -772,6 +824,52 @@ def checkpoint_section(where: Where):
     return text + "\n" + " ".join(words) + "\n", headline, rows
 
 
+def compute_section(where: Where):
+    """bench/compute.py: the device alone at one rank's shapes, beside the peaks it measured."""
+    rows = rows_of(where, "compute.csv")
+    if not rows:
+        return None
+    r0 = rows[0]
+    peak = measured_peak(where, r0.get("run_id"), r0["device"])
+    on_gpu = r0["device"] == "cuda"
+    text = (f"One process on the {'GPU' if on_gpu else 'CPU'} ({machine_of(where, rows)}), "
+            "float32, at one rank's shapes of stages 03-06 (the per-rank batch), nothing "
+            "communicated: forward, backward and the AdamW step timed apart (medians), "
+            + ("`torch.cuda.max_memory_allocated` over the steps, " if on_gpu else "")
+            + "tokens/s, achieved TFLOP/s and MFU = (6 N + 12 L H Q T) FLOPs per token x "
+            "tokens/s / the matmul peak measured in this run (N: parameters outside the "
+            "embedding tables; the convention of PaLM, torchtitan and picotron). Beside each "
+            "figure, its limit measured in the same run: the peak for TFLOP/s, the copy "
+            "bandwidth for the optimizer step, which streams its state and does little "
+            "arithmetic.\n\n")
+    if peak:
+        text += (f"Peak, measured: a {peak['matmul_n']}^3 float32 matmul at "
+                 f"{peak['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s; a large copy at "
+                 f"{peak['copy_bytes_per_s'] / 1e9:.1f} GB/s (bytes read + written).\n\n")
+    table = []
+    for r in rows:
+        memory = "-"
+        if r.get("max_memory_allocated_bytes") not in ("", None):
+            memory = size_text(num(r, "max_memory_allocated_bytes"))
+            if r.get("memory_total_bytes") not in ("", None):
+                memory += f" of {size_text(num(r, 'memory_total_bytes'))}"
+        table.append([r["model"], f"{num(r, 'params') / 1e6:.1f}M",
+                      f"{r['batch_size']} x {r['context_length']}", num(r, "fwd_ms"),
+                      num(r, "bwd_ms"), num(r, "optimizer_ms"), f"{num(r, 'tokens_per_s'):.0f}",
+                      f"{num(r, 'achieved_tflops'):.3g} of {num(r, 'peak_tflops'):.3g}",
+                      f"{num(r, 'mfu'):.1%}",
+                      f"{num(r, 'optimizer_gbps'):.3g} of {num(r, 'copy_gbps'):.3g}", memory])
+    text += md_table(["LM", "params", "batch x context", "forward ms", "backward ms", "AdamW ms",
+                      "tokens/s", "TFLOP/s (of peak)", "MFU", "AdamW GB/s (of copy)",
+                      "max memory allocated"], table)
+    best = max(rows, key=lambda r: num(r, "mfu"))
+    headline = [["compute at one rank's shapes: MFU against the float32 matmul peak measured "
+                 "in this run", f"{num(best, 'mfu'):.1%} (LM {best['model']}, "
+                 f"{num(best, 'achieved_tflops'):.3g} of {num(best, 'peak_tflops'):.3g} TFLOP/s, "
+                 f"{r0['device']})"]]
+    return text, headline, rows
+
+
 SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
             ("Data-parallel training step (stages 03-06, torch DDP beside them)", ddp_section),
             ("Bucket size: the sweep and the model (stage 06)", bucket_section),
@@ -788,7 +886,9 @@ SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section)
             ("Everything together: grids, torch's composition and pipelining (stage 07)",
              together_section),
             ("Checkpoints: save and load beside torch.distributed.checkpoint (stage 07)",
-             checkpoint_section)]
+             checkpoint_section),
+            ("Compute on one device: the measured peak, forward, backward, optimizer, memory, "
+             "MFU", compute_section)]
 
 # The make bench steps whose rows each section reads (bench/make_bench.py's keys): a section
 # none of whose steps was planned says so instead of "no rows".
@@ -797,7 +897,7 @@ FED_BY = {allreduce_section: ["allreduce"], ddp_section: ["ddp"], bucket_section
           sequence_parallel_section: ["tp"], pipeline_section: ["pp"],
           sharding_section: ["ledger"], context_parallel_section: ["cp"],
           expert_parallel_section: ["ep2", "ep4"], together_section: ["grid"],
-          checkpoint_section: ["checkpoint"]}
+          checkpoint_section: ["checkpoint"], compute_section: ["compute"]}
 
 
 CARRIED = ("_Carried over from run `{run}` on {machine}: this run did not fill this "
@@ -870,6 +970,15 @@ def header(info: dict | None) -> list[str]:
         f"{setup['picked']}\n",
         "> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, "
         "not a GPU interconnect.\n" if not setup["gpus"] else "",
+        "> A one-GPU run, read as such: every check and every kernel ran on the GPU; compute, "
+        "memory and MFU (the last section, against the matmul peak measured in this run) "
+        "describe the GPU; every communication timing describes Gloo's path through host "
+        "memory (labelled where it appears), not an interconnect, and no section compares "
+        "strategies by it. Step times on NCCL between GPUs are not measured on this box.\n"
+        if setup["gpus"] == 1 else "",
+        "> A GPU per rank over NCCL: communication timings describe this box's interconnect; "
+        "MFU is against the matmul peak measured in this run on one GPU.\n"
+        if setup["gpus"] > 1 else "",
         "Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 bytes/s; "
         "sizes in binary units (1 MB = 2^20 bytes).\n"]
 

@@ -629,6 +629,16 @@ def _fixture(out, gpus=0):
          "peak_bytes": "", "activation_bytes": 2**20, "sent_bytes": 3 * 2**20,
          "sent_bytes_predicted": 3 * 2**20, "run_id": "r1"}
         for impl, p, g in (("ddp", 4 * 2**20, 4 * 2**20), ("fsdp", 2 * 2**20, 2**20))])
+    _write_csv(out / "compute.csv", [
+        {"device": "cpu", "dtype": "float32", "model": "tiny", "params": 1383680,
+         "nonembedding_params": 739584, "batch_size": 4, "context_length": 64, "fwd_ms": 10.0,
+         "bwd_ms": 20.0, "optimizer_ms": 5.0, "step_ms": 35.0, "tokens_per_s": 7314.0,
+         "flops_per_token": 4535808, "achieved_tflops": 0.0332, "peak_tflops": 0.5, "mfu": 0.0664,
+         "optimizer_gbps": 1.1, "copy_gbps": 10.0, "max_memory_allocated_bytes": "",
+         "memory_total_bytes": "", "run_id": rid} for rid in ("r0", "r1")])
+    (out / "matmul_peak.json").write_text(json.dumps({"cpu": {
+        "device": "cpu", "matmul_n": 1024, "matmul_flops_per_s": 0.5e12,
+        "copy_bytes_per_s": 1e10, "run_id": "r1"}}))
     _fixture_07(out)
 
 
@@ -811,11 +821,74 @@ def test_report_from_known_numbers(tmp_path):
     assert "all ranks together wrote the same 977KB of data" in text
     assert ("| checkpoints: save and load time vs torch.distributed.checkpoint | 1.50x at worst "
             "(save 2 -> 4 ranks; target <= 1.5x; LM course) |") in text
+    # compute on one device, and tokens/s and MFU beside the DDP step times (tiny LM, batch 8 x
+    # 64 = 512 tokens in 100 ms: 5120 tokens/s; 4535808 FLOPs per token; peak 0.5 TFLOP/s)
+    assert ("| tiny | 1.4M | 4 x 64 | 10 | 20 | 5 | 7314 | 0.0332 of 0.5 | 6.6% | 1.1 of 10 | - |"
+            in text)
+    assert "a 1024^3 float32 matmul at 0.50 TFLOP/s" in text
+    assert "| torch DDP (25 MB buckets) | 100 | 89 | 1 | 10 | 1.00x | 5120 | 4.6% |" in text
     assert "99999" not in text and "777" not in text and "| gloo/cpu | 4 |" not in text
     if results.pyplot() is not None:
         for name in ("bench_ddp_step.png", "bench_sharding_bytes.png"):
             assert (out / name).stat().st_size > 1000 and f"]({name})" in text
     assert [p.name for p in out.iterdir() if p.name.startswith(".report-")] == []
+
+
+def test_mfu_arithmetic_against_a_hand_computation():
+    """The course LM (d_model 512, d_ff 1344, 4 layers, 16 heads of 32, vocabulary 10000) at
+    context 256, computed by hand:
+      per block: qkv 512 x 1536 = 786432, out 512 x 512 = 262144, MLP 512 x 1344 + 1344 =
+      689472 and 1344 x 512 + 512 = 688640, two LayerNorms 2 x 1024 = 2048: 2428736;
+      N = 4 x 2428736 + final LayerNorm 1024 + LM head 512 x 10000 = 14835968 (the token and
+      position tables left out);
+      FLOPs per token = 6 N + 12 L H Q T = 89015808 + 12 x 4 x 16 x 32 x 256 (6291456)
+      = 95307264;
+      4 sequences x 256 tokens in 20 ms (forward 5, backward 10, AdamW 5) = 51200 tokens/s;
+      achieved 95307264 x 51200 = 4.8797319168e12 FLOP/s; against a measured 50 TFLOP/s peak,
+      MFU = 0.097594638336."""
+    from bench import compute
+    assert compute.nonembedding_parameters("course", 256) == 14835968
+    assert compute.flops_per_token("course", 256) == 95307264
+    assert compute.mfu(95307264, 51200, 50e12) == pytest.approx(0.097594638336, rel=1e-12)
+    measured = {"forward": 0.005, "backward": 0.010, "optimizer": 0.005, "params": 20087040,
+                "max_memory_allocated": None}
+    peak = {"matmul_flops_per_s": 50e12, "copy_bytes_per_s": 1e12}
+    row = compute.make_row("course", 4, 256, torch.device("cpu"), measured, peak)
+    assert row["tokens_per_s"] == pytest.approx(51200)
+    assert row["achieved_tflops"] == pytest.approx(4.8797319168)
+    assert row["mfu"] == pytest.approx(0.097594638336, rel=1e-12) and row["peak_tflops"] == 50
+    assert row["optimizer_gbps"] == pytest.approx(28 * 20087040 / 0.005 / 1e9)
+    # the report's MFU of a DDP row: all ranks' tokens over the devices doing the work (one GPU
+    # shared over Gloo; a GPU per rank over NCCL)
+    ddp = {"model": "course", "batch_size": 8, "context_length": 256, "step_ms": 40.0,
+           "world_size": 2, "backend": "gloo", "device": "cuda"}
+    tokens_per_s, mfu = report.model_flops_utilisation(ddp, peak)
+    assert tokens_per_s == pytest.approx(51200) and mfu == pytest.approx(0.097594638336)
+    tokens_per_s, mfu = report.model_flops_utilisation({**ddp, "backend": "nccl"}, peak)
+    assert mfu == pytest.approx(0.097594638336 / 2)
+
+
+def test_a_one_gpu_report_labels_gloos_host_path_and_reads_as_a_gpu_report(tmp_path):
+    """On one GPU the ranks' collectives cross host memory: every section whose rows ran CUDA
+    tensors over Gloo says so beside its timings (the sharding section: not a comparison of
+    strategies), the header says what each kind of figure describes; NCCL rows carry no such
+    label."""
+    out = tmp_path / "results"
+    _fixture(out, gpus=1)
+    for name in ("allreduce.csv", "ddp_step.csv", "sharding.csv"):
+        rows = results.read_csv(name, out)
+        _write_csv(out / name, [{**r, "device": "cuda"} for r in rows])
+    text = report.write_report(out)[0].read_text()
+    assert "A one-GPU run, read as such" in text and "A CPU-only run" not in text
+    sections = {title: text.split(f"## {title}\n\n")[1].split("\n## ")[0]
+                for title, _ in report.SECTIONS}
+    for title, claim in ((report.SECTIONS[0][0], "the bus bandwidth below is that path's"),
+                         (report.SECTIONS[1][0], "not what each costs on NCCL"),
+                         (report.SECTIONS[7][0], "not a comparison of strategies")):
+        assert sections[title].startswith("> **Gloo's host path, not an interconnect.**"), title
+        assert claim in sections[title] and "GPU -> pinned host memory -> loopback TCP" in text
+    assert "host path" not in sections[report.SECTIONS[6][0]]  # pipeline rows: gloo/cpu here
+    assert report.host_path_note([{"backend": "nccl", "device": "cuda"}], "x") == ""
 
 
 def test_report_shows_the_expert_load_of_the_largest_world_size(tmp_path):
