@@ -1,9 +1,10 @@
 """``make bench``: every measurement the course makes, on this box, in one command, and a report.
 
     make bench                       # = python bench/make_bench.py
-    BENCH_QUICK=1 make bench         # the quick version (76 s on a 2-core CPU)
+    BENCH_QUICK=1 make bench         # the quick version (about 80 s on a 2-core CPU)
     BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
-    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150)
+    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150;
+                                     # 180 on a GPU box, whose every step starts CUDA)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
 What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
@@ -16,7 +17,10 @@ sequence-parallel bytes, pipeline schedules (real and emulated compute), the sha
 (DDP, ZeRO-1/2, FSDP, torch's), context parallelism (ring attention), expert parallelism on 2
 and 4 ranks, everything together (our grids beside torch's composition and pipelining; not in
 the quick run: ``train.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
-and checkpoints beside ``torch.distributed.checkpoint``. No stage is imported: the driver runs
+and checkpoints beside ``torch.distributed.checkpoint``; last, ``bench/compute.py``: the LM at
+one rank's shapes on one device beside the matmul peak measured in the same run (MFU). On one
+GPU every collective crosses host memory, so its plan is cut to what that path carries in the
+budget (from the first GPU run's logs). No stage is imported: the driver runs
 their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's rows
 and nothing older.
 
@@ -26,16 +30,21 @@ a part of the rest in proportion to what its share holds above its minimum; when
 do not all fit, the steps that need the most are skipped, each with the reason, and a budget
 too small for any step is refused in one line. A step runs until its deadline (the start plus the caps so far, so time a step
 leaves passes on to the next), then gets Ctrl-C, which makes a stage write what it finished,
-and is killed after a grace. To add a step: a row in ``SHARES`` (its shares on a CPU and a GPU
-box, quick and full, taken from the others so each column still fits its default budget, and
-its minimum) and a ``step(...)`` line in ``plan``; ``tests/test_bench.py`` checks the sums.
+and is killed after a grace. A step with a budget flag (02's ``--budget-s``, 06's
+``--case-budget-s``) gets it from the cap it actually has, less its start-up, per
+configuration, and ``BENCH_STEP_DEADLINE`` in its environment, so it skips what cannot end in
+time instead of being stopped in the middle. To add a step: a row in ``SHARES`` (its shares on
+each kind of box, quick and full, taken from the others so each column still fits its default
+budget, and its minimum, above a CUDA start-up on a GPU box) and a ``step(...)`` line in
+``plan``; ``tests/test_bench.py`` checks the sums.
 
 The driver owns its steps as the launcher owns its ranks: Ctrl-C or SIGTERM to it is passed on
 to the running step's script (whose launcher stops its ranks and writes what finished), what is
 left of the step's process group is killed seconds later, and the report of what finished is
 written; if the driver dies, even by SIGKILL, Linux kills the step (``PR_SET_PDEATHSIG``) and
 its ranks follow (they exit when their parent goes). The report is swapped in only when written
-whole, and a run that measured nothing leaves the previous one in place.
+whole; a run that measured nothing leaves the previous one in place, and a section a run did
+not fill keeps the previous report's, marked with its run and machine (``bench/report.py``).
 """
 
 from __future__ import annotations
@@ -518,7 +527,8 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
     start = time.monotonic()
     # A session of its own, so a terminal's Ctrl-C reaches make bench alone, which then stops
     # the step itself; and its process group is the step: the script, its ranks, their helpers.
-    env = {**env, "BENCH_STEP_DEADLINE": f"{time.time() + cap_s:.3f}"}  # for scripts that size
+    env = {**(os.environ if env is None else env),  # for the scripts that size themselves
+           "BENCH_STEP_DEADLINE": f"{time.time() + cap_s:.3f}"}
     proc = subprocess.Popen([sys.executable, *step.argv], cwd=REPO_ROOT, env=env,
                             start_new_session=True, preexec_fn=die_with_this_process())
     try:

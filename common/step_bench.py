@@ -11,10 +11,12 @@ rank 0 prints the table and upserts ``results/ddp_step.csv``.
 
 import gc
 import math
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from common import launch, models, results, timing
 
@@ -151,6 +153,17 @@ def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
     }
 
 
+def time_left_for(ctx, seconds: float) -> bool:
+    """Whether ``seconds`` more fit before ``BENCH_STEP_DEADLINE`` (set by make bench; none:
+    always), decided on rank 0 and broadcast, so every rank takes the same branch."""
+    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+    if not deadline:
+        return True
+    verdict = [time.time() + seconds <= deadline]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
 def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) -> list[dict]:
     """Time every case plus the ``none`` and ``torch_ddp`` (25 MB) references in one run;
     print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows.
@@ -166,7 +179,14 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
     by_case = [None] * len(cases)  # each case's row from its steps so far
-    for _ in range(args.rounds):
+    round_s = 0.0
+    for round_index in range(args.rounds):
+        if round_index > 0 and not time_left_for(ctx, round_s):
+            ctx.print(f"  note: {round_index} round(s) of {args.rounds}: another would take about "
+                      f"{round_s:.0f} s and would not end before make bench stops this step",
+                      all_ranks=False)
+            break
+        round_start = time.perf_counter()
         for i, ((impl, bucket_mb, factory), pool) in enumerate(zip(cases, pooled)):
             times = time_steps(ctx, factory, args)
             for acc, new in zip(pool, times):
@@ -183,6 +203,7 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
                 results.upsert_csv(csv_name, rows, key=CSV_KEY)
             if after_case is not None:
                 after_case(rows)
+        round_s = time.perf_counter() - round_start
     if ctx.is_main:
         results.print_table([{
             "impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],

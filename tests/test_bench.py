@@ -443,13 +443,20 @@ def test_each_step_runs_to_its_deadline_and_the_budget_holds():
     given = []
 
     def overrun(step, cap):  # takes all it may, ignores Ctrl-C, and is killed late
-        given.append(cap)
+        given.append((step.key, cap))
         step.seconds = cap + make_bench.STOP_S
         step.status = "stopped"
         now[0] += step.seconds
     make_bench.run_all(steps, run=overrun, clock=lambda: now[0])
-    assert now[0] <= 510 and given[0] == pytest.approx(steps[0].cap_s)
-    assert given[1:] == pytest.approx([s.cap_s - make_bench.STOP_S for s in steps[1:]])
+    assert now[0] <= 510 and given[0] == (steps[0].key, pytest.approx(steps[0].cap_s))
+    assert given[1] == (steps[1].key, pytest.approx(steps[1].cap_s - make_bench.STOP_S))
+    ran = dict(given)
+    for s in steps:  # each runs with at least its minimum, or is skipped with less left (time a
+        if s.key in ran:  # skipped step leaves passes on)
+            assert ran[s.key] >= s.min_s, s
+        else:
+            assert s.status.startswith("skipped: the steps before it ran over"), s
+    assert len(ran) >= len(steps) - 3
     now[0] = 0.0
     given.clear()
 
@@ -1071,7 +1078,10 @@ def tiny_plan(setup, quick, model, trace_dir):
                     "--warmup", "0", "--rounds", "1", "--checkpointing", "off"]),
         ("cp", ["07_parallelism/05_context_parallel/run_context_parallel.py", "--bench",
                 "--world-size", "2", *WHERE, "--seqs", "32", "--batch", "1", "--heads", "1",
-                "--head-dim", "4", "--warmup", "0", "--iters", "1", "--emulate-ms", "20"])]]
+                "--head-dim", "4", "--warmup", "0", "--iters", "1", "--emulate-ms", "20"]),
+        ("compute", ["bench/compute.py", "--device", "cpu", "--models", "tiny", "--batch-size",
+                     "2", "--context-length", "16", "--steps", "1", "--warmup", "1",
+                     "--matmul-n", "256"])]]
 
 
 make_bench.plan = tiny_plan
@@ -1111,7 +1121,7 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
     code = proc.wait(timeout=1800)
     stdout = (root / "stdout").read_text()
     stderr = (root / "stderr").read_text()
-    assert code == 0 and stdout.count(": ok in ") == 7, stdout[-4000:] + stderr[-4000:]
+    assert code == 0 and stdout.count(": ok in ") == 8, stdout[-4000:] + stderr[-4000:]
     assert "warning: ignoring" in stderr and "allreduce_fit.json" in stderr  # replaced, said so
     assert not list((root / "tmp").glob("launch-errors-*")) and not list(out.glob(".report-*"))
     info = json.loads((out / "bench_run.json").read_text())
@@ -1120,15 +1130,16 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
     # every section this plan's steps feed has rows; expert parallel, everything together and
     # checkpoints are not in it: their sections are read from known numbers above
     sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])
-    not_planned = [title for title, _ in report.SECTIONS[9:]]
+    not_planned = [title for title, _ in report.SECTIONS[9:12]]
     assert len(not_planned) == 3 and not_planned[0].startswith("Expert parallelism")
     assert "No rows from this run" not in text
     for title, _ in report.SECTIONS:
         assert (report.NOT_PLANNED in sections[title]) == (title in not_planned), title
     for name in ("allreduce.csv", "ddp_step.csv", "ddp_profile.csv", "tensor_parallel.csv",
                  "sequence_parallel.csv", "pipeline_bubble.csv", "sharding.csv",
-                 "context_parallel.csv"):
+                 "context_parallel.csv", "compute.csv"):
         assert {r["run_id"] for r in results.read_csv(name, out)} == {info["run_id"]}, name
+    assert results.read_json("matmul_peak.json", out)["cpu"]["run_id"] == info["run_id"]
     # stage 02: every impl at both sizes (4100 B does not split evenly), a fit over the corrupt one
     rows = results.read_csv("allreduce.csv", out)
     assert {(r["bytes"], r["impl"]) for r in rows} == {
