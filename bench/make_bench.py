@@ -92,7 +92,8 @@ CPU_STARTUP_S = 3
 # what each took with the VM to itself); the one-GPU shares from the H200 box's logs, with
 # sizes cut to fit them (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL
 # ones are estimates until a multi-GPU box has run them.
-SHARES = {  # key: {box: (quick, full, minimum)}
+SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
+    "compute": dict(cpu=(3, 8, 2), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
     "allreduce": dict(cpu=(12, 40, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
     "ddp": dict(cpu=(25, 50, 15), one_gpu=(21, 80, 20), nccl=(21, 80, 20)),
     "profile": dict(cpu=(12, 15, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
@@ -104,7 +105,6 @@ SHARES = {  # key: {box: (quick, full, minimum)}
     "ep4": dict(cpu=(14, 28, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
     "grid": dict(cpu=(0, 122, 45), one_gpu=(0, 70, 45), nccl=(0, 70, 45)),  # no smaller size
     "checkpoint": dict(cpu=(13, 38, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
-    "compute": dict(cpu=(3, 8, 2), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
 }
 
 
@@ -303,11 +303,13 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       f"{_flag(checkpoint, '--world-size')}, and back, beside "
                                       "torch.distributed.checkpoint (LM "
                                       f"{_flag(checkpoint, '--model')})", checkpoint))
-    compute = compute_argv(setup, quick, model, int(lm[lm.index("--batch-size") + 1]) // ws,
+    # First: the device alone (its peak and the LM at one rank's shapes), the GPU report's
+    # core, measured before any step can run over and leave it no time.
+    compute = compute_argv(setup, quick, model, int(_flag(lm, "--batch-size")) // ws,
                            int(_flag(lm, "--context-length")))
-    planned.append(step("compute", "compute on one device at world size 1: the matmul peak, "
-                                   "the LM's forward, backward, optimizer, memory and MFU",
-                        compute))
+    planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
+                                      "peak, the LM's forward, backward, optimizer, memory, "
+                                      "MFU", compute))
     kept = []
     for planned_step in planned:
         if planned_step.share_s > 0:
