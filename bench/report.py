@@ -870,7 +870,9 @@ def compute_section(where: Where):
     return text, headline, rows
 
 
-SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
+SECTIONS = [("Compute on one device: the measured peak, forward, backward, optimizer, memory, "
+             "MFU", compute_section),
+            ("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
             ("Data-parallel training step (stages 03-06, torch DDP beside them)", ddp_section),
             ("Bucket size: the sweep and the model (stage 06)", bucket_section),
             ("Overlap, seen in a profile (stage 05 `--profile`)", overlap_section),
@@ -886,9 +888,7 @@ SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section)
             ("Everything together: grids, torch's composition and pipelining (stage 07)",
              together_section),
             ("Checkpoints: save and load beside torch.distributed.checkpoint (stage 07)",
-             checkpoint_section),
-            ("Compute on one device: the measured peak, forward, backward, optimizer, memory, "
-             "MFU", compute_section)]
+             checkpoint_section)]
 
 # The make bench steps whose rows each section reads (bench/make_bench.py's keys): a section
 # none of whose steps was planned says so instead of "no rows".
@@ -971,7 +971,7 @@ def header(info: dict | None) -> list[str]:
         "> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, "
         "not a GPU interconnect.\n" if not setup["gpus"] else "",
         "> A one-GPU run, read as such: every check and every kernel ran on the GPU; compute, "
-        "memory and MFU (the last section, against the matmul peak measured in this run) "
+        "memory and MFU (the first section, against the matmul peak measured in this run) "
         "describe the GPU; every communication timing describes Gloo's path through host "
         "memory (labelled where it appears), not an interconnect, and no section compares "
         "strategies by it. Step times on NCCL between GPUs are not measured on this box.\n"

@@ -890,12 +890,12 @@ def test_a_one_gpu_report_labels_gloos_host_path_and_reads_as_a_gpu_report(tmp_p
     assert "A one-GPU run, read as such" in text and "A CPU-only run" not in text
     sections = {title: text.split(f"## {title}\n\n")[1].split("\n## ")[0]
                 for title, _ in report.SECTIONS}
-    for title, claim in ((report.SECTIONS[0][0], "the bus bandwidth below is that path's"),
-                         (report.SECTIONS[1][0], "not what each costs on NCCL"),
-                         (report.SECTIONS[7][0], "not a comparison of strategies")):
+    for title, claim in ((report.SECTIONS[1][0], "the bus bandwidth below is that path's"),
+                         (report.SECTIONS[2][0], "not what each costs on NCCL"),
+                         (report.SECTIONS[8][0], "not a comparison of strategies")):
         assert sections[title].startswith("> **Gloo's host path, not an interconnect.**"), title
         assert claim in sections[title] and "GPU -> pinned host memory -> loopback TCP" in text
-    assert "host path" not in sections[report.SECTIONS[6][0]]  # pipeline rows: gloo/cpu here
+    assert "host path" not in sections[report.SECTIONS[7][0]]  # pipeline rows: gloo/cpu here
     assert report.host_path_note([{"backend": "nccl", "device": "cuda"}], "x") == ""
 
 
@@ -928,8 +928,8 @@ def test_report_says_what_is_missing_and_one_bad_file_costs_one_section(tmp_path
     text = path.read_text()
     assert "1 x NVIDIA H100 80GB HBM3" in text and "NCCL refuses two ranks" in text
     assert "CPU-only" not in text and text.count("No rows from this run") == 3
-    assert empty == [report.SECTIONS[i][0] for i in (1, 2, 7, 10)]
-    assert f"## {report.SECTIONS[10][0]}\n\n{report.NOT_PLANNED}" in text
+    assert empty == [report.SECTIONS[i][0] for i in (2, 3, 8, 11)]
+    assert f"## {report.SECTIONS[11][0]}\n\n{report.NOT_PLANNED}" in text
     assert "This section failed: KeyError" in text and "## Pipeline schedules" in text
     monkeypatch.setattr(results, "tabulate", None)  # a GPU box's Python may lack tabulate
     assert results.print_table([{"impl": "naive", "step_ms": 12.3456}]).splitlines() == [
@@ -951,19 +951,19 @@ def test_report_py_on_a_fresh_clone(run_file, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(results, "pyplot", lambda: None)  # no plots: not what this tests
     report.main()
     printed, err = capsys.readouterr()
-    assert printed == (f"report: {out / 'README.md'} (no data for: {report.SECTIONS[2][0]}; "
-                       f"{report.SECTIONS[7][0]})\n")  # 06's model: written by run r1, not r0
+    assert printed == (f"report: {out / 'README.md'} (no data for: {report.SECTIONS[3][0]}; "
+                       f"{report.SECTIONS[8][0]})\n")  # 06's model: written by run r1, not r0
     assert run_file is None or "warning: ignoring" in err, err
     text = (out / "README.md").read_text()
     assert "No run record (`results/bench_run.json` is missing or unreadable" in text
     assert "## Runs" not in text and "No rows in the results files for this section" in text
     sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])
     # each file's last run: the stale r0 rows come last in allreduce.csv and ddp_step.csv
-    assert sections[report.SECTIONS[0][0]].startswith("\n_Run `r0`, machine not recorded._")
-    assert "| gloo/cpu | 2 | 16MB | 777 |" in sections[report.SECTIONS[0][0]]
-    assert sections[report.SECTIONS[1][0]].startswith("\n_Run `r0`")
-    assert "| naive (03) | 99999 |" in sections[report.SECTIONS[1][0]]
-    assert sections[report.SECTIONS[6][0]].startswith("\n_Run `r1`")
+    assert sections[report.SECTIONS[1][0]].startswith("\n_Run `r0`, machine not recorded._")
+    assert "| gloo/cpu | 2 | 16MB | 777 |" in sections[report.SECTIONS[1][0]]
+    assert sections[report.SECTIONS[2][0]].startswith("\n_Run `r0`")
+    assert "| naive (03) | 99999 |" in sections[report.SECTIONS[2][0]]
+    assert sections[report.SECTIONS[7][0]].startswith("\n_Run `r1`")
 
 
 def test_the_report_is_replaced_only_by_a_whole_better_one(tmp_path, monkeypatch, capsys):
@@ -1039,7 +1039,9 @@ def test_a_run_that_filled_fewer_sections_keeps_the_better_reports_sections(tmp_
         text = path.read_text()
         assert f"Run `{run}`" in text and "Machine: **box " + run in text
         assert len(empty) == len(report.SECTIONS) - 1  # all but the all-reduce sweep
-        for title, _ in report.SECTIONS[1:]:
+        for title, _ in report.SECTIONS:
+            if title.startswith("All-reduce"):
+                continue  # this run's
             section = text.split(f"## {title}\n\n")[1]
             assert section.startswith("_Carried over from run `r1` on test box: this run did not "
                                       "fill this section._"), (run, title)
@@ -1131,7 +1133,7 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
     # every section this plan's steps feed has rows; expert parallel, everything together and
     # checkpoints are not in it: their sections are read from known numbers above
     sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])
-    not_planned = [title for title, _ in report.SECTIONS[9:12]]
+    not_planned = [title for title, _ in report.SECTIONS[10:13]]
     assert len(not_planned) == 3 and not_planned[0].startswith("Expert parallelism")
     assert "No rows from this run" not in text
     for title, _ in report.SECTIONS:
