@@ -87,18 +87,18 @@ def usable(fit: dict) -> bool:
 
 
 def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str,
-                   show: bool = True) -> dict:
+                   assign_buckets, show: bool = True) -> dict:
     """Print the prediction beside the measured sweep (rank 0; ``show=False``: only write) and
     save the summary in ``results/<json_name>`` keyed by backend/device/world size/model. The
-    sweep may be partial (a step stopped part-way): the summary names the sizes it has."""
-    from common import import_stage, models, results
+    sweep may be partial (a step stopped part-way): the summary names the sizes it has.
+    ``assign_buckets``: stage 06's, passed in (this module is imported by stage 06)."""
+    from common import models, results
     if not usable(fit):  # a fit measured on a noisy machine can come out with a <= 0
         if show:
             ctx.print(f"bucket model: no prediction: the latency-bandwidth fit ({fit['source']}) "
                       f"gave a = {fit['a_s']:.3g} s, w = {fit['w_bytes_per_s']:.3g} B/s",
                       all_ranks=False)
         return {}
-    assign_buckets = import_stage("06_bucketed_ddp/bucketed_ddp").assign_buckets
     with torch.device("meta"):  # sizes only: nothing allocated
         lm = models.TransformerLM(args.model, context_length=args.context_length)
     params = [p for p in lm.parameters() if p.requires_grad]

@@ -283,11 +283,11 @@ def sweep_and_model(ctx, args, with_earlier_stages: bool, demo: bool = False) ->
     def model_so_far(rows):  # the model beside the sizes swept so far, written as each lands
         bucketed = [r for r in rows if r["impl"] == "bucketed"]
         if bucketed:
-            model.model_vs_sweep(ctx, args, bucketed, fit, json_name=json_name, show=False)
+            model.model_vs_sweep(ctx, args, bucketed, fit, json_name, assign_buckets, show=False)
     rows = step_bench.run_step_bench(ctx, cases, args, csv_name=step_bench.DEMO_CSV_NAME
                                      if demo else step_bench.CSV_NAME, after_case=model_so_far)
     model.model_vs_sweep(ctx, args, [r for r in rows if r["impl"] == "bucketed"], fit,
-                         json_name=json_name)
+                         json_name, assign_buckets)
     if ctx.is_main:
         best = min((r for r in rows if r["impl"] == "bucketed"), key=lambda r: r["step_ms"])
         print(f"BucketedDDP at its best size ({best['bucket_mb']} MB): {best['step_ms']:.1f} ms/"

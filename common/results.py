@@ -29,7 +29,13 @@ except ImportError:  # a GPU box whose Python has torch but not tabulate: plain 
     tabulate = None
 
 from common import REPO_ROOT
-from common.launch import usage_error
+
+
+def usage_error(message: str) -> None:
+    """One line and exit 2, as ``common.launch.usage_error`` (repeated on purpose: launch
+    imports this module, so this module does not import launch)."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def results_dir() -> Path:

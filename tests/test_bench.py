@@ -389,6 +389,8 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
 
     from common import import_stage, launch, profiling, step_bench
     bucketed = import_stage("06_bucketed_ddp/bucketed_ddp")
+    monkeypatch.setattr(import_stage("06_bucketed_ddp/bucket_model"), "latency_bandwidth",
+                        lambda ctx: {"a_s": 1e-4, "w_bytes_per_s": 1e9, "source": "test"})
     args = argparse.Namespace(model="tiny", batch_size=2, context_length=8, steps=2, warmup=1,
                               rounds=1, case_budget_s=120.0, bucket_sizes=[0.25, 1.0, 4.0],
                               trace_dir=tmp_path / "traces")
