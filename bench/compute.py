@@ -191,7 +191,9 @@ def main(argv=None) -> None:
     deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
     machine = results.machine_name()
     n = args.matmul_n or (8192 if device.type == "cuda" else 1024)
+    # float32 as the stages run it: TF32 off unless the user turned it on (then both are TF32)
     peak = {"device": device.type, "dtype": "float32", "matmul_n": n,
+            "tf32": bool(device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32),
             "matmul_flops_per_s": matmul_peak(device, n),
             "copy_bytes_per_s": copy_bandwidth(device, 2 ** 30 if device.type == "cuda"
                                                else 2 ** 26),
