@@ -10,7 +10,8 @@ a GPU per rank), prints each one's output as it comes, and ends with a table: st
 outcome, seconds. A script that cannot carry this backend/device pair refuses up front in one
 line with exit status 2 (``prog: error: ...``); that is "refused", not a failure, and the line
 is shown. Anything else non-zero (a traceback, a failed check, a wrong flag, a timeout) is
-FAILED, and make check exits 1. Nothing is written under results/.
+FAILED, and make check exits 1. The scripts write their result files into a temporary
+folder (``RESULTS_DIR``), removed at the end: a check never touches results/.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -77,12 +80,13 @@ def kill_group(pgid: int) -> None:
         pass  # nothing left in it
 
 
-def run_one(argv: list[str], timeout_s: float) -> tuple[int, str]:
+def run_one(argv: list[str], timeout_s: float, results_dir: str) -> tuple[int, str]:
     """Run one script from the repository root, echoing its output as it comes; its exit
     status and output. Past ``timeout_s`` its process group is killed (exit 124)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESULTS_DIR": results_dir}
     proc = subprocess.Popen([sys.executable, *argv], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env=env)
     timer = threading.Timer(timeout_s, kill_group, args=(proc.pid,))
     timer.start()
     kept = []
@@ -126,16 +130,21 @@ def main(argv=None) -> int:
     wanted = [p for p in args.only.split(",") if p.strip()]
     rows = []
     start = time.monotonic()
-    for stage, script in CHECKS:
-        if wanted and not any(stage.startswith(p.strip()) for p in wanted):
-            continue
-        command = [*script, "--device", args.device]
-        print(f"\n[check] {stage} on {args.device}\n  $ python {' '.join(command)}", flush=True)
-        began = time.monotonic()
-        returncode, output = run_one(command, TIMEOUT_S)
-        status, note = outcome(returncode, output)
-        rows.append((stage, args.device, status, time.monotonic() - began, note))
-        print(f"[check] {stage}: {status} in {rows[-1][3]:.0f} s", flush=True)
+    scratch = tempfile.mkdtemp(prefix="make-check-")  # the scripts' result files, thrown away
+    try:
+        for stage, script in CHECKS:
+            if wanted and not any(stage.startswith(p.strip()) for p in wanted):
+                continue
+            command = [*script, "--device", args.device]
+            print(f"\n[check] {stage} on {args.device}\n  $ python {' '.join(command)}",
+                  flush=True)
+            began = time.monotonic()
+            returncode, output = run_one(command, TIMEOUT_S, scratch)
+            status, note = outcome(returncode, output)
+            rows.append((stage, args.device, status, time.monotonic() - began, note))
+            print(f"[check] {stage}: {status} in {rows[-1][3]:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nmake check on {args.device}: {len(rows)} scripts in "
           f"{time.monotonic() - start:.0f} s\n{summary(rows)}", flush=True)
     failed = [stage for stage, _, status, *_ in rows if status == "FAILED"]
