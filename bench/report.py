@@ -186,9 +186,12 @@ def allreduce_section(where: Where):
                      f"{num(best, 'busbw_gbps'):.2f} GB/s ({best['backend']}/{best['device']}, "
                      f"{best['world_size']} ranks); busbw = algbw x 2(n-1)/n, comparable across "
                      "rank counts (nccl-tests' convention).")
+        path = ""
+        if best["backend"] == "gloo" and best["device"] == "cuda":
+            path = "; Gloo's host path, not an interconnect"
         headline.append([f"all-reduce bus bandwidth, {size_text(largest)}",
                          f"{num(best, 'busbw_gbps'):.2f} GB/s ({best['backend']}/"
-                         f"{best['device']}, {best['world_size']} ranks)"])
+                         f"{best['device']}, {best['world_size']} ranks{path})"])
     ratios = {i: [num(c[i], "busbw_gbps") / num(c["backend"], "busbw_gbps") for k, c in
                   cells.items() if k[3] >= 10 * MB and i in c and "backend" in c]
               for i in ("ring", "ring_pipelined")}

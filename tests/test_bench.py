@@ -890,6 +890,7 @@ def test_a_one_gpu_report_labels_gloos_host_path_and_reads_as_a_gpu_report(tmp_p
         _write_csv(out / name, [{**r, "device": "cuda"} for r in rows])
     text = report.write_report(out)[0].read_text()
     assert "A one-GPU run, read as such" in text and "A CPU-only run" not in text
+    assert "(gloo/cuda, 2 ranks; Gloo's host path, not an interconnect) |" in text  # headline
     sections = {title: text.split(f"## {title}\n\n")[1].split("\n## ")[0]
                 for title, _ in report.SECTIONS}
     for title, claim in ((report.SECTIONS[1][0], "the bus bandwidth below is that path's"),
