@@ -973,11 +973,13 @@ def header(info: dict | None) -> list[str]:
         f"{setup['picked']}\n",
         "> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, "
         "not a GPU interconnect.\n" if not setup["gpus"] else "",
-        "> A one-GPU run, read as such: every check and every kernel ran on the GPU; compute, "
-        "memory and MFU (the first section, against the matmul peak measured in this run) "
-        "describe the GPU; every communication timing describes Gloo's path through host "
-        "memory (labelled where it appears), not an interconnect, and no section compares "
-        "strategies by it. Step times on NCCL between GPUs are not measured on this box.\n"
+        "> A one-GPU run, read as such: the steps ran their kernels on the GPU, except those "
+        "whose command in Runs says `--device cpu` (lessons whose collectives Gloo cannot carry "
+        "for CUDA tensors ran on the host's cores); compute, memory and MFU (the first section, "
+        "against the matmul peak measured in this run) describe the GPU; every communication "
+        "timing describes Gloo's path through host memory (labelled where it appears), not an "
+        "interconnect, and no section compares strategies by it. Step times on NCCL between "
+        "GPUs are not measured on this box.\n"
         if setup["gpus"] == 1 else "",
         "> A GPU per rank over NCCL: communication timings describe this box's interconnect; "
         "MFU is against the matmul peak measured in this run on one GPU.\n"
