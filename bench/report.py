@@ -354,7 +354,9 @@ def pipeline_section(where: Where):
                       num(rs[0], "idle_share_simulated"), num(rs[0], "idle_share_formula"), gap,
                       " ".join(r["peak_held"] for r in sorted(rs, key=lambda r: int(r["rank"])))])
     r0 = rows[0]
-    text = (f"{r0['world_size']} stages, batch {r0['batch']}, {r0['backend']}/{r0['device']}. Idle "
+    text = (host_path_note(rows, "with real compute the stages' sends cross it too; with "
+                                 "emulated compute the idle shares are the schedules' own.")
+            + f"{r0['world_size']} stages, batch {r0['batch']}, {r0['backend']}/{r0['device']}. Idle "
             "share = 1 - busy / pass per stage (mean over stages); with emulated compute every F, "
             "B and W is a fixed wait, so the measured idle checks the executor's sends, receives "
             "and order against the unit-time simulation without the ranks competing for cores.\n\n"
