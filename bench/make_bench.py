@@ -93,18 +93,18 @@ CPU_STARTUP_S = 3
 # sizes cut to fit them (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL
 # ones are estimates until a multi-GPU box has run them.
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
-    "compute": dict(cpu=(3, 8, 2), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
-    "allreduce": dict(cpu=(12, 40, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
-    "ddp": dict(cpu=(25, 50, 15), one_gpu=(21, 80, 20), nccl=(21, 80, 20)),
+    "compute": dict(cpu=(7, 12, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
+    "allreduce": dict(cpu=(10, 40, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
+    "ddp": dict(cpu=(24, 50, 15), one_gpu=(21, 80, 20), nccl=(21, 80, 20)),
     "profile": dict(cpu=(12, 15, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
-    "tp": dict(cpu=(8, 12, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
-    "pp": dict(cpu=(20, 50, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
-    "ledger": dict(cpu=(18, 60, 15), one_gpu=(17, 50, 15), nccl=(17, 50, 15)),
-    "cp": dict(cpu=(15, 55, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
+    "tp": dict(cpu=(10, 12, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
+    "pp": dict(cpu=(19, 50, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
+    "ledger": dict(cpu=(17, 60, 15), one_gpu=(17, 50, 15), nccl=(17, 50, 15)),
+    "cp": dict(cpu=(14, 55, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
     "ep2": dict(cpu=(0, 22, 6), one_gpu=(0, 25, 15), nccl=(0, 25, 15)),  # quick: 4 ranks only
-    "ep4": dict(cpu=(14, 28, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
-    "grid": dict(cpu=(0, 122, 45), one_gpu=(0, 70, 45), nccl=(0, 70, 45)),  # no smaller size
-    "checkpoint": dict(cpu=(13, 38, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
+    "ep4": dict(cpu=(13, 28, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
+    "grid": dict(cpu=(0, 118, 45), one_gpu=(0, 70, 45), nccl=(0, 70, 45)),  # no smaller size
+    "checkpoint": dict(cpu=(14, 38, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
 }
 
 
