@@ -2,6 +2,8 @@
 #
 #   make run     every stage in order on Gloo/CPU, small sizes (a few minutes on a laptop)
 #   make test    the test suite (pytest, Gloo/CPU)
+#   make check   every stage's and lesson's check on this box's device (DEVICE=cpu by default;
+#                `make check DEVICE=cuda` on a GPU box: the first command to run there)
 #   make bench   the measurements worth making on a GPU box (small sizes on CPU)
 #   make train   07's capstone: the course LM on real text, one process and a 2 x 2 grid
 #   make 01 ... make 07   one stage
@@ -14,6 +16,7 @@
 # optional there), so it runs offline on a GPU box without creating a venv.
 
 VENV          := .venv
+DEVICE        ?= cpu
 TORCH_VERSION ?= 2.13.0
 # The CPU wheel of torch==$(TORCH_VERSION); the other dependencies follow pyproject.toml.
 DEPS          := "tabulate>=0.9" "numpy>=1.24" "pytest>=7" "matplotlib>=3.7"
@@ -30,7 +33,7 @@ else
 endif
 
 SHELL := /bin/bash
-.PHONY: install run test bench clean diff train 01 02 03 04 05 06 07
+.PHONY: install run test check bench clean diff train 01 02 03 04 05 06 07
 
 install:
 	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
@@ -48,6 +51,12 @@ run: install
 
 test: install
 	$(PYTHON) -m pytest tests -q
+
+# Each script checks itself against one process on $(DEVICE); a backend/device pair a lesson
+# cannot carry is refused in one line and shown as "refused"; a summary table at the end.
+check:
+	@$(BENCH_PYTHON) -c "import torch" >/dev/null 2>&1 || $(MAKE) --no-print-directory install
+	$(BENCH_PYTHON) bench/check.py --device $(DEVICE)
 
 01: install
 	$(PYTHON) 01_collectives/collectives.py --world-size 4 --backend gloo --device cpu

@@ -243,25 +243,41 @@ def _show(rank, world_size, name, before, after, memory, problem):
     _agree(world_size, name, problem)
 
 
-def collectives_demo(rank: int, world_size: int, backend: str) -> None:
+# Gloo has a CUDA path for broadcast, all_reduce, all_gather (a list) and all_to_all only;
+# over Gloo with --device cuda the collectives below run on the host's memory instead.
+GLOO_HOST_ONLY = ("reduce", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+                  "send/recv", "ring_all_reduce")
+
+
+def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cpu") -> None:
     n = world_size
     r = rank
-    # NCCL moves GPU tensors only; Gloo runs every collective here on CPU tensors.
-    dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    # NCCL moves GPU tensors only; Gloo moves CPU tensors, and GPU tensors for a few collectives.
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
+        torch.device("cpu")
+    host = torch.device("cpu")
 
-    def floats(*values):  # a float32 tensor of these values, on this rank's device
-        return torch.tensor(values, dtype=torch.float32, device=dev)
+    def on(collective: str) -> torch.device:  # where this collective's tensors live here
+        if backend == "gloo" and collective in GLOO_HOST_ONLY:
+            return host
+        return dev
+
+    def floats(*values, where=dev):  # a float32 tensor of these values, on ``where``
+        return torch.tensor(values, dtype=torch.float32, device=where)
 
     if r == 0:
-        print(f"{n} ranks, {backend}, tensors on {dev}\n{'collective':<25} {'memory':<46} "
-              f"every rank's tensor before -> after", flush=True)
+        hosted = ""
+        if dev.type == "cuda" and backend == "gloo":
+            hosted = f" (on the host: {', '.join(GLOO_HOST_ONLY)}: Gloo has no CUDA path for them)"
+        print(f"{n} ranks, {backend}, tensors on {dev}{hosted}\n{'collective':<25} "
+              f"{'memory':<46} every rank's tensor before -> after", flush=True)
 
     t = floats(10.0 * r)
     before = t.clone()
     dist.broadcast(t, src=0)
     _show(r, n, "broadcast(src=0)", before, t, "in place", _wrong(t.tolist(), [0.0]))
 
-    t = floats(r + 1.0)
+    t = floats(r + 1.0, where=on("reduce"))
     before = t.clone()
     dist.reduce(t, dst=0)
     problem = _wrong(t.tolist(), [n * (n + 1) / 2]) if r == 0 else None  # only dst is promised
@@ -281,30 +297,32 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
     dist.all_gather(parts, t)
     _show(r, n, "all_gather", t, parts, "output: world_size x input, everywhere",
           _wrong([p.item() for p in parts], list(range(n))))
-    flat = torch.empty(n, device=dev)
+    t = floats(r, where=on("all_gather_into_tensor"))
+    flat = torch.empty(n, device=t.device)
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(flat, t)  # 2.13's name
     _show(r, n, "all_gather (one tensor)", t, flat, "same, one contiguous output",
           _wrong(flat.tolist(), list(range(n))))
 
-    t = floats(r * 2.0)
+    t = floats(r * 2.0, where=on("gather"))
     parts = [torch.empty_like(t) for _ in range(n)] if r == 0 else None
     dist.gather(t, gather_list=parts, dst=0)
     problem = _wrong([p.item() for p in parts], [2.0 * q for q in range(n)]) if r == 0 else None
     _show(r, n, "gather(dst=0)", t, parts, "world_size x input on dst only", problem)
 
-    pieces = [floats(100.0 * q) for q in range(n)] if r == 0 else None
-    t = torch.empty(1, device=dev)
+    pieces = [floats(100.0 * q, where=on("scatter")) for q in range(n)] if r == 0 else None
+    t = torch.empty(1, device=on("scatter"))
     dist.scatter(t, scatter_list=pieces, src=0)
     _show(r, n, "scatter(src=0)", pieces, t, "world_size x output on src only",
           _wrong(t.tolist(), [100.0 * r]))
 
-    t = floats(*[10.0 * r + j for j in range(n)])
-    out = torch.empty(1, device=dev)
+    t = floats(*[10.0 * r + j for j in range(n)], where=on("reduce_scatter"))
+    out = torch.empty(1, device=t.device)
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, t)  # (older too)
     _show(r, n, "reduce_scatter", t, out, "input world_size x output; half an all-reduce",
           _wrong(out.tolist(), [10.0 * n * (n - 1) / 2 + n * r]))  # sum over q of 10q + r
 
-    out = torch.empty(n, device=dev)
+    t = t.to(on("all_to_all"))
+    out = torch.empty(n, device=t.device)
     dist.all_to_all_single(out, t)
     _show(r, n, "all_to_all", t, out, "a transpose across ranks; in and out same size",
           _wrong(out.tolist(), [10.0 * q + r for q in range(n)]))  # rank q's chunk r comes to r
@@ -314,18 +332,19 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
     if n > 1:
         right = (r + 1) % n
         left = (r - 1) % n
-        got = torch.empty(1, device=dev)
+        p2p = on("send/recv")
+        got = torch.empty(1, device=p2p)
         if r % 2 == 0:  # blocking calls round a ring: half send first, half receive first
-            dist.send(floats(r), right)
+            dist.send(floats(r, where=p2p), right)
             dist.recv(got, left)
         else:
             dist.recv(got, left)
-            dist.send(floats(r), right)
+            dist.send(floats(r, where=p2p), right)
         _show(r, n, "send/recv (to the right)", floats(r), got, "one buffer per message",
               _wrong(got.tolist(), [left]))
-        got = torch.empty(1, device=dev)
-        for req in [dist.isend(floats(r), right), dist.irecv(got, left)]:  # post both, then wait
-            req.wait()
+        got = torch.empty(1, device=p2p)
+        for req in [dist.isend(floats(r, where=p2p), right), dist.irecv(got, left)]:  # post both,
+            req.wait()                                                                # then wait
         _show(r, n, "isend/irecv", floats(r), got, "one buffer per message",
               _wrong(got.tolist(), [left]))
 
@@ -359,7 +378,8 @@ def collectives_demo(rank: int, world_size: int, backend: str) -> None:
     problems = []
     for ring in (ring_all_reduce, pipelined_ring_all_reduce):
         for numel, dtype in [(1, torch.float32), (7, torch.float64), (12345, torch.int64)]:
-            x = torch.randint(-1000, 1000, (numel,), generator=g).to(dtype=dtype, device=dev)
+            where = on(ring.__name__)
+            x = torch.randint(-1000, 1000, (numel,), generator=g).to(dtype=dtype, device=where)
             ours = ring(x.clone())
             theirs = x.clone()
             dist.all_reduce(theirs)  # small integers: exact in any order, so bitwise equal to
@@ -395,9 +415,9 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     if launch.under_torchrun():  # torchrun started this process as one rank
         init_process(int(os.environ["RANK"]), config.world_size, config.backend,
-                     collectives_demo)
+                     collectives_demo, config.device)
     else:
-        spawn(collectives_demo, config.world_size, config.backend)
+        spawn(collectives_demo, config.world_size, config.backend, config.device)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -150,6 +151,32 @@ def measure(ctx, impl: str, all_reduce, nbytes: int, cfg: dict) -> dict | str:
             "machine": cfg["machine"]}
 
 
+def check_sums(ctx, cfg: dict) -> None:
+    """--check: each impl's all-reduce gives the exact sums at every size, on every rank;
+    nothing is timed or written. What `make check` runs."""
+    from common import import_stage, verify
+    stage01 = import_stage("01_collectives/collectives")
+    impls = {"backend": dist.all_reduce, "ring": stage01.ring_all_reduce,
+             "ring_pipelined": stage01.pipelined_ring_all_reduce}
+    checked = []
+    for nbytes in cfg["sizes"]:
+        for impl in cfg["impls"]:
+            if impl == "ring" and ctx.device.type == "cuda" and ctx.backend == "gloo":
+                continue  # the textbook ring sends GPU tensors, which Gloo cannot
+            buf = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
+            fill(buf, ctx.rank)
+            impls[impl](buf)
+            error = check(buf, ctx.world_size)
+            problem = None
+            if error > 0:
+                problem = (f"{impl} all-reduce of {format_size(nbytes)} gave a wrong sum: "
+                           f"max |sum - expected| = {error:g}")
+            verify.agree(problem)
+            checked.append(f"{impl} {format_size(nbytes)}")
+    ctx.print(f"exact sums on every rank ({ctx.backend}/{buf.device}, {ctx.world_size} ranks): "
+              + ", ".join(checked), all_ranks=False)
+
+
 def allreduce_sweep(ctx, cfg: dict) -> None:
     """On every rank: each size, each impl: skip (with the reason), or measure and write."""
     from common import import_stage, results
@@ -159,7 +186,9 @@ def allreduce_sweep(ctx, cfg: dict) -> None:
     last: dict[str, tuple[int, float]] = {}  # impl -> (bytes, seconds) at the previous size
     for nbytes in cfg["sizes"]:
         for impl in cfg["impls"]:
-            why = skip_reason(ctx, impl, nbytes, last.get(impl), cfg)
+            decision = [skip_reason(ctx, impl, nbytes, last.get(impl), cfg)]
+            dist.broadcast_object_list(decision, src=0)  # rank 0's: clocks and memory differ
+            why = decision[0]
             row = why or measure(ctx, impl, impls[impl], nbytes, cfg)
             label = f"{ctx.backend}/{ctx.device.type} ws={ctx.world_size} {format_size(nbytes)} {impl}"
             if isinstance(row, str):
@@ -199,6 +228,11 @@ def skip_reason(ctx, impl: str, nbytes: int, previous, cfg: dict) -> str | None:
         if estimate > cfg["budget_s"]:
             return (f"estimated {estimate:.0f} s from {format_size(previous[0])}: over the "
                     f"{cfg['budget_s']:g} s budget")
+        # make bench's deadline for this step (the caller takes rank 0's verdict)
+        left = cfg["deadline"] - time.time() if cfg.get("deadline") else math.inf
+        if estimate > left:
+            return (f"estimated {estimate:.0f} s from {format_size(previous[0])}: {left:.0f} s "
+                    "is left before make bench stops this step")
     cuda = ctx.device.type == "cuda"  # the buffer, the backend's and a ring's scratch per rank
     return import_stage("02_allreduce_bench/sweep_extras").memory_shortfall(
         ctx, (2 if cuda else 4) * nbytes, 3 * nbytes)
@@ -315,6 +349,8 @@ def main(argv=None) -> None:
     p.add_argument("--budget-s", type=launch.positive_float, default=300.0,
                    help="skip a configuration whose estimated time is over this many seconds")
     p.add_argument("--no-ring", action="store_true", help="time only the backend's all_reduce")
+    p.add_argument("--check", action="store_true",
+                   help="only check each impl's exact sums at --sizes; time and write nothing")
     args = p.parse_args(argv)
     torchrun = launch.under_torchrun()
     args.world_sizes = [int(os.environ["WORLD_SIZE"])] if torchrun else \
@@ -324,14 +360,22 @@ def main(argv=None) -> None:
     configs = plan_configurations(args)
     if torchrun and len(configs) != 1:
         launch.usage_error("under torchrun give one --backend and one --device")
-    results.check_writable()
+    if not args.check:
+        results.check_writable()
     is_main = not torchrun or os.environ["RANK"] == "0"
     cfg = dict(sizes=args.sizes, warmup=args.warmup, iters=args.iters, budget_s=args.budget_s,
                impls=["backend"] + ([] if args.no_ring else ["ring", "ring_pipelined"]),
-               run_id=results.run_id(), machine=results.machine_name())
+               run_id=results.run_id(), machine=results.machine_name(),
+               deadline=float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0))
     if is_main:
-        print(f"all_reduce sweep on {cfg['machine']}: {len(configs)} backend/device/world "
+        what = "exact-sum check" if args.check else "sweep"
+        print(f"all_reduce {what} on {cfg['machine']}: {len(configs)} backend/device/world "
               f"size group(s) x {len(args.sizes)} size(s) x {len(cfg['impls'])} impl(s)")
+    if args.check:
+        for backend, device, ws in configs:
+            launch.launch(check_sums, launch.LaunchConfig(ws, backend, device), cfg,
+                          timeout_s=120 + 30 * len(args.sizes))
+        return
     stopped = None
     try:
         for backend, device, ws in configs:

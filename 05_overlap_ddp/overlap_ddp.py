@@ -229,6 +229,8 @@ def verify_main(ctx, args) -> None:
     from common import step_bench, verify
     if not verify.verify_ddp(ctx, OverlapDDP, "OverlapDDP"):
         raise SystemExit(1)
+    if args.check:
+        return
     ctx.print("quick demo (tiny LM; --bench for the real benchmark):", all_ranks=False)
     bench_main(ctx, args, csv_name=step_bench.DEMO_CSV_NAME)  # never replaces a real --bench
 

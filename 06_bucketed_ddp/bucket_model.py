@@ -86,15 +86,19 @@ def usable(fit: dict) -> bool:
                for k in ("a_s", "w_bytes_per_s"))
 
 
-def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str) -> dict:
-    """Print the prediction beside the measured sweep (rank 0) and save the summary in
-    ``results/<json_name>`` keyed by backend/device/world size/model."""
-    from common import import_stage, models, results
+def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str,
+                   assign_buckets, show: bool = True) -> dict:
+    """Print the prediction beside the measured sweep (rank 0; ``show=False``: only write) and
+    save the summary in ``results/<json_name>`` keyed by backend/device/world size/model. The
+    sweep may be partial (a step stopped part-way): the summary names the sizes it has.
+    ``assign_buckets``: stage 06's, passed in (this module is imported by stage 06)."""
+    from common import models, results
     if not usable(fit):  # a fit measured on a noisy machine can come out with a <= 0
-        ctx.print(f"bucket model: no prediction: the latency-bandwidth fit ({fit['source']}) "
-                  f"gave a = {fit['a_s']:.3g} s, w = {fit['w_bytes_per_s']:.3g} B/s", all_ranks=False)
+        if show:
+            ctx.print(f"bucket model: no prediction: the latency-bandwidth fit ({fit['source']}) "
+                      f"gave a = {fit['a_s']:.3g} s, w = {fit['w_bytes_per_s']:.3g} B/s",
+                      all_ranks=False)
         return {}
-    assign_buckets = import_stage("06_bucketed_ddp/bucketed_ddp").assign_buckets
     with torch.device("meta"):  # sizes only: nothing allocated
         lm = models.TransformerLM(args.model, context_length=args.context_length)
     params = [p for p in lm.parameters() if p.requires_grad]
@@ -123,7 +127,7 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str)
         "prediction_within_neighbours": within, "sweep": rows, "backend": ctx.backend,
         "device": ctx.device.type, "world_size": ctx.world_size,
         "machine": results.machine_name(), "run_id": results.run_id()}
-    if ctx.is_main:
+    if ctx.is_main and show:
         print(f"\nbucket model: s = {s / MIB:.1f} MiB of gradients, o = {o * 1e6:.0f} us per "
               f"all-reduce, w = {w / 1e9:.2f} GB/s ({fit['source']}): best n_b = sqrt(s / (w o)) "
               f"= {n_best:.1f} buckets of sqrt(s w o) = {best_bytes / MIB:.2f} MiB")
@@ -131,6 +135,7 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str)
         print(f"measured best bucket size (by step time): {best['bucket_mb']} MB; the predicted "
               f"{best_bytes / MIB:.2f} MiB is {'within' if within else 'OUTSIDE'} the best and "
               f"its neighbours [{lo:g}, {hi:g}] MB", flush=True)
+    if ctx.is_main:
         key = f"{ctx.backend}/{ctx.device.type}/{ctx.world_size}/{args.model}"
         results.update_json(json_name, {key: summary})
     return summary

@@ -278,10 +278,16 @@ def sweep_and_model(ctx, args, with_earlier_stages: bool, demo: bool = False) ->
               for size in args.bucket_sizes]
     cases += [("torch_ddp", size, step_bench.torch_ddp_factory(size)) for size in args.bucket_sizes
               if size != step_bench.TORCH_DDP_DEFAULT_BUCKET_MB]
+    json_name = "bucket_model_demo.json" if demo else "bucket_model.json"
+
+    def model_so_far(rows):  # the model beside the sizes swept so far, written as each lands
+        bucketed = [r for r in rows if r["impl"] == "bucketed"]
+        if bucketed:
+            model.model_vs_sweep(ctx, args, bucketed, fit, json_name, assign_buckets, show=False)
     rows = step_bench.run_step_bench(ctx, cases, args, csv_name=step_bench.DEMO_CSV_NAME
-                                     if demo else step_bench.CSV_NAME)
+                                     if demo else step_bench.CSV_NAME, after_case=model_so_far)
     model.model_vs_sweep(ctx, args, [r for r in rows if r["impl"] == "bucketed"], fit,
-                         json_name="bucket_model_demo.json" if demo else "bucket_model.json")
+                         json_name, assign_buckets)
     if ctx.is_main:
         best = min((r for r in rows if r["impl"] == "bucketed"), key=lambda r: r["step_ms"])
         print(f"BucketedDDP at its best size ({best['bucket_mb']} MB): {best['step_ms']:.1f} ms/"
@@ -296,6 +302,8 @@ def verify_main(ctx, args) -> None:
     if not verify.verify_ddp(ctx, functools.partial(BucketedDDP, bucket_size_mb=1 / 1024),
                              "BucketedDDP (1 KiB buckets)"):
         raise SystemExit(1)
+    if args.check:
+        return
     ctx.print(f"quick sweep on the {args.model} LM (--bench for the real one):", all_ranks=False)
     sweep_and_model(ctx, args, with_earlier_stages=False, demo=True)
 

@@ -1,9 +1,10 @@
 """``make bench``: every measurement the course makes, on this box, in one command, and a report.
 
     make bench                       # = python bench/make_bench.py
-    BENCH_QUICK=1 make bench         # the quick version (76 s on a 2-core CPU)
+    BENCH_QUICK=1 make bench         # the quick version (about 80 s on a 2-core CPU)
     BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
-    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150)
+    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150;
+                                     # 180 on a GPU box, whose every step starts CUDA)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
 What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
@@ -16,7 +17,10 @@ sequence-parallel bytes, pipeline schedules (real and emulated compute), the sha
 (DDP, ZeRO-1/2, FSDP, torch's), context parallelism (ring attention), expert parallelism on 2
 and 4 ranks, everything together (our grids beside torch's composition and pipelining; not in
 the quick run: ``train.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
-and checkpoints beside ``torch.distributed.checkpoint``. No stage is imported: the driver runs
+and checkpoints beside ``torch.distributed.checkpoint``; last, ``bench/compute.py``: the LM at
+one rank's shapes on one device beside the matmul peak measured in the same run (MFU). On one
+GPU every collective crosses host memory, so its plan is cut to what that path carries in the
+budget (from the first GPU run's logs). No stage is imported: the driver runs
 their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's rows
 and nothing older.
 
@@ -26,21 +30,27 @@ a part of the rest in proportion to what its share holds above its minimum; when
 do not all fit, the steps that need the most are skipped, each with the reason, and a budget
 too small for any step is refused in one line. A step runs until its deadline (the start plus the caps so far, so time a step
 leaves passes on to the next), then gets Ctrl-C, which makes a stage write what it finished,
-and is killed after a grace. To add a step: a row in ``SHARES`` (its shares on a CPU and a GPU
-box, quick and full, taken from the others so each column still fits its default budget, and
-its minimum) and a ``step(...)`` line in ``plan``; ``tests/test_bench.py`` checks the sums.
+and is killed after a grace. A step with a budget flag (02's ``--budget-s``, 06's
+``--case-budget-s``) gets it from the cap it actually has, less its start-up, per
+configuration, and ``BENCH_STEP_DEADLINE`` in its environment, so it skips what cannot end in
+time instead of being stopped in the middle. To add a step: a row in ``SHARES`` (its shares on
+each kind of box, quick and full, taken from the others so each column still fits its default
+budget, and its minimum, above a CUDA start-up on a GPU box) and a ``step(...)`` line in
+``plan``; ``tests/test_bench.py`` checks the sums.
 
 The driver owns its steps as the launcher owns its ranks: Ctrl-C or SIGTERM to it is passed on
 to the running step's script (whose launcher stops its ranks and writes what finished), what is
 left of the step's process group is killed seconds later, and the report of what finished is
 written; if the driver dies, even by SIGKILL, Linux kills the step (``PR_SET_PDEATHSIG``) and
 its ranks follow (they exit when their parent goes). The report is swapped in only when written
-whole, and a run that measured nothing leaves the previous one in place.
+whole; a run that measured nothing leaves the previous one in place, and a section a run did
+not fill keeps the previous report's, marked with its run and machine (``bench/report.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import signal
 import subprocess
@@ -56,38 +66,55 @@ from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models, results  # noqa: E402
 from common.launch import usage_error  # noqa: E402
 
-# quick, full: the whole run, every stop included. Quick was 130 s for six steps; the three
-# lessons it now runs too (context and expert parallel, checkpoints) start 4 ranks each.
-# Smaller quick sizes elsewhere pay for most of them (the ledger on the tiny LM, the
-# pipeline's emulated compute shorter); 20 s more pays for the rest.
-DEFAULT_BUDGET_S = {True: 150, False: 510}
+# The whole run, every stop included: quick and full, on a CPU box and on a GPU box. A GPU
+# box's quick run is longer than a CPU's: each of its steps pays a CUDA start-up.
+DEFAULT_BUDGET_S = {True: 150, False: 510}      # a CPU box (and full on any box)
+GPU_QUICK_BUDGET_S = 180                         # quick on a GPU box
 MAX_BUDGET_S = 24 * 3600
 GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
 KILL_WAIT_S = 2    # after SIGKILL to its process group, the time to reap it
 STOP_S = GRACE_S + KILL_WAIT_S  # the most a step can run past its deadline
 SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a shorter grace
+# A step that starts CUDA spends this long before its first measurement (8-12 s on the one-GPU
+# H200 box's logs: interpreter, torch, CUDA context, ranks, process group). Every minimum on
+# a GPU box is above it; a CPU step starts in about 3 s.
+CUDA_STARTUP_S = 12
+CPU_STARTUP_S = 3
 
 # The plan: each step's share of the default budget, in seconds to its Ctrl-C (start-up
-# included), on a CPU box and on a GPU box, quick and full; and the least it needs to measure
-# anything (start-up and one configuration). On each box and in each mode the shares add up
-# to at most the default budget less STOP_S (a test checks), so a new step takes its share
-# from the others. A share of 0: the step is not in that mode's plan. A share is what a step
-# may take, not what it takes: a step that ends sooner passes its time on. The CPU shares come
-# from this 2-core VM's runs (about 1.5x what each took with the VM to itself); the GPU ones
-# are guesses until a GPU box has run them.
-SHARES = {  # key: (CPU quick, CPU full, GPU quick, GPU full, minimum)
-    "allreduce": (12, 40, 18, 69, 8),
-    "ddp": (28, 50, 26, 90, 15),
-    "profile": (12, 15, 12, 20, 10),
-    "tp": (8, 12, 9, 16, 6),
-    "pp": (20, 50, 18, 40, 12),
-    "ledger": (18, 60, 22, 60, 15),
-    "cp": (15, 55, 13, 45, 8),
-    "ep2": (0, 22, 0, 20, 6),      # quick: expert parallel on 4 ranks only
-    "ep4": (14, 28, 11, 25, 8),
-    "grid": (0, 130, 0, 80, 45),   # train.py --bench has no smaller size than its 1.5 minutes
-    "checkpoint": (13, 38, 11, 35, 6),
+# included), per kind of box, quick and full, with the least it needs to measure anything
+# (start-up and one configuration). Three kinds of box: "cpu" (Gloo, CPU tensors), "one_gpu"
+# (the ranks share one GPU over Gloo, so every collective goes through host memory) and "nccl"
+# (a GPU per rank). On each kind and in each mode the shares add up to at most the default
+# budget less STOP_S (a test checks), so a new step takes its share from the others. A share of
+# 0: not in that mode's plan. A share is what a step may take, not what it takes: a step that
+# ends sooner passes its time on. The CPU shares come from this 2-core VM's runs (about 1.5x
+# what each took with the VM to itself); the one-GPU shares from the H200 box's logs, with
+# sizes cut to fit them (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL
+# ones are estimates until a multi-GPU box has run them.
+SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
+    "compute": dict(cpu=(7, 12, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
+    "allreduce": dict(cpu=(10, 40, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
+    "ddp": dict(cpu=(24, 50, 15), one_gpu=(21, 80, 20), nccl=(21, 80, 20)),
+    "profile": dict(cpu=(12, 15, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
+    "tp": dict(cpu=(10, 12, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
+    "pp": dict(cpu=(19, 50, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
+    "ledger": dict(cpu=(17, 60, 15), one_gpu=(17, 50, 15), nccl=(17, 50, 15)),
+    "cp": dict(cpu=(14, 55, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
+    "ep2": dict(cpu=(0, 22, 6), one_gpu=(0, 25, 15), nccl=(0, 25, 15)),  # quick: 4 ranks only
+    "ep4": dict(cpu=(13, 28, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
+    "grid": dict(cpu=(0, 118, 45), one_gpu=(0, 70, 45), nccl=(0, 70, 45)),  # no smaller size
+    "checkpoint": dict(cpu=(14, 38, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
 }
+
+
+def box_kind(gpus: int) -> str:
+    """The column of ``SHARES`` for a box with ``gpus`` GPUs."""
+    if gpus == 0:
+        return "cpu"
+    if gpus == 1:
+        return "one_gpu"
+    return "nccl"
 
 
 @dataclass
@@ -98,6 +125,8 @@ class Step:
     share_s: float      # its share of the default budget (SHARES)
     min_s: float        # with less time than this it is skipped, not started
     cap_s: float = 0.0  # its share of this run's budget (plan_budget); 0: skipped
+    budget_flag: str = ""  # a flag of its script set from the cap it gets (sized to its deadline)
+    cases: int = 1      # ... divided among this many configurations
     status: str = "not run"
     seconds: float = 0.0
 
@@ -127,20 +156,34 @@ def pick_setup(gpus: int, gpu_name: str = "") -> Setup:
 
 
 def bench_model(setup: Setup, quick: bool) -> str:
-    """``BENCH_MODEL`` if set, else small on a GPU box (course when quick), tiny on a CPU."""
+    """``BENCH_MODEL`` if set, else tiny on a CPU, course on one GPU (its ranks' gradients cross
+    host memory), small with a GPU per rank (course when quick)."""
     name = os.environ.get("BENCH_MODEL", "").strip()
     if name and name not in models.PRESETS:
         usage_error(f"BENCH_MODEL={name!r} is not a preset; choose from "
                     f"{', '.join(models.PRESETS)}", prog="make bench")
-    return name or ("tiny" if setup.gpus == 0 else "course" if quick else "small")
+    if name:
+        return name
+    if setup.gpus == 0:
+        return "tiny"
+    if quick or setup.gpus == 1:
+        return "course"
+    return "small"
 
 
-def budget_s(quick: bool) -> float:
-    """``BENCH_BUDGET_S``, else 150 s quick / 510 s full: the whole run's limit, at most a day
+def default_budget_s(quick: bool, gpus: int = 0) -> float:
+    """510 s full; quick 150 s on a CPU box, 180 s on a GPU box."""
+    if quick and gpus > 0:
+        return GPU_QUICK_BUDGET_S
+    return DEFAULT_BUDGET_S[quick]
+
+
+def budget_s(quick: bool, gpus: int = 0) -> float:
+    """``BENCH_BUDGET_S``, else ``default_budget_s``: the whole run's limit, at most a day
     (whether it is enough for any step, ``plan_budget`` says)."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
     try:
-        value = float(text) if text else float(DEFAULT_BUDGET_S[quick])
+        value = float(text) if text else float(default_budget_s(quick, gpus))
     except ValueError:
         value = float("nan")
     if not 0 < value <= MAX_BUDGET_S:  # NaN fails this too
@@ -151,20 +194,24 @@ def budget_s(quick: bool) -> float:
 
 
 def smallest_budget_s() -> float:
-    """The least budget that runs one step: the smallest minimum, and one stop."""
-    return min(minimum for *_, minimum in SHARES.values()) + STOP_S
+    """The least budget that runs one step on a CPU box: the smallest minimum, and one stop."""
+    smallest = min(row["cpu"][2] for row in SHARES.values())
+    return smallest + STOP_S
 
 
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
     """The steps for this box, in order, each with its share of the default budget (a step
     whose share is 0 in this mode is left out). To add a step: a row in ``SHARES`` and a
     ``Step`` here (its script's flags sized for this box)."""
-    gpus, cpu = setup.gpus, setup.gpus == 0
+    gpus = setup.gpus
+    cpu = gpus == 0
+    kind = box_kind(gpus)
 
-    def step(key: str, title: str, argv: list[str]) -> Step:
-        cpu_quick, cpu_full, gpu_quick, gpu_full, minimum = SHARES[key]
-        share = (cpu_quick if quick else cpu_full) if cpu else (gpu_quick if quick else gpu_full)
-        return Step(key, title, argv, share, minimum)
+    def step(key: str, title: str, argv: list[str], budget_flag: str = "",
+             cases: int = 1) -> Step:
+        quick_share, full_share, minimum = SHARES[key][kind]
+        share = quick_share if quick else full_share
+        return Step(key, title, argv, share, minimum, budget_flag=budget_flag, cases=cases)
     where = ["--backend", setup.backend, "--device", setup.device]
     ws = 2 if gpus < 2 else min(gpus, 8)  # stages 03-06 and the ledger
     pp_ws = 4 if gpus in (0, 1) or gpus >= 4 else 2
@@ -179,31 +226,54 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128", "--heads", "8"]
         pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms",
               "30" if quick else "50"]
-    else:
-        ar = ["--sizes", "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB",  # 02 picks the
-              "--world-sizes", "2" if quick else ("2,4" if gpus == 1 else ",".join(  # backends
-                  str(n) for n in (2, 4, 8) if n <= gpus))]
-        lm = ["--batch-size", str(4 if model == "course" else 8), "--context-length", "256"]
+        micro_batches = "8" if quick else "4,8"
+    elif gpus == 1:
+        # One GPU: every collective crosses host memory at about 1.7 GB/s (the H200 logs), so
+        # the sizes are cut to what that path carries in the budget: all-reduce on the GPU up
+        # to 100 MB (no Gloo/CPU sweep), the course LM (80 MB of gradients a step, not 400).
+        ar = ["--device", "cuda", "--sizes", "1MB,10MB,100MB", "--world-sizes",
+              "2" if quick else "2,4"]
+        lm = ["--batch-size", "8", "--context-length", "256"]
+        steps = ["--steps", "5", "--warmup", "2"] if quick else \
+            ["--steps", "6", "--warmup", "2", "--rounds", "2"]
+        buckets = "1,25,100" if quick else "1,5,25,100"
+        tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256",
+              "--heads", "16"]
+        pp = ["--d-model", "512", "--hidden", "2048", "--batch", "64", "--emulate-ms", "10"]
+        micro_batches = "8" if quick else "4,8"
+    else:  # a GPU per rank, NCCL: the sizes an interconnect is measured at
+        ar = ["--backend", "nccl", "--device", "cuda",
+              "--sizes", "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB",
+              "--world-sizes", "2" if quick else ",".join(str(n) for n in (2, 4, 8) if n <= gpus)]
+        lm = ["--batch-size", "8", "--context-length", "256"]
         steps = ["--steps", "5", "--warmup", "2"] if quick else \
             ["--steps", "6", "--warmup", "2", "--rounds", "2"]
         buckets = "1,25,100" if quick else "1,5,25,100"
         tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256",
               "--heads", "16"]
         pp = ["--d-model", "1024", "--hidden", "4096", "--batch", "128", "--emulate-ms", "20"]
+        micro_batches = "8" if quick else "4,8,16"
     lm[1] = str(ws * max(1, int(lm[1]) // ws))  # the global batch splits evenly over the ranks
     lm = ["--model", model, *lm]
+    # none, torch DDP, 03-05, 06 at each size, torch DDP at the other sizes (each case's budget
+    # covers all its rounds)
+    ddp_cases = 2 + 3 + 2 * len(buckets.split(",")) - 1
     # The ledger's LM is `course` on a CPU too: per-block checkpointing cannot touch the tiny
     # LM's activations, which are mostly its vocabulary logits. Quick runs it without
-    # checkpointing, on the tiny LM (a third of the time on a 2-core CPU).
+    # checkpointing, on the tiny LM (a third of the time on a 2-core CPU). One GPU: course
+    # (its Gloo host path made `small` miss its cap).
+    ledger_model = model if gpus >= 2 and not quick else "course"
     ledger_lm = ["--model", "tiny" if quick else "course"] if cpu else \
-        ["--model", "course" if quick else model, "--batch-size", str(2 * ws),
-         "--context-length", "256", "--steps", "5", "--warmup", "2"]
+        ["--model", ledger_model, "--batch-size", str(2 * ws), "--context-length", "256",
+         "--steps", "5", "--warmup", "2"]
     planned = [
         step("allreduce", "02 all-reduce sweep",
-             ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"]),
+             ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"],
+             budget_flag="--budget-s", cases=len(_flag(ar, "--world-sizes").split(","))),
         step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
              ["06_bucketed_ddp/bucketed_ddp.py", "--bench", "--world-size", str(ws), *where, *lm,
-              *steps, "--bucket-sizes", buckets, "--case-budget-s", "120"]),
+              *steps, "--bucket-sizes", buckets, "--case-budget-s", "120"],
+             budget_flag="--case-budget-s", cases=ddp_cases),
         step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
              ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
               *lm, "--trace-dir", trace_dir]),
@@ -212,9 +282,8 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
               *where, *tp]),
         step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
              ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size",
-              str(pp_ws), *where, *pp, "--micro-batches",
-              "8" if quick else ("4,8" if cpu else "4,8,16"), "--chunks", "2", "--warmup", "1",
-              "--iters", "2" if quick else "3"]),
+              str(pp_ws), *where, *pp, "--micro-batches", micro_batches, "--chunks", "2",
+              "--warmup", "1", "--iters", "2" if quick or gpus == 1 else "3"]),
         step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",
              ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where,
               *ledger_lm, "--checkpointing", "off" if quick else "off,on"]),
@@ -234,11 +303,31 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       f"{_flag(checkpoint, '--world-size')}, and back, beside "
                                       "torch.distributed.checkpoint (LM "
                                       f"{_flag(checkpoint, '--model')})", checkpoint))
+    # First: the device alone (its peak and the LM at one rank's shapes), the GPU report's
+    # core, measured before any step can run over and leave it no time.
+    compute = compute_argv(setup, quick, model, int(_flag(lm, "--batch-size")) // ws,
+                           int(_flag(lm, "--context-length")))
+    planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
+                                      "peak, the LM's forward, backward, optimizer, memory, "
+                                      "MFU", compute))
     kept = []
     for planned_step in planned:
         if planned_step.share_s > 0:
             kept.append(planned_step)
     return kept
+
+
+def compute_argv(setup: Setup, quick: bool, model: str, batch_per_rank: int,
+                 context_length: int) -> list[str]:
+    """``bench/compute.py``: one process on the box's device, the LM at one rank's shapes
+    (stages 03-06's per-rank batch), after a timed large matmul that gives the peak its MFU is
+    measured against."""
+    models_list = model
+    if setup.gpus > 0 and not quick and model != "small":
+        models_list = f"{model},small"
+    return ["bench/compute.py", "--device", setup.device, "--models", models_list,
+            "--batch-size", str(batch_per_rank), "--context-length", str(context_length),
+            "--steps", "3" if quick else "5", "--warmup", "2"]
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -256,10 +345,10 @@ def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
     else:
         where = ["--backend", "gloo", "--device", "cpu"]
         seqs = "256,512" if quick else "256,512,1024"
-        if setup.gpus > 0:
+        if setup.gpus > 1:
             seqs = "512,1024" if quick else "512,1024,2048"
     shape = []
-    if setup.gpus > 0:
+    if setup.gpus > 1:
         shape = ["--batch", "1", "--heads", "8", "--head-dim", "64"]
     repeats = []
     if quick:
@@ -282,7 +371,13 @@ def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str
     sizes = []  # the CPU's: the script's --bench defaults, d_model 128, d_ff 512
     if quick:
         sizes = ["--tokens", "256,2048", "--warmup", "1", "--iters", "3"]
-    if setup.gpus > 0:
+    if setup.gpus == 1:  # the all-to-alls cross host memory: 8 MB at 1024 x 1024 x 2 floats
+        sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "1024,4096",
+                 "--warmup", "2", "--iters", "5"]
+        if quick:
+            sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "1024",
+                     "--warmup", "1", "--iters", "3"]
+    elif setup.gpus > 1:
         sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384,32768",
                  "--warmup", "3", "--iters", "10"]
         if quick:
@@ -321,10 +416,12 @@ def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
     sizes = ["--model", "course"]
     if quick:
         sizes = ["--model", "tiny", "--iters", "2"]
-    if setup.gpus > 0:
+    if setup.gpus > 1:
         sizes = ["--model", "small"]
-        if quick:
-            sizes = ["--model", "course", "--iters", "2"]
+    if setup.gpus > 0 and quick:
+        sizes = ["--model", "course", "--iters", "2"]
+    if setup.gpus == 1 and not quick:  # 400 MB of state through host memory missed its cap
+        sizes = ["--model", "course"]
     return ["07_parallelism/08_checkpoints/run_checkpoint.py", "--bench", "--world-size",
             str(world_size), *where, *sizes]
 
@@ -369,6 +466,7 @@ def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
                            f"left of the {step.min_s:.0f} s it needs")
             print(f"\n[bench {i}/{len(planned)}] {step.title}: {step.status}", flush=True)
             continue
+        size_to_deadline(step, cap)
         print(f"\n[bench {i}/{len(planned)}] {step.title} (Ctrl-C at {cap:.0f} s)\n"
               f"  $ python {' '.join(step.argv)}", flush=True)
         try:
@@ -376,6 +474,17 @@ def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
         finally:  # stopped by a signal too
             print(f"[bench {i}/{len(planned)}] {step.title}: {step.status} in "
                   f"{step.seconds:.0f} s", flush=True)
+
+
+def size_to_deadline(step: Step, cap: float) -> None:
+    """Set the step's budget flag from the cap it actually gets: what is left after its
+    start-up, shared by its configurations, so its script skips what cannot fit instead of
+    being stopped in the middle of it. The start-up is a CUDA one if the command names cuda."""
+    if not step.budget_flag:
+        return
+    startup = CUDA_STARTUP_S if "cuda" in step.argv else CPU_STARTUP_S
+    seconds = max(0.1, (cap - startup) / max(1, step.cases))
+    step.argv[step.argv.index(step.budget_flag) + 1] = f"{math.floor(seconds * 10) / 10:g}"
 
 
 # --------------------------------------------------------------------------- one step
@@ -420,6 +529,8 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
     start = time.monotonic()
     # A session of its own, so a terminal's Ctrl-C reaches make bench alone, which then stops
     # the step itself; and its process group is the step: the script, its ranks, their helpers.
+    env = {**(os.environ if env is None else env),  # for the scripts that size themselves
+           "BENCH_STEP_DEADLINE": f"{time.time() + cap_s:.3f}"}
     proc = subprocess.Popen([sys.executable, *step.argv], cwd=REPO_ROOT, env=env,
                             start_new_session=True, preexec_fn=die_with_this_process())
     try:
@@ -470,7 +581,7 @@ def main() -> None:
     quick = os.environ.get("BENCH_QUICK", "") not in ("", "0")
     gpus = torch.cuda.device_count()
     setup = pick_setup(gpus, torch.cuda.get_device_name(0) if gpus else "")
-    model, budget = bench_model(setup, quick), budget_s(quick)
+    model, budget = bench_model(setup, quick), budget_s(quick, gpus)
     out = results.check_writable()
     trace_dir = out / "traces"  # raw traces: not part of the committed report
     shown = os.path.relpath(trace_dir, REPO_ROOT) if trace_dir.is_relative_to(REPO_ROOT) \

@@ -11,14 +11,17 @@ matplotlib; without it the report says so and keeps every table. One section tha
 that section, not the report.
 
 The report is replaced only by a better one: it is written with its pictures into a temporary
-folder beside the old one and swapped in at the end, and where no section has any data the
-old report stays as it was.
+folder beside the old one and swapped in at the end; where no section has any data the old
+report stays as it was; and a section this run did not fill (a step stopped, skipped or not
+planned) keeps the old report's section, marked with the run and machine it came from, and
+the pictures it shows. So an interrupted ``make bench`` never loses what a better run measured.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -28,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.compute import flops_per_token  # noqa: E402
 from common import results  # noqa: E402
 
 RUN_FILE = "bench_run.json"
@@ -78,6 +82,37 @@ def machine_of(where: Where, rows: list[dict]) -> str:
 
 def num(row: dict, key: str) -> float:
     return float(row[key])
+
+
+HOST_PATH = ("> **Gloo's host path, not an interconnect.** These ranks share one GPU over Gloo, so "
+             "every collective here goes GPU -> pinned host memory -> loopback TCP -> CPU "
+             "reduction -> GPU. Communication timings describe that path (a few GB/s), not "
+             "NVLink or InfiniBand (hundreds of GB/s); {claim}\n\n")
+
+
+def host_path_note(rows: list[dict], claim: str) -> str:
+    """The label over a section whose rows ran CUDA tensors over Gloo (ranks sharing a GPU)."""
+    if any(r.get("backend") == "gloo" and r.get("device") == "cuda" for r in rows):
+        return HOST_PATH.format(claim=claim)
+    return ""
+
+
+def measured_peak(where: Where, run_id: str | None, device: str) -> dict | None:
+    """The float32 matmul peak and copy bandwidth ``bench/compute.py`` measured on ``device``
+    in the run ``run_id`` (None: in no run of these rows, so no MFU is shown)."""
+    entry = results.read_json("matmul_peak.json", where.out).get(device)
+    if isinstance(entry, dict) and run_id is not None and entry.get("run_id") == run_id:
+        return entry
+    return None
+
+
+def model_flops_utilisation(row: dict, peak: dict) -> tuple[float, float]:
+    """(tokens/s, MFU) of a DDP row: all ranks' tokens per second, over the devices doing the
+    work (one GPU per rank under NCCL; one device shared by every rank otherwise)."""
+    tokens_per_s = num(row, "batch_size") * num(row, "context_length") / (num(row, "step_ms") / 1e3)
+    devices = int(row["world_size"]) if row.get("backend") == "nccl" else 1
+    per_token = flops_per_token(row["model"], int(row["context_length"]))
+    return tokens_per_s, per_token * tokens_per_s / (peak["matmul_flops_per_s"] * devices)
 
 
 def size_text(nbytes: float) -> str:
@@ -139,8 +174,9 @@ def allreduce_section(where: Where):
                                               for i in impls],
               num(c["backend"], "time_ms_median") if "backend" in c else ""]
              for (b, d, ws, n), c in sorted(cells.items())]
-    text = md_table(["backend/device", "ranks", "size", *[f"{i} busbw GB/s" for i in impls],
-                     "backend ms"], table)
+    text = host_path_note(rows, "the bus bandwidth below is that path's.") + md_table(
+        ["backend/device", "ranks", "size", *[f"{i} busbw GB/s" for i in impls], "backend ms"],
+        table)
     largest = max(n for *_, n in cells)
     best = max((c["backend"] for k, c in cells.items() if k[3] == largest and "backend" in c),
                key=lambda r: num(r, "busbw_gbps"), default=None)
@@ -150,9 +186,12 @@ def allreduce_section(where: Where):
                      f"{num(best, 'busbw_gbps'):.2f} GB/s ({best['backend']}/{best['device']}, "
                      f"{best['world_size']} ranks); busbw = algbw x 2(n-1)/n, comparable across "
                      "rank counts (nccl-tests' convention).")
+        path = ""
+        if best["backend"] == "gloo" and best["device"] == "cuda":
+            path = "; Gloo's host path, not an interconnect"
         headline.append([f"all-reduce bus bandwidth, {size_text(largest)}",
                          f"{num(best, 'busbw_gbps'):.2f} GB/s ({best['backend']}/"
-                         f"{best['device']}, {best['world_size']} ranks)"])
+                         f"{best['device']}, {best['world_size']} ranks{path})"])
     ratios = {i: [num(c[i], "busbw_gbps") / num(c["backend"], "busbw_gbps") for k, c in
                   cells.items() if k[3] >= 10 * MB and i in c and "backend" in c]
               for i in ("ring", "ring_pipelined")}
@@ -188,14 +227,27 @@ def ddp_section(where: Where):
              for i in ("none", "torch_ddp", "naive", "flat", "overlap", "bucketed")
              for r in [torch_ddp if i == "torch_ddp" else best if i == "bucketed" else
                        next((x for x in rows if x["impl"] == i), None)] if r is not None]
-    text = (f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
+    peak = measured_peak(where, r0.get("run_id"), r0["device"])
+    mfu_columns = ["tokens/s", "MFU"] if peak else []
+
+    def mfu_cells(r):
+        if not peak or not r.get("batch_size") or not r.get("context_length"):
+            return ["-", "-"] if peak else []
+        tokens_per_s, mfu = model_flops_utilisation(r, peak)
+        return [f"{tokens_per_s:.0f}", f"{mfu:.1%}"]
+    text = (host_path_note(rows, "the step times below are those of that path, so they say how "
+                                 "the implementations compare on it, not what each costs on NCCL.")
+            + f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch "
             f"{r0['batch_size']}, context {r0['context_length']}, AdamW, {r0['world_size']} ranks "
             f"on {r0['backend']}/{r0['device']}, all in one process group; slowest rank's "
-            "medians.\n\n" + md_table(
+            "medians." + (" Tokens/s: the global batch's tokens per step time; MFU: (6 N + 12 L "
+                          "H Q T) FLOPs per token x tokens/s over the float32 matmul peak "
+                          "measured in this run, times the devices doing the work." if peak
+                          else "") + "\n\n" + md_table(
                 ["implementation", "step ms", "fwd+bwd ms", "comm after backward ms",
-                 "optimizer ms", "vs torch DDP"],
+                 "optimizer ms", "vs torch DDP", *mfu_columns],
                 [[label, num(r, "step_ms"), num(r, "fwd_bwd_ms"), num(r, "comm_after_backward_ms"),
-                  num(r, "optimizer_ms"), ratio_text(r)] for label, r in shown]))
+                  num(r, "optimizer_ms"), ratio_text(r), *mfu_cells(r)] for label, r in shown]))
     bars(where, "bench_ddp_step.png", [label for label, _ in shown],
          [(part, [num(r, key) for _, r in shown]) for part, key in (
              ("forward + backward (overlapped communication hides here)", "fwd_bwd_ms"),
@@ -302,7 +354,9 @@ def pipeline_section(where: Where):
                       num(rs[0], "idle_share_simulated"), num(rs[0], "idle_share_formula"), gap,
                       " ".join(r["peak_held"] for r in sorted(rs, key=lambda r: int(r["rank"])))])
     r0 = rows[0]
-    text = (f"{r0['world_size']} stages, batch {r0['batch']}, {r0['backend']}/{r0['device']}. Idle "
+    text = (host_path_note(rows, "with real compute the stages' sends cross it too; with "
+                                 "emulated compute the idle shares are the schedules' own.")
+            + f"{r0['world_size']} stages, batch {r0['batch']}, {r0['backend']}/{r0['device']}. Idle "
             "share = 1 - busy / pass per stage (mean over stages); with emulated compute every F, "
             "B and W is a fixed wait, so the measured idle checks the executor's sends, receives "
             "and order against the unit-time simulation without the ranks competing for cores.\n\n"
@@ -330,7 +384,11 @@ def sharding_section(where: Where):
         got, pred = r.get(key, ""), r.get(f"{key}_predicted", "")
         return ("-" if got in ("", None) else size_text(float(got))) + (
             f" ({size_text(float(pred))})" if pred not in ("", None) else "")
-    text = (f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {r0['backend']}/{r0['device']}: "
+    text = (host_path_note(rows, "Gloo's reduce-scatter is an all-reduce underneath and each "
+                                 "of its calls crosses host memory, so ZeRO-2's and FSDP's step "
+                                 "times here are not a comparison of strategies; the bytes per "
+                                 "rank (counted against formulas) are, on any interconnect.")
+            + f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {r0['backend']}/{r0['device']}: "
             "bytes per rank counted from the tensors themselves (each storage once), predicted in "
             "brackets where a formula exists.\n\n"
             + md_table(["impl", "checkpointing", "step ms", "params", "grads", "optimizer state",
@@ -537,7 +595,9 @@ def expert_parallel_section(where: Where):
     steps = [r for r in rows if r["measure"] == "step"]
     loads = [r for r in rows if r["measure"] == "load"]
     r0 = rows[0]
-    text = (f"A mixture-of-experts layer, d_model {r0['d_model']}, d_ff {r0['d_ff']}, "
+    text = (host_path_note(rows, "the expert-parallel times include its all-to-alls over "
+                                 "that path; the bytes, memory and load are the device's own.")
+            + f"A mixture-of-experts layer, d_model {r0['d_model']}, d_ff {r0['d_ff']}, "
             f"{r0['num_experts']} experts, top-{r0['top_k']}, on {r0['backend']}/{r0['device']}: "
             "the replicated layer on every rank (no communication) against expert parallel "
             "(each rank holds E/W experts; tokens go to them and back all-to-all). Step = "
@@ -769,7 +829,55 @@ def checkpoint_section(where: Where):
     return text + "\n" + " ".join(words) + "\n", headline, rows
 
 
-SECTIONS = [("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
+def compute_section(where: Where):
+    """bench/compute.py: the device alone at one rank's shapes, beside the peaks it measured."""
+    rows = rows_of(where, "compute.csv")
+    if not rows:
+        return None
+    r0 = rows[0]
+    peak = measured_peak(where, r0.get("run_id"), r0["device"])
+    on_gpu = r0["device"] == "cuda"
+    text = (f"One process on the {'GPU' if on_gpu else 'CPU'} ({machine_of(where, rows)}), "
+            "float32, at one rank's shapes of stages 03-06 (the per-rank batch), nothing "
+            "communicated: forward, backward and the AdamW step timed apart (medians), "
+            + ("`torch.cuda.max_memory_allocated` over the steps, " if on_gpu else "")
+            + "tokens/s, achieved TFLOP/s and MFU = (6 N + 12 L H Q T) FLOPs per token x "
+            "tokens/s / the matmul peak measured in this run (N: parameters outside the "
+            "embedding tables; the convention of PaLM, torchtitan and picotron). Beside each "
+            "figure, its limit measured in the same run: the peak for TFLOP/s, the copy "
+            "bandwidth for the optimizer step, which streams its state and does little "
+            "arithmetic.\n\n")
+    if peak:
+        text += (f"Peak, measured: a {peak['matmul_n']}^3 float32 matmul at "
+                 f"{peak['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s; a large copy at "
+                 f"{peak['copy_bytes_per_s'] / 1e9:.1f} GB/s (bytes read + written).\n\n")
+    table = []
+    for r in rows:
+        memory = "-"
+        if r.get("max_memory_allocated_bytes") not in ("", None):
+            memory = size_text(num(r, "max_memory_allocated_bytes"))
+            if r.get("memory_total_bytes") not in ("", None):
+                memory += f" of {size_text(num(r, 'memory_total_bytes'))}"
+        table.append([r["model"], f"{num(r, 'params') / 1e6:.1f}M",
+                      f"{r['batch_size']} x {r['context_length']}", num(r, "fwd_ms"),
+                      num(r, "bwd_ms"), num(r, "optimizer_ms"), f"{num(r, 'tokens_per_s'):.0f}",
+                      f"{num(r, 'achieved_tflops'):.3g} of {num(r, 'peak_tflops'):.3g}",
+                      f"{num(r, 'mfu'):.1%}",
+                      f"{num(r, 'optimizer_gbps'):.3g} of {num(r, 'copy_gbps'):.3g}", memory])
+    text += md_table(["LM", "params", "batch x context", "forward ms", "backward ms", "AdamW ms",
+                      "tokens/s", "TFLOP/s (of peak)", "MFU", "AdamW GB/s (of copy)",
+                      "max memory allocated"], table)
+    best = max(rows, key=lambda r: num(r, "mfu"))
+    headline = [["compute at one rank's shapes: MFU against the float32 matmul peak measured "
+                 "in this run", f"{num(best, 'mfu'):.1%} (LM {best['model']}, "
+                 f"{num(best, 'achieved_tflops'):.3g} of {num(best, 'peak_tflops'):.3g} TFLOP/s, "
+                 f"{r0['device']})"]]
+    return text, headline, rows
+
+
+SECTIONS = [("Compute on one device: the measured peak, forward, backward, optimizer, memory, "
+             "MFU", compute_section),
+            ("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
             ("Data-parallel training step (stages 03-06, torch DDP beside them)", ddp_section),
             ("Bucket size: the sweep and the model (stage 06)", bucket_section),
             ("Overlap, seen in a profile (stage 05 `--profile`)", overlap_section),
@@ -794,7 +902,34 @@ FED_BY = {allreduce_section: ["allreduce"], ddp_section: ["ddp"], bucket_section
           sequence_parallel_section: ["tp"], pipeline_section: ["pp"],
           sharding_section: ["ledger"], context_parallel_section: ["cp"],
           expert_parallel_section: ["ep2", "ep4"], together_section: ["grid"],
-          checkpoint_section: ["checkpoint"]}
+          checkpoint_section: ["checkpoint"], compute_section: ["compute"]}
+
+
+CARRIED = ("_Carried over from run `{run}` on {machine}: this run did not fill this "
+           "section._\n\n")
+EMPTY_TEXTS = (NO_ROWS, NO_FILE_ROWS, NOT_PLANNED, "_This section failed")
+
+
+def previous_sections(out: Path) -> dict[str, str]:
+    """The filled sections of the report now in ``out``, by title, each opening with a line that
+    names the run and machine it came from (one carried before keeps the line it has)."""
+    path = out / "README.md"
+    if not path.is_file():
+        return {}
+    text = path.read_text(errors="replace")
+    found = re.search(r"Machine: \*\*(.+?)\*\*\. Run `([^`]+)`", text)
+    run, machine = (found.group(2), found.group(1)) if found else ("unknown", "an unknown machine")
+    titles = [title for title, _ in SECTIONS]
+    sections = {}
+    for chunk in text.split("\n## ")[1:]:
+        title, _, body = chunk.partition("\n\n")
+        body = body.split("\n---\nWritten by `bench/report.py`")[0].rstrip("\n") + "\n"
+        if title not in titles or body.startswith(EMPTY_TEXTS):
+            continue
+        if not body.startswith(("_Carried over from run", "_Run `")):  # the latter: its own run
+            body = CARRIED.format(run=run, machine=machine) + body
+        sections[title] = body
+    return sections
 
 
 def no_rows_text(info: dict | None, section) -> str:
@@ -840,6 +975,17 @@ def header(info: dict | None) -> list[str]:
         f"{setup['picked']}\n",
         "> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, "
         "not a GPU interconnect.\n" if not setup["gpus"] else "",
+        "> A one-GPU run, read as such: the steps ran their kernels on the GPU, except those "
+        "whose command in Runs says `--device cpu` (lessons whose collectives Gloo cannot carry "
+        "for CUDA tensors ran on the host's cores); compute, memory and MFU (the first section, "
+        "against the matmul peak measured in this run) describe the GPU; every communication "
+        "timing describes Gloo's path through host memory (labelled where it appears), not an "
+        "interconnect, and no section compares strategies by it. Step times on NCCL between "
+        "GPUs are not measured on this box.\n"
+        if setup["gpus"] == 1 else "",
+        "> A GPU per rank over NCCL: communication timings describe this box's interconnect; "
+        "MFU is against the matmul peak measured in this run on one GPU.\n"
+        if setup["gpus"] > 1 else "",
         "Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 bytes/s; "
         "sizes in binary units (1 MB = 2^20 bytes).\n"]
 
@@ -855,13 +1001,14 @@ def write_report(out: Path, info: dict | None = None,
     if not from_make_bench:
         info = load_run(out)
         pictures = [(out / name, name) for name in STAGE_PICTURES if info is not None]
+    earlier = previous_sections(out)
     draw = Path(tempfile.mkdtemp(dir=out, prefix=".report-"))  # beside: os.replace is atomic
     try:
         for source, name in pictures:
             if source.exists():
                 shutil.copyfile(source, draw / name)
         where = Where(out, draw, info["run_id"] if info else None, info["machine"] if info else "")
-        body, headline, empty = [], [], []
+        body, headline, empty, carried = [], [], [], []
         for title, section in SECTIONS:
             try:
                 found = section(where)
@@ -870,6 +1017,9 @@ def write_report(out: Path, info: dict | None = None,
             if found is None:
                 empty.append(title)
                 found = (no_rows_text(info, section), [], None)
+                if title in earlier:  # the better run's section stays, marked as such
+                    carried.append(title)
+                    found = (earlier[title], [], None)
             text, head, rows = found
             if info is None and rows:  # no run record: name the run and machine shown
                 text = f"_Run `{rows[0].get('run_id')}`, {machine_of(where, rows)}._\n\n{text}"
@@ -882,8 +1032,13 @@ def write_report(out: Path, info: dict | None = None,
                                      [[s["title"], s["status"], f"{s['seconds']:.0f}",
                                        "`python " + " ".join(s["argv"]) + "`"]
                                       for s in info["steps"]])]
+        kept = []
+        if carried:
+            kept = [f"Sections this run did not fill, kept from the report before it (each "
+                    f"names its run and machine): {'; '.join(carried)}.\n"]
         parts = [
             *header(info),
+            *kept,
             "## Headline\n\n" + (md_table(["what", "measured"], headline) if headline else
                                   "_Nothing to headline: see the sections below._\n"),
             *runs,
@@ -900,14 +1055,16 @@ def write_report(out: Path, info: dict | None = None,
 
 def swap_in(draw: Path, out: Path) -> Path:
     """Move the new report's files over the old ones: pictures and run record first, the
-    README last; then remove the old pictures the new README does not show."""
+    README last; then remove the old pictures the new README does not show (a carried-over
+    section's pictures it still shows)."""
     new = sorted(p.name for p in draw.iterdir())
+    readme = (draw / "README.md").read_text()
     for name in new:
         if name != "README.md":
             os.replace(draw / name, out / name)
     os.replace(draw / "README.md", out / "README.md")
     for old in out.glob("bench_*.png"):
-        if old.name not in new:
+        if old.name not in new and f"]({old.name})" not in readme:
             old.unlink(missing_ok=True)
     return out / "README.md"
 

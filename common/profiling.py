@@ -83,24 +83,34 @@ def profile_case(ctx, factory, args, trace_path: Path) -> None:
 
 
 def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
-    """Profile each ``(label, factory)`` on every rank; rank 0 prints the summary and draws."""
+    """Profile each ``(label, factory)`` on every rank. Rank 0 summarises its own trace as each
+    case lands (the CSV row and the picture, so a profile stopped later keeps them), then
+    prints the text timelines and the table."""
     out_dir = Path(args.trace_dir) / name
-    paths = []
+    timelines = []
     for label, factory in cases:
         start = time.perf_counter()
         slug = re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_.")
-        paths.append((label, out_dir / f"{slug}_rank{ctx.rank}.json"))
-        profile_case(ctx, factory, args, paths[-1][1])
-        ctx.print(f"profiled {label}: {paths[-1][1]} ({time.perf_counter() - start:.1f} s)")
+        path = out_dir / f"{slug}_rank{ctx.rank}.json"
+        profile_case(ctx, factory, args, path)
+        ctx.print(f"profiled {label}: {path} ({time.perf_counter() - start:.1f} s)")
+        if ctx.is_main:
+            timelines.append((label, step_timeline(path)))
+            write_summary(ctx, args, name, timelines, out_dir)
     dist.barrier()  # every rank's trace is on disk
     if not ctx.is_main:
         return []
-    timelines = [(label, step_timeline(path)) for label, path in paths]
     summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     for label, tl in timelines:
         print(text_timeline(label, tl), flush=True)
     results.print_table(summaries, title=f"\nCommunication in the last profiled step, rank 0 "
                                          f"({results.machine_name()}):")
+    return summaries
+
+
+def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> None:
+    """Rank 0: the cases profiled so far into ``results/ddp_profile.csv`` and the picture."""
+    summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     png = draw_timeline(timelines, out_dir / "timeline.png",
                         f"{name}: one step of LM '{args.model}' (batch {args.batch_size}, context "
                         f"{args.context_length}), rank 0 of {ctx.world_size}, "
@@ -110,7 +120,6 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
          "model": args.model, "batch_size": args.batch_size, "context_length": args.context_length,
          "stage": name, **s, "timeline_png": str(png or ""), "run_id": results.run_id()}
         for s in summaries], key=["backend", "device", "world_size", "model", "stage", "case"])
-    return summaries
 
 
 def step_timeline(trace_path: Path) -> dict:

@@ -11,10 +11,12 @@ rank 0 prints the table and upserts ``results/ddp_step.csv``.
 
 import gc
 import math
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from common import launch, models, results, timing
 
@@ -38,6 +40,9 @@ def torch_ddp_factory(bucket_mb=None):
 
 
 def add_step_bench_args(parser):
+    parser.add_argument("--check", action="store_true",
+                        help="verify against one process and stop, without the plain run's "
+                             "quick demo (what `make check` runs)")
     g = parser.add_argument_group("training-step benchmark (--bench)")
     g.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="LM preset")
     g.add_argument("--batch-size", type=launch.positive_int, default=8,
@@ -148,9 +153,22 @@ def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
     }
 
 
-def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
+def time_left_for(ctx, seconds: float) -> bool:
+    """Whether ``seconds`` more fit before ``BENCH_STEP_DEADLINE`` (set by make bench; none:
+    always), decided on rank 0 and broadcast, so every rank takes the same branch."""
+    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+    if not deadline:
+        return True
+    verdict = [time.time() + seconds <= deadline]
+    dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
+
+
+def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) -> list[dict]:
     """Time every case plus the ``none`` and ``torch_ddp`` (25 MB) references in one run;
-    print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows."""
+    print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows.
+    ``after_case(rows)``, if given, runs on every rank after each case with the rows so far
+    (stage 06 writes its bucket model from them: a sweep stopped later keeps it)."""
     refs = [("none", None, None), ("torch_ddp", TORCH_DDP_DEFAULT_BUCKET_MB, torch_ddp_factory())]
     cases = [r for r in refs if r[:2] not in {c[:2] for c in cases}] + list(cases)
     assert all(impl in IMPLS for impl, _, _ in cases), "impl outside the ddp_step.csv contract"
@@ -161,7 +179,14 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
     by_case = [None] * len(cases)  # each case's row from its steps so far
-    for _ in range(args.rounds):
+    round_s = 0.0
+    for round_index in range(args.rounds):
+        if round_index > 0 and not time_left_for(ctx, round_s):
+            ctx.print(f"  note: {round_index} round(s) of {args.rounds}: another would take about "
+                      f"{round_s:.0f} s and would not end before make bench stops this step",
+                      all_ranks=False)
+            break
+        round_start = time.perf_counter()
         for i, ((impl, bucket_mb, factory), pool) in enumerate(zip(cases, pooled)):
             times = time_steps(ctx, factory, args)
             for acc, new in zip(pool, times):
@@ -176,6 +201,9 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME) -> list[dict]:
                 r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
             if ctx.is_main:  # after every case: a run stopped later keeps what it measured
                 results.upsert_csv(csv_name, rows, key=CSV_KEY)
+            if after_case is not None:
+                after_case(rows)
+        round_s = time.perf_counter() - round_start
     if ctx.is_main:
         results.print_table([{
             "impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],

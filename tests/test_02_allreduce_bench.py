@@ -4,12 +4,13 @@ fit, plot, a corrupt old fit replaced) runs in tests/test_bench.py's end-to-end 
 is in test_faults.py."""
 
 import json
+import time
 
 import pytest
 import torch
 
 import allreduce_bench as bench
-from common import launch, verify
+from common import import_stage, launch, verify
 from helpers import assert_main_usage_error
 
 KB, MB, GB = 2**10, 2**20, 2**30
@@ -79,6 +80,21 @@ def checks_and_skips_worker(ctx):
     with pytest.raises(verify.CheckFailed, match=r"rank 0: doubler all-reduce of 4KB gave a "
                                                  r"wrong sum: max \|sum - expected\| = "):
         bench.measure(ctx, "doubler", lambda t: t.mul_(2), 4 * KB, cfg)
+    # make bench's deadline for the step: a size whose estimate passes it is skipped, said why
+    why = bench.skip_reason(ctx, "backend", 8 * KB, (4 * KB, 1e-3),
+                            {**cfg, "deadline": time.time() - 1})
+    assert why and why.endswith("is left before make bench stops this step"), why
+    # --check (what make check runs): exact sums of every impl, a broken ring caught
+    sums = {"sizes": [4100, 12348], "impls": ["backend", "ring", "ring_pipelined"]}
+    bench.check_sums(ctx, sums)
+    stage01 = import_stage("01_collectives/collectives")
+    ring = stage01.ring_all_reduce
+    stage01.ring_all_reduce = lambda t, group=None: t.mul_(2)  # planted: no sum at all
+    try:
+        with pytest.raises(verify.CheckFailed, match=r"ring all-reduce of 4KB gave a wrong sum"):
+            bench.check_sums(ctx, sums)
+    finally:
+        stage01.ring_all_reduce = ring
 
 
 def test_checks_and_skips():

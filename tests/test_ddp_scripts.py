@@ -204,7 +204,7 @@ def test_plain_run_demos_do_not_touch_bench_results(monkeypatch):
     import bucket_model
     csv_names = []
 
-    def fake_run_step_bench(ctx, cases, args, csv_name=step_bench.CSV_NAME):
+    def fake_run_step_bench(ctx, cases, args, csv_name=step_bench.CSV_NAME, after_case=None):
         csv_names.append(csv_name)
         return [{"impl": "bucketed", "bucket_mb": size, "step_ms": 10.0 + size,
                  "comm_after_backward_ms": 1.0, "ratio_vs_torch_ddp": 1.0}
@@ -216,7 +216,12 @@ def test_plain_run_demos_do_not_touch_bench_results(monkeypatch):
                         lambda ctx: {"a_s": 1e-4, "w_bytes_per_s": 1e9, "source": "test"})
     ctx = types.SimpleNamespace(is_main=True, rank=0, world_size=2, backend="gloo",
                                 device=torch.device("cpu"), print=lambda *a, **k: None)
-    args = types.SimpleNamespace(model="tiny", context_length=16, bucket_sizes=[0.25, 1.0, 4.0])
+    args = types.SimpleNamespace(model="tiny", context_length=16, bucket_sizes=[0.25, 1.0, 4.0],
+                                 check=True)
+    overlap_ddp.verify_main(ctx, args)  # --check (make check): the proof alone, no demo
+    bucketed_ddp.verify_main(ctx, args)
+    assert csv_names == []
+    args.check = False
     overlap_ddp.verify_main(ctx, args)
     bucketed_ddp.verify_main(ctx, args)
     assert csv_names == [step_bench.DEMO_CSV_NAME] * 2

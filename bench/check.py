@@ -1,0 +1,158 @@
+"""``make check``: every stage's and lesson's own check, on this box's device, in one command.
+
+    make check                  # = python bench/check.py --device cpu
+    make check DEVICE=cuda      # on a GPU box: the first command to run there
+
+Each stage script and each 07 lesson's demo checks itself against one process and exits 0
+only when everything matched. This runs them one after another on ``--device`` (the backend
+is the script's default for the box: Gloo on a CPU, ranks sharing one GPU over Gloo, NCCL with
+a GPU per rank), prints each one's output as it comes, and ends with a table: stage, device,
+outcome, seconds. A script that cannot carry this backend/device pair refuses up front in one
+line with exit status 2 (``prog: error: ...``); that is "refused", not a failure, and the line
+is shown. Anything else non-zero (a traceback, a failed check, a wrong flag, a timeout) is
+FAILED, and make check exits 1. The scripts write their result files into a temporary
+folder (``RESULTS_DIR``), removed at the end: a check never touches results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# (stage, script and its flags; --device is added). Quick sizes: the whole list takes about
+# three minutes on a one-GPU box, most of it each script's start-up.
+CHECKS = [
+    ("01 collectives", ["01_collectives/collectives.py", "--world-size", "4"]),
+    ("02 all-reduce: exact sums", ["02_allreduce_bench/allreduce_bench.py", "--check",
+                                   "--world-sizes", "2", "--sizes", "12348B,1MB"]),
+    ("03 naive DDP", ["03_naive_ddp/naive_ddp.py", "--check"]),
+    ("04 flat DDP", ["04_flat_ddp/flat_ddp.py", "--check"]),
+    ("05 overlap DDP", ["05_overlap_ddp/overlap_ddp.py", "--check"]),
+    ("06 bucketed DDP", ["06_bucketed_ddp/bucketed_ddp.py", "--check"]),
+    ("07.1 ZeRO", ["07_parallelism/01_zero/run_zero.py"]),
+    ("07.2 FSDP", ["07_parallelism/02_fsdp/run_fsdp.py"]),
+    ("07.3 tensor parallel", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py"]),
+    ("07.4 pipeline parallel", ["07_parallelism/04_pipeline_parallel/run_pipeline.py"]),
+    ("07.5 context parallel", ["07_parallelism/05_context_parallel/run_context_parallel.py"]),
+    ("07.6 expert parallel", ["07_parallelism/06_expert_parallel/run_expert_parallel.py",
+                              "--world-size", "4"]),
+    ("07.7 everything together", ["07_parallelism/07_together/train.py", "--world-size", "4",
+                                  "--dp", "2", "--tp", "2", "--steps", "6", "--log-every", "3",
+                                  "--check"]),
+    ("07.8 checkpoints", ["07_parallelism/08_checkpoints/run_checkpoint.py", "--world-size",
+                          "4"]),
+]
+TIMEOUT_S = 240  # one script's limit: a hang ends as FAILED, never as a stuck make check
+REFUSAL = re.compile(r"^\S+: error: .+")  # launch.usage_error's one line (and argparse's)
+
+
+def outcome(returncode: int, output: str) -> tuple[str, str]:
+    """("ok" | "refused" | "FAILED", the line to show) from a script's exit status and output.
+    Refused: exit 2, no traceback, no usage text (argparse's: a flag this list gets wrong is
+    our bug, not a refusal), and a last line ``prog: error: why``."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    if returncode == 0:
+        return "ok", ""
+    usage = any(line.startswith("usage:") for line in lines)
+    if returncode == 2 and REFUSAL.match(last) and "Traceback" not in output and not usage:
+        return "refused", last
+    if returncode < 0:
+        return "FAILED", f"killed by {signal.Signals(-returncode).name}: {last}"
+    return "FAILED", f"exit {returncode}: {last}"
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # nothing left in it
+
+
+def run_one(argv: list[str], timeout_s: float, results_dir: str) -> tuple[int, str]:
+    """Run one script from the repository root, echoing its output as it comes; its exit
+    status and output. Past ``timeout_s`` its process group is killed (exit 124)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESULTS_DIR": results_dir}
+    proc = subprocess.Popen([sys.executable, *argv], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=env)
+    timer = threading.Timer(timeout_s, kill_group, args=(proc.pid,))
+    timer.start()
+    kept = []
+    try:
+        for line in proc.stdout:
+            print("  " + line, end="", flush=True)
+            kept.append(line)
+        returncode = proc.wait()
+    finally:
+        timed_out = not timer.is_alive() and timer.finished.is_set()
+        timer.cancel()
+        kill_group(proc.pid)  # a rank the script left behind
+    if timed_out and returncode < 0:
+        kept.append(f"check.py: stopped after its {timeout_s:.0f} s limit\n")
+        returncode = 124
+    return returncode, "".join(kept)
+
+
+def summary(rows: list[tuple[str, str, str, float, str]]) -> str:
+    """The closing table: stage, device, outcome, seconds (and the line behind each outcome)."""
+    width = max(len(stage) for stage, *_ in rows)
+    lines = [f"{'stage':<{width}}  device  outcome   seconds  note"]
+    for stage, device, status, seconds, note in rows:
+        lines.append(f"{stage:<{width}}  {device:<6}  {status:<8}  {seconds:7.1f}  {note}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where every check runs (make check DEVICE=cuda)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated stage prefixes to run (e.g. 01,07.3); default all")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("make check: error: DEVICE=cuda needs a GPU and none is visible; use "
+                  "DEVICE=cpu", file=sys.stderr)
+            return 2
+    wanted = [p for p in args.only.split(",") if p.strip()]
+    rows = []
+    start = time.monotonic()
+    scratch = tempfile.mkdtemp(prefix="make-check-")  # the scripts' result files, thrown away
+    try:
+        for stage, script in CHECKS:
+            if wanted and not any(stage.startswith(p.strip()) for p in wanted):
+                continue
+            command = [*script, "--device", args.device]
+            print(f"\n[check] {stage} on {args.device}\n  $ python {' '.join(command)}",
+                  flush=True)
+            began = time.monotonic()
+            returncode, output = run_one(command, TIMEOUT_S, scratch)
+            status, note = outcome(returncode, output)
+            rows.append((stage, args.device, status, time.monotonic() - began, note))
+            print(f"[check] {stage}: {status} in {rows[-1][3]:.0f} s", flush=True)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"\nmake check on {args.device}: {len(rows)} scripts in "
+          f"{time.monotonic() - start:.0f} s\n{summary(rows)}", flush=True)
+    failed = [stage for stage, _, status, *_ in rows if status == "FAILED"]
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
