@@ -160,5 +160,6 @@ def test_plan_ranks_grids_and_refuses_bad_input(capsys):
     assert "PREDICTED" in out and "term by term" in out and "compute" in out
     assert run_planning.main(["--model", "llama3-8b", "--top", "1"]) == 0
     assert "fit" in capsys.readouterr().out
-    for bad in (["--model", "huge"], ["--cluster", "mars"], ["--ranks", "-1"], ["--top", "0"]):
-        assert_main_usage_error(run_planning.main, bad)
+    bad_input = {"--model": "huge", "--cluster": "mars", "--ranks": "-1", "--top": "0"}
+    for flag, value in bad_input.items():
+        assert_main_usage_error(run_planning.main, [flag, value], capsys, flag, value)

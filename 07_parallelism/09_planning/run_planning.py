@@ -82,8 +82,9 @@ def course_lm(preset: str, batch: int, seq: int) -> planner.LM:
 def parse_args(argv=None) -> argparse.Namespace:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository, for common/
     from common import models
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    from common.launch import Parser     # argparse, a usage error in one line, exit 2
+    parser = Parser(description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small",
                         help=f"a course preset ({', '.join(models.PRESETS)}) or llama3-8b "
                              "(default: small)")
@@ -96,6 +97,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=0,
                         help="tokens per sequence (default: 256 for course presets, 8192 for llama3-8b)")
     parser.add_argument("--top", type=int, default=10, help="grids to print (default: 10)")
+    parser.add_argument("--grid", default="",
+                        help="only grids whose label starts with this, e.g. 'dp8 fsdp' (default: all)")
     args = parser.parse_args(argv)
     if args.model != "llama3-8b" and args.model not in models.PRESETS:
         parser.error(f"--model {args.model!r}: choose one of {', '.join(models.PRESETS)}, llama3-8b")
@@ -124,13 +127,15 @@ def main(argv=None) -> int:
     fitting = []
     too_big = 0
     for grid in candidate_grids(lm, ranks, machine.ranks_per_node):
+        if not label(grid).startswith(args.grid):
+            continue
         prediction = planner.predict(lm, grid, machine)
         if prediction["fits"]:
             fitting.append(prediction)
         else:
             too_big += 1
     if not fitting:
-        print(f"no grid of {ranks} GPUs fits this model in {machine.memory / 1e9:.0f} GB a GPU "
+        print(f"no grid of {ranks} GPUs{' like ' + repr(args.grid) if args.grid else ''} fits this model in {machine.memory / 1e9:.0f} GB a GPU "
               f"({too_big} tried): more GPUs, a smaller batch, or a shorter sequence")
         return 1
     fitting.sort(key=lambda prediction: prediction["step_s"])
