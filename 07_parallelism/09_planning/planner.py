@@ -290,7 +290,7 @@ def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
 class Link:
     """A collective's cost on a group, the alpha-beta model of stage 02: ``latency`` per call,
     and the bus bandwidth (nccl-tests' convention: an all-reduce of N bytes over n ranks moves
-    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N)."""
+    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N, a broadcast or a reduce N)."""
     latency: float                 # seconds per call
     busbw: float                   # bytes per second
 
@@ -305,6 +305,8 @@ class Machine:
     inside: Link                   # between ranks of one node
     across: Link                   # between nodes
     overlap: bool = True           # can communication run while the rank computes?
+    cores: int = 0                 # ranks share this many cores (0: a device of its own each)
+    reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
     source: str = ""
 
 
@@ -314,14 +316,21 @@ def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
     return link.latency + 2 * ring_share(ranks) * nbytes / link.busbw
 
 
-def gather_time(link: Link, ranks: int, nbytes: float) -> float:
-    """An all-gather or a reduce-scatter of a full tensor of ``nbytes``."""
+def all_gather_time(link: Link, ranks: int, nbytes: float) -> float:
+    """An all-gather of a full tensor of ``nbytes`` (each rank contributes 1/n of it)."""
     if ranks == 1:
         return 0.0
     return link.latency + ring_share(ranks) * nbytes / link.busbw
 
 
-def point_to_point_time(link: Link, nbytes: float) -> float:
+def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
+    if machine.reduce_scatter_as_all_reduce:
+        return all_reduce_time(link, ranks, nbytes)
+    return all_gather_time(link, ranks, nbytes)
+
+
+def send_time(link: Link, nbytes: float) -> float:
+    """A send, a broadcast or a reduce of ``nbytes``: the whole payload through a link."""
     return link.latency + nbytes / link.busbw
 
 
@@ -337,7 +346,7 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
     return machine.inside
 
 
-# --------------------------------------------------------------------------- step time
+# --------------------------------------------------------------------------- overlap
 
 
 def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float:
@@ -370,105 +379,207 @@ def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: bo
     return compute_done - sum(unit_seconds)
 
 
-def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
-    """One optimizer step on the slowest rank, as (term, seconds, where it comes from)."""
-    terms = []
-    t = grid.tp
-    c = grid.cp
-    p = grid.pp
-    m = grid.micro_batches
-    rows = lm.batch // (grid.dp * m)
-    tokens = lm.seq // c
-    blocks = lm.layers // p
+# --------------------------------------------------------------------------- step time, a term each
 
-    # Compute: every rank does 1/world of the FLOPs (dp and cp split the tokens, tp the
-    # matrices, pp the layers), then the pipeline stretches it by the bubble.
+
+def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
+    """(b, S): one micro-batch's rows on a rank and the tokens of its context shard."""
+    return lm.batch // (grid.dp * grid.micro_batches), lm.seq // grid.cp
+
+
+def compute_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Every rank does 1/W of the FLOPs: dp and cp split the tokens, tp the matrices, pp the
+    layers. Ranks that share fewer cores than there are ranks take turns on them."""
     per_token = training_flops_per_token(lm, grid.checkpointing)
     tokens_worth = lm.batch * lm.seq / grid.world_size
-    compute = per_token * tokens_worth / machine.flops
-    terms.append(("compute", compute,
-                  f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a rank "
-                  f"/ {machine.flops / 1e12:.3g} TFLOP/s"))
-    if p > 1:
-        bubble = bubble_share(grid)
-        terms.append(("pipeline bubble", compute * bubble / (1 - bubble),
-                      f"{grid.schedule}: idle {bubble:.3f} of the step (lesson 4)"))
+    seconds = per_token * tokens_worth / machine.flops
+    source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a rank / "
+              f"{machine.flops / 1e12:.3g} TFLOP/s")
+    if machine.cores and grid.world_size > machine.cores:
+        seconds = seconds * grid.world_size / machine.cores
+        source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
+    return ("compute", seconds, source)
+
+
+def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
+    """Lesson 4: a pipeline rank idles ``bubble`` of the step, so its compute is stretched by
+    1 / (1 - bubble). Ranks taking turns on shared cores fill each other's bubbles."""
+    bubble = bubble_share(grid)
+    if machine.cores and grid.world_size > machine.cores:
+        return ("pipeline bubble", 0.0, f"{grid.schedule}: an idle rank's core runs another rank")
+    return ("pipeline bubble", compute * bubble / (1 - bubble),
+            f"{grid.schedule}: idle {bubble:.3f} of the step (lesson 4)")
+
+
+def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Lesson 3 with sequence parallelism: per block and micro-batch an all-gather of [b, S, h]
+    before attention and before the MLP and a reduce-scatter after each, forward, and the same
+    backward: on the critical path. Then the tp-replicated parameters' gradients (norms, biases)
+    are all-reduced over tp."""
+    t = grid.tp
+    link = link_of(machine, grid, "tp")
+    rows, tokens = rows_and_tokens(lm, grid)
+    payload = lm.compute_bytes * rows * tokens * lm.d_model
+    calls = grid.micro_batches * (lm.layers // grid.pp) * 4
+    seconds = calls * (all_gather_time(link, t, payload)
+                       + reduce_scatter_time(machine, link, t, payload))
+    replicated = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
+    seconds += all_reduce_time(link, t, FLOAT32 * replicated * lm.layers // grid.pp)
+    return ("tp collectives", seconds,
+            f"{2 * calls} all-gathers and reduce-scatters of {payload / 2**20:.3g} MiB (lesson 3)")
+
+
+def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Lesson 5: K and V go c-1 hops forward; K, V c-1 and dK, dV c hops backward; each hop
+    runs beside one chunk's attention and shows only where it is longer."""
+    c = grid.cp
+    link = link_of(machine, grid, "cp")
+    rows, tokens = rows_and_tokens(lm, grid)
+    kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / grid.tp
+    hops = grid.micro_batches * (lm.layers // grid.pp) * (2 * (c - 1) + c)
+    hop = send_time(link, kv)
+    hidden = 0.0
+    if machine.overlap:
+        hidden = 4 * rows * tokens * tokens * lm.d_model / grid.tp / machine.flops
+    return ("ring attention hops", hops * max(0.0, hop - hidden),
+            f"{hops} hops of {kv / 2**20:.3g} MiB, each beside one chunk's attention (lesson 5)")
+
+
+def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Lesson 4: one micro-batch's activation (or its gradient) per send. With overlap only the
+    first micro-batch's trip down and back is waited for; without, every send of a middle rank
+    (m activations forward, m gradients back) is."""
+    link = link_of(machine, grid, "pp")
+    rows, tokens = rows_and_tokens(lm, grid)
+    activation = lm.compute_bytes * rows * tokens // grid.tp * lm.d_model
+    sends = 2 * grid.micro_batches
+    if machine.overlap:
+        sends = 2 * (grid.pp - 1)
+    return ("pipeline hops", sends * send_time(link, activation),
+            f"{sends} sends of {activation / 2**20:.3g} MiB (lesson 4)")
+
+
+def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
+    """float32 bytes of each parameter tensor on the first pipeline rank, registration order;
+    tp splits the matrices of the blocks (lesson 3)."""
+    shapes = parameter_shapes(lm)
+    per_block = len(block_parameter_shapes(lm))
+    first_block = len(shapes) - lm.layers * per_block - (2 if lm.gated_mlp else 3)
+    sizes = []
+    for index, shape in enumerate(shapes):
+        in_blocks = first_block <= index < first_block + lm.layers * per_block
+        if in_blocks and index >= first_block + (lm.layers // grid.pp) * per_block:
+            continue                                       # later stages' blocks
+        if not in_blocks and index >= first_block and grid.pp > 1:
+            continue                                       # the last stage's norm and head
+        values = numel(shape)
+        if in_blocks and len(shape) == 2:
+            values = values // grid.tp
+        sizes.append(FLOAT32 * values)
+    return sizes
+
+
+def gradient_buckets(sizes: list[int], cap: float) -> list[int]:
+    """Stage 06's buckets: tensors in reverse registration order, a bucket closed when the next
+    tensor would take it past ``cap`` bytes (0: a tensor a call, stages 03 and 05)."""
+    buckets = []
+    current = 0
+    for nbytes in reversed(sizes):
+        if current and current + nbytes > cap:
+            buckets.append(current)
+            current = 0
+        current += nbytes
+    buckets.append(current)
+    return buckets
+
+
+def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
+                        compute: float) -> list[tuple[str, float, str]]:
+    """Lessons 1-2 and stage 06, over the dp x cp ranks that hold the same parameters."""
+    replicas = grid.dp * grid.cp
+    link = link_of(machine, grid, "dp")
+    sizes = rank_tensor_bytes(lm, grid)
+    whole = sum(sizes)
     backward = compute * 2 / 3
+    terms = []
+    if grid.dp_kind in ("ddp", "zero1"):
+        buckets = gradient_buckets(sizes, grid.bucket_bytes)
+        pieces = [all_reduce_time(link, replicas, nbytes) for nbytes in buckets]
+        terms.append(("dp gradients left after backward",
+                      overlapped_tail(backward, pieces, machine.overlap),
+                      f"{len(buckets)} all-reduces, {whole / 2**20:.3g} MiB, under backward (stage 06)"))
+    if grid.dp_kind == "zero2":
+        buckets = gradient_buckets(sizes, whole / replicas)    # one bucket an owner
+        pieces = [send_time(link, nbytes) for nbytes in buckets]
+        terms.append(("dp gradients reduced to their owners, left after backward",
+                      overlapped_tail(backward, pieces, machine.overlap),
+                      f"{len(buckets)} reduces, {whole / 2**20:.3g} MiB, under backward (lesson 1)"))
+    if grid.dp_kind in ("zero1", "zero2"):
+        terms.append(("dp parameters broadcast by their owners",
+                      replicas * send_time(link, whole / replicas),
+                      f"{replicas} broadcasts of {whole / replicas / 2**20:.3g} MiB after the "
+                      "optimizer step, nothing to hide them under (lesson 1)"))
+    if grid.dp_kind == "fsdp":
+        terms.append(fsdp_term(lm, grid, machine, link, compute))
+    return terms
 
-    # Tensor parallel: per block and micro-batch two all-gathers and two reduce-scatters of
-    # [b, S, h] forward, the same backward (lesson 3, sequence parallel).
-    if t > 1:
-        link = link_of(machine, grid, "tp")
-        payload = lm.compute_bytes * rows * tokens * lm.d_model
-        seconds = m * blocks * 8 * gather_time(link, t, payload)
-        terms.append(("tp collectives", seconds,
-                      f"{m * blocks * 8} all-gathers/reduce-scatters of {payload / 2**20:.3g} MiB "
-                      "on the critical path (lesson 3)"))
 
-    # Context parallel: K and V go c-1 hops forward, K, V c-1 and dK, dV c hops backward, each
-    # hop under one chunk's attention (lesson 5).
-    if c > 1:
-        link = link_of(machine, grid, "cp")
-        kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / t
-        hops = m * blocks * (2 * (c - 1) + c)
-        hop = point_to_point_time(link, kv)
-        chunk_attention = 4 * rows * tokens * tokens * lm.d_model / t / machine.flops
-        hidden = chunk_attention if machine.overlap else 0.0
-        terms.append(("ring attention hops", hops * max(0.0, hop - hidden),
-                      f"{hops} hops of {kv / 2**20:.3g} MiB, each beside one chunk's attention "
-                      "(lesson 5)"))
+def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
+              compute: float) -> tuple[str, float, str]:
+    """Lesson 2: a unit per block plus the root (embeddings, final norm, head). Each unit is
+    gathered before forward and again before backward, except the root and the last block,
+    which stay gathered in between; its gradients are reduce-scattered as its backward ends;
+    the 1-D tensors, kept whole, have their gradients all-reduced in one call."""
+    replicas = grid.dp * grid.cp
+    blocks = lm.layers // grid.pp
+    block_values = 0
+    block_replicated = 0
+    for shape in block_parameter_shapes(lm):
+        if len(shape) == 2:
+            block_values += numel(shape) // grid.tp
+        else:
+            block_replicated += numel(shape)
+    root_values = lm.vocab * lm.d_model * 2
+    if lm.position_embedding:
+        root_values += lm.seq * lm.d_model
+    unit_values = [root_values] + [block_values] * blocks
+    forward_units = [0.0] + [compute / 3 / blocks] * blocks
+    backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
+    gathers = [all_gather_time(link, replicas, lm.compute_bytes * v) for v in unit_values]
+    waited = prefetched_wait(forward_units, gathers, machine.overlap)
+    regathered = gathers[1:-1]                           # not the root, not the last block
+    waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
+    scatters = [reduce_scatter_time(machine, link, replicas, FLOAT32 * v) for v in unit_values]
+    waited += overlapped_tail(compute * 2 / 3, scatters, machine.overlap)
+    replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
+    waited += all_reduce_time(link, replicas, replicated)
+    return ("fsdp gathers and reduce-scatters not hidden", waited,
+            f"{blocks} block units and the root, gathered for forward, again for backward, "
+            "gradients reduce-scattered (lesson 2)")
 
-    # Pipeline: the first micro-batch's activations cross p-1 boundaries going forward and its
-    # gradients p-1 coming back before the pipe is full; later hops run under compute.
-    if p > 1:
-        link = link_of(machine, grid, "pp")
-        activation = lm.compute_bytes * rows * tokens // t * lm.d_model
-        terms.append(("pipeline fill hops", 2 * (p - 1) * point_to_point_time(link, activation),
-                      f"2 (p-1) sends of {activation / 2**20:.3g} MiB (lesson 4)"))
 
-    # Data parallel: the gradients of this rank's parameters, over dp x cp (lessons 1-2, 06).
-    replicas = grid.dp * c
-    if replicas > 1:
-        link = link_of(machine, grid, "dp")
-        state = state_per_rank(lm, Grid(tp=t, pp=p))       # whole, before dp shards it
-        gradient_bytes = state["grad"]
-        buckets = max(1, math.ceil(gradient_bytes / grid.bucket_bytes))
-        bucket = gradient_bytes / buckets
-        if grid.dp_kind in ("ddp", "zero1"):
-            pieces = [all_reduce_time(link, replicas, bucket) for _ in range(buckets)]
-            terms.append(("dp gradient all-reduce left after backward",
-                          overlapped_tail(backward, pieces, machine.overlap),
-                          f"{buckets} buckets of {bucket / 2**20:.3g} MiB under backward (stage 06)"))
-        if grid.dp_kind == "zero2":
-            pieces = [gather_time(link, replicas, bucket) for _ in range(buckets)]
-            terms.append(("dp reduce-scatter left after backward",
-                          overlapped_tail(backward, pieces, machine.overlap),
-                          f"{buckets} buckets of {bucket / 2**20:.3g} MiB under backward (lesson 1)"))
-        if grid.dp_kind in ("zero1", "zero2"):
-            terms.append(("dp parameters from their owners",
-                          gather_time(link, replicas, state["param"]),
-                          "after the optimizer step, nothing to hide it under (lesson 1)"))
-        if grid.dp_kind == "fsdp":
-            # one block a unit: gathered in the compute dtype, gradients reduce-scattered in
-            # float32 (lesson 2's float32 shards)
-            block_bytes = FLOAT32 * values_per_block(lm, t)
-            unit = lm.compute_bytes * values_per_block(lm, t)
-            gather = gather_time(link, replicas, unit)
-            reduce_scatter = gather_time(link, replicas, block_bytes)
-            forward_units = [compute / 3 / blocks] * blocks
-            backward_units = [backward / blocks] * blocks
-            exposed = prefetched_wait(forward_units, [gather] * blocks, machine.overlap)
-            exposed += prefetched_wait(backward_units, [gather] * blocks, machine.overlap)
-            exposed += overlapped_tail(backward, [reduce_scatter] * blocks, machine.overlap)
-            terms.append(("fsdp gathers and reduce-scatters not hidden", exposed,
-                          f"{blocks} units of {unit / 2**20:.3g} MiB: gathered for forward, again "
-                          "for backward, gradients reduce-scattered; prefetched (lesson 2)"))
-
-    # The optimizer: AdamW touches 28 bytes per parameter it owns.
+def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """AdamW reads a parameter, its gradient and two moments and writes three of them back:
+    28 bytes per parameter this rank updates, bound by memory bandwidth."""
     owned = state_per_rank(lm, grid)["optim"] / (2 * FLOAT32)
-    terms.append(("optimizer", ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth,
-                  f"28 bytes x {owned / 1e6:.3g}M parameters / "
-                  f"{machine.memory_bandwidth / 1e9:.3g} GB/s"))
+    return ("optimizer", ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth,
+            f"28 bytes x {owned / 1e6:.3g}M parameters / {machine.memory_bandwidth / 1e9:.3g} GB/s")
+
+
+def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
+    """One optimizer step on the slowest rank, as (term, seconds, where it comes from)."""
+    compute = compute_term(lm, grid, machine)
+    terms = [compute]
+    if grid.pp > 1:
+        terms.append(bubble_term(grid, machine, compute[1]))
+        terms.append(pipeline_hops_term(lm, grid, machine))
+    if grid.tp > 1:
+        terms.append(tensor_parallel_term(lm, grid, machine))
+    if grid.cp > 1:
+        terms.append(ring_attention_term(lm, grid, machine))
+    if grid.dp * grid.cp > 1:
+        terms.extend(data_parallel_terms(lm, grid, machine, compute[1]))
+    terms.append(optimizer_term(lm, grid, machine))
     return terms
 
 
