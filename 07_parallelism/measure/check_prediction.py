@@ -48,29 +48,39 @@ LEDGER_KINDS = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"
 # --------------------------------------------------------------------------- this machine
 
 
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
-                 checkpointing: bool = False, repeats: int = 5) -> tuple[float, float]:
+                 checkpointing: bool = False, device: str = "cpu",
+                 repeats: int = 5) -> tuple[float, float]:
     """(forward + backward seconds, AdamW step seconds) of the LM on one process: medians after
     two warm-up steps, ``threads`` threads (a rank's share of this box's cores). Timed once per
     shape: every configuration with the same per-rank shapes gets the same compute, so their
     predictions differ by what the planner says, not by the noise of two timings."""
+    on = torch.device(device)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
-                              checkpoint_activations=checkpointing)
+                              checkpoint_activations=checkpointing).to(on)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(vocab, (batch, seq + 1), generator=generator)
+    tokens = torch.randint(vocab, (batch, seq + 1), generator=generator).to(on)
     compute = []
     stepping = []
     for attempt in range(2 + repeats):
         optimizer.zero_grad(set_to_none=True)
+        synchronize(on)
         start = time.perf_counter()
         logits = lm(tokens[:, :-1])
         models.lm_loss(logits, tokens[:, 1:]).backward()
+        synchronize(on)
         middle = time.perf_counter()
         optimizer.step()
+        synchronize(on)
         end = time.perf_counter()
         if attempt >= 2:
             compute.append(middle - start)
@@ -85,15 +95,15 @@ def link_from_fit(fit: dict, ranks: int) -> planner.Link:
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
-             link: planner.Link) -> planner.Machine:
+             link: planner.Link, cores: int) -> planner.Machine:
     """The machine as measured for this configuration: a matmul rate that makes the planner's
     compute term the forward and backward timed here, a memory bandwidth that makes its
-    optimizer term the AdamW step timed here (on the whole model), Gloo's links."""
+    optimizer term the AdamW step timed here (on the whole model), Gloo's links; ``cores``: the
+    cores (or GPUs) the ranks take turns on."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.checkpointing) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
     owned = planner.parameter_count(lm)
-    cores = os.cpu_count() or 1
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
@@ -128,7 +138,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings."""
     rows = []
     for row in results.read_csv("ddp_step.csv"):
-        if f"{row['backend']}/{row['device']}" != backend_device or row["device"] != "cpu":
+        if f"{row['backend']}/{row['device']}" != backend_device:
             continue
         ranks = int(row["world_size"])
         key = f"{backend_device}/{ranks}"
@@ -145,13 +155,14 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
         compute_s, optimizer_s = time_compute(row["model"], batch // ranks, seq,
-                                              models.VOCAB_SIZE, max(1, cores // ranks))
+                                              models.VOCAB_SIZE, max(1, (os.cpu_count() or 1) // ranks),
+                                              device=row["device"])
         if cap is None:
             grid = planner.Grid()                      # no communication: one rank's work
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks))
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
         label = f"{impl} {row['bucket_mb']} MB" if impl == "bucketed" else impl
         rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
                                   "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
@@ -174,8 +185,9 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=LEDGER_KINDS[row["impl"]], checkpointing=checkpointing)
         compute_s, optimizer_s = time_compute(row["model"], batch // ranks, seq, models.VOCAB_SIZE,
-                                              max(1, cores // ranks), checkpointing)
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks))
+                                              max(1, (os.cpu_count() or 1) // ranks), checkpointing,
+                                              device=row["device"])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
         rows.append(predicted_row(
             f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
             f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
@@ -217,8 +229,9 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
         compute_s, optimizer_s = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
-                                              GRID_VOCAB, max(1, cores // ranks))
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks))
+                                              GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
+                                              device=row["device"])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
@@ -238,7 +251,9 @@ def main(argv=None) -> int:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
         return 1
-    cores = os.cpu_count() or 1
+    cores = os.cpu_count() or 1          # ranks take turns on these (one GPU: on it)
+    if args.device == "cuda":
+        cores = torch.cuda.device_count()
     rows = []
     for make_rows in (ddp_rows, ledger_rows, grid_rows):
         new_rows = make_rows(fits, backend_device, cores)
