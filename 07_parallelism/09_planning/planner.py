@@ -1,0 +1,631 @@
+"""Stage 07, lesson 9: predict a training step before running it.
+
+Every lesson so far derived what it holds and what it sends. This file puts those formulas
+together with a machine (how fast it multiplies, how fast its links move bytes, how much memory
+it has) and answers the three questions asked before any large run: will it fit, how many bytes
+cross each link, and how long will one step take. Each step-time term is the idea of one lesson:
+
+    step = compute x (1 + pipeline bubble)          lesson 4: (p-1)/(m+p-1) for 1F1B
+         + tensor-parallel collectives               lesson 3: on the critical path, not hidden
+         + ring-attention hops not hidden by compute lesson 5
+         + pipeline hops while the pipe fills         lesson 4
+         + data-parallel communication left after    stage 06 (buckets under backward),
+           backward                                  lessons 1-2 (ZeRO, FSDP prefetch)
+         + the optimizer step                         memory-bound: AdamW reads and writes 28
+                                                      bytes per parameter
+
+Standard library only: copy this file anywhere. ``run_planning.py`` beside it ranks grids for a
+model on a cluster (``make plan``).
+
+Units: bytes, seconds, FLOP. The LM is the course's (common/models.py: pre-norm blocks, learned
+position embeddings, untied head), or a Llama-shaped one (no position embedding, gated MLP,
+grouped-query attention) for the published configurations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FLOAT32 = 4
+ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
+
+
+# --------------------------------------------------------------------------- what is trained
+
+
+@dataclass(frozen=True)
+class LM:
+    """A decoder-only LM's shape, and the batch one optimizer step trains on."""
+    layers: int
+    d_model: int
+    d_ff: int
+    heads: int
+    vocab: int
+    seq: int                       # tokens per sequence
+    batch: int                     # sequences per optimizer step, all data-parallel ranks together
+    kv_heads: int = 0              # grouped-query attention; 0: as many as ``heads``
+    gated_mlp: bool = False        # SwiGLU: three d_model x d_ff matrices instead of two
+    position_embedding: bool = True
+    compute_bytes: int = FLOAT32   # activations and what tp/cp/pp send: 4 float32, 2 bfloat16
+
+
+def block_parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
+    """One block's parameter tensors, in registration order (common/models.Block)."""
+    h = lm.d_model
+    f = lm.d_ff
+    if lm.gated_mlp:               # Llama: RMSNorm weights, q, k, v, o, gate, up, down
+        kv = h * (lm.kv_heads or lm.heads) // lm.heads
+        return [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
+    # LayerNorm weight and bias, qkv, out, LayerNorm, fc1 weight and bias, fc2 weight and bias
+    return [(h,), (h,), (3 * h, h), (h, h), (h,), (h,), (f, h), (f,), (h, f), (h,)]
+
+
+def parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
+    """Every parameter tensor of the LM, in registration order."""
+    shapes = [(lm.vocab, lm.d_model)]                      # token embedding
+    if lm.position_embedding:
+        shapes.append((lm.seq, lm.d_model))
+    for _ in range(lm.layers):
+        shapes.extend(block_parameter_shapes(lm))
+    if lm.gated_mlp:
+        shapes.append((lm.d_model,))                       # final RMSNorm
+    else:
+        shapes.extend([(lm.d_model,), (lm.d_model,)])      # final LayerNorm
+    shapes.append((lm.vocab, lm.d_model))                  # the head (untied)
+    return shapes
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def parameter_count(lm: LM) -> int:
+    return sum(numel(shape) for shape in parameter_shapes(lm))
+
+
+def forward_flops_per_token(lm: LM, causal_skip: bool = True) -> float:
+    """Multiply-adds x 2 of one token's forward: every weight matrix once (the embeddings are
+    look-ups, not products), plus attention's two products over the keys before it: q k^T and
+    the weighted sum of v, 2 x 2 x seq x d_model, halved when the kernel skips what the causal
+    mask hides (flash attention does)."""
+    matrices = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2)
+    per_token = 2 * lm.layers * matrices + 2 * lm.vocab * lm.d_model
+    attention = 4 * lm.layers * lm.seq * lm.d_model
+    if causal_skip:
+        attention = attention / 2
+    return per_token + attention
+
+
+def training_flops_per_token(lm: LM, checkpointing: bool = False) -> float:
+    """Forward, then backward at twice the forward (a gradient for the input and one for the
+    weight per product); checkpointing recomputes the blocks' forward once more."""
+    forward = forward_flops_per_token(lm)
+    if checkpointing:
+        return 4 * forward
+    return 3 * forward
+
+
+# --------------------------------------------------------------------------- how it is split
+
+
+@dataclass(frozen=True)
+class Grid:
+    """How the ranks split the work: lesson 7's (pp, dp, cp, tp), tp innermost, and how the data-
+    parallel axis shares the model's state (lessons 1-2)."""
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp_kind: str = "ddp"           # ddp, zero1, zero2, fsdp
+    schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zbh1
+    micro_batches: int = 1
+    chunks: int = 1                # interleaved 1F1B: model chunks per pipeline rank
+    checkpointing: bool = False
+    bucket_bytes: float = 25 * 2**20   # data-parallel gradient buckets (torch DDP's default)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+
+def ring_share(ranks: int) -> float:
+    """(n-1)/n: what one rank sends of a payload in a ring all-gather or reduce-scatter."""
+    return (ranks - 1) / ranks
+
+
+def bubble_share(grid: Grid) -> float:
+    """The share of a step a pipeline rank idles, every F and B of equal length (lesson 4's
+    formulas; ZB-H1 with F = B = W)."""
+    p = grid.pp
+    m = grid.micro_batches
+    v = grid.chunks
+    if grid.schedule == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if grid.schedule == "zbh1":
+        return 1 - 3 * m / max(3 * m + p - 1, 2 * (m + p - 1) + 1)
+    return (p - 1) / (m + p - 1)
+
+
+def micro_batches_in_flight(grid: Grid) -> int:
+    """Micro-batches whose activations the first pipeline rank holds at once: GPipe all m,
+    1F1B at most p (lesson 4)."""
+    if grid.schedule == "gpipe":
+        return grid.micro_batches
+    return min(grid.micro_batches, grid.pp)
+
+
+# --------------------------------------------------------------------------- memory per rank
+
+
+def values_per_block(lm: LM, tp: int) -> int:
+    """One block's parameter values on a tensor-parallel rank: matrices split t ways (lesson 3),
+    norms and biases whole."""
+    values = 0
+    for shape in block_parameter_shapes(lm):
+        if len(shape) == 2:
+            values += numel(shape) // tp
+        else:
+            values += numel(shape)
+    return values
+
+
+def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
+    """(W, R): lesson 2 shards every tensor of two or more dimensions along its rows, padded to
+    d ceil(rows / d) rows (W values in all, padding included), and keeps 1-D ones whole (R)."""
+    sharded = 0
+    replicated = 0
+    for shape in parameter_shapes(lm):
+        if len(shape) >= 2:
+            rows_per_rank = -(-shape[0] // dp)
+            sharded += rows_per_rank * dp * numel(shape[1:])
+        else:
+            replicated += numel(shape)
+    return sharded, replicated
+
+
+def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
+    """Parameters, gradients and AdamW's two moments in float32 on the most loaded rank, from
+    lessons 1-4:
+
+      tp splits every matrix of a block (lesson 3; norms and biases stay whole);
+      pp gives a rank L/p blocks, the embeddings to the first stage, the head to the last;
+      over dp: DDP 16P, ZeRO-1 8P + 8P/d, ZeRO-2 4P + 12P/d (lesson 1's table); FSDP 16P/d,
+      exactly: W/d + R of padded shards and whole 1-D tensors (lesson 2; tp = pp = 1 only).
+    """
+    blocks = lm.layers // grid.pp
+    block_values = values_per_block(lm, grid.tp)
+    embeddings = lm.vocab * lm.d_model
+    if lm.position_embedding:
+        embeddings += lm.seq * lm.d_model
+    head = lm.vocab * lm.d_model + 2 * lm.d_model
+    if grid.pp == 1:
+        values = blocks * block_values + embeddings + head
+    else:
+        values = blocks * block_values + max(embeddings, head)
+    d = grid.dp
+    params = FLOAT32 * values
+    grads = FLOAT32 * values
+    moments = 2 * FLOAT32 * values
+    if grid.dp_kind in ("zero1", "zero2", "fsdp"):
+        moments = moments / d
+    if grid.dp_kind in ("zero2", "fsdp"):
+        grads = grads / d
+    if grid.dp_kind == "fsdp":
+        params = params / d
+    if grid.dp_kind == "fsdp" and grid.tp == 1 and grid.pp == 1:
+        sharded, replicated = fsdp_shard_values(lm, d)
+        held = FLOAT32 * (sharded / d + replicated)
+        params = held
+        grads = held
+        moments = 2 * held
+    return {"param": params, "grad": grads, "optim": moments}
+
+
+def data_parallel_bytes_sent(lm: LM, grid: Grid) -> float:
+    """Bytes one rank sends a step on the data-parallel axis alone (tp = pp = cp = 1), as a ring
+    sends them: an all-reduce 2 (d-1)/d of its payload, an all-gather or reduce-scatter (d-1)/d.
+    DDP and ZeRO-2: the gradients' all-reduce volume (ZeRO-2 as a reduce-scatter, then the
+    parameters' all-gather); ZeRO-1 as built in lesson 1: the all-reduce, then the owners
+    broadcast the new parameters, 1.5x. FSDP (lesson 2): every sharded unit gathered for forward
+    and again for backward, except those kept gathered in between (the root and the last
+    block), gradients reduce-scattered, and the whole 1-D tensors' gradients all-reduced."""
+    d = grid.dp
+    whole = FLOAT32 * parameter_count(lm)
+    if grid.dp_kind == "fsdp":
+        sharded, replicated = fsdp_shard_values(lm, d)
+        kept = 0
+        shapes = parameter_shapes(lm)
+        last_block = len(shapes) - len(block_parameter_shapes(lm)) - 3   # before the final norm, head
+        for index, shape in enumerate(shapes):
+            outside_blocks = index < 2 or index >= len(shapes) - 3
+            in_last_block = last_block <= index < len(shapes) - 3
+            if len(shape) >= 2 and (outside_blocks or in_last_block):
+                kept += -(-shape[0] // d) * d * numel(shape[1:])
+        W = FLOAT32 * sharded
+        K = FLOAT32 * kept
+        R = FLOAT32 * replicated
+        return ring_share(d) * (3 * W - K) + 2 * ring_share(d) * R
+    sent = 2 * ring_share(d) * whole
+    if grid.dp_kind == "zero1":
+        sent = 1.5 * sent
+    return sent
+
+
+def activations_per_rank(lm: LM, grid: Grid) -> float:
+    """Bytes saved for backward on the first pipeline rank, at its peak: per micro-batch and
+    block, lesson 7's table (sequence parallel, b rows of S = s/c tokens; the values the
+    course's block saves), times the blocks it holds, times the micro-batches in flight. With
+    checkpointing a block keeps only its input, and one block's full set is alive in backward."""
+    h = lm.d_model
+    f = lm.d_ff
+    t = grid.tp
+    rows = lm.batch // (grid.dp * grid.micro_batches)
+    tokens = lm.seq // grid.cp
+    per_block = (2 * rows * tokens * h + 4 * rows * tokens) // t      # two norms' inputs, stats
+    per_block += 2 * rows * tokens * h                                # gathered inputs of qkv, fc1
+    per_block += 4 * rows * tokens * h // t                           # q, k, v, attention's out
+    per_block += rows * (lm.heads // t) * tokens                      # log-sum-exp
+    per_block += 2 * rows * tokens * f // t                           # fc1's output, GELU's
+    per_block_bytes = lm.compute_bytes * per_block
+    blocks = lm.layers // grid.pp
+    in_flight = micro_batches_in_flight(grid)
+    if grid.checkpointing:
+        kept_input = lm.compute_bytes * rows * tokens * h // t
+        return in_flight * blocks * kept_input + per_block_bytes
+    return in_flight * blocks * per_block_bytes
+
+
+def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
+    memory = state_per_rank(lm, grid)
+    memory["activation"] = activations_per_rank(lm, grid)
+    memory["total"] = sum(memory.values())
+    return memory
+
+
+# --------------------------------------------------------------------------- the machine
+
+
+@dataclass(frozen=True)
+class Link:
+    """A collective's cost on a group, the alpha-beta model of stage 02: ``latency`` per call,
+    and the bus bandwidth (nccl-tests' convention: an all-reduce of N bytes over n ranks moves
+    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N, a broadcast or a reduce N)."""
+    latency: float                 # seconds per call
+    busbw: float                   # bytes per second
+
+
+@dataclass(frozen=True)
+class Machine:
+    name: str
+    flops: float                   # the matmul rate a rank reaches (FLOP/s)
+    memory: float                  # bytes per rank
+    memory_bandwidth: float        # bytes per second per rank (the optimizer step is bound by it)
+    ranks_per_node: int
+    inside: Link                   # between ranks of one node
+    across: Link                   # between nodes
+    overlap: bool = True           # can communication run while the rank computes?
+    cores: int = 0                 # ranks share this many cores (0: a device of its own each)
+    reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
+    source: str = ""
+
+
+def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
+    if ranks == 1:
+        return 0.0
+    return link.latency + 2 * ring_share(ranks) * nbytes / link.busbw
+
+
+def all_gather_time(link: Link, ranks: int, nbytes: float) -> float:
+    """An all-gather of a full tensor of ``nbytes`` (each rank contributes 1/n of it)."""
+    if ranks == 1:
+        return 0.0
+    return link.latency + ring_share(ranks) * nbytes / link.busbw
+
+
+def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
+    if machine.reduce_scatter_as_all_reduce:
+        return all_reduce_time(link, ranks, nbytes)
+    return all_gather_time(link, ranks, nbytes)
+
+
+def send_time(link: Link, nbytes: float) -> float:
+    """A send, a broadcast or a reduce of ``nbytes``: the whole payload through a link."""
+    return link.latency + nbytes / link.busbw
+
+
+def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
+    """The link an axis's group crosses. Ranks are laid out (pp, dp, cp, tp), tp innermost
+    (lesson 7): an axis's group spans its own size times every axis inside it, and crosses
+    nodes when that span is larger than a node."""
+    inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp * grid.cp, "pp": grid.tp * grid.cp * grid.dp}
+    size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "pp": grid.pp}
+    span = inner[axis] * size[axis]
+    if span > machine.ranks_per_node:
+        return machine.across
+    return machine.inside
+
+
+# --------------------------------------------------------------------------- overlap
+
+
+def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float:
+    """Communication left after ``compute`` when piece i becomes ready at (i+1)/n of it and the
+    pieces go one at a time (one communication stream): the simulation behind stage 06's model.
+    Without overlap (ranks that compute and communicate on the same cores) all of it is left."""
+    if not overlap:
+        return sum(pieces)
+    finish = 0.0
+    for index, seconds in enumerate(pieces):
+        ready = compute * (index + 1) / len(pieces)
+        finish = max(finish, ready) + seconds
+    return max(0.0, finish - compute)
+
+
+def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: bool) -> float:
+    """How long compute waits for FSDP's gathers (lesson 2): unit i computes once its gather is
+    done; the gather of unit i+1 starts once unit i has started computing (one unit prefetched),
+    one gather at a time. Without overlap every gather is waited for."""
+    if not overlap:
+        return sum(gathers)
+    gather_done = 0.0
+    compute_done = 0.0
+    previous_start = 0.0
+    for seconds, gather in zip(unit_seconds, gathers):
+        gather_done = max(gather_done, previous_start) + gather
+        start = max(compute_done, gather_done)
+        previous_start = start
+        compute_done = start + seconds
+    return compute_done - sum(unit_seconds)
+
+
+# --------------------------------------------------------------------------- step time, a term each
+
+
+def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
+    """(b, S): one micro-batch's rows on a rank and the tokens of its context shard."""
+    return lm.batch // (grid.dp * grid.micro_batches), lm.seq // grid.cp
+
+
+def compute_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Every rank does 1/W of the FLOPs: dp and cp split the tokens, tp the matrices, pp the
+    layers. Ranks that share fewer cores than there are ranks take turns on them."""
+    per_token = training_flops_per_token(lm, grid.checkpointing)
+    tokens_worth = lm.batch * lm.seq / grid.world_size
+    seconds = per_token * tokens_worth / machine.flops
+    source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a rank / "
+              f"{machine.flops / 1e12:.3g} TFLOP/s")
+    if machine.cores and grid.world_size > machine.cores:
+        seconds = seconds * grid.world_size / machine.cores
+        source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
+    return ("compute", seconds, source)
+
+
+def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
+    """Lesson 4: a pipeline rank idles ``bubble`` of the step, so its compute is stretched by
+    1 / (1 - bubble). Ranks taking turns on shared cores fill each other's bubbles."""
+    bubble = bubble_share(grid)
+    if machine.cores and grid.world_size > machine.cores:
+        return ("pipeline bubble", 0.0, f"{grid.schedule}: an idle rank's core runs another rank")
+    return ("pipeline bubble", compute * bubble / (1 - bubble),
+            f"{grid.schedule}: idle {bubble:.3f} of the step (lesson 4)")
+
+
+def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Lesson 3 with sequence parallelism: per block and micro-batch an all-gather of [b, S, h]
+    before attention and before the MLP and a reduce-scatter after each, forward, and the same
+    backward: on the critical path. Then the tp-replicated parameters' gradients (norms, biases)
+    are all-reduced over tp."""
+    t = grid.tp
+    link = link_of(machine, grid, "tp")
+    rows, tokens = rows_and_tokens(lm, grid)
+    payload = lm.compute_bytes * rows * tokens * lm.d_model
+    calls = grid.micro_batches * (lm.layers // grid.pp) * 4
+    seconds = calls * (all_gather_time(link, t, payload)
+                       + reduce_scatter_time(machine, link, t, payload))
+    replicated = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
+    seconds += all_reduce_time(link, t, FLOAT32 * replicated * lm.layers // grid.pp)
+    return ("tp collectives", seconds,
+            f"{2 * calls} all-gathers and reduce-scatters of {payload / 2**20:.3g} MiB (lesson 3)")
+
+
+def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Lesson 5: K and V go c-1 hops forward; K, V c-1 and dK, dV c hops backward; each hop
+    runs beside one chunk's attention and shows only where it is longer."""
+    c = grid.cp
+    link = link_of(machine, grid, "cp")
+    rows, tokens = rows_and_tokens(lm, grid)
+    kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / grid.tp
+    hops = grid.micro_batches * (lm.layers // grid.pp) * (2 * (c - 1) + c)
+    hop = send_time(link, kv)
+    hidden = 0.0
+    if machine.overlap:
+        hidden = 4 * rows * tokens * tokens * lm.d_model / grid.tp / machine.flops
+    return ("ring attention hops", hops * max(0.0, hop - hidden),
+            f"{hops} hops of {kv / 2**20:.3g} MiB, each beside one chunk's attention (lesson 5)")
+
+
+def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """Lesson 4: one micro-batch's activation (or its gradient) per send. With overlap only the
+    first micro-batch's trip down and back is waited for; without, every send of a middle rank
+    (m activations forward, m gradients back) is."""
+    link = link_of(machine, grid, "pp")
+    rows, tokens = rows_and_tokens(lm, grid)
+    activation = lm.compute_bytes * rows * tokens // grid.tp * lm.d_model
+    sends = 2 * grid.micro_batches
+    if machine.overlap:
+        sends = 2 * (grid.pp - 1)
+    return ("pipeline hops", sends * send_time(link, activation),
+            f"{sends} sends of {activation / 2**20:.3g} MiB (lesson 4)")
+
+
+def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
+    """float32 bytes of each parameter tensor on the first pipeline rank, registration order;
+    tp splits the matrices of the blocks (lesson 3)."""
+    shapes = parameter_shapes(lm)
+    per_block = len(block_parameter_shapes(lm))
+    first_block = len(shapes) - lm.layers * per_block - (2 if lm.gated_mlp else 3)
+    sizes = []
+    for index, shape in enumerate(shapes):
+        in_blocks = first_block <= index < first_block + lm.layers * per_block
+        if in_blocks and index >= first_block + (lm.layers // grid.pp) * per_block:
+            continue                                       # later stages' blocks
+        if not in_blocks and index >= first_block and grid.pp > 1:
+            continue                                       # the last stage's norm and head
+        values = numel(shape)
+        if in_blocks and len(shape) == 2:
+            values = values // grid.tp
+        sizes.append(FLOAT32 * values)
+    return sizes
+
+
+def gradient_buckets(sizes: list[int], cap: float) -> list[int]:
+    """Stage 06's buckets: tensors in reverse registration order, a bucket closed when the next
+    tensor would take it past ``cap`` bytes (0: a tensor a call, stages 03 and 05)."""
+    buckets = []
+    current = 0
+    for nbytes in reversed(sizes):
+        if current and current + nbytes > cap:
+            buckets.append(current)
+            current = 0
+        current += nbytes
+    buckets.append(current)
+    return buckets
+
+
+def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
+                        compute: float) -> list[tuple[str, float, str]]:
+    """Lessons 1-2 and stage 06, over the dp x cp ranks that hold the same parameters."""
+    replicas = grid.dp * grid.cp
+    link = link_of(machine, grid, "dp")
+    sizes = rank_tensor_bytes(lm, grid)
+    whole = sum(sizes)
+    backward = compute * 2 / 3
+    terms = []
+    if grid.dp_kind in ("ddp", "zero1"):
+        buckets = gradient_buckets(sizes, grid.bucket_bytes)
+        pieces = [all_reduce_time(link, replicas, nbytes) for nbytes in buckets]
+        terms.append(("dp gradients left after backward",
+                      overlapped_tail(backward, pieces, machine.overlap),
+                      f"{len(buckets)} all-reduces, {whole / 2**20:.3g} MiB, under backward (stage 06)"))
+    if grid.dp_kind == "zero2":
+        buckets = gradient_buckets(sizes, whole / replicas)    # one bucket an owner
+        pieces = [send_time(link, nbytes) for nbytes in buckets]
+        terms.append(("dp gradients reduced to their owners, left after backward",
+                      overlapped_tail(backward, pieces, machine.overlap),
+                      f"{len(buckets)} reduces, {whole / 2**20:.3g} MiB, under backward (lesson 1)"))
+    if grid.dp_kind in ("zero1", "zero2"):
+        terms.append(("dp parameters broadcast by their owners",
+                      replicas * send_time(link, whole / replicas),
+                      f"{replicas} broadcasts of {whole / replicas / 2**20:.3g} MiB after the "
+                      "optimizer step, nothing to hide them under (lesson 1)"))
+    if grid.dp_kind == "fsdp":
+        terms.append(fsdp_term(lm, grid, machine, link, compute))
+    return terms
+
+
+def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
+              compute: float) -> tuple[str, float, str]:
+    """Lesson 2: a unit per block plus the root (embeddings, final norm, head). Each unit is
+    gathered before forward and again before backward, except the root and the last block,
+    which stay gathered in between; its gradients are reduce-scattered as its backward ends;
+    the 1-D tensors, kept whole, have their gradients all-reduced in one call."""
+    replicas = grid.dp * grid.cp
+    blocks = lm.layers // grid.pp
+    block_values = 0
+    block_replicated = 0
+    for shape in block_parameter_shapes(lm):
+        if len(shape) == 2:
+            block_values += numel(shape) // grid.tp
+        else:
+            block_replicated += numel(shape)
+    root_values = lm.vocab * lm.d_model * 2
+    if lm.position_embedding:
+        root_values += lm.seq * lm.d_model
+    unit_values = [root_values] + [block_values] * blocks
+    forward_units = [0.0] + [compute / 3 / blocks] * blocks
+    backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
+    gathers = [all_gather_time(link, replicas, lm.compute_bytes * v) for v in unit_values]
+    waited = prefetched_wait(forward_units, gathers, machine.overlap)
+    regathered = gathers[1:-1]                           # not the root, not the last block
+    waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
+    scatters = [reduce_scatter_time(machine, link, replicas, FLOAT32 * v) for v in unit_values]
+    waited += overlapped_tail(compute * 2 / 3, scatters, machine.overlap)
+    replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
+    waited += all_reduce_time(link, replicas, replicated)
+    return ("fsdp gathers and reduce-scatters not hidden", waited,
+            f"{blocks} block units and the root, gathered for forward, again for backward, "
+            "gradients reduce-scattered (lesson 2)")
+
+
+def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """AdamW reads a parameter, its gradient and two moments and writes three of them back:
+    28 bytes per parameter this rank updates, bound by memory bandwidth."""
+    owned = state_per_rank(lm, grid)["optim"] / (2 * FLOAT32)
+    return ("optimizer", ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth,
+            f"28 bytes x {owned / 1e6:.3g}M parameters / {machine.memory_bandwidth / 1e9:.3g} GB/s")
+
+
+def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
+    """One optimizer step on the slowest rank, as (term, seconds, where it comes from)."""
+    compute = compute_term(lm, grid, machine)
+    terms = [compute]
+    if grid.pp > 1:
+        terms.append(bubble_term(grid, machine, compute[1]))
+        terms.append(pipeline_hops_term(lm, grid, machine))
+    if grid.tp > 1:
+        terms.append(tensor_parallel_term(lm, grid, machine))
+    if grid.cp > 1:
+        terms.append(ring_attention_term(lm, grid, machine))
+    if grid.dp * grid.cp > 1:
+        terms.extend(data_parallel_terms(lm, grid, machine, compute[1]))
+    terms.append(optimizer_term(lm, grid, machine))
+    return terms
+
+
+def predict(lm: LM, grid: Grid, machine: Machine) -> dict:
+    """Memory, step time and throughput of one grid: what ``run_planning.py`` ranks."""
+    terms = step_time(lm, grid, machine)
+    seconds = sum(term[1] for term in terms)
+    memory = memory_per_rank(lm, grid)
+    tokens_per_second = lm.batch * lm.seq / seconds
+    useful = training_flops_per_token(lm) * tokens_per_second / grid.world_size
+    return {"grid": grid, "terms": terms, "step_s": seconds, "memory": memory,
+            "fits": memory["total"] <= machine.memory,
+            "tokens_per_s_per_rank": tokens_per_second / grid.world_size,
+            "mfu": useful / machine.flops}
+
+
+# --------------------------------------------------------------------------- presets
+# Spec-sheet figures (README.md beside this file gives the sources). A spec sheet's matmul rate
+# and a link's line rate are upper bounds: a prediction made with them is the fastest the step
+# could be, and the gap to a measured run is what kernels and collectives leave on the table.
+
+H100_SXM_BF16 = 989e12         # dense bfloat16 tensor-core FLOP/s
+H100_PCIE_BF16 = 756e12
+NVLINK4 = 450e9                # bytes/s each way per GPU (900 GB/s both ways)
+INFINIBAND_NDR = 50e9          # 400 Gb/s per GPU, one NIC each
+PCIE5_X16 = 64e9               # bytes/s each way
+
+CLUSTERS = {
+    "8xH100-nvlink": Machine(
+        name="8 x H100 SXM, NVLink 4", flops=H100_SXM_BF16, memory=80e9,
+        memory_bandwidth=3.35e12, ranks_per_node=8,
+        inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=10e-6, busbw=NVLINK4),
+        source="H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; NVLink 4"),
+    "16xH100-ib": Machine(
+        name="2 nodes of 8 x H100 SXM, NVLink 4 inside, InfiniBand NDR between", flops=H100_SXM_BF16,
+        memory=80e9, memory_bandwidth=3.35e12, ranks_per_node=8,
+        inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=20e-6, busbw=INFINIBAND_NDR),
+        source="as 8xH100-nvlink; ConnectX-7 NDR 400 Gb/s per GPU between nodes"),
+    "8xH100-pcie": Machine(
+        name="8 x H100 PCIe, PCIe 5 x16", flops=H100_PCIE_BF16, memory=80e9,
+        memory_bandwidth=2.0e12, ranks_per_node=8,
+        inside=Link(latency=10e-6, busbw=PCIE5_X16), across=Link(latency=10e-6, busbw=PCIE5_X16),
+        source="H100 PCIe datasheet: 756 TFLOP/s bf16 dense, 80 GB at 2.0 TB/s; PCIe 5 x16"),
+}
+
+# A published configuration to hold the projection against: torchtitan's Llama 3.1 8B on 8 H100s
+# with FSDP, local batch 2 (global 16), sequence 8192, bfloat16, selective activation checkpointing.
+LLAMA3_8B = LM(layers=32, d_model=4096, d_ff=14336, heads=32, kv_heads=8, vocab=128256,
+               seq=8192, batch=16, gated_mlp=True, position_embedding=False, compute_bytes=2)

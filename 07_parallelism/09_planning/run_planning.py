@@ -1,0 +1,159 @@
+"""Stage 07, lesson 9: which grid for this model on this cluster? Every grid ranked, before any
+GPU is rented.
+
+For a model (a course preset, or Llama 3.1 8B) and a cluster preset, this tries every way to
+split the ranks into (pp, dp, cp, tp) with each data-parallel kind (DDP, ZeRO-1, ZeRO-2, FSDP),
+micro-batch counts and activation checkpointing, keeps those that fit in memory, and prints them
+fastest first, with the best one's step time taken apart term by term (planner.py, beside this
+file, says where each term comes from). Everything printed is a prediction: arithmetic on the
+lessons' formulas and a spec sheet, nothing run.
+
+Run:  make plan                                           # the course's small LM, 8 x H100
+      make plan MODEL=llama3-8b CLUSTER=8xH100-nvlink
+      python 07_parallelism/09_planning/run_planning.py --model medium --cluster 16xH100-ib --top 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import planner  # noqa: E402  (the lesson, beside this file)
+
+DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
+GIB = 2**30
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_grids(lm: planner.LM, ranks: int, ranks_per_node: int):
+    """Every grid of ``ranks`` ranks the LM's shape allows: tp divides the heads and stays in a
+    node, pp divides the layers, cp divides the sequence in 2 cp zig-zag halves, and each data
+    rank gets whole micro-batches."""
+    for tp in divisors(ranks):
+        if tp > ranks_per_node or lm.heads % tp:
+            continue
+        for pp in divisors(ranks // tp):
+            if lm.layers % pp:
+                continue
+            for cp in divisors(ranks // (tp * pp)):
+                if lm.seq % (2 * cp):
+                    continue
+                dp = ranks // (tp * pp * cp)
+                if lm.batch % dp:
+                    continue
+                rows = lm.batch // dp
+                if pp == 1:
+                    micro_batch_counts = [1]
+                else:
+                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
+                for m in micro_batch_counts:
+                    for kind in DP_KINDS if dp * cp > 1 else ("ddp",):
+                        for checkpointing in (False, True):
+                            yield planner.Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind,
+                                               micro_batches=m, checkpointing=checkpointing)
+
+
+def label(grid: planner.Grid) -> str:
+    parts = [f"dp{grid.dp} {grid.dp_kind}" if grid.dp * grid.cp > 1 else "dp1"]
+    for axis in ("tp", "pp", "cp"):
+        if getattr(grid, axis) > 1:
+            parts.append(f"{axis}{getattr(grid, axis)}")
+    if grid.pp > 1:
+        parts.append(f"m{grid.micro_batches}")
+    if grid.checkpointing:
+        parts.append("ckpt")
+    return " ".join(parts)
+
+
+def course_lm(preset: str, batch: int, seq: int) -> planner.LM:
+    from common import models
+    shape = models.PRESETS[preset]
+    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
+                      heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=seq, batch=batch,
+                      compute_bytes=2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository, for common/
+    from common import models
+    from common.launch import Parser     # argparse, a usage error in one line, exit 2
+    parser = Parser(description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small",
+                        help=f"a course preset ({', '.join(models.PRESETS)}) or llama3-8b "
+                             "(default: small)")
+    parser.add_argument("--cluster", default="8xH100-nvlink",
+                        help=f"one of {', '.join(planner.CLUSTERS)} (default: 8xH100-nvlink)")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="GPUs to use (default: every GPU of the cluster preset)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="sequences per optimizer step (default: 2 per GPU)")
+    parser.add_argument("--seq", type=int, default=0,
+                        help="tokens per sequence (default: 256 for course presets, 8192 for llama3-8b)")
+    parser.add_argument("--top", type=int, default=10, help="grids to print (default: 10)")
+    parser.add_argument("--grid", default="",
+                        help="only grids whose label starts with this, e.g. 'dp8 fsdp' (default: all)")
+    args = parser.parse_args(argv)
+    if args.model != "llama3-8b" and args.model not in models.PRESETS:
+        parser.error(f"--model {args.model!r}: choose one of {', '.join(models.PRESETS)}, llama3-8b")
+    if args.cluster not in planner.CLUSTERS:
+        parser.error(f"--cluster {args.cluster!r}: choose one of {', '.join(planner.CLUSTERS)}")
+    for flag in ("ranks", "batch", "seq", "top"):
+        if getattr(args, flag) < 0 or (flag == "top" and args.top == 0):
+            parser.error(f"--{flag} {getattr(args, flag)}: must be a positive whole number")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    machine = planner.CLUSTERS[args.cluster]
+    ranks = args.ranks or machine.ranks_per_node * (2 if "16x" in args.cluster else 1)
+    batch = args.batch or 2 * ranks
+    if args.model == "llama3-8b":
+        lm = dataclasses.replace(planner.LLAMA3_8B, batch=batch, seq=args.seq or planner.LLAMA3_8B.seq)
+    else:
+        lm = course_lm(args.model, batch, args.seq or 256)
+    print(f"model {args.model}: {planner.parameter_count(lm) / 1e9:.3g}B parameters, "
+          f"{lm.batch} sequences of {lm.seq} tokens a step, {lm.compute_bytes * 8}-bit compute")
+    print(f"cluster {args.cluster}: {machine.name} ({machine.source}), {ranks} GPUs")
+    print("every figure below is PREDICTED from the formulas and the spec sheet, not measured\n")
+
+    fitting = []
+    too_big = 0
+    for grid in candidate_grids(lm, ranks, machine.ranks_per_node):
+        if not label(grid).startswith(args.grid):
+            continue
+        prediction = planner.predict(lm, grid, machine)
+        if prediction["fits"]:
+            fitting.append(prediction)
+        else:
+            too_big += 1
+    if not fitting:
+        print(f"no grid of {ranks} GPUs{' like ' + repr(args.grid) if args.grid else ''} fits this model in {machine.memory / 1e9:.0f} GB a GPU "
+              f"({too_big} tried): more GPUs, a smaller batch, or a shorter sequence")
+        return 1
+    fitting.sort(key=lambda prediction: prediction["step_s"])
+    print(f"{len(fitting)} grids fit ({too_big} do not); the {min(args.top, len(fitting))} fastest:")
+    print(f"{'grid':32} {'GiB/GPU':>8} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU':>6}")
+    for prediction in fitting[:args.top]:
+        print(f"{label(prediction['grid']):32} {prediction['memory']['total'] / GIB:8.1f} "
+              f"{prediction['step_s'] * 1e3:9.1f} {prediction['tokens_per_s_per_rank']:13,.0f} "
+              f"{prediction['mfu']:6.1%}")
+    best = fitting[0]
+    print(f"\nthe fastest, {label(best['grid'])}, term by term:")
+    for name, seconds, source in best["terms"]:
+        print(f"  {name:46} {seconds * 1e3:9.2f} ms   {source}")
+    memory = best["memory"]
+    print("  memory per GPU: " + ", ".join(f"{kind} {memory[kind] / GIB:.2f} GiB"
+                                           for kind in ("param", "grad", "optim", "activation")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""Measurement, not a lesson: lesson 9's planner checked against this box.
+
+The planner (07_parallelism/09_planning/planner.py) predicts a step from a machine's compute
+rate, its links and its memory bandwidth. Here the machine is this one: each configuration's
+forward and backward and its optimizer step are timed at world size 1 with the shapes one rank
+of it works on (its threads: this box's cores shared among the ranks), and its links are stage
+02's all-reduce fit (``results/allreduce_fit.json``: t = a + N / w). The prediction is then set
+beside the step times the course measured on this box:
+
+  results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
+  results/sharding.csv   the ledger: DDP, ZeRO-1, ZeRO-2, FSDP (02_fsdp ``--bench``)
+  results/grid.csv       our grids of lesson 7 (``train.py --bench``)
+
+and written to ``results/prediction.csv``, one row per configuration: ``config``,
+``predicted_ms``, ``measured_ms``, their ratio, and each term. What the planner leaves out on a
+box like this (ranks taking turns on shared cores, Gloo's calls costing milliseconds) is in its
+README; the worst row is named at the end.
+
+Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
+import planner  # noqa: E402
+from common import models, results  # noqa: E402
+
+CSV_NAME = "prediction.csv"
+TARGET = 0.25              # predicted within 25% of measured
+GRID_VOCAB = 256           # lesson 7 trains on bytes
+DDP_IMPLS = {"none": None, "naive": 0.0, "flat": float("inf"), "overlap": 0.0,
+             "torch_ddp": 25 * 2**20}        # bucket cap in bytes (None: no communication)
+LEDGER_KINDS = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
+
+
+# --------------------------------------------------------------------------- this machine
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.lru_cache(maxsize=None)
+def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
+                 checkpointing: bool = False, device: str = "cpu",
+                 repeats: int = 5) -> tuple[float, float]:
+    """(forward + backward seconds, AdamW step seconds) of the LM on one process: medians after
+    two warm-up steps, ``threads`` threads (a rank's share of this box's cores). Timed once per
+    shape: every configuration with the same per-rank shapes gets the same compute, so their
+    predictions differ by what the planner says, not by the noise of two timings."""
+    on = torch.device(device)
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
+                              checkpoint_activations=checkpointing).to(on)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(vocab, (batch, seq + 1), generator=generator).to(on)
+    compute = []
+    stepping = []
+    for attempt in range(2 + repeats):
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(on)
+        start = time.perf_counter()
+        logits = lm(tokens[:, :-1])
+        models.lm_loss(logits, tokens[:, 1:]).backward()
+        synchronize(on)
+        middle = time.perf_counter()
+        optimizer.step()
+        synchronize(on)
+        end = time.perf_counter()
+        if attempt >= 2:
+            compute.append(middle - start)
+            stepping.append(end - middle)
+    return statistics.median(compute), statistics.median(stepping)
+
+
+def link_from_fit(fit: dict, ranks: int) -> planner.Link:
+    """Stage 02's t = a + N / w for an all-reduce of N bytes is the planner's all-reduce time
+    with latency a and bus bandwidth w x 2 (n-1)/n."""
+    return planner.Link(latency=fit["a_s"], busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks)
+
+
+def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
+             link: planner.Link, cores: int) -> planner.Machine:
+    """The machine as measured for this configuration: a matmul rate that makes the planner's
+    compute term the forward and backward timed here, a memory bandwidth that makes its
+    optimizer term the AdamW step timed here (on the whole model), Gloo's links; ``cores``: the
+    cores (or GPUs) the ranks take turns on."""
+    tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
+    rate = planner.training_flops_per_token(lm, grid.checkpointing) * tokens_worth / compute_s
+    rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
+    owned = planner.parameter_count(lm)
+    return planner.Machine(
+        name="this box", flops=rate, memory=float("inf"),
+        memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
+        ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
+        cores=cores, reduce_scatter_as_all_reduce=True)
+
+
+# --------------------------------------------------------------------------- the rows
+
+
+def course_lm(preset: str, batch: int, seq: int, vocab: int = models.VOCAB_SIZE) -> planner.LM:
+    shape = models.PRESETS[preset]
+    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
+                      heads=shape["num_heads"], vocab=vocab, seq=seq, batch=batch)
+
+
+def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: float,
+                  world_compute: float = 1.0) -> dict:
+    terms = planner.step_time(lm, grid, machine)
+    predicted = sum(seconds for _, seconds, _ in terms) * 1e3
+    row = {"config": config, "source": source, "world_size": grid.world_size,
+           "predicted_ms": round(predicted, 3), "measured_ms": round(measured_ms, 3),
+           "ratio": round(predicted / measured_ms, 3)}
+    for name, seconds, _ in terms:
+        row[name.replace(" ", "_") + "_ms"] = round(seconds * 1e3, 3)
+    row["machine"] = results.machine_name()
+    row["run_id"] = results.run_id()
+    return row
+
+
+def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+    """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings."""
+    rows = []
+    for row in results.read_csv("ddp_step.csv"):
+        if f"{row['backend']}/{row['device']}" != backend_device:
+            continue
+        ranks = int(row["world_size"])
+        key = f"{backend_device}/{ranks}"
+        if key not in fits:
+            continue
+        impl = row["impl"]
+        if impl == "bucketed":
+            cap = float(row["bucket_mb"]) * 2**20
+        elif impl in DDP_IMPLS:
+            cap = DDP_IMPLS[impl]
+        else:
+            continue
+        batch = int(row["batch_size"])
+        seq = int(row["context_length"])
+        lm = course_lm(row["model"], batch, seq)
+        compute_s, optimizer_s = time_compute(row["model"], batch // ranks, seq,
+                                              models.VOCAB_SIZE, max(1, (os.cpu_count() or 1) // ranks),
+                                              device=row["device"])
+        if cap is None:
+            grid = planner.Grid()                      # no communication: one rank's work
+            lm = course_lm(row["model"], batch // ranks, seq)
+        else:
+            grid = planner.Grid(dp=ranks, bucket_bytes=cap)
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        label = f"{impl} {row['bucket_mb']} MB" if impl == "bucketed" else impl
+        rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
+                                  "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
+    return rows
+
+
+def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+    """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings."""
+    rows = []
+    for row in results.read_csv("sharding.csv"):
+        if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in LEDGER_KINDS:
+            continue
+        ranks = int(row["world_size"])
+        key = f"{backend_device}/{ranks}"
+        if key not in fits:
+            continue
+        batch = int(row["batch_size"])
+        seq = int(row["context_length"])
+        checkpointing = row["checkpointing"] == "on"
+        lm = course_lm(row["model"], batch, seq)
+        grid = planner.Grid(dp=ranks, dp_kind=LEDGER_KINDS[row["impl"]], checkpointing=checkpointing)
+        compute_s, optimizer_s = time_compute(row["model"], batch // ranks, seq, models.VOCAB_SIZE,
+                                              max(1, (os.cpu_count() or 1) // ranks), checkpointing,
+                                              device=row["device"])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        rows.append(predicted_row(
+            f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
+            f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
+    return rows
+
+
+def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid:
+    """'dp2 tp2' and 'ZeRO-1 AdamW, 1f1b m4' (lesson 7's labels) as a planner grid; its data
+    axis all-reduces every gradient in one call, and ZeRO-1 adds the owners' broadcasts."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
+    for part in label.split():
+        sizes[part[:2]] = int(part[2:])
+    kind = "zero1" if setting.startswith("ZeRO-1") else "ddp"
+    schedule = "1f1b"
+    for name in ("gpipe", "1f1b", "interleaved", "zbh1"):
+        if name in setting:
+            schedule = name
+    return planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
+                        dp_kind=kind, schedule=schedule, micro_batches=micro_batches,
+                        bucket_bytes=float("inf"))
+
+
+def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+    """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings."""
+    rows = []
+    for row in results.read_csv("grid.csv"):
+        if row.get("impl") != "ours" or f"{row['backend']}/{row['device']}" != backend_device:
+            continue
+        if not row.get("micro_batches") or row["grid"] == "one rank":
+            continue
+        ranks = int(row["world_size"])
+        key = f"{backend_device}/{ranks}"
+        if key not in fits:
+            continue
+        grid = parse_grid(row["grid"], row["setting"], int(row["micro_batches"]))
+        if grid.world_size != ranks:
+            continue
+        batch = int(row["batch_size"])
+        seq = int(row["seq_len"])
+        lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
+        compute_s, optimizer_s = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
+                                              GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
+                                              device=row["device"])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
+                                  "grid.csv", lm, grid, machine, float(row["step_ms"])))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", default="gloo", help="whose rows to check (default: gloo)")
+    parser.add_argument("--device", default="cpu", help="whose rows to check (default: cpu)")
+    args = parser.parse_args(argv)
+    backend_device = f"{args.backend}/{args.device}"
+    fits = {}
+    for key, fit in results.read_json("allreduce_fit.json").items():
+        if key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit:
+            fits[key] = fit
+    if not fits:
+        print(f"check_prediction: no all-reduce fit for {backend_device} in "
+              "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
+        return 1
+    cores = os.cpu_count() or 1          # ranks take turns on these (one GPU: on it)
+    if args.device == "cuda":
+        cores = torch.cuda.device_count()
+    rows = []
+    for make_rows in (ddp_rows, ledger_rows, grid_rows):
+        new_rows = make_rows(fits, backend_device, cores)
+        rows.extend(new_rows)
+        if new_rows:
+            results.upsert_csv(CSV_NAME, new_rows, key=["config", "source"])
+    if not rows:
+        print("check_prediction: no measured rows to check in results/ (ddp_step.csv, "
+              "sharding.csv, grid.csv): run make bench first")
+        return 1
+    print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms):")
+    print(f"{'configuration':58} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    for row in rows:
+        print(f"{row['config']:58} {row['predicted_ms']:10.2f} {row['measured_ms']:10.2f} "
+              f"{row['ratio']:6.2f}")
+    worst = max(rows, key=lambda row: abs(row["ratio"] - 1))
+    within = sum(1 for row in rows if abs(row["ratio"] - 1) <= TARGET)
+    print(f"within {TARGET:.0%}: {within} of {len(rows)}; the worst: {worst['config']} "
+          f"(predicted {worst['ratio']:.2f}x the measured)")
+    print(f"wrote results/{CSV_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

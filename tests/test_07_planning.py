@@ -1,0 +1,205 @@
+"""Stage 07, lesson 9: the planner's memory and bytes against the lessons' own formulas (which
+their benches check against counted bytes), each step-time term against a hand computation, and
+modelling errors a learner could make shown to move a prediction past 25%. No processes: the
+planner is arithmetic."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import ledger
+import planner
+import run_planning
+from common import models
+from helpers import assert_main_usage_error
+
+TOLERANCE = 0.25     # how far a prediction may sit from a measurement and still be called right
+
+# A small LM whose numbers fit on paper: per block qkv 3 x 8 x 8, out 8 x 8, fc1 16 x 8 (+16),
+# fc2 8 x 16 (+8), two LayerNorms 2 x 8 each.
+SMALL = planner.LM(layers=2, d_model=8, d_ff=16, heads=2, vocab=10, seq=4, batch=4)
+# A machine with round numbers: 10 MFLOP/s, links of 1 ms and 1 MB/s, memory at 1 GB/s.
+ROUND = planner.Machine(name="round", flops=1e7, memory=1e9, memory_bandwidth=1e9,
+                        ranks_per_node=8, inside=planner.Link(1e-3, 1e6),
+                        across=planner.Link(1e-3, 1e6), overlap=True)
+
+
+def terms_of(lm, grid, machine=ROUND) -> dict:
+    return {name: seconds for name, seconds, _ in planner.step_time(lm, grid, machine)}
+
+
+def course_lm(preset: str, seq: int = 64) -> planner.LM:
+    shape = models.PRESETS[preset]
+    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
+                      heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=seq, batch=8)
+
+
+def test_parameter_count_is_the_models():
+    assert planner.parameter_count(SMALL) == 2 * 10 * 8 + 4 * 8 + 2 * (4 * 64 + 2 * 128 + 16 + 5 * 8) + 16
+    for preset in models.PRESETS:
+        assert planner.parameter_count(course_lm(preset, 256)) == models.lm_parameter_count(preset, 256)
+    assert round(planner.parameter_count(planner.LLAMA3_8B) / 1e9, 2) == 8.03   # Llama 3.1 8B
+
+
+@pytest.mark.parametrize("preset", ["tiny", "course"])
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_memory_and_bytes_equal_the_ledgers_formula(preset, ranks):
+    """The ledger (lessons 1-2) checks its formula against counted bytes; the planner's
+    numbers equal that formula exactly, FSDP's padding included."""
+    with torch.device("meta"):
+        module = models.TransformerLM(preset, context_length=64)
+    lm = course_lm(preset)
+    for kind in ("ddp", "zero1", "zero2", "fsdp"):
+        grid = planner.Grid(dp=ranks, dp_kind=kind)
+        want = ledger.predicted_bytes(kind, module, ranks)
+        state = planner.state_per_rank(lm, grid)
+        for column in ("param", "grad", "optim"):
+            assert state[column] == pytest.approx(want[column], rel=1e-12), (kind, column)
+        assert planner.data_parallel_bytes_sent(lm, grid) == pytest.approx(want["sent"], rel=1e-12), kind
+
+
+def test_compute_term_by_hand():
+    # forward per token: 2 x 2 blocks x 512 matrix values + head 2 x 10 x 8 + attention
+    # 4 x 2 x 4 x 8 / 2 (causal) = 2048 + 160 + 128; training 3x; 16 tokens over 2 ranks
+    assert planner.forward_flops_per_token(SMALL) == 2336
+    terms = terms_of(SMALL, planner.Grid(dp=2))
+    assert terms["compute"] == pytest.approx(3 * 2336 * 8 / 1e7)
+
+
+def test_bucketed_ddp_step_by_hand():
+    # 1344 gradients x 4 bytes in 2 buckets of 2688; each all-reduce 1 ms + 2 (1/2) 2688 / 1e6
+    grid = planner.Grid(dp=2, bucket_bytes=2688)
+    compute = 3 * 2336 * 8 / 1e7
+    backward = compute * 2 / 3
+    bucket = 1e-3 + 2688 / 1e6
+    first_done = backward / 2 + bucket
+    second_done = max(first_done, backward) + bucket
+    terms = terms_of(SMALL, grid)
+    assert terms["dp gradients left after backward"] == pytest.approx(second_done - backward)
+    assert terms["optimizer"] == pytest.approx(28 * 1344 / 1e9)
+    no_overlap = terms_of(SMALL, grid, dataclasses.replace(ROUND, overlap=False))
+    assert no_overlap["dp gradients left after backward"] == pytest.approx(2 * bucket)
+
+
+def test_fsdp_step_by_hand():
+    grid = planner.Grid(dp=2, dp_kind="fsdp")
+    compute = 3 * 2336 * 8 / 1e7
+    # units: the root (token and position embeddings, head: 10 x 8 x 2 + 4 x 8 = 192 values)
+    # and two blocks (their matrices: 192 + 64 + 128 + 128 = 512 values), float32, 2 ranks
+    root = 1e-3 + 4 * 192 / 2 / 1e6
+    block = 1e-3 + 4 * 512 / 2 / 1e6
+    forward_unit = compute / 3 / 2
+    # forward: the root's gather waited for, then block 1's (prefetched from the root's start,
+    # which computes nothing here), then block 2's, prefetched while block 1 computes
+    forward_wait = root + block + max(0.0, block - forward_unit)
+    # backward: only block 1 is gathered again (the root and the last block stay gathered)
+    backward_wait = block
+    # reduce-scatters of the three units' gradients, ready at 1/3, 2/3, 3/3 of backward
+    backward = compute * 2 / 3
+    done = 0.0
+    for index, seconds in enumerate([root, block, block]):
+        done = max(done, backward * (index + 1) / 3) + seconds
+    reduce_tail = done - backward
+    # the 1-D tensors kept whole (56 values a block, 16 of the final norm): one all-reduce
+    replicated = 1e-3 + 2 * 0.5 * 4 * (2 * 56 + 16) / 1e6
+    terms = terms_of(SMALL, grid)
+    assert terms["fsdp gathers and reduce-scatters not hidden"] == pytest.approx(
+        forward_wait + backward_wait + reduce_tail + replicated)
+
+
+def test_one_f_one_b_pipeline_by_hand():
+    grid = planner.Grid(pp=2, micro_batches=2)
+    compute = 3 * 2336 * 16 / 2 / 1e7
+    bubble = (2 - 1) / (2 + 2 - 1)                                # (p-1)/(m+p-1)
+    activation = 4 * 2 * 4 * 8                                    # 2 rows x 4 tokens x 8, float32
+    terms = terms_of(SMALL, grid)
+    assert terms["pipeline bubble"] == pytest.approx(compute * bubble / (1 - bubble))
+    assert terms["pipeline hops"] == pytest.approx(2 * (1e-3 + activation / 1e6))
+
+
+def test_ring_attention_step_by_hand():
+    grid = planner.Grid(cp=2)
+    rows = 4
+    tokens = 2
+    kv = 2 * 4 * rows * tokens * 8                 # K and V of this rank's shard
+    hop = 1e-3 + kv / 1e6
+    chunk = 4 * rows * tokens * tokens * 8 / 1e7   # one chunk's q k^T and weighted sum
+    hops = 2 * 1 + 2                               # c-1 forward, c-1 + c backward, 2 blocks
+    terms = terms_of(SMALL, grid)
+    assert terms["ring attention hops"] == pytest.approx(2 * hops * (hop - chunk))
+
+
+def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
+    """What a wrong model predicts, on configurations where the term matters: each differs from
+    the right one by more than the check's 25%, so the check would catch it."""
+    gpu = planner.CLUSTERS["16xH100-ib"]
+    lm = dataclasses.replace(planner.LLAMA3_8B, batch=16)
+
+    def total(grid, machine):
+        return planner.predict(lm, grid, machine)["step_s"]
+
+    pipeline = planner.Grid(pp=4, dp=4, dp_kind="fsdp", micro_batches=4)
+    right = total(pipeline, gpu)
+    monkeypatch.setattr(planner, "bubble_share", lambda grid: 0.0)          # the bubble forgotten
+    assert abs(total(pipeline, gpu) - right) / right > TOLERANCE
+    monkeypatch.undo()
+
+    # DDP where the all-reduce and backward take about as long: overlap decides the step
+    medium = dataclasses.replace(course_lm("medium", 1024), batch=32, compute_bytes=2)
+    ddp = planner.Grid(dp=8)
+    nvlink = planner.CLUSTERS["8xH100-nvlink"]
+    right = planner.predict(medium, ddp, nvlink)["step_s"]
+    monkeypatch.setattr(planner, "overlapped_tail", lambda compute, pieces, overlap: sum(pieces))
+    assert abs(planner.predict(medium, ddp, nvlink)["step_s"] - right) / right > TOLERANCE
+    monkeypatch.undo()
+
+    # a ring counted as one hop: every rank sends the whole payload, not (n-1)/n of it
+    right = planner.data_parallel_bytes_sent(medium, ddp)
+    monkeypatch.setattr(planner, "ring_share", lambda ranks: 1.0)
+    assert planner.data_parallel_bytes_sent(medium, ddp) != pytest.approx(right, rel=0.1)
+
+
+def test_plan_ranks_grids_and_refuses_bad_input(capsys):
+    assert run_planning.main(["--model", "course", "--cluster", "8xH100-nvlink", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "PREDICTED" in out and "term by term" in out and "compute" in out
+    assert run_planning.main(["--model", "llama3-8b", "--top", "1"]) == 0
+    assert "fit" in capsys.readouterr().out
+    bad_input = {"--model": "huge", "--cluster": "mars", "--ranks": "-1", "--top": "0"}
+    for flag, value in bad_input.items():
+        assert_main_usage_error(run_planning.main, [flag, value], capsys, flag, value)
+
+
+def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys):
+    """The check's plumbing on a tiny fixture (its accuracy is what make bench's run shows):
+    every row it can model gets a prediction, naive DDP (a call a tensor) predicted slower
+    than flat (one call) by the calls' latency, FSDP's communication above DDP's on Gloo."""
+    import check_prediction
+    from common import results
+    results.write_json("allreduce_fit.json", {"gloo/cpu/2": {"a_s": 2e-3, "w_bytes_per_s": 1e9},
+                                               "gloo/cpu/4": {"a_s": 4e-3, "w_bytes_per_s": 6e8}})
+    common = {"backend": "gloo", "device": "cpu", "model": "tiny"}
+    ddp = [{**common, "world_size": 2, "impl": impl, "bucket_mb": bucket, "step_ms": 50,
+            "batch_size": 4, "context_length": 16}
+           for impl, bucket in (("none", ""), ("naive", ""), ("flat", ""), ("bucketed", 1))]
+    results.upsert_csv("ddp_step.csv", ddp, key=["impl", "bucket_mb"])
+    ledger_rows = [{**common, "world_size": 2, "impl": impl, "checkpointing": "off",
+                    "step_ms": 60, "batch_size": 4, "context_length": 16}
+                   for impl in ("ddp", "fsdp", "torch_fsdp")]
+    results.upsert_csv("sharding.csv", ledger_rows, key=["impl"])
+    grid_rows = [{**common, "impl": "ours", "grid": "dp2 tp2", "setting": "AdamW",
+                  "world_size": 4, "micro_batches": 1, "batch_size": 4, "seq_len": 16,
+                  "step_ms": 70}]
+    results.upsert_csv("grid.csv", grid_rows, key=["grid"])
+    assert check_prediction.main([]) == 0
+    rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
+    assert len(rows) == 4 + 2 + 1, sorted(rows)          # torch_fsdp is not modelled as ours
+    by_start = {config.split(",")[0]: row for config, row in rows.items()}
+    assert float(by_start["ddp_step naive"]["predicted_ms"]) > float(by_start["ddp_step flat"]["predicted_ms"])
+    fsdp_comm = float(by_start["ledger fsdp"]["fsdp_gathers_and_reduce-scatters_not_hidden_ms"])
+    assert fsdp_comm > float(by_start["ledger ddp"]["dp_gradients_left_after_backward_ms"])
+    for row in rows.values():
+        assert float(row["predicted_ms"]) > 0
+        assert float(row["ratio"]) == pytest.approx(float(row["predicted_ms"]) / float(row["measured_ms"]), rel=1e-2)
+    assert "the worst:" in capsys.readouterr().out
