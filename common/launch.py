@@ -310,7 +310,7 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
     except Exception as error:
         # The time it failed, taken before the group is torn down below (its peers fail after
         # that, because it left): the launcher names the rank that raised first by it.
-        if not under_torchrun():  # torchrun names it its own way
+        if not under_torchrun() and sys.version_info >= (3, 11):  # torchrun names it its way
             error.add_note(f"{RAISED_AT}{time.time()!r}")
         raise
     finally:
@@ -495,8 +495,8 @@ def _raised(path: str) -> tuple[float, str]:
     with open(path, "rb") as f:
         text = pickle.load(f).rstrip("\n")  # our own rank's file, in our own temporary folder
     body, _, when = text.rpartition("\n" + RAISED_AT)
-    if not body:
-        return math.inf, text
+    if not body:  # Python 3.10 has no notes: when torch wrote the file, to the clock's tick
+        return os.stat(path).st_mtime, text
     return float(when), body
 
 
@@ -525,26 +525,30 @@ def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
     if READER_GONE in codes:  # `| head -1`: our own output went too, so stop as quietly
         discard_output()
         raise SystemExit(1)
-    raised = sorted((*_raised(error_files[rank]), rank) for rank in failed
-                    if os.path.exists(error_files[rank]))  # the first one first
-    said = [rank for rank in failed if rank not in {r for _, _, r in raised}]
+    raised = []  # (when, rank, traceback) of each rank whose error torch's wrapper recorded
+    for rank in failed:
+        if os.path.exists(error_files[rank]):
+            when, text = _raised(error_files[rank])
+            raised.append((when, rank, text))
+    raised.sort()  # the first one first
+    silent = [rank for rank in failed if not os.path.exists(error_files[rank])]
     if not raised and all(codes[rank] == 2 for rank in failed):
         raise SystemExit(2)  # bad input only the ranks could see, said by them in one line
-    lines = [_killed(rank, codes[rank]) for rank in said if codes[rank] < 0]
+    lines = [_killed(rank, codes[rank]) for rank in silent if codes[rank] < 0]
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
                      "others gave up waiting for them")
-    own = [rank for rank in said if codes[rank] > 0]
+    own = [rank for rank in silent if codes[rank] > 0]
     if own:
         lines.append(f"error: rank(s) {own} exited with status "
                      f"{', '.join(str(codes[rank]) for rank in own)} without a traceback (their "
                      "own checks failed, or they could not start: see their output)")
     if raised:
-        lines.append(f"error: rank {raised[0][2]} failed first"
+        lines.append(f"error: rank {raised[0][1]} failed first"
                      f"{' while waiting for a stalled rank' if stalled else ''}:\n"
-                     f"{raised[0][1]}")
+                     f"{raised[0][2]}")
     if len(raised) > 1:
-        lines.append(f"(then rank(s) {sorted(rank for _, _, rank in raised[1:])} failed too, "
+        lines.append(f"(then rank(s) {sorted(rank for _, rank, _ in raised[1:])} failed too, "
                      "usually because a peer went away)")
     print("\n".join(lines), file=sys.stderr, flush=True)
     raise SystemExit(1)

@@ -24,7 +24,7 @@ from common import launch  # noqa: E402
 def faulty_main(ctx, fault: str, bad_rank: int) -> None:
     dist.barrier()
     if fault == "busy":
-        print(f"[rank {ctx.rank}] pid {os.getpid()} busy", flush=True)
+        ctx.print(f"pid {os.getpid()} busy")  # one write per line: ranks never interleave
         for _ in range(600):
             dist.barrier()
             time.sleep(0.1)
