@@ -6,6 +6,7 @@
 #                `make check DEVICE=cuda` on a GPU box: the first command to run there)
 #   make bench   the measurements worth making on a GPU box (small sizes on CPU)
 #   make train   07's capstone: the course LM on real text, one process and a 2 x 2 grid
+#   make plan    07's planning lesson: every grid of MODEL on CLUSTER ranked, predicted (no GPU)
 #   make 01 ... make 07   one stage
 #   make diff S=04   what the algorithm changed from the stage before (03 -> 04 -> 05 -> 06)
 #
@@ -33,7 +34,7 @@ else
 endif
 
 SHELL := /bin/bash
-.PHONY: install run test check bench clean diff train 01 02 03 04 05 06 07
+.PHONY: install run test check bench clean diff train plan 01 02 03 04 05 06 07
 
 install:
 	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
@@ -85,9 +86,18 @@ check:
 	$(PYTHON) 07_parallelism/06_expert_parallel/run_expert_parallel.py --backend gloo --device cpu --world-size 4
 	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 4 --dp 2 --tp 2 --steps 40 --log-every 20 --check
 	$(PYTHON) 07_parallelism/08_checkpoints/run_checkpoint.py --backend gloo --device cpu --world-size 4
+	$(PYTHON) 07_parallelism/09_planning/run_planning.py --model course --cluster 8xH100-nvlink --top 5
 
 # The capstone on real text: one process, then the same run on a 2 x 2 grid (data x tensor
 # parallel); the second draws both loss curves in results/train_loss.png and samples text.
+# Lesson 9: which grid for this model on that cluster, predicted from the lessons' formulas and
+# a spec sheet (arithmetic: runs anywhere). MODEL: a course preset or llama3-8b; CLUSTER: a
+# preset of 07_parallelism/09_planning/planner.py.
+MODEL   ?= small
+CLUSTER ?= 8xH100-nvlink
+plan: install
+	$(PYTHON) 07_parallelism/09_planning/run_planning.py --model $(MODEL) --cluster $(CLUSTER)
+
 train: install
 	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 1 --dp 1 --steps 1000 --log-every 200
 	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 4 --dp 2 --tp 2 --steps 1000 --log-every 100

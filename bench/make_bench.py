@@ -95,16 +95,17 @@ CPU_STARTUP_S = 3
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "compute": dict(cpu=(7, 12, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
     "allreduce": dict(cpu=(10, 40, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
-    "ddp": dict(cpu=(24, 50, 15), one_gpu=(21, 80, 20), nccl=(21, 80, 20)),
+    "ddp": dict(cpu=(21, 50, 15), one_gpu=(21, 70, 20), nccl=(21, 70, 20)),
     "profile": dict(cpu=(12, 15, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
     "tp": dict(cpu=(10, 12, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
-    "pp": dict(cpu=(19, 50, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
-    "ledger": dict(cpu=(17, 60, 15), one_gpu=(17, 50, 15), nccl=(17, 50, 15)),
+    "pp": dict(cpu=(16, 50, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
+    "ledger": dict(cpu=(17, 60, 15), one_gpu=(17, 42, 15), nccl=(17, 50, 15)),
     "cp": dict(cpu=(14, 55, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
     "ep2": dict(cpu=(0, 22, 6), one_gpu=(0, 25, 15), nccl=(0, 25, 15)),  # quick: 4 ranks only
     "ep4": dict(cpu=(13, 28, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
-    "grid": dict(cpu=(0, 118, 45), one_gpu=(0, 70, 45), nccl=(0, 70, 45)),  # no smaller size
+    "grid": dict(cpu=(0, 108, 45), one_gpu=(0, 70, 45), nccl=(0, 60, 45)),  # no smaller size
     "checkpoint": dict(cpu=(14, 38, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
+    "prediction": dict(cpu=(6, 10, 5), one_gpu=(0, 20, 15), nccl=(0, 20, 15)),  # quick: CPU
 }
 
 
@@ -278,7 +279,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
              ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
               *lm, "--trace-dir", trace_dir]),
         step("tp", "07 tensor and sequence parallel, 2 ranks",
-             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--world-size", "2",
+             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", "--world-size", "2",
               *where, *tp]),
         step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
              ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size",
@@ -303,6 +304,11 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       f"{_flag(checkpoint, '--world-size')}, and back, beside "
                                       "torch.distributed.checkpoint (LM "
                                       f"{_flag(checkpoint, '--model')})", checkpoint))
+    # Last: lesson 9's planner beside the step times measured above (it reads their rows).
+    planned.append(step("prediction", "07 planning: the planner's step times beside the ones "
+                                      "measured above", ["07_parallelism/measure/check_prediction.py",
+                                                         "--backend", setup.backend,
+                                                         "--device", setup.device]))
     # First: the device alone (its peak and the LM at one rank's shapes), the GPU report's
     # core, measured before any step can run over and leave it no time.
     compute = compute_argv(setup, quick, model, int(_flag(lm, "--batch-size")) // ws,
@@ -312,9 +318,27 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       "MFU", compute))
     kept = []
     for planned_step in planned:
+        script = planned_step.argv[0]
+        planned_step.argv[0] = MEASURED_BY.get(script, script)
         if planned_step.share_s > 0:
             kept.append(planned_step)
     return kept
+
+
+# A lesson's demo hands its measurement flags over to a script in 07_parallelism/measure/ (the
+# same flags); make bench calls that script itself, the step one exec shorter.
+MEASURED_BY = {
+    "07_parallelism/02_fsdp/run_fsdp.py": "07_parallelism/measure/bench_fsdp.py",
+    "07_parallelism/03_tensor_parallel/run_tensor_parallel.py":
+        "07_parallelism/measure/bench_tensor_parallel.py",
+    "07_parallelism/04_pipeline_parallel/run_pipeline.py": "07_parallelism/measure/bench_pipeline.py",
+    "07_parallelism/05_context_parallel/run_context_parallel.py":
+        "07_parallelism/measure/bench_context_parallel.py",
+    "07_parallelism/06_expert_parallel/run_expert_parallel.py":
+        "07_parallelism/measure/bench_expert_parallel.py",
+    "07_parallelism/07_together/train.py": "07_parallelism/measure/grid_bench.py",
+    "07_parallelism/08_checkpoints/run_checkpoint.py": "07_parallelism/measure/bench_checkpoint.py",
+}
 
 
 def compute_argv(setup: Setup, quick: bool, model: str, batch_per_rank: int,

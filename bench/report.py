@@ -495,9 +495,14 @@ def context_parallel_section(where: Where):
     emulated = [r for r in rows if r["compute"] != "real"]
 
     def label(r):
-        return r["impl"] if r["impl"] != "ring" else f"W={r['W']} {r['layout']}"
+        if r["impl"] == "ring":
+            return f"W={r['W']} {r['layout']}"
+        if r["impl"] == "ulysses":
+            return f"W={r['W']} Ulysses"
+        return r["impl"]
     columns = []
-    for r in sorted(real, key=lambda r: (r["impl"] == "ring", int(r["W"]), r["layout"])):
+    order = {"ring": 1, "ulysses": 2}                    # one rank's kernels, rings, Ulysses
+    for r in sorted(real, key=lambda r: (order.get(r["impl"], 0), int(r["W"]), r["layout"])):
         if label(r) not in columns:
             columns.append(label(r))
     times: dict[int, dict] = {}
@@ -534,6 +539,8 @@ def context_parallel_section(where: Where):
     for world_size in sorted({int(r["W"]) for r in at_longest}):
         step = {}
         for r in [*at_longest, *emulated]:
+            if r["impl"] != "ring":
+                continue
             if int(r["W"]) == world_size and int(r["seq"]) == longest:
                 step[(r["compute"], r["layout"])] = num(r, "step_ms")
         ratios[world_size] = {}
@@ -585,7 +592,32 @@ def context_parallel_section(where: Where):
         headline.append([f"context parallel, zig-zag / contiguous causal step, W={largest}",
                          f"{emulated_ratio:.2f}x emulated compute ({short_target}), "
                          f"{real_ratio:.2f}x real"])
+    text += ulysses_beside_ring(rows)
     return text + "\n" + " ".join(words) + "\n", headline, rows
+
+
+def ulysses_beside_ring(rows: list[dict]) -> str:
+    """Ulysses' rows beside the zig-zag ring's at the same sequence length, W and compute:
+    bytes each rank sends (counted, formula) and step times."""
+    table = []
+    for r in rows:
+        if r["impl"] != "ulysses":
+            continue
+        for ring in rows:
+            same = all(ring[key] == r[key] for key in ("seq", "W", "compute"))
+            if ring["impl"] == "ring" and ring["layout"] == "zigzag" and same:
+                table.append([r["seq"], r["W"], r["compute"],
+                              with_formula(ring["sent_bytes"], ring["bytes_formula"]),
+                              with_formula(r["sent_bytes"], r["bytes_formula"]),
+                              num(ring, "step_ms"), num(r, "step_ms"),
+                              f"{num(r, 'step_ms') / num(ring, 'step_ms'):.2f}x"])
+    if not table:
+        return ""
+    return ("\nUlysses (all-to-alls around plain attention over the heads) beside the zig-zag "
+            "ring: bytes each rank sends per layer, counted (formula: ring 2(W-1)B forward + "
+            "2(W-1)B + 2WB backward; Ulysses 4(W-1)/W B each way, B one shard of q), and step "
+            "time:\n\n" + md_table(["seq", "W", "compute", "ring bytes", "Ulysses bytes",
+                                    "ring ms", "Ulysses ms", "Ulysses / ring"], table))
 
 
 def expert_parallel_section(where: Where):
@@ -666,7 +698,7 @@ def together_section(where: Where):
         return None
     pipelines = [r for r in rows if r.get("schedule")]
     beside = [r for r in rows if not r.get("schedule") and (
-        r["impl"] == "torch" or "timed beside" in r["setting"])]
+        r["impl"] == "torch" or r.get("pair") or "timed beside" in r["setting"])]
     grids = [r for r in rows if not r.get("schedule") and r not in beside]
     words = []
     headline = []
@@ -710,28 +742,37 @@ def together_section(where: Where):
                      f"{verdict(share <= 0.05)}).")
         headline.append(["everything together: counted bytes per rank vs the combined formula",
                          f"worst {100 * share:.2f}% over {len(grids)} grids (target 5%)"])
-    ours = next((r for r in beside if r["impl"] == "ours"), None)
-    theirs = next((r for r in beside if r["impl"] == "torch"), None)
-    if ours is not None and theirs is not None:
-        ratio = num(ours, "step_ms") / num(theirs, "step_ms")
-        text += (f"\nTorch's own composition on the same LM and grid ({ours['grid']}: "
-                 "`init_device_mesh`, `parallelize_module` with Colwise/Rowwise/SequenceParallel, "
-                 "`fully_shard` over the data axis), timed in alternating rounds with ours:\n\n"
-                 + md_table(["impl", "setting", "step ms", "params", "grads", "AdamW state",
-                             "saved", "first loss"],
-                            [[r["impl"], r["setting"], num(r, "step_ms"),
+    by_pair: dict[str, dict] = {}
+    for r in beside:
+        if r.get("pair"):
+            by_pair.setdefault(r["pair"], {})[r["impl"]] = r
+    pair_rows = []
+    for pair, sides in by_pair.items():
+        if "ours" in sides and "torch" in sides:
+            pair_rows.append((pair, sides["ours"], sides["torch"]))
+    if pair_rows:
+        text += ("\nTorch's own composition beside ours on the same LM, batch and grid, in two "
+                 "pairs that each do one job on the data axis (the `pair` column), all four "
+                 "timed in alternating rounds: `replicated_tp`, ours with whole replicas over "
+                 "dp beside torch's `parallelize_module` + `fully_shard` on a (dp, 1) mesh "
+                 "(shards of one rank: replicas); `fsdp_tp`, ours with ZeRO-1 over dp beside "
+                 "torch's `parallelize_module` + `fully_shard` over dp (torch also shards the "
+                 "parameters and gradients: the nearest control, not the same memory):\n\n"
+                 + md_table(["pair", "impl", "setting", "step ms", "params", "grads",
+                             "AdamW state", "saved", "first loss"],
+                            [[pair, r["impl"], r["setting"], num(r, "step_ms"),
                               with_formula(r["param_bytes"], r.get("param_bytes_formula")),
                               with_formula(r["grad_bytes"], r.get("grad_bytes_formula")),
                               with_formula(r["optim_bytes"], r.get("optim_bytes_formula")),
                               size_text(num(r, "activation_bytes")), f"{num(r, 'first_loss'):.6f}"]
-                             for r in (ours, theirs)]))
-        words.append(f"Our {ours['grid']} step takes {ratio:.2f}x torch's parallelize_module + "
-                     f"fully_shard ({num(ours, 'step_ms'):.1f} vs {num(theirs, 'step_ms'):.1f} ms; "
-                     f"target <= 1.25x: {verdict(ratio <= 1.25)}). Not the same job: ours "
-                     "keeps whole replicas over the data axis, torch's shards them with "
-                     "fully_shard and gathers them each step (the params column).")
-        headline.append([f"our {ours['grid']} step vs torch's parallelize_module + fully_shard",
-                         f"{ratio:.2f}x (target <= 1.25x)"])
+                             for pair, ours, theirs in pair_rows for r in (ours, theirs)]))
+        for pair, ours, theirs in pair_rows:
+            ratio = num(ours, "step_ms") / num(theirs, "step_ms")
+            words.append(f"{pair}: our {ours['grid']} step takes {ratio:.2f}x torch's "
+                         f"({num(ours, 'step_ms'):.1f} vs {num(theirs, 'step_ms'):.1f} ms; target "
+                         f"<= 1.25x: {verdict(ratio <= 1.25)}).")
+            headline.append([f"{pair}: our {ours['grid']} step vs torch's composition",
+                             f"{ratio:.2f}x (target <= 1.25x)"])
     losses = [num(r, "first_loss") for r in grids + beside if r.get("first_loss", "") != ""]
     if len(losses) > 1:
         words.append(f"First-step losses of every grid and of torch's composition differ by at "
@@ -875,6 +916,33 @@ def compute_section(where: Where):
     return text, headline, rows
 
 
+def prediction_section(where: Where):
+    """Lesson 9: the planner's step time beside the step measured, per configuration."""
+    rows = rows_of(where, "prediction.csv")
+    if not rows:
+        return None
+    table = []
+    within = 0
+    for r in rows:
+        ratio = num(r, "ratio")
+        if abs(ratio - 1) <= 0.25:
+            within += 1
+        table.append([r["config"], num(r, "predicted_ms"), num(r, "measured_ms"), f"{ratio:.2f}x"])
+    worst = max(rows, key=lambda r: abs(num(r, "ratio") - 1))
+    text = (f"Lesson 9's planner fed with this box's measured compute (each configuration's "
+            "forward, backward and AdamW timed at world size 1 with one rank's shapes) and stage "
+            "02's all-reduce fit, predicting the step times measured above "
+            f"({machine_of(where, rows)}; `results/prediction.csv` holds every term):\n\n"
+            + md_table(["configuration", "predicted ms", "measured ms", "predicted / measured"],
+                       table))
+    words = (f"Within 25%: {within} of {len(rows)}. The worst: {worst['config']}, predicted "
+             f"{num(worst, 'ratio'):.2f}x the measured (the planner's README says what it "
+             "cannot see on a box like this).")
+    headline = [["planning: predicted step time within 25% of measured",
+                 f"{within} of {len(rows)} configurations (worst {num(worst, 'ratio'):.2f}x)"]]
+    return text + "\n" + words + "\n", headline, rows
+
+
 SECTIONS = [("Compute on one device: the measured peak, forward, backward, optimizer, memory, "
              "MFU", compute_section),
             ("All-reduce: time and bus bandwidth (stage 02)", allreduce_section),
@@ -893,7 +961,9 @@ SECTIONS = [("Compute on one device: the measured peak, forward, backward, optim
             ("Everything together: grids, torch's composition and pipelining (stage 07)",
              together_section),
             ("Checkpoints: save and load beside torch.distributed.checkpoint (stage 07)",
-             checkpoint_section)]
+             checkpoint_section),
+            ("Predict, then measure: the planner beside this box's steps (stage 07)",
+             prediction_section)]
 
 # The make bench steps whose rows each section reads (bench/make_bench.py's keys): a section
 # none of whose steps was planned says so instead of "no rows".
@@ -902,7 +972,8 @@ FED_BY = {allreduce_section: ["allreduce"], ddp_section: ["ddp"], bucket_section
           sequence_parallel_section: ["tp"], pipeline_section: ["pp"],
           sharding_section: ["ledger"], context_parallel_section: ["cp"],
           expert_parallel_section: ["ep2", "ep4"], together_section: ["grid"],
-          checkpoint_section: ["checkpoint"], compute_section: ["compute"]}
+          checkpoint_section: ["checkpoint"], compute_section: ["compute"],
+          prediction_section: ["prediction"]}
 
 
 CARRIED = ("_Carried over from run `{run}` on {machine}: this run did not fill this "

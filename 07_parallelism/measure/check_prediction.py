@@ -114,6 +114,16 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 # --------------------------------------------------------------------------- the rows
 
 
+def this_run(name: str) -> list[dict]:
+    """The rows of ``results/<name>`` from this make bench run (``RESULTS_RUN_ID``), else from
+    the last run that wrote the file: never one run's steps beside another's."""
+    rows = results.read_csv(name)
+    run = os.environ.get("RESULTS_RUN_ID")
+    if not run and rows:
+        run = rows[-1].get("run_id")
+    return [row for row in rows if row.get("run_id") == run]
+
+
 def course_lm(preset: str, batch: int, seq: int, vocab: int = models.VOCAB_SIZE) -> planner.LM:
     shape = models.PRESETS[preset]
     return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
@@ -137,7 +147,7 @@ def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: floa
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings."""
     rows = []
-    for row in results.read_csv("ddp_step.csv"):
+    for row in this_run("ddp_step.csv"):
         if f"{row['backend']}/{row['device']}" != backend_device:
             continue
         ranks = int(row["world_size"])
@@ -172,7 +182,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
 def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings."""
     rows = []
-    for row in results.read_csv("sharding.csv"):
+    for row in this_run("sharding.csv"):
         if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in LEDGER_KINDS:
             continue
         ranks = int(row["world_size"])
@@ -213,7 +223,7 @@ def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid:
 def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings."""
     rows = []
-    for row in results.read_csv("grid.csv"):
+    for row in this_run("grid.csv"):
         if row.get("impl") != "ours" or f"{row['backend']}/{row['device']}" != backend_device:
             continue
         if not row.get("micro_batches") or row["grid"] == "one rank":
@@ -237,16 +247,26 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     return rows
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", default="gloo", help="whose rows to check (default: gloo)")
-    parser.add_argument("--device", default="cpu", help="whose rows to check (default: cpu)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
+                        help="whose rows to check (default: gloo)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="whose rows to check (default: cpu)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     backend_device = f"{args.backend}/{args.device}"
     fits = {}
+    run = os.environ.get("RESULTS_RUN_ID")      # make bench: only this run's fit counts
     for key, fit in results.read_json("allreduce_fit.json").items():
-        if key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit:
-            fits[key] = fit
+        if not (key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit):
+            continue
+        if run and fit.get("run_id") != run:
+            continue
+        fits[key] = fit
     if not fits:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
@@ -261,9 +281,9 @@ def main(argv=None) -> int:
         if new_rows:
             results.upsert_csv(CSV_NAME, new_rows, key=["config", "source"])
     if not rows:
-        print("check_prediction: no measured rows to check in results/ (ddp_step.csv, "
-              "sharding.csv, grid.csv): run make bench first")
-        return 1
+        print("check_prediction: nothing to check: no rows of this run in results/ "
+              "(ddp_step.csv, sharding.csv, grid.csv) that the planner models")
+        return 0
     print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms):")
     print(f"{'configuration':58} {'predicted':>10} {'measured':>10} {'ratio':>6}")
     for row in rows:
