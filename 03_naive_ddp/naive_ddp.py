@@ -109,12 +109,13 @@ class NaiveDDP(nn.Module):
 
 
 def _repo() -> None:
-    """The harness needs common/, the algorithm above does not (same in every stage, on purpose)."""
+    """The harness needs common/, the algorithm does not (the same in every runnable script,
+    on purpose: each lesson's folder runs from where it lies)."""
     root = Path(__file__).resolve().parent
     while not (root / "common" / "launch.py").exists():
         if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm above works on its own; the "
-                             "demo and benchmark need the repository around this file (common/)")
+            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
+                             "script needs the repository around it (common/)")
         root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))

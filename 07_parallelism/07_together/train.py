@@ -35,13 +35,13 @@ from pathlib import Path
 
 
 def _repo() -> None:
-    """The harness needs common/, the algorithm files do not (same in every stage, on purpose)."""
+    """The harness needs common/, the algorithm does not (the same in every runnable script,
+    on purpose: each lesson's folder runs from where it lies)."""
     root = Path(__file__).resolve().parent
     while not (root / "common" / "launch.py").exists():
         if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm files beside this one work on "
-                             "their own; the training run needs the repository around them "
-                             "(common/)")
+            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
+                             "script needs the repository around it (common/)")
         root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))

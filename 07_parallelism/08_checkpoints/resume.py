@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -171,6 +172,19 @@ def crash_once(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _repo() -> None:
+    """The harness needs common/, the algorithm does not (the same in every runnable script,
+    on purpose: each lesson's folder runs from where it lies)."""
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
+                             "script needs the repository around it (common/)")
+        root = root.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
 def main(argv=None) -> None:
     """``train.py --checkpoint-dir`` hands its run over here, with the same arguments: lesson
     7's training loop (``training.train_main``) with these checkpoints. Lesson 8 builds on
@@ -186,6 +200,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__)))))          # the repository: common/
+    _repo()
     main()

@@ -214,9 +214,21 @@ def refuse_directory(parser, given: str) -> None:
         parser.error(f"--dir {error}")
 
 
+def _repo() -> None:
+    """The harness needs common/, the algorithm does not (the same in every runnable script,
+    on purpose: each lesson's folder runs from where it lies)."""
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
+                             "script needs the repository around it (common/)")
+        root = root.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
 def main(argv=None) -> None:
-    root = Path(__file__).resolve().parent.parent.parent
-    sys.path.insert(0, str(root))
+    _repo()
     from common import hand_over, launch, models
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true",

@@ -27,6 +27,19 @@ DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 GIB = 2**30
 
 
+def _repo() -> None:
+    """The harness needs common/, the algorithm does not (the same in every runnable script,
+    on purpose: each lesson's folder runs from where it lies)."""
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
+                             "script needs the repository around it (common/)")
+        root = root.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -80,7 +93,7 @@ def course_lm(preset: str, batch: int, seq: int) -> planner.LM:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # the repository, for common/
+    _repo()
     from common import models
     from common.launch import Parser     # argparse, a usage error in one line, exit 2
     parser = Parser(description=__doc__.split("\n\n")[0],
