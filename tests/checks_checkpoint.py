@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch

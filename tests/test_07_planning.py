@@ -4,15 +4,16 @@ modelling errors a learner could make shown to move a prediction past 25%. No pr
 planner is arithmetic."""
 
 import dataclasses
+import runpy
+import sys
 
 import pytest
 import torch
 
 import ledger
 import planner
-import run_planning
 from common import models
-from helpers import assert_main_usage_error
+from helpers import REPO
 
 TOLERANCE = 0.25     # how far a prediction may sit from a measurement and still be called right
 
@@ -160,15 +161,38 @@ def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
     assert planner.data_parallel_bytes_sent(medium, ddp) != pytest.approx(right, rel=0.1)
 
 
-def test_plan_ranks_grids_and_refuses_bad_input(capsys):
-    assert run_planning.main(["--model", "course", "--cluster", "8xH100-nvlink", "--top", "3"]) == 0
+PLAN = REPO / "07_parallelism" / "09_planning" / "run_planning.py"
+
+
+def run_plan(argv, monkeypatch) -> int:
+    """run_planning.py as __main__ in this process (runpy: run, not imported as a library)."""
+    monkeypatch.setattr(sys, "argv", [str(PLAN), *argv])
+    try:
+        runpy.run_path(str(PLAN), run_name="__main__")
+    except SystemExit as stop:
+        return stop.code
+    return 0
+
+
+def test_plan_ranks_grids_and_refuses_bad_input(capsys, monkeypatch):
+    assert run_plan(["--model", "course", "--cluster", "8xH100-nvlink", "--top", "3"],
+                    monkeypatch) == 0
     out = capsys.readouterr().out
     assert "PREDICTED" in out and "term by term" in out and "compute" in out
-    assert run_planning.main(["--model", "llama3-8b", "--top", "1"]) == 0
-    assert "fit" in capsys.readouterr().out
+    assert run_plan(["--model", "llama3-8b", "--grid", "dp8 fsdp"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "dp8 fsdp ckpt" in out and "1 grids fit (1 do not)" in out   # 75 GiB without: no
     bad_input = {"--model": "huge", "--cluster": "mars", "--ranks": "-1", "--top": "0"}
     for flag, value in bad_input.items():
-        assert_main_usage_error(run_planning.main, [flag, value], capsys, flag, value)
+        assert run_plan([flag, value], monkeypatch) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and flag in err[0] and value in err[0], err
+
+
+def test_every_grid_is_a_split_of_the_ranks():
+    grids = list(planner.candidate_grids(planner.LLAMA3_8B, 16, 8))
+    assert grids and all(grid.world_size == 16 and grid.tp <= 8 for grid in grids)
+    assert {planner.label(grid) for grid in grids} >= {"dp16 fsdp", "dp2 fsdp tp8", "dp1 tp8 pp2 m2"}
 
 
 def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys):

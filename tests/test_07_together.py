@@ -4,8 +4,8 @@ The grid's groups are checked against torch's ``init_device_mesh`` without spawn
 fake process group lets one process play any rank of any world size, so every rank of every
 shape is checked in a few fresh interpreters (one per shape). Training over grids of four
 ranks, beside one process, with planted bugs, runs in one launch (``checks_together.py``);
-train.py itself runs as a subprocess (under torchrun on two "nodes", and the crash recipe of
-its help, as printed); its flags are checked in this process (``train_flags.parse``), and so
+train.py itself runs as a subprocess (under torchrun on two "nodes"; the crash recipe of its
+help, as printed, is run by test_07_checkpoints.py beside a run that never stopped); its flags are checked in this process (``train_flags.parse``), and so
 is the training loop on a one-rank group (a NaN loss). Nothing here imports train.py.
 """
 
@@ -169,42 +169,6 @@ def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
     from common import models
     lm = models.TransformerLM("tiny", vocab_size=256, context_length=32)
     lm.load_state_dict(torch.load(saved))  # the single-process LM's names and shapes
-
-
-def crash_recipe() -> str:
-    """The torchrun recipe, exactly as ``train.py --help`` prints it (in --crash-at-step's help)."""
-    parser = train_flags.build_parser("train.py")
-    for action in parser._actions:
-        if "--crash-at-step" in action.option_strings:
-            help_text = " ".join(action.help.split())
-    start = help_text.index("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun")
-    end = help_text.index(" (without the variable")
-    return help_text[start:end]
-
-
-def test_the_printed_torchrun_recipe_resumes_after_the_crash(tmp_path):
-    """The recipe of --crash-at-step's help, run as printed (a shell, torchrun on the PATH, the
-    repository's folder under the current one): rank 1 dies after step 3, torchrun restarts
-    the group, which resumes from step 2's checkpoint and finishes. Without the variable the
-    restarted ranks would wait for the store of the group that died."""
-    recipe = crash_recipe()
-    assert recipe.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 "
-                             "--max-restarts=1 07_parallelism/07_together/train.py"), recipe
-    (tmp_path / "07_parallelism").symlink_to(REPO / "07_parallelism")
-    bin_folder = tmp_path / "bin"
-    bin_folder.mkdir()
-    torchrun = bin_folder / "torchrun"       # torchrun of the interpreter running the tests
-    torchrun.write_text(f"#!/bin/sh\nexec {sys.executable} -m torch.distributed.run \"$@\"\n")
-    torchrun.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_folder}:{os.environ['PATH']}",
-           "RESULTS_DIR": str(tmp_path / "results")}
-    result = subprocess.run(["bash", "-c", recipe], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    assert "[rank 1] --crash-at-step 3: killing this worker" in output, output[-3000:]
-    assert "resumed from ckpt/step_000000002 (step 2" in output, output[-3000:]
-    assert "step     4  loss" in output, output[-3000:]
 
 
 def one_rank(args, checkpoints_class=None) -> None:

@@ -596,6 +596,62 @@ def predict(lm: LM, grid: Grid, machine: Machine) -> dict:
             "mfu": useful / machine.flops}
 
 
+# --------------------------------------------------------------------------- every grid
+
+
+DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
+    """Every grid of ``ranks`` ranks the LM's shape allows: tp divides the heads and stays in a
+    node, pp divides the layers, cp divides the sequence in 2 cp zig-zag halves, and each data
+    rank gets whole micro-batches; each with every data-parallel kind, and with and without
+    activation checkpointing."""
+    for tp in divisors(ranks):
+        if tp > ranks_per_node or lm.heads % tp:
+            continue
+        for pp in divisors(ranks // tp):
+            if lm.layers % pp:
+                continue
+            for cp in divisors(ranks // (tp * pp)):
+                if lm.seq % (2 * cp):
+                    continue
+                dp = ranks // (tp * pp * cp)
+                if lm.batch % dp:
+                    continue
+                rows = lm.batch // dp
+                micro_batch_counts = [1]
+                if pp > 1:
+                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
+                kinds = ("ddp",)
+                if dp * cp > 1:
+                    kinds = DP_KINDS
+                for m in micro_batch_counts:
+                    for kind in kinds:
+                        for checkpointing in (False, True):
+                            yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind,
+                                       micro_batches=m, checkpointing=checkpointing)
+
+
+def label(grid: Grid) -> str:
+    """'dp2 fsdp tp2 pp2 m8 ckpt': the axes of degree > 1 and what they are set to."""
+    parts = ["dp1"]
+    if grid.dp * grid.cp > 1:
+        parts = [f"dp{grid.dp} {grid.dp_kind}"]
+    for axis in ("tp", "pp", "cp"):
+        if getattr(grid, axis) > 1:
+            parts.append(f"{axis}{getattr(grid, axis)}")
+    if grid.pp > 1:
+        parts.append(f"m{grid.micro_batches}")
+    if grid.checkpointing:
+        parts.append("ckpt")
+    return " ".join(parts)
+
+
 # --------------------------------------------------------------------------- presets
 # Spec-sheet figures (README.md beside this file gives the sources). A spec sheet's matmul rate
 # and a link's line rate are upper bounds: a prediction made with them is the fastest the step

@@ -23,10 +23,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner  # noqa: E402  (the lesson, beside this file)
 
-DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
-GIB = 2**30
-
-
 def _repo() -> None:
     """The harness needs common/, the algorithm does not (the same in every runnable script,
     on purpose: each lesson's folder runs from where it lies)."""
@@ -38,50 +34,6 @@ def _repo() -> None:
         root = root.parent
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def candidate_grids(lm: planner.LM, ranks: int, ranks_per_node: int):
-    """Every grid of ``ranks`` ranks the LM's shape allows: tp divides the heads and stays in a
-    node, pp divides the layers, cp divides the sequence in 2 cp zig-zag halves, and each data
-    rank gets whole micro-batches."""
-    for tp in divisors(ranks):
-        if tp > ranks_per_node or lm.heads % tp:
-            continue
-        for pp in divisors(ranks // tp):
-            if lm.layers % pp:
-                continue
-            for cp in divisors(ranks // (tp * pp)):
-                if lm.seq % (2 * cp):
-                    continue
-                dp = ranks // (tp * pp * cp)
-                if lm.batch % dp:
-                    continue
-                rows = lm.batch // dp
-                if pp == 1:
-                    micro_batch_counts = [1]
-                else:
-                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
-                for m in micro_batch_counts:
-                    for kind in DP_KINDS if dp * cp > 1 else ("ddp",):
-                        for checkpointing in (False, True):
-                            yield planner.Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind,
-                                               micro_batches=m, checkpointing=checkpointing)
-
-
-def label(grid: planner.Grid) -> str:
-    parts = [f"dp{grid.dp} {grid.dp_kind}" if grid.dp * grid.cp > 1 else "dp1"]
-    for axis in ("tp", "pp", "cp"):
-        if getattr(grid, axis) > 1:
-            parts.append(f"{axis}{getattr(grid, axis)}")
-    if grid.pp > 1:
-        parts.append(f"m{grid.micro_batches}")
-    if grid.checkpointing:
-        parts.append("ckpt")
-    return " ".join(parts)
 
 
 def course_lm(preset: str, batch: int, seq: int) -> planner.LM:
@@ -139,8 +91,8 @@ def main(argv=None) -> int:
 
     fitting = []
     too_big = 0
-    for grid in candidate_grids(lm, ranks, machine.ranks_per_node):
-        if not label(grid).startswith(args.grid):
+    for grid in planner.candidate_grids(lm, ranks, machine.ranks_per_node):
+        if not planner.label(grid).startswith(args.grid):
             continue
         prediction = planner.predict(lm, grid, machine)
         if prediction["fits"]:
@@ -155,15 +107,15 @@ def main(argv=None) -> int:
     print(f"{len(fitting)} grids fit ({too_big} do not); the {min(args.top, len(fitting))} fastest:")
     print(f"{'grid':32} {'GiB/GPU':>8} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU':>6}")
     for prediction in fitting[:args.top]:
-        print(f"{label(prediction['grid']):32} {prediction['memory']['total'] / GIB:8.1f} "
+        print(f"{planner.label(prediction['grid']):32} {prediction['memory']['total'] / 2**30:8.1f} "
               f"{prediction['step_s'] * 1e3:9.1f} {prediction['tokens_per_s_per_rank']:13,.0f} "
               f"{prediction['mfu']:6.1%}")
     best = fitting[0]
-    print(f"\nthe fastest, {label(best['grid'])}, term by term:")
+    print(f"\nthe fastest, {planner.label(best['grid'])}, term by term:")
     for name, seconds, source in best["terms"]:
         print(f"  {name:46} {seconds * 1e3:9.2f} ms   {source}")
     memory = best["memory"]
-    print("  memory per GPU: " + ", ".join(f"{kind} {memory[kind] / GIB:.2f} GiB"
+    print("  memory per GPU: " + ", ".join(f"{kind} {memory[kind] / 2**30:.2f} GiB"
                                            for kind in ("param", "grad", "optim", "activation")))
     return 0
 

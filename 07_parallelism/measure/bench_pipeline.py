@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
