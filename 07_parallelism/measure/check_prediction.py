@@ -40,8 +40,8 @@ from common import models, results  # noqa: E402
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured
 GRID_VOCAB = 256           # lesson 7 trains on bytes
-DDP_IMPLS = {"none": None, "naive": 0.0, "flat": float("inf"), "overlap": 0.0,
-             "torch_ddp": 25 * 2**20}        # bucket cap in bytes (None: no communication)
+DDP_IMPLS = {"none": None, "naive": 0.0, "flat": float("inf"), "overlap": 0.0}
+# bucket cap in bytes (None: no communication; 0: a call a tensor); bucketed and torch DDP: the row's
 LEDGER_KINDS = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
 
 
@@ -155,7 +155,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         if key not in fits:
             continue
         impl = row["impl"]
-        if impl == "bucketed":
+        if impl in ("bucketed", "torch_ddp"):
             cap = float(row["bucket_mb"]) * 2**20
         elif impl in DDP_IMPLS:
             cap = DDP_IMPLS[impl]
@@ -173,7 +173,9 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
-        label = f"{impl} {row['bucket_mb']} MB" if impl == "bucketed" else impl
+        label = impl
+        if impl in ("bucketed", "torch_ddp"):
+            label = f"{impl} {row['bucket_mb']} MB"
         rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
                                   "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
@@ -204,11 +206,14 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     return rows
 
 
-def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid:
+def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid | None:
     """'dp2 tp2' and 'ZeRO-1 AdamW, 1f1b m4' (lesson 7's labels) as a planner grid; its data
-    axis all-reduces every gradient in one call, and ZeRO-1 adds the owners' broadcasts."""
+    axis all-reduces every gradient in one call, and ZeRO-1 adds the owners' broadcasts. None
+    for a label that is not a grid's (the pipeline comparison's 'pp2 (x2 side by side)')."""
     sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
     for part in label.split():
+        if part[:2] not in sizes or not part[2:].isdigit():
+            return None
         sizes[part[:2]] = int(part[2:])
     kind = "zero1" if setting.startswith("ZeRO-1") else "ddp"
     schedule = "1f1b"
@@ -226,14 +231,15 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     for row in this_run("grid.csv"):
         if row.get("impl") != "ours" or f"{row['backend']}/{row['device']}" != backend_device:
             continue
-        if not row.get("micro_batches") or row["grid"] == "one rank":
-            continue
+        if not row.get("micro_batches") or row.get("schedule") or row.get("pair"):
+            continue                 # the pipeline comparison, torch's controls: not our grids
         ranks = int(row["world_size"])
-        key = f"{backend_device}/{ranks}"
-        if key not in fits:
-            continue
         grid = parse_grid(row["grid"], row["setting"], int(row["micro_batches"]))
-        if grid.world_size != ranks:
+        if grid is None or grid.world_size != ranks:
+            continue
+        group = max(grid.dp * grid.cp, grid.tp, grid.pp)   # its collectives' groups: that many
+        key = f"{backend_device}/{group}"                   # ranks, as stage 02 fitted them
+        if key not in fits:
             continue
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
@@ -241,7 +247,7 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         compute_s, optimizer_s = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
                                               GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
                                               device=row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], group), cores)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
