@@ -353,3 +353,14 @@ def test_the_demo_passes_with_data_and_context_ranks():
                  "ulysses float64 contiguous causal=True", "LM dp=2 cp=2 ring zigzag step 2",
                  "LM dp=2 cp=2 ulysses contiguous step 2", "all checks passed on every rank"):
         assert text in result.stdout, text
+
+
+def test_the_zigzag_ratio_reads_the_rings_rows_only():
+    """Ulysses' rows are contiguous shards too: the bench's zig-zag / contiguous ratio must not
+    take Ulysses' time for the contiguous ring's (it did, once: 1.01 printed for 0.60)."""
+    rows = []
+    for impl, layout, step_ms in (("ring", "contiguous", 100.0), ("ring", "zigzag", 60.0),
+                                  ("ulysses", "contiguous", 59.0)):
+        rows.append({"impl": impl, "layout": layout, "seq": 64, "W": 4,
+                     "compute": "emulated 400 ms", "step_ms": step_ms})
+    assert bench.ratio(rows, 4, "emulated") == pytest.approx(0.6)

@@ -579,6 +579,8 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     seq = max(row["seq"] for row in rows)
     times = {}
     for row in rows:
+        if row["impl"] != "ring":
+            continue                 # Ulysses runs on contiguous shards too: not the ring's
         if row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute):
             times[row["layout"]] = row["step_ms"]
     if "zigzag" not in times or "contiguous" not in times:
