@@ -584,7 +584,7 @@ def counter_checks(ctx, record):
 
 
 def fsdp_checks(ctx, trace_dir, record):
-    """Every FSDP case of the issue, at this world size."""
+    """Every FSDP case, at this world size."""
     from common import profiling
 
     def equivalence(name, build, **kw):

@@ -361,7 +361,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
 
 
 def target_lines(rows: list[dict]) -> list[str]:
-    """The issues' targets, read off one run's rows: measured beside the target."""
+    """The ledger's targets, read off one run's rows: measured beside the target."""
     by_case = {}
     for row in rows:
         by_case[(row["impl"], row["checkpointing"])] = row
