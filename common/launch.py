@@ -263,6 +263,21 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
                     + (" or size" if what else ""))
 
 
+def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
+    """One-line usage error when a rank's ``per_rank_bytes`` (described by ``what``) cannot fit:
+    on CUDA in a GPU's memory, the ranks that share a GPU adding up; else in host memory."""
+    ranks_here = ranks_on_this_node(config.world_size)
+    if config.device != "cuda":
+        check_ranks_fit(ranks_here, per_rank_bytes, what)
+        return
+    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
+    need = ranks_per_gpu * per_rank_bytes
+    total = torch.cuda.get_device_properties(0).total_memory
+    if need > 0.9 * total:
+        usage_error(f"{what} needs about {need / GIB:.1f} GiB per GPU but a GPU has "
+                    f"{total / GIB:.1f} GiB; use smaller sizes")
+
+
 # --------------------------------------------------------------------------- one rank
 def rendezvous_timeout() -> datetime.timedelta:
     """``DIST_TIMEOUT_S`` as a timedelta (``launch`` has a parameter named ``timeout_s``)."""

@@ -311,3 +311,22 @@ def test_a_header_alone_is_valid_and_files_keep_the_umasks_mode(tmp_path, monkey
         os.umask(old_umask)
     modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir() if p.suffix != ".lock"}
     assert modes == {"new.json": 0o640, "new.csv": 0o640, "ddp_step.csv": 0o664}, modes
+
+
+def test_check_fits_adds_up_the_ranks_that_share_a_gpu(capsys, monkeypatch):
+    """launch.check_fits, the one memory rule of every lesson: on CUDA the ranks sharing a GPU
+    add up (2 ranks of 0.6 GiB do not fit a 1 GiB GPU, one does); on the CPU, host memory."""
+    import torch
+
+    class Props:
+        total_memory = 2**30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: Props())
+    need = int(0.6 * 2**30)
+    launch.check_fits(launch.LaunchConfig(1, "gloo", "cuda"), need, "the test's sizes")
+    with pytest.raises(SystemExit) as refused:
+        launch.check_fits(launch.LaunchConfig(2, "gloo", "cuda"), need, "the test's sizes")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert refused.value.code == 2 and len(err) == 1, err
+    assert "the test's sizes needs about 1.2 GiB per GPU but a GPU has 1.0 GiB" in err[0], err
+    launch.check_fits(launch.LaunchConfig(2, "gloo", "cpu"), need, "the test's sizes")  # host

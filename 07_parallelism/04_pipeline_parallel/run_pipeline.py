@@ -249,15 +249,7 @@ def check_flags(args, config) -> None:
     need = 4 * (5 * parameters + activations)
     what = (f"--layers {args.layers} --d-model {args.d_model} --hidden {args.hidden} "
             f"--batch {args.batch}")
-    ranks_here = launch.ranks_on_this_node(stages)
-    if config.device == "cuda":
-        per_gpu = -(-ranks_here // torch.cuda.device_count()) * need     # ceil
-        total = torch.cuda.get_device_properties(0).total_memory
-        if per_gpu > 0.9 * total:
-            launch.usage_error(f"{what} needs about {per_gpu / 2**30:.1f} GiB per GPU but a GPU "
-                               f"has {total / 2**30:.1f} GiB; use smaller sizes")
-    else:
-        launch.check_ranks_fit(ranks_here, need, f"{need / 2**30:.2f} GiB each for {what}")
+    launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for {what}")
 
 
 if __name__ == "__main__":

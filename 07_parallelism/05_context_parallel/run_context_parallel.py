@@ -291,15 +291,7 @@ def check_flags(args, config) -> None:
     chunk = args.seq // cp_size
     need = 8 * batch_heads * (6 * chunk * chunk + 24 * args.seq * args.head_dim)
     what = f"{need / 2**30:.2f} GiB each for sequence length {args.seq}"
-    ranks_here = launch.ranks_on_this_node(config.world_size)
-    if config.device == "cuda":
-        per_gpu = -(-ranks_here // torch.cuda.device_count()) * need     # ceil
-        total = torch.cuda.get_device_properties(0).total_memory
-        if per_gpu > 0.9 * total:
-            launch.usage_error(f"{what} needs about {per_gpu / 2**30:.1f} GiB per GPU but a GPU "
-                               f"has {total / 2**30:.1f} GiB; use smaller sizes")
-    else:
-        launch.check_ranks_fit(ranks_here, need, what)
+    launch.check_fits(config, need, what)
 
 
 if __name__ == "__main__":

@@ -248,15 +248,7 @@ def refuse_bad_input(parser, cfg: dict, config) -> None:
     layer = experts * (2 * cfg["d_model"] * cfg["d_ff"] + cfg["d_model"] + cfg["d_ff"])
     need = 4 * 4 * (lm + layer)
     what = f"--lm {cfg['lm']} with --num-experts {experts} ({need / 2**30:.1f} GiB a rank)"
-    ranks_here = launch.ranks_on_this_node(config.world_size)
-    if config.device == "cuda":           # ranks sharing a GPU add up
-        ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())
-        total = torch.cuda.get_device_properties(0).total_memory
-        if ranks_per_gpu * need > 0.9 * total:
-            launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per "
-                               f"GPU but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
-    else:
-        launch.check_ranks_fit(ranks_here, need, what)
+    launch.check_fits(config, need, what)
     if cfg["d_model"] < experts:
         parser.error(f"--d-model {cfg['d_model']} is less than --num-experts {experts}: the "
                      "balanced routing needs one input direction per expert")

@@ -826,20 +826,6 @@ def refuse_gloo_on_cuda(config) -> None:
                            "GPU per rank")
 
 
-def check_fits(config, need: int, what: str) -> None:
-    """One line and exit 2, before any worker starts, when ``need`` bytes per rank (described by
-    ``what``) cannot fit: in the GPUs' memory (ranks sharing a GPU add up), else the host's."""
-    ranks_here = launch.ranks_on_this_node(config.world_size)
-    if config.device != "cuda":
-        launch.check_ranks_fit(ranks_here, need, what)
-        return
-    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
-    total = torch.cuda.get_device_properties(0).total_memory
-    if ranks_per_gpu * need > 0.9 * total:
-        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
-                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
-
-
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--batch", type=launch.positive_int, default=4, help="sequences")
@@ -912,7 +898,8 @@ def main(argv=None) -> None:
                     parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
                                  f"({layout} layout over {ring_size} ranks)")
     need = per_rank_bytes(args)
-    check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {max(args.seqs)}")
+    what = f"{need / 2**30:.2f} GiB each for sequence length {max(args.seqs)}"
+    launch.check_fits(config, need, what)
     results.check_writable()
     if args.profile:
         launch.launch(profile_main, config, vars(args))

@@ -386,20 +386,6 @@ def bytes_per_rank(cfg: dict) -> int:
     return 4 * 3 * experts + routing + activations
 
 
-def check_fits(config, need: int, what: str) -> None:
-    """One line and exit 2 when ``need`` bytes per rank cannot fit: in the GPUs' memory (ranks
-    sharing a GPU add up), else the host's. (The same rule as run_expert_parallel.py's.)"""
-    ranks_here = launch.ranks_on_this_node(config.world_size)
-    if config.device != "cuda":
-        launch.check_ranks_fit(ranks_here, need, what)
-        return
-    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())     # rounded up
-    total = torch.cuda.get_device_properties(0).total_memory
-    if ranks_per_gpu * need > 0.9 * total:
-        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
-                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
-
-
 def parse(argv=None):
     """The flags of run_expert_parallel.py (the demo's own are accepted and ignored) and the
     bench's; bad input one line, exit 2."""
@@ -443,9 +429,9 @@ def parse(argv=None):
            "iters": args.iters, "trace_dir": str(args.trace_dir), "profile": args.profile,
            "budget_s": args.budget_s}
     need = bytes_per_rank(cfg)
-    check_fits(config, need, f"--num-experts {num_experts} --d-model {args.d_model} --d-ff "
-                             f"{args.d_ff} --tokens {max(args.tokens)} ({need / 2**30:.2f} GiB "
-                             "a rank)")
+    what = (f"--num-experts {num_experts} --d-model {args.d_model} --d-ff {args.d_ff} --tokens "
+            f"{max(args.tokens)} ({need / 2**30:.2f} GiB a rank)")
+    launch.check_fits(config, need, what)
     results.check_writable()
     return config, cfg
 

@@ -605,15 +605,7 @@ def refuse_too_large(config, args) -> None:
     need = 4 * (6 * weights + 4 * activations)
     what = (f"{need / 2**30:.1f} GiB each for --d-model {args.d_model} --d-ff {args.d_ff} "
             f"--batch {args.batch} --seq {args.seq}")
-    ranks_here = launch.ranks_on_this_node(config.world_size)
-    if config.device != "cuda":
-        launch.check_ranks_fit(ranks_here, need, what)
-        return
-    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
-    total = torch.cuda.get_device_properties(0).total_memory
-    if ranks_per_gpu * need > 0.9 * total:
-        launch.usage_error(f"{what} needs about {ranks_per_gpu * need / 2**30:.1f} GiB per GPU "
-                           f"but a GPU has {total / 2**30:.1f} GiB; use smaller sizes")
+    launch.check_fits(config, need, what)
 
 
 def main(argv=None) -> None:
