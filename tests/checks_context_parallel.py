@@ -105,6 +105,36 @@ def random_attention(cfg: dict, seq: int, dtype, device, seed: int):
     return q, k, v, grad_out
 
 
+def compare_with_one_process(case: str, compared: list, rtol: float, atol: float,
+                             row: dict) -> list[str]:
+    """(name, this rank's tensor, one process's) triples: each largest difference into ``row``,
+    and a failure for each pair not allclose."""
+    failures = []
+    for name, got, want in compared:
+        difference = (got - want).abs().max().item()
+        row[f"{name} max diff"] = difference
+        if not torch.allclose(got, want, rtol=rtol, atol=atol):
+            failures.append(f"{case}: {name} differs from one process by {difference:.3g} "
+                            f"(rtol {rtol:g}, atol {atol:g})")
+    return failures
+
+
+def bytes_beside_formula(case: str, comm, formula: tuple[int, int], row: dict) -> list[str]:
+    """The bytes this rank sent forward and backward (``comm``, labelled) beside the
+    (forward, backward) formula, into ``row``; a failure unless both are exact."""
+    counted = comm.by_label
+    forward = counted.get("forward", {"sent_bytes": 0})["sent_bytes"]
+    backward = counted.get("backward", {"sent_bytes": 0})["sent_bytes"]
+    row["fwd bytes"] = int(forward)
+    row["fwd formula"] = formula[0]
+    row["bwd bytes"] = int(backward)
+    row["bwd formula"] = formula[1]
+    if (forward, backward) != tuple(formula):
+        return [f"{case}: sent {forward:.0f} B forward, {backward:.0f} B backward; the formula "
+                f"says {formula[0]} and {formula[1]}"]
+    return []
+
+
 def ring_case(ctx, group, cfg: dict, dtype, layout: str, causal: bool) -> tuple[dict, list]:
     """One forward + backward of ring attention on this rank's shards, beside
     scaled_dot_product_attention on the full sequence (every rank draws the same full q, k, v
@@ -133,27 +163,9 @@ def ring_case(ctx, group, cfg: dict, dtype, layout: str, causal: bool) -> tuple[
                 ("unsharded output", cp.unshard_sequence(out.detach(), 2, group, layout), out_ref)]
     case = f"W={world_size} {str(dtype)[6:]} {layout} causal={causal}"
     row = {"W": world_size, "dtype": str(dtype)[6:], "layout": layout, "causal": causal}
-    failures = []
-    for name, got, want in compared:
-        difference = (got - want).abs().max().item()
-        close = torch.allclose(got, want, rtol=rtol, atol=atol)
-        if name != "unsharded output":
-            row[f"{name} max diff"] = difference
-        if not close:
-            failures.append(f"{case}: {name} differs from one process by {difference:.3g} "
-                            f"(rtol {rtol:g}, atol {atol:g})")
+    failures = compare_with_one_process(case, compared, rtol, atol, row)
     block_bytes = k.numel() * k.element_size()
-    forward_formula, backward_formula = bench.ring_bytes(world_size, block_bytes)
-    counted = comm.by_label
-    forward_counted = counted.get("forward", {"sent_bytes": 0})["sent_bytes"]
-    backward_counted = counted.get("backward", {"sent_bytes": 0})["sent_bytes"]
-    row["fwd bytes"] = int(forward_counted)
-    row["fwd formula"] = forward_formula
-    row["bwd bytes"] = int(backward_counted)
-    row["bwd formula"] = backward_formula
-    if forward_counted != forward_formula or backward_counted != backward_formula:
-        failures.append(f"{case}: sent {forward_counted:.0f} B forward, {backward_counted:.0f} B "
-                        f"backward; the formula says {forward_formula} and {backward_formula}")
+    failures += bytes_beside_formula(case, comm, bench.ring_bytes(world_size, block_bytes), row)
     want_visible = bench.visible_scores(rank, world_size, cfg["seq"], layout, causal,
                                   cfg["batch"] * cfg["heads"])
     if kernel.visible != want_visible:
@@ -223,25 +235,9 @@ def ulysses_case(ctx, group, cfg: dict, dtype, causal: bool) -> tuple[dict, list
                 ("dk", k.grad, mine(k_ref.grad)), ("dv", v.grad, mine(v_ref.grad))]
     case = f"Ulysses W={world_size} {str(dtype)[6:]} causal={causal}"
     row = {"W": world_size, "dtype": str(dtype)[6:], "causal": causal}
-    failures = []
-    for name, got, want in compared:
-        difference = (got - want).abs().max().item()
-        row[f"{name} max diff"] = difference
-        if not torch.allclose(got, want, rtol=rtol, atol=atol):
-            failures.append(f"{case}: {name} differs from one process by {difference:.3g} "
-                            f"(rtol {rtol:g}, atol {atol:g})")
+    failures = compare_with_one_process(case, compared, rtol, atol, row)
     shard_bytes = q.numel() * q.element_size()
-    forward_formula, backward_formula = bench.ulysses_bytes(world_size, shard_bytes)
-    counted = comm.by_label
-    forward_counted = counted.get("forward", {"sent_bytes": 0})["sent_bytes"]
-    backward_counted = counted.get("backward", {"sent_bytes": 0})["sent_bytes"]
-    row["fwd bytes"] = int(forward_counted)
-    row["fwd formula"] = forward_formula
-    row["bwd bytes"] = int(backward_counted)
-    row["bwd formula"] = backward_formula
-    if forward_counted != forward_formula or backward_counted != backward_formula:
-        failures.append(f"{case}: sent {forward_counted:.0f} B forward, {backward_counted:.0f} B "
-                        f"backward; the formula says {forward_formula} and {backward_formula}")
+    failures += bytes_beside_formula(case, comm, bench.ulysses_bytes(world_size, shard_bytes), row)
     row["ok"] = not failures
     return row, failures
 
