@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     print("every figure below is PREDICTED from the formulas and the spec sheet, not measured\n")
 
     fitting = []
-    too_big = 0
+    too_big = []
     for grid in planner.candidate_grids(lm, ranks, machine.ranks_per_node):
         if not planner.label(grid).startswith(args.grid):
             continue
@@ -98,13 +98,22 @@ def main(argv=None) -> int:
         if prediction["fits"]:
             fitting.append(prediction)
         else:
-            too_big += 1
+            too_big.append(prediction)
+    if args.grid:                    # the grids asked for by name: say which do not fit, and why
+        for prediction in too_big:
+            print(f"{planner.label(prediction['grid'])}: does not fit, "
+                  f"{prediction['memory']['total'] / 2**30:.1f} GiB a GPU predicted "
+                  f"(of {machine.memory / 2**30:.1f} GiB)")
     if not fitting:
-        print(f"no grid of {ranks} GPUs{' like ' + repr(args.grid) if args.grid else ''} fits this model in {machine.memory / 1e9:.0f} GB a GPU "
-              f"({too_big} tried): more GPUs, a smaller batch, or a shorter sequence")
+        like = ""
+        if args.grid:
+            like = f" like {args.grid!r}"
+        print(f"no grid of {ranks} GPUs{like} fits this model in {machine.memory / 1e9:.0f} GB "
+              f"a GPU ({len(too_big)} tried): more GPUs, a smaller batch, or a shorter sequence")
         return 1
     fitting.sort(key=lambda prediction: prediction["step_s"])
-    print(f"{len(fitting)} grids fit ({too_big} do not); the {min(args.top, len(fitting))} fastest:")
+    print(f"{len(fitting)} grids fit ({len(too_big)} do not); the "
+          f"{min(args.top, len(fitting))} fastest:")
     print(f"{'grid':32} {'GiB/GPU':>8} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU':>6}")
     for prediction in fitting[:args.top]:
         print(f"{planner.label(prediction['grid']):32} {prediction['memory']['total'] / 2**30:8.1f} "
