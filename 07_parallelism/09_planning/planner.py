@@ -123,6 +123,7 @@ class Grid:
     chunks: int = 1                # interleaved 1F1B: model chunks per pipeline rank
     checkpointing: bool = False
     bucket_bytes: float = 25 * 2**20   # data-parallel gradient buckets (torch DDP's default)
+    loss_all_reduce: bool = False  # the step averages its loss over every rank (lesson 7 does)
 
     @property
     def world_size(self) -> int:
@@ -290,9 +291,15 @@ def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
 class Link:
     """A collective's cost on a group, the alpha-beta model of stage 02: ``latency`` per call,
     and the bus bandwidth (nccl-tests' convention: an all-reduce of N bytes over n ranks moves
-    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N, a broadcast or a reduce N)."""
+    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N, a broadcast or a reduce N).
+
+    ``step_latency``: what each message step of a ring adds, 2 (n-1) steps for an all-reduce
+    over n ranks, n-1 for an all-gather or reduce-scatter, 1 for a send. On a GPU it is small
+    beside ``latency``; where ranks outnumber cores it is most of the cost: every step waits
+    for its receiver to get a core back."""
     latency: float                 # seconds per call
     busbw: float                   # bytes per second
+    step_latency: float = 0.0      # seconds per message step of a ring
 
 
 @dataclass(frozen=True)
@@ -313,14 +320,16 @@ class Machine:
 def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
     if ranks == 1:
         return 0.0
-    return link.latency + 2 * ring_share(ranks) * nbytes / link.busbw
+    steps = 2 * (ranks - 1)
+    return link.latency + steps * link.step_latency + 2 * ring_share(ranks) * nbytes / link.busbw
 
 
 def all_gather_time(link: Link, ranks: int, nbytes: float) -> float:
     """An all-gather of a full tensor of ``nbytes`` (each rank contributes 1/n of it)."""
     if ranks == 1:
         return 0.0
-    return link.latency + ring_share(ranks) * nbytes / link.busbw
+    steps = ranks - 1
+    return link.latency + steps * link.step_latency + ring_share(ranks) * nbytes / link.busbw
 
 
 def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
@@ -331,7 +340,15 @@ def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float)
 
 def send_time(link: Link, nbytes: float) -> float:
     """A send, a broadcast or a reduce of ``nbytes``: the whole payload through a link."""
-    return link.latency + nbytes / link.busbw
+    return link.latency + link.step_latency + nbytes / link.busbw
+
+
+def broadcast_time(link: Link, ranks: int, nbytes: float) -> float:
+    """One owner's ``nbytes`` to every rank of the group, pipelined down a chain: n-1 steps,
+    the whole payload through each link once."""
+    if ranks == 1:
+        return 0.0
+    return link.latency + (ranks - 1) * link.step_latency + nbytes / link.busbw
 
 
 def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
@@ -387,16 +404,24 @@ def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
     return lm.batch // (grid.dp * grid.micro_batches), lm.seq // grid.cp
 
 
+def turns(grid: Grid, machine: Machine) -> float:
+    """How much longer a rank's work takes when W ranks take turns on fewer cores: W / cores
+    (1 where every rank has a device, or a core, of its own). A property of a box like this
+    course's 2-core VM, absent on a GPU box with a GPU per rank."""
+    if machine.cores and grid.world_size > machine.cores:
+        return grid.world_size / machine.cores
+    return 1.0
+
+
 def compute_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """Every rank does 1/W of the FLOPs: dp and cp split the tokens, tp the matrices, pp the
     layers. Ranks that share fewer cores than there are ranks take turns on them."""
     per_token = training_flops_per_token(lm, grid.checkpointing)
     tokens_worth = lm.batch * lm.seq / grid.world_size
-    seconds = per_token * tokens_worth / machine.flops
+    seconds = per_token * tokens_worth / machine.flops * turns(grid, machine)
     source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a rank / "
               f"{machine.flops / 1e12:.3g} TFLOP/s")
-    if machine.cores and grid.world_size > machine.cores:
-        seconds = seconds * grid.world_size / machine.cores
+    if turns(grid, machine) > 1:
         source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
     return ("compute", seconds, source)
 
@@ -516,7 +541,7 @@ def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
                       f"{len(buckets)} reduces, {whole / 2**20:.3g} MiB, under backward (lesson 1)"))
     if grid.dp_kind in ("zero1", "zero2"):
         terms.append(("dp parameters broadcast by their owners",
-                      replicas * send_time(link, whole / replicas),
+                      replicas * broadcast_time(link, replicas, whole / replicas),
                       f"{replicas} broadcasts of {whole / replicas / 2**20:.3g} MiB after the "
                       "optimizer step, nothing to hide them under (lesson 1)"))
     if grid.dp_kind == "fsdp":
@@ -562,8 +587,21 @@ def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, st
     """AdamW reads a parameter, its gradient and two moments and writes three of them back:
     28 bytes per parameter this rank updates, bound by memory bandwidth."""
     owned = state_per_rank(lm, grid)["optim"] / (2 * FLOAT32)
-    return ("optimizer", ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth,
-            f"28 bytes x {owned / 1e6:.3g}M parameters / {machine.memory_bandwidth / 1e9:.3g} GB/s")
+    seconds = ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth * turns(grid, machine)
+    source = f"28 bytes x {owned / 1e6:.3g}M parameters / {machine.memory_bandwidth / 1e9:.3g} GB/s"
+    if turns(grid, machine) > 1:
+        source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
+    return ("optimizer", seconds, source)
+
+
+def loss_term(grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """One float64 all-reduced over every rank, so each logs the global loss: nothing on a
+    GPU, one more call's latency where calls are slow."""
+    link = machine.inside
+    if grid.world_size > machine.ranks_per_node:
+        link = machine.across
+    return ("loss all-reduce", all_reduce_time(link, grid.world_size, 8),
+            f"8 bytes over all {grid.world_size} ranks")
 
 
 def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
@@ -579,6 +617,8 @@ def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, st
         terms.append(ring_attention_term(lm, grid, machine))
     if grid.dp * grid.cp > 1:
         terms.extend(data_parallel_terms(lm, grid, machine, compute[1]))
+    if grid.loss_all_reduce:
+        terms.append(loss_term(grid, machine))
     terms.append(optimizer_term(lm, grid, machine))
     return terms
 

@@ -22,6 +22,7 @@ Run:  python 07_parallelism/measure/check_prediction.py          (after make ben
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import statistics
@@ -89,9 +90,14 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
 
 
 def link_from_fit(fit: dict, ranks: int) -> planner.Link:
-    """Stage 02's t = a + N / w for an all-reduce of N bytes is the planner's all-reduce time
-    with latency a and bus bandwidth w x 2 (n-1)/n."""
-    return planner.Link(latency=fit["a_s"], busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks)
+    """Stage 02's t = a + N / w for an all-reduce of N bytes over ``ranks`` ranks is the
+    planner's all-reduce time with bus bandwidth w x 2 (n-1)/n and the latency a spread over
+    the ring's 2 (n-1) message steps. Per step, because on this box the latency is the ranks
+    waiting for a core: a group of n ranks inside a job of W > cores ranks waits at each of
+    its own steps as long as the W ranks of the fit did at theirs."""
+    steps = 2 * (ranks - 1)
+    return planner.Link(latency=0.0, busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks,
+                        step_latency=fit["a_s"] / steps)
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
@@ -237,17 +243,17 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         grid = parse_grid(row["grid"], row["setting"], int(row["micro_batches"]))
         if grid is None or grid.world_size != ranks:
             continue
-        group = max(grid.dp * grid.cp, grid.tp, grid.pp)   # its collectives' groups: that many
-        key = f"{backend_device}/{group}"                   # ranks, as stage 02 fitted them
+        key = f"{backend_device}/{ranks}"   # the fit with as many ranks sharing the cores
         if key not in fits:
             continue
+        grid = dataclasses.replace(grid, loss_all_reduce=True)   # lesson 7 logs the global loss
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
         compute_s, optimizer_s = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
                                               GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
                                               device=row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], group), cores)
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
