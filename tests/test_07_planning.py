@@ -60,6 +60,61 @@ def test_memory_and_bytes_equal_the_ledgers_formula(preset, ranks):
         assert planner.data_parallel_bytes_sent(lm, grid) == pytest.approx(want["sent"], rel=1e-12), kind
 
 
+def grid_of(spec: dict) -> planner.Grid:
+    """Lesson 7's grid spec (measure/grid_bench.py) as the planner's grid: --fsdp is ZeRO-1."""
+    kind = "zero1" if spec["fsdp"] else "ddp"
+    return planner.Grid(dp=spec["dp"], tp=spec["tp"], pp=spec["pp"], cp=spec["cp"], dp_kind=kind,
+                        schedule=spec["schedule"], chunks=spec["chunks"],
+                        micro_batches=spec["micro_batches"])
+
+
+def test_every_rank_of_the_grid_bench_equals_its_formula_exactly():
+    """Lesson 7's bench counts each rank's bytes and checks them against its combined formula;
+    the planner's per-rank memory and bytes per axis equal that formula exactly, on every rank
+    of every grid ``train.py --bench`` runs (its CPU and GPU sizes) and of a few more grids
+    (interleaved chunks, ZeRO-1 behind a pipeline, four stages)."""
+    import grid_bench
+    spec = grid_bench.grid_spec
+    grids = [spec_ for specs in grid_bench.GRIDS.values() for spec_ in specs]
+    grids += [spec(dp=2, pp=2, fsdp=True, micro_batches=2), spec(pp=4, micro_batches=4),
+              spec(pp=2, cp=2, tp=2, fsdp=True, schedule="interleaved", chunks=2, micro_batches=4),
+              spec(cp=2), spec(dp=8, fsdp=True)]
+    checked = 0
+    for sizes in grid_bench.SIZES.values():
+        shape = grid_bench.lm_shape(sizes)
+        lm = planner.LM(layers=shape["layers"], d_model=shape["h"], d_ff=shape["f"],
+                        heads=shape["heads"], vocab=shape["vocab"], seq=shape["seq"],
+                        batch=shape["batch"])
+        for one in grids:
+            if shape["layers"] % (one["pp"] * one["chunks"]):
+                continue                                   # the tiny LM has 2 blocks
+            grid = grid_of(one)
+            for pp_rank in range(grid.pp):
+                for data_rank in range(grid.dp * grid.cp):
+                    want = grid_bench.combined_formula(shape, one, pp_rank, grid.world_size,
+                                                       data_rank)
+                    got = planner.rank_bytes(lm, grid, pp_rank, data_rank)
+                    for column, value in want.items():
+                        if column == "sent_other":         # a group no axis names: none
+                            assert value == 0
+                            continue
+                        assert got[column] == value, (grid_bench.grid_label(one), pp_rank,
+                                                      data_rank, column)
+                    checked += 1
+    assert checked > 100
+    # a negative control: fc1's bias kept whole on every tp rank, as a norm is, is caught
+    shape = grid_bench.lm_shape(grid_bench.SIZES["cpu"])
+    lm = planner.LM(layers=shape["layers"], d_model=shape["h"], d_ff=shape["f"],
+                    heads=shape["heads"], vocab=shape["vocab"], seq=shape["seq"],
+                    batch=shape["batch"])
+    one = spec(dp=2, tp=2)
+    want = grid_bench.combined_formula(shape, one, 0, 4)["param"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner, "split_over_tp",
+                      lambda lm: [len(shape) == 2 for shape in planner.block_parameter_shapes(lm)])
+        assert planner.rank_bytes(lm, grid_of(one))["param"] != want
+
+
 def test_compute_term_by_hand():
     # forward per token: 2 x 2 blocks x 512 matrix values + head 2 x 10 x 8 + attention
     # 4 x 2 x 4 x 8 / 2 (causal) = 2048 + 160 + 128; training 3x; 16 tokens over 2 ranks

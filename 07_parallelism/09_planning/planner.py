@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 FLOAT32 = 4
 ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
+ADAMW_STEP_BYTES = 4       # torch's AdamW keeps its step count as a float32 tensor per parameter
 
 
 # --------------------------------------------------------------------------- what is trained
@@ -159,12 +160,23 @@ def micro_batches_in_flight(grid: Grid) -> int:
 # --------------------------------------------------------------------------- memory per rank
 
 
+def split_over_tp(lm: LM) -> list[bool]:
+    """Which of a block's tensors (block_parameter_shapes' order) lesson 3 splits over tp: every
+    matrix, and the bias of the column-parallel fc1 (its outputs are split, so is its bias);
+    the norms and the row-parallel fc2's bias stay whole on every tp rank."""
+    split = []
+    for index, shape in enumerate(block_parameter_shapes(lm)):
+        fc1_bias = not lm.gated_mlp and index == 7
+        split.append(len(shape) == 2 or fc1_bias)
+    return split
+
+
 def values_per_block(lm: LM, tp: int) -> int:
-    """One block's parameter values on a tensor-parallel rank: matrices split t ways (lesson 3),
-    norms and biases whole."""
+    """One block's parameter values on a tensor-parallel rank: matrices and fc1's bias split t
+    ways (lesson 3), norms and fc2's bias whole."""
     values = 0
-    for shape in block_parameter_shapes(lm):
-        if len(shape) == 2:
+    for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)):
+        if split:
             values += numel(shape) // tp
         else:
             values += numel(shape)
@@ -253,11 +265,13 @@ def data_parallel_bytes_sent(lm: LM, grid: Grid) -> float:
     return sent
 
 
-def activations_per_rank(lm: LM, grid: Grid) -> float:
-    """Bytes saved for backward on the first pipeline rank, at its peak: per micro-batch and
-    block, lesson 7's table (sequence parallel, b rows of S = s/c tokens; the values the
-    course's block saves), times the blocks it holds, times the micro-batches in flight. With
-    checkpointing a block keeps only its input, and one block's full set is alive in backward."""
+INT64 = 8                  # token ids and positions
+
+
+def block_activation_bytes(lm: LM, grid: Grid) -> int:
+    """What one block saves for backward, one micro-batch on one rank: lesson 7's table
+    (sequence parallel, b rows of S = s/c tokens, S/t of them between the tp regions; the
+    values the course's block saves)."""
     h = lm.d_model
     f = lm.d_ff
     t = grid.tp
@@ -268,13 +282,138 @@ def activations_per_rank(lm: LM, grid: Grid) -> float:
     per_block += 4 * rows * tokens * h // t                           # q, k, v, attention's out
     per_block += rows * (lm.heads // t) * tokens                      # log-sum-exp
     per_block += 2 * rows * tokens * f // t                           # fc1's output, GELU's
-    per_block_bytes = lm.compute_bytes * per_block
+    if grid.cp > 1:
+        per_block += rows * tokens * h // t    # ring attention's output is [b, heads, S, hd]:
+                                               # the out projection keeps a transposed copy
+    return lm.compute_bytes * per_block
+
+
+def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
+    """What the ends of the model save, one micro-batch: the first stage the token ids and
+    positions (int64), the last the final norm's input and statistics, the head's input, the
+    log-softmax, the targets and the cross-entropy's weight sum; each on S/t tokens."""
+    rows = lm.batch // (grid.dp * grid.micro_batches)
+    between = lm.seq // grid.cp // grid.tp
+    saved = 0
+    if first:
+        saved += INT64 * (rows * between + between)
+    if last:
+        values = rows * between * (lm.d_model + 2) + rows * between * lm.d_model
+        values += rows * between * lm.vocab
+        saved += lm.compute_bytes * values + INT64 * rows * between + FLOAT32
+    return saved
+
+
+def activations_per_rank(lm: LM, grid: Grid) -> float:
+    """Bytes saved for backward on the first pipeline rank, at its peak: per micro-batch its
+    blocks' and the model's ends' (block_activation_bytes, edge_activation_bytes), times the
+    micro-batches in flight. With checkpointing a block keeps only its input, and one block's
+    full set is alive in backward."""
+    rows = lm.batch // (grid.dp * grid.micro_batches)
+    tokens = lm.seq // grid.cp
+    per_block_bytes = block_activation_bytes(lm, grid)
+    edges = edge_activation_bytes(lm, grid, first=True, last=grid.pp == 1)
     blocks = lm.layers // grid.pp
     in_flight = micro_batches_in_flight(grid)
     if grid.checkpointing:
-        kept_input = lm.compute_bytes * rows * tokens * h // t
-        return in_flight * blocks * kept_input + per_block_bytes
-    return in_flight * blocks * per_block_bytes
+        kept_input = lm.compute_bytes * rows * tokens * lm.d_model // grid.tp
+        return in_flight * (blocks * kept_input + edges) + per_block_bytes
+    return in_flight * (blocks * per_block_bytes + edges)
+
+
+def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]:
+    """(values, split over tp) of each parameter tensor one pipeline rank holds, in the order
+    its optimizer gets them, laid out as lesson 7 lays them out: v chunks a rank (virtual
+    stages chunk x p + pp_rank), the embeddings on virtual stage 0, the final norm and the head
+    on the last, every block's matrices and fc1's bias split over tp."""
+    p = grid.pp
+    v = grid.chunks
+    h = lm.d_model
+    blocks_per_chunk = lm.layers // (p * v)
+    block = list(zip(block_parameter_shapes(lm), split_over_tp(lm)))
+    tensors = []
+    for chunk in range(v):
+        stage = chunk * p + pp_rank
+        if stage == 0:
+            tensors.append((lm.vocab * h, False))                  # token embedding
+            if lm.position_embedding:
+                tensors.append((lm.seq * h, False))
+        for _ in range(blocks_per_chunk):
+            for shape, split in block:
+                if split:
+                    tensors.append((numel(shape) // grid.tp, True))
+                else:
+                    tensors.append((numel(shape), False))
+        if stage == p * v - 1:
+            tensors.append((h, False))                             # the final norm
+            if not lm.gated_mlp:
+                tensors.append((h, False))
+            tensors.append((lm.vocab * h, False))                  # the head
+    return tensors
+
+
+def zero1_dealt_state(tensors: list[tuple[int, bool]], owners: int, owner: int) -> int:
+    """Lesson 1's ZeRO-1 deal: whole tensors, largest first, each to the rank holding the fewest
+    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count."""
+    loads = [0] * owners
+    owned = [0] * owners
+    sizes = [values for values, _ in tensors]
+    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])
+    for index in order:
+        rank = loads.index(min(loads))
+        loads[rank] += FLOAT32 * sizes[index]
+        owned[rank] += 2 * FLOAT32 * sizes[index] + ADAMW_STEP_BYTES
+    return owned[owner]
+
+
+def rank_bytes(lm: LM, grid: Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
+    """One rank of lesson 7's grid, exactly as lesson 7 builds it (its bench counts the same
+    numbers from the tensors): parameters, gradients and AdamW state (torch keeps a float32
+    step count per tensor; ZeRO-1 deals whole tensors), what one micro-batch saves for
+    backward, and the bytes it sends a step on each axis, a ring's share of each payload.
+    ``pp_rank``: its pipeline position; ``data_rank``: its position among the dp x cp ranks."""
+    if grid.dp_kind not in ("ddp", "zero1"):
+        raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
+    p = grid.pp
+    v = grid.chunks
+    t = grid.tp
+    c = grid.cp
+    m = grid.micro_batches
+    tensors = rank_tensors(lm, grid, pp_rank)
+    params = sum(values for values, _ in tensors)
+    replicated = sum(values for values, split in tensors if not split)
+    optim = 2 * FLOAT32 * params + ADAMW_STEP_BYTES * len(tensors)
+    if grid.dp_kind == "zero1":
+        optim = zero1_dealt_state(tensors, grid.dp * c, data_rank)
+    stages = [chunk * p + pp_rank for chunk in range(v)]
+    first = 0 in stages
+    last = p * v - 1 in stages
+    blocks = lm.layers // p
+    activation = (blocks * block_activation_bytes(lm, grid)
+                  + edge_activation_bytes(lm, grid, first, last))
+
+    rows, tokens = rows_and_tokens(lm, grid)
+    gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
+    sent_tp = m * blocks * 8 * ring_share(t) * gathered          # lesson 3, forward and back
+    sent_tp += 2 * ring_share(t) * FLOAT32 * replicated          # whole tensors' gradients
+    sent_cp = 0.0
+    if c > 1:
+        kv_block = lm.compute_bytes * rows * tokens * lm.d_model / t
+        sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * kv_block  # lesson 5's hops
+    messages = 0
+    for stage in stages:
+        if stage < p * v - 1 and (stage + 1) % p != pp_rank:
+            messages += m                                        # activations forward
+        if stage > 0 and (stage - 1) % p != pp_rank:
+            messages += m                                        # gradients backward
+    sent_pp = messages * lm.compute_bytes * rows * (tokens // t) * lm.d_model
+    sent_dp_cp = 2 * ring_share(grid.dp * c) * FLOAT32 * params  # every gradient
+    if grid.dp_kind == "zero1":
+        sent_dp_cp += ring_share(grid.dp * c) * FLOAT32 * params  # the owners' broadcasts
+    sent_world = 2 * ring_share(grid.world_size) * 8             # the loss, float64
+    return {"param": FLOAT32 * params, "grad": FLOAT32 * params, "optim": optim,
+            "activation": activation, "sent_tp": sent_tp, "sent_cp": sent_cp,
+            "sent_pp": sent_pp, "sent_dp_cp": sent_dp_cp, "sent_world": sent_world}
 
 
 def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
@@ -313,6 +452,8 @@ class Machine:
     across: Link                   # between nodes
     overlap: bool = True           # can communication run while the rank computes?
     cores: int = 0                 # ranks share this many cores (0: a device of its own each)
+    straggler: float = 0.0         # how much longer the slowest of the W ranks computes than
+                                   # the median one, as a share (0: ranks in lockstep)
     reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
     source: str = ""
 
@@ -426,6 +567,15 @@ def compute_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]
     return ("compute", seconds, source)
 
 
+def straggler_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
+    """A collective ends when its last rank arrives, so ranks that wait for each other every
+    step take as long as the slowest of them: on a quiet GPU box each computes the same kernels
+    in the same time (0); on a box whose cores other work also uses, a rank's compute varies
+    from step to step, and the slowest of W draws is later than the median one."""
+    return ("waiting for the slowest rank", compute * machine.straggler,
+            f"the slowest of {grid.world_size} ranks computes {machine.straggler:.0%} longer")
+
+
 def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
     """Lesson 4: a pipeline rank idles ``bubble`` of the step, so its compute is stretched by
     1 / (1 - bubble). Ranks taking turns on shared cores fill each other's bubbles."""
@@ -439,8 +589,8 @@ def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, floa
 def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """Lesson 3 with sequence parallelism: per block and micro-batch an all-gather of [b, S, h]
     before attention and before the MLP and a reduce-scatter after each, forward, and the same
-    backward: on the critical path. Then the tp-replicated parameters' gradients (norms, biases)
-    are all-reduced over tp."""
+    backward: on the critical path. Then the gradients of the tensors every tp rank holds whole
+    (norms, fc2's bias, the embeddings and the head) are all-reduced over tp."""
     t = grid.tp
     link = link_of(machine, grid, "tp")
     rows, tokens = rows_and_tokens(lm, grid)
@@ -448,8 +598,12 @@ def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, flo
     calls = grid.micro_batches * (lm.layers // grid.pp) * 4
     seconds = calls * (all_gather_time(link, t, payload)
                        + reduce_scatter_time(machine, link, t, payload))
-    replicated = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
-    seconds += all_reduce_time(link, t, FLOAT32 * replicated * lm.layers // grid.pp)
+    replicated = 0
+    for pp_rank in (0, grid.pp - 1):                      # the first and the last stage
+        tensors = rank_tensors(lm, grid, pp_rank)
+        whole = sum(values for values, split in tensors if not split)
+        replicated = max(replicated, whole)
+    seconds += all_reduce_time(link, t, FLOAT32 * replicated)
     return ("tp collectives", seconds,
             f"{2 * calls} all-gathers and reduce-scatters of {payload / 2**20:.3g} MiB (lesson 3)")
 
@@ -608,6 +762,8 @@ def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, st
     """One optimizer step on the slowest rank, as (term, seconds, where it comes from)."""
     compute = compute_term(lm, grid, machine)
     terms = [compute]
+    if grid.world_size > 1 and machine.straggler:
+        terms.append(straggler_term(grid, machine, compute[1]))
     if grid.pp > 1:
         terms.append(bubble_term(grid, machine, compute[1]))
         terms.append(pipeline_hops_term(lm, grid, machine))

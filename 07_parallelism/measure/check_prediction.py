@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import os
 import statistics
 import sys
@@ -57,11 +58,12 @@ def synchronize(device: torch.device) -> None:
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
-                 repeats: int = 5) -> tuple[float, float]:
-    """(forward + backward seconds, AdamW step seconds) of the LM on one process: medians after
-    two warm-up steps, ``threads`` threads (a rank's share of this box's cores). Timed once per
-    shape: every configuration with the same per-rank shapes gets the same compute, so their
-    predictions differ by what the planner says, not by the noise of two timings."""
+                 repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
+    """(forward + backward seconds, AdamW step seconds, every forward + backward timed) of the
+    LM on one process: medians after two warm-up steps, ``threads`` threads (a rank's share of
+    this box's cores). Timed once per shape: every configuration with the same per-rank shapes
+    gets the same compute, so their predictions differ by what the planner says, not by the
+    noise of two timings."""
     on = torch.device(device)
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -86,7 +88,18 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
         if attempt >= 2:
             compute.append(middle - start)
             stepping.append(end - middle)
-    return statistics.median(compute), statistics.median(stepping)
+    return statistics.median(compute), statistics.median(stepping), tuple(compute)
+
+
+def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
+    """How much longer the slowest of ``ranks`` ranks computes than the median rank, measured:
+    each step's W ranks are W of the timings taken here, a step lasts as long as its slowest,
+    and the bench reports the median step. So: the median, over every W of the timings, of
+    their largest, over the median timing, less 1."""
+    if ranks < 2 or len(samples) < ranks:
+        return 0.0
+    slowest = [max(draw) for draw in itertools.combinations(samples, ranks)]
+    return max(0.0, statistics.median(slowest) / statistics.median(samples) - 1)
 
 
 def link_from_fit(fit: dict, ranks: int) -> planner.Link:
@@ -101,11 +114,12 @@ def link_from_fit(fit: dict, ranks: int) -> planner.Link:
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
-             link: planner.Link, cores: int) -> planner.Machine:
+             link: planner.Link, cores: int, samples: tuple[float, ...] = ()) -> planner.Machine:
     """The machine as measured for this configuration: a matmul rate that makes the planner's
     compute term the forward and backward timed here, a memory bandwidth that makes its
     optimizer term the AdamW step timed here (on the whole model), Gloo's links; ``cores``: the
-    cores (or GPUs) the ranks take turns on."""
+    cores (or GPUs) the ranks take turns on; ``samples``: the forward and backward timings,
+    whose spread says how late the slowest rank is."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.checkpointing) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
@@ -114,7 +128,8 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
-        cores=cores, reduce_scatter_as_all_reduce=True)
+        cores=cores, straggler=straggler_share(samples, grid.world_size),
+        reduce_scatter_as_all_reduce=True)
 
 
 # --------------------------------------------------------------------------- the rows
@@ -170,7 +185,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
-        compute_s, optimizer_s = time_compute(row["model"], batch // ranks, seq,
+        compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
                                               models.VOCAB_SIZE, max(1, (os.cpu_count() or 1) // ranks),
                                               device=row["device"])
         if cap is None:
@@ -178,7 +193,8 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
+                           samples)
         label = impl
         if impl in ("bucketed", "torch_ddp"):
             label = f"{impl} {row['bucket_mb']} MB"
@@ -202,10 +218,11 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         checkpointing = row["checkpointing"] == "on"
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=LEDGER_KINDS[row["impl"]], checkpointing=checkpointing)
-        compute_s, optimizer_s = time_compute(row["model"], batch // ranks, seq, models.VOCAB_SIZE,
+        compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq, models.VOCAB_SIZE,
                                               max(1, (os.cpu_count() or 1) // ranks), checkpointing,
                                               device=row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
+                           samples)
         rows.append(predicted_row(
             f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
             f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
@@ -250,10 +267,11 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
-        compute_s, optimizer_s = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
+        compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
                                               GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
                                               device=row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores)
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
+                           samples)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
