@@ -452,10 +452,13 @@ class Machine:
     across: Link                   # between nodes
     overlap: bool = True           # can communication run while the rank computes?
     cores: int = 0                 # ranks share this many cores (0: a device of its own each)
+    copy_bandwidth: float = 0.0    # bytes read and written per second copying a buffer (0: the
+                                   # memory bandwidth; a CPU's caches make it differ)
     straggler: float = 0.0         # how much longer the slowest of the W ranks computes than
                                    # the median one, as a share (0: ranks in lockstep)
     reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
     source: str = ""
+    ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
 
 
 def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
@@ -700,7 +703,54 @@ def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
                       "optimizer step, nothing to hide them under (lesson 1)"))
     if grid.dp_kind == "fsdp":
         terms.append(fsdp_term(lm, grid, machine, link, compute))
+    terms.append(buffer_copies_term(lm, grid, machine))
     return terms
+
+
+def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
+    """What the data-parallel wrappers copy in memory to talk in few calls, each byte read once
+    and written once, at the memory bandwidth (on the same cores as compute, so not hidden):
+
+      DDP with buckets (stage 06, torch's): each gradient into its bucket (divided by d on the
+        way) and the mean back out, 4 G for G bytes of gradients; a call a tensor (stages 03,
+        05) divides in place, 2 G;
+      ZeRO-2: each gradient into its owner's bucket, 2 G;
+      ZeRO-1 and ZeRO-2: the owners' parameters into one flat buffer each and every broadcast
+        buffer back into the parameters, 2 G / d + 2 G (lesson 1);
+      FSDP: each gathered unit out of the gather buffer into its parameters, for forward and
+        again for backward, and its gradients into the reduce-scatter buffer (lesson 2)."""
+    d = grid.dp * grid.cp
+    gradients = sum(rank_tensor_bytes(lm, grid))
+    copied = 0.0
+    if grid.dp_kind in ("ddp", "zero1"):
+        copied = 4 * gradients
+        if grid.bucket_bytes == 0:
+            copied = 2 * gradients
+    if grid.dp_kind == "zero2":
+        copied = 2 * gradients
+    if grid.dp_kind in ("zero1", "zero2"):
+        copied += 2 * gradients / d + 2 * gradients
+    if grid.dp_kind == "fsdp":
+        units = fsdp_unit_values(lm, grid)
+        gathered = sum(units) + sum(units[1:-1])          # forward, and backward but the ends
+        copied = 2 * lm.compute_bytes * gathered + 2 * FLOAT32 * sum(units)
+    bandwidth = machine.copy_bandwidth or machine.memory_bandwidth
+    seconds = copied / bandwidth * turns(grid, machine)
+    return ("dp buffer copies", seconds,
+            f"{copied / 2**20:.3g} MiB read and written / {bandwidth / 1e9:.3g} GB/s")
+
+
+def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
+    """Lesson 2's units, in values (the tp share of each matrix): the root (embeddings, head),
+    then a unit per block of this pipeline rank."""
+    block_values = 0
+    for shape in block_parameter_shapes(lm):
+        if len(shape) == 2:
+            block_values += numel(shape) // grid.tp
+    root_values = lm.vocab * lm.d_model * 2
+    if lm.position_embedding:
+        root_values += lm.seq * lm.d_model
+    return [root_values] + [block_values] * (lm.layers // grid.pp)
 
 
 def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
@@ -711,17 +761,11 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     the 1-D tensors, kept whole, have their gradients all-reduced in one call."""
     replicas = grid.dp * grid.cp
     blocks = lm.layers // grid.pp
-    block_values = 0
     block_replicated = 0
     for shape in block_parameter_shapes(lm):
-        if len(shape) == 2:
-            block_values += numel(shape) // grid.tp
-        else:
+        if len(shape) == 1:
             block_replicated += numel(shape)
-    root_values = lm.vocab * lm.d_model * 2
-    if lm.position_embedding:
-        root_values += lm.seq * lm.d_model
-    unit_values = [root_values] + [block_values] * blocks
+    unit_values = fsdp_unit_values(lm, grid)
     forward_units = [0.0] + [compute / 3 / blocks] * blocks
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
     gathers = [all_gather_time(link, replicas, lm.compute_bytes * v) for v in unit_values]
@@ -862,17 +906,17 @@ PCIE5_X16 = 64e9               # bytes/s each way
 CLUSTERS = {
     "8xH100-nvlink": Machine(
         name="8 x H100 SXM, NVLink 4", flops=H100_SXM_BF16, memory=80e9,
-        memory_bandwidth=3.35e12, ranks_per_node=8,
+        memory_bandwidth=3.35e12, ranks_per_node=8, ranks=8,
         inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=10e-6, busbw=NVLINK4),
         source="H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; NVLink 4"),
     "16xH100-ib": Machine(
         name="2 nodes of 8 x H100 SXM, NVLink 4 inside, InfiniBand NDR between", flops=H100_SXM_BF16,
-        memory=80e9, memory_bandwidth=3.35e12, ranks_per_node=8,
+        memory=80e9, memory_bandwidth=3.35e12, ranks_per_node=8, ranks=16,
         inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=20e-6, busbw=INFINIBAND_NDR),
         source="as 8xH100-nvlink; ConnectX-7 NDR 400 Gb/s per GPU between nodes"),
     "8xH100-pcie": Machine(
         name="8 x H100 PCIe, PCIe 5 x16", flops=H100_PCIE_BF16, memory=80e9,
-        memory_bandwidth=2.0e12, ranks_per_node=8,
+        memory_bandwidth=2.0e12, ranks_per_node=8, ranks=8,
         inside=Link(latency=10e-6, busbw=PCIE5_X16), across=Link(latency=10e-6, busbw=PCIE5_X16),
         source="H100 PCIe datasheet: 756 TFLOP/s bf16 dense, 80 GB at 2.0 TB/s; PCIe 5 x16"),
 }

@@ -78,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     machine = planner.CLUSTERS[args.cluster]
-    ranks = args.ranks or machine.ranks_per_node * (2 if "16x" in args.cluster else 1)
+    ranks = args.ranks or machine.ranks
     batch = args.batch or 2 * ranks
     if args.model == "llama3-8b":
         lm = dataclasses.replace(planner.LLAMA3_8B, batch=batch, seq=args.seq or planner.LLAMA3_8B.seq)

@@ -91,6 +91,27 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
     return statistics.median(compute), statistics.median(stepping), tuple(compute)
 
 
+@functools.lru_cache(maxsize=None)
+def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) -> float:
+    """Bytes read and written per second copying one float32 buffer of ``nbytes`` into another
+    (what the data-parallel wrappers do to gradients and gathered parameters): the median of
+    ``repeats`` copies after one warm-up, ``threads`` threads. At the wrappers' own size, since
+    a CPU copies a buffer that fits in its caches several times faster than one that does not."""
+    on = torch.device(device)
+    torch.set_num_threads(threads)
+    source = torch.ones(max(1, nbytes // 4), device=on)
+    target = torch.empty_like(source)
+    seconds = []
+    for attempt in range(1 + repeats):
+        synchronize(on)
+        start = time.perf_counter()
+        target.copy_(source)
+        synchronize(on)
+        if attempt >= 1:
+            seconds.append(time.perf_counter() - start)
+    return 2 * source.numel() * 4 / statistics.median(seconds)
+
+
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
     """How much longer the slowest of ``ranks`` ranks computes than the median rank, measured:
     each step's W ranks are W of the timings taken here, a step lasts as long as its slowest,
@@ -114,19 +135,24 @@ def link_from_fit(fit: dict, ranks: int) -> planner.Link:
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
-             link: planner.Link, cores: int, samples: tuple[float, ...] = ()) -> planner.Machine:
+             link: planner.Link, cores: int, samples: tuple[float, ...] = (),
+             device: str = "cpu") -> planner.Machine:
     """The machine as measured for this configuration: a matmul rate that makes the planner's
     compute term the forward and backward timed here, a memory bandwidth that makes its
     optimizer term the AdamW step timed here (on the whole model), Gloo's links; ``cores``: the
     cores (or GPUs) the ranks take turns on; ``samples``: the forward and backward timings,
-    whose spread says how late the slowest rank is."""
+    whose spread says how late the slowest rank is; a copy of the gradients' size timed on
+    ``device`` for the wrappers' buffer copies."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.checkpointing) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
     owned = planner.parameter_count(lm)
+    gradients = sum(planner.rank_tensor_bytes(lm, grid))
+    threads = max(1, (os.cpu_count() or 1) // grid.world_size)
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
+        copy_bandwidth=time_copy(gradients, threads, device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
         reduce_scatter_as_all_reduce=True)
@@ -194,7 +220,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples)
+                           samples, row["device"])
         label = impl
         if impl in ("bucketed", "torch_ddp"):
             label = f"{impl} {row['bucket_mb']} MB"
@@ -222,7 +248,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                                               max(1, (os.cpu_count() or 1) // ranks), checkpointing,
                                               device=row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples)
+                           samples, row["device"])
         rows.append(predicted_row(
             f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
             f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
@@ -271,9 +297,67 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                                               GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
                                               device=row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples)
+                           samples, row["device"])
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
+    return rows
+
+
+# --------------------------------------------------------------------------- the projection
+
+PROJECTION_CSV = "projection.csv"
+PROJECTION_MODEL = "small"     # make plan's default LM, sequence and rows a GPU
+PROJECTION_SEQ = 256
+PROJECTION_ROWS = 2
+PROJECTION_TOP = 3             # grids a preset
+
+
+def projection_rows(device: str) -> list[dict]:
+    """The planner on each cluster preset, with this device's compute in place of the spec
+    sheet's: the LM's forward, backward and AdamW timed here at world size 1 with one data-
+    parallel rank's shapes (float32, as the course's LM runs) give the matmul rate and memory
+    bandwidth; the links stay the preset's. Every figure is a prediction for a machine that is
+    not here; ``compute_from`` names the one whose compute fed it. Fail-safe: a device that
+    cannot run the shapes costs the projection, one line, not the check."""
+    try:
+        compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
+                                                 models.VOCAB_SIZE, os.cpu_count() or 1,
+                                                 device=device)
+    except (RuntimeError, MemoryError) as error:       # a CUDA error, out of memory included
+        print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at "
+              f"{PROJECTION_ROWS} x {PROJECTION_SEQ} did not run on {device}: "
+              f"{str(error).splitlines()[0]}")
+        return []
+    one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
+    rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ
+            / compute_s)
+    bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
+    where = results.machine_name()
+    if device == "cuda":
+        where = torch.cuda.get_device_name(0)
+    compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "
+                    f"{bandwidth / 1e9:.3g} GB/s (measured)")
+    rows = []
+    for name, cluster in planner.CLUSTERS.items():
+        lm = course_lm(PROJECTION_MODEL, PROJECTION_ROWS * cluster.ranks, PROJECTION_SEQ)
+        machine = dataclasses.replace(cluster, flops=rate, memory_bandwidth=bandwidth)
+        fitting = []
+        for grid in planner.candidate_grids(lm, cluster.ranks, cluster.ranks_per_node):
+            prediction = planner.predict(lm, grid, machine)
+            if prediction["fits"]:
+                fitting.append(prediction)
+        fitting.sort(key=lambda prediction: prediction["step_s"])
+        for prediction in fitting[:PROJECTION_TOP]:
+            rows.append({"config": f"{name}: {planner.label(prediction['grid'])}",
+                         "cluster": name, "grid": planner.label(prediction["grid"]),
+                         "ranks": cluster.ranks, "model": PROJECTION_MODEL,
+                         "batch_size": lm.batch, "seq_len": lm.seq, "label": "predicted",
+                         "predicted_ms": round(prediction["step_s"] * 1e3, 3),
+                         "tokens_per_s_per_gpu": round(prediction["tokens_per_s_per_rank"]),
+                         "share_of_measured_rate": round(prediction["mfu"], 3),
+                         "memory_gib": round(prediction["memory"]["total"] / 2**30, 3),
+                         "compute_from": compute_from, "device": device,
+                         "machine": results.machine_name(), "run_id": results.run_id()})
     return rows
 
 
@@ -283,12 +367,26 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="whose rows to check (default: gloo)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="whose rows to check (default: cpu)")
+    parser.add_argument("--project", action="store_true",
+                        help="also project onto the cluster presets with this device's compute "
+                             "(always on with --device cuda)")
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend_device = f"{args.backend}/{args.device}"
+    if args.device == "cuda" or args.project:
+        projected = projection_rows(args.device)
+        if projected:
+            results.upsert_csv(PROJECTION_CSV, projected, key=["cluster"])
+            print(f"PREDICTED on the cluster presets, compute from {projected[0]['compute_from']}:")
+            for row in projected:
+                print(f"  {row['config']:34} {row['predicted_ms']:9.2f} ms "
+                      f"{row['tokens_per_s_per_gpu']:>9,} tokens/s a GPU")
+    else:
+        print("check_prediction: no projection onto the GPU presets: this box has no GPU, and "
+              "a CPU's compute would project a cluster of CPUs (--project shows it anyway)")
     fits = {}
     run = os.environ.get("RESULTS_RUN_ID")      # make bench: only this run's fit counts
     for key, fit in results.read_json("allreduce_fit.json").items():
@@ -309,7 +407,9 @@ def main(argv=None) -> int:
         new_rows = make_rows(fits, backend_device, cores)
         rows.extend(new_rows)
         if new_rows:
-            results.upsert_csv(CSV_NAME, new_rows, key=["config", "source"])
+            # this run's rows replace every older row from the same source file: one
+            # configuration, one row, from the newest run that measured it
+            results.upsert_csv(CSV_NAME, new_rows, key=["source"])
     if not rows:
         print("check_prediction: nothing to check: no rows of this run in results/ "
               "(ddp_step.csv, sharding.csv, grid.csv) that the planner models")
