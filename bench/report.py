@@ -916,9 +916,32 @@ def compute_section(where: Where):
     return text, headline, rows
 
 
+def projection_text(where: Where) -> str:
+    """Lesson 9's projection: the cluster presets PREDICTED with the compute this run measured
+    (check_prediction.py --project, on by default on a GPU box); "" without rows."""
+    rows = rows_of(where, "projection.csv")
+    if not rows:
+        return ""
+    table = []
+    for r in rows:
+        table.append([r["cluster"], r["grid"], num(r, "predicted_ms"),
+                      f"{num(r, 'tokens_per_s_per_gpu'):,.0f}", f"{num(r, 'memory_gib'):.1f}",
+                      f"{num(r, 'share_of_measured_rate'):.0%}"])
+    return (f"\n**Predicted, not measured**: the planner on each cluster preset, its links the "
+            f"preset's spec sheet, its compute measured here ({rows[0]['compute_from']}); LM "
+            f"`{rows[0]['model']}`, {rows[0]['seq_len']} tokens a sequence, "
+            f"{int(num(rows[0], 'batch_size')) // int(num(rows[0], 'ranks'))} sequences a GPU; "
+            "the fastest grids that fit:\n\n"
+            + md_table(["preset", "grid", "predicted step ms", "predicted tokens/s a GPU",
+                        "predicted GiB a GPU", "of the measured rate"], table) + "\n")
+
+
 def prediction_section(where: Where):
     """Lesson 9: the planner's step time beside the step measured, per configuration."""
     rows = rows_of(where, "prediction.csv")
+    projected = projection_text(where)
+    if not rows and projected:       # a GPU box's projection without a fit to check against
+        return projected, [], []
     if not rows:
         return None
     table = []
@@ -940,7 +963,7 @@ def prediction_section(where: Where):
              "cannot see on a box like this).")
     headline = [["planning: predicted step time within 25% of measured",
                  f"{within} of {len(rows)} configurations (worst {num(worst, 'ratio'):.2f}x)"]]
-    return text + "\n" + words + "\n", headline, rows
+    return text + "\n" + words + "\n" + projected, headline, rows
 
 
 SECTIONS = [("Compute on one device: the measured peak, forward, backward, optimizer, memory, "

@@ -250,12 +250,23 @@ def test_every_grid_is_a_split_of_the_ranks():
     assert {planner.label(grid) for grid in grids} >= {"dp16 fsdp", "dp2 fsdp tp8", "dp1 tp8 pp2 m2"}
 
 
-def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys):
+def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, monkeypatch):
     """The check's plumbing on a tiny fixture (its accuracy is what make bench's run shows):
     every row it can model gets a prediction, naive DDP (a call a tensor) predicted slower
-    than flat (one call) by the calls' latency, FSDP's communication above DDP's on Gloo."""
+    than flat (one call) by the calls' latency, FSDP's communication above DDP's on Gloo; an
+    older run's rows of the same source are replaced, not kept beside the new ones; and the
+    projection onto the cluster presets (a GPU box's, here with the CPU's compute) is written,
+    labelled predicted, and shown by the report, or skipped in one line where the device
+    cannot run its LM."""
     import check_prediction
+    from bench import report
     from common import results
+    monkeypatch.setattr(check_prediction, "PROJECTION_MODEL", "tiny")   # the path, not the size
+    monkeypatch.setattr(check_prediction, "PROJECTION_SEQ", 16)
+    results.upsert_csv("prediction.csv", [{"config": "ddp_step torch_ddp, tiny, 2 ranks",
+                                           "source": "ddp_step.csv", "predicted_ms": 1,
+                                           "measured_ms": 1, "ratio": 1, "run_id": "older"}],
+                       key=["config"])
     results.write_json("allreduce_fit.json", {"gloo/cpu/2": {"a_s": 2e-3, "w_bytes_per_s": 1e9},
                                                "gloo/cpu/4": {"a_s": 4e-3, "w_bytes_per_s": 6e8}})
     common = {"backend": "gloo", "device": "cpu", "model": "tiny"}
@@ -271,9 +282,18 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys):
                   "world_size": 4, "micro_batches": 1, "batch_size": 4, "seq_len": 16,
                   "step_ms": 70}]
     results.upsert_csv("grid.csv", grid_rows, key=["grid"])
-    assert check_prediction.main([]) == 0
+    assert check_prediction.main(["--project"]) == 0
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
     assert len(rows) == 4 + 2 + 1, sorted(rows)          # torch_fsdp is not modelled as ours
+    projected = results.read_csv("projection.csv")
+    assert {row["cluster"] for row in projected} == set(planner.CLUSTERS)
+    for row in projected:
+        assert row["label"] == "predicted" and "(measured)" in row["compute_from"]
+        assert float(row["predicted_ms"]) > 0 and float(row["memory_gib"]) < 80
+    where = report.Where(out=results.results_dir(), draw=results.results_dir(), run_id=None,
+                         machine="")
+    text = report.prediction_section(where)[0]
+    assert "Predicted, not measured" in text and "8xH100-nvlink" in text
     by_start = {config.split(",")[0]: row for config, row in rows.items()}
     assert float(by_start["ddp_step naive"]["predicted_ms"]) > float(by_start["ddp_step flat"]["predicted_ms"])
     fsdp_comm = float(by_start["ledger fsdp"]["fsdp_gathers_and_reduce-scatters_not_hidden_ms"])
@@ -282,3 +302,10 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys):
         assert float(row["predicted_ms"]) > 0
         assert float(row["ratio"]) == pytest.approx(float(row["predicted_ms"]) / float(row["measured_ms"]), rel=1e-2)
     assert "the worst:" in capsys.readouterr().out
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+    monkeypatch.setattr(check_prediction, "time_compute", fails)
+    assert check_prediction.projection_rows("cpu") == []
+    said = capsys.readouterr().out.strip().splitlines()
+    assert len(said) == 1 and "projection skipped" in said[0] and "out of memory" in said[0]

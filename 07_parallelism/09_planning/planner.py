@@ -6,13 +6,19 @@ it has) and answers the three questions asked before any large run: will it fit,
 cross each link, and how long will one step take. Each step-time term is the idea of one lesson:
 
     step = compute x (1 + pipeline bubble)          lesson 4: (p-1)/(m+p-1) for 1F1B
+         + waiting for the slowest rank              a collective ends when its last rank comes
          + tensor-parallel collectives               lesson 3: on the critical path, not hidden
          + ring-attention hops not hidden by compute lesson 5
          + pipeline hops while the pipe fills         lesson 4
          + data-parallel communication left after    stage 06 (buckets under backward),
            backward                                  lessons 1-2 (ZeRO, FSDP prefetch)
+         + copies into communication buffers         stage 06, lessons 1-2: memory-bound
+         + the loss all-reduce, if the step logs it  lesson 7
          + the optimizer step                         memory-bound: AdamW reads and writes 28
                                                       bytes per parameter
+
+and, for one rank of lesson 7's grid, its memory and the bytes it sends on each axis exactly as
+lesson 7's bench counts them (``rank_bytes``).
 
 Standard library only: copy this file anywhere. ``run_planning.py`` beside it ranks grids for a
 model on a cluster (``make plan``).

@@ -3,20 +3,27 @@
 The planner (07_parallelism/09_planning/planner.py) predicts a step from a machine's compute
 rate, its links and its memory bandwidth. Here the machine is this one: each configuration's
 forward and backward and its optimizer step are timed at world size 1 with the shapes one rank
-of it works on (its threads: this box's cores shared among the ranks), and its links are stage
-02's all-reduce fit (``results/allreduce_fit.json``: t = a + N / w). The prediction is then set
-beside the step times the course measured on this box:
+of it works on (its threads: this box's cores shared among the ranks; the timings' spread says
+how late the slowest rank comes), a copy of its gradients' size gives the copy bandwidth, and
+its links are stage 02's all-reduce fit with as many ranks as the job
+(``results/allreduce_fit.json``: t = a + N / w). The prediction is then set beside the step
+times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
   results/sharding.csv   the ledger: DDP, ZeRO-1, ZeRO-2, FSDP (02_fsdp ``--bench``)
   results/grid.csv       our grids of lesson 7 (``train.py --bench``)
 
 and written to ``results/prediction.csv``, one row per configuration: ``config``,
-``predicted_ms``, ``measured_ms``, their ratio, and each term. What the planner leaves out on a
-box like this (ranks taking turns on shared cores, Gloo's calls costing milliseconds) is in its
-README; the worst row is named at the end.
+``predicted_ms``, ``measured_ms``, their ratio, and each term (a run's rows replace the older
+ones of the same source). What the planner leaves out on a box like this is in its README; the
+worst row is named at the end.
+
+With ``--device cuda`` (make bench on a GPU box), or ``--project``, it also projects: the
+planner on each cluster preset with this device's measured compute in place of the spec
+sheet's, written to ``results/projection.csv``, every row labelled predicted.
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
+      python 07_parallelism/measure/check_prediction.py --project   (the projection on a CPU)
 """
 
 from __future__ import annotations
@@ -211,9 +218,10 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
+        threads = max(1, (os.cpu_count() or 1) // ranks)
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
-                                              models.VOCAB_SIZE, max(1, (os.cpu_count() or 1) // ranks),
-                                              device=row["device"])
+                                                       models.VOCAB_SIZE, threads,
+                                                       device=row["device"])
         if cap is None:
             grid = planner.Grid()                      # no communication: one rank's work
             lm = course_lm(row["model"], batch // ranks, seq)
@@ -244,9 +252,10 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         checkpointing = row["checkpointing"] == "on"
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=LEDGER_KINDS[row["impl"]], checkpointing=checkpointing)
-        compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq, models.VOCAB_SIZE,
-                                              max(1, (os.cpu_count() or 1) // ranks), checkpointing,
-                                              device=row["device"])
+        threads = max(1, (os.cpu_count() or 1) // ranks)
+        compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
+                                                       models.VOCAB_SIZE, threads, checkpointing,
+                                                       device=row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
                            samples, row["device"])
         rows.append(predicted_row(
@@ -293,9 +302,10 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
-        compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp, seq // grid.cp,
-                                              GRID_VOCAB, max(1, (os.cpu_count() or 1) // ranks),
-                                              device=row["device"])
+        threads = max(1, (os.cpu_count() or 1) // ranks)
+        compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp,
+                                                       seq // grid.cp, GRID_VOCAB, threads,
+                                                       device=row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
                            samples, row["device"])
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
