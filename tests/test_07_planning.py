@@ -138,6 +138,30 @@ def test_bucketed_ddp_step_by_hand():
     assert no_overlap["dp gradients left after backward"] == pytest.approx(2 * bucket)
 
 
+def test_shared_cores_terms_by_hand():
+    """The terms of a box whose ranks share its cores, on a bucketed DDP step of 4 ranks on 2
+    cores: compute, AdamW and the buffer copies take turns (x 4/2), each ring step of a
+    collective waits (an all-reduce over 4 ranks is 6 steps), the loss is all-reduced over
+    every rank, and the ranks wait for the slowest."""
+    box = dataclasses.replace(ROUND, overlap=False, cores=2, straggler=0.25, copy_bandwidth=2e9,
+                              inside=planner.Link(latency=0.0, busbw=1e6, step_latency=1e-4))
+    grid = planner.Grid(dp=4, bucket_bytes=2688, loss_all_reduce=True)
+    compute = 3 * 2336 * 4 / 1e7 * 2                       # 4 tokens a rank, taking turns
+    # two buckets of 2688 bytes: each 6 steps + 2 (3/4) 2688 / 1e6; no overlap
+    bucket = 6 * 1e-4 + 2 * 0.75 * 2688 / 1e6
+    terms = terms_of(SMALL, grid, box)
+    assert terms["compute"] == pytest.approx(compute)
+    assert terms["waiting for the slowest rank"] == pytest.approx(0.25 * compute)
+    assert terms["dp gradients left after backward"] == pytest.approx(2 * bucket)
+    assert terms["dp buffer copies"] == pytest.approx(4 * 1344 * 4 / 2e9 * 2)   # into, out of
+    assert terms["optimizer"] == pytest.approx(28 * 1344 / 1e9 * 2)
+    assert terms["loss all-reduce"] == pytest.approx(6 * 1e-4 + 2 * 0.75 * 8 / 1e6)
+    # a call a tensor divides in place (2 G), and a GPU per rank takes no turns
+    alone = terms_of(SMALL, planner.Grid(dp=4, bucket_bytes=0), dataclasses.replace(box, cores=0))
+    assert alone["dp buffer copies"] == pytest.approx(2 * 1344 * 4 / 2e9)
+    assert alone["compute"] == pytest.approx(compute / 2)
+
+
 def test_fsdp_step_by_hand():
     grid = planner.Grid(dp=2, dp_kind="fsdp")
     compute = 3 * 2336 * 8 / 1e7

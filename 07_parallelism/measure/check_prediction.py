@@ -72,6 +72,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
     gets the same compute, so their predictions differ by what the planner says, not by the
     noise of two timings."""
     on = torch.device(device)
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
@@ -95,6 +96,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
         if attempt >= 2:
             compute.append(middle - start)
             stepping.append(end - middle)
+    torch.set_num_threads(threads_before)
     return statistics.median(compute), statistics.median(stepping), tuple(compute)
 
 
@@ -105,6 +107,7 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
     ``repeats`` copies after one warm-up, ``threads`` threads. At the wrappers' own size, since
     a CPU copies a buffer that fits in its caches several times faster than one that does not."""
     on = torch.device(device)
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     source = torch.ones(max(1, nbytes // 4), device=on)
     target = torch.empty_like(source)
@@ -116,6 +119,7 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
         synchronize(on)
         if attempt >= 1:
             seconds.append(time.perf_counter() - start)
+    torch.set_num_threads(threads_before)
     return 2 * source.numel() * 4 / statistics.median(seconds)
 
 
@@ -325,14 +329,13 @@ PROJECTION_TOP = 3             # grids a preset
 def projection_rows(device: str) -> list[dict]:
     """The planner on each cluster preset, with this device's compute in place of the spec
     sheet's: the LM's forward, backward and AdamW timed here at world size 1 with one data-
-    parallel rank's shapes (float32, as the course's LM runs) give the matmul rate and memory
-    bandwidth; the links stay the preset's. Every figure is a prediction for a machine that is
+    parallel rank's shapes (float32, as the course's LM runs; one thread, which on a CPU is a
+    core a rank) give the matmul rate and memory bandwidth; the links stay the preset's. Every figure is a prediction for a machine that is
     not here; ``compute_from`` names the one whose compute fed it. Fail-safe: a device that
     cannot run the shapes costs the projection, one line, not the check."""
     try:
         compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
-                                                 models.VOCAB_SIZE, os.cpu_count() or 1,
-                                                 device=device)
+                                                 models.VOCAB_SIZE, 1, device=device)
     except (RuntimeError, MemoryError) as error:       # a CUDA error, out of memory included
         print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at "
               f"{PROJECTION_ROWS} x {PROJECTION_SEQ} did not run on {device}: "
