@@ -360,7 +360,9 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
 
 def zero1_dealt_state(tensors: list[tuple[int, bool]], owners: int, owner: int) -> int:
     """Lesson 1's ZeRO-1 deal: whole tensors, largest first, each to the rank holding the fewest
-    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count."""
+    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count.
+    (measure/grid_bench.py deals the same way for its formula: repeated on purpose, so that
+    this file copies alone.)"""
     loads = [0] * owners
     owned = [0] * owners
     sizes = [values for values, _ in tensors]
