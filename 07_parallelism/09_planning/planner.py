@@ -651,20 +651,9 @@ def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
     """float32 bytes of each parameter tensor on the first pipeline rank, registration order;
-    tp splits the matrices of the blocks (lesson 3)."""
-    shapes = parameter_shapes(lm)
-    per_block = len(block_parameter_shapes(lm))
-    first_block = len(shapes) - lm.layers * per_block - (2 if lm.gated_mlp else 3)
+    tp splits the matrices of the blocks and fc1's bias (lesson 3)."""
     sizes = []
-    for index, shape in enumerate(shapes):
-        in_blocks = first_block <= index < first_block + lm.layers * per_block
-        if in_blocks and index >= first_block + (lm.layers // grid.pp) * per_block:
-            continue                                       # later stages' blocks
-        if not in_blocks and index >= first_block and grid.pp > 1:
-            continue                                       # the last stage's norm and head
-        values = numel(shape)
-        if in_blocks and len(shape) == 2:
-            values = values // grid.tp
+    for values, _ in rank_tensors(lm, grid, pp_rank=0):
         sizes.append(FLOAT32 * values)
     return sizes
 
