@@ -212,7 +212,8 @@ def test_ring_attention_step_by_hand():
 
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
     """What a wrong model predicts, on configurations where the term matters: each differs from
-    the right one by more than the check's 25%, so the check would catch it."""
+    the right one by more than the check's 25%, so the check would catch it (the bubble
+    forgotten, overlap ignored, ranks sharing cores ignored, a ring counted as one hop)."""
     gpu = planner.CLUSTERS["16xH100-ib"]
     lm = dataclasses.replace(planner.LLAMA3_8B, batch=16)
 
@@ -232,6 +233,15 @@ def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
     right = planner.predict(medium, ddp, nvlink)["step_s"]
     monkeypatch.setattr(planner, "overlapped_tail", lambda compute, pieces, overlap: sum(pieces))
     assert abs(planner.predict(medium, ddp, nvlink)["step_s"] - right) / right > TOLERANCE
+    monkeypatch.undo()
+
+    # ranks sharing cores ignored: 4 ranks on 2 cores, each computing as if it had a core
+    fast = planner.Link(latency=0.0, busbw=1e12, step_latency=1e-6)
+    box = dataclasses.replace(ROUND, overlap=False, cores=2, inside=fast, across=fast)
+    shared = planner.Grid(dp=2, tp=2)
+    right = planner.predict(SMALL, shared, box)["step_s"]
+    monkeypatch.setattr(planner, "turns", lambda grid, machine: 1.0)
+    assert abs(planner.predict(SMALL, shared, box)["step_s"] - right) / right > TOLERANCE
     monkeypatch.undo()
 
     # a ring counted as one hop: every rank sends the whole payload, not (n-1)/n of it
