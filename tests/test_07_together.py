@@ -133,6 +133,8 @@ def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_p
     assert any("gradient differs" in problem for problem in dp_only), dp_only[:3]
     twice = findings["dp2 tp2, summed over tp twice"]["problems"]
     assert any("norm1.weight gradient differs" in problem for problem in twice), twice[:3]
+    hsdp = findings["HSDP 2 x 2, summed over the whole data axis"]["problems"]
+    assert any("gradient differs" in problem for problem in hsdp), hsdp[:3]
     replicas = findings["dp2 tp2, replicas saved on every tp rank"]["problems"]
     assert any("blocks.0.norm1.weight: marked to be saved by ranks [0, 1]" in problem
                for problem in replicas), replicas[:3]
