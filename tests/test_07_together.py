@@ -23,6 +23,8 @@ from helpers import REPO
 
 SHAPES = [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1), (2, 2, 1, 2),
           (2, 1, 2, 2)]  # (dp, pp, cp, tp), up to 8 ranks
+HSDP_SHAPES = [(2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (1, 2, 2, 1, 1), (2, 1, 1, 2, 1),
+               (2, 2, 2, 1, 1)]  # (dp_replicate, dp_shard, pp, cp, tp)
 
 MESH_CHECK = r'''
 import sys
@@ -64,17 +66,53 @@ for shape in SHAPES:
 # negative control: a mesh with data and context swapped must differ from our grid
 problems = differences(2, 1, 2, 2, mesh_order=("pp", "cp", "dp", "tp"))
 print("control: " + ("differs" if problems else "NO DIFFERENCE"))
+
+
+def hsdp_differences(replicate, shard, pp, cp, tp, mesh_order):
+    """HSDP: our dp_replicate, dp_shard and dp groups against a 5-D mesh's (the right order:
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp"), the shard index inside the replica's)."""
+    sizes = {"pp": pp, "dp_replicate": replicate, "dp_shard": shard, "cp": cp, "tp": tp}
+    world_size = replicate * shard * pp * cp * tp
+    problems = []
+    for rank in range(world_size):
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        mesh = init_device_mesh("cpu", tuple(sizes[axis] for axis in mesh_order),
+                                mesh_dim_names=mesh_order)
+        ours = grid.ProcessGrid(dp=replicate * shard, pp=pp, cp=cp, tp=tp, dp_shard=shard)
+        theirs = {}
+        for axis in ("dp_replicate", "dp_shard", "pp", "cp", "tp"):
+            theirs[axis] = dist.get_process_group_ranks(mesh.get_group(axis))
+        data = tuple(axis for axis in mesh_order if axis.startswith("dp_"))
+        theirs["dp"] = dist.get_process_group_ranks(mesh[data]._flatten("dp").get_group())
+        for axis, want in theirs.items():
+            got = dist.get_process_group_ranks(ours.group(axis))
+            if got != want or ours.rank(axis) != want.index(rank):
+                problems.append(f"rank {rank} axis {axis}: ours {got}, the mesh's {want}")
+        dist.destroy_process_group()
+    return problems
+
+
+right = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+for shape in HSDP_SHAPES:
+    problems = hsdp_differences(*shape, mesh_order=right)
+    print(f"hsdp {shape}: " + ("; ".join(problems) if problems else "groups equal"))
+# negative control: shards outside the replicas (a replica's ranks neighbours) must differ
+swapped = ("pp", "dp_shard", "dp_replicate", "cp", "tp")
+problems = hsdp_differences(2, 2, 1, 1, 2, mesh_order=swapped)
+print("hsdp control: " + ("differs" if problems else "NO DIFFERENCE"))
 '''
 
 
 def test_grid_groups_equal_init_device_mesh():
-    """Every rank of every shape, in one interpreter (torch's fake process group)."""
-    code = (f"SHAPES = {SHAPES!r}\n"
+    """Every rank of every shape, in one interpreter (torch's fake process group); HSDP's
+    sub-axes of the data axis against a 5-D mesh."""
+    code = (f"SHAPES = {SHAPES!r}\nHSDP_SHAPES = {HSDP_SHAPES!r}\n"
             f"GRID_FOLDER = {str(REPO / '07_parallelism' / '07_together')!r}\n")
     result = subprocess.run([sys.executable, "-c", code + textwrap.dedent(MESH_CHECK)],
                             capture_output=True, text=True, timeout=120)
     lines = result.stdout.strip().splitlines()
     want = [f"{shape}: groups equal" for shape in SHAPES] + ["control: differs"]
+    want += [f"hsdp {shape}: groups equal" for shape in HSDP_SHAPES] + ["hsdp control: differs"]
     assert result.returncode == 0 and lines == want, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -86,6 +124,10 @@ def test_grid_coordinates_without_processes():
     assert grid_mod.groups_along(("tp",), sizes) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid_mod.groups_along(("pp",), sizes) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid_mod.groups_along(("dp", "cp"), sizes) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    hsdp = {"pp": 1, "dp": 4, "cp": 1, "tp": 2, "dp_shard": 2}   # shards neighbours, tp inside
+    assert grid_mod.groups_along(("dp_shard",), hsdp) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid_mod.groups_along(("dp_replicate",), hsdp) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid_mod.groups_along(("dp",), hsdp) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     drawn = grid_mod.draw_grid(dp=2, pp=2, cp=1, tp=2).splitlines()
     assert drawn[1] == "pp 0  dp 1 | cp 0: 2 3" and drawn[3] == "pp 1  dp 1 | cp 0: 6 7"
 
