@@ -85,6 +85,24 @@ context shard (ring attention's queries), S / t of them between the tensor-paral
                           + (n-1)/n 4 P with ZeRO-1    (the owners broadcast the new weights)
       world               2 (W-1)/W 8                  the loss, float64, over all W ranks
 
+HSDP (dp = r x s, ``dp_shard`` s > 1; pp = cp = 1): lesson 2's FSDP over the s ranks of a
+dp_shard group, the row blocks summed over the r ranks of a dp_replicate group. A weight of
+[rows, cols] (tensor parallelism's piece) is held as a block of ceil(rows/s) cols values,
+padded; U: the values of one unit (a block, the embeddings, the head) so held, P_s their sum,
+P_1 the 1-D parameters (whole):
+
+    parameters, gradients P_s + P_1;  AdamW state 2 x that + the step counts
+      dp_shard            m (2 P_s - U_head + P_s) (s-1) 4   per micro-batch every unit
+                                                       gathered twice (forward, backward) but
+                                                       the head once (still gathered when its
+                                                       backward starts), every unit's gradient
+                                                       reduce-scattered: payload s U, a share
+                                                       (s-1)/s of it
+                          + 2 (s-1)/s 4 P_1            the 1-D gradients, one all-reduce
+      dp_replicate        2 (r-1)/r 4 (P_s + P_1)      1/s of the model, one all-reduce
+      tp                  as above, R with the embeddings' and head's blocks in place of them
+      dp_cp               0
+
 Each rank compares its own counts with its own formula; a row holds the largest rank's
 count and formula, and the worst relative difference of any rank in any column.
 """
@@ -93,6 +111,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import sys
 import time
@@ -105,8 +124,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from counters import (CommCounter, FunctionalCommCounter, SavedActivations, optimizer_state_bytes,
-                      state_bytes, storage_key)
+from counters import (CommCounter, FunctionalCommCounter, SavedActivations,
+                      gathered_storage_keys, optimizer_state_bytes, state_bytes, storage_key)
 
 CSV_NAME = "grid.csv"
 CSV_KEY = ["impl", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
@@ -115,7 +134,8 @@ FLOAT = 4           # float32
 INT64 = 8           # token ids and positions
 STEP_COUNT = 4      # AdamW's step: one float32 scalar tensor per parameter tensor
 VOCAB = 256         # bytes as tokens, as train.py trains
-AXES = ("tp", "cp", "pp", "dp_cp", "world", "other")   # "other": a group no axis names
+AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world",
+        "other")                                          # "other": a group no axis names
 KINDS = ("param", "grad", "optim", "activation")
 TARGET_BYTES = 0.05          # counted within 5% of the formula
 TARGET_TORCH_TP = 1.25       # ours at most 1.25x torch's composition, in each pair
@@ -123,9 +143,11 @@ TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipe
 
 
 def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
-              micro_batches=1) -> dict:
+              micro_batches=1, dp_shard=1) -> dict:
+    """One grid: its degrees, ZeRO-1 or not, the schedule; ``dp_shard`` > 1: HSDP, dp =
+    dp_replicate x dp_shard."""
     return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "fsdp": fsdp, "schedule": schedule,
-            "chunks": chunks, "micro_batches": micro_batches}
+            "chunks": chunks, "micro_batches": micro_batches, "dp_shard": dp_shard}
 
 
 # The grids of the bench, by world size. The course's tiny LM has 2 blocks (pp <= 2); on a GPU
@@ -138,14 +160,17 @@ GRIDS = {
         grid_spec(pp=2, tp=2, micro_batches=4),
         grid_spec(dp=2, pp=2, micro_batches=4),
         grid_spec(cp=2, tp=2),
-        grid_spec(dp=2, cp=2, fsdp=True)],
+        grid_spec(dp=2, cp=2, fsdp=True),
+        grid_spec(dp=4, dp_shard=2)],
     8: [grid_spec(dp=8),
         grid_spec(dp=4, tp=2),
         grid_spec(dp=2, tp=4),
         grid_spec(dp=2, pp=2, tp=2, micro_batches=4),
         grid_spec(dp=2, cp=2, tp=2),
         grid_spec(pp=2, cp=2, tp=2, micro_batches=4),
-        grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4)],
+        grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4),
+        grid_spec(dp=8, dp_shard=4),
+        grid_spec(dp=4, tp=2, dp_shard=2)],
 }
 
 # Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a box with a GPU per
@@ -167,7 +192,12 @@ SIZES = {
 def grid_label(spec: dict) -> str:
     """'dp2 tp2', 'pp2 tp2': the axes of degree > 1, outermost last as one says them."""
     parts = []
+    dp_shard = spec.get("dp_shard", 1)
+    if dp_shard > 1:        # HSDP: the data axis by its two parts
+        parts.append(f"dp_replicate{spec['dp'] // dp_shard} dp_shard{dp_shard}")
     for axis in ("dp", "pp", "cp", "tp"):
+        if axis == "dp" and dp_shard > 1:
+            continue
         if spec[axis] > 1:
             parts.append(f"{axis}{spec[axis]}")
     if not parts:
@@ -180,6 +210,8 @@ def setting_label(spec: dict) -> str:
     words = ["AdamW"]
     if spec["fsdp"]:
         words = ["ZeRO-1 AdamW"]
+    if spec.get("dp_shard", 1) > 1:
+        words = ["HSDP AdamW"]
     if spec["pp"] > 1:
         words.append(f"{spec['schedule']} m{spec['micro_batches']}")
     return ", ".join(words)
@@ -296,12 +328,69 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     if spec["fsdp"]:
         sent["dp_cp"] += ring_share(data_and_context) * FLOAT * params
     sent["world"] = 2 * ring_share(world_size) * 8
+    if spec.get("dp_shard", 1) > 1:          # HSDP: the data axis's bytes, and what a rank holds
+        hsdp = hsdp_formula(shape, spec, first, last)
+        params = hsdp["params"]
+        optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
+        sent["tp"] = m * blocks * 8 * ring_share(t) * gathered
+        sent["tp"] += 2 * ring_share(t) * FLOAT * hsdp["tp_replicated"]
+        sent["dp_cp"] = 0.0
+        sent["dp_shard"] = hsdp["sent_dp_shard"]
+        sent["dp_replicate"] = hsdp["sent_dp_replicate"]
 
     formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
                "activation": activation}
     for axis in AXES:
         formula[f"sent_{axis}"] = sent[axis]
     return formula
+
+
+def fsdp_block(rows: int, columns: int, ranks: int) -> int:
+    """Values of one rank's FSDP block of a [rows, columns] weight: k = ceil(rows / ranks) rows,
+    the last rank's padded with zeros (lesson 2's layout)."""
+    return -(-rows // ranks) * columns
+
+
+def hsdp_formula(shape: dict, spec: dict, first: bool, last: bool) -> dict:
+    """HSDP on one pipeline rank (pp = 1 here: both ends), s = dp_shard, r = dp_replicate:
+    what the module docstring's HSDP lines say, per rank. The units FSDP gathers: the
+    embeddings (token [V, h], position [s, h]), each block (q, k, v [3h/t, h], out [h, h/t],
+    fc1 [f/t, h], fc2 [h, f/t]: tensor parallelism's pieces), the head ([V, h]); a unit's
+    values U = its weights' blocks, padded. The 1-D parameters stay whole (5h + f/t a
+    block, 2h for the final LayerNorm)."""
+    h = shape["h"]
+    f = shape["f"]
+    t = spec["tp"]
+    m = spec["micro_batches"]
+    shard = spec["dp_shard"]
+    replicate = spec["dp"] // shard
+    blocks = shape["layers"] // spec["pp"]
+    block_unit = (fsdp_block(3 * h // t, h, shard) + fsdp_block(h, h // t, shard)
+                  + fsdp_block(f // t, h, shard) + fsdp_block(h, f // t, shard))
+    units = [block_unit] * blocks
+    whole = blocks * (5 * h + f // t)                       # the 1-D parameters
+    tp_replicated = blocks * 5 * h                          # LayerNorms, fc2's bias
+    head_unit = 0
+    if first:
+        embedding_unit = (fsdp_block(shape["vocab"], h, shard)
+                          + fsdp_block(shape["seq"], h, shard))
+        units.append(embedding_unit)
+        tp_replicated += embedding_unit
+    if last:
+        head_unit = fsdp_block(shape["vocab"], h, shard)
+        units.append(head_unit)
+        whole += 2 * h
+        tp_replicated += 2 * h + head_unit
+    sharded = sum(units)
+    # per micro-batch every unit gathered for forward and again for backward, but the last
+    # unit of the forward (the head) stays gathered into its backward; every unit's gradient
+    # reduce-scattered: each a ring share of the s blocks
+    gathers = 2 * sharded - head_unit
+    sent_shard = m * (gathers + sharded) * ring_share(shard) * FLOAT * shard
+    sent_shard += 2 * ring_share(shard) * FLOAT * whole     # the 1-D gradients, summed over s
+    sent_replicate = 2 * ring_share(replicate) * FLOAT * (sharded + whole)
+    return {"params": sharded + whole, "tp_replicated": tp_replicated,
+            "sent_dp_shard": sent_shard, "sent_dp_replicate": sent_replicate}
 
 
 def piece_sizes(shape: dict, spec: dict, pp_rank: int) -> list[int]:
@@ -416,13 +505,14 @@ def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
     """What training.py's build_full_lm and make_optimizer read."""
     return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
-                              lr=sizes["lr"], fsdp=spec["fsdp"])
+                              lr=sizes["lr"], fsdp=spec["fsdp"], chunks=spec["chunks"],
+                              dp_shard=spec.get("dp_shard", 1))
 
 
 def grid_axes(grid) -> dict:
     """The grid's groups by axis name, for the counter: the group of a call names its axis."""
     axes = {}
-    for axis in ("tp", "cp", "pp", "dp_cp", "dp"):
+    for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard", "dp_replicate"):
         axes[axis] = grid.group(axis)
     return axes
 
@@ -446,8 +536,11 @@ def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, target
         x = my_inputs
         if chunk.embedding is None:
             x = torch.randn(rows, my_inputs.shape[1], d_model, device=device)
-        with SavedActivations(chunk) as saved:
-            y = chunk(x)
+        gathered = set
+        if chunk.sharded_by:             # HSDP: FSDP's gathered weights are weights, not saved
+            gathered = functools.partial(gathered_storage_keys, chunk.sharded_by[0])
+        with SavedActivations(chunk, exclude_now=gathered) as saved:
+            y = parallel_lm.runner(chunk)(x)
             if chunk.head is not None:
                 loss_fn(y, my_targets)
         total += saved.bytes
@@ -473,12 +566,11 @@ def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
     """This rank's part of the LM on grid ``spec``, its optimizer, and a training step."""
     train = lessons.train
     parallel_lm = lessons.parallel_lm
-    grid = lessons.grid.ProcessGrid(dp=spec["dp"], pp=spec["pp"], cp=spec["cp"], tp=spec["tp"])
+    grid = lessons.grid.ProcessGrid(dp=spec["dp"], pp=spec["pp"], cp=spec["cp"], tp=spec["tp"],
+                                    dp_shard=spec.get("dp_shard", 1))
     args = train_args(sizes, spec)
     full_lm = train.build_full_lm(args)
-    chunks = []
-    for chunk in parallel_lm.build_chunks(full_lm, grid, sizes["seq_len"], spec["chunks"]):
-        chunks.append(chunk.to(ctx.device))
+    chunks = train.build_chunks(args, grid, parallel_lm, full_lm, ctx.device)   # HSDP: sharded
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = train.make_optimizer(params, args, grid)
     inputs, targets = random_batch(sizes)
@@ -494,10 +586,17 @@ def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
 
 
 def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
-    """The first step of a fresh model, counted: this rank's bytes beside its formula."""
+    """The first step of a fresh model, counted: this rank's bytes beside its formula. Under
+    HSDP the second: FSDP's first forward records the order of its units, and frees the last
+    one too; the formula is of the steps after it (the loss reported: the first step's)."""
     parallel_lm = lessons.parallel_lm
     grid = built["grid"]
+    first_loss = None
+    if spec.get("dp_shard", 1) > 1:
+        first_loss = built["step"]()["loss"]
     result, sent = count_step(built["step"], grid_axes(grid))
+    if first_loss is None:
+        first_loss = result["loss"]
     counted = {"param": state_bytes(built["params"]),
                "grad": state_bytes(p.grad for p in built["params"]),
                "optim": optimizer_state_bytes(built["optimizer"]),
@@ -510,7 +609,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
     worst, worst_kind = worst_difference(counted, formula)
     return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
             "formula": formula, "worst": worst, "worst_kind": worst_kind,
-            "loss": result["loss"], "peak_held": result["peak_held"]}
+            "loss": first_loss, "peak_held": result["peak_held"]}
 
 
 def everyone(mine):
