@@ -264,6 +264,13 @@ def bad_input_cases(tmp: Path) -> list:
           "--micro-batches", "3", "--batch-size", "6", "--chunks", "1"], "multiple of --pp"),
         (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
          "must divide each data-parallel"),
+        (["--world-size", "4", "--dp-shard", "3"], "--dp-shard 3 must divide --dp 4"),
+        (["--world-size", "4", "--dp", "4", "--dp-replicate", "3", "--dp-shard", "2"],
+         "--dp-replicate 3 x --dp-shard 2 = 6, but --dp is 4"),
+        (["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "3"], "= 6, but the world"),
+        (["--world-size", "4", "--dp", "2", "--pp", "2", "--dp-shard", "2"],
+         "HSDP composes with --tp only"),
+        (["--world-size", "4", "--dp-shard", "2", "--fsdp"], "with --fsdp: HSDP shards"),
         (["--data", "/no/such/file"], "cannot read it (No such file or directory)"),
         (["--data", ""], "--data '': give a text file"),
         (["--data", str(tmp)], "a folder; give a text file"),
@@ -304,6 +311,11 @@ def test_bad_input_is_refused_before_any_worker_starts(tmp_path, capsys, monkeyp
     sparse = str(tmp_path / "three_gb.txt")
     args, _ = train_flags.parse(["--world-size", "1", "--data", sparse, "--max-bytes", "100000"])
     assert len(text_data.read_head(args.data, args.max_bytes)) == 100000
+    # HSDP: --dp is replicate x shard, given either way
+    args, _ = train_flags.parse(["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "2"])
+    assert (args.dp, args.dp_replicate, args.dp_shard) == (4, 2, 2)
+    args, _ = train_flags.parse(["--world-size", "4", "--dp-shard", "2", "--tp", "2"])
+    assert (args.dp, args.dp_replicate, args.dp_shard) == (2, 1, 2)
     # nothing of the tries is left behind: the --save-full file a check created is gone
     assert not (tmp_path / "model.pt").exists()
     args, _ = train_flags.parse(["--world-size", "1", "--save-full", str(tmp_path / "model.pt")])
@@ -460,7 +472,8 @@ BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "it
                             "emulate_ms": 1.0}}
 BENCH_GRIDS = [grid_bench.grid_spec(dp=2, tp=2, fsdp=True),
                grid_bench.grid_spec(pp=2, cp=2, micro_batches=2),
-               grid_bench.grid_spec(cp=2, tp=2)]
+               grid_bench.grid_spec(cp=2, tp=2),
+               grid_bench.grid_spec(dp=2, tp=2, dp_shard=2, micro_batches=2)]   # HSDP with tp
 BENCH_COLUMNS = ["impl", "pair", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
                  "world_size", "backend", "device", "step_ms", "tokens_per_s", "machine", "run_id"]
 for _kind in [*grid_bench.KINDS, *(f"sent_{_axis}" for _axis in grid_bench.AXES)]:
@@ -504,11 +517,27 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
                 bound = grid_bench.zero1_deal_bound(shape, spec, 0)
                 for r in pair:
                     assert r["counted"]["optim"] <= mean * (1 + bound), r
-    assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 4, caught
+    assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 8, caught
     torch_rows = found["torch_rows"]
     assert [(row["pair"], row["impl"], row["grid"]) for row in torch_rows] == [
         ("replicated_tp", "ours", "dp2 tp2"), ("replicated_tp", "torch", "dp2 tp2"),
-        ("fsdp_tp", "ours", "dp2 tp2"), ("fsdp_tp", "torch", "dp2 tp2")]
+        ("fsdp_tp", "ours", "dp2 tp2"), ("fsdp_tp", "torch", "dp2 tp2"),
+        ("hsdp", "ours", "dp_replicate2 dp_shard2"), ("hsdp", "torch", "dp_replicate2 dp_shard2")]
+    # HSDP (2, 2): every rank's every column equals the formula (all-gathers and reduce-
+    # scatters on dp_shard, 1/2 of the model all-reduced on dp_replicate, nothing on dp_cp)
+    ours_hsdp = torch_rows[4]
+    assert ours_hsdp["worst_difference"] == 0, ours_hsdp
+    assert ours_hsdp["sent_dp_shard_bytes"] > 0 and ours_hsdp["sent_dp_cp_bytes"] == 0
+    # ... and a formula that all-reduces the whole model over the replicas is caught
+    formula = grid_bench.combined_formula(shape, grid_bench.grid_spec(dp=4, dp_shard=2), 0, 4)
+    whole_model = {**formula, "sent_dp_replicate": 2 * formula["sent_dp_replicate"]}
+    counted = {kind: ours_hsdp[f"{kind}_bytes"] for kind in formula}
+    assert grid_bench.worst_difference(counted, formula) == (0.0, "")
+    assert grid_bench.worst_difference(counted, whole_model)[1] == "sent_dp_replicate"
+    torch_hsdp = torch_rows[5]
+    for kind in ("param", "grad", "optim"):    # fully_shard over 2 shard ranks, 1-D too
+        assert torch_hsdp[f"{kind}_bytes"] == grid_bench.torch_formula(shape, 2, 1)[kind]
+    assert torch_hsdp["sent_dp_shard_bytes"] > 0 and torch_hsdp["sent_dp_replicate_bytes"] > 0
     assert "ZeRO-1" in torch_rows[2]["setting"] and "ZeRO-1" not in torch_rows[0]["setting"]
     assert "replicate" in torch_rows[1]["setting"] and "fully_shard" in torch_rows[3]["setting"]
     for theirs, sharded in ((torch_rows[1], False), (torch_rows[3], True)):
@@ -525,8 +554,9 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
         ("ours", "real"), ("torch", "real"), ("ours", "emulated"), ("torch", "emulated")]
     assert pipelines[0]["gradient_max_difference"] < 1e-6, pipelines[0]
     rows = results.read_csv("grid.csv")
-    assert len(rows) == 3 + 4 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
-    assert sorted(row["pair"] for row in rows if row["pair"]) == ["fsdp_tp"] * 2 + ["replicated_tp"] * 2
+    assert len(rows) == 4 + 6 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert sorted(row["pair"] for row in rows if row["pair"]) == (["fsdp_tp"] * 2 + ["hsdp"] * 2
+                                                                  + ["replicated_tp"] * 2)
     assert rows[0]["machine"] == results.machine_name()
 
 

@@ -874,6 +874,119 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
     return rows
 
 
+# HSDP beside torch's: ours (lesson 2's FSDP over dp_shard inside lesson 7's grid, the blocks
+# summed over dp_replicate) and torch's fully_shard on a 2-D (replicate, shard) mesh, which is
+# torch's HSDP; the same LM, batch and ranks: 2 replicas of W/2 shards.
+HSDP_PAIR = "hsdp"
+
+
+def hsdp_degrees(world_size: int) -> tuple[int, int]:
+    """(replicate, shard): 2 copies, each sharded over half the ranks (a node each)."""
+    return 2, world_size // 2
+
+
+def build_torch_hsdp(ctx, sizes: dict, lessons) -> dict:
+    """The LM (q, k, v as three Linears, as torch's tensor-parallel plan wants them; no tensor
+    parallelism here) with ``fully_shard`` per block and on the root, over a 2-D mesh
+    ("replicate", "shard"): parameters sharded over a shard group, gradients reduce-scattered
+    there and all-reduced over the replicate group. Each rank takes the rows of its place in
+    the data axis, replicate index x shard + shard index, as our grid's ranks do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    train = lessons.train
+    replicate, shard = hsdp_degrees(ctx.world_size)
+    mesh = init_device_mesh(ctx.device.type, (replicate, shard),
+                            mesh_dim_names=("replicate", "shard"))
+    args = train_args(sizes, grid_spec())
+    lm = TorchLM(train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock).to(ctx.device)
+    for block in lm.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(lm, mesh=mesh)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
+                                  eps=train.ADAM_EPS)
+    inputs, targets = random_batch(sizes)
+    rows = sizes["batch_size"] // ctx.world_size
+    data_rank = mesh["replicate"].get_local_rank() * shard + mesh["shard"].get_local_rank()
+    first = data_rank * rows
+    my_inputs = inputs[first:first + rows].to(ctx.device)
+    my_targets = targets[first:first + rows].to(ctx.device)
+
+    def forward_loss():
+        logits = lm(my_inputs)
+        return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_loss()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    axes = {"dp_replicate": mesh["replicate"].get_group(), "dp_shard": mesh["shard"].get_group()}
+    return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss,
+            "axes": axes}
+
+
+def count_torch_hsdp(ctx, built: dict) -> dict:
+    """torch's HSDP: the first step's loss (the mean over every rank), then the second step
+    counted (FSDP2 sets its buffers up in the first), and one forward's saved activations
+    (fully_shard's gathered weights left out, as in ``count_torch_composition``)."""
+    lm = built["lm"]
+    first = built["step"]().detach().reshape(1) / ctx.world_size
+    dist.all_reduce(first)
+    with CommCounter(axes=built["axes"]) as comm:
+        built["step"]()
+    counted = {"param": state_bytes(lm.parameters()),
+               "grad": state_bytes(p.grad for p in lm.parameters()),
+               "optim": optimizer_state_bytes(built["optimizer"])}
+    for axis in AXES:
+        counted[f"sent_{axis}"] = 0.0
+    for axis, entry in comm.by_axis.items():
+        counted[f"sent_{axis}"] += entry["sent_bytes"]
+
+    def weights_now():
+        return set(storage_key(p) for p in lm.parameters())
+
+    with SavedActivations(lm, exclude_now=weights_now) as saved:
+        built["forward_loss"]()
+    counted["activation"] = saved.bytes
+    return {"counted": counted, "loss": first.item()}
+
+
+def compare_hsdp_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
+    """Our HSDP grid and torch's on the same ranks, timed in alternating rounds: two rows
+    (ours, then torch's), each with its bytes; ours beside our formula, torch's parameters,
+    gradients and AdamW state beside its layout's (``torch_formula`` over the shard ranks:
+    fully_shard cuts the 1-D parameters too)."""
+    replicate, shard = hsdp_degrees(ctx.world_size)
+    spec = grid_spec(dp=replicate * shard, dp_shard=shard)
+    ours = build_grid(ctx, spec, sizes, lessons)
+    ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        theirs = build_torch_hsdp(ctx, sizes, lessons)
+        theirs_mine = count_torch_hsdp(ctx, theirs)
+        seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]}, sizes)
+    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
+    row_ours = timed_row(ctx, sizes, "ours", grid_label(spec),
+                         f"{setting_label(spec)}, timed beside torch's", seconds["ours"], 1)
+    row_ours["pair"] = HSDP_PAIR
+    row_ours["first_loss"] = ours_mine["loss"]
+    row_ours.update(byte_columns(everyone(ours_mine), kinds))
+    row_ours["zero1_deal_bound"] = ""
+    row_torch = timed_row(ctx, sizes, "torch", grid_label(spec),
+                          "fully_shard on a (replicate, shard) mesh: HSDP, AdamW",
+                          seconds["torch"], 1)
+    row_torch["pair"] = HSDP_PAIR
+    row_torch["first_loss"] = theirs_mine["loss"]
+    formula = torch_formula(lm_shape(sizes), shard, 1, sharded=True)
+    worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
+    torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
+                  "worst": worst, "worst_kind": worst_kind}
+    row_torch.update(byte_columns(everyone(torch_mine), kinds))
+    return [row_ours, row_torch]
+
+
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
     """Each step warmed up, then ``rounds`` rounds of ``iters`` timed calls of each in turn;
     the times pooled per step."""
@@ -1090,6 +1203,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
     torch_rows = compare_with_torch(ctx, sizes, lessons)
+    torch_rows += compare_hsdp_with_torch(ctx, sizes, lessons)
     if ctx.is_main:
         results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
     for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
@@ -1160,14 +1274,26 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
     sent = []
     for row in our_rows:
         line = {"grid": row["grid"], "setting": row["setting"]}
-        for axis in ("tp", "cp", "pp", "dp_cp", "world"):
+        for axis in ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world"):
             line[f"{axis} {unit_name}"] = counted_and_formula(row, f"sent_{axis}", unit)
         line["on no axis"] = in_units(row["sent_other_bytes"], unit)
         sent.append(line)
     results.print_table(sent, title="\nBytes sent per step per rank, by axis (ring shares; "
                                     "the largest rank), counted (formula):")
     beside = []
+    hsdp = []
     for row in torch_rows:
+        if row["pair"] == HSDP_PAIR:
+            hsdp.append({"impl": row["impl"], "setting": row["setting"], "step ms": row["step_ms"],
+                         f"params {unit_name}": counted_and_formula(row, "param", unit),
+                         f"grads {unit_name}": counted_and_formula(row, "grad", unit),
+                         f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
+                         f"saved {unit_name}": in_units(row["activation_bytes"], unit),
+                         f"sent dp_shard {unit_name}": counted_and_formula(row, "sent_dp_shard",
+                                                                           unit),
+                         f"sent dp_replicate {unit_name}": counted_and_formula(
+                             row, "sent_dp_replicate", unit)})
+            continue
         line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
                 "step ms": row["step_ms"],
                 "tokens/s": row["tokens_per_s"],
@@ -1186,6 +1312,14 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                               "everything whole on every data rank; fsdp_tp: ours shards the "
                               "AdamW state, torch's fully_shard also the parameters and "
                               "gradients):")
+    if hsdp:
+        results.print_table(hsdp, floatfmt=".1f",
+                            title=f"\nHSDP beside torch's, {hsdp_label(torch_rows)}: ours (lesson "
+                                  "2's FSDP over dp_shard, the blocks summed over dp_replicate) "
+                                  "and torch's fully_shard on a 2-D (replicate, shard) mesh, "
+                                  "timed in alternating rounds; ours counted (formula), torch's "
+                                  "memory counted (its layout's formula: it shards the 1-D "
+                                  "parameters too), its bytes counted only:")
     pairs = pipeline_pairs(pipeline_rows)
     pipeline_table = []
     for (stages, schedule, compute), pair in pairs.items():
@@ -1209,6 +1343,13 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                               "compute):")
     print("\n" + "\n".join(target_lines(our_rows, torch_rows, pairs, reference, machine)),
           flush=True)
+
+
+def hsdp_label(torch_rows: list[dict]) -> str:
+    for row in torch_rows:
+        if row["pair"] == HSDP_PAIR:
+            return row["grid"]
+    return ""
 
 
 def pipeline_pairs(pipeline_rows: list[dict]) -> dict:
