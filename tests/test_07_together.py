@@ -458,6 +458,71 @@ def test_each_piece_is_saved_by_exactly_one_rank_of_a_grid():
     assert savers(plant, norm_weight, None) == [(0, 0), (0, 1)]      # caught: two savers
 
 
+class StubHSDPGrid:
+    """A rank of HSDP (dp_replicate 2 x dp_shard 3) x tp 2, without processes."""
+
+    def __init__(self, replicate_rank: int, shard_rank: int, tp_rank: int):
+        self.ranks = {"dp_replicate": replicate_rank, "dp_shard": shard_rank, "tp": tp_rank,
+                      "dp_cp": replicate_rank * 3 + shard_rank}
+        self.sizes = {"dp_replicate": 2, "dp_shard": 3, "tp": 2, "dp_cp": 6}
+
+    def rank(self, axis: str) -> int:
+        return self.ranks[axis]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+
+def test_hsdp_row_blocks_are_saved_once_each():
+    """placement_of under HSDP, no processes, on every rank of (dp_replicate 2 x dp_shard 3)
+    x tp 2: the stacked q, k, v weight (24 rows; a tp half 12, FSDP blocks of 4), a column-
+    parallel weight whose blocks are padded (20 rows; a tp half 10, blocks of ceil(10/3) = 4,
+    the last one 2 real rows) and a 1-D parameter (whole, not sharded): the boxes marked to be
+    saved cover every row of the full tensor exactly once, each inside its rank's block.
+    Planted: the boxes not cut to the rank's block (every shard rank saves its whole tp half)
+    is caught by the same count."""
+    parallel_lm = training.lessons()[1]
+    import tensor_parallel
+
+    def column(stacked):
+        module = tensor_parallel.ColumnParallelLinear.__new__(tensor_parallel.ColumnParallelLinear)
+        module.stacked = stacked
+        return module
+
+    def coverage(placement_of, full_rows, module, fsdp_rows) -> list[int]:
+        """Per full row, how many saved boxes hold it; -1 everywhere if a box leaves its block."""
+        count = [0] * full_rows
+        for replicate_rank in range(2):
+            for shard_rank in range(3):
+                for tp_rank in range(2):
+                    grid = StubHSDPGrid(replicate_rank, shard_rank, tp_rank)
+                    held = torch.nn.Parameter(torch.zeros(full_rows))        # 1-D: whole
+                    if fsdp_rows is not None:
+                        held = torch.nn.Parameter(torch.zeros(fsdp_rows[1], 8))  # the block
+                    entry = placement_of("w", held, module, grid, fsdp_rows)
+                    if not entry["replica"]:
+                        continue
+                    for local_box, full_box in entry["boxes"]:
+                        if local_box[0][1] > held.shape[0]:
+                            return [-1] * full_rows
+                        for row in range(full_box[0][0], full_box[0][1]):
+                            count[row] += 1
+        return count
+
+    def not_cut(boxes, rows_per_block, block):
+        return boxes
+    right = parallel_lm.placement_of
+    assert coverage(right, 24, column(3), (12, 4)) == [1] * 24
+    assert coverage(right, 20, column(1), (10, 4)) == [1] * 20
+    assert coverage(right, 8, None, None) == [1] * 8
+    original = parallel_lm.rows_of_block
+    parallel_lm.rows_of_block = not_cut
+    try:
+        assert coverage(right, 24, column(3), (12, 4)) != [1] * 24                   # caught
+    finally:
+        parallel_lm.rows_of_block = original
+
+
 # --------------------------------------------------------------------------- the measurements
 
 import grid_bench  # noqa: E402

@@ -155,7 +155,7 @@ class ProcessGrid:
         return f"ProcessGrid(rank {self.global_rank}: {where})"
 
 
-def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
+def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1) -> str:
     """The grid as text: one line per (pp, dp) pair, the cp x tp ranks of it, e.g. for 8 ranks
     (dp, pp, cp, tp) = (2, 2, 1, 2):
 
@@ -163,6 +163,9 @@ def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
         pp 0  dp 1 | cp 0: 2 3
         pp 1  dp 0 | cp 0: 4 5
         pp 1  dp 1 | cp 0: 6 7
+
+    With ``dp_shard`` > 1 (HSDP) each data index also says its replica and shard:
+    "pp 0  dp 1 (replica 0, shard 1) | cp 0: 1".
     """
     sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     lines = []
@@ -175,5 +178,8 @@ def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
                     coordinate = {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
                     tp_ranks.append(str(grid_rank(coordinate, sizes)))
                 parts.append(f"cp {cp_index}: " + " ".join(tp_ranks))
-            lines.append(f"pp {pp_index}  dp {dp_index} | " + "   ".join(parts))
+            data = f"dp {dp_index}"
+            if dp_shard > 1:
+                data += f" (replica {dp_index // dp_shard}, shard {dp_index % dp_shard})"
+            lines.append(f"pp {pp_index}  {data} | " + "   ".join(parts))
     return "\n".join(lines)

@@ -159,7 +159,8 @@ def train_main(ctx, args, checkpoints_class=None) -> None:
               f"bytes, unigram loss {text.unigram:.3f} ({results.machine_name()})",
               all_ranks=False)
     ctx.print("the grid (rank numbers; tp innermost):\n"
-              + grid_mod.draw_grid(args.dp, args.pp, args.cp, args.tp), all_ranks=False)
+              + grid_mod.draw_grid(args.dp, args.pp, args.cp, args.tp, dp_shard_of(args)),
+              all_ranks=False)
     curve = []
     start = time.perf_counter()
     for step in range(first_step, args.steps):
