@@ -50,9 +50,9 @@ adds only what composing needs and no lesson had:
    touches the same blocks on every tp rank.
 
 Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
-``fsdp.py`` (lesson 2), ``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and
-``pipeline_schedules.py`` (lesson 4), ``context_parallel.py`` (lesson 5). ``training.py``
-beside it puts them on the path (``lessons()``).
+``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
+(lesson 4), ``context_parallel.py`` (lesson 5), and for HSDP only ``fsdp.py`` (lesson 2).
+``training.py`` beside it puts them on the path (``lessons()``).
 """
 
 from __future__ import annotations
@@ -66,16 +66,14 @@ import torch.nn.functional as F
 
 try:
     import context_parallel
-    import fsdp
     import pipeline_parallel
     import pipeline_schedules
     import tensor_parallel
 except ModuleNotFoundError as missing:
     raise ModuleNotFoundError(
         f"parallel_lm.py composes the 07 lessons' algorithm files and {missing.name}.py is not "
-        "on the path: put fsdp.py, tensor_parallel.py, pipeline_parallel.py, "
-        "pipeline_schedules.py and context_parallel.py beside it (train.py does this inside "
-        "the repository)") from None
+        "on the path: put tensor_parallel.py, pipeline_parallel.py, pipeline_schedules.py and "
+        "context_parallel.py beside it (train.py does this inside the repository)") from None
 
 LAYOUT = "zigzag"  # the context-parallel layout: every cp rank does the same attention work
 
@@ -197,7 +195,15 @@ def shard_chunks(chunks: list, grid) -> None:
     """HSDP: wrap each chunk in lesson 2's FSDP over the grid's "dp_shard" group (call after
     the chunks are on their device, before the optimizer takes their parameters: they become
     this rank's row blocks). The units gathered as one: the embeddings, each block, the head.
-    ``average=False``: FSDP's reduce-scatter leaves the sum over dp_shard, as this file sums."""
+    ``average=False``: FSDP's reduce-scatter leaves the sum over dp_shard, as this file sums.
+    Lesson 2's fsdp.py is imported here, not above: only HSDP needs it, and the callers of
+    the rest of this file need not carry it."""
+    try:
+        import fsdp
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("parallel_lm.shard_chunks (HSDP) wraps the chunks in lesson "
+                                  "2's FSDP: put fsdp.py beside parallel_lm.py (train.py does "
+                                  "this inside the repository)") from None
     for chunk in chunks:
         units = list(chunk.blocks)
         for module in (chunk.embedding, chunk.head):
