@@ -557,7 +557,10 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
     formula (ZeRO-1's optimizer state: lesson 1's whole-tensor deal; the group holds exactly the
     whole state, each rank within one tensor of the mean), torch's composition's bytes equal torch's formula, every first
     loss equals one process's, torch's pipeline computes our gradients; the CSV has its
-    columns; a formula that forgets the tp split is caught."""
+    columns; a formula that forgets the tp split is caught. HSDP: shard 2 x tp 2 among the
+    grids, and our HSDP 2 x 2 beside torch's (ours exact on every axis, torch's memory equal to
+    its layout's formula; a formula that all-reduces the whole model over the replicas is
+    caught)."""
     out = tmp_path / "bench.json"
     launch.launch(grid_bench.bench_worker, launch.LaunchConfig(4, "gloo", "cpu"), BENCH_SIZES,
                   BENCH_GRIDS, str(out), timeout_s=120)

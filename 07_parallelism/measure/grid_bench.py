@@ -26,6 +26,9 @@ What it measures, in one run:
    all-reduced over dp; ``build_torch_composition`` says why not ``replicate``), and
    ``fsdp_tp``, ours with ZeRO-1 (--fsdp) beside torch's ``fully_shard`` over dp; step times
    and bytes of all four, timed in alternating rounds. A ratio is printed only within a pair.
+   A third pair, ``hsdp``: our HSDP (2 copies of W/2 shards, lesson 2's FSDP inside lesson 7's
+   grid) beside torch's ``fully_shard`` on a 2-D (replicate, shard) ``init_device_mesh``,
+   torch's HSDP, on the same LM, batch and ranks: bytes on each axis and step time.
 3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
    ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``): the same blocks and
    micro-batches on pp = 2 and 4 (pipelines side by side on the other ranks), real compute,
