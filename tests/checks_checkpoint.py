@@ -3,6 +3,7 @@ steps and loaded into another layout:
 * FSDP at W ranks -> FSDP at W - 1 ranks, and -> one process (``consolidate``);
 * the grid (dp, tp) = (2, W/2) -> (pp, dp) = (2, W/2), and -> one process;
 * ZeRO-1 at W - 1 ranks -> one process with a plain AdamW (``load_state_dict``);
+* HSDP (lesson 7's grid, 2 copies of 2 shards) -> FSDP at 4 ranks -> HSDP again (W = 4);
 and for each: the full tensors (weights and AdamW's moments and steps) after the load bitwise
 equal to what was saved; two more steps from the loaded state equal to two more steps of the
 run that never stopped (loss and weights, float32 tolerance: the layouts sum the gradients in
@@ -545,6 +546,68 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     return problems, rows, worst
 
 
+# --------------------------------------------------------------------------- HSDP <-> FSDP
+
+
+def hsdp_fits(world_size: int) -> bool:
+    """HSDP as (dp_replicate, dp_shard) = (2, 2) needs four ranks."""
+    return world_size == 4
+
+
+def hsdp_grid(seed: int, device):
+    """Lesson 7's grid as HSDP, 2 copies of 2 shards (lesson 2's FSDP over each dp_shard
+    pair), the tiny LM of ``seed`` on it, and AdamW over its blocks."""
+    _, _, grid_mod, parallel_lm = lessons()
+    grid = grid_mod.ProcessGrid(dp=4, dp_shard=2)
+    chunks = [chunk.to(device) for chunk in parallel_lm.build_chunks(tiny_lm(seed), grid, SEQ)]
+    parallel_lm.shard_chunks(chunks, grid)
+    params = [p for chunk in chunks for p in chunk.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=LR, eps=ADAM_EPS)
+    return grid, chunks, optimizer
+
+
+def hsdp_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
+    """HSDP (2, 2) saved after 2 steps; loaded into plain FSDP at 4 ranks, which saves it
+    again; that loaded into a fresh HSDP (2, 2): the state made whole after each load bitwise
+    equal to what HSDP saved (every rank of a dp_shard pair writes its row blocks, one copy
+    of the pair writes; the 1-D parameters once)."""
+    _, fsdp_mod, _, parallel_lm = lessons()
+    label = "HSDP 2 x 2 -> FSDP 4 -> HSDP 2 x 2"
+    problems = []
+    rows = []
+    names = parameter_names()
+    grid, chunks, optimizer = hsdp_grid(1, ctx.device)
+    grid_steps(chunks, grid, optimizer, parallel_lm, (0, 1), 4, ctx.device)
+    saved = grid_full_state(chunks, grid, optimizer, parallel_lm)     # rank 0; None elsewhere
+    layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
+    stats = checkpoint.save(root / "hsdp", layout, 2, "hsdp replicate 2 x shard 2",
+                            meta_for(names, optimizer))
+    want = layouts.layout_bytes(layout, written_only=True)
+    problems += count_problem(label, "written", stats["bytes_written"], want)
+    rows.append({"case": "save HSDP 2 x 2", "rank": ctx.rank, "bytes": stats["bytes_written"],
+                 "expected": want})
+    model = tiny_lm(seed=2)
+    full_shapes = {}
+    for name, p in model.named_parameters():
+        full_shapes[name] = list(p.shape)
+    fsdp = fsdp_mod.FSDP(model)
+    fsdp_optimizer = torch.optim.AdamW(fsdp.parameters(), lr=LR, eps=ADAM_EPS)
+    fsdp_layout = layouts.fsdp_layout(fsdp, fsdp_optimizer, full_shapes)
+    checkpoint.load(checkpoint.latest_checkpoint(root / "hsdp"), fsdp_layout)
+    loaded = fsdp_full_state(fsdp, fsdp_optimizer, full_shapes, None)
+    if ctx.rank == 0:
+        problems += bitwise_problems("HSDP 2 x 2 -> FSDP 4", loaded, saved)
+    checkpoint.save(root / "hsdp_fsdp", fsdp_layout, 2, "fsdp at 4 ranks",
+                    meta_for(names, fsdp_optimizer))
+    grid, chunks, optimizer = hsdp_grid(3, ctx.device)
+    back_layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
+    checkpoint.load(checkpoint.latest_checkpoint(root / "hsdp_fsdp"), back_layout)
+    back = grid_full_state(chunks, grid, optimizer, parallel_lm)
+    if ctx.rank == 0:
+        problems += bitwise_problems(label, back, saved)
+    return problems, rows, 0.0
+
+
 # --------------------------------------------------------------------------- damaged checkpoints
 
 
@@ -680,7 +743,7 @@ def damaged_case(ctx, folder: Path, root: Path) -> tuple[list[str], dict]:
 # --------------------------------------------------------------------------- the checks
 
 
-CASES = ("fsdp", "zero", "grid", "damaged")
+CASES = ("fsdp", "zero", "grid", "hsdp", "damaged")
 
 
 def run_checks(ctx, root: Path, cases=CASES) -> dict:
@@ -711,6 +774,13 @@ def run_checks(ctx, root: Path, cases=CASES) -> dict:
     elif "grid" in cases:
         skipped.append(f"the grid case: (dp, tp) = (2, W/2) needs W even and W/2 dividing "
                        f"the tiny LM's 4 heads, and W = {ctx.world_size}")
+    if "hsdp" in cases and hsdp_fits(ctx.world_size):
+        found, case_rows, _ = hsdp_case(ctx, root)
+        problems += found
+        rows += case_rows
+    elif "hsdp" in cases:
+        skipped.append(f"the HSDP case: (dp_replicate, dp_shard) = (2, 2) needs W = 4, and W = "
+                       f"{ctx.world_size}")
     if "damaged" in cases:
         found, damaged = damaged_case(ctx, checkpoint.latest_checkpoint(root / "fsdp"), root)
         problems += found

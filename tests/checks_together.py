@@ -21,7 +21,7 @@ import training
 
 def small_args(data: str, **grid) -> argparse.Namespace:
     """train.py's flags for a fast check: the tiny LM, 8 sequences of 32 bytes."""
-    args = dict(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1, micro_batches=1,
+    args = dict(dp=1, pp=1, cp=1, tp=1, dp_shard=1, fsdp=False, schedule="1f1b", chunks=1, micro_batches=1,
                 model="tiny", batch_size=8, seq_len=32, lr=3e-3, seed=0, data=data,
                 max_bytes=None)
     args.update(grid)
@@ -81,11 +81,19 @@ def unscaled_loss(original):
     return scaled_loss_fn
 
 
+def hsdp_sums_over_all_data_ranks(original):
+    """Planted bug: HSDP's last sum over the whole data axis (dp_replicate and dp_shard), not
+    over dp_replicate alone: each rank's row block gets the other shards' blocks added in."""
+    def sum_over_replicas(params, grid):
+        parallel_lm().all_reduce_sum(params, grid.group("dp"))
+    return sum_over_replicas
+
+
 def replica_on_every_tp_rank(original):
     """Planted bug: a tp-replicated parameter (a LayerNorm, a bias, the embeddings, the head)
     marked as the copy to save on every tp rank, not on tp rank 0 alone: written twice."""
-    def placement_of(full_name, p, module, grid):
-        entry = original(full_name, p, module, grid)
+    def placement_of(full_name, p, module, grid, fsdp_rows=None):
+        entry = original(full_name, p, module, grid, fsdp_rows)
         entry["replica"] = grid.rank("dp_cp") == 0
         return entry
     return placement_of
@@ -105,12 +113,18 @@ FOUR_RANK_CASES = [
     ("dp2 tp2, summed over tp twice", dict(dp=2, tp=2), "twice over tp"),
     ("dp2 cp2, loss not divided by R", dict(dp=2, cp=2), "unscaled"),
     ("dp2 tp2, replicas saved on every tp rank", dict(dp=2, tp=2), "replica every tp"),
+    # HSDP: 2 copies of 2 shards, and 2 shards of tensor-parallel halves (8 ranks for both at
+    # once would be a launch of its own: the pieces meet in these two)
+    ("HSDP replicate 2 x shard 2", dict(dp=4, dp_shard=2), None),
+    ("HSDP shard 2 x tp 2", dict(dp=2, dp_shard=2, tp=2), None),
+    ("HSDP 2 x 2, summed over the whole data axis", dict(dp=4, dp_shard=2), "hsdp over dp"),
 ]
 PLANTED = {"dp only": ("sum_gradients", sum_over_dp_only),
            "no tp sum": ("sum_gradients", no_sum_over_tp),
            "twice over tp": ("sum_gradients", twice_over_tp),
            "unscaled": ("scaled_loss_fn", unscaled_loss),
-           "replica every tp": ("placement_of", replica_on_every_tp_rank)}
+           "replica every tp": ("placement_of", replica_on_every_tp_rank),
+           "hsdp over dp": ("sum_over_replicas", hsdp_sums_over_all_data_ranks)}
 
 
 @contextmanager

@@ -258,7 +258,7 @@ def test_layouts_reshard_bitwise_and_read_exactly_their_overlap(four_ranks):
         by_case.setdefault(row["case"], []).append(row["bytes"])
     full = checks.full_state_bytes()
     # every element written once: the ranks' files add up to the whole state, exactly
-    for case in ("save FSDP 4", "save dp 2 x tp 2"):
+    for case in ("save FSDP 4", "save dp 2 x tp 2", "save HSDP 2 x 2"):
         assert sum(by_case[case]) == full, (case, by_case[case], full)
     assert len(by_case["save ZeRO-1 3"]) == 3 and sum(by_case["save ZeRO-1 3"]) == full
     assert len(by_case["load FSDP 3"]) == 3 and len(by_case["load pp 2 x dp 2"]) == 4

@@ -23,6 +23,8 @@ from helpers import REPO
 
 SHAPES = [(2, 1, 1, 2), (1, 2, 1, 2), (2, 2, 1, 1), (1, 1, 2, 2), (1, 2, 2, 1), (2, 2, 1, 2),
           (2, 1, 2, 2)]  # (dp, pp, cp, tp), up to 8 ranks
+HSDP_SHAPES = [(2, 2, 1, 1, 1), (2, 2, 1, 1, 2), (1, 2, 2, 1, 1), (2, 1, 1, 2, 1),
+               (2, 2, 2, 1, 1)]  # (dp_replicate, dp_shard, pp, cp, tp)
 
 MESH_CHECK = r'''
 import sys
@@ -64,17 +66,53 @@ for shape in SHAPES:
 # negative control: a mesh with data and context swapped must differ from our grid
 problems = differences(2, 1, 2, 2, mesh_order=("pp", "cp", "dp", "tp"))
 print("control: " + ("differs" if problems else "NO DIFFERENCE"))
+
+
+def hsdp_differences(replicate, shard, pp, cp, tp, mesh_order):
+    """HSDP: our dp_replicate, dp_shard and dp groups against a 5-D mesh's (the right order:
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp"), the shard index inside the replica's)."""
+    sizes = {"pp": pp, "dp_replicate": replicate, "dp_shard": shard, "cp": cp, "tp": tp}
+    world_size = replicate * shard * pp * cp * tp
+    problems = []
+    for rank in range(world_size):
+        dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+        mesh = init_device_mesh("cpu", tuple(sizes[axis] for axis in mesh_order),
+                                mesh_dim_names=mesh_order)
+        ours = grid.ProcessGrid(dp=replicate * shard, pp=pp, cp=cp, tp=tp, dp_shard=shard)
+        theirs = {}
+        for axis in ("dp_replicate", "dp_shard", "pp", "cp", "tp"):
+            theirs[axis] = dist.get_process_group_ranks(mesh.get_group(axis))
+        data = tuple(axis for axis in mesh_order if axis.startswith("dp_"))
+        theirs["dp"] = dist.get_process_group_ranks(mesh[data]._flatten("dp").get_group())
+        for axis, want in theirs.items():
+            got = dist.get_process_group_ranks(ours.group(axis))
+            if got != want or ours.rank(axis) != want.index(rank):
+                problems.append(f"rank {rank} axis {axis}: ours {got}, the mesh's {want}")
+        dist.destroy_process_group()
+    return problems
+
+
+right = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+for shape in HSDP_SHAPES:
+    problems = hsdp_differences(*shape, mesh_order=right)
+    print(f"hsdp {shape}: " + ("; ".join(problems) if problems else "groups equal"))
+# negative control: shards outside the replicas (a replica's ranks neighbours) must differ
+swapped = ("pp", "dp_shard", "dp_replicate", "cp", "tp")
+problems = hsdp_differences(2, 2, 1, 1, 2, mesh_order=swapped)
+print("hsdp control: " + ("differs" if problems else "NO DIFFERENCE"))
 '''
 
 
 def test_grid_groups_equal_init_device_mesh():
-    """Every rank of every shape, in one interpreter (torch's fake process group)."""
-    code = (f"SHAPES = {SHAPES!r}\n"
+    """Every rank of every shape, in one interpreter (torch's fake process group); HSDP's
+    sub-axes of the data axis against a 5-D mesh."""
+    code = (f"SHAPES = {SHAPES!r}\nHSDP_SHAPES = {HSDP_SHAPES!r}\n"
             f"GRID_FOLDER = {str(REPO / '07_parallelism' / '07_together')!r}\n")
     result = subprocess.run([sys.executable, "-c", code + textwrap.dedent(MESH_CHECK)],
                             capture_output=True, text=True, timeout=120)
     lines = result.stdout.strip().splitlines()
     want = [f"{shape}: groups equal" for shape in SHAPES] + ["control: differs"]
+    want += [f"hsdp {shape}: groups equal" for shape in HSDP_SHAPES] + ["hsdp control: differs"]
     assert result.returncode == 0 and lines == want, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -86,6 +124,10 @@ def test_grid_coordinates_without_processes():
     assert grid_mod.groups_along(("tp",), sizes) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid_mod.groups_along(("pp",), sizes) == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert grid_mod.groups_along(("dp", "cp"), sizes) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    hsdp = {"pp": 1, "dp": 4, "cp": 1, "tp": 2, "dp_shard": 2}   # shards neighbours, tp inside
+    assert grid_mod.groups_along(("dp_shard",), hsdp) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid_mod.groups_along(("dp_replicate",), hsdp) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert grid_mod.groups_along(("dp",), hsdp) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     drawn = grid_mod.draw_grid(dp=2, pp=2, cp=1, tp=2).splitlines()
     assert drawn[1] == "pp 0  dp 1 | cp 0: 2 3" and drawn[3] == "pp 1  dp 1 | cp 0: 6 7"
 
@@ -133,6 +175,8 @@ def test_grids_of_four_ranks_equal_one_process_and_planted_bugs_are_caught(tmp_p
     assert any("gradient differs" in problem for problem in dp_only), dp_only[:3]
     twice = findings["dp2 tp2, summed over tp twice"]["problems"]
     assert any("norm1.weight gradient differs" in problem for problem in twice), twice[:3]
+    hsdp = findings["HSDP 2 x 2, summed over the whole data axis"]["problems"]
+    assert any("gradient differs" in problem for problem in hsdp), hsdp[:3]
     replicas = findings["dp2 tp2, replicas saved on every tp rank"]["problems"]
     assert any("blocks.0.norm1.weight: marked to be saved by ranks [0, 1]" in problem
                for problem in replicas), replicas[:3]
@@ -220,6 +264,13 @@ def bad_input_cases(tmp: Path) -> list:
           "--micro-batches", "3", "--batch-size", "6", "--chunks", "1"], "multiple of --pp"),
         (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
          "must divide each data-parallel"),
+        (["--world-size", "4", "--dp-shard", "3"], "--dp-shard 3 must divide --dp 4"),
+        (["--world-size", "4", "--dp", "4", "--dp-replicate", "3", "--dp-shard", "2"],
+         "--dp-replicate 3 x --dp-shard 2 = 6, but --dp is 4"),
+        (["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "3"], "= 6, but the world"),
+        (["--world-size", "4", "--dp", "2", "--pp", "2", "--dp-shard", "2"],
+         "HSDP composes with --tp only"),
+        (["--world-size", "4", "--dp-shard", "2", "--fsdp"], "with --fsdp: HSDP shards"),
         (["--data", "/no/such/file"], "cannot read it (No such file or directory)"),
         (["--data", ""], "--data '': give a text file"),
         (["--data", str(tmp)], "a folder; give a text file"),
@@ -260,6 +311,11 @@ def test_bad_input_is_refused_before_any_worker_starts(tmp_path, capsys, monkeyp
     sparse = str(tmp_path / "three_gb.txt")
     args, _ = train_flags.parse(["--world-size", "1", "--data", sparse, "--max-bytes", "100000"])
     assert len(text_data.read_head(args.data, args.max_bytes)) == 100000
+    # HSDP: --dp is replicate x shard, given either way
+    args, _ = train_flags.parse(["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "2"])
+    assert (args.dp, args.dp_replicate, args.dp_shard) == (4, 2, 2)
+    args, _ = train_flags.parse(["--world-size", "4", "--dp-shard", "2", "--tp", "2"])
+    assert (args.dp, args.dp_replicate, args.dp_shard) == (2, 1, 2)
     # nothing of the tries is left behind: the --save-full file a check created is gone
     assert not (tmp_path / "model.pt").exists()
     args, _ = train_flags.parse(["--world-size", "1", "--save-full", str(tmp_path / "model.pt")])
@@ -402,6 +458,71 @@ def test_each_piece_is_saved_by_exactly_one_rank_of_a_grid():
     assert savers(plant, norm_weight, None) == [(0, 0), (0, 1)]      # caught: two savers
 
 
+class StubHSDPGrid:
+    """A rank of HSDP (dp_replicate 2 x dp_shard 3) x tp 2, without processes."""
+
+    def __init__(self, replicate_rank: int, shard_rank: int, tp_rank: int):
+        self.ranks = {"dp_replicate": replicate_rank, "dp_shard": shard_rank, "tp": tp_rank,
+                      "dp_cp": replicate_rank * 3 + shard_rank}
+        self.sizes = {"dp_replicate": 2, "dp_shard": 3, "tp": 2, "dp_cp": 6}
+
+    def rank(self, axis: str) -> int:
+        return self.ranks[axis]
+
+    def size(self, axis: str) -> int:
+        return self.sizes[axis]
+
+
+def test_hsdp_row_blocks_are_saved_once_each():
+    """placement_of under HSDP, no processes, on every rank of (dp_replicate 2 x dp_shard 3)
+    x tp 2: the stacked q, k, v weight (24 rows; a tp half 12, FSDP blocks of 4), a column-
+    parallel weight whose blocks are padded (20 rows; a tp half 10, blocks of ceil(10/3) = 4,
+    the last one 2 real rows) and a 1-D parameter (whole, not sharded): the boxes marked to be
+    saved cover every row of the full tensor exactly once, each inside its rank's block.
+    Planted: the boxes not cut to the rank's block (every shard rank saves its whole tp half)
+    is caught by the same count."""
+    parallel_lm = training.lessons()[1]
+    import tensor_parallel
+
+    def column(stacked):
+        module = tensor_parallel.ColumnParallelLinear.__new__(tensor_parallel.ColumnParallelLinear)
+        module.stacked = stacked
+        return module
+
+    def coverage(placement_of, full_rows, module, fsdp_rows) -> list[int]:
+        """Per full row, how many saved boxes hold it; -1 everywhere if a box leaves its block."""
+        count = [0] * full_rows
+        for replicate_rank in range(2):
+            for shard_rank in range(3):
+                for tp_rank in range(2):
+                    grid = StubHSDPGrid(replicate_rank, shard_rank, tp_rank)
+                    held = torch.nn.Parameter(torch.zeros(full_rows))        # 1-D: whole
+                    if fsdp_rows is not None:
+                        held = torch.nn.Parameter(torch.zeros(fsdp_rows[1], 8))  # the block
+                    entry = placement_of("w", held, module, grid, fsdp_rows)
+                    if not entry["replica"]:
+                        continue
+                    for local_box, full_box in entry["boxes"]:
+                        if local_box[0][1] > held.shape[0]:
+                            return [-1] * full_rows
+                        for row in range(full_box[0][0], full_box[0][1]):
+                            count[row] += 1
+        return count
+
+    def not_cut(boxes, rows_per_block, block):
+        return boxes
+    right = parallel_lm.placement_of
+    assert coverage(right, 24, column(3), (12, 4)) == [1] * 24
+    assert coverage(right, 20, column(1), (10, 4)) == [1] * 20
+    assert coverage(right, 8, None, None) == [1] * 8
+    original = parallel_lm.rows_of_block
+    parallel_lm.rows_of_block = not_cut
+    try:
+        assert coverage(right, 24, column(3), (12, 4)) != [1] * 24                   # caught
+    finally:
+        parallel_lm.rows_of_block = original
+
+
 # --------------------------------------------------------------------------- the measurements
 
 import grid_bench  # noqa: E402
@@ -416,7 +537,8 @@ BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "it
                             "emulate_ms": 1.0}}
 BENCH_GRIDS = [grid_bench.grid_spec(dp=2, tp=2, fsdp=True),
                grid_bench.grid_spec(pp=2, cp=2, micro_batches=2),
-               grid_bench.grid_spec(cp=2, tp=2)]
+               grid_bench.grid_spec(cp=2, tp=2),
+               grid_bench.grid_spec(dp=2, tp=2, dp_shard=2, micro_batches=2)]   # HSDP with tp
 BENCH_COLUMNS = ["impl", "pair", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
                  "world_size", "backend", "device", "step_ms", "tokens_per_s", "machine", "run_id"]
 for _kind in [*grid_bench.KINDS, *(f"sent_{_axis}" for _axis in grid_bench.AXES)]:
@@ -435,7 +557,10 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
     formula (ZeRO-1's optimizer state: lesson 1's whole-tensor deal; the group holds exactly the
     whole state, each rank within one tensor of the mean), torch's composition's bytes equal torch's formula, every first
     loss equals one process's, torch's pipeline computes our gradients; the CSV has its
-    columns; a formula that forgets the tp split is caught."""
+    columns; a formula that forgets the tp split is caught. HSDP: shard 2 x tp 2 among the
+    grids, and our HSDP 2 x 2 beside torch's (ours exact on every axis, torch's memory equal to
+    its layout's formula; a formula that all-reduces the whole model over the replicas is
+    caught)."""
     out = tmp_path / "bench.json"
     launch.launch(grid_bench.bench_worker, launch.LaunchConfig(4, "gloo", "cpu"), BENCH_SIZES,
                   BENCH_GRIDS, str(out), timeout_s=120)
@@ -460,11 +585,27 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
                 bound = grid_bench.zero1_deal_bound(shape, spec, 0)
                 for r in pair:
                     assert r["counted"]["optim"] <= mean * (1 + bound), r
-    assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 4, caught
+    assert caught == [(True, True)] * 4 + [(False, False)] * 4 + [(True, True)] * 8, caught
     torch_rows = found["torch_rows"]
     assert [(row["pair"], row["impl"], row["grid"]) for row in torch_rows] == [
         ("replicated_tp", "ours", "dp2 tp2"), ("replicated_tp", "torch", "dp2 tp2"),
-        ("fsdp_tp", "ours", "dp2 tp2"), ("fsdp_tp", "torch", "dp2 tp2")]
+        ("fsdp_tp", "ours", "dp2 tp2"), ("fsdp_tp", "torch", "dp2 tp2"),
+        ("hsdp", "ours", "dp_replicate2 dp_shard2"), ("hsdp", "torch", "dp_replicate2 dp_shard2")]
+    # HSDP (2, 2): every rank's every column equals the formula (all-gathers and reduce-
+    # scatters on dp_shard, 1/2 of the model all-reduced on dp_replicate, nothing on dp_cp)
+    ours_hsdp = torch_rows[4]
+    assert ours_hsdp["worst_difference"] == 0, ours_hsdp
+    assert ours_hsdp["sent_dp_shard_bytes"] > 0 and ours_hsdp["sent_dp_cp_bytes"] == 0
+    # ... and a formula that all-reduces the whole model over the replicas is caught
+    formula = grid_bench.combined_formula(shape, grid_bench.grid_spec(dp=4, dp_shard=2), 0, 4)
+    whole_model = {**formula, "sent_dp_replicate": 2 * formula["sent_dp_replicate"]}
+    counted = {kind: ours_hsdp[f"{kind}_bytes"] for kind in formula}
+    assert grid_bench.worst_difference(counted, formula) == (0.0, "")
+    assert grid_bench.worst_difference(counted, whole_model)[1] == "sent_dp_replicate"
+    torch_hsdp = torch_rows[5]
+    for kind in ("param", "grad", "optim"):    # fully_shard over 2 shard ranks, 1-D too
+        assert torch_hsdp[f"{kind}_bytes"] == grid_bench.torch_formula(shape, 2, 1)[kind]
+    assert torch_hsdp["sent_dp_shard_bytes"] > 0 and torch_hsdp["sent_dp_replicate_bytes"] > 0
     assert "ZeRO-1" in torch_rows[2]["setting"] and "ZeRO-1" not in torch_rows[0]["setting"]
     assert "replicate" in torch_rows[1]["setting"] and "fully_shard" in torch_rows[3]["setting"]
     for theirs, sharded in ((torch_rows[1], False), (torch_rows[3], True)):
@@ -481,8 +622,9 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
         ("ours", "real"), ("torch", "real"), ("ours", "emulated"), ("torch", "emulated")]
     assert pipelines[0]["gradient_max_difference"] < 1e-6, pipelines[0]
     rows = results.read_csv("grid.csv")
-    assert len(rows) == 3 + 4 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
-    assert sorted(row["pair"] for row in rows if row["pair"]) == ["fsdp_tp"] * 2 + ["replicated_tp"] * 2
+    assert len(rows) == 4 + 6 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert sorted(row["pair"] for row in rows if row["pair"]) == (["fsdp_tp"] * 2 + ["hsdp"] * 2
+                                                                  + ["replicated_tp"] * 2)
     assert rows[0]["machine"] == results.machine_name()
 
 

@@ -248,11 +248,12 @@ class FSDP(nn.Module):
     weights outside them get a unit per module that owns them). ``compute_dtype``: cast the
     weights before the all-gather, and the units' inputs and biases (masters stay float32).
     ``reduce_dtype``: the dtype the gradients are reduce-scattered in. The wrapped model is
-    ``.module``.
+    ``.module``. ``average=False`` leaves the gradients summed over the ranks, not averaged
+    (for a caller that scales the loss itself: lesson 7's grid, which sums every gradient).
     """
 
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
-                 units=(), process_group=None):
+                 units=(), process_group=None, average: bool = True):
         super().__init__()
         check_fsdp_args(module, compute_dtype, reduce_dtype, units)  # (at the end of the file)
         self.module = module
@@ -261,6 +262,9 @@ class FSDP(nn.Module):
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else torch.float32
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        self.divisor = 1            # average=False: the sum over the ranks
+        if average:
+            self.divisor = self.world_size
         # Every rank starts from rank 0's parameters and buffers (as 03-06 do).
         source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -410,7 +414,7 @@ class FSDP(nn.Module):
     def _land(self, unit: Unit, work, out: torch.Tensor, grad_buffer: torch.Tensor) -> None:
         """Wait for a reduce-scatter; the mean over ranks becomes (or adds to) the shards' .grad."""
         work.wait()
-        mean = out.div_(self.world_size).to(unit.flat_shard.dtype)  # sum / N, in the masters' dtype
+        mean = out.div_(self.divisor).to(unit.flat_shard.dtype)  # sum / N, in the masters' dtype
         for param, grad in zip(unit.params, mean.split(unit.numels)):
             if not param.requires_grad:
                 continue
@@ -436,7 +440,7 @@ class FSDP(nn.Module):
         if with_grad:
             flat = torch.cat([param.grad.flatten() for param in with_grad])
             dist.all_reduce(flat, group=self.group)
-            means = flat.div_(self.world_size).split([param.numel() for param in with_grad])
+            means = flat.div_(self.divisor).split([param.numel() for param in with_grad])
             for param, mean in zip(with_grad, means):
                 param.grad.copy_(mean.view_as(param))
 

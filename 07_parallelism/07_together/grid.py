@@ -17,8 +17,20 @@ A group along an axis holds the ranks that differ only in that coordinate. One m
 "dp_cp", holds the ranks that differ in the data or the context coordinate: they hold
 different tokens of the same model piece, so their gradients (and the loss) are summed there.
 
+The data axis has two sub-axes for hybrid sharding (HSDP): dp = dp_replicate x dp_shard, the
+shard index the faster-changing digit,
+
+    dp_index = replicate_index * dp_shard + shard_index
+
+so the ranks of one "dp_shard" group are neighbours (one node: FSDP all-gathers the weights
+there in every forward and backward) and a "dp_replicate" group holds the ranks with the same
+shard, one per node (a single all-reduce of the gradient shards per step crosses nodes). The
+layout of ``init_device_mesh(device, (pp, dp_replicate, dp_shard, cp, tp))``. With the default
+dp_shard = 1, "dp_replicate" holds the same ranks as "dp" and every "dp_shard" group one rank.
+
     grid = ProcessGrid(dp=2, pp=1, cp=1, tp=2)     # after dist.init_process_group, 4 ranks
     grid.rank("tp"), grid.size("tp"), grid.group("tp")
+    grid = ProcessGrid(dp=4, dp_shard=2)           # HSDP: 2 replicas of 2 shards
 
 Torch alone: copy this file anywhere.
 """
@@ -28,6 +40,8 @@ from __future__ import annotations
 import torch.distributed as dist
 
 AXES = ("pp", "dp", "cp", "tp")  # outermost first
+# The same grid with the data axis cut in two (hybrid sharding), outermost first.
+FINE_AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def grid_coordinate(rank: int, sizes: dict[str, int]) -> dict[str, int]:
@@ -47,17 +61,31 @@ def grid_rank(coordinate: dict[str, int], sizes: dict[str, int]) -> int:
     return rank
 
 
+def fine_coordinate(rank: int, sizes: dict[str, int]) -> dict[str, int]:
+    """rank -> {axis: index} over FINE_AXES and AXES: the data index cut into its replica and
+    its shard (``sizes["dp_shard"]``, 1 when absent)."""
+    coordinate = grid_coordinate(rank, sizes)
+    dp_shard = sizes.get("dp_shard", 1)
+    coordinate["dp_replicate"] = coordinate["dp"] // dp_shard
+    coordinate["dp_shard"] = coordinate["dp"] % dp_shard
+    return coordinate
+
+
 def groups_along(axes: tuple[str, ...], sizes: dict[str, int]) -> list[list[int]]:
-    """Every group of ranks that differ only in the coordinates ``axes``, each sorted, in the
-    order of their smallest rank. One group per value of the other coordinates."""
+    """Every group of ranks that differ only in the coordinates ``axes`` (names of AXES or
+    FINE_AXES; "dp" means both of its sub-axes), each sorted, in the order of their smallest
+    rank. One group per value of the other coordinates."""
+    varying = set(axes)
+    if "dp" in varying:
+        varying.update(("dp_replicate", "dp_shard"))
     world_size = 1
     for axis in AXES:
         world_size *= sizes[axis]
     groups = {}
     for rank in range(world_size):
-        coordinate = grid_coordinate(rank, sizes)
+        coordinate = fine_coordinate(rank, sizes)
         # The key: the coordinates that stay fixed inside a group.
-        key = tuple(coordinate[axis] for axis in AXES if axis not in axes)
+        key = tuple(coordinate[axis] for axis in FINE_AXES if axis not in varying)
         if key not in groups:
             groups[key] = []
         groups[key].append(rank)
@@ -67,18 +95,24 @@ def groups_along(axes: tuple[str, ...], sizes: dict[str, int]) -> list[list[int]
 class ProcessGrid:
     """This rank's place on the (pp, dp, cp, tp) grid and a process group along each axis.
 
-    ``group(axis)``, ``rank(axis)``, ``size(axis)`` for axis in "pp", "dp", "cp", "tp" and
-    "dp_cp" (data and context together). Call on every rank, after ``init_process_group``:
-    creating a group is a collective, every rank creates every group in the same order.
+    ``group(axis)``, ``rank(axis)``, ``size(axis)`` for axis in "pp", "dp", "cp", "tp",
+    "dp_cp" (data and context together), and the data axis's two parts "dp_replicate" and
+    "dp_shard" (``dp_shard`` ranks of each data group share the shards of one copy). Call on
+    every rank, after ``init_process_group``: creating a group is a collective, every rank
+    creates every group in the same order.
     """
 
-    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1):
-        self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
-        for axis in AXES:
+    def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1):
+        self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
+        for axis in (*AXES, "dp_shard"):
             size = self.sizes[axis]
             if not isinstance(size, int) or size < 1:
                 raise ValueError(f"ProcessGrid: {axis}={size!r}; each degree must be a whole "
                                  "number >= 1")
+        if dp % dp_shard != 0:
+            raise ValueError(f"ProcessGrid: dp_shard={dp_shard} does not divide dp={dp}; "
+                             "dp = dp_replicate x dp_shard")
+        self.sizes["dp_replicate"] = dp // dp_shard
         world_size = dist.get_world_size()
         product = pp * dp * cp * tp
         if product != world_size:
@@ -87,10 +121,14 @@ class ProcessGrid:
                              "must equal the world size")
         self.global_rank = dist.get_rank()
         self.coordinate = grid_coordinate(self.global_rank, self.sizes)
+        fine = fine_coordinate(self.global_rank, self.sizes)
+        self.coordinate["dp_replicate"] = fine["dp_replicate"]
+        self.coordinate["dp_shard"] = fine["dp_shard"]
         self.members = {}  # axis -> the global ranks of this rank's group along it
         self.groups = {}   # axis -> that process group
         axis_sets = {"pp": ("pp",), "dp": ("dp",), "cp": ("cp",), "tp": ("tp",),
-                     "dp_cp": ("dp", "cp")}
+                     "dp_cp": ("dp", "cp"), "dp_replicate": ("dp_replicate",),
+                     "dp_shard": ("dp_shard",)}
         for name, axes in axis_sets.items():
             for ranks in groups_along(axes, self.sizes):
                 group = dist.new_group(ranks)  # a collective: every rank makes every group
@@ -117,7 +155,7 @@ class ProcessGrid:
         return f"ProcessGrid(rank {self.global_rank}: {where})"
 
 
-def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
+def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1) -> str:
     """The grid as text: one line per (pp, dp) pair, the cp x tp ranks of it, e.g. for 8 ranks
     (dp, pp, cp, tp) = (2, 2, 1, 2):
 
@@ -125,6 +163,9 @@ def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
         pp 0  dp 1 | cp 0: 2 3
         pp 1  dp 0 | cp 0: 4 5
         pp 1  dp 1 | cp 0: 6 7
+
+    With ``dp_shard`` > 1 (HSDP) each data index also says its replica and shard:
+    "pp 0  dp 1 (replica 0, shard 1) | cp 0: 1".
     """
     sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     lines = []
@@ -137,5 +178,8 @@ def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1) -> str:
                     coordinate = {"pp": pp_index, "dp": dp_index, "cp": cp_index, "tp": tp_index}
                     tp_ranks.append(str(grid_rank(coordinate, sizes)))
                 parts.append(f"cp {cp_index}: " + " ".join(tp_ranks))
-            lines.append(f"pp {pp_index}  dp {dp_index} | " + "   ".join(parts))
+            data = f"dp {dp_index}"
+            if dp_shard > 1:
+                data += f" (replica {dp_index // dp_shard}, shard {dp_index % dp_shard})"
+            lines.append(f"pp {pp_index}  {data} | " + "   ".join(parts))
     return "\n".join(lines)

@@ -39,10 +39,20 @@ adds only what composing needs and no lesson had:
 4. Where each parameter sits in the full model, so the pieces can be put back together
    (``full_state_dict``) and checkpointed (lesson 8): ``placements()``.
 
+5. Hybrid sharding (HSDP), when the grid's data axis is cut into dp_replicate x dp_shard
+   (``shard_chunks``): each chunk is wrapped in lesson 2's FSDP over its "dp_shard" group,
+   so a weight matrix is held in row blocks there and gathered unit by unit (a block, the
+   embeddings, the head) in forward and backward. After backward, FSDP's reduce-scatter has
+   summed each gradient block over dp_shard; the blocks are then summed over "dp_replicate"
+   (the ranks holding the same block in the other copies): one all-reduce of 1/dp_shard of
+   the model. Summing over the whole data axis again would add other ranks' blocks into
+   this one (the tests plant exactly that). The sum over tp comes first, as above: it
+   touches the same blocks on every tp rank.
+
 Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
 ``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
-(lesson 4), ``context_parallel.py`` (lesson 5). ``training.py`` beside it puts them on the
-path (``lessons()``).
+(lesson 4), ``context_parallel.py`` (lesson 5), and for HSDP only ``fsdp.py`` (lesson 2).
+``training.py`` beside it puts them on the path (``lessons()``).
 """
 
 from __future__ import annotations
@@ -132,6 +142,9 @@ class StageChunk(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.layer_numbers = layer_numbers          # the blocks' places in the full model
         self.head = head                            # None except on the last virtual stage
+        # HSDP: [the FSDP wrapping this chunk] once shard_chunks ran, and what runs it. A list,
+        # not an attribute: the wrapper holds this chunk, and a module may not hold its parent.
+        self.sharded_by = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
@@ -178,6 +191,47 @@ def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 
     return chunks
 
 
+def shard_chunks(chunks: list, grid) -> None:
+    """HSDP: wrap each chunk in lesson 2's FSDP over the grid's "dp_shard" group (call after
+    the chunks are on their device, before the optimizer takes their parameters: they become
+    this rank's row blocks). The units gathered as one: the embeddings, each block, the head.
+    ``average=False``: FSDP's reduce-scatter leaves the sum over dp_shard, as this file sums.
+    Lesson 2's fsdp.py is imported here, not above: only HSDP needs it, and the callers of
+    the rest of this file need not carry it."""
+    try:
+        import fsdp
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("parallel_lm.shard_chunks (HSDP) wraps the chunks in lesson "
+                                  "2's FSDP: put fsdp.py beside parallel_lm.py (train.py does "
+                                  "this inside the repository)") from None
+    for chunk in chunks:
+        units = list(chunk.blocks)
+        for module in (chunk.embedding, chunk.head):
+            if module is not None:
+                units.append(module)
+        wrapper = fsdp.FSDP(chunk, units=units, process_group=grid.group("dp_shard"),
+                            average=False)
+        chunk.sharded_by.append(wrapper)
+
+
+def runner(chunk):
+    """What runs a chunk: its FSDP wrapper under HSDP (which gathers the units), else itself."""
+    if chunk.sharded_by:
+        return chunk.sharded_by[0]
+    return chunk
+
+
+def shard_layout(chunk) -> dict:
+    """HSDP: {id(parameter): (rows before sharding, rows per block k)} of the chunk's sharded
+    parameters, read off its FSDP units; {} for a chunk that is not sharded."""
+    layout = {}
+    for wrapper in chunk.sharded_by:
+        for unit in wrapper.units:
+            for param, full in zip(unit.params, unit.full):
+                layout[id(param)] = (full.shape[0], param.shape[0])
+    return layout
+
+
 # --------------------------------------------------------------------------- one training step
 
 
@@ -194,7 +248,12 @@ def scaled_loss_fn(grid):
 
 def sum_gradients(chunks: list, grid) -> None:
     """After backward: first the tp-replicated parameters over tp (they saw this rank's tokens
-    only), then every gradient over dp and cp together. One flat all-reduce per group."""
+    only), then every gradient over dp and cp together. One flat all-reduce per group. Under
+    HSDP (the chunks sharded): FSDP first finishes its reduce-scatters over dp_shard, and the
+    last sum runs over dp_replicate alone (``sum_over_replicas``)."""
+    for chunk in chunks:
+        if chunk.sharded_by:
+            chunk.sharded_by[0].finish_gradient_synchronization()
     replicated = []
     for chunk in chunks:
         for block in chunk.blocks:
@@ -208,7 +267,17 @@ def sum_gradients(chunks: list, grid) -> None:
         for p in chunk.parameters():
             if p.grad is not None:
                 everything.append(p)
-    all_reduce_sum(everything, grid.group("dp_cp"))
+    if chunks[0].sharded_by:
+        sum_over_replicas(everything, grid)
+    else:
+        all_reduce_sum(everything, grid.group("dp_cp"))
+
+
+def sum_over_replicas(params: list[nn.Parameter], grid) -> None:
+    """HSDP: each rank holds its dp_shard block of the gradient, summed over dp_shard; the same
+    block sits on every rank of its "dp_replicate" group: sum it there (1/dp_shard of the
+    model per rank, the 1-D parameters whole)."""
+    all_reduce_sum(params, grid.group("dp_replicate"))
 
 
 def all_reduce_sum(params: list[nn.Parameter], group) -> None:
@@ -246,7 +315,8 @@ def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, input
     activation_shape = (rows, my_inputs.shape[1], d_model)   # [micro_batch, local_seq, d_model]
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
-    result = pipeline_parallel.run_schedule(chunks, schedule, micro_inputs, micro_targets,
+    runners = [runner(chunk) for chunk in chunks]
+    result = pipeline_parallel.run_schedule(runners, schedule, micro_inputs, micro_targets,
                                             activation_shape, device, loss_fn=loss_fn,
                                             group=grid.group("pp"))
     sum_gradients(chunks, grid)
@@ -285,7 +355,7 @@ def evaluate(chunks: list, grid, inputs, targets, device) -> float:
                 received = torch.empty(shape, device=wire)
                 dist.recv(received, dist.get_global_rank(pp_group, previous), group=pp_group)
                 x = received.to(device)
-            x = chunks[stage // pp](x)          # after the last stage: the logits
+            x = runner(chunks[stage // pp])(x)  # after the last stage: the logits
             following = (stage + 1) % pp
             if stage < virtual_stages - 1 and following != me:
                 dist.send(x.to(wire).contiguous(), dist.get_global_rank(pp_group, following),
@@ -304,11 +374,13 @@ def placements(chunks: list, grid) -> list[dict]:
     name (``TransformerLM``'s), the full shape, and the boxes of the full tensor it holds,
     each ``(local_slices, full_slices)``: a list of (start, stop) per dimension. A column-
     parallel weight holds rows of each of its stacked blocks (q, k and v: three boxes), a
-    row-parallel weight a block of columns, a replicated parameter all of it. ``replica``
-    is True on the one rank whose copy is the one to save (dp_cp rank 0; for a tp-replicated
-    parameter also tp rank 0)."""
+    row-parallel weight a block of columns, a replicated parameter all of it; under HSDP only
+    the rows of this rank's FSDP block. ``replica`` is True on the one rank whose copy is the
+    one to save (dp_cp rank 0, or under HSDP for a sharded weight dp_replicate rank 0; for a
+    tp-replicated parameter also tp rank 0)."""
     entries = []
     for chunk in chunks:
+        sharded = shard_layout(chunk)
         named = []
         if chunk.embedding is not None:
             for name, p in chunk.embedding.named_parameters():
@@ -322,14 +394,21 @@ def placements(chunks: list, grid) -> list[dict]:
             for name, p in chunk.head.named_parameters():
                 named.append((name, p, None))
         for full_name, p, module in named:
-            entries.append(placement_of(full_name, p, module, grid))
+            entries.append(placement_of(full_name, p, module, grid, sharded.get(id(p))))
     return entries
 
 
-def placement_of(full_name: str, p: torch.Tensor, module, grid) -> dict:
+def placement_of(full_name: str, p: torch.Tensor, module, grid, fsdp_rows=None) -> dict:
+    """One parameter's entry of ``placements``. ``fsdp_rows``: under HSDP, for a weight FSDP
+    cut into row blocks, (its rows before, rows per block k): ``p`` holds rows
+    [s k, (s+1) k) of the tensor that tensor parallelism left on this rank, s the dp_shard
+    rank."""
     tp = grid.size("tp")
     tp_rank = grid.rank("tp")
-    whole = [(0, size) for size in p.shape]
+    local_shape = list(p.shape)
+    if fsdp_rows is not None:
+        local_shape[0] = fsdp_rows[0]
+    whole = [(0, size) for size in local_shape]
     sharded_dim = None
     stacked = 1
     if isinstance(module, tensor_parallel.ColumnParallelLinear):
@@ -337,13 +416,13 @@ def placement_of(full_name: str, p: torch.Tensor, module, grid) -> dict:
         stacked = module.stacked
     elif isinstance(module, tensor_parallel.RowParallelLinear) and p.dim() == 2:
         sharded_dim = 1                      # columns of the weight; the bias is whole
-    full_shape = list(p.shape)
+    full_shape = list(local_shape)
     boxes = []
     if sharded_dim is None:
         boxes.append((whole, whole))
     else:
-        full_shape[sharded_dim] = p.shape[sharded_dim] * tp
-        block_local = p.shape[sharded_dim] // stacked   # this rank's rows of one stacked block
+        full_shape[sharded_dim] = local_shape[sharded_dim] * tp
+        block_local = local_shape[sharded_dim] // stacked   # this rank's rows of one stacked block
         block_full = full_shape[sharded_dim] // stacked
         for block in range(stacked):
             local_box = list(whole)
@@ -352,9 +431,36 @@ def placement_of(full_name: str, p: torch.Tensor, module, grid) -> dict:
             start = block * block_full + tp_rank * block_local
             full_box[sharded_dim] = (start, start + block_local)
             boxes.append((local_box, full_box))
-    replica = grid.rank("dp_cp") == 0 and (sharded_dim is not None or tp_rank == 0)
+    first_copy = grid.rank("dp_cp") == 0
+    if fsdp_rows is not None:
+        boxes = rows_of_block(boxes, fsdp_rows[1], grid.rank("dp_shard"))
+        first_copy = grid.rank("dp_replicate") == 0     # every dp_shard rank saves its block
+    replica = first_copy and (sharded_dim is not None or tp_rank == 0)
     return {"name": full_name, "tensor": p, "full_shape": tuple(full_shape), "boxes": boxes,
-            "replica": replica}
+            "replica": replica, "tp_whole": sharded_dim is None,
+            "dp_sharded": fsdp_rows is not None}
+
+
+def rows_of_block(boxes: list, rows_per_block: int, block: int) -> list:
+    """The boxes cut to FSDP's row block ``block``: local rows [block k, (block+1) k), moved
+    to start at 0 (the block's own rows). A box's local and full rows run in step, so a cut
+    of one is the same cut of the other; a box outside the block drops out (the padding rows
+    past the end are in no box)."""
+    first = block * rows_per_block
+    last = first + rows_per_block
+    cut = []
+    for local_box, full_box in boxes:
+        local_start = local_box[0][0]
+        local_stop = local_box[0][1]
+        start = max(local_start, first)
+        stop = min(local_stop, last)
+        if start >= stop:
+            continue
+        shift = full_box[0][0] - local_start            # full row = local row + shift
+        new_local = [(start - first, stop - first)] + list(local_box[1:])
+        new_full = [(start + shift, stop + shift)] + list(full_box[1:])
+        cut.append((new_local, new_full))
+    return cut
 
 
 def full_state_dict(chunks: list, grid, to: int = 0, gradients: bool = False) -> dict | None:

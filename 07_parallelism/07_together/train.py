@@ -4,6 +4,7 @@ and tensor parallel ranks, and check it against one process.
     python 07_parallelism/07_together/train.py --dp 2 --tp 2           # 4 ranks, a few minutes
     python 07_parallelism/07_together/train.py --dp 1 --pp 1 --cp 1 --tp 1   # one process
     python 07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2 --steps 20 --check
+    python 07_parallelism/07_together/train.py --dp-replicate 2 --dp-shard 2 --check   # HSDP
     torchrun --nproc-per-node=4 07_parallelism/07_together/train.py --dp 2 --tp 2
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
         07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2          # tp inside a node

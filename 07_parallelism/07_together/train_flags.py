@@ -40,6 +40,13 @@ def build_parser(doc: str | None):
     parser.add_argument("--pp", type=launch.positive_int, default=1, help="pipeline stages")
     parser.add_argument("--cp", type=launch.positive_int, default=1, help="context-parallel degree")
     parser.add_argument("--tp", type=launch.positive_int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--dp-shard", type=launch.positive_int, default=1,
+                        help="HSDP: shard the weights, gradients and AdamW state over this many "
+                             "neighbouring data-parallel ranks (lesson 2's FSDP) and replicate "
+                             "over the rest (default 1: plain data parallel)")
+    parser.add_argument("--dp-replicate", type=launch.positive_int, default=None,
+                        help="HSDP: copies of the sharded model (default: --dp / --dp-shard); "
+                             "--dp = --dp-replicate x --dp-shard")
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the optimizer state over the data and context ranks (ZeRO-1)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule")
@@ -102,18 +109,21 @@ def parse(argv=None, doc: str | None = None, bench: bool = False):
     config = launch.resolve(args)
     if args.bench or bench:
         return args, config
+    if args.dp is None and args.dp_replicate is not None:
+        args.dp = args.dp_replicate * args.dp_shard
     if args.dp is None:
         args.dp = max(1, config.world_size // (args.pp * args.cp * args.tp))
     problem = first_problem(args, config)
     if problem is not None:
         parser.error(problem)
+    args.dp_replicate = args.dp // args.dp_shard
     results.check_writable()
     return args, config
 
 
 def first_problem(args, config) -> str | None:
     """The first thing wrong with ``args`` on ``config`` (one line), or None."""
-    for check in (grid_problem, device_problem, run_problem, data_problem, folder_problem,
+    for check in (grid_problem, hsdp_problem, device_problem, run_problem, data_problem, folder_problem,
                   memory_problem):
         problem = check(args, config)
         if problem is not None:
@@ -152,6 +162,28 @@ def grid_problem(args, config) -> str | None:
     if args.schedule == "interleaved" and args.micro_batches % args.pp != 0:
         return (f"--schedule interleaved needs --micro-batches a multiple of --pp "
                 f"({args.micro_batches} is not a multiple of {args.pp})")
+    return None
+
+
+def hsdp_problem(args, config) -> str | None:
+    """--dp-replicate x --dp-shard must make --dp; HSDP here composes with tensor parallelism
+    only (FSDP's gathers per unit and micro-batch are what the pipeline's chunks and ring
+    attention's ranks would multiply; not built), and ZeRO-1 would shard the state twice."""
+    if args.dp % args.dp_shard != 0:
+        return f"--dp-shard {args.dp_shard} must divide --dp {args.dp} (dp = replicate x shard)"
+    replicate = args.dp // args.dp_shard
+    if args.dp_replicate is not None and args.dp_replicate != replicate:
+        return (f"--dp-replicate {args.dp_replicate} x --dp-shard {args.dp_shard} = "
+                f"{args.dp_replicate * args.dp_shard}, but --dp is {args.dp}; the product must "
+                "equal it")
+    if args.dp_shard == 1:
+        return None
+    if args.pp > 1 or args.cp > 1:
+        return (f"--dp-shard {args.dp_shard} (HSDP) with --pp {args.pp} --cp {args.cp}: HSDP "
+                "composes with --tp only; use --pp 1 --cp 1")
+    if args.fsdp:
+        return (f"--dp-shard {args.dp_shard} with --fsdp: HSDP shards the AdamW state already; "
+                "use one of them")
     return None
 
 

@@ -37,6 +37,7 @@ def lessons():
     """The lessons' algorithm files this one composes, on the path (and so in every worker):
     (grid, parallel_lm, text_data)."""
     from common import import_stage
+    import_stage("07_parallelism/02_fsdp/fsdp")
     import_stage("07_parallelism/03_tensor_parallel/tensor_parallel")
     import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
     import_stage("07_parallelism/05_context_parallel/context_parallel")
@@ -63,6 +64,28 @@ def build_full_lm(args):
     from common import models
     torch.manual_seed(args.seed)
     return models.TransformerLM(args.model, vocab_size=256, context_length=args.seq_len)
+
+
+def make_grid(grid_mod, args):
+    """The grid of ``args``: --dp split into --dp-replicate x --dp-shard (1 unless asked)."""
+    return grid_mod.ProcessGrid(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp,
+                                dp_shard=dp_shard_of(args))
+
+
+def dp_shard_of(args) -> int:
+    """--dp-shard, 1 where the caller's arguments have none (a test's, a bench's)."""
+    return getattr(args, "dp_shard", 1)
+
+
+def build_chunks(args, grid, parallel_lm, full_lm, device) -> list:
+    """This rank's chunks of ``full_lm`` on ``device``; under HSDP (--dp-shard > 1) each
+    wrapped in FSDP over the grid's dp_shard group (``parallel_lm.shard_chunks``)."""
+    chunks = []
+    for chunk in parallel_lm.build_chunks(full_lm, grid, args.seq_len, args.chunks):
+        chunks.append(chunk.to(device))
+    if dp_shard_of(args) > 1:
+        parallel_lm.shard_chunks(chunks, grid)
+    return chunks
 
 
 def make_optimizer(params, args, grid):
@@ -109,12 +132,10 @@ def train_main(ctx, args, checkpoints_class=None) -> None:
     if args.check:
         check_main(ctx, args)
     grid_mod, parallel_lm, _ = lessons()
-    grid = grid_mod.ProcessGrid(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    grid = make_grid(grid_mod, args)
     text = Text(args)
     full_lm = build_full_lm(args)
-    chunks = []
-    for chunk in parallel_lm.build_chunks(full_lm, grid, args.seq_len, args.chunks):
-        chunks.append(chunk.to(ctx.device))
+    chunks = build_chunks(args, grid, parallel_lm, full_lm, ctx.device)
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = make_optimizer(params, args, grid)
     checkpoints = None
@@ -127,6 +148,9 @@ def train_main(ctx, args, checkpoints_class=None) -> None:
                       f"{args.steps}", all_ranks=False)
             return
     grid_text = f"dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp}"
+    if dp_shard_of(args) > 1:
+        grid_text = (f"dp {args.dp} (replicate {args.dp // args.dp_shard} x shard "
+                     f"{args.dp_shard}) x pp {args.pp} x cp {args.cp} x tp {args.tp}")
     tokens_per_step = args.batch_size * args.seq_len
     parameter_count = sum(p.numel() for p in full_lm.parameters())
     ctx.print(f"training the {args.model} LM ({parameter_count} parameters, bytes as tokens) on "
@@ -135,7 +159,8 @@ def train_main(ctx, args, checkpoints_class=None) -> None:
               f"bytes, unigram loss {text.unigram:.3f} ({results.machine_name()})",
               all_ranks=False)
     ctx.print("the grid (rank numbers; tp innermost):\n"
-              + grid_mod.draw_grid(args.dp, args.pp, args.cp, args.tp), all_ranks=False)
+              + grid_mod.draw_grid(args.dp, args.pp, args.cp, args.tp, dp_shard_of(args)),
+              all_ranks=False)
     curve = []
     start = time.perf_counter()
     for step in range(first_step, args.steps):
@@ -297,11 +322,9 @@ def check_against_one_process(ctx, args, steps: int) -> tuple[list[str], float]:
     the largest weight difference. Stops at the first step with a problem."""
     from common import models
     grid_mod, parallel_lm, _ = lessons()
-    grid = grid_mod.ProcessGrid(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    grid = make_grid(grid_mod, args)
     text = Text(args)
-    chunks = []
-    for chunk in parallel_lm.build_chunks(build_full_lm(args), grid, args.seq_len, args.chunks):
-        chunks.append(chunk.to(ctx.device))
+    chunks = build_chunks(args, grid, parallel_lm, build_full_lm(args), ctx.device)
     optimizer = make_optimizer([p for chunk in chunks for p in chunk.parameters()], args, grid)
     reference = build_full_lm(args).to(ctx.device)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=args.lr, weight_decay=0.0,
@@ -385,12 +408,14 @@ def full_differences(state: dict | None, want: dict, what: str, step: int,
 
 def replica_differences(chunks, grid, parallel_lm) -> list[str]:
     """Copies of one piece held by several ranks must be bitwise equal: over dp and cp for
-    every piece, and over tp too for the pieces tensor parallelism does not split."""
+    every piece (under HSDP a weight's row block over dp_replicate: the dp_shard ranks hold
+    different blocks), and over tp too for the pieces tensor parallelism does not split."""
     problems = []
     for entry in parallel_lm.placements(chunks, grid):
         groups = ["dp_cp"]
-        if len(entry["boxes"]) == 1 and entry["boxes"][0][0] == entry["boxes"][0][1] \
-                and list(entry["tensor"].shape) == list(entry["full_shape"]):
+        if entry["dp_sharded"]:
+            groups = ["dp_replicate"]
+        if entry["tp_whole"]:
             groups.append("tp")
         for axis in groups:
             if grid.size(axis) == 1:

@@ -26,6 +26,9 @@ What it measures, in one run:
    all-reduced over dp; ``build_torch_composition`` says why not ``replicate``), and
    ``fsdp_tp``, ours with ZeRO-1 (--fsdp) beside torch's ``fully_shard`` over dp; step times
    and bytes of all four, timed in alternating rounds. A ratio is printed only within a pair.
+   A third pair, ``hsdp``: our HSDP (2 copies of W/2 shards, lesson 2's FSDP inside lesson 7's
+   grid) beside torch's ``fully_shard`` on a 2-D (replicate, shard) ``init_device_mesh``,
+   torch's HSDP, on the same LM, batch and ranks: bytes on each axis and step time.
 3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
    ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``): the same blocks and
    micro-batches on pp = 2 and 4 (pipelines side by side on the other ranks), real compute,
@@ -85,6 +88,24 @@ context shard (ring attention's queries), S / t of them between the tensor-paral
                           + (n-1)/n 4 P with ZeRO-1    (the owners broadcast the new weights)
       world               2 (W-1)/W 8                  the loss, float64, over all W ranks
 
+HSDP (dp = r x s, ``dp_shard`` s > 1; pp = cp = 1): lesson 2's FSDP over the s ranks of a
+dp_shard group, the row blocks summed over the r ranks of a dp_replicate group. A weight of
+[rows, cols] (tensor parallelism's piece) is held as a block of ceil(rows/s) cols values,
+padded; U: the values of one unit (a block, the embeddings, the head) so held, P_s their sum,
+P_1 the 1-D parameters (whole):
+
+    parameters, gradients P_s + P_1;  AdamW state 2 x that + the step counts
+      dp_shard            m (2 P_s - U_head + P_s) (s-1) 4   per micro-batch every unit
+                                                       gathered twice (forward, backward) but
+                                                       the head once (still gathered when its
+                                                       backward starts), every unit's gradient
+                                                       reduce-scattered: payload s U, a share
+                                                       (s-1)/s of it
+                          + 2 (s-1)/s 4 P_1            the 1-D gradients, one all-reduce
+      dp_replicate        2 (r-1)/r 4 (P_s + P_1)      1/s of the model, one all-reduce
+      tp                  as above, R with the embeddings' and head's blocks in place of them
+      dp_cp               0
+
 Each rank compares its own counts with its own formula; a row holds the largest rank's
 count and formula, and the worst relative difference of any rank in any column.
 """
@@ -93,6 +114,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import math
 import sys
 import time
@@ -105,8 +127,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from counters import (CommCounter, FunctionalCommCounter, SavedActivations, optimizer_state_bytes,
-                      state_bytes, storage_key)
+from counters import (CommCounter, FunctionalCommCounter, SavedActivations,
+                      gathered_storage_keys, optimizer_state_bytes, state_bytes, storage_key)
 
 CSV_NAME = "grid.csv"
 CSV_KEY = ["impl", "grid", "setting", "model", "batch_size", "seq_len", "micro_batches",
@@ -115,7 +137,8 @@ FLOAT = 4           # float32
 INT64 = 8           # token ids and positions
 STEP_COUNT = 4      # AdamW's step: one float32 scalar tensor per parameter tensor
 VOCAB = 256         # bytes as tokens, as train.py trains
-AXES = ("tp", "cp", "pp", "dp_cp", "world", "other")   # "other": a group no axis names
+AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world",
+        "other")                                          # "other": a group no axis names
 KINDS = ("param", "grad", "optim", "activation")
 TARGET_BYTES = 0.05          # counted within 5% of the formula
 TARGET_TORCH_TP = 1.25       # ours at most 1.25x torch's composition, in each pair
@@ -123,9 +146,11 @@ TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipe
 
 
 def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
-              micro_batches=1) -> dict:
+              micro_batches=1, dp_shard=1) -> dict:
+    """One grid: its degrees, ZeRO-1 or not, the schedule; ``dp_shard`` > 1: HSDP, dp =
+    dp_replicate x dp_shard."""
     return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "fsdp": fsdp, "schedule": schedule,
-            "chunks": chunks, "micro_batches": micro_batches}
+            "chunks": chunks, "micro_batches": micro_batches, "dp_shard": dp_shard}
 
 
 # The grids of the bench, by world size. The course's tiny LM has 2 blocks (pp <= 2); on a GPU
@@ -138,14 +163,18 @@ GRIDS = {
         grid_spec(pp=2, tp=2, micro_batches=4),
         grid_spec(dp=2, pp=2, micro_batches=4),
         grid_spec(cp=2, tp=2),
-        grid_spec(dp=2, cp=2, fsdp=True)],
+        grid_spec(dp=2, cp=2, fsdp=True),
+        grid_spec(dp=4, dp_shard=2),
+        grid_spec(dp=4, dp_shard=4)],
     8: [grid_spec(dp=8),
         grid_spec(dp=4, tp=2),
         grid_spec(dp=2, tp=4),
         grid_spec(dp=2, pp=2, tp=2, micro_batches=4),
         grid_spec(dp=2, cp=2, tp=2),
         grid_spec(pp=2, cp=2, tp=2, micro_batches=4),
-        grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4)],
+        grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4),
+        grid_spec(dp=8, dp_shard=4),
+        grid_spec(dp=4, tp=2, dp_shard=2)],
 }
 
 # Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a box with a GPU per
@@ -167,7 +196,12 @@ SIZES = {
 def grid_label(spec: dict) -> str:
     """'dp2 tp2', 'pp2 tp2': the axes of degree > 1, outermost last as one says them."""
     parts = []
+    dp_shard = spec.get("dp_shard", 1)
+    if dp_shard > 1:        # HSDP: the data axis by its two parts
+        parts.append(f"dp_replicate{spec['dp'] // dp_shard} dp_shard{dp_shard}")
     for axis in ("dp", "pp", "cp", "tp"):
+        if axis == "dp" and dp_shard > 1:
+            continue
         if spec[axis] > 1:
             parts.append(f"{axis}{spec[axis]}")
     if not parts:
@@ -180,6 +214,8 @@ def setting_label(spec: dict) -> str:
     words = ["AdamW"]
     if spec["fsdp"]:
         words = ["ZeRO-1 AdamW"]
+    if spec.get("dp_shard", 1) > 1:
+        words = ["HSDP AdamW"]
     if spec["pp"] > 1:
         words.append(f"{spec['schedule']} m{spec['micro_batches']}")
     return ", ".join(words)
@@ -296,12 +332,69 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     if spec["fsdp"]:
         sent["dp_cp"] += ring_share(data_and_context) * FLOAT * params
     sent["world"] = 2 * ring_share(world_size) * 8
+    if spec.get("dp_shard", 1) > 1:          # HSDP: the data axis's bytes, and what a rank holds
+        hsdp = hsdp_formula(shape, spec, first, last)
+        params = hsdp["params"]
+        optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
+        sent["tp"] = m * blocks * 8 * ring_share(t) * gathered
+        sent["tp"] += 2 * ring_share(t) * FLOAT * hsdp["tp_replicated"]
+        sent["dp_cp"] = 0.0
+        sent["dp_shard"] = hsdp["sent_dp_shard"]
+        sent["dp_replicate"] = hsdp["sent_dp_replicate"]
 
     formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
                "activation": activation}
     for axis in AXES:
         formula[f"sent_{axis}"] = sent[axis]
     return formula
+
+
+def fsdp_block(rows: int, columns: int, ranks: int) -> int:
+    """Values of one rank's FSDP block of a [rows, columns] weight: k = ceil(rows / ranks) rows,
+    the last rank's padded with zeros (lesson 2's layout)."""
+    return -(-rows // ranks) * columns
+
+
+def hsdp_formula(shape: dict, spec: dict, first: bool, last: bool) -> dict:
+    """HSDP on one pipeline rank (pp = 1 here: both ends), s = dp_shard, r = dp_replicate:
+    what the module docstring's HSDP lines say, per rank. The units FSDP gathers: the
+    embeddings (token [V, h], position [s, h]), each block (q, k, v [3h/t, h], out [h, h/t],
+    fc1 [f/t, h], fc2 [h, f/t]: tensor parallelism's pieces), the head ([V, h]); a unit's
+    values U = its weights' blocks, padded. The 1-D parameters stay whole (5h + f/t a
+    block, 2h for the final LayerNorm)."""
+    h = shape["h"]
+    f = shape["f"]
+    t = spec["tp"]
+    m = spec["micro_batches"]
+    shard = spec["dp_shard"]
+    replicate = spec["dp"] // shard
+    blocks = shape["layers"] // spec["pp"]
+    block_unit = (fsdp_block(3 * h // t, h, shard) + fsdp_block(h, h // t, shard)
+                  + fsdp_block(f // t, h, shard) + fsdp_block(h, f // t, shard))
+    units = [block_unit] * blocks
+    whole = blocks * (5 * h + f // t)                       # the 1-D parameters
+    tp_replicated = blocks * 5 * h                          # LayerNorms, fc2's bias
+    head_unit = 0
+    if first:
+        embedding_unit = (fsdp_block(shape["vocab"], h, shard)
+                          + fsdp_block(shape["seq"], h, shard))
+        units.append(embedding_unit)
+        tp_replicated += embedding_unit
+    if last:
+        head_unit = fsdp_block(shape["vocab"], h, shard)
+        units.append(head_unit)
+        whole += 2 * h
+        tp_replicated += 2 * h + head_unit
+    sharded = sum(units)
+    # per micro-batch every unit gathered for forward and again for backward, but the last
+    # unit of the forward (the head) stays gathered into its backward; every unit's gradient
+    # reduce-scattered: each a ring share of the s blocks
+    gathers = 2 * sharded - head_unit
+    sent_shard = m * (gathers + sharded) * ring_share(shard) * FLOAT * shard
+    sent_shard += 2 * ring_share(shard) * FLOAT * whole     # the 1-D gradients, summed over s
+    sent_replicate = 2 * ring_share(replicate) * FLOAT * (sharded + whole)
+    return {"params": sharded + whole, "tp_replicated": tp_replicated,
+            "sent_dp_shard": sent_shard, "sent_dp_replicate": sent_replicate}
 
 
 def piece_sizes(shape: dict, spec: dict, pp_rank: int) -> list[int]:
@@ -416,13 +509,14 @@ def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
     """What training.py's build_full_lm and make_optimizer read."""
     return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
-                              lr=sizes["lr"], fsdp=spec["fsdp"])
+                              lr=sizes["lr"], fsdp=spec["fsdp"], chunks=spec["chunks"],
+                              dp_shard=spec.get("dp_shard", 1))
 
 
 def grid_axes(grid) -> dict:
     """The grid's groups by axis name, for the counter: the group of a call names its axis."""
     axes = {}
-    for axis in ("tp", "cp", "pp", "dp_cp", "dp"):
+    for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard", "dp_replicate"):
         axes[axis] = grid.group(axis)
     return axes
 
@@ -446,8 +540,11 @@ def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, target
         x = my_inputs
         if chunk.embedding is None:
             x = torch.randn(rows, my_inputs.shape[1], d_model, device=device)
-        with SavedActivations(chunk) as saved:
-            y = chunk(x)
+        gathered = set
+        if chunk.sharded_by:             # HSDP: FSDP's gathered weights are weights, not saved
+            gathered = functools.partial(gathered_storage_keys, chunk.sharded_by[0])
+        with SavedActivations(chunk, exclude_now=gathered) as saved:
+            y = parallel_lm.runner(chunk)(x)
             if chunk.head is not None:
                 loss_fn(y, my_targets)
         total += saved.bytes
@@ -473,12 +570,11 @@ def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
     """This rank's part of the LM on grid ``spec``, its optimizer, and a training step."""
     train = lessons.train
     parallel_lm = lessons.parallel_lm
-    grid = lessons.grid.ProcessGrid(dp=spec["dp"], pp=spec["pp"], cp=spec["cp"], tp=spec["tp"])
+    grid = lessons.grid.ProcessGrid(dp=spec["dp"], pp=spec["pp"], cp=spec["cp"], tp=spec["tp"],
+                                    dp_shard=spec.get("dp_shard", 1))
     args = train_args(sizes, spec)
     full_lm = train.build_full_lm(args)
-    chunks = []
-    for chunk in parallel_lm.build_chunks(full_lm, grid, sizes["seq_len"], spec["chunks"]):
-        chunks.append(chunk.to(ctx.device))
+    chunks = train.build_chunks(args, grid, parallel_lm, full_lm, ctx.device)   # HSDP: sharded
     params = [p for chunk in chunks for p in chunk.parameters()]
     optimizer = train.make_optimizer(params, args, grid)
     inputs, targets = random_batch(sizes)
@@ -494,10 +590,17 @@ def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
 
 
 def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
-    """The first step of a fresh model, counted: this rank's bytes beside its formula."""
+    """The first step of a fresh model, counted: this rank's bytes beside its formula. Under
+    HSDP the second: FSDP's first forward records the order of its units, and frees the last
+    one too; the formula is of the steps after it (the loss reported: the first step's)."""
     parallel_lm = lessons.parallel_lm
     grid = built["grid"]
+    first_loss = None
+    if spec.get("dp_shard", 1) > 1:
+        first_loss = built["step"]()["loss"]
     result, sent = count_step(built["step"], grid_axes(grid))
+    if first_loss is None:
+        first_loss = result["loss"]
     counted = {"param": state_bytes(built["params"]),
                "grad": state_bytes(p.grad for p in built["params"]),
                "optim": optimizer_state_bytes(built["optimizer"]),
@@ -510,7 +613,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
     worst, worst_kind = worst_difference(counted, formula)
     return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
             "formula": formula, "worst": worst, "worst_kind": worst_kind,
-            "loss": result["loss"], "peak_held": result["peak_held"]}
+            "loss": first_loss, "peak_held": result["peak_held"]}
 
 
 def everyone(mine):
@@ -775,6 +878,119 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
     return rows
 
 
+# HSDP beside torch's: ours (lesson 2's FSDP over dp_shard inside lesson 7's grid, the blocks
+# summed over dp_replicate) and torch's fully_shard on a 2-D (replicate, shard) mesh, which is
+# torch's HSDP; the same LM, batch and ranks: 2 replicas of W/2 shards.
+HSDP_PAIR = "hsdp"
+
+
+def hsdp_degrees(world_size: int) -> tuple[int, int]:
+    """(replicate, shard): 2 copies, each sharded over half the ranks (a node each)."""
+    return 2, world_size // 2
+
+
+def build_torch_hsdp(ctx, sizes: dict, lessons) -> dict:
+    """The LM (q, k, v as three Linears, as torch's tensor-parallel plan wants them; no tensor
+    parallelism here) with ``fully_shard`` per block and on the root, over a 2-D mesh
+    ("replicate", "shard"): parameters sharded over a shard group, gradients reduce-scattered
+    there and all-reduced over the replicate group. Each rank takes the rows of its place in
+    the data axis, replicate index x shard + shard index, as our grid's ranks do."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    train = lessons.train
+    replicate, shard = hsdp_degrees(ctx.world_size)
+    mesh = init_device_mesh(ctx.device.type, (replicate, shard),
+                            mesh_dim_names=("replicate", "shard"))
+    args = train_args(sizes, grid_spec())
+    lm = TorchLM(train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock).to(ctx.device)
+    for block in lm.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(lm, mesh=mesh)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
+                                  eps=train.ADAM_EPS)
+    inputs, targets = random_batch(sizes)
+    rows = sizes["batch_size"] // ctx.world_size
+    data_rank = mesh["replicate"].get_local_rank() * shard + mesh["shard"].get_local_rank()
+    first = data_rank * rows
+    my_inputs = inputs[first:first + rows].to(ctx.device)
+    my_targets = targets[first:first + rows].to(ctx.device)
+
+    def forward_loss():
+        logits = lm(my_inputs)
+        return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss = forward_loss()
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    axes = {"dp_replicate": mesh["replicate"].get_group(), "dp_shard": mesh["shard"].get_group()}
+    return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss,
+            "axes": axes}
+
+
+def count_torch_hsdp(ctx, built: dict) -> dict:
+    """torch's HSDP: the first step's loss (the mean over every rank), then the second step
+    counted (FSDP2 sets its buffers up in the first), and one forward's saved activations
+    (fully_shard's gathered weights left out, as in ``count_torch_composition``)."""
+    lm = built["lm"]
+    first = built["step"]().detach().reshape(1) / ctx.world_size
+    dist.all_reduce(first)
+    with CommCounter(axes=built["axes"]) as comm:
+        built["step"]()
+    counted = {"param": state_bytes(lm.parameters()),
+               "grad": state_bytes(p.grad for p in lm.parameters()),
+               "optim": optimizer_state_bytes(built["optimizer"])}
+    for axis in AXES:
+        counted[f"sent_{axis}"] = 0.0
+    for axis, entry in comm.by_axis.items():
+        counted[f"sent_{axis}"] += entry["sent_bytes"]
+
+    def weights_now():
+        return set(storage_key(p) for p in lm.parameters())
+
+    with SavedActivations(lm, exclude_now=weights_now) as saved:
+        built["forward_loss"]()
+    counted["activation"] = saved.bytes
+    return {"counted": counted, "loss": first.item()}
+
+
+def compare_hsdp_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
+    """Our HSDP grid and torch's on the same ranks, timed in alternating rounds: two rows
+    (ours, then torch's), each with its bytes; ours beside our formula, torch's parameters,
+    gradients and AdamW state beside its layout's (``torch_formula`` over the shard ranks:
+    fully_shard cuts the 1-D parameters too)."""
+    replicate, shard = hsdp_degrees(ctx.world_size)
+    spec = grid_spec(dp=replicate * shard, dp_shard=shard)
+    ours = build_grid(ctx, spec, sizes, lessons)
+    ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+        theirs = build_torch_hsdp(ctx, sizes, lessons)
+        theirs_mine = count_torch_hsdp(ctx, theirs)
+        seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]}, sizes)
+    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
+    row_ours = timed_row(ctx, sizes, "ours", grid_label(spec),
+                         f"{setting_label(spec)}, timed beside torch's", seconds["ours"], 1)
+    row_ours["pair"] = HSDP_PAIR
+    row_ours["first_loss"] = ours_mine["loss"]
+    row_ours.update(byte_columns(everyone(ours_mine), kinds))
+    row_ours["zero1_deal_bound"] = ""
+    row_torch = timed_row(ctx, sizes, "torch", grid_label(spec),
+                          "fully_shard on a (replicate, shard) mesh: HSDP, AdamW",
+                          seconds["torch"], 1)
+    row_torch["pair"] = HSDP_PAIR
+    row_torch["first_loss"] = theirs_mine["loss"]
+    formula = torch_formula(lm_shape(sizes), shard, 1, sharded=True)
+    worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
+    torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
+                  "worst": worst, "worst_kind": worst_kind}
+    row_torch.update(byte_columns(everyone(torch_mine), kinds))
+    return [row_ours, row_torch]
+
+
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
     """Each step warmed up, then ``rounds`` rounds of ``iters`` timed calls of each in turn;
     the times pooled per step."""
@@ -991,6 +1207,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
     torch_rows = compare_with_torch(ctx, sizes, lessons)
+    torch_rows += compare_hsdp_with_torch(ctx, sizes, lessons)
     if ctx.is_main:
         results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
     for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
@@ -1061,14 +1278,26 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
     sent = []
     for row in our_rows:
         line = {"grid": row["grid"], "setting": row["setting"]}
-        for axis in ("tp", "cp", "pp", "dp_cp", "world"):
+        for axis in ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world"):
             line[f"{axis} {unit_name}"] = counted_and_formula(row, f"sent_{axis}", unit)
         line["on no axis"] = in_units(row["sent_other_bytes"], unit)
         sent.append(line)
     results.print_table(sent, title="\nBytes sent per step per rank, by axis (ring shares; "
                                     "the largest rank), counted (formula):")
     beside = []
+    hsdp = []
     for row in torch_rows:
+        if row["pair"] == HSDP_PAIR:
+            hsdp.append({"impl": row["impl"], "setting": row["setting"], "step ms": row["step_ms"],
+                         f"params {unit_name}": counted_and_formula(row, "param", unit),
+                         f"grads {unit_name}": counted_and_formula(row, "grad", unit),
+                         f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
+                         f"saved {unit_name}": in_units(row["activation_bytes"], unit),
+                         f"sent dp_shard {unit_name}": counted_and_formula(row, "sent_dp_shard",
+                                                                           unit),
+                         f"sent dp_replicate {unit_name}": counted_and_formula(
+                             row, "sent_dp_replicate", unit)})
+            continue
         line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
                 "step ms": row["step_ms"],
                 "tokens/s": row["tokens_per_s"],
@@ -1087,6 +1316,14 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                               "everything whole on every data rank; fsdp_tp: ours shards the "
                               "AdamW state, torch's fully_shard also the parameters and "
                               "gradients):")
+    if hsdp:
+        results.print_table(hsdp, floatfmt=".1f",
+                            title=f"\nHSDP beside torch's, {hsdp_label(torch_rows)}: ours (lesson "
+                                  "2's FSDP over dp_shard, the blocks summed over dp_replicate) "
+                                  "and torch's fully_shard on a 2-D (replicate, shard) mesh, "
+                                  "timed in alternating rounds; ours counted (formula), torch's "
+                                  "memory counted (its layout's formula: it shards the 1-D "
+                                  "parameters too), its bytes counted only:")
     pairs = pipeline_pairs(pipeline_rows)
     pipeline_table = []
     for (stages, schedule, compute), pair in pairs.items():
@@ -1110,6 +1347,13 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                               "compute):")
     print("\n" + "\n".join(target_lines(our_rows, torch_rows, pairs, reference, machine)),
           flush=True)
+
+
+def hsdp_label(torch_rows: list[dict]) -> str:
+    for row in torch_rows:
+        if row["pair"] == HSDP_PAIR:
+            return row["grid"]
+    return ""
 
 
 def pipeline_pairs(pipeline_rows: list[dict]) -> dict:
