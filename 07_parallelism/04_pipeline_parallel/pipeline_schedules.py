@@ -202,9 +202,9 @@ def zbv_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
       2. r pairs (F chunk 1, F chunk 0): the first chunk-1 inputs arrive, chunk 0 goes on;
       3. p-r triples (F, B, W) on chunk 1: the first gradients start back down;
       4. steady: F chunk 0 (while any are left), B W chunk 0, F B W chunk 1;
-      5. drain: r pairs (B chunk 0, B chunk 1), their W's put off; p-r pairs (B, W) on
-         chunk 0; then the W's put off, chunk 1's first. Those W's fill the time in which
-         the rank would wait for the last gradients.
+      5. drain: r pairs (B chunk 0, B chunk 1), their W's put off; p-r of (B chunk 0, the
+         oldest chunk-0 W put off); then the W's still put off, chunk 1's first. Those W's
+         fill the time in which the rank would wait for the last gradients.
     The phases need m >= 2p-1 (phase 1 on rank 0); a smaller m runs the schedule of 2p-1
     micro-batches with the missing ones left out (a micro-batch's steps wait only for each
     other and for the rank's earlier steps, so every order and message stays matched).
@@ -266,8 +266,8 @@ def dualpipev_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]
     p = stages                                      # the papers' letter, as in the formulas
     m = micro_batches
     if m < 2 * p:
-        raise ValueError(f"DualPipeV needs at least two micro-batches per rank, m >= 2p: "
-                         f"m={m}, p={p}")
+        raise ValueError(f"DualPipeV needs at least as many micro-batches as virtual stages, "
+                         f"m >= 2p: m={m}, p={p}")
     v = VSteps(rank, p)
     put_off = []                                    # chunks whose oldest W is put off
 
