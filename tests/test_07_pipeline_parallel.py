@@ -597,7 +597,8 @@ def test_all_schedules_by_default_each_at_the_m_it_allows(monkeypatch, capsys):
     cfg = launched_config(monkeypatch, ["--micro-batches", "4,8"])
     assert cfg["schedules"] == list(ps.SCHEDULES) and cfg["micro_batches"] == [4, 8]
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 1 and out[0].startswith("bench_pipeline.py: dualpipev left out at m=4: "), out
+    assert len(out) == 1, out
+    assert out[0].startswith("bench_pipeline.py: dualpipev left out at m=4: "), out
     assert bench_pipeline.schedule_refuses("dualpipev", 4, 4, 2) and \
         not bench_pipeline.schedule_refuses("dualpipev", 4, 8, 2)
 

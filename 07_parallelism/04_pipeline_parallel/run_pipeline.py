@@ -2,12 +2,11 @@
 
 The lesson's files, in reading order: ``one_f_one_b.py`` (1F1B as three plain loops),
 ``pipeline_schedules.py`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV as
-data), and
-``pipeline_parallel.py`` (the executor that runs any of them). This script splits a stack of
-residual MLP blocks over the ranks and, for every schedule and micro-batch count m (and the
-plain 1F1B loops), checks that every layer's gradient and the loss equal what one process
-computes on the whole batch, and that every rank holds as many micro-batches at once as the
-schedule promises. It prints what matched, each schedule's timeline in unit time, and exits 1
+data), and ``pipeline_parallel.py`` (the executor that runs any of them). This script splits
+a stack of residual MLP blocks over the ranks and, for every schedule and micro-batch count m
+(and the plain 1F1B loops), checks that every layer's gradient and the loss equal what one
+process computes on the whole batch, and that every rank holds as many micro-batches at once
+as the schedule promises. It prints what matched, each schedule's timeline in unit time, and exits 1
 on any difference (every rank reaches the same verdict).
 
 Run:  python 07_parallelism/04_pipeline_parallel/run_pipeline.py               # 4 stages, m = 8 (make 07)
