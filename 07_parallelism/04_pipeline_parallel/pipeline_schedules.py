@@ -211,36 +211,36 @@ def zbv_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
     """
     p = stages                                      # the papers' letter, as in the formulas
     m = max(micro_batches, 2 * p - 1)
-    v = VSteps(rank, p)
-    for _ in range(2 * (p - rank) - 1):
-        v.forward(0)
-    for _ in range(rank):
-        v.forward(1)
-        v.forward(0)
+    work = VSteps(rank, p)                          # this rank's steps, built in order
+    for _ in range(2 * (p - rank) - 1):              # 1.
+        work.forward(0)
+    for _ in range(rank):                            # 2.
+        work.forward(1)
+        work.forward(0)
+    for _ in range(p - rank):                        # 3.
+        work.forward(1)
+        work.backward(1)
+        work.weight(1)
+    while work.done(FORWARD, 1) < m:                 # 4.
+        if work.done(FORWARD, 0) < m:
+            work.forward(0)
+        work.backward(0)
+        work.weight(0)
+        work.forward(1)
+        work.backward(1)
+        work.weight(1)
+    for _ in range(rank):                            # 5.
+        work.backward(0)
+        work.backward(1)
     for _ in range(p - rank):
-        v.forward(1)
-        v.backward(1)
-        v.weight(1)
-    while v.done(FORWARD, 1) < m:
-        if v.done(FORWARD, 0) < m:
-            v.forward(0)
-        v.backward(0)
-        v.weight(0)
-        v.forward(1)
-        v.backward(1)
-        v.weight(1)
-    for _ in range(rank):
-        v.backward(0)
-        v.backward(1)
-    for _ in range(p - rank):
-        v.backward(0)
-        v.weight(0)
-    while v.done(WEIGHT, 1) < m:
-        v.weight(1)
-    while v.done(WEIGHT, 0) < m:
-        v.weight(0)
+        work.backward(0)
+        work.weight(0)
+    while work.done(WEIGHT, 1) < m:
+        work.weight(1)
+    while work.done(WEIGHT, 0) < m:
+        work.weight(0)
     steps = []
-    for step in v.steps:
+    for step in work.steps:
         if step.micro_batch < micro_batches:        # leave out the micro-batches past m
             steps.append(step)
     return steps
@@ -268,51 +268,51 @@ def dualpipev_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]
     if m < 2 * p:
         raise ValueError(f"DualPipeV needs at least as many micro-batches as virtual stages, "
                          f"m >= 2p: m={m}, p={p}")
-    v = VSteps(rank, p)
+    work = VSteps(rank, p)                          # this rank's steps, built in order
     put_off = []                                    # chunks whose oldest W is put off
 
     def backward(chunk: int, whole: bool = True) -> None:
-        v.backward(chunk)
+        work.backward(chunk)
         if whole:
-            v.weight(chunk)                         # the whole backward: B then W
+            work.weight(chunk)                         # the whole backward: B then W
         else:
             put_off.append(chunk)
 
     def oldest_put_off_weight() -> None:
         if put_off:
-            v.weight(put_off.pop(0))
+            work.weight(put_off.pop(0))
 
-    for _ in range(2 * (p - rank - 1)):
-        v.forward(0)
-    for _ in range(rank + 1):
-        v.forward(0)
-        v.forward(1)
-    for _ in range(p - rank - 1):
+    for _ in range(2 * (p - rank - 1)):              # 1.
+        work.forward(0)
+    for _ in range(rank + 1):                        # 2.
+        work.forward(0)
+        work.forward(1)
+    for _ in range(p - rank - 1):                    # 3.
         backward(1)
-        v.forward(1)
-    for _ in range(m - 2 * p + rank + 1):
-        v.forward(0)                                # pair: F chunk 0 beside B W chunk 1
+        work.forward(1)
+    for _ in range(m - 2 * p + rank + 1):            # 4.
+        work.forward(0)                                # pair: F chunk 0 beside B W chunk 1
         backward(1)
-        v.forward(1)                                # pair: F chunk 1 beside B W chunk 0
+        work.forward(1)                                # pair: F chunk 1 beside B W chunk 0
         backward(0)
-    for _ in range(p - rank - 1):
+    for _ in range(p - rank - 1):                    # 5.
         backward(1)
-        v.forward(1)
+        work.forward(1)
         backward(0)
     whole = True
-    for i in range(rank + 1):
+    for i in range(rank + 1):                        # 6.
         if i == (rank + 1) // 2 and rank % 2 == 1:
             whole = False
         backward(1, whole)
         if i == (rank + 1) // 2 and rank % 2 == 0:
             whole = False
         backward(0, whole)
-    for _ in range(p - rank - 1):
+    for _ in range(p - rank - 1):                    # 7.
         oldest_put_off_weight()
         backward(0, whole)
-    while put_off:
+    while put_off:                                   # 8.
         oldest_put_off_weight()
-    return v.steps
+    return work.steps
 
 
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule,
