@@ -57,12 +57,6 @@ def layers_of(cfg: dict, name: str, ctx) -> list[range]:
                                           schedules.layout_of(name))
 
 
-def loss_rank(cfg: dict, name: str, ctx) -> int:
-    """The rank holding the last virtual stage: p-1, or 0 on the V layout."""
-    last_stage = ctx.world_size * cfg["v"][name] - 1
-    return schedules.rank_of(last_stage, ctx.world_size, schedules.layout_of(name))
-
-
 def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict,
                   loss_fn=F.mse_loss, schedule=None) -> dict:
     """Zero the gradients, run one pass of schedule ``name`` on this rank's chunks of the
@@ -80,7 +74,7 @@ def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict,
     if ctx.rank == 0:
         micro_inputs = micro_batches_of(inputs, m)
     micro_targets = None
-    if ctx.rank == loss_rank(cfg, name, ctx):
+    if ctx.rank == schedules.loss_rank(name, stages, chunks_per_rank):
         micro_targets = micro_batches_of(targets, m)
     activation_shape = (cfg["batch"] // m, cfg["d_model"])      # [rows per micro-batch, d_model]
     return pipeline_parallel.run_schedule(chunks, schedule, micro_inputs, micro_targets,
@@ -149,7 +143,8 @@ def check_schedule_pass(model, reference: dict, ctx, cfg: dict, name: str, m: in
     result = pipeline_pass(model, name, ctx, m, cfg, loss_fn=loss_fn, schedule=schedule)
     layer_ranges = layers_of(cfg, name, ctx)
     label = f"{name} m={m}"
-    problems = compare_loss(ctx, result, reference, label, loss_rank(cfg, name, ctx))
+    last_rank = schedules.loss_rank(name, ctx.world_size, chunks_per_rank)
+    problems = compare_loss(ctx, result, reference, label, last_rank)
     gradient_problems, largest = compare_gradients(model, reference["grads"], layer_ranges, label)
     problems += gradient_problems
     steps = schedules.schedule_steps(name, ctx.rank, ctx.world_size, m, chunks_per_rank)

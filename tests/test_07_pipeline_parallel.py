@@ -388,7 +388,7 @@ def lm_on_pipeline_groups(ctx) -> list[str]:
         layout = ps.layout_of(name)
         pieces = lm_pieces(pp.DeferredLinear)
         mine = lm_chunks(pieces, 2, group_rank, chunks, layout)
-        loss_rank = ps.rank_of(2 * chunks - 1, 2, layout)    # 1, or 0 on the V
+        loss_rank = ps.loss_rank(name, 2, chunks)             # 1, or 0 on the V
         micro_inputs = None
         if group_rank == 0:
             micro_inputs = list(tokens.chunk(m))

@@ -337,6 +337,13 @@ def chunks_per_rank(name: str, chunks: int = 1) -> int:
     return 1
 
 
+def loss_rank(name: str, stages: int, chunks: int = 1) -> int:
+    """The rank holding schedule ``name``'s last virtual stage, where the loss is computed:
+    p-1 on the loop layout, 0 on the V."""
+    last_virtual_stage = stages * chunks_per_rank(name, chunks) - 1
+    return rank_of(last_virtual_stage, stages, layout_of(name))
+
+
 def schedule_steps(name: str, rank: int, stages: int, micro_batches: int,
                    chunks: int = 1) -> list[Step]:
     """Rank ``rank``'s steps under schedule ``name`` (``chunks`` is used by interleaved only)."""

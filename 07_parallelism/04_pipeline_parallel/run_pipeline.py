@@ -90,7 +90,7 @@ def pipeline_step(model, ctx, args, name: str, m: int) -> tuple[dict, list[range
     if ctx.rank == 0:
         micro_inputs = list(inputs.chunk(m))           # m x [batch / m, d_model]
     micro_targets = None
-    if ctx.rank == loss_rank(ctx, args, name):
+    if ctx.rank == schedules.loss_rank(name, stages, args.chunks):
         micro_targets = list(targets.chunk(m))
     activation_shape = (args.batch // m, args.d_model)
     model.zero_grad(set_to_none=True)
@@ -114,12 +114,6 @@ def pipeline_step(model, ctx, args, name: str, m: int) -> tuple[dict, list[range
 def chunks_for(args, name: str) -> int:
     """v: --chunks for interleaved, 2 for the V schedules (ZB-V, DualPipeV), else 1."""
     return schedules.chunks_per_rank(name, args.chunks)
-
-
-def loss_rank(ctx, args, name: str) -> int:
-    """The rank holding the last virtual stage, where the loss is: p-1, or 0 on the V."""
-    last_stage = ctx.world_size * chunks_for(args, name) - 1
-    return schedules.rank_of(last_stage, ctx.world_size, schedules.layout_of(name))
 
 
 def promised_peak(ctx, args, name: str, m: int) -> int:
@@ -162,7 +156,8 @@ def pipeline_main(ctx, args) -> None:
                         problems.append(f"{label}: layer {layer} parameter {index} differs from "
                                         f"one process by {difference:.3g}")
         off = abs(result["loss"] - want_loss)
-        if ctx.rank == loss_rank(ctx, args, name) and off > GRAD_RTOL * want_loss:
+        last = schedules.loss_rank(name, ctx.world_size, args.chunks)
+        if ctx.rank == last and off > GRAD_RTOL * want_loss:
             problems.append(f"{label}: loss {result['loss']:.6g}, one process {want_loss:.6g}")
         promised = promised_peak(ctx, args, name, m)
         if result["peak_held"] != promised:

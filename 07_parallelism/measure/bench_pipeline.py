@@ -159,12 +159,6 @@ def layers_of(cfg: dict, name: str, ctx) -> list[range]:
                                           schedules.layout_of(name))
 
 
-def loss_rank(cfg: dict, name: str, ctx) -> int:
-    """The rank holding the last virtual stage, where the loss is: p-1, or 0 on the V."""
-    last_stage = ctx.world_size * cfg["v"][name] - 1
-    return schedules.rank_of(last_stage, ctx.world_size, schedules.layout_of(name))
-
-
 def one_pass(ctx, cfg: dict, model: nn.Sequential, name: str, m: int, emulated_ms: float) -> dict:
     """One timed pass of schedule ``name`` with m micro-batches: this rank's chunks of the
     model (real compute), or as many emulated chunks."""
@@ -187,7 +181,7 @@ def one_pass(ctx, cfg: dict, model: nn.Sequential, name: str, m: int, emulated_m
     if ctx.rank == 0:
         micro_inputs = list(inputs.chunk(m))           # m x [batch / m, d_model]
     micro_targets = None
-    if ctx.rank == loss_rank(cfg, name, ctx):
+    if ctx.rank == schedules.loss_rank(name, stages, v):
         micro_targets = list(targets.chunk(m))
     activation_shape = (cfg["batch"] // m, cfg["d_model"])
     return timed_pass(chunks, schedule, micro_inputs, micro_targets, activation_shape, ctx.device)
@@ -521,10 +515,15 @@ def emulate_ms_flag(text: str) -> float:
 
 def check_memory(args, config) -> None:
     """A rank's rough peak, float32: the whole stack built on every rank with its gradients
-    and copies (5 x the parameters), and the activations of the micro-batches held."""
+    and copies (5 x the parameters; 7 x with torch's copy and its gradients, beside the V
+    schedules), and the activations of the micro-batches held."""
     parameters = args.layers * (2 * args.d_model * args.hidden + args.d_model + args.hidden)
     activations = 2 * args.layers * args.batch * (args.d_model + 2 * args.hidden)
-    need = 4 * (5 * parameters + activations)
+    copies = 5
+    for name in args.schedules:
+        if name in TORCH_SCHEDULES:
+            copies = 7
+    need = 4 * (copies * parameters + activations)
     what = (f"--layers {args.layers} --d-model {args.d_model} --hidden {args.hidden} "
             f"--batch {args.batch}")
     launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for {what}")
