@@ -343,7 +343,7 @@ def pipeline_section(where: Where):
     for r in rows:
         groups.setdefault((r["schedule"], int(r["micro_batches"]), int(r["chunks"]),
                            float(r["emulated_ms"])), []).append(r)
-    order = ["gpipe", "1f1b", "interleaved", "zbh1"]
+    order = ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"]
     table, gaps = [], []
     for (s, m, v, emu), rs in sorted(groups.items(),
                                      key=lambda kv: (kv[0][3], kv[0][1], order.index(kv[0][0]))):

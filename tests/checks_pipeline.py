@@ -51,6 +51,12 @@ def micro_batches_of(tensor: torch.Tensor, m: int) -> list[torch.Tensor]:
     return list(tensor.chunk(m))
 
 
+def layers_of(cfg: dict, name: str, ctx) -> list[range]:
+    """This rank's layers, one range per chunk, as schedule ``name`` lays them out."""
+    return pipeline_parallel.chunk_layers(cfg["layers"], ctx.world_size, ctx.rank, cfg["v"][name],
+                                          schedules.layout_of(name))
+
+
 def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict,
                   loss_fn=F.mse_loss, schedule=None) -> dict:
     """Zero the gradients, run one pass of schedule ``name`` on this rank's chunks of the
@@ -60,7 +66,7 @@ def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict,
     inputs, targets = make_data(cfg["batch"], cfg["d_model"], ctx.device)
     model.zero_grad(set_to_none=True)
     chunks = []
-    for layers in pipeline_parallel.chunk_layers(cfg["layers"], stages, ctx.rank, chunks_per_rank):
+    for layers in layers_of(cfg, name, ctx):
         chunks.append(model[layers.start:layers.stop])
     if schedule is None:
         schedule = schedules.all_ranks(name, stages, m, chunks_per_rank)
@@ -68,7 +74,7 @@ def pipeline_pass(model: nn.Sequential, name: str, ctx, m: int, cfg: dict,
     if ctx.rank == 0:
         micro_inputs = micro_batches_of(inputs, m)
     micro_targets = None
-    if ctx.rank == stages - 1:
+    if ctx.rank == schedules.loss_rank(name, stages, chunks_per_rank):
         micro_targets = micro_batches_of(targets, m)
     activation_shape = (cfg["batch"] // m, cfg["d_model"])      # [rows per micro-batch, d_model]
     return pipeline_parallel.run_schedule(chunks, schedule, micro_inputs, micro_targets,
@@ -120,9 +126,9 @@ def compare_gradients(model: nn.Sequential, want: list, layer_ranges: list[range
     return problems, largest
 
 
-def compare_loss(ctx, result: dict, reference: dict, label: str) -> list[str]:
-    """The loss the last stage reports against one process's (the others report 0.0)."""
-    if ctx.rank != ctx.world_size - 1:
+def compare_loss(ctx, result: dict, reference: dict, label: str, last_rank: int) -> list[str]:
+    """The loss the last stage's rank reports against one process's (the others report 0.0)."""
+    if ctx.rank != last_rank:
         return []
     difference = abs(result["loss"] - reference["loss"])
     if difference > GRAD_RTOL * abs(reference["loss"]):
@@ -135,10 +141,10 @@ def check_schedule_pass(model, reference: dict, ctx, cfg: dict, name: str, m: in
     """One pass of the executor: this rank's gradients, the loss, the micro-batches held."""
     chunks_per_rank = cfg["v"][name]
     result = pipeline_pass(model, name, ctx, m, cfg, loss_fn=loss_fn, schedule=schedule)
-    layer_ranges = pipeline_parallel.chunk_layers(cfg["layers"], ctx.world_size, ctx.rank,
-                                                  chunks_per_rank)
+    layer_ranges = layers_of(cfg, name, ctx)
     label = f"{name} m={m}"
-    problems = compare_loss(ctx, result, reference, label)
+    last_rank = schedules.loss_rank(name, ctx.world_size, chunks_per_rank)
+    problems = compare_loss(ctx, result, reference, label, last_rank)
     gradient_problems, largest = compare_gradients(model, reference["grads"], layer_ranges, label)
     problems += gradient_problems
     steps = schedules.schedule_steps(name, ctx.rank, ctx.world_size, m, chunks_per_rank)
@@ -155,7 +161,7 @@ def check_plain_pass(model, reference: dict, ctx, cfg: dict, m: int,
     result = plain_1f1b_pass(model, ctx, m, cfg, loss_fn=loss_fn)
     layer_ranges = pipeline_parallel.chunk_layers(cfg["layers"], ctx.world_size, ctx.rank)
     label = f"plain 1F1B m={m}"
-    problems = compare_loss(ctx, result, reference, label)
+    problems = compare_loss(ctx, result, reference, label, ctx.world_size - 1)
     gradient_problems, largest = compare_gradients(model, reference["grads"], layer_ranges, label)
     problems += gradient_problems
     promised = min(ctx.world_size - ctx.rank, m)

@@ -1,5 +1,5 @@
-"""Stage 07, lesson 4: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1 as data, one
-executor, and 1F1B as three plain loops).
+"""Stage 07, lesson 4: pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and
+DualPipeV as data, one executor, and 1F1B as three plain loops).
 
 The schedules are tested as pure data, without processes: order of events, matched sends,
 deadlocks (with Gloo's and with NCCL's send semantics), the unit-time simulator against each
@@ -34,16 +34,25 @@ CFG = dict(layers=8, d_model=16, hidden=32, batch=16, chunks=2)  # batch divides
 
 
 def chunks_for(name: str) -> int:
-    return CFG["chunks"] if name == "interleaved" else 1
+    return ps.chunks_per_rank(name, CFG["chunks"])
+
+
+def allowed(name: str, p: int, m: int) -> bool:
+    """The schedule's own rule on m: a multiple of p for interleaved, 2p at least for DualPipeV."""
+    if name == "interleaved":
+        return m % p == 0
+    if name == "dualpipev":
+        return m >= 2 * p
+    return True
 
 
 def settings(max_p: int = 6, max_m: int = 12):
     """Every (schedule, p, m, v) a schedule allows, p <= max_p, m <= max_m, v <= 3."""
     for name in ps.SCHEDULES:
         for p in range(1, max_p + 1):
-            for v in (1, 2, 3) if name == "interleaved" else (1,):
+            for v in (1, 2, 3) if name == "interleaved" else (chunks_for(name),):
                 for m in range(1, max_m + 1):
-                    if name != "interleaved" or m % p == 0:
+                    if allowed(name, p, m):
                         yield name, p, m, v
 
 
@@ -55,6 +64,10 @@ def expected_peak(name: str, rank: int, p: int, m: int, v: int) -> int:
         return min(p - rank, m)
     if name == "interleaved":   # warm-up forwards, plus the first steady-state one
         return min(2 * (p - 1 - rank) + (v - 1) * p + 1, v * m)
+    if name == "zbv":           # 2p-1 forwards before the first W, one more in each F B W:
+        return min(2 * p, 2 * m, m + 1 + rank)    # 2p chunks = p stages, 1F1B's rank 0
+    if name == "dualpipev":     # 2p forwards, then each F beside a whole B: PP+1, PP = 2p
+        return 2 * p + 1
     return min(p, m)            # zbh1: W trails B by r on rank r, after p - r warm-up forwards
 
 
@@ -78,7 +91,8 @@ def test_idle_at_p4_m8_shrinks_gpipe_to_zbh1_and_zbh1_formula_derivation():
     assert idle["gpipe"] == idle["1f1b"] == pytest.approx([3 / 11] * 4)
     assert idle["interleaved"] == pytest.approx([3 / 19] * 4)     # (p-1)/(vm+p-1)
     assert idle["zbh1"] == pytest.approx([3 / 27] * 4)            # (p-1)/(3m+p-1)
-    assert idle["zbh1"][0] < idle["interleaved"][0] < idle["1f1b"][0]
+    assert idle["zbv"] == idle["dualpipev"] == pytest.approx([3 / 51] * 4)   # (p-1)/(6m+p-1)
+    assert idle["zbv"][0] < idle["zbh1"][0] < idle["interleaved"][0] < idle["1f1b"][0]
     # pipeline_parallel.md's derivation: rank 0 can start B0 only after p forwards and p-1 input-
     # gradient steps (2p-1 units), having done at most p forwards, so it idles p-1 units
     # there; after that ZB-H1 keeps every rank busy: the pass lasts 3m + p - 1 units.
@@ -124,7 +138,8 @@ def test_order_checks_catch_each_kind_of_broken_schedule():
     cases = {
         "before": [good[0], [b0, f0, *good[1][2:]]],                       # B0 before F0
         "once": [good[0], good[1][:-1]],                                   # B1 missing
-        "peers": [good[0], _replace(good[1], 0, ps.Step("F", 0, 0, None, None))],
+        "peers": [good[0], _replace(good[1], 0, ps.Step("F", 0, 0, None, None, 1))],
+        "and on rank 1 chunk 0": [good[0], _replace(good[1], 0, ps.Step("F", 0, 0, None, 1, 0))],
         "channel": [good[0], [good[1][2], good[1][3], f0, b0]],          # F1 received first
     }
     for says, lists in cases.items():
@@ -151,9 +166,9 @@ def naive_plan(lists):
         before = [[] for _ in range(len(steps) + 1)]
         for k, s in enumerate(steps):
             if s.send_to is not None:
-                before[k + 1].append(("send", s.send_to, ps.message(s, r, len(lists), True)))
+                before[k + 1].append(("send", s.send_to, ps.message(s, True)))
             if s.recv_from is not None:
-                before[k].append(("recv", s.recv_from, ps.message(s, r, len(lists))))
+                before[k].append(("recv", s.recv_from, ps.message(s)))
         plan.append([[group] if group else [] for group in before])
     return plan
 
@@ -175,9 +190,74 @@ def test_grouped_p2p_check_catches_a_deadlocking_plan_and_late_receives():
         ps.check_grouped_p2p(lists, late)
 
 
+def test_v_layout_places_the_loss_on_rank_0_and_holds_one_stage_of_parameters_per_rank():
+    """Rank r holds pieces r and 2p-1-r: two chunks of 1/(2p) of the layers, 1/p in all (the
+    DualPipe README's "2x" a stage of 2p stages, 1F1B's share of the model), every layer on
+    exactly one rank; the last piece, and the loss, on rank 0."""
+    for p in (1, 2, 3, 4):
+        held = []
+        for rank in range(p):
+            pieces = pp.chunk_layers(4 * p, p, rank, 2, ps.V)
+            assert [len(piece) for piece in pieces] == [2, 2]                 # 2 x L/(2p)
+            assert [ps.rank_of(ps.stage_of(rank, c, p, ps.V), p, ps.V) for c in (0, 1)] == \
+                [rank, rank]
+            for piece in pieces:
+                held += list(piece)
+        assert sorted(held) == list(range(4 * p))
+        assert ps.rank_of(2 * p - 1, p, ps.V) == 0 and pp.chunk_layers(4 * p, p, 0, 2, ps.V)[1] \
+            == range(4 * p - 2, 4 * p)
+    lists = ps.all_ranks("dualpipev", 4, 8)
+    loss_steps = [(r, s) for r, steps in enumerate(lists) for s in steps
+                  if s.op == "F" and s.send_to is None]
+    assert {r for r, _ in loss_steps} == {0} and len(loss_steps) == 8
+    turn = [s for s in lists[3] if s.op == "F" and s.chunk == 0][0]   # the V turns on rank p-1
+    assert (turn.virtual_stage, turn.send_to) == (3, 3)
+
+
+def swapped_v(rank: int, chunk: int, stages: int, layout: str = ps.LOOP) -> int:
+    """A planted bug: the V layout with each rank's two chunks swapped."""
+    if layout == ps.V:
+        return ORIGINAL_STAGE_OF(rank, 1 - chunk, stages, layout)
+    return ORIGINAL_STAGE_OF(rank, chunk, stages, layout)
+
+
+ORIGINAL_STAGE_OF = ps.stage_of
+
+
+def test_v_layout_with_the_chunks_swapped_is_caught(monkeypatch):
+    """Each rank's chunk 0 placed on piece 2p-1-r and chunk 1 on piece r: the schedules still
+    start with chunk 0, whose input now comes from the far end of the V. Caught as a deadlock,
+    in one line, before any process starts (the executor's own check of the same mistake,
+    with the layers handed in swapped, is in the launch below)."""
+    for name in ps.V_SCHEDULES:
+        ps.check_setting(name, 4, 8)
+    monkeypatch.setattr(ps, "stage_of", swapped_v)
+    for name in ps.V_SCHEDULES:
+        with pytest.raises(ValueError, match="deadlocks"):
+            ps.check_setting(name, 4, 8)
+    assert pp.chunk_layers(8, 4, 0, 2, ps.V) == [range(7, 8), range(0, 1)]   # the bug, visibly
+
+
+def test_timelines_of_the_v_schedules_small_cases():
+    def lines(name, p, m):
+        return ps.format_timeline(ps.simulate(ps.all_ranks(name, p, m))).splitlines()
+    assert lines("zbv", 2, 3) == [
+        "rank 0 | F0a F1a F2a F0b B0b W0b F1b B1b W1b B0a W0a F2b B2b W2b B1a W1a B2a W2a .",
+        "rank 1 | .   F0a F0b F1a F1b B0b W0b F2a B0a W0a F2b B1b W1b B1a B2b B2a W1a W2b W2a"]
+    assert lines("dualpipev", 2, 4) == [
+        "rank 0 | F0a F1a F2a F0b B0b W0b F1b F3a B1b W1b F2b B0a W0a B2b W2b F3b B1a W1a B3b "
+        "W3b B2a W2a .   B3a W3a",
+        "rank 1 | .   F0a F0b F1a F1b F2a B0b W0b F2b B0a W0a F3a B1b W1b F3b B1a W1a B2b W2b "
+        "B2a W2a B3b B3a W3b W3a"]
+    assert ps.describe("dualpipev", 2, 4).splitlines()[0] == \
+        "dualpipev, p=2, m=4, v=2: idle 0.040 of the pass (formula 0.040):"
+
+
 def test_setting_errors():
     ps.check_setting("interleaved", 4, 8, 2, layers=8, batch=64)
     for args, says in [(("interleaved", 4, 6, 2), "multiple"),
+                       (("dualpipev", 4, 6), "m >= 2p"),
+                       (("zbv", 4, 8, 1, 12), "12 layers do not split into 8"),
                        (("interleaved", 4, 8, 2, 12), "12 layers do not split into 8"),
                        (("zbh1", 4, 8, 1, 8, 12), "a batch of 12 rows does not split into 8")]:
         with pytest.raises(ValueError, match=says):
@@ -187,6 +267,7 @@ def test_setting_errors():
 def test_chunk_layers_and_deferred_linear_without_processes():
     assert pp.chunk_layers(8, 4, 1) == [range(2, 4)]
     assert pp.chunk_layers(8, 4, 1, chunks=2) == [range(1, 2), range(5, 6)]
+    assert pp.chunk_layers(8, 4, 1, 2, ps.V) == [range(1, 2), range(6, 7)]
     with pytest.raises(ValueError):
         pp.chunk_layers(6, 4, 0)
     # B leaves W's work in the store; W adds exactly the weight gradients autograd would.
@@ -261,16 +342,17 @@ def lm_pieces(linear) -> list[nn.Module]:
     return [embedding, *blocks, head]
 
 
-def lm_chunks(pieces: list[nn.Module], stages: int, rank: int, chunks: int) -> list[nn.Module]:
+def lm_chunks(pieces: list[nn.Module], stages: int, rank: int, chunks: int,
+              layout: str) -> list[nn.Module]:
     """This rank's chunks: the blocks cut as chunk_layers cuts them, the embedding joining the
     first virtual stage and the head the last."""
     embedding = pieces[0]
     blocks = pieces[1:-1]
     head = pieces[-1]
     result = []
-    for index, layers in enumerate(pp.chunk_layers(len(blocks), stages, rank, chunks)):
+    for index, layers in enumerate(pp.chunk_layers(len(blocks), stages, rank, chunks, layout)):
         modules = [blocks[layer] for layer in layers]
-        virtual_stage = index * stages + rank
+        virtual_stage = ps.stage_of(rank, index, stages, layout)
         if virtual_stage == 0:
             modules.insert(0, embedding)
         if virtual_stage == stages * chunks - 1:
@@ -300,16 +382,18 @@ def lm_on_pipeline_groups(ctx) -> list[str]:
     problems = []
     m = 2
     for name in ps.SCHEDULES:
-        chunks = 1
-        if name == "interleaved":
-            chunks = 2
+        if name == "dualpipev":
+            continue                  # needs m >= 2p = 4; ZB-V runs the V layout here
+        chunks = ps.chunks_per_rank(name, 2)
+        layout = ps.layout_of(name)
         pieces = lm_pieces(pp.DeferredLinear)
-        mine = lm_chunks(pieces, 2, group_rank, chunks)
+        mine = lm_chunks(pieces, 2, group_rank, chunks, layout)
+        loss_rank = ps.loss_rank(name, 2, chunks)             # 1, or 0 on the V
         micro_inputs = None
         if group_rank == 0:
             micro_inputs = list(tokens.chunk(m))
         micro_targets = None
-        if group_rank == 1:
+        if group_rank == loss_rank:
             micro_targets = list(targets.chunk(m))
         result = pp.run_schedule(mine, ps.all_ranks(name, 2, m, chunks), micro_inputs,
                                  micro_targets, (4 // m, 6, WIDTH), ctx.device, loss_fn=lm_loss,
@@ -322,9 +406,20 @@ def lm_on_pipeline_groups(ctx) -> list[str]:
                 if got.grad is None or not torch.allclose(got.grad, want.grad, rtol=1e-4,
                                                           atol=1e-6):
                     problems.append(f"LM {name}: a gradient differs from one process's")
-        if group_rank == 1 and abs(result["loss"] - reference_loss.item()) > 1e-5:
+        if group_rank == loss_rank and abs(result["loss"] - reference_loss.item()) > 1e-5:
             problems.append(f"LM {name}: loss {result['loss']}, one process {reference_loss}")
     return problems
+
+
+def swapped_chunk_layers(layers, stages, rank, chunks=1, layout=ps.LOOP):
+    """A planted bug: on the V layout, each rank's two pieces of layers in swapped order."""
+    pieces = ORIGINAL_CHUNK_LAYERS(layers, stages, rank, chunks, layout)
+    if layout == ps.V:
+        return pieces[::-1]
+    return pieces
+
+
+ORIGINAL_CHUNK_LAYERS = pp.chunk_layers
 
 
 def pipeline_worker(ctx, harness_cfg):
@@ -340,8 +435,11 @@ def pipeline_worker(ctx, harness_cfg):
     problems = []
     ran = []
     for name in ps.SCHEDULES:
-        for m in (1, p, 2 * p):
-            if name == "interleaved" and m % p:
+        micro_batch_counts = (1, p, 2 * p)
+        if name in ps.V_SCHEDULES:
+            micro_batch_counts = (p, 2 * p, 4 * p)
+        for m in micro_batch_counts:
+            if not allowed(name, p, m):
                 continue
             found, _ = checks.check_schedule_pass(model, reference, ctx, cfg, name, m)
             problems += found
@@ -363,7 +461,7 @@ def pipeline_worker(ctx, harness_cfg):
     if not 0 < result["busy_s"] < result["total_s"]:
         problems.append(f"emulated zbh1: busy {result['busy_s']} s of a {result['total_s']} s pass")
     assert verdict_of(ctx, problems) == ""
-    assert len(ran) == (15 if p == 4 else 14)   # 11 schedules x m, 3 plain (+ the LM)
+    assert len(ran) == (20 if p == 4 else 19)   # 16 schedules x m, 3 plain (+ the LM)
 
     # Planted bugs. The loss not divided by m: every rank's gradients are m times too large.
     m = 2 * p
@@ -388,6 +486,18 @@ def pipeline_worker(ctx, harness_cfg):
         assert (f"rank {r}: plain 1F1B m={m}: held {p - r + 1} micro-batches at once, 1F1B "
                 f"holds min(p - r, m) = {p - r}") in text, text
     assert "differs" not in text
+    # The V layout with each rank's two chunks swapped, in the layers handed to the executor
+    # (the schedules are right): every rank's gradients differ, and rank 0's loss.
+    saved = pp.chunk_layers
+    pp.chunk_layers = swapped_chunk_layers
+    try:
+        found, _ = checks.check_schedule_pass(model, reference, ctx, cfg, "zbv", m)
+    finally:
+        pp.chunk_layers = saved
+    text = verdict_of(ctx, found)
+    for r in range(p):
+        assert f"rank {r}: zbv m={m}: layer " in text and "differs from one process" in text, text
+    assert f"rank 0: zbv m={m}: loss " in text, text
     # A broken schedule handed to the executor: refused on every rank, before any message.
     lists = ps.all_ranks("1f1b", p, m)
     last = lists[p - 1]                                    # F0 B0 F1 B1 ...
@@ -403,26 +513,44 @@ def pipeline_worker(ctx, harness_cfg):
         largest = checks.check_against_one_process(ctx, harness_cfg, model)
         assert 0 < largest < checks.GRAD_RTOL, largest
         bench_pipeline.bench_main(ctx, harness_cfg)
+    if p == 2:   # the V schedules beside torch's (importing torch's pipelining takes seconds
+        # per process: here on 2 of them, not 4)
+        torch_cfg = dict(cfg, schedules=list(ps.V_SCHEDULES), micro_batches=[2 * p],
+                         emulate_ms=1.0, iters=1)
+        torch_rows = bench_pipeline.compare_with_torch(ctx, torch_cfg, model)
+        if ctx.is_main:
+            bench_pipeline.report_torch(ctx, torch_cfg, torch_rows)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
 def test_gradients_match_single_process(stages, tmp_path, capfd, monkeypatch):
     harness = None
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
     if stages == 4:   # the measurement too, in the same launch: one start-up fewer
-        monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
         harness = dict(CFG, batch=16, schedules=list(ps.SCHEDULES), micro_batches=[8],
                        v={name: chunks_for(name) for name in ps.SCHEDULES}, emulate_ms=1.0,
-                       warmup=0, iters=1)
+                       warmup=0, iters=1, beside_torch=False)
     launch.launch(pipeline_worker, launch.LaunchConfig(stages, "gloo", "cpu"), harness,
                   timeout_s=120)
-    if harness is None:
-        return
     out = capfd.readouterr().out
+    if harness is None:
+        # The V schedules beside torch's on the same chunks: real compute gives the same
+        # gradients (the timing ratio is printed, never asserted).
+        torch_rows = list(csv.DictReader((tmp_path / "pipeline_vs_torch.csv").open()))
+        assert {(r["schedule"], r["torch_schedule"], r["emulated_ms"]) for r in torch_rows} == {
+            (name, bench_pipeline.TORCH_SCHEDULES[name], ms) for name in ps.V_SCHEDULES
+            for ms in ("0.0", "1.0")}
+        for row in torch_rows:
+            assert float(row["ours_ms"]) > 0 and float(row["torch_ms"]) > 0, row
+            if row["emulated_ms"] == "0.0":
+                assert float(row["gradient_max_difference"]) < 1e-5, row
+        assert "ours at most 1.10x torch's in every row: " in out
+        return
     for text in ("emulated 1 ms", "zbh1, p=4, m=8", "interleaved, p=4, m=8, v=2", "W7",
                  "emulated compute: measured idle within 0.05 of the simulation"):
         assert text in out, text
     rows = list(csv.DictReader((tmp_path / "pipeline_bubble.csv").open()))
-    assert len(rows) == 4 * 2 * 4                      # schedules x (real, emulated) x ranks
+    assert len(rows) == 6 * 2 * 4                      # schedules x (real, emulated) x ranks
     assert {(r["schedule"], r["chunks"], r["emulated_ms"]) for r in rows} == {
         (name, str(chunks_for(name)), ms) for name in ps.SCHEDULES for ms in ("0.0", "1.0")}
     for row in rows:
@@ -455,15 +583,30 @@ def launched_config(monkeypatch, argv) -> dict:
 def test_main_defaults_and_the_edges_of_each_range_reach_the_launch(monkeypatch):
     cfg = launched_config(monkeypatch, [])
     assert cfg["micro_batches"] == [8] and cfg["schedules"] == list(ps.SCHEDULES)
-    assert cfg["v"] == {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbh1": 1}
+    assert cfg["v"] == {"gpipe": 1, "1f1b": 1, "interleaved": 2, "zbh1": 1, "zbv": 2,
+                        "dualpipev": 2}
     assert cfg["emulate_ms"] == 20.0 and cfg["iters"] == 3
     assert launched_config(monkeypatch, ["--emulate-ms", "60000"])["emulate_ms"] == 60000.0
-    cfg = launched_config(monkeypatch, ["--layers", "44", "--chunks", "11"])
+    cfg = launched_config(monkeypatch, ["--layers", "88", "--chunks", "11"])
     assert cfg["v"]["interleaved"] == 11                # labels work for any v (test above)
+
+
+def test_all_schedules_by_default_each_at_the_m_it_allows(monkeypatch, capsys):
+    """make bench measures every schedule at m = 4, 8 on 4 stages: DualPipeV (m >= 2p) is left
+    out at 4, said in one line; named explicitly, the same setting is refused (below)."""
+    cfg = launched_config(monkeypatch, ["--micro-batches", "4,8"])
+    assert cfg["schedules"] == list(ps.SCHEDULES) and cfg["micro_batches"] == [4, 8]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    assert out[0].startswith("bench_pipeline.py: dualpipev left out at m=4: "), out
+    assert bench_pipeline.schedule_refuses("dualpipev", 4, 4, 2) and \
+        not bench_pipeline.schedule_refuses("dualpipev", 4, 8, 2)
 
 
 @pytest.mark.parametrize("argv, needles", [
     (["--schedules", "interleaved", "--micro-batches", "2"], ["multiple"]),
+    (["--schedules", "dualpipev", "--micro-batches", "4"], ["m >= 2p"]),
+    (["--layers", "4", "--schedules", "zbv"], ["--layers 4", "into 8"]),
     (["--layers", "6"], ["--layers 6"]),
     (["--layers", "4", "--schedules", "1f1b,interleaved"], ["--layers 4"]),
     (["--batch", "10", "--micro-batches", "4"], ["--batch 10"]),
@@ -490,8 +633,9 @@ def test_the_demo_passes_on_two_stages_and_names_every_schedule():
     result = run_script(DEMO, "--world-size", "2", "--backend", "gloo", "--device", "cpu",
                         "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for text in ("gpipe m=4", "1f1b m=4", "interleaved m=4", "zbh1 m=4", "plain 1F1B m=4",
-                 "zbh1, p=2, m=4", "all checks passed"):
+    for text in ("gpipe m=4", "1f1b m=4", "interleaved m=4", "zbh1 m=4", "zbv m=4",
+                 "dualpipev m=4", "plain 1F1B m=4", "zbh1, p=2, m=4", "dualpipev, p=2, m=4, v=2",
+                 "all checks passed"):
         assert text in result.stdout, text
 
 

@@ -380,7 +380,7 @@ if __name__ == "__main__":
     ref, ref_loss = reference(x, y)
     group = dist.new_group([0])
     for name, v, on_group in (("gpipe", 1, None), ("1f1b", 1, group), ("zbh1", 1, None),
-                              ("interleaved", 2, group)):
+                              ("interleaved", 2, group), ("zbv", 2, None)):
         model = pp.build_model(4, 8, 16)
         chunks = [model[r.start:r.stop] for r in pp.chunk_layers(4, 1, 0, v)]
         out = pp.run_schedule(chunks, ps.all_ranks(name, 1, 3, v), list(x.chunk(3)),

@@ -4,7 +4,7 @@ Read ``one_f_one_b.py`` first: 1F1B as three loops over sends and receives. This
 generalises it in three ways.
 
 1. The order of work is data. ``pipeline_schedules.py`` (no torch) gives every rank its list
-   of ``Step``s for four schedules (p stages, m micro-batches, v chunks per rank):
+   of ``Step``s for six schedules (p stages, m micro-batches, v chunks per rank):
 
    * GPipe: all forwards, then all backwards; idle (p-1)/(m+p-1), holds m micro-batches.
    * 1F1B: the same idle, holds at most p (each backward frees one before a forward stores one).
@@ -12,6 +12,8 @@ generalises it in three ways.
    * ZB-H1 (zero bubble): the backward split into B, the input's gradient that the previous
      stage waits for, and W, the weight gradients nobody waits for, which fill the bubble:
      idle (p-1)/(3m+p-1) with equal F, B, W.
+   * ZB-V and DualPipeV: two chunks per rank in a V (rank r holds pieces r and 2p-1-r of
+     the model, so the loss is on rank 0), split backwards; idle (p-1)/(6m+p-1).
 
    ``run_schedule`` executes any such list, one step at a time, in named parts: post the
    messages planned before the step, wait for the step's input, then forward one
@@ -23,10 +25,17 @@ generalises it in three ways.
    send waits for its receive (NCCL); a receive is posted early and waited for right before
    its step.
 
-3. ZB-H1's split backward. ``DeferredLinear`` is an ``nn.Linear`` whose backward returns the
-   input's gradient, dL/dx = dL/dy W (B), and leaves (x, dL/dy) in a store for W to turn
-   into dL/dW = dL/dy^T x and dL/db = sum(dL/dy) later: real work moved in time, not a
-   second backward. Layers of other kinds get their weight gradients in B, as usual.
+3. The split backward (ZB-H1, ZB-V, DualPipeV). ``DeferredLinear`` is an ``nn.Linear``
+   whose backward returns the input's gradient, dL/dx = dL/dy W (B), and leaves (x, dL/dy)
+   in a store for W to turn into dL/dW = dL/dy^T x and dL/db = sum(dL/dy) later: real work
+   moved in time, not a second backward. Layers of other kinds get their weight gradients
+   in B, as usual.
+
+The V layout (ZB-V, DualPipeV) needs nothing more of the executor: the steps carry the
+virtual stage each runs, so a message to the next stage goes to whichever rank holds it
+(kept in this rank's inbox when that is itself, as on rank p-1, where the V turns); the
+rank whose forward sends nothing computes the loss (rank 0); ``chunk_layers(...,
+layout=schedules.V)`` gives each rank its two pieces.
 
 Loss scaling. The last stage computes ``loss_fn(output, target) / m`` for each micro-batch:
 with a ``loss_fn`` that averages over its micro-batch and equal micro-batches, the m
@@ -153,15 +162,18 @@ def build_model(layers: int, d_model: int, hidden: int, seed: int = 0,
     return nn.Sequential(*blocks)
 
 
-def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1) -> list[range]:
+def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1,
+                 layout: str = schedules.LOOP) -> list[range]:
     """The layers of each of rank's chunks: the stack cut into p*v equal pieces ("virtual
-    stages"), piece c*p + r on rank r as its chunk c (v = 1: one contiguous share per rank)."""
+    stages"), rank r's chunk c being piece ``schedules.stage_of(r, c, p, layout)``: piece
+    c*p + r on the loop layout (v = 1: one contiguous share per rank), pieces r and 2p-1-r
+    on the V layout (``schedules.layout_of(name)`` says which a schedule runs)."""
     if layers % (stages * chunks):
         raise ValueError(f"{layers} layers do not split into {stages} stages x {chunks} chunks")
     per_piece = layers // (stages * chunks)
     pieces = []
     for chunk in range(chunks):
-        virtual_stage = chunk * stages + rank
+        virtual_stage = schedules.stage_of(rank, chunk, stages, layout)
         pieces.append(range(virtual_stage * per_piece, (virtual_stage + 1) * per_piece))
     return pieces
 
@@ -252,7 +264,7 @@ class ScheduleRunner:
         gradient of the step's output (B). None when it reads the data or the loss, and for W."""
         if step.recv_from is None:
             return None
-        message = schedules.message(step, self.rank, self.stages)
+        message = schedules.message(step)
         if message in self.arriving:                       # from another rank
             self.arriving.pop(message).wait()
         return self.inbox.pop(message).to(self.device)
@@ -278,8 +290,9 @@ class ScheduleRunner:
 
     def backward_one(self, step: schedules.Step, received: torch.Tensor | None):
         """B: backpropagate one micro-batch through one chunk, from the gradient of its output
-        (received; None on the last stage: from the loss). Under ZB-H1 the DeferredLinear
-        layers leave their weight gradients for W. Returns dL/d(input) for the previous stage."""
+        (received; None on the last stage: from the loss). Under a schedule with W's the
+        DeferredLinear layers leave their weight gradients for W. Returns dL/d(input) for the
+        previous stage."""
         key = (step.chunk, step.micro_batch)
         x = self.inputs.pop(key)
         y = self.outputs.pop(key)                          # frees all but what W needs
@@ -306,9 +319,9 @@ class ScheduleRunner:
 
     def hand_on(self, step: schedules.Step, output: torch.Tensor | None) -> None:
         """Leave a step's output for the send that ``p2p_plan`` posts next (in the inbox when
-        the next virtual stage is on this rank too: one rank, interleaved)."""
+        the next virtual stage is on this rank too: one rank, or the V's turn on rank p-1)."""
         _check_boundary(self, step, output)
-        message = schedules.message(step, self.rank, self.stages, True)
+        message = schedules.message(step, True)
         on_wire = output.to(self.wire).contiguous()
         if step.send_to == self.rank:
             self.inbox[message] = on_wire
@@ -338,9 +351,10 @@ def run_schedule(chunks, schedule: list[list[schedules.Step]], micro_inputs, mic
     (``pipeline_schedules.all_ranks``); peers in it are ranks within ``group``, the pipeline's
     process group (None: the default group). ``micro_inputs``: the m micro-batches on the
     rank holding the first stage (group rank 0), else None; ``micro_targets``: their targets
-    on the last (group rank p-1), else None. ``activation_shape`` and ``dtype``: the tensor
-    that crosses every stage boundary, forward (the activation) and backward (its gradient).
-    The last stage adds ``loss_fn(output, target) / m`` per micro-batch.
+    on the rank holding the last (group rank p-1; rank 0 on the V layout), else None.
+    ``activation_shape`` and ``dtype``: the tensor that crosses every stage boundary, forward
+    (the activation) and backward (its gradient). The last stage adds
+    ``loss_fn(output, target) / m`` per micro-batch.
 
     Returns ``peak_held`` (most (chunk, micro-batch) pairs held at once) and ``loss`` (the
     batch's mean loss on the last stage's rank, 0.0 elsewhere).
@@ -390,14 +404,20 @@ def _check_arguments(chunks, schedule: list[list[schedules.Step]], micro_inputs,
         raise ValueError(f"rank {rank}: {len(chunks)} model chunk(s) given, the schedule runs "
                          f"{chunks_in_schedule}")
     micro_batches = 0
+    reads_data = False        # a forward that receives nothing: the first stage is here
+    computes_loss = False     # a forward that sends nothing: the last stage is here
     for step in steps:
         if step.op == FORWARD and step.chunk == 0:
             micro_batches += 1
-    if rank == 0 and len(micro_inputs or []) != micro_batches:
-        raise ValueError(f"rank 0 holds the first stage: it needs micro_inputs, "
+        if step.op == FORWARD and step.recv_from is None:
+            reads_data = True
+        if step.op == FORWARD and step.send_to is None:
+            computes_loss = True
+    if reads_data and len(micro_inputs or []) != micro_batches:
+        raise ValueError(f"rank {rank} holds the first stage: it needs micro_inputs, "
                          f"{micro_batches} of them")
-    if rank == stages - 1 and len(micro_targets or []) != micro_batches:
-        raise ValueError(f"rank {stages - 1} holds the last stage: it needs micro_targets, "
+    if computes_loss and len(micro_targets or []) != micro_batches:
+        raise ValueError(f"rank {rank} holds the last stage: it needs micro_targets, "
                          f"{micro_batches} of them")
 
 

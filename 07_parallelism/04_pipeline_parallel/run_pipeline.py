@@ -1,12 +1,12 @@
 """Stage 07, lesson 4, runnable: every pipeline schedule checked against one process.
 
 The lesson's files, in reading order: ``one_f_one_b.py`` (1F1B as three plain loops),
-``pipeline_schedules.py`` (GPipe, 1F1B, interleaved 1F1B and ZB-H1 as data), and
-``pipeline_parallel.py`` (the executor that runs any of them). This script splits a stack of
-residual MLP blocks over the ranks and, for every schedule and micro-batch count m (and the
-plain 1F1B loops), checks that every layer's gradient and the loss equal what one process
-computes on the whole batch, and that every rank holds as many micro-batches at once as the
-schedule promises. It prints what matched, each schedule's timeline in unit time, and exits 1
+``pipeline_schedules.py`` (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV as
+data), and ``pipeline_parallel.py`` (the executor that runs any of them). This script splits
+a stack of residual MLP blocks over the ranks and, for every schedule and micro-batch count m
+(and the plain 1F1B loops), checks that every layer's gradient and the loss equal what one
+process computes on the whole batch, and that every rank holds as many micro-batches at once
+as the schedule promises. It prints what matched, each schedule's timeline in unit time, and exits 1
 on any difference (every rank reaches the same verdict).
 
 Run:  python 07_parallelism/04_pipeline_parallel/run_pipeline.py               # 4 stages, m = 8 (make 07)
@@ -90,7 +90,7 @@ def pipeline_step(model, ctx, args, name: str, m: int) -> tuple[dict, list[range
     if ctx.rank == 0:
         micro_inputs = list(inputs.chunk(m))           # m x [batch / m, d_model]
     micro_targets = None
-    if ctx.rank == stages - 1:
+    if ctx.rank == schedules.loss_rank(name, stages, args.chunks):
         micro_targets = list(targets.chunk(m))
     activation_shape = (args.batch // m, args.d_model)
     model.zero_grad(set_to_none=True)
@@ -100,7 +100,8 @@ def pipeline_step(model, ctx, args, name: str, m: int) -> tuple[dict, list[range
                                   ctx.device, F.mse_loss, m)
         return one_f_one_b.one_f_one_b(stage, micro_inputs, micro_targets), layers
     v = chunks_for(args, name)
-    layers = pipeline_parallel.chunk_layers(args.layers, stages, ctx.rank, v)
+    layers = pipeline_parallel.chunk_layers(args.layers, stages, ctx.rank, v,
+                                            schedules.layout_of(name))
     chunks = []
     for piece in layers:
         chunks.append(model[piece.start:piece.stop])
@@ -111,9 +112,8 @@ def pipeline_step(model, ctx, args, name: str, m: int) -> tuple[dict, list[range
 
 
 def chunks_for(args, name: str) -> int:
-    if name == "interleaved":
-        return args.chunks
-    return 1
+    """v: --chunks for interleaved, 2 for the V schedules (ZB-V, DualPipeV), else 1."""
+    return schedules.chunks_per_rank(name, args.chunks)
 
 
 def promised_peak(ctx, args, name: str, m: int) -> int:
@@ -155,7 +155,9 @@ def pipeline_main(ctx, args) -> None:
                     if not torch.allclose(parameter.grad, want, rtol=GRAD_RTOL, atol=GRAD_ATOL):
                         problems.append(f"{label}: layer {layer} parameter {index} differs from "
                                         f"one process by {difference:.3g}")
-        if ctx.rank == ctx.world_size - 1 and abs(result["loss"] - want_loss) > GRAD_RTOL * want_loss:
+        off = abs(result["loss"] - want_loss)
+        last = schedules.loss_rank(name, ctx.world_size, args.chunks)
+        if ctx.rank == last and off > GRAD_RTOL * want_loss:
             problems.append(f"{label}: loss {result['loss']:.6g}, one process {want_loss:.6g}")
         promised = promised_peak(ctx, args, name, m)
         if result["peak_held"] != promised:
