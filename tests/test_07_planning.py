@@ -75,7 +75,9 @@ def test_every_rank_of_the_grid_bench_equals_its_formula_exactly():
     (interleaved chunks, ZeRO-1 behind a pipeline, four stages)."""
     import grid_bench
     spec = grid_bench.grid_spec
-    grids = [spec_ for specs in grid_bench.GRIDS.values() for spec_ in specs]
+    # HSDP grids (dp_shard > 1) are the bench's alone: the planner does not model HSDP yet
+    grids = [spec_ for specs in grid_bench.GRIDS.values() for spec_ in specs
+             if spec_.get("dp_shard", 1) == 1]
     grids += [spec(dp=2, pp=2, fsdp=True, micro_batches=2), spec(pp=4, micro_batches=4),
               spec(pp=2, cp=2, tp=2, fsdp=True, schedule="interleaved", chunks=2, micro_batches=4),
               spec(cp=2), spec(dp=8, fsdp=True)]
@@ -95,8 +97,8 @@ def test_every_rank_of_the_grid_bench_equals_its_formula_exactly():
                                                        data_rank)
                     got = planner.rank_bytes(lm, grid, pp_rank, data_rank)
                     for column, value in want.items():
-                        if column == "sent_other":         # a group no axis names: none
-                            assert value == 0
+                        if column in ("sent_other", "sent_dp_shard", "sent_dp_replicate"):
+                            assert value == 0              # no group there: none, or no HSDP
                             continue
                         assert got[column] == value, (grid_bench.grid_label(one), pp_rank,
                                                       data_rank, column)

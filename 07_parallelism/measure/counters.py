@@ -438,4 +438,9 @@ class FunctionalCommCounter(TorchDispatchMode):
                                "sent_bytes": ring_send_bytes(kind, payload,
                                                              dist.get_world_size(group)),
                                "label": self.current, "axis": axis})
+            # Waited for here, at once: the count is of bytes, not of overlap, and a Gloo
+            # collective left in flight under this mode crashed (SIGSEGV in wait_tensor) once
+            # in a loaded run. The later wait torch issues finds nothing left to wait for.
+            out = func(*args, **(kwargs or {}))
+            return torch.ops._c10d_functional.wait_tensor(out)
         return func(*args, **(kwargs or {}))
