@@ -32,3 +32,33 @@ def _no_exec_in_pytest(monkeypatch):
         raise RuntimeError(f"a test ran a hand-over to {argv[1:2]} inside pytest: run the "
                            "script as a subprocess, or call the measurement's main")
     monkeypatch.setattr(os, "execv", refuse)
+
+
+END_TO_END_TEST = "test_make_bench_end_to_end_on_tiny_sizes"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def end_to_end(request, tmp_path_factory):
+    """``make bench`` end to end at tiny sizes (tests/end_to_end_bench.py), started in the
+    background with the session's first test when test_bench.py's end-to-end test is
+    selected, awaited by that test: (process, folder), else None. A test left unfinished
+    stops it as a user would (SIGTERM)."""
+    if not any(item.name == END_TO_END_TEST for item in request.session.items):
+        yield None
+        return
+    import signal
+    import subprocess
+    root = tmp_path_factory.mktemp("end_to_end")
+    out = root / "results"
+    out.mkdir()
+    (out / "allreduce_fit.json").write_text("{")  # a corrupt fit left by an older run
+    (root / "tmp").mkdir()
+    env = {**os.environ, "RESULTS_DIR": str(out), "TMPDIR": str(root / "tmp"),
+           "BENCH_BUDGET_S": "1500"}  # about 250 s a step: a loaded box too
+    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "end_to_end_bench.py")],
+                                cwd=REPO, env=env, stdout=stdout, stderr=stderr)
+    yield proc, root
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

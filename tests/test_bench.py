@@ -1087,69 +1087,9 @@ def test_a_run_that_filled_fewer_sections_keeps_the_better_reports_sections(tmp_
 
 
 # --------------------------------------------------------------------------- end to end
-# The real driver and the real scripts, in a subprocess started with this file's first test and
-# awaited by its last: while each step's script and ranks import torch a core is idle, and the
-# quick tests above use it.
-
-END_TO_END = """
-from bench import make_bench
-
-WHERE = ["--backend", "gloo", "--device", "cpu"]
-LM = ["--model", "tiny", "--batch-size", "4", "--context-length", "16"]
-
-
-def tiny_plan(setup, quick, model, trace_dir):
-    return [make_bench.Step(key, key, argv, share_s=140, min_s=10) for key, argv in [
-        ("allreduce", ["02_allreduce_bench/allreduce_bench.py", *WHERE, "--sizes", "4100B,256KB",
-                       "--world-sizes", "2", "--iters", "3", "--warmup", "1"]),
-        ("ddp", ["06_bucketed_ddp/bucketed_ddp.py", "--bench", *WHERE, *LM, "--bucket-sizes",
-                 "0.01,1", "--steps", "4", "--warmup", "1", "--case-budget-s", "1e-6"]),
-        ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *WHERE, *LM,
-                     "--trace-dir", trace_dir]),
-        ("tp", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", *WHERE, "--d-model", "32",
-                "--d-ff", "64"]),
-        ("pp", ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", "2",
-                *WHERE, "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
-                "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
-        ("ledger", ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", *WHERE, *LM, "--steps", "1",
-                    "--warmup", "0", "--rounds", "1", "--checkpointing", "off"]),
-        ("cp", ["07_parallelism/05_context_parallel/run_context_parallel.py", "--bench",
-                "--world-size", "2", *WHERE, "--seqs", "32", "--batch", "1", "--heads", "1",
-                "--head-dim", "4", "--warmup", "0", "--iters", "1", "--emulate-ms", "20"]),
-        ("compute", ["bench/compute.py", "--device", "cpu", "--models", "tiny", "--batch-size",
-                     "2", "--context-length", "16", "--steps", "1", "--warmup", "1",
-                     "--matmul-n", "256"]),
-        ("prediction", ["07_parallelism/measure/check_prediction.py", "--backend", "gloo",
-                        "--device", "cpu"])]]
-
-
-make_bench.plan = tiny_plan
-make_bench.main()
-"""
-
-
-@pytest.fixture(scope="module", autouse=True)
-def end_to_end(request, tmp_path_factory):
-    """The end-to-end run in the background, when its test is selected: (process, folder)."""
-    if not any(item.name == "test_make_bench_end_to_end_on_tiny_sizes"
-               for item in request.session.items):
-        yield None
-        return
-    root = tmp_path_factory.mktemp("end_to_end")
-    out = root / "results"
-    out.mkdir()
-    (out / "allreduce_fit.json").write_text("{")  # a corrupt fit left by an older run
-    (root / "tmp").mkdir()
-    env = {**os.environ, "RESULTS_DIR": str(out), "TMPDIR": str(root / "tmp"),
-           "BENCH_BUDGET_S": "1500"}  # about 250 s a step: a loaded box too
-    with open(root / "stdout", "w") as stdout, open(root / "stderr", "w") as stderr:
-        proc = subprocess.Popen([sys.executable, "-c", END_TO_END], cwd=REPO, env=env,
-                                stdout=stdout, stderr=stderr)
-    yield proc, root
-    if proc.poll() is None:  # its test failed or was not reached: stop it, as a user would
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-
+# The real driver and the real scripts (tests/end_to_end_bench.py), in a subprocess that
+# conftest.py starts with the session's first test and this test awaits: while the suite's
+# scripts and ranks import torch a core is idle, and the end-to-end run uses it.
 
 def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
     """The real driver, the real scripts, tiny sizes: every step ok, exit 0, no launcher's or
