@@ -341,14 +341,45 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
 READER_GONE = 141  # a rank's exit status when the reader of the output left (128 + SIGPIPE)
 
 
-def _start_method() -> str:
-    """Fork ranks from Python's fork server, which imports torch and this file once (``import
-    torch`` costs seconds of CPU on a small box; the server is kept for the next launch of
-    this process); spawn them where there is no fork server (Windows). The server never runs
-    a tensor op (a fork after one can deadlock in OpenMP) nor touches CUDA, so the ranks may.
-    A rank keeps from the server what was fixed when it started: the variables torch reads on
-    import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first launch) and the hash seed."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+def rank_threads(world_size: int) -> int:
+    """Threads per rank: the cores shared out, as torchrun does (oversubscribed ranks would
+    time each other's contention)."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _threads() -> int | None:
+    """This process's threads, native ones counted (OpenMP's, Gloo's, the BLAS pool numpy
+    starts on import): Linux lists them in /proc/self/task. None where it cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
+
+
+THREADS_AT_IMPORT = _threads()  # after torch's import
+
+
+def _start_method(world_size: int) -> str:
+    """How the ranks start, cheapest first (``import torch`` costs seconds of CPU on a small
+    box, and every way but the first pays it once more):
+    - forked from this process, when nothing here has started a thread since this file was
+      imported (a script that has not computed yet: a fork copies memory, not threads, so a
+      lock another thread held would stay locked in the child), each rank will run one thread
+      (a rank per core or more, as on a small box: a child that starts OpenMP threads after
+      its parent did can deadlock), and CUDA has not started here (a child cannot use it).
+    - else forked from Python's fork server, which imports torch and this file once (kept for
+      the next launch of this process) and never runs a tensor op nor touches CUDA, so the
+      ranks may. A rank keeps from the server what was fixed when it started: the variables
+      torch reads on import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first launch)
+      and the hash seed.
+    - spawned where there is no fork (Windows).
+    Decided before the rendezvous store starts its thread."""
+    methods = multiprocessing.get_all_start_methods()
+    untouched = THREADS_AT_IMPORT is not None and _threads() == THREADS_AT_IMPORT
+    if ("fork" in methods and untouched and rank_threads(world_size) == 1
+            and not torch.cuda.is_initialized()):
+        return "fork"
+    if "forkserver" not in methods:
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "common.launch",
                                             "common.fork_server"])
@@ -400,8 +431,7 @@ def _rank(rank, worker, config, args, environ, streams):
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
     torch.seed()  # forked ranks would all share the server's generator state
-    # Share the cores, as torchrun does: oversubscribed ranks would time each other's contention.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.world_size))
+    torch.set_num_threads(rank_threads(config.world_size))
     try:
         _run_worker(worker, rank, config.world_size, rank, config.backend, config.device, args)
     except BrokenPipeError:
@@ -421,6 +451,7 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
+    start_method = _start_method(config.world_size)  # before the store's thread starts
     addr = master_addr()
     environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
@@ -434,7 +465,6 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
                               timeout=rendezvous_timeout())
         environ["MASTER_PORT"] = str(store.port)
         environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    start_method = _start_method()
     streams = _Streams() if start_method == "forkserver" else None
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
     on_main_thread = threading.current_thread() is threading.main_thread()
