@@ -751,13 +751,15 @@ def together_section(where: Where):
         if "ours" in sides and "torch" in sides:
             pair_rows.append((pair, sides["ours"], sides["torch"]))
     if pair_rows:
-        text += ("\nTorch's own composition beside ours on the same LM, batch and grid, in two "
-                 "pairs that each do one job on the data axis (the `pair` column), all four "
+        text += ("\nTorch's own composition beside ours on the same LM, batch and grid, in "
+                 "pairs that each do one job on the data axis (the `pair` column), each pair "
                  "timed in alternating rounds: `replicated_tp`, ours with whole replicas over "
                  "dp beside torch's `parallelize_module` + `fully_shard` on a (dp, 1) mesh "
                  "(shards of one rank: replicas); `fsdp_tp`, ours with ZeRO-1 over dp beside "
                  "torch's `parallelize_module` + `fully_shard` over dp (torch also shards the "
-                 "parameters and gradients: the nearest control, not the same memory):\n\n"
+                 "parameters and gradients: the nearest control, not the same memory); `hsdp`, "
+                 "lesson 2's FSDP over dp_shard with the blocks summed over dp_replicate beside "
+                 "torch's `fully_shard` on a 2-D (replicate, shard) mesh:\n\n"
                  + md_table(["pair", "impl", "setting", "step ms", "params", "grads",
                              "AdamW state", "saved", "first loss"],
                             [[pair, r["impl"], r["setting"], num(r, "step_ms"),
