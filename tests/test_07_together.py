@@ -525,6 +525,11 @@ def test_hsdp_row_blocks_are_saved_once_each():
 
 # --------------------------------------------------------------------------- the measurements
 
+import copy  # noqa: E402
+import types  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+
 import grid_bench  # noqa: E402
 from common import results  # noqa: E402
 
@@ -643,6 +648,15 @@ def test_bench_pipeline_sizes_suit_every_schedule():
     problems = grid_bench.pipeline_schedule_problems(too_few, 4)
     assert len(problems) == 1 and problems[0].startswith("pipeline: dualpipev on 4 stages"), \
         problems
+    # the launch's check that ours and torch's gradients agree can fail: one value off, caught
+    ours = nn.Linear(3, 2)
+    theirs = copy.deepcopy(ours)
+    for module in (ours, theirs):
+        module(torch.ones(1, 3)).sum().backward()
+    built = {"our_chunks": [ours], "torch_stages": [types.SimpleNamespace(submod=theirs)]}
+    assert grid_bench.gradient_difference(built) == 0.0
+    theirs.bias.grad[1] += 0.5
+    assert grid_bench.gradient_difference(built) == 0.5
 
 
 def test_bench_refuses_a_world_size_without_grids(capsys, monkeypatch):
