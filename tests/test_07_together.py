@@ -525,16 +525,22 @@ def test_hsdp_row_blocks_are_saved_once_each():
 
 # --------------------------------------------------------------------------- the measurements
 
+import copy  # noqa: E402
+import types  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+
 import grid_bench  # noqa: E402
 from common import results  # noqa: E402
 
 # train.py --bench at test sizes: three grids that use every axis and ZeRO-1, torch's
-# composition beside ours, one pipeline schedule against torch's, real and emulated
+# composition beside ours, two pipeline schedules against torch's (1F1B, and ZB-V on the V
+# layout: 4 blocks, pieces r and 3-r), real and emulated
 BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "iters": 1,
                "rounds": 1, "lr": 3e-3,
-               "pipeline": {"stages": [2], "schedules": ["1f1b"], "compute": ["real", "emulated"],
-                            "layers": 2, "rows": 1, "seq_len": 16, "micro_batches": 2,
-                            "emulate_ms": 1.0}}
+               "pipeline": {"stages": [2], "schedules": ["1f1b", "zbv"],
+                            "compute": ["real", "emulated"], "layers": 4, "rows": 1,
+                            "seq_len": 16, "micro_batches": 2, "emulate_ms": 1.0}}
 BENCH_GRIDS = [grid_bench.grid_spec(dp=2, tp=2, fsdp=True),
                grid_bench.grid_spec(pp=2, cp=2, micro_batches=2),
                grid_bench.grid_spec(cp=2, tp=2),
@@ -618,14 +624,39 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
     losses = [row["first_loss"] for row in found["grid_rows"] + found["torch_rows"]]
     assert max(abs(loss - found["reference_loss"]) for loss in losses) < 1e-5, losses
     pipelines = found["pipeline_rows"]
-    assert [(r["impl"], r["compute"]) for r in pipelines] == [
-        ("ours", "real"), ("torch", "real"), ("ours", "emulated"), ("torch", "emulated")]
-    assert pipelines[0]["gradient_max_difference"] < 1e-6, pipelines[0]
+    assert [(r["schedule"], r["impl"], r["compute"]) for r in pipelines] == [
+        (schedule, impl, compute) for schedule in ("1f1b", "zbv") for compute in ("real", "emulated")
+        for impl in ("ours", "torch")]
+    for row in (pipelines[0], pipelines[4]):     # ZB-V: ours defers W, torch splits it itself
+        assert row["gradient_max_difference"] < 1e-6, row
+    assert pipelines[6]["ideal_ms"] > 0, pipelines[6]   # ZB-V, emulated: F, B and W each wait
     rows = results.read_csv("grid.csv")
-    assert len(rows) == 4 + 6 + 4 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
+    assert len(rows) == 4 + 6 + 8 and all(column in rows[0] for column in BENCH_COLUMNS), rows[0]
     assert sorted(row["pair"] for row in rows if row["pair"]) == (["fsdp_tp"] * 2 + ["hsdp"] * 2
                                                                   + ["replicated_tp"] * 2)
     assert rows[0]["machine"] == results.machine_name()
+
+
+def test_bench_pipeline_sizes_suit_every_schedule():
+    """Every pipeline schedule of the bench's sizes (the V ones too) takes its micro-batches
+    and blocks on each pp; a count DualPipeV refuses (m < 2p) is named up front."""
+    for name, sizes in grid_bench.SIZES.items():
+        assert {"zbv", "dualpipev"} <= set(sizes["pipeline"]["schedules"]), name
+        for world_size, grids in grid_bench.GRIDS.items():
+            assert grid_bench.size_problems(sizes, grids, world_size) == [], (name, world_size)
+    too_few = {**grid_bench.SIZES["cpu"]["pipeline"], "micro_batches": 4}     # 4 < 2 x 4
+    problems = grid_bench.pipeline_schedule_problems(too_few, 4)
+    assert len(problems) == 1 and problems[0].startswith("pipeline: dualpipev on 4 stages"), \
+        problems
+    # the launch's check that ours and torch's gradients agree can fail: one value off, caught
+    ours = nn.Linear(3, 2)
+    theirs = copy.deepcopy(ours)
+    for module in (ours, theirs):
+        module(torch.ones(1, 3)).sum().backward()
+    built = {"our_chunks": [ours], "torch_stages": [types.SimpleNamespace(submod=theirs)]}
+    assert grid_bench.gradient_difference(built) == 0.0
+    theirs.bias.grad[1] += 0.5
+    assert grid_bench.gradient_difference(built) == 0.5
 
 
 def test_bench_refuses_a_world_size_without_grids(capsys, monkeypatch):

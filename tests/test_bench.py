@@ -774,7 +774,8 @@ def _fixture_07(out):
     for stages, schedule, compute, ours, theirs, ideal in (
             (2, "gpipe", "emulated 10 ms", 300.0, 150.0, 140.0),  # pp 2: not a target
             (4, "gpipe", "real", 60.0, 50.0, 0.0), (4, "gpipe", "emulated 10 ms", 105.0, 100.0, 90.0),
-            (4, "1f1b", "real", 55.0, 50.0, 0.0), (4, "1f1b", "emulated 10 ms", 99.0, 100.0, 90.0)):
+            (4, "1f1b", "real", 55.0, 50.0, 0.0), (4, "1f1b", "emulated 10 ms", 99.0, 100.0, 90.0),
+            (4, "dualpipev", "emulated 10 ms", 102.0, 100.0, 95.0)):   # the V: 2 chunks a rank
         for impl, step in (("ours", ours), ("torch", theirs)):
             rows.append({**same, "impl": impl, "grid": f"pp{stages}", "model": "8 tiny blocks",
                          "setting": f"{schedule}, {compute}", "micro_batches": 8,
@@ -851,7 +852,8 @@ def test_report_from_known_numbers(tmp_path):
     assert "parallelize_module + fully_shard:" not in text      # no ratio across the pairs
     assert "differ by at most 2.0e-07" in text
     assert "| pp4 | gpipe | emulated 10 ms | 105 | 100 | 1.05x | 90 |" in text
-    assert "gpipe 1.05x, 1f1b 0.99x (target <= 1.10x: met)" in text
+    assert "gpipe 1.05x, 1f1b 0.99x, dualpipev 1.02x (target <= 1.10x: met)" in text
+    assert "| pp4 | dualpipev | emulated 10 ms | 102 | 100 | 1.02x | 95 |" in text
     assert ("| our pipeline executor vs torch.distributed.pipelining, pp 4, emulated | 1.05x at "
             "worst (gpipe; target <= 1.10x) |") in text
     assert "| 2 -> 4 | save | 2 | 150 | 100 | 1.50x | 488KB | 977KB | 2KB | 537KB | 537KB |" in text

@@ -30,10 +30,15 @@ What it measures, in one run:
    grid) beside torch's ``fully_shard`` on a 2-D (replicate, shard) ``init_device_mesh``,
    torch's HSDP, on the same LM, batch and ranks: bytes on each axis and step time.
 3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
-   ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``): the same blocks and
-   micro-batches on pp = 2 and 4 (pipelines side by side on the other ranks), real compute,
-   and emulated compute (every forward and backward of a stage replaced by a fixed wait, in
-   both; the messages stay real), with the unit-time simulation's ideal beside it.
+   ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and on the V layout
+   ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``: two ``PipelineStage``s a rank, pieces
+   r and 2p-1-r, the loss on rank 0): the same blocks and micro-batches on pp = 2 and 4
+   (pipelines side by side on the other ranks), real compute (the same weights; on the V
+   ours defers the weight gradients to W through lesson 4's ``DeferredLinear``, torch splits
+   them off in its autograd graph), and emulated compute (every forward and backward of a
+   stage, and on the V every W too, replaced by a fixed wait, in both: the pipeline bench's
+   ``EmulatedChunk`` and ``TorchEmulatedChunk``; the messages stay real), with the unit-time
+   simulation's ideal beside it.
 
 Torch's own context parallelism has no row: in torch 2.13 it works by replacing the CUDA
 attention kernels (flash, memory-efficient, cuDNN: torch/distributed/tensor/experimental/
@@ -178,16 +183,19 @@ GRIDS = {
 }
 
 # Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a box with a GPU per
-# rank. "pipeline": the blocks (of the same LM's width) and micro-batches of part 3.
+# rank. "pipeline": the blocks (of the same LM's width) and micro-batches of part 3; m = 8
+# is one count every schedule takes on pp 2 and 4 (DualPipeV needs m >= 2p).
 SIZES = {
     "cpu": {"model": "tiny", "batch_size": 16, "seq_len": 64, "warmup": 1, "iters": 4,
             "rounds": 2, "lr": 3e-3,
-            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved"],
+            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved",
+                                                         "zbv", "dualpipev"],
                          "compute": ["real", "emulated"], "layers": 8, "rows": 2,
                          "seq_len": 64, "micro_batches": 8, "emulate_ms": 10.0}},
     "gpu": {"model": "small", "batch_size": 32, "seq_len": 1024, "warmup": 2, "iters": 5,
             "rounds": 2, "lr": 3e-3,
-            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved"],
+            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved",
+                                                         "zbv", "dualpipev"],
                          "compute": ["real", "emulated"], "layers": 8, "rows": 4,
                          "seq_len": 1024, "micro_batches": 8, "emulate_ms": 5.0}},
 }
@@ -1038,12 +1046,42 @@ class EmulatedStage(nn.Module):
 
 
 def torch_schedule(name: str, stages: list, micro_batches: int):
+    """torch's schedule ``name`` over this rank's ``PipelineStage``s (two on the V: the
+    pipeline bench's ``torch_schedule_class`` names its class)."""
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    import bench_pipeline
     if name == "gpipe":
         return ScheduleGPipe(stages[0], micro_batches, loss_fn=F.mse_loss)
     if name == "1f1b":
         return Schedule1F1B(stages[0], micro_batches, loss_fn=F.mse_loss)
+    if name in bench_pipeline.TORCH_SCHEDULES:
+        schedule_class = bench_pipeline.torch_schedule_class(name)
+        return schedule_class(stages, micro_batches, loss_fn=F.mse_loss)
     return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.mse_loss)
+
+
+def has_torch_schedule(name: str) -> bool:
+    """Whether this torch has a class for schedule ``name`` (the V ones are recent)."""
+    import bench_pipeline
+    if name not in bench_pipeline.TORCH_SCHEDULES:
+        return True
+    return bench_pipeline.torch_schedule_class(name) is not None
+
+
+def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Module:
+    """``module`` with every ``nn.Linear`` swapped, in place, for lesson 4's ``DeferredLinear``
+    holding the same weights: under a schedule with W steps (ZB-V, DualPipeV) our executor
+    then moves the weight-gradient work to W, as torch's moves it in its autograd graph."""
+    for name, child in module.named_children():
+        if type(child) is nn.Linear:
+            deferred = pipeline_parallel.DeferredLinear(
+                child.in_features, child.out_features, bias=child.bias is not None,
+                device=child.weight.device)
+            deferred.load_state_dict(child.state_dict())
+            setattr(module, name, deferred)
+        else:
+            with_deferred_weight_grads(child, pipeline_parallel)
+    return module
 
 
 def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, lessons) -> dict:
@@ -1051,6 +1089,7 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     weights) and micro-batches, on this rank's pipeline group: a step of each."""
     from common import models
     from torch.distributed.pipelining import PipelineStage
+    import bench_pipeline
     pipeline_parallel = lessons.pipeline
     pipeline_schedules = lessons.schedules
     setting = sizes["pipeline"]
@@ -1058,10 +1097,15 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     stages = grid.size("pp")
     pp_rank = grid.rank("pp")
     group = grid.group("pp")
-    chunks_per_rank = 1
-    if schedule_name == "interleaved":
-        chunks_per_rank = 2
+    chunks_per_rank = pipeline_schedules.chunks_per_rank(schedule_name, 2)   # 2: interleaved, V
+    layout = pipeline_schedules.layout_of(schedule_name)      # V: pieces r and 2p-1-r
+    loss_rank = pipeline_schedules.loss_rank(schedule_name, stages, chunks_per_rank)
     micro_batches = setting["micro_batches"]
+    schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
+    splits_backward = False       # W steps (ZB-V, DualPipeV): weight gradients after B
+    for step in schedule[pp_rank]:
+        if step.op == pipeline_schedules.WEIGHT:
+            splits_backward = True
     rows = setting["rows"]
     torch.manual_seed(0)
     blocks = []
@@ -1076,26 +1120,31 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     emulate_s = 0.0
     if compute == "emulated":
         emulate_s = setting["emulate_ms"] / 1e3
-    ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank)
+    ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank,
+                                            layout)
     our_chunks = []
     torch_stages = []
     for chunk, layer_numbers in enumerate(ranges):
         pieces = [copy.deepcopy(blocks[layer]) for layer in layer_numbers]
         our_chunks.append(nn.Sequential(*pieces))
         module = nn.Sequential(*[copy.deepcopy(piece) for piece in pieces])
-        if compute == "emulated":   # the same waiting stage for both executors
+        if splits_backward:         # ours: the weight gradients in W, the same weights
+            with_deferred_weight_grads(our_chunks[-1], pipeline_parallel)
+        if compute == "emulated" and splits_backward:   # F, B and W each wait, in both
+            our_chunks[-1] = bench_pipeline.EmulatedChunk(emulate_s, True).to(ctx.device)
+            module = bench_pipeline.TorchEmulatedChunk(emulate_s).to(ctx.device)
+        elif compute == "emulated":   # the same waiting stage for both executors
             our_chunks[-1] = EmulatedStage(emulate_s).to(ctx.device)
             module = EmulatedStage(emulate_s).to(ctx.device)
-        virtual_stage = chunk * stages + pp_rank
+        virtual_stage = pipeline_schedules.stage_of(pp_rank, chunk, stages, layout)
         torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
                                           ctx.device, group=group))
-    schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
     theirs = torch_schedule(schedule_name, torch_stages, micro_batches)
     micro_inputs = None
     if pp_rank == 0:
         micro_inputs = list(inputs.chunk(micro_batches))
     micro_targets = None
-    if pp_rank == stages - 1:
+    if pp_rank == loss_rank:        # p-1, or 0 on the V
         micro_targets = list(targets.chunk(micro_batches))
 
     def ours_step():
@@ -1108,11 +1157,11 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     def torch_step():
         for stage in torch_stages:
             stage.submod.zero_grad(set_to_none=True)
-        if pp_rank == 0 and pp_rank == stages - 1:
+        if pp_rank == 0 and pp_rank == loss_rank:        # the V: both ends on rank 0
             theirs.step(inputs, target=targets, losses=[])
         elif pp_rank == 0:
             theirs.step(inputs)
-        elif pp_rank == stages - 1:
+        elif pp_rank == loss_rank:
             theirs.step(target=targets, losses=[])
         else:
             theirs.step()
@@ -1144,6 +1193,10 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
             continue
         grid = lessons.grid.ProcessGrid(dp=ctx.world_size // stages, pp=stages)
         for schedule_name in setting["schedules"]:
+            if not has_torch_schedule(schedule_name):
+                ctx.print(f"  torch {torch.__version__} has no class for {schedule_name}: no "
+                          "pipeline row for it", all_ranks=False)
+                continue
             for compute in setting["compute"]:
                 built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
                 seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]},
@@ -1342,9 +1395,10 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
                               f"pipelining: {pipeline['layers']} {sizes['model']} blocks, "
                               f"{pipeline['micro_batches']} micro-batches of "
                               f"{pipeline['rows']} x {pipeline['seq_len']}, forward + backward "
-                              "(interleaved: 2 chunks a rank; ideal: the unit-time simulation "
-                              "x the emulated wait; grad diff: ours against torch's, real "
-                              "compute):")
+                              "(interleaved: 2 chunks a rank; zbv, dualpipev: 2 chunks a rank "
+                              "in a V, r and 2p-1-r, split backward, emulated F, B and W each "
+                              "wait; ideal: the unit-time simulation x the emulated wait; grad "
+                              "diff: ours against torch's, real compute):")
     print("\n" + "\n".join(target_lines(our_rows, torch_rows, pairs, reference, machine)),
           flush=True)
 
@@ -1451,6 +1505,25 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
         if pipeline["micro_batches"] % stages:
             problems.append(f"pipeline: {pipeline['micro_batches']} micro-batches are not a "
                             f"multiple of {stages} stages (interleaved)")
+        if world_size % stages == 0:
+            problems += pipeline_schedule_problems(pipeline, stages)
+    return problems
+
+
+def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
+    """Each schedule of ``pipeline`` that refuses its micro-batches and blocks on ``stages``
+    stages (lesson 4's own rule: DualPipeV needs m >= 2p, for one), in one line each."""
+    from common import import_stage
+    schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
+    problems = []
+    for name in pipeline["schedules"]:
+        chunks = schedules.chunks_per_rank(name, 2)
+        try:
+            schedules.check_setting(name, stages, pipeline["micro_batches"], chunks,
+                                    pipeline["layers"])
+        except ValueError as error:
+            problems.append(f"pipeline: {name} on {stages} stages, {pipeline['micro_batches']} "
+                            f"micro-batches, {pipeline['layers']} blocks: {error}")
     return problems
 
 
