@@ -366,18 +366,22 @@ def _start_method(world_size: int) -> str:
       imported (a script that has not computed yet: a fork copies memory, not threads, so a
       lock another thread held would stay locked in the child), each rank will run one thread
       (a rank per core or more, as on a small box: a child that starts OpenMP threads after
-      its parent did can deadlock), and CUDA has not started here (a child cannot use it).
+      its parent did can deadlock), and torch is a CPU build (a child cannot use CUDA once
+      its parent has so much as counted the GPUs). Two threads are there all the same: one
+      that ``import torch`` starts, and the rendezvous store's, which starts just before the
+      fork. A rank never uses either (it makes its own store client, and it leaves with
+      ``os._exit``), so nothing they hold is waited for. A rank keeps the launcher's state as
+      it was: it reseeds torch, takes the launcher's environment and resets its signals.
     - else forked from Python's fork server, which imports torch and this file once (kept for
       the next launch of this process) and never runs a tensor op nor touches CUDA, so the
       ranks may. A rank keeps from the server what was fixed when it started: the variables
-      torch reads on import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first launch)
-      and the hash seed.
-    - spawned where there is no fork (Windows).
-    Decided before the rendezvous store starts its thread."""
+      torch reads on import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first launch;
+      forked from this process, before this process imported torch) and the hash seed.
+    - spawned where there is no fork (Windows)."""
     methods = multiprocessing.get_all_start_methods()
     untouched = THREADS_AT_IMPORT is not None and _threads() == THREADS_AT_IMPORT
-    if ("fork" in methods and untouched and rank_threads(world_size) == 1
-            and not torch.cuda.is_initialized()):
+    cpu_build = torch.version.cuda is None and torch.version.hip is None
+    if "fork" in methods and untouched and rank_threads(world_size) == 1 and cpu_build:
         return "fork"
     if "forkserver" not in methods:
         return "spawn"
@@ -421,6 +425,7 @@ def _rank(rank, worker, config, args, environ, streams):
     # torch asked Linux to send SIGINT when this rank's parent dies: let it end the rank at once,
     # even inside a collective (Ctrl-C is the launcher's to handle, and it ends every rank).
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
     if streams is not None:  # forked by the fork server
         streams.take()
         _leave_the_server_to_the_launcher()
@@ -451,7 +456,7 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
-    start_method = _start_method(config.world_size)  # before the store's thread starts
+    start_method = _start_method(config.world_size)  # before the store's thread
     addr = master_addr()
     environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them

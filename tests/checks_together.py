@@ -116,7 +116,7 @@ FOUR_RANK_CASES = [
     # HSDP: 2 copies of 2 shards, and 2 shards of tensor-parallel halves (8 ranks for both at
     # once would be a launch of its own: the pieces meet in these two)
     ("HSDP replicate 2 x shard 2", dict(dp=4, dp_shard=2), None),
-    ("HSDP shard 2 x tp 2", dict(dp=2, dp_shard=2, tp=2), None),
+    ("HSDP shard 2 x tp 2, 2 micro-batches", dict(dp=2, dp_shard=2, tp=2, micro_batches=2), None),
     ("HSDP 2 x 2, summed over the whole data axis", dict(dp=4, dp_shard=2), "hsdp over dp"),
 ]
 PLANTED = {"dp only": ("sum_gradients", sum_over_dp_only),

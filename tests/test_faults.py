@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import allreduce_bench
 import bucketed_ddp
@@ -134,6 +135,26 @@ def test_the_rank_that_raised_first_is_named_not_the_first_seen(tmp_path, capsys
     assert e.value.code == 1 and err.startswith("error: rank 1 failed first:\nTraceback:\n"
                                                  "ValueError: the real cause\n"), err
     assert launch.RAISED_AT not in err and "(then rank(s) [0] failed too" in err, err
+
+
+def test_ranks_are_forked_from_the_launcher_only_when_that_is_safe(monkeypatch):
+    """Forked from the launcher itself: only while it has started no thread since importing
+    the launcher, with one thread a rank and a CPU build of torch; each condition that fails
+    alone sends the ranks to the fork server (no processes started here)."""
+    monkeypatch.setattr(launch, "THREADS_AT_IMPORT", 2)
+    monkeypatch.setattr(launch, "_threads", lambda: 2)
+    monkeypatch.setattr(launch, "rank_threads", lambda world_size: 1)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert launch._start_method(4) == "fork"
+    for name, value in (("_threads", lambda: 3), ("rank_threads", lambda world_size: 2)):
+        with monkeypatch.context() as changed:
+            changed.setattr(launch, name, value)
+            assert launch._start_method(4) == "forkserver", name
+    for name in ("cuda", "hip"):
+        with monkeypatch.context() as changed:
+            changed.setattr(torch.version, name, "12.4")
+            assert launch._start_method(4) == "forkserver", name
 
 
 def test_a_rank_that_cannot_start_shows_why(monkeypatch):

@@ -13,7 +13,8 @@ generalises it in three ways.
      stage waits for, and W, the weight gradients nobody waits for, which fill the bubble:
      idle (p-1)/(3m+p-1) with equal F, B, W.
    * ZB-V and DualPipeV: two chunks per rank in a V (rank r holds pieces r and 2p-1-r of
-     the model, so the loss is on rank 0), split backwards; idle (p-1)/(6m+p-1).
+     the model, so the loss is on rank 0), split backwards; idle (p-1)/(6m+p-1) (ZB-V:
+     when m >= (3p-1)/2; DualPipeV runs from m = 2p).
 
    ``run_schedule`` executes any such list, one step at a time, in named parts: post the
    messages planned before the step, wait for the step's input, then forward one

@@ -587,7 +587,8 @@ def p2p_plan(lists: list[list[Step]]) -> list[list[list[list[tuple]]]]:
     received in round t, by both ranks, so each rank's round-t group matches its peers'
     round-t groups. A receive is thus posted early and waited for when its step comes; and
     where a send completes only once its receive is posted (NCCL), ranks posting rounds in
-    order cannot wait on each other in a cycle. Messages to oneself (p = 1) stay local."""
+    order cannot wait on each other in a cycle. Messages to oneself (p = 1; on the V, rank
+    p-1's turn from piece p-1 to piece p) stay local."""
     stages = len(lists)
     timed = simulate(lists)
     rounds = [{} for _ in range(stages)]          # [rank][t]: what it sends and receives at t

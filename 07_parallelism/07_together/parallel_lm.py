@@ -204,6 +204,10 @@ def shard_chunks(chunks: list, grid) -> None:
         raise ModuleNotFoundError("parallel_lm.shard_chunks (HSDP) wraps the chunks in lesson "
                                   "2's FSDP: put fsdp.py beside parallel_lm.py (train.py does "
                                   "this inside the repository)") from None
+    if grid.size("pp") > 1 or grid.size("cp") > 1:
+        raise ValueError("parallel_lm.shard_chunks: HSDP is built here for dp x tp grids; "
+                         f"pp={grid.size('pp')}, cp={grid.size('cp')} must be 1 (the blocks "
+                         "are summed over dp_replicate alone)")
     for chunk in chunks:
         units = list(chunk.blocks)
         for module in (chunk.embedding, chunk.head):
