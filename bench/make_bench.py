@@ -88,23 +88,23 @@ CPU_STARTUP_S = 3
 # (a GPU per rank). On each kind and in each mode the shares add up to at most the default
 # budget less STOP_S (a test checks), so a new step takes its share from the others. A share of
 # 0: not in that mode's plan. A share is what a step may take, not what it takes: a step that
-# ends sooner passes its time on. The CPU shares come from this 2-core VM's runs (about 1.5x
-# what each took with the VM to itself); the one-GPU shares from the H200 box's logs, with
+# ends sooner passes its time on. The CPU shares come from this 2-core VM's runs (1.2-2x what
+# each took with the VM to itself; the full run with the V schedules and HSDP: 413 s); the one-GPU shares from the H200 box's logs, with
 # sizes cut to fit them (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL
 # ones are estimates until a multi-GPU box has run them.
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
-    "compute": dict(cpu=(7, 12, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
-    "allreduce": dict(cpu=(10, 40, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
-    "ddp": dict(cpu=(21, 50, 15), one_gpu=(21, 70, 20), nccl=(21, 70, 20)),
-    "profile": dict(cpu=(12, 15, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
-    "tp": dict(cpu=(10, 12, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
-    "pp": dict(cpu=(16, 50, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
-    "ledger": dict(cpu=(17, 60, 15), one_gpu=(17, 42, 15), nccl=(17, 50, 15)),
-    "cp": dict(cpu=(14, 55, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
-    "ep2": dict(cpu=(0, 22, 6), one_gpu=(0, 25, 15), nccl=(0, 25, 15)),  # quick: 4 ranks only
-    "ep4": dict(cpu=(13, 28, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
-    "grid": dict(cpu=(0, 108, 45), one_gpu=(0, 70, 45), nccl=(0, 60, 45)),  # no smaller size
-    "checkpoint": dict(cpu=(14, 38, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
+    "compute": dict(cpu=(7, 8, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
+    "allreduce": dict(cpu=(10, 28, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
+    "ddp": dict(cpu=(21, 48, 15), one_gpu=(21, 70, 20), nccl=(21, 70, 20)),
+    "profile": dict(cpu=(12, 12, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
+    "tp": dict(cpu=(10, 8, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
+    "pp": dict(cpu=(16, 100, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
+    "ledger": dict(cpu=(17, 55, 15), one_gpu=(17, 42, 15), nccl=(17, 50, 15)),
+    "cp": dict(cpu=(14, 42, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
+    "ep2": dict(cpu=(0, 10, 6), one_gpu=(0, 25, 15), nccl=(0, 25, 15)),  # quick: 4 ranks only
+    "ep4": dict(cpu=(13, 14, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
+    "grid": dict(cpu=(0, 135, 45), one_gpu=(0, 70, 45), nccl=(0, 60, 45)),  # no smaller size
+    "checkpoint": dict(cpu=(14, 20, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
     "prediction": dict(cpu=(6, 10, 5), one_gpu=(0, 20, 15), nccl=(0, 20, 15)),  # quick: CPU
 }
 
@@ -225,8 +225,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
             ["--steps", "10", "--warmup", "3", "--rounds", "3"]
         buckets = "0.25,1,4"
         tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128", "--heads", "8"]
-        pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms",
-              "30" if quick else "50"]
+        pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "30"]
         micro_batches = "8" if quick else "4,8"
     elif gpus == 1:
         # One GPU: every collective crosses host memory at about 1.7 GB/s (the H200 logs), so

@@ -393,11 +393,12 @@ def bench_main(ctx, cfg: dict) -> None:
     model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"])
     model = model.to(ctx.device)
     rows = measure_bubble(ctx, cfg, model)
-    torch_rows = []
+    if ctx.is_main:
+        report(ctx, cfg, rows)                   # written before torch's rows: a run stopped
+    torch_rows = []                              # at its cap keeps what it measured
     if cfg.get("beside_torch", True):          # the tests run it on their own (its import is slow)
         torch_rows = compare_with_torch(ctx, cfg, model)
     if ctx.is_main:
-        report(ctx, cfg, rows)
         report_torch(ctx, cfg, torch_rows)
 
 
