@@ -210,7 +210,7 @@ def zbv_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
     other and for the rank's earlier steps, so every order and message stays matched).
     """
     p = stages                                      # the papers' letter, as in the formulas
-    m = max(micro_batches, 2 * p - 1)
+    built_for = max(micro_batches, 2 * p - 1)      # micro-batches the phases are built for
     work = VSteps(rank, p)                          # this rank's steps, built in order
     for _ in range(2 * (p - rank) - 1):              # 1.
         work.forward(0)
@@ -221,8 +221,8 @@ def zbv_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
         work.forward(1)
         work.backward(1)
         work.weight(1)
-    while work.done(FORWARD, 1) < m:                 # 4.
-        if work.done(FORWARD, 0) < m:
+    while work.done(FORWARD, 1) < built_for:         # 4.
+        if work.done(FORWARD, 0) < built_for:
             work.forward(0)
         work.backward(0)
         work.weight(0)
@@ -235,9 +235,9 @@ def zbv_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
     for _ in range(p - rank):
         work.backward(0)
         work.weight(0)
-    while work.done(WEIGHT, 1) < m:
+    while work.done(WEIGHT, 1) < built_for:
         work.weight(1)
-    while work.done(WEIGHT, 0) < m:
+    while work.done(WEIGHT, 0) < built_for:
         work.weight(0)
     steps = []
     for step in work.steps:
