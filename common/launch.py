@@ -367,11 +367,11 @@ def _start_method(world_size: int) -> str:
       lock another thread held would stay locked in the child), each rank will run one thread
       (a rank per core or more, as on a small box: a child that starts OpenMP threads after
       its parent did can deadlock), and torch is a CPU build (a child cannot use CUDA once
-      its parent has so much as counted the GPUs). Two threads are there all the same: one
-      that ``import torch`` starts, and the rendezvous store's, which starts just before the
-      fork. A rank never uses either (it makes its own store client, and it leaves with
-      ``os._exit``), so nothing they hold is waited for. A rank keeps the launcher's state as
-      it was: it reseeds torch, takes the launcher's environment and resets its signals.
+      its parent has so much as counted the GPUs). The rendezvous store, which runs a thread,
+      starts after the ranks. One thread is there all the same: the BLAS pool numpy starts
+      when ``import torch`` imports it, which stops itself around a fork. A rank keeps the
+      launcher's state as it was: it reseeds torch, takes the launcher's environment and
+      resets its signals.
     - else forked from Python's fork server, which imports torch and this file once (kept for
       the next launch of this process) and never runs a tensor op nor touches CUDA, so the
       ranks may. A rank keeps from the server what was fixed when it started: the variables
@@ -456,19 +456,27 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
-    start_method = _start_method(config.world_size)  # before the store's thread
+    start_method = _start_method(config.world_size)
     addr = master_addr()
     environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
     store = None
+    listener = None
     if master_port() is None:
         # This process holds the ranks' rendezvous store, on a port the OS picks and keeps for
         # it: a port merely seen free could be taken by another process before rank 0 binds it.
-        # The ranks join the store as clients, as they do under torchrun's agent; ``store``
-        # lives until this function returns.
-        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=rendezvous_timeout())
-        environ["MASTER_PORT"] = str(store.port)
+        # The ranks join the store as clients, as they do under torchrun's agent; it lives
+        # until this function returns. Ranks forked from this process must not copy the
+        # store's thread in the middle of its work: for them only the port's socket is bound
+        # here, and the store takes it over once they have started.
+        if start_method == "fork":
+            listener = socket.create_server((addr, 0))
+            port = listener.getsockname()[1]
+        else:
+            store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                                  timeout=rendezvous_timeout())
+            port = store.port
+        environ["MASTER_PORT"] = str(port)
         environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     streams = _Streams() if start_method == "forkserver" else None
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
@@ -480,10 +488,16 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
         ranks = torch.multiprocessing.start_processes(
             _rank, (worker, config, args, environ, streams), nprocs=config.world_size,
             join=False, start_method=start_method)
+        if listener is not None:
+            store = dist.TCPStore(addr, int(environ["MASTER_PORT"]), is_master=True,
+                                  wait_for_workers=False, timeout=rendezvous_timeout(),
+                                  master_listen_fd=listener.detach())
         _supervise(ranks, timeout_s, stop)
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
+        if listener is not None:
+            listener.close()  # nothing, once the store has taken it over
         if ranks is not None:
             _end(ranks.processes)
             for path in ranks.error_files:
