@@ -2,6 +2,8 @@
 repo's ``common`` package importable, and keep test results out of ``results/``."""
 
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,8 +48,6 @@ def end_to_end(request, tmp_path_factory):
     if not any(item.name == END_TO_END_TEST for item in request.session.items):
         yield None
         return
-    import signal
-    import subprocess
     root = tmp_path_factory.mktemp("end_to_end")
     out = root / "results"
     out.mkdir()

@@ -122,7 +122,6 @@ import copy
 import functools
 import math
 import sys
-import time
 import types
 import warnings
 from pathlib import Path
@@ -1017,32 +1016,20 @@ def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]
 # --------------------------------------------------------------------------- the pipeline axis
 
 
-class Wait(torch.autograd.Function):
-    """Stands in for a stage's compute: forward waits ``seconds``, so does backward."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        time.sleep(seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
-
-
 class EmulatedStage(nn.Module):
     """A stage with emulated compute, for torch's executor and ours alike: one wait forward,
-    one backward (a scale parameter gives backward something to do)."""
+    one backward (the pipeline bench's ``Wait``; a scale parameter gives backward something
+    to do)."""
 
     def __init__(self, seconds: float):
         super().__init__()
+        import bench_pipeline
+        self.wait = bench_pipeline.Wait.apply
         self.seconds = seconds
         self.scale = nn.Parameter(torch.ones(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Wait.apply(x * self.scale, self.seconds)
+        return self.wait(x * self.scale, self.seconds)
 
 
 def torch_schedule(name: str, stages: list, micro_batches: int):
