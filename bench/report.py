@@ -955,8 +955,9 @@ def prediction_section(where: Where):
         table.append([r["config"], num(r, "predicted_ms"), num(r, "measured_ms"), f"{ratio:.2f}x"])
     worst = max(rows, key=lambda r: abs(num(r, "ratio") - 1))
     text = (f"Lesson 9's planner fed with this box's measured compute (each configuration's "
-            "forward, backward and AdamW timed at world size 1 with one rank's shapes) and stage "
-            "02's all-reduce fit, predicting the step times measured above "
+            "forward, backward and AdamW timed at world size 1 with one rank's shapes), stage "
+            "02's all-reduce fit and, for the grids with hops (pp, cp), a hop timed after a "
+            "slice of compute, predicting the step times measured above "
             f"({machine_of(where, rows)}; `results/prediction.csv` holds every term):\n\n"
             + md_table(["configuration", "predicted ms", "measured ms", "predicted / measured"],
                        table))

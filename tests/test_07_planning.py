@@ -1,7 +1,7 @@
 """Stage 07, lesson 9: the planner's memory and bytes against the lessons' own formulas (which
 their benches check against counted bytes), each step-time term against a hand computation, and
-modelling errors a learner could make shown to move a prediction past 25%. No processes: the
-planner is arithmetic."""
+modelling errors a learner could make shown to move a prediction past 25%. The planner is
+arithmetic; only the check's measurement of a hop (two ranks) and its plumbing run more."""
 
 import dataclasses
 import runpy
@@ -210,6 +210,39 @@ def test_ring_attention_step_by_hand():
     hops = 2 * 1 + 2                               # c-1 forward, c-1 + c backward, 2 blocks
     terms = terms_of(SMALL, grid)
     assert terms["ring attention hops"] == pytest.approx(2 * hops * (hop - chunk))
+
+
+def test_hops_take_the_machines_point_to_point_link_where_it_has_one():
+    """Ring attention's hops and a pipeline's sends go the machine's point-to-point link when it
+    has one (this box's, measured after compute), else the axis's link: by hand, each with the
+    link it should take, and the two differ (a hop charged to the wrong link is caught)."""
+    p2p = planner.Link(latency=4e-3, busbw=2e6)
+    box = dataclasses.replace(ROUND, point_to_point=p2p)
+    kv = 2 * 4 * 4 * 2 * 8                          # K and V, 4 rows x 2 tokens x 8, float32
+    chunk = 4 * 4 * 2 * 2 * 8 / 1e7                 # one chunk's attention, hidden under a hop
+    hops = 2 * (2 * 1 + 2)
+    ring = terms_of(SMALL, planner.Grid(cp=2), box)["ring attention hops"]
+    assert ring == pytest.approx(hops * (4e-3 + kv / 2e6 - chunk))
+    assert terms_of(SMALL, planner.Grid(cp=2))["ring attention hops"] == pytest.approx(
+        hops * (1e-3 + kv / 1e6 - chunk))
+    activation = 4 * 2 * 4 * 8
+    sends = terms_of(SMALL, planner.Grid(pp=2, micro_batches=2), box)["pipeline hops"]
+    assert sends == pytest.approx(2 * (4e-3 + activation / 2e6))
+    assert sends != pytest.approx(terms_of(SMALL, planner.Grid(pp=2, micro_batches=2))["pipeline hops"])
+    # ranks sharing cores: a pipeline rank's wait is the next stage's compute on its core, and
+    # its sends (2m without overlap) cost what they cost back to back, the axis's link
+    shared = dataclasses.replace(box, cores=1, overlap=False)
+    sends = terms_of(SMALL, planner.Grid(pp=2, micro_batches=2), shared)["pipeline hops"]
+    assert sends == pytest.approx(2 * 2 * (1e-3 + activation / 1e6))
+
+
+def test_a_hop_after_compute_is_measured_on_the_ranks():
+    """check_prediction's hop measurement on 2 real ranks: a latency and a bandwidth, positive,
+    from the slowest rank's medians; the one-line refusal where Gloo cannot send the tensors."""
+    import check_prediction
+    link = check_prediction.time_hops(2, "gloo", "cpu")
+    assert link.latency > 0 and link.busbw > 0 and link.step_latency == 0
+    assert check_prediction.time_hops(2, "gloo", "cuda") is None
 
 
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):

@@ -465,6 +465,9 @@ class Machine:
     straggler: float = 0.0         # how much longer the slowest of the W ranks computes than
                                    # the median one, as a share (0: ranks in lockstep)
     reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
+    point_to_point: Link | None = None   # sends between two ranks (ring attention's hops, a
+                                         # pipeline's activations), where they go a path of their
+                                         # own (None: the collectives' link of the axis)
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
 
@@ -513,6 +516,14 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
     if span > machine.ranks_per_node:
         return machine.across
     return machine.inside
+
+
+def hop_link(machine: Machine, grid: Grid, axis: str) -> Link:
+    """The link a point-to-point send of ``axis`` crosses: the machine's own for sends where it
+    has one, else the axis's (``link_of``)."""
+    if machine.point_to_point is not None:
+        return machine.point_to_point
+    return link_of(machine, grid, axis)
 
 
 # --------------------------------------------------------------------------- overlap
@@ -623,7 +634,7 @@ def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, floa
     """Lesson 5: K and V go c-1 hops forward; K, V c-1 and dK, dV c hops backward; each hop
     runs beside one chunk's attention and shows only where it is longer."""
     c = grid.cp
-    link = link_of(machine, grid, "cp")
+    link = hop_link(machine, grid, "cp")
     rows, tokens = rows_and_tokens(lm, grid)
     kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / grid.tp
     hops = grid.micro_batches * (lm.layers // grid.pp) * (2 * (c - 1) + c)
@@ -638,8 +649,13 @@ def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, floa
 def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """Lesson 4: one micro-batch's activation (or its gradient) per send. With overlap only the
     first micro-batch's trip down and back is waited for; without, every send of a middle rank
-    (m activations forward, m gradients back) is."""
-    link = link_of(machine, grid, "pp")
+    (m activations forward, m gradients back) is. Where ranks share cores, a rank waiting for
+    the next stage gives its core to that stage, as in its bubble: the send costs what it
+    costs back to back (the axis's link), not a hop's wait for a core (the point-to-point
+    link, measured after compute, when every rank of a ring hops at once)."""
+    link = hop_link(machine, grid, "pp")
+    if machine.cores and grid.world_size > machine.cores:
+        link = link_of(machine, grid, "pp")
     rows, tokens = rows_and_tokens(lm, grid)
     activation = lm.compute_bytes * rows * tokens // grid.tp * lm.d_model
     sends = 2 * grid.micro_batches

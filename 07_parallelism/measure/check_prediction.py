@@ -6,7 +6,9 @@ forward and backward and its optimizer step are timed at world size 1 with the s
 of it works on (its threads: this box's cores shared among the ranks; the timings' spread says
 how late the slowest rank comes), a copy of its gradients' size gives the copy bandwidth, and
 its links are stage 02's all-reduce fit with as many ranks as the job
-(``results/allreduce_fit.json``: t = a + N / w). The prediction is then set beside the step
+(``results/allreduce_fit.json``: t = a + N / w), and, for the grids that send point to point
+(pp, cp), a hop timed after a slice of compute on as many ranks (``time_hops``: where ranks
+share cores, a hop waits for its peer to get one back). The prediction is then set beside the step
 times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
@@ -123,6 +125,92 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
     return 2 * source.numel() * 4 / statistics.median(seconds)
 
 
+HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
+HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
+HOP_REPEATS = 15
+
+
+def hop_worker(ctx, slice_matmuls: int, out_path: str) -> None:
+    """Every rank: a slice of compute, then a hop (send a buffer to the next rank of the ring,
+    receive one from the previous, as ring attention does), timed from the slice's end to the
+    hop's; rank 0 writes the slowest rank's median per size to ``out_path``."""
+    import json
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    weights = torch.randn(256, 256, device=ctx.device)
+    next_rank = (ctx.rank + 1) % ctx.world_size
+    previous_rank = (ctx.rank - 1) % ctx.world_size
+    medians = {}
+    for nbytes in HOP_SIZES:
+        send = torch.ones(nbytes // 4, device=ctx.device)
+        receive = torch.empty_like(send)
+        seconds = []
+        for attempt in range(2 + HOP_REPEATS):
+            dist.barrier()
+            for _ in range(slice_matmuls):
+                weights @ weights
+            synchronize(ctx.device)
+            start = time.perf_counter()
+            operations = [dist.P2POp(dist.isend, send, next_rank),
+                          dist.P2POp(dist.irecv, receive, previous_rank)]
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+            synchronize(ctx.device)
+            if attempt >= 2:
+                seconds.append(time.perf_counter() - start)
+        medians[nbytes] = statistics.median(seconds)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, medians)
+    if ctx.is_main:
+        slowest = {nbytes: max(rank[nbytes] for rank in everyone) for nbytes in HOP_SIZES}
+        with open(out_path, "w") as f:
+            json.dump({str(nbytes): seconds for nbytes, seconds in slowest.items()}, f)
+
+
+@functools.lru_cache(maxsize=None)
+def time_hops(world_size: int, backend: str, device: str) -> planner.Link | None:
+    """A point-to-point hop as a step makes it, measured with ``world_size`` ranks: after a
+    slice of compute (``HOP_SLICE_S`` of matmuls on one thread), each rank sends to the next
+    and receives from the previous, and the slowest rank's median time of the hop, at the sizes
+    of ``HOP_SIZES``, gives a latency and a bandwidth (through the smallest and the largest).
+    After compute, not back to back as stage 02 times its all-reduces: where ranks share cores
+    a hop waits for its peer to get a core back, which back-to-back calls never see (on this
+    2-core VM, 4 ranks: about 4 ms a hop after compute against 0.5 ms back to back). None, with
+    a line saying why, where the hops cannot run (Gloo sends CPU tensors only)."""
+    import json
+    import tempfile
+    from common import launch
+    if backend == "gloo" and device == "cuda":
+        print("check_prediction: no hop measurement: Gloo sends CPU tensors only; the hops use "
+              "the all-reduce fit")
+        return None
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)               # as each rank computes its slice
+    weights = torch.randn(256, 256)
+    start = time.perf_counter()
+    for _ in range(20):
+        weights @ weights
+    one_matmul = (time.perf_counter() - start) / 20
+    torch.set_num_threads(threads_before)
+    slice_matmuls = max(1, round(HOP_SLICE_S / one_matmul))
+    with tempfile.TemporaryDirectory() as folder:
+        out_path = os.path.join(folder, "hops.json")
+        launch.launch(hop_worker, launch.LaunchConfig(world_size, backend, device),
+                      slice_matmuls, out_path, timeout_s=120)
+        with open(out_path) as f:
+            slowest = {int(nbytes): seconds for nbytes, seconds in json.load(f).items()}
+    smallest = min(HOP_SIZES)
+    largest = max(HOP_SIZES)
+    busbw = float("inf")         # every size took as long: the hop is all latency
+    if slowest[largest] > slowest[smallest]:
+        busbw = (largest - smallest) / (slowest[largest] - slowest[smallest])
+    latency = slowest[smallest] - smallest / busbw
+    print(f"check_prediction: a hop after compute, {world_size} ranks: "
+          + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
+                      for nbytes, seconds in slowest.items()))
+    return planner.Link(latency=latency, busbw=busbw)
+
+
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
     """How much longer the slowest of ``ranks`` ranks computes than the median rank, measured:
     each step's W ranks are W of the timings taken here, a step lasts as long as its slowest,
@@ -147,13 +235,14 @@ def link_from_fit(fit: dict, ranks: int) -> planner.Link:
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
-             device: str = "cpu") -> planner.Machine:
+             device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
     """The machine as measured for this configuration: a matmul rate that makes the planner's
     compute term the forward and backward timed here, a memory bandwidth that makes its
     optimizer term the AdamW step timed here (on the whole model), Gloo's links; ``cores``: the
     cores (or GPUs) the ranks take turns on; ``samples``: the forward and backward timings,
     whose spread says how late the slowest rank is; a copy of the gradients' size timed on
-    ``device`` for the wrappers' buffer copies."""
+    ``device`` for the wrappers' buffer copies; ``hop``: a point-to-point hop as measured after
+    compute (``time_hops``), for the sends of ring attention and of a pipeline."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.checkpointing) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
@@ -166,7 +255,7 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
         copy_bandwidth=time_copy(gradients, threads, device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
-        reduce_scatter_as_all_reduce=True)
+        reduce_scatter_as_all_reduce=True, point_to_point=hop)
 
 
 # --------------------------------------------------------------------------- the rows
@@ -310,8 +399,11 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp,
                                                        seq // grid.cp, GRID_VOCAB, threads,
                                                        device=row["device"])
+        hop = None
+        if grid.pp > 1 or grid.cp > 1:
+            hop = time_hops(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples, row["device"])
+                           samples, row["device"], hop)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
