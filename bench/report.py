@@ -1083,8 +1083,21 @@ def header(info: dict | None) -> list[str]:
         "> A GPU per rank over NCCL: communication timings describe this box's interconnect; "
         "MFU is against the matmul peak measured in this run on one GPU.\n"
         if setup["gpus"] > 1 else "",
+        allocator_line(info),
         "Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 bytes/s; "
         "sizes in binary units (1 MB = 2^20 bytes).\n"]
+
+
+def allocator_line(info: dict) -> str:
+    """How the steps' processes kept freed host memory (make bench's ``KEEP_FREED_MEMORY``),
+    where the run recorded it."""
+    allocator = info.get("allocator")
+    if not allocator:
+        return ""
+    settings = ", ".join(f"`{name}={value}`" for name, value in allocator.items())
+    return ("Host memory: every step's processes kept the blocks they freed (" + settings + "), "
+            "as CUDA's caching allocator does, so no step time includes the kernel zeroing "
+            "fresh pages.\n")
 
 
 def write_report(out: Path, info: dict | None = None,

@@ -25,6 +25,7 @@ import argparse
 import datetime
 import faulthandler
 import gc
+import io
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -431,7 +432,12 @@ def _rank(rank, worker, config, args, environ, streams):
         _leave_the_server_to_the_launcher()
     if not multiprocessing.parent_process().is_alive():
         os._exit(1)  # the launcher died while this rank started, before that request was made
-    faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
+    try:
+        faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
+    except (AttributeError, ValueError, io.UnsupportedOperation):
+        # sys.stderr without a file descriptor (a notebook's, pytest's capture, forked with
+        # the launcher): the process's own stderr, which every rank has
+        faulthandler.enable(file=sys.__stderr__)
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))

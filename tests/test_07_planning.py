@@ -1,7 +1,7 @@
 """Stage 07, lesson 9: the planner's memory and bytes against the lessons' own formulas (which
 their benches check against counted bytes), each step-time term against a hand computation, and
 modelling errors a learner could make shown to move a prediction past 25%. The planner is
-arithmetic; only the check's measurement of a hop (two ranks) and its plumbing run more."""
+arithmetic; only the check's measurement of calls (two ranks) and its plumbing run more."""
 
 import dataclasses
 import runpy
@@ -236,13 +236,21 @@ def test_hops_take_the_machines_point_to_point_link_where_it_has_one():
     assert sends == pytest.approx(2 * 2 * (1e-3 + activation / 1e6))
 
 
-def test_a_hop_after_compute_is_measured_on_the_ranks():
-    """check_prediction's hop measurement on 2 real ranks: a latency and a bandwidth, positive,
-    from the slowest rank's medians; the one-line refusal where Gloo cannot send the tensors."""
+def test_calls_are_timed_on_the_ranks_as_a_step_makes_them():
+    """check_prediction's measurement of calls on 2 real ranks: an all-reduce in a burst and a
+    hop's latency and bandwidth, positive, from the slowest rank's medians; the burst's latency
+    replaces the fit's in the link (a link built without it keeps the fit's); the one-line
+    refusal where Gloo cannot send the tensors."""
     import check_prediction
-    link = check_prediction.time_hops(2, "gloo", "cpu")
-    assert link.latency > 0 and link.busbw > 0 and link.step_latency == 0
-    assert check_prediction.time_hops(2, "gloo", "cuda") is None
+    calls = check_prediction.time_step_calls(2, "gloo", "cpu")
+    assert calls.all_reduce_s > 0 and calls.hop.latency > 0 and calls.hop.busbw > 0
+    fit = {"a_s": 1e-6, "w_bytes_per_s": 1e9}
+    burst = check_prediction.link_from_fit(fit, 2, calls)
+    lined_up = check_prediction.link_from_fit(fit, 2)
+    assert lined_up.step_latency == pytest.approx(1e-6 / 2)
+    expected = max(0.0, calls.all_reduce_s - check_prediction.BURST_BYTES / 1e9) / 2
+    assert burst.step_latency == pytest.approx(expected) and burst.busbw == lined_up.busbw
+    assert check_prediction.time_step_calls(2, "gloo", "cuda") is None
 
 
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):

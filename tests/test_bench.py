@@ -1108,6 +1108,9 @@ def test_make_bench_end_to_end_on_tiny_sizes(end_to_end):
     info = json.loads((out / "bench_run.json").read_text())
     text = (out / "README.md").read_text()
     assert "section failed" not in text, text
+    # the steps kept the host memory they freed, and the report says so
+    assert info["allocator"] == make_bench.KEEP_FREED_MEMORY
+    assert "Host memory: every step's processes kept the blocks they freed" in text
     # every section this plan's steps feed has rows; expert parallel, everything together and
     # checkpoints are not in it: their sections are read from known numbers above
     sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])

@@ -6,9 +6,11 @@ forward and backward and its optimizer step are timed at world size 1 with the s
 of it works on (its threads: this box's cores shared among the ranks; the timings' spread says
 how late the slowest rank comes), a copy of its gradients' size gives the copy bandwidth, and
 its links are stage 02's all-reduce fit with as many ranks as the job
-(``results/allreduce_fit.json``: t = a + N / w), and, for the grids that send point to point
-(pp, cp), a hop timed after a slice of compute on as many ranks (``time_hops``: where ranks
-share cores, a hop waits for its peer to get one back). The prediction is then set beside the step
+(``results/allreduce_fit.json``: t = a + N / w), its latency as calls pay it in a step, and a
+point-to-point hop, both timed on as many ranks as the job (``time_step_calls``: an all-reduce
+in a burst of back-to-back calls, where stage 02 lines the ranks up before each; a hop after a
+slice of compute, where ranks that share cores wait for each other to get one back). The
+prediction is then set beside the step
 times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
@@ -125,27 +127,49 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
     return 2 * source.numel() * 4 / statistics.median(seconds)
 
 
+BURST_BYTES = 64 * 2**10    # a small all-reduce: what a call costs, its bytes aside
+BURST_CALLS = 20
 HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
 HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
-HOP_REPEATS = 15
+REPEATS = 15
 
 
-def hop_worker(ctx, slice_matmuls: int, out_path: str) -> None:
-    """Every rank: a slice of compute, then a hop (send a buffer to the next rank of the ring,
-    receive one from the previous, as ring attention does), timed from the slice's end to the
-    hop's; rank 0 writes the slowest rank's median per size to ``out_path``."""
+@dataclasses.dataclass(frozen=True)
+class StepCalls:
+    """Calls timed as a step makes them (``time_step_calls``)."""
+    all_reduce_s: float    # one all-reduce of BURST_BYTES inside a burst of back-to-back calls
+    hop: planner.Link      # a point-to-point hop after a slice of compute
+
+
+def step_calls_worker(ctx, slice_matmuls: int, out_path: str) -> None:
+    """Every rank: (1) bursts of ``BURST_CALLS`` all-reduces of ``BURST_BYTES``, back to back,
+    timed a burst at a time; (2) a slice of compute, then a hop (send a buffer to the next rank
+    of the ring, receive one from the previous, as ring attention does), timed from the slice's
+    end to the hop's, at each of ``HOP_SIZES``. Rank 0 writes the slowest rank's medians to
+    ``out_path``."""
     import json
     import torch.distributed as dist
     torch.set_num_threads(1)
+    small = torch.ones(BURST_BYTES // 4, device=ctx.device)
+    per_call = []
+    for attempt in range(2 + REPEATS):
+        dist.barrier()
+        synchronize(ctx.device)
+        start = time.perf_counter()
+        for _ in range(BURST_CALLS):
+            dist.all_reduce(small)
+        synchronize(ctx.device)
+        if attempt >= 2:
+            per_call.append((time.perf_counter() - start) / BURST_CALLS)
     weights = torch.randn(256, 256, device=ctx.device)
     next_rank = (ctx.rank + 1) % ctx.world_size
     previous_rank = (ctx.rank - 1) % ctx.world_size
-    medians = {}
+    hops = {}
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
         seconds = []
-        for attempt in range(2 + HOP_REPEATS):
+        for attempt in range(2 + REPEATS):
             dist.barrier()
             for _ in range(slice_matmuls):
                 weights @ weights
@@ -158,31 +182,43 @@ def hop_worker(ctx, slice_matmuls: int, out_path: str) -> None:
             synchronize(ctx.device)
             if attempt >= 2:
                 seconds.append(time.perf_counter() - start)
-        medians[nbytes] = statistics.median(seconds)
+        hops[nbytes] = statistics.median(seconds)
+    mine = {"all_reduce": statistics.median(per_call), "hops": hops}
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, medians)
+    dist.all_gather_object(everyone, mine)
     if ctx.is_main:
-        slowest = {nbytes: max(rank[nbytes] for rank in everyone) for nbytes in HOP_SIZES}
+        slowest_hops = {}
+        for nbytes in HOP_SIZES:
+            slowest_hops[str(nbytes)] = max(rank["hops"][nbytes] for rank in everyone)
+        slowest = {"all_reduce": max(rank["all_reduce"] for rank in everyone),
+                   "hops": slowest_hops}
         with open(out_path, "w") as f:
-            json.dump({str(nbytes): seconds for nbytes, seconds in slowest.items()}, f)
+            json.dump(slowest, f)
 
 
 @functools.lru_cache(maxsize=None)
-def time_hops(world_size: int, backend: str, device: str) -> planner.Link | None:
-    """A point-to-point hop as a step makes it, measured with ``world_size`` ranks: after a
-    slice of compute (``HOP_SLICE_S`` of matmuls on one thread), each rank sends to the next
-    and receives from the previous, and the slowest rank's median time of the hop, at the sizes
-    of ``HOP_SIZES``, gives a latency and a bandwidth (through the smallest and the largest).
-    After compute, not back to back as stage 02 times its all-reduces: where ranks share cores
-    a hop waits for its peer to get a core back, which back-to-back calls never see (on this
-    2-core VM, 4 ranks: about 4 ms a hop after compute against 0.5 ms back to back). None, with
-    a line saying why, where the hops cannot run (Gloo sends CPU tensors only)."""
+def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | None:
+    """Calls as a step makes them, with ``world_size`` ranks, the slowest rank's medians:
+
+      an all-reduce of 64 KiB inside a burst of 20 back-to-back calls (a call a tensor, as
+        stages 03 and 05 make them). Stage 02 lines the ranks up with a barrier before each
+        call it times; back to back, each call starts when its rank left the last one, and a
+        rank that arrives first waits for the other (on this 2-core VM, 2 ranks: 0.4-0.5 ms a
+        call lined up, 1.6-1.8 ms in a burst);
+      a hop after a slice of compute (``HOP_SLICE_S`` of matmuls on one thread): each rank
+        sends to the next and receives from the previous, at the sizes of ``HOP_SIZES``; a
+        latency and a bandwidth through the smallest and the largest. Where ranks share cores
+        a hop waits for its peer to get a core back, which back-to-back calls never see (4 ranks
+        on 2 cores: about 4 ms a hop after compute against 0.5 ms back to back).
+
+    None, with a line saying why, where the hops cannot run (Gloo sends CPU tensors only): the
+    links are then stage 02's fit alone."""
     import json
     import tempfile
     from common import launch
     if backend == "gloo" and device == "cuda":
-        print("check_prediction: no hop measurement: Gloo sends CPU tensors only; the hops use "
-              "the all-reduce fit")
+        print("check_prediction: calls not timed as a step makes them: Gloo sends CPU tensors "
+              "only; the links are stage 02's fit")
         return None
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)               # as each rank computes its slice
@@ -194,21 +230,24 @@ def time_hops(world_size: int, backend: str, device: str) -> planner.Link | None
     torch.set_num_threads(threads_before)
     slice_matmuls = max(1, round(HOP_SLICE_S / one_matmul))
     with tempfile.TemporaryDirectory() as folder:
-        out_path = os.path.join(folder, "hops.json")
-        launch.launch(hop_worker, launch.LaunchConfig(world_size, backend, device),
+        out_path = os.path.join(folder, "calls.json")
+        launch.launch(step_calls_worker, launch.LaunchConfig(world_size, backend, device),
                       slice_matmuls, out_path, timeout_s=120)
         with open(out_path) as f:
-            slowest = {int(nbytes): seconds for nbytes, seconds in json.load(f).items()}
+            slowest = json.load(f)
+    hops = {int(nbytes): seconds for nbytes, seconds in slowest["hops"].items()}
     smallest = min(HOP_SIZES)
     largest = max(HOP_SIZES)
     busbw = float("inf")         # every size took as long: the hop is all latency
-    if slowest[largest] > slowest[smallest]:
-        busbw = (largest - smallest) / (slowest[largest] - slowest[smallest])
-    latency = slowest[smallest] - smallest / busbw
-    print(f"check_prediction: a hop after compute, {world_size} ranks: "
+    if hops[largest] > hops[smallest]:
+        busbw = (largest - smallest) / (hops[largest] - hops[smallest])
+    latency = hops[smallest] - smallest / busbw
+    print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB "
+          f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
           + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
-                      for nbytes, seconds in slowest.items()))
-    return planner.Link(latency=latency, busbw=busbw)
+                      for nbytes, seconds in hops.items()))
+    return StepCalls(all_reduce_s=slowest["all_reduce"],
+                     hop=planner.Link(latency=latency, busbw=busbw))
 
 
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
@@ -222,15 +261,20 @@ def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
     return max(0.0, statistics.median(slowest) / statistics.median(samples) - 1)
 
 
-def link_from_fit(fit: dict, ranks: int) -> planner.Link:
+def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> planner.Link:
     """Stage 02's t = a + N / w for an all-reduce of N bytes over ``ranks`` ranks is the
     planner's all-reduce time with bus bandwidth w x 2 (n-1)/n and the latency a spread over
     the ring's 2 (n-1) message steps. Per step, because on this box the latency is the ranks
     waiting for a core: a group of n ranks inside a job of W > cores ranks waits at each of
-    its own steps as long as the W ranks of the fit did at theirs."""
+    its own steps as long as the W ranks of the fit did at theirs. With ``calls`` (timed as a
+    step makes them), the latency is the one a call pays back to back: a 64 KiB all-reduce in
+    a burst, less its bytes at the fit's bandwidth."""
     steps = 2 * (ranks - 1)
+    latency = fit["a_s"]
+    if calls is not None:
+        latency = max(0.0, calls.all_reduce_s - BURST_BYTES / fit["w_bytes_per_s"])
     return planner.Link(latency=0.0, busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks,
-                        step_latency=fit["a_s"] / steps)
+                        step_latency=latency / steps)
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
@@ -242,7 +286,7 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
     cores (or GPUs) the ranks take turns on; ``samples``: the forward and backward timings,
     whose spread says how late the slowest rank is; a copy of the gradients' size timed on
     ``device`` for the wrappers' buffer copies; ``hop``: a point-to-point hop as measured after
-    compute (``time_hops``), for the sends of ring attention and of a pipeline."""
+    compute (``time_step_calls``), for the sends of ring attention and of a pipeline."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.checkpointing) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
@@ -320,8 +364,9 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples, row["device"])
+        calls = time_step_calls(ranks, row["backend"], row["device"])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+                           cores, samples, row["device"])
         label = impl
         if impl in ("bucketed", "torch_ddp"):
             label = f"{impl} {row['bucket_mb']} MB"
@@ -349,8 +394,9 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
                                                        models.VOCAB_SIZE, threads, checkpointing,
                                                        device=row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples, row["device"])
+        calls = time_step_calls(ranks, row["backend"], row["device"])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+                           cores, samples, row["device"])
         rows.append(predicted_row(
             f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
             f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
@@ -399,11 +445,12 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp,
                                                        seq // grid.cp, GRID_VOCAB, threads,
                                                        device=row["device"])
+        calls = time_step_calls(ranks, row["backend"], row["device"])
         hop = None
-        if grid.pp > 1 or grid.cp > 1:
-            hop = time_hops(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks), cores,
-                           samples, row["device"], hop)
+        if calls is not None:
+            hop = calls.hop
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+                           cores, samples, row["device"], hop)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
