@@ -329,7 +329,8 @@ def test_every_grid_is_a_split_of_the_ranks():
 
 def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, monkeypatch):
     """The check's plumbing on a tiny fixture (its accuracy is what make bench's run shows):
-    every row it can model gets a prediction, naive DDP (a call a tensor) predicted slower
+    every row it can model gets a prediction (the DDP rows from their run's compute-only
+    control, which is not a row itself), naive DDP (a call a tensor) predicted slower
     than flat (one call) by the calls' latency, FSDP's communication above DDP's on Gloo; an
     older run's rows of the same source are replaced, not kept beside the new ones; and the
     projection onto the cluster presets (a GPU box's, here with the CPU's compute) is written,
@@ -348,7 +349,7 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
                                                "gloo/cpu/4": {"a_s": 4e-3, "w_bytes_per_s": 6e8}})
     common = {"backend": "gloo", "device": "cpu", "model": "tiny"}
     ddp = [{**common, "world_size": 2, "impl": impl, "bucket_mb": bucket, "step_ms": 50,
-            "batch_size": 4, "context_length": 16}
+            "batch_size": 4, "context_length": 16, "fwd_bwd_ms": 30, "optimizer_ms": 4}
            for impl, bucket in (("none", ""), ("naive", ""), ("flat", ""), ("bucketed", 1))]
     results.upsert_csv("ddp_step.csv", ddp, key=["impl", "bucket_mb"])
     ledger_rows = [{**common, "world_size": 2, "impl": impl, "checkpointing": "off",
@@ -361,7 +362,13 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     results.upsert_csv("grid.csv", grid_rows, key=["grid"])
     assert check_prediction.main(["--project"]) == 0
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
-    assert len(rows) == 4 + 2 + 1, sorted(rows)          # torch_fsdp is not modelled as ours
+    # the DDP rows' compute is their run's compute-only control (none), which is an input, not
+    # a row; torch_fsdp is not modelled as ours
+    assert len(rows) == 3 + 2 + 1, sorted(rows)
+    for config, row in rows.items():
+        if config.startswith("ddp_step"):
+            assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)
+            assert float(row["optimizer_ms"]) == pytest.approx(4, abs=1e-3)
     projected = results.read_csv("projection.csv")
     assert {row["cluster"] for row in projected} == set(planner.CLUSTERS)
     for row in projected:

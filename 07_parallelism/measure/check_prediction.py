@@ -335,10 +335,28 @@ def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: floa
     return row
 
 
+def compute_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
+    """(forward + backward seconds, optimizer seconds) of the DDP bench's compute-only control
+    (``none``: each rank trains its own share of the batch, no communication) measured in the
+    same launch as ``row``, at its settings: the slowest rank's medians, the cores shared as in
+    the job. None where the run has no such row."""
+    for control in rows:
+        same = all(control[key] == row[key] for key in
+                   ("backend", "device", "world_size", "model", "batch_size", "context_length"))
+        if same and control["impl"] == "none" and control.get("fwd_bwd_ms"):
+            return float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
+    return None
+
+
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings."""
+    """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings. Their compute is the
+    bench's own compute-only control (``none``), measured in the same launch, so the rows are
+    predicted from a compute timed beside them (this VM's compute drifts by 10-20% between
+    moments); without it, the LM timed here at one rank's shapes. The control is then an
+    input, not a row."""
     rows = []
-    for row in this_run("ddp_step.csv"):
+    run_rows = this_run("ddp_step.csv")
+    for row in run_rows:
         if f"{row['backend']}/{row['device']}" != backend_device:
             continue
         ranks = int(row["world_size"])
@@ -355,10 +373,17 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
-        threads = max(1, (os.cpu_count() or 1) // ranks)
-        compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
-                                                       models.VOCAB_SIZE, threads,
-                                                       device=row["device"])
+        control = compute_control(run_rows, row)
+        if control is not None and cap is None:
+            continue                                   # the control itself: the input
+        if control is not None:
+            compute_s, optimizer_s = control
+            samples = ()                               # its slowest rank is already in it
+        else:
+            threads = max(1, (os.cpu_count() or 1) // ranks)
+            compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
+                                                           models.VOCAB_SIZE, threads,
+                                                           device=row["device"])
         if cap is None:
             grid = planner.Grid()                      # no communication: one rank's work
             lm = course_lm(row["model"], batch // ranks, seq)
