@@ -954,8 +954,10 @@ def prediction_section(where: Where):
             within += 1
         table.append([r["config"], num(r, "predicted_ms"), num(r, "measured_ms"), f"{ratio:.2f}x"])
     worst = max(rows, key=lambda r: abs(num(r, "ratio") - 1))
-    text = (f"Lesson 9's planner fed with this box's measured compute (each configuration's "
-            "forward, backward and AdamW timed at world size 1 with one rank's shapes), stage "
+    text = (f"Lesson 9's planner fed with this box's measured compute (for stages 03-06 and "
+            "torch DDP, the DDP bench's compute-only control from the same launch; for the rest, "
+            "each configuration's forward, backward and AdamW timed at world size 1 with one "
+            "rank's shapes), stage "
             "02's all-reduce fit and, for the grids with hops (pp, cp), a hop timed after a "
             "slice of compute, predicting the step times measured above "
             f"({machine_of(where, rows)}; `results/prediction.csv` holds every term):\n\n"
