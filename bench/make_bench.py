@@ -654,7 +654,9 @@ def main() -> None:
         info = {"run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
                 "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
                 "torch": torch.__version__, "started_utc": started, "total_s": total,
-                "budget_s": budget, "allocator": allocator, "steps": [asdict(s) for s in steps]}
+                "budget_s": budget, "allocator": allocator,
+                "keeps_freed_memory": allocator == KEEP_FREED_MEMORY,
+                "steps": [asdict(s) for s in steps]}
         # a stage's picture is this run's if drawn since it started (else it is an older one)
         pictures = [(src, name) for src, name in stage_pictures(out, trace_dir)
                     if src.exists() and src.stat().st_mtime >= started_at - 1]

@@ -958,8 +958,9 @@ def prediction_section(where: Where):
             "torch DDP, the DDP bench's compute-only control from the same launch; for the rest, "
             "each configuration's forward, backward and AdamW timed at world size 1 with one "
             "rank's shapes), stage "
-            "02's all-reduce fit and, for the grids with hops (pp, cp), a hop timed after a "
-            "slice of compute, predicting the step times measured above "
+            "02's all-reduce fit with its latency from calls timed back to back, and for ring "
+            "attention's hops a hop timed after a slice of compute, predicting the step times "
+            "measured above "
             f"({machine_of(where, rows)}; `results/prediction.csv` holds every term):\n\n"
             + md_table(["configuration", "predicted ms", "measured ms", "predicted / measured"],
                        table))
@@ -1097,6 +1098,8 @@ def allocator_line(info: dict) -> str:
     if not allocator:
         return ""
     settings = ", ".join(f"`{name}={value}`" for name, value in allocator.items())
+    if not info.get("keeps_freed_memory"):
+        return f"Host memory: glibc as the user set it ({settings}).\n"
     return ("Host memory: every step's processes kept the blocks they freed (" + settings + "), "
             "as CUDA's caching allocator does, so no step time includes the kernel zeroing "
             "fresh pages.\n")

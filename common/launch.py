@@ -25,7 +25,6 @@ import argparse
 import datetime
 import faulthandler
 import gc
-import io
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -434,10 +433,11 @@ def _rank(rank, worker, config, args, environ, streams):
         os._exit(1)  # the launcher died while this rank started, before that request was made
     try:
         faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
-    except (AttributeError, ValueError, io.UnsupportedOperation):
+    except (AttributeError, ValueError, RuntimeError):
         # sys.stderr without a file descriptor (a notebook's, pytest's capture, forked with
-        # the launcher): the process's own stderr, which every rank has
-        faulthandler.enable(file=sys.__stderr__)
+        # the launcher), or none: the process's own stderr, where it has one
+        if sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__)
     os.environ.clear()
     os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))

@@ -466,8 +466,9 @@ class Machine:
                                    # the median one, as a share (0: ranks in lockstep)
     reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
     point_to_point: Link | None = None   # sends between two ranks (ring attention's hops, a
-                                         # pipeline's activations), where they go a path of their
-                                         # own (None: the collectives' link of the axis)
+                                         # pipeline's activations but where ranks share cores),
+                                         # where they go a path of their own (None: the
+                                         # collectives' link of the axis)
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
 
