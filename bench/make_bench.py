@@ -105,7 +105,7 @@ SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "ep4": dict(cpu=(13, 14, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
     "grid": dict(cpu=(0, 135, 45), one_gpu=(0, 70, 45), nccl=(0, 60, 45)),  # no smaller size
     "checkpoint": dict(cpu=(14, 20, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
-    "prediction": dict(cpu=(6, 14, 5), one_gpu=(0, 20, 15), nccl=(0, 20, 15)),  # quick: CPU
+    "prediction": dict(cpu=(6, 18, 5), one_gpu=(0, 20, 15), nccl=(0, 20, 15)),  # quick: CPU
 }
 
 

@@ -191,6 +191,30 @@ def test_fsdp_step_by_hand():
         forward_wait + backward_wait + reduce_tail + replicated)
 
 
+def test_fsdp_takes_the_machines_own_gather_and_scatter_links():
+    """Where the backend runs FSDP's flat all-gather and reduce-scatter at a cost of its own
+    (Gloo: each about an all-reduce of the unit or more, not half of one), the machine's
+    measured links replace the ring's: by hand, without overlap (every call waited for), and
+    the total differs from the ring's."""
+    gather = planner.Link(latency=2e-3, busbw=0.25e6)       # t = a + N / w, w = 0.5 MB/s
+    scatter = planner.Link(latency=3e-3, busbw=0.125e6)
+    box = dataclasses.replace(ROUND, overlap=False, gather=gather, scatter=scatter)
+    root = 4 * 192                                           # bytes of each unit (above)
+    block = 4 * 512
+
+    def through(link, nbytes):
+        return link.latency + 0.5 * nbytes / link.busbw
+
+    gathers = through(gather, root) + 2 * through(gather, block) + through(gather, block)
+    scatters = through(scatter, root) + 2 * through(scatter, block)
+    replicated = 1e-3 + 2 * 0.5 * 4 * (2 * 56 + 16) / 1e6
+    grid = planner.Grid(dp=2, dp_kind="fsdp")
+    measured = terms_of(SMALL, grid, box)["fsdp gathers and reduce-scatters not hidden"]
+    assert measured == pytest.approx(gathers + scatters + replicated)
+    ring = terms_of(SMALL, grid, dataclasses.replace(box, gather=None, scatter=None))
+    assert ring["fsdp gathers and reduce-scatters not hidden"] < 0.5 * measured
+
+
 def test_one_f_one_b_pipeline_by_hand():
     grid = planner.Grid(pp=2, micro_batches=2)
     compute = 3 * 2336 * 16 / 2 / 1e7
@@ -253,6 +277,22 @@ def test_calls_are_timed_on_the_ranks_as_a_step_makes_them():
     expected = max(0.0, calls.all_reduce_s - check_prediction.BURST_BYTES / 1e9) / 2
     assert burst.step_latency == pytest.approx(expected) and burst.busbw == lined_up.busbw
     assert check_prediction.time_step_calls(2, "gloo", "cuda") is None
+
+
+def test_fsdps_collectives_are_timed_on_the_ranks():
+    """check_prediction's all-gather and reduce-scatter of flat tensors on 2 real ranks: two
+    links, each through its two timings (latency not below zero, a positive rate), and the
+    line fit by hand: t = a + N / w through (1 MB, 3 ms) and (9 MB, 7 ms) is a = 2.5 ms,
+    w = 2 MB/ms, so Link(2.5 ms, w (n-1)/n); through two points that would put a below zero, all
+    bandwidth."""
+    import check_prediction
+    gather, scatter = check_prediction.time_flat_collectives(2, "gloo", "cpu")
+    for link in (gather, scatter):
+        assert link.latency >= 0 and 0 < link.busbw < float("inf")
+    line = check_prediction.link_through({1e6: 3e-3, 9e6: 7e-3}, 2)
+    assert line.latency == pytest.approx(2.5e-3) and line.busbw == pytest.approx(2e9 * 0.5)
+    steep = check_prediction.link_through({1e6: 1e-3, 9e6: 90e-3}, 2)
+    assert steep.latency == 0 and steep.busbw == pytest.approx(9e6 / 90e-3 * 0.5)
 
 
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
@@ -344,6 +384,8 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     monkeypatch.setattr(check_prediction, "PROJECTION_MODEL", "tiny")   # the path, not the size
     measured = check_prediction.StepCalls(all_reduce_s=2e-3, hop=planner.Link(3e-3, 1e8))
     monkeypatch.setattr(check_prediction, "time_step_calls", lambda *args: measured)  # its own test
+    flat = (planner.Link(1e-3, 1e8), planner.Link(2e-3, 5e7))
+    monkeypatch.setattr(check_prediction, "time_flat_collectives", lambda *args: flat)
     monkeypatch.setattr(check_prediction, "PROJECTION_SEQ", 16)
     results.upsert_csv("prediction.csv", [{"config": "ddp_step torch_ddp, tiny, 2 ranks",
                                            "source": "ddp_step.csv", "predicted_ms": 1,

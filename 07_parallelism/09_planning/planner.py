@@ -469,6 +469,9 @@ class Machine:
                                          # pipeline's activations but where ranks share cores),
                                          # where they go a path of their own (None: the
                                          # collectives' link of the axis)
+    gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors, where
+    scatter: Link | None = None    # the backend runs them at a cost of their own (None: the
+                                   # axis's link, as a ring would)
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
 
@@ -492,6 +495,21 @@ def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float)
     if machine.reduce_scatter_as_all_reduce:
         return all_reduce_time(link, ranks, nbytes)
     return all_gather_time(link, ranks, nbytes)
+
+
+def flat_gather_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
+    """FSDP's all-gather of a unit of ``nbytes``: the machine's own link for it where it has
+    one (Link(a, w (n-1)/n) for a measured t = a + N / w), else a ring on the axis's link."""
+    if machine.gather is not None:
+        return all_gather_time(machine.gather, ranks, nbytes)
+    return all_gather_time(link, ranks, nbytes)
+
+
+def flat_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
+    """FSDP's reduce-scatter of a unit's ``nbytes`` of gradients, as ``flat_gather_time``."""
+    if machine.scatter is not None:
+        return all_gather_time(machine.scatter, ranks, nbytes)
+    return reduce_scatter_time(machine, link, ranks, nbytes)
 
 
 def send_time(link: Link, nbytes: float) -> float:
@@ -782,11 +800,11 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     unit_values = fsdp_unit_values(lm, grid)
     forward_units = [0.0] + [compute / 3 / blocks] * blocks
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
-    gathers = [all_gather_time(link, replicas, lm.compute_bytes * v) for v in unit_values]
+    gathers = [flat_gather_time(machine, link, replicas, lm.compute_bytes * v) for v in unit_values]
     waited = prefetched_wait(forward_units, gathers, machine.overlap)
     regathered = gathers[1:-1]                           # not the root, not the last block
     waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
-    scatters = [reduce_scatter_time(machine, link, replicas, FLOAT32 * v) for v in unit_values]
+    scatters = [flat_scatter_time(machine, link, replicas, FLOAT32 * v) for v in unit_values]
     waited += overlapped_tail(compute * 2 / 3, scatters, machine.overlap)
     replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
     waited += all_reduce_time(link, replicas, replicated)

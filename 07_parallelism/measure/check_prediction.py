@@ -9,8 +9,10 @@ its links are stage 02's all-reduce fit with as many ranks as the job
 (``results/allreduce_fit.json``: t = a + N / w), its latency as calls pay it in a step, and a
 point-to-point hop, both timed on as many ranks as the job (``time_step_calls``: an all-reduce
 in a burst of back-to-back calls, where stage 02 lines the ranks up before each; a hop after a
-slice of compute, where ranks that share cores wait for each other to get one back). The
-prediction is then set beside the step
+slice of compute, where ranks that share cores wait for each other to get one back); for
+FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them
+(``time_flat_collectives``: Gloo's cost about an all-reduce of the unit each, not half of
+one). The prediction is then set beside the step
 times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
@@ -269,6 +271,102 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
                      hop=planner.Link(latency=latency, busbw=busbw))
 
 
+FLAT_SIZES = (4 * 2**20, 32 * 2**20)   # bytes of a gathered unit: a block's, the root's
+
+
+def flat_collectives_worker(ctx, out_path: str) -> None:
+    """Every rank: an all-gather into a flat tensor and a reduce-scatter out of one, as lesson 2
+    makes them (fresh buffers each call, the ranks lined up before each), at each of
+    ``FLAT_SIZES`` (the full unit's bytes); rank 0 writes the slowest rank's medians."""
+    import json
+    import torch.distributed as dist
+    torch.set_num_threads(1)              # a rank's share of this box's cores
+    medians = {"gather": {}, "scatter": {}}
+    for nbytes in FLAT_SIZES:
+        numel = nbytes // 4
+        gathers = []
+        scatters = []
+        for attempt in range(1 + REPEATS // 3):
+            shard = torch.ones(numel // ctx.world_size, device=ctx.device)
+            gathered = torch.empty(numel, device=ctx.device)
+            dist.barrier()
+            synchronize(ctx.device)
+            start = time.perf_counter()
+            dist.all_gather_into_tensor(gathered, shard)
+            synchronize(ctx.device)
+            gathered_at = time.perf_counter()
+            out = torch.empty(numel // ctx.world_size, device=ctx.device)
+            dist.barrier()
+            synchronize(ctx.device)
+            scatter_start = time.perf_counter()
+            dist.reduce_scatter_tensor(out, gathered)
+            synchronize(ctx.device)
+            end = time.perf_counter()
+            if attempt >= 1:
+                gathers.append(gathered_at - start)
+                scatters.append(end - scatter_start)
+        medians["gather"][nbytes] = statistics.median(gathers)
+        medians["scatter"][nbytes] = statistics.median(scatters)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, medians)
+    if ctx.is_main:
+        slowest = {}
+        for kind in ("gather", "scatter"):
+            slowest[kind] = {}
+            for nbytes in FLAT_SIZES:
+                slowest[kind][str(nbytes)] = max(rank[kind][nbytes] for rank in everyone)
+        with open(out_path, "w") as f:
+            json.dump(slowest, f)
+
+
+def link_through(seconds: dict, ranks: int) -> planner.Link:
+    """The planner's all-gather form, latency + (n-1)/n N / busbw, through the line
+    t = a + N / w of two timings (``seconds``: bytes -> seconds): Link(a, w (n-1)/n)."""
+    smallest = min(seconds)
+    largest = max(seconds)
+    rate = float("inf")
+    if seconds[largest] > seconds[smallest]:
+        rate = (largest - smallest) / (seconds[largest] - seconds[smallest])
+    latency = seconds[smallest] - smallest / rate
+    if latency < 0:              # two noisy points: the largest alone, all bandwidth
+        latency = 0.0
+        rate = largest / seconds[largest]
+    return planner.Link(latency=latency, busbw=rate * (ranks - 1) / ranks)
+
+
+@functools.lru_cache(maxsize=None)
+def time_flat_collectives(world_size: int, backend: str,
+                          device: str) -> tuple[planner.Link, planner.Link] | None:
+    """(all-gather, reduce-scatter) links for FSDP's flat collectives on this backend, timed on
+    ``world_size`` ranks at ``FLAT_SIZES``. A ring moves (n-1)/n of the unit for either, half an
+    all-reduce; Gloo does not: on 2 ranks of this VM a 39 MiB unit took 44-55 ms to all-gather
+    and 53-57 ms to reduce-scatter, against 27-28 ms for an all-reduce of it. None, with a line,
+    where they cannot run: the ring on the all-reduce's link is then assumed."""
+    import json
+    import tempfile
+    from common import launch
+    with tempfile.TemporaryDirectory() as folder:
+        out_path = os.path.join(folder, "flat.json")
+        try:
+            launch.launch(flat_collectives_worker, launch.LaunchConfig(world_size, backend, device),
+                          out_path, timeout_s=120)
+        except SystemExit as stopped:
+            if stopped.code in (130, 143):         # Ctrl-C or SIGTERM: the user's, passed on
+                raise
+            print(f"check_prediction: FSDP's collectives not timed ({world_size} ranks failed, "
+                  "their error above); they are assumed to be rings on the all-reduce's link")
+            return None
+        with open(out_path) as f:
+            slowest = json.load(f)
+    gather = {int(nbytes): value for nbytes, value in slowest["gather"].items()}
+    scatter = {int(nbytes): value for nbytes, value in slowest["scatter"].items()}
+    print(f"check_prediction: FSDP's flat collectives, {world_size} ranks: all-gather "
+          + ", ".join(f"{nbytes // 2**20} MiB {value * 1e3:.1f} ms" for nbytes, value in gather.items())
+          + "; reduce-scatter "
+          + ", ".join(f"{nbytes // 2**20} MiB {value * 1e3:.1f} ms" for nbytes, value in scatter.items()))
+    return link_through(gather, world_size), link_through(scatter, world_size)
+
+
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
     """How much longer the slowest of ``ranks`` ranks computes than the median rank, measured:
     each step's W ranks are W of the timings taken here, a step lasts as long as its slowest,
@@ -444,6 +542,10 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         calls = time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
                            cores, samples, row["device"])
+        if grid.dp_kind == "fsdp":
+            flat = time_flat_collectives(ranks, row["backend"], row["device"])
+            if flat is not None:
+                machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
         rows.append(predicted_row(
             f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
             f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
