@@ -537,7 +537,7 @@ from common import results  # noqa: E402
 # composition beside ours, two pipeline schedules against torch's (1F1B, and ZB-V on the V
 # layout: 4 blocks, pieces r and 3-r), real and emulated
 BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "iters": 1,
-               "rounds": 1, "lr": 3e-3,
+               "rounds": 2, "lr": 3e-3,
                "pipeline": {"stages": [2], "schedules": ["1f1b", "zbv"],
                             "compute": ["real", "emulated"], "layers": 4, "rows": 1,
                             "seq_len": 16, "micro_batches": 2, "emulate_ms": 1.0}}
@@ -571,6 +571,8 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
     launch.launch(grid_bench.bench_worker, launch.LaunchConfig(4, "gloo", "cpu"), BENCH_SIZES,
                   BENCH_GRIDS, str(out), timeout_s=120)
     found = json.loads(out.read_text())
+    # each of our grids timed in every round, its steps pooled into its row
+    assert {row["steps_timed"] for row in found["grid_rows"]} == {2}, found["grid_rows"]
     shape = grid_bench.lm_shape(BENCH_SIZES)
     exact = [*grid_bench.KINDS, *(f"sent_{axis}" for axis in grid_bench.AXES)]
     caught = []

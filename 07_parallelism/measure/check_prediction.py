@@ -292,14 +292,20 @@ def flat_collectives_worker(ctx, out_path: str) -> None:
             dist.barrier()
             synchronize(ctx.device)
             start = time.perf_counter()
-            dist.all_gather_into_tensor(gathered, shard)
+            if hasattr(dist, "all_gather_single"):        # newer torch's name, as lesson 2
+                dist.all_gather_single(gathered, shard)
+            else:
+                dist.all_gather_into_tensor(gathered, shard)
             synchronize(ctx.device)
             gathered_at = time.perf_counter()
             out = torch.empty(numel // ctx.world_size, device=ctx.device)
             dist.barrier()
             synchronize(ctx.device)
             scatter_start = time.perf_counter()
-            dist.reduce_scatter_tensor(out, gathered)
+            if hasattr(dist, "reduce_scatter_single"):
+                dist.reduce_scatter_single(out, gathered)
+            else:
+                dist.reduce_scatter_tensor(out, gathered)
             synchronize(ctx.device)
             end = time.perf_counter()
             if attempt >= 1:

@@ -12,7 +12,8 @@ What it measures, in one run:
 
 1. Our grids (``GRIDS``: a small set on 4 ranks, another on 8): the course LM over each grid,
    one training step as ``train.py`` takes it (``parallel_lm.train_step``, then AdamW or
-   ZeRO-1), timed (warm-up, then the median of the slowest rank), tokens per second, and per
+   ZeRO-1), timed in rounds spread over the launch (warm-up, then the slowest rank's median of
+   the steps pooled over the rounds), tokens per second, and per
    rank the bytes of parameters, gradients, optimizer state and saved activations, and the
    bytes sent per step on each axis, COUNTED (``counters.py``: storages, saved-tensor hooks,
    the collectives and the group each ran on) beside the FORMULA below, which combines the
@@ -658,8 +659,9 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
             "machine": results.machine_name(), "run_id": results.run_id()}
 
 
-def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict]]:
-    """One of our grids: (its CSV row, every rank's counts and formulas)."""
+def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
+    """One of our grids: (its CSV row, every rank's counts and formulas, what ``time_again``
+    needs to time it in another round)."""
     from common import timing
     built = build_grid(ctx, spec, sizes, lessons)
     mine = count_grid(ctx, spec, sizes, built, lessons)
@@ -678,7 +680,26 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict]]
                                                                       rank["formula"]["optim"]))
         row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
                                                    most_off["coordinate"]["pp"])
-    return row, per_rank
+    timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row}
+    return row, per_rank, timed
+
+
+TIMING_COLUMNS = ("step_ms", "step_ms_min", "step_ms_max", "tokens_per_s", "steps_timed")
+
+
+def time_again(ctx, sizes: dict, timed: dict) -> None:
+    """Another round of ``iters`` steps of a grid timed earlier in the launch, pooled with its
+    earlier ones into its row. On a box whose ranks share cores a grid's time moves with where
+    its processes land, which changes within seconds: rounds spread over the launch put every
+    grid through the same spells."""
+    from common import timing
+    timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0, iters=sizes["iters"],
+                                       barrier=True)
+    spec = timed["spec"]
+    pooled = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec),
+                       timed["seconds"], spec["micro_batches"])
+    for column in TIMING_COLUMNS:
+        timed["row"][column] = pooled[column]
 
 
 def reference_loss(sizes: dict, lessons) -> float:
@@ -1237,15 +1258,25 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     lessons = load_lessons()
     grid_rows = []
     details = []
+    timed_grids = []
     for spec in grids:
-        row, per_rank = bench_grid(ctx, spec, sizes, lessons)
+        row, per_rank, timed = bench_grid(ctx, spec, sizes, lessons)
+        timed_grids.append(timed)
         grid_rows.append(row)
         details.append({"grid": row["grid"], "setting": row["setting"], "spec": spec,
                         "per_rank": per_rank})
-        ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step",
+        ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step (round 1)",
                   all_ranks=False)
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
+    for _ in range(1, sizes["rounds"]):   # more rounds, every grid in turn, pooled
+        for timed in timed_grids:
+            time_again(ctx, sizes, timed)
+        if ctx.is_main:
+            results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
+    for row in grid_rows:
+        ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step over "
+                  f"{row['steps_timed']} steps in {sizes['rounds']} rounds", all_ranks=False)
     torch_rows = compare_with_torch(ctx, sizes, lessons)
     torch_rows += compare_hsdp_with_torch(ctx, sizes, lessons)
     if ctx.is_main:
