@@ -279,6 +279,22 @@ def test_calls_are_timed_on_the_ranks_as_a_step_makes_them():
     assert check_prediction.time_step_calls(2, "gloo", "cuda") is None
 
 
+def failing_timing(ctx, out_path):
+    raise RuntimeError("a rank's timing failed")
+
+
+def test_a_timing_whose_ranks_fail_costs_one_line_not_the_check(capsys):
+    """A call timing whose ranks fail gives None (the check then assumes the fit), one line
+    saying what was not timed and what is assumed instead, below the ranks' own error."""
+    import check_prediction
+    got = check_prediction.launch_and_read(failing_timing, 2, "gloo", "cpu", "the thing",
+                                           "the fit instead")
+    assert got is None
+    said = [line for line in capsys.readouterr().out.splitlines() if "check_prediction" in line]
+    assert said == ["check_prediction: the thing not timed (2 ranks failed, their error above); "
+                    "the fit instead"]
+
+
 def test_fsdps_collectives_are_timed_on_the_ranks():
     """check_prediction's all-gather and reduce-scatter of flat tensors on 2 real ranks: two
     links, each through its two timings (latency not below zero, a positive rate), and the

@@ -136,6 +136,46 @@ HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share 
 REPEATS = 15
 
 
+def launch_and_read(worker, world_size: int, backend: str, device: str, what: str,
+                    instead: str) -> dict | None:
+    """Run ``worker(ctx, out_path)`` on ``world_size`` ranks and return what rank 0 wrote to
+    ``out_path`` (JSON); None where the ranks failed, with one line: ``what`` was not timed
+    (their error is printed above it), and ``instead``, what the check assumes. Ctrl-C and
+    SIGTERM are passed on."""
+    import json
+    import tempfile
+    from common import launch
+    with tempfile.TemporaryDirectory() as folder:
+        out_path = os.path.join(folder, "timings.json")
+        try:
+            launch.launch(worker, launch.LaunchConfig(world_size, backend, device), out_path,
+                          timeout_s=120)
+        except SystemExit as stopped:
+            if stopped.code in (130, 143):
+                raise
+            print(f"check_prediction: {what} not timed ({world_size} ranks failed, their error "
+                  f"above); {instead}")
+            return None
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def line_through(seconds: dict) -> tuple[float, float]:
+    """(a, w) of the line t = a + N / w through two timings (``seconds``: bytes -> seconds);
+    where they would put a below zero (noise), a = 0 and w through the largest alone; where the
+    larger took no longer, w is infinite (all latency)."""
+    smallest = min(seconds)
+    largest = max(seconds)
+    rate = float("inf")
+    if seconds[largest] > seconds[smallest]:
+        rate = (largest - smallest) / (seconds[largest] - seconds[smallest])
+    latency = seconds[smallest] - smallest / rate
+    if latency < 0:
+        latency = 0.0
+        rate = largest / seconds[largest]
+    return latency, rate
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
@@ -233,36 +273,16 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
 
     None, with a line saying why, where the hops cannot run (Gloo sends CPU tensors only): the
     links are then stage 02's fit alone."""
-    import json
-    import tempfile
-    from common import launch
     if backend == "gloo" and device == "cuda":
         print("check_prediction: calls not timed as a step makes them: Gloo sends CPU tensors "
               "only; the links are stage 02's fit")
         return None
-    with tempfile.TemporaryDirectory() as folder:
-        out_path = os.path.join(folder, "calls.json")
-        try:
-            launch.launch(step_calls_worker, launch.LaunchConfig(world_size, backend, device),
-                          out_path, timeout_s=120)
-        except SystemExit as stopped:
-            if stopped.code in (130, 143):         # Ctrl-C or SIGTERM: the user's, passed on
-                raise
-            print(f"check_prediction: calls not timed as a step makes them ({world_size} ranks "
-                  "failed, their error above); the links are stage 02's fit")
-            return None
-        with open(out_path) as f:
-            slowest = json.load(f)
+    slowest = launch_and_read(step_calls_worker, world_size, backend, device,
+                              "calls as a step makes them", "the links are stage 02's fit")
+    if slowest is None:
+        return None
     hops = {int(nbytes): seconds for nbytes, seconds in slowest["hops"].items()}
-    smallest = min(HOP_SIZES)
-    largest = max(HOP_SIZES)
-    busbw = float("inf")         # every size took as long: the hop is all latency
-    if hops[largest] > hops[smallest]:
-        busbw = (largest - smallest) / (hops[largest] - hops[smallest])
-    latency = hops[smallest] - smallest / busbw
-    if latency < 0:              # the line through two noisy points fell below zero: the
-        latency = 0.0            # largest hop alone, all bandwidth
-        busbw = largest / hops[largest]
+    latency, busbw = line_through(hops)
     print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB "
           f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
           + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
@@ -328,15 +348,7 @@ def flat_collectives_worker(ctx, out_path: str) -> None:
 def link_through(seconds: dict, ranks: int) -> planner.Link:
     """The planner's all-gather form, latency + (n-1)/n N / busbw, through the line
     t = a + N / w of two timings (``seconds``: bytes -> seconds): Link(a, w (n-1)/n)."""
-    smallest = min(seconds)
-    largest = max(seconds)
-    rate = float("inf")
-    if seconds[largest] > seconds[smallest]:
-        rate = (largest - smallest) / (seconds[largest] - seconds[smallest])
-    latency = seconds[smallest] - smallest / rate
-    if latency < 0:              # two noisy points: the largest alone, all bandwidth
-        latency = 0.0
-        rate = largest / seconds[largest]
+    latency, rate = line_through(seconds)
     return planner.Link(latency=latency, busbw=rate * (ranks - 1) / ranks)
 
 
@@ -348,22 +360,11 @@ def time_flat_collectives(world_size: int, backend: str,
     all-reduce; Gloo does not: on 2 ranks of this VM a 39 MiB unit took 44-55 ms to all-gather
     and 53-57 ms to reduce-scatter, against 27-28 ms for an all-reduce of it. None, with a line,
     where they cannot run: the ring on the all-reduce's link is then assumed."""
-    import json
-    import tempfile
-    from common import launch
-    with tempfile.TemporaryDirectory() as folder:
-        out_path = os.path.join(folder, "flat.json")
-        try:
-            launch.launch(flat_collectives_worker, launch.LaunchConfig(world_size, backend, device),
-                          out_path, timeout_s=120)
-        except SystemExit as stopped:
-            if stopped.code in (130, 143):         # Ctrl-C or SIGTERM: the user's, passed on
-                raise
-            print(f"check_prediction: FSDP's collectives not timed ({world_size} ranks failed, "
-                  "their error above); they are assumed to be rings on the all-reduce's link")
-            return None
-        with open(out_path) as f:
-            slowest = json.load(f)
+    slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
+                              "FSDP's collectives", "they are assumed to be rings on the "
+                              "all-reduce's link")
+    if slowest is None:
+        return None
     gather = {int(nbytes): value for nbytes, value in slowest["gather"].items()}
     scatter = {int(nbytes): value for nbytes, value in slowest["scatter"].items()}
     print(f"check_prediction: FSDP's flat collectives, {world_size} ranks: all-gather "
