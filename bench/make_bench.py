@@ -89,9 +89,10 @@ CPU_STARTUP_S = 3
 # budget less STOP_S (a test checks), so a new step takes its share from the others. A share of
 # 0: not in that mode's plan. A share is what a step may take, not what it takes: a step that
 # ends sooner passes its time on. The CPU shares come from this 2-core VM's runs (1.2-2x what
-# each took with the VM to itself; the full run with the V schedules and HSDP: 413 s); the one-GPU shares from the H200 box's logs, with
-# sizes cut to fit them (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL
-# ones are estimates until a multi-GPU box has run them.
+# each took with the VM to itself; full runs with the V schedules, HSDP and the planner's call
+# timings: 348-413 s); the one-GPU shares from the H200 box's logs, with sizes cut to fit them
+# (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL ones are estimates
+# until a multi-GPU box has run them.
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "compute": dict(cpu=(7, 8, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
     "allreduce": dict(cpu=(10, 28, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),

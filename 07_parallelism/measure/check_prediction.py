@@ -38,26 +38,28 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
-from common import models, results  # noqa: E402
+from common import launch, models, results  # noqa: E402
 
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured
 GRID_VOCAB = 256           # lesson 7 trains on bytes
 DDP_IMPLS = {"none": None, "naive": 0.0, "flat": float("inf"), "overlap": 0.0}
 # bucket cap in bytes (None: no communication; 0: a call a tensor); bucketed and torch DDP: the row's
-LEDGER_KINDS = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", "fsdp": "fsdp"}
 
 
 # --------------------------------------------------------------------------- this machine
@@ -142,9 +144,6 @@ def launch_and_read(worker, world_size: int, backend: str, device: str, what: st
     ``out_path`` (JSON); None where the ranks failed, with one line: ``what`` was not timed
     (their error is printed above it), and ``instead``, what the check assumes. Ctrl-C and
     SIGTERM are passed on."""
-    import json
-    import tempfile
-    from common import launch
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "timings.json")
         try:
@@ -158,6 +157,19 @@ def launch_and_read(worker, world_size: int, backend: str, device: str, what: st
             return None
         with open(out_path) as f:
             return json.load(f)
+
+
+def write_slowest(ctx, mine: dict, out_path: str) -> None:
+    """Every rank's ``mine`` (name -> seconds) gathered; rank 0 writes the slowest rank's
+    figure of each name to ``out_path`` (JSON): a collective ends when its last rank does."""
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    if ctx.is_main:
+        slowest = {}
+        for name in mine:
+            slowest[name] = max(rank[name] for rank in everyone)
+        with open(out_path, "w") as f:
+            json.dump(slowest, f)
 
 
 def line_through(seconds: dict) -> tuple[float, float]:
@@ -186,7 +198,6 @@ class StepCalls:
 def slice_matmuls(ctx, weights: torch.Tensor) -> int:
     """How many products of ``weights`` with itself make ``HOP_SLICE_S`` of compute on this
     rank's device, the ranks sharing the box as they will: rank 0's count, for every rank."""
-    import torch.distributed as dist
     for _ in range(3):
         weights @ weights
     synchronize(ctx.device)
@@ -206,8 +217,6 @@ def step_calls_worker(ctx, out_path: str) -> None:
     of the ring, receive one from the previous, as ring attention does), timed from the slice's
     end to the hop's, at each of ``HOP_SIZES``. Rank 0 writes the slowest rank's medians to
     ``out_path``."""
-    import json
-    import torch.distributed as dist
     torch.set_num_threads(1)              # a rank's share of this box's cores
     small = torch.ones(BURST_BYTES // 4, device=ctx.device)
     per_call = []
@@ -224,7 +233,7 @@ def step_calls_worker(ctx, out_path: str) -> None:
     matmuls = slice_matmuls(ctx, weights)
     next_rank = (ctx.rank + 1) % ctx.world_size
     previous_rank = (ctx.rank - 1) % ctx.world_size
-    hops = {}
+    mine = {"all_reduce": statistics.median(per_call)}
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
@@ -242,18 +251,8 @@ def step_calls_worker(ctx, out_path: str) -> None:
             synchronize(ctx.device)
             if attempt >= 2:
                 seconds.append(time.perf_counter() - start)
-        hops[nbytes] = statistics.median(seconds)
-    mine = {"all_reduce": statistics.median(per_call), "hops": hops}
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    if ctx.is_main:
-        slowest_hops = {}
-        for nbytes in HOP_SIZES:
-            slowest_hops[str(nbytes)] = max(rank["hops"][nbytes] for rank in everyone)
-        slowest = {"all_reduce": max(rank["all_reduce"] for rank in everyone),
-                   "hops": slowest_hops}
-        with open(out_path, "w") as f:
-            json.dump(slowest, f)
+        mine[f"hop {nbytes}"] = statistics.median(seconds)
+    write_slowest(ctx, mine, out_path)
 
 
 @functools.lru_cache(maxsize=None)
@@ -281,7 +280,7 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
                               "calls as a step makes them", "the links are stage 02's fit")
     if slowest is None:
         return None
-    hops = {int(nbytes): seconds for nbytes, seconds in slowest["hops"].items()}
+    hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
     latency, busbw = line_through(hops)
     print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB "
           f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
@@ -298,10 +297,8 @@ def flat_collectives_worker(ctx, out_path: str) -> None:
     """Every rank: an all-gather into a flat tensor and a reduce-scatter out of one, as lesson 2
     makes them (fresh buffers each call, the ranks lined up before each), at each of
     ``FLAT_SIZES`` (the full unit's bytes); rank 0 writes the slowest rank's medians."""
-    import json
-    import torch.distributed as dist
     torch.set_num_threads(1)              # a rank's share of this box's cores
-    medians = {"gather": {}, "scatter": {}}
+    mine = {}
     for nbytes in FLAT_SIZES:
         numel = nbytes // 4
         gathers = []
@@ -331,18 +328,9 @@ def flat_collectives_worker(ctx, out_path: str) -> None:
             if attempt >= 1:
                 gathers.append(gathered_at - start)
                 scatters.append(end - scatter_start)
-        medians["gather"][nbytes] = statistics.median(gathers)
-        medians["scatter"][nbytes] = statistics.median(scatters)
-    everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, medians)
-    if ctx.is_main:
-        slowest = {}
-        for kind in ("gather", "scatter"):
-            slowest[kind] = {}
-            for nbytes in FLAT_SIZES:
-                slowest[kind][str(nbytes)] = max(rank[kind][nbytes] for rank in everyone)
-        with open(out_path, "w") as f:
-            json.dump(slowest, f)
+        mine[f"gather {nbytes}"] = statistics.median(gathers)
+        mine[f"scatter {nbytes}"] = statistics.median(scatters)
+    write_slowest(ctx, mine, out_path)
 
 
 def link_through(seconds: dict, ranks: int) -> planner.Link:
@@ -365,8 +353,8 @@ def time_flat_collectives(world_size: int, backend: str,
                               "all-reduce's link")
     if slowest is None:
         return None
-    gather = {int(nbytes): value for nbytes, value in slowest["gather"].items()}
-    scatter = {int(nbytes): value for nbytes, value in slowest["scatter"].items()}
+    gather = {nbytes: slowest[f"gather {nbytes}"] for nbytes in FLAT_SIZES}
+    scatter = {nbytes: slowest[f"scatter {nbytes}"] for nbytes in FLAT_SIZES}
     print(f"check_prediction: FSDP's flat collectives, {world_size} ranks: all-gather "
           + ", ".join(f"{nbytes // 2**20} MiB {value * 1e3:.1f} ms" for nbytes, value in gather.items())
           + "; reduce-scatter "
@@ -417,7 +405,7 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
     owned = planner.parameter_count(lm)
     gradients = sum(planner.rank_tensor_bytes(lm, grid))
-    threads = max(1, (os.cpu_count() or 1) // grid.world_size)
+    threads = launch.rank_threads(grid.world_size)
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
@@ -446,8 +434,7 @@ def course_lm(preset: str, batch: int, seq: int, vocab: int = models.VOCAB_SIZE)
                       heads=shape["num_heads"], vocab=vocab, seq=seq, batch=batch)
 
 
-def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: float,
-                  world_compute: float = 1.0) -> dict:
+def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: float) -> dict:
     terms = planner.step_time(lm, grid, machine)
     predicted = sum(seconds for _, seconds, _ in terms) * 1e3
     row = {"config": config, "source": source, "world_size": grid.world_size,
@@ -507,7 +494,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             samples = ()                               # its slowest rank is already in it
             shared_by = max(cores, ranks)              # and its ranks' taking turns
         else:
-            threads = max(1, (os.cpu_count() or 1) // ranks)
+            threads = launch.rank_threads(ranks)
             compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
                                                            models.VOCAB_SIZE, threads,
                                                            device=row["device"])
@@ -531,7 +518,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings."""
     rows = []
     for row in this_run("sharding.csv"):
-        if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in LEDGER_KINDS:
+        if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in planner.DP_KINDS:
             continue
         ranks = int(row["world_size"])
         key = f"{backend_device}/{ranks}"
@@ -541,8 +528,8 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         seq = int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
         lm = course_lm(row["model"], batch, seq)
-        grid = planner.Grid(dp=ranks, dp_kind=LEDGER_KINDS[row["impl"]], checkpointing=checkpointing)
-        threads = max(1, (os.cpu_count() or 1) // ranks)
+        grid = planner.Grid(dp=ranks, dp_kind=row["impl"], checkpointing=checkpointing)
+        threads = launch.rank_threads(ranks)
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
                                                        models.VOCAB_SIZE, threads, checkpointing,
                                                        device=row["device"])
@@ -597,7 +584,7 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
-        threads = max(1, (os.cpu_count() or 1) // ranks)
+        threads = launch.rank_threads(ranks)
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp,
                                                        seq // grid.cp, GRID_VOCAB, threads,
                                                        device=row["device"])
