@@ -550,7 +550,9 @@ def test_sigterm_or_sigkill_to_make_bench_stop_its_step_and_every_rank(tmp_path)
         signalled[sig] = time.monotonic()
     for sig, proc in runs.items():
         code = proc.wait(timeout=30)
-        assert code == (-9 if sig == signal.SIGKILL else 128 + sig), (sig, code)
+        if code != (-9 if sig == signal.SIGKILL else 128 + sig):   # say why: its stderr
+            _, err = proc.communicate(timeout=30)
+            raise AssertionError(f"{sig.name}: exit {code}\n{err[-3000:]}")
     for sig in runs:  # before reading the outputs to their end: a live step would hold them open
         time.sleep(max(0.0, signalled[sig] + 6 - time.monotonic()))
         assert session(stages[sig]) == [] and not any(alive(p) for p in ranks[sig]), sig
