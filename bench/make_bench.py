@@ -298,7 +298,8 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
              ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size",
               str(pp_ws), *where, *pp, "--micro-batches", micro_batches, "--chunks", "2",
               "--warmup", "1", "--iters", "2" if quick or gpus == 1 else "3"]),
-        step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's (LM {ledger_lm[1]})",
+        step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's, a compute-only control "
+                       f"(LM {ledger_lm[1]})",
              ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where,
               *ledger_lm, "--checkpointing", "off" if quick else "off,on"]),
     ]

@@ -376,7 +376,7 @@ def sharding_section(where: Where):
     if not rows:
         return None
     r0 = rows[0]
-    order = ["ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp"]
+    order = ["none", "ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp"]
     rows = sorted(rows, key=lambda r: (r["checkpointing"],
                                        order.index(r["impl"]) if r["impl"] in order else 9))
 
@@ -390,7 +390,8 @@ def sharding_section(where: Where):
                                  "rank (counted against formulas) are, on any interconnect.")
             + f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {r0['backend']}/{r0['device']}: "
             "bytes per rank counted from the tensors themselves (each storage once), predicted in "
-            "brackets where a formula exists.\n\n"
+            "brackets where a formula exists. `none` is the control: each rank trains its share "
+            "and sends nothing (the compute the others' step times contain, measured beside them).\n\n"
             + md_table(["impl", "checkpointing", "step ms", "params", "grads", "optimizer state",
                         "peak", "activations", "sent per step"],
                        [[r["impl"], r["checkpointing"], num(r, "step_ms"), pair(r, "param_bytes"),

@@ -493,7 +493,7 @@ def ddp_with_checkpointing(ctx):
 
 # --------------------------------------------------------------------------- the ledger
 
-IMPLS = ("ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp")  # results/sharding.csv's
+IMPLS = ("none", "ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp")  # results/sharding.csv's
 
 
 def zero_largest_rank(lm, world_size) -> tuple[int, int]:
@@ -513,8 +513,9 @@ def zero_largest_rank(lm, world_size) -> tuple[int, int]:
 
 
 def ledger_checks(ctx, record):
-    """A small --bench run of all six strategies (tiny LM, one step each), and FSDP with
-    activation checkpointing: counted bytes against the formulas, exactly; the CSV rows."""
+    """A small --bench run of the control and all six strategies (tiny LM, one step each), and
+    FSDP with activation checkpointing: counted bytes against the formulas, exactly; the CSV
+    rows; the control's optimizer time, which no other row has."""
     args = argparse.Namespace(model="tiny", batch_size=4, context_length=16, steps=1, warmup=0,
                               rounds=1, checkpointing=["off"])
     with warnings.catch_warnings():  # torch's fully_shard and ZeroRedundancyOptimizer warn
@@ -547,13 +548,16 @@ def ledger_checks(ctx, record):
         if ck == "off":  # the same model and batch save the same activations, however sharded
             same = r["activation_bytes"] == by["ddp", ck]["activation_bytes"] > 0
             record(f"ledger_{impl}_{ck}_activations", same, (r["activation_bytes"], by["ddp", ck]["activation_bytes"]))
+    timed_alone = [impl for (impl, ck), r in by.items() if r["optimizer_ms"] != ""]
+    record("ledger_control_optimizer_timed", timed_alone == ["none"] and by["none", "off"]["optimizer_ms"] > 0
+           and by["none", "off"]["sent_bytes"] == 0, timed_alone)
     f = by["fsdp", "off"]  # the shards, the step counters, and the kept units gathered at once
     record("ledger_fsdp_peak", f["peak_bytes"] - f["peak_bytes_predicted"] == 4 * tensors, f)
     record("ledger_checkpointing_saves_activations",
            by["fsdp", "on"]["activation_bytes"] < by["fsdp", "off"]["activation_bytes"], by["fsdp", "on"])
     if ctx.is_main:
         written = results.read_csv("sharding_test.csv")
-        csv_ok = len(written) == 7 and all(w["run_id"] and w["machine"] and w["step_ms"] for w in written)
+        csv_ok = len(written) == 8 and all(w["run_id"] and w["machine"] and w["step_ms"] for w in written)
         record("ledger_csv", csv_ok, len(written))
     lines = ledger.target_lines(rows)
     starts = ["zero1 step / torch_zero1's, checkpointing off", "fsdp step / torch_fsdp's, checkpointing off",

@@ -311,6 +311,21 @@ def test_fsdps_collectives_are_timed_on_the_ranks():
     assert steep.latency == 0 and steep.busbw == pytest.approx(9e6 / 90e-3 * 0.5)
 
 
+def test_fsdps_collectives_are_timed_at_its_units_sizes():
+    """The flat collectives' two timings sit at FSDP's smallest and largest unit, by hand for
+    the ledger's course LM (d 512, ffn 1344, vocabulary 10,000, 32 tokens): a block's four
+    attention and two MLP matrices; the root's embedding, head and positions. A line through
+    4 and 32 MiB put this VM's 9.3 MiB block at 17 ms where it took 9-13 (from 32 MiB glibc
+    maps each buffer afresh)."""
+    import check_prediction
+    lm = check_prediction.course_lm("course", 4, 32)
+    block = 4 * (4 * 512 * 512 + 2 * 512 * 1344)
+    root = 4 * (2 * 10_000 * 512 + 32 * 512)
+    assert check_prediction.flat_sizes(lm, planner.Grid(dp=2, dp_kind="fsdp")) == (block, root)
+    halves = check_prediction.flat_sizes(lm, planner.Grid(dp=2, tp=2, dp_kind="fsdp"))
+    assert halves == (block // 2, root)              # tp shares the blocks' matrices
+
+
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
     """What a wrong model predicts, on configurations where the term matters: each differs from
     the right one by more than the check's 25%, so the check would catch it (the bubble
@@ -415,8 +430,9 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
            for impl, bucket in (("none", ""), ("naive", ""), ("flat", ""), ("bucketed", 1))]
     results.upsert_csv("ddp_step.csv", ddp, key=["impl", "bucket_mb"])
     ledger_rows = [{**common, "world_size": 2, "impl": impl, "checkpointing": "off",
-                    "step_ms": 60, "batch_size": 4, "context_length": 16}
+                    "step_ms": 60, "batch_size": 4, "context_length": 16, "optimizer_ms": ""}
                    for impl in ("ddp", "fsdp", "torch_fsdp")]
+    ledger_rows.append({**ledger_rows[0], "impl": "none", "step_ms": 40, "optimizer_ms": 6})
     results.upsert_csv("sharding.csv", ledger_rows, key=["impl"])
     grid_rows = [{**common, "impl": "ours", "grid": "dp2 tp2", "setting": "AdamW",
                   "world_size": 4, "micro_batches": 1, "batch_size": 4, "seq_len": 16,
@@ -424,13 +440,19 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     results.upsert_csv("grid.csv", grid_rows, key=["grid"])
     assert check_prediction.main(["--project"]) == 0
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
-    # the DDP rows' compute is their run's compute-only control (none), which is an input, not
-    # a row; torch_fsdp is not modelled as ours
+    # the DDP rows' and the ledger's compute is their run's compute-only control (none), which
+    # is an input, not a row; torch_fsdp is not modelled as ours
     assert len(rows) == 3 + 2 + 1, sorted(rows)
     for config, row in rows.items():
         if config.startswith("ddp_step"):
             assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)
             assert float(row["optimizer_ms"]) == pytest.approx(4, abs=1e-3)
+        if config.startswith("ledger ddp"):                  # the control's step less its AdamW
+            assert float(row["compute_ms"]) == pytest.approx(40 - 6, abs=1e-3)
+            assert float(row["optimizer_ms"]) == pytest.approx(6, abs=1e-3)
+        if config.startswith("ledger fsdp"):                 # the same AdamW on half the weights
+            assert float(row["compute_ms"]) == pytest.approx(40 - 6, abs=1e-3)
+            assert float(row["optimizer_ms"]) < 6
     projected = results.read_csv("projection.csv")
     assert {row["cluster"] for row in projected} == set(planner.CLUSTERS)
     for row in projected:

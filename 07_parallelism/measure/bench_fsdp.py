@@ -1,8 +1,8 @@
 """Not a lesson: what ``run_fsdp.py --bench`` and ``--profile`` hand over to (lesson 2, FSDP).
 
 ``--bench``: the sharding ledger (ledger.py), all six ways to train the LM (DDP, ZeRO-1/2, our
-FSDP, torch's ZeroRedundancyOptimizer and fully_shard), bytes counted beside the formulas and
-the step time, to results/sharding.csv. ``--profile``: one step of FSDP (a unit per block) in
+FSDP, torch's ZeroRedundancyOptimizer and fully_shard) and the compute-only control, bytes
+counted beside the formulas and the step time, to results/sharding.csv. ``--profile``: one step of FSDP (a unit per block) in
 stage 05's timeline, to show the all-gathers running while the blocks compute.
 
     python 07_parallelism/02_fsdp/run_fsdp.py --bench      # or this file, with the same flags
@@ -30,7 +30,7 @@ def bench_main(ctx, args) -> None:
     if args.profile:
         profiling.profile_ddp(ctx, [("fsdp (07)", fsdp_per_block)], args, name="07_fsdp")
     else:
-        ledger.run_ledger(ctx, ledger.strategies(), args)  # all six rows, in one run
+        ledger.run_ledger(ctx, ledger.strategies(), args)  # the control and all six, in one run
 
 
 def main(argv=None) -> None:

@@ -10,9 +10,10 @@ its links are stage 02's all-reduce fit with as many ranks as the job
 point-to-point hop, both timed on as many ranks as the job (``time_step_calls``: an all-reduce
 in a burst of back-to-back calls, where stage 02 lines the ranks up before each; a hop after a
 slice of compute, where ranks that share cores wait for each other to get one back); for
-FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them
-(``time_flat_collectives``: Gloo's cost about an all-reduce of the unit each, not half of
-one). The prediction is then set beside the step
+FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them, at the sizes of its
+units (``time_flat_collectives``: Gloo's cost about an all-reduce of the unit each, not half of
+one). The DDP rows and the ledger's take their compute instead from the compute-only control
+their own launch measured beside them (``none``). The prediction is then set beside the step
 times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
@@ -139,15 +140,15 @@ REPEATS = 15
 
 
 def launch_and_read(worker, world_size: int, backend: str, device: str, what: str,
-                    instead: str) -> dict | None:
-    """Run ``worker(ctx, out_path)`` on ``world_size`` ranks and return what rank 0 wrote to
-    ``out_path`` (JSON); None where the ranks failed, with one line: ``what`` was not timed
-    (their error is printed above it), and ``instead``, what the check assumes. Ctrl-C and
-    SIGTERM are passed on."""
+                    instead: str, *args) -> dict | None:
+    """Run ``worker(ctx, out_path, *args)`` on ``world_size`` ranks and return what rank 0
+    wrote to ``out_path`` (JSON); None where the ranks failed, with one line: ``what`` was not
+    timed (their error is printed above it), and ``instead``, what the check assumes. Ctrl-C
+    and SIGTERM are passed on."""
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "timings.json")
         try:
-            launch.launch(worker, launch.LaunchConfig(world_size, backend, device), out_path,
+            launch.launch(worker, launch.LaunchConfig(world_size, backend, device), out_path, *args,
                           timeout_s=120)
         except SystemExit as stopped:
             if stopped.code in (130, 143):
@@ -290,16 +291,31 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
                      hop=planner.Link(latency=latency, busbw=busbw))
 
 
-FLAT_SIZES = (4 * 2**20, 32 * 2**20)   # bytes of a gathered unit: a block's, the root's
+FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM names them
 
 
-def flat_collectives_worker(ctx, out_path: str) -> None:
+def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
+    """The gathered bytes of FSDP's smallest and largest unit (lesson 2's: a block, the root),
+    where the line through the flat collectives' timings goes: Gloo's time is not a line in the
+    size on this VM. Measured on 2 ranks, freed memory kept as make bench keeps it: a 31 MiB
+    all-gather 22-27 ms, a 32 MiB one 38-60 ms (from 32 MiB glibc maps every buffer afresh, and
+    the kernel zeroes it page by page), so a line through 4 and 32 MiB put a 9.3 MiB block at
+    17 ms where it took 9-13. Units of one size: that size and twice it."""
+    units = [lm.compute_bytes * values for values in planner.fsdp_unit_values(lm, grid)]
+    smallest = min(units)
+    largest = max(units)
+    if largest == smallest:
+        largest = 2 * smallest
+    return smallest, largest
+
+
+def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     """Every rank: an all-gather into a flat tensor and a reduce-scatter out of one, as lesson 2
-    makes them (fresh buffers each call, the ranks lined up before each), at each of
-    ``FLAT_SIZES`` (the full unit's bytes); rank 0 writes the slowest rank's medians."""
+    makes them (fresh buffers each call, the ranks lined up before each), at each of ``sizes``
+    (the full unit's bytes); rank 0 writes the slowest rank's medians."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     mine = {}
-    for nbytes in FLAT_SIZES:
+    for nbytes in sizes:
         numel = nbytes // 4
         gathers = []
         scatters = []
@@ -341,24 +357,25 @@ def link_through(seconds: dict, ranks: int) -> planner.Link:
 
 
 @functools.lru_cache(maxsize=None)
-def time_flat_collectives(world_size: int, backend: str,
-                          device: str) -> tuple[planner.Link, planner.Link] | None:
+def time_flat_collectives(world_size: int, backend: str, device: str,
+                          sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link] | None:
     """(all-gather, reduce-scatter) links for FSDP's flat collectives on this backend, timed on
-    ``world_size`` ranks at ``FLAT_SIZES``. A ring moves (n-1)/n of the unit for either, half an
-    all-reduce; Gloo does not: on 2 ranks of this VM a 39 MiB unit took 44-55 ms to all-gather
-    and 53-57 ms to reduce-scatter, against 27-28 ms for an all-reduce of it. None, with a line,
-    where they cannot run: the ring on the all-reduce's link is then assumed."""
+    ``world_size`` ranks at ``sizes`` (``flat_sizes``: the configuration's units). A ring moves
+    (n-1)/n of the unit for either, half an all-reduce; Gloo does not: on 2 ranks of this VM a
+    39 MiB unit took 44-55 ms to all-gather and 53-57 ms to reduce-scatter, against 27-28 ms
+    for an all-reduce of it. None, with a line, where they cannot run: the ring on the
+    all-reduce's link is then assumed."""
     slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
                               "FSDP's collectives", "they are assumed to be rings on the "
-                              "all-reduce's link")
+                              "all-reduce's link", sizes)
     if slowest is None:
         return None
-    gather = {nbytes: slowest[f"gather {nbytes}"] for nbytes in FLAT_SIZES}
-    scatter = {nbytes: slowest[f"scatter {nbytes}"] for nbytes in FLAT_SIZES}
+    gather = {nbytes: slowest[f"gather {nbytes}"] for nbytes in sizes}
+    scatter = {nbytes: slowest[f"scatter {nbytes}"] for nbytes in sizes}
     print(f"check_prediction: FSDP's flat collectives, {world_size} ranks: all-gather "
-          + ", ".join(f"{nbytes // 2**20} MiB {value * 1e3:.1f} ms" for nbytes, value in gather.items())
+          + ", ".join(f"{nbytes / 2**20:.1f} MiB {value * 1e3:.1f} ms" for nbytes, value in gather.items())
           + "; reduce-scatter "
-          + ", ".join(f"{nbytes // 2**20} MiB {value * 1e3:.1f} ms" for nbytes, value in scatter.items()))
+          + ", ".join(f"{nbytes / 2**20:.1f} MiB {value * 1e3:.1f} ms" for nbytes, value in scatter.items()))
     return link_through(gather, world_size), link_through(scatter, world_size)
 
 
@@ -460,6 +477,20 @@ def compute_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     return None
 
 
+def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
+    """(forward + backward seconds, optimizer seconds) of the ledger's compute-only control
+    (``none``) measured in the same launch as ``row``, at its settings and checkpointing: its
+    step less its AdamW step timed alone. None where the run has no such row."""
+    for control in rows:
+        same = all(control[key] == row[key] for key in
+                   ("backend", "device", "world_size", "model", "batch_size", "context_length",
+                    "checkpointing"))
+        if same and control["impl"] == "none" and control.get("optimizer_ms"):
+            optimizer_ms = float(control["optimizer_ms"])
+            return (float(control["step_ms"]) - optimizer_ms) / 1e3, optimizer_ms / 1e3
+    return None
+
+
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings. Their compute is the
     bench's own compute-only control (``none``), measured in the same launch, so the rows are
@@ -515,9 +546,13 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
 
 
 def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings."""
+    """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings. Their compute
+    is the ledger's compute-only control (``none``) in the same launch, as for the DDP rows
+    (on this VM it came out 40-50% above the same LM timed in a process of its own, with the
+    other core idle); without it, the LM timed here at one rank's shapes."""
     rows = []
-    for row in this_run("sharding.csv"):
+    run_rows = this_run("sharding.csv")
+    for row in run_rows:
         if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in planner.DP_KINDS:
             continue
         ranks = int(row["world_size"])
@@ -529,15 +564,22 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         checkpointing = row["checkpointing"] == "on"
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], checkpointing=checkpointing)
-        threads = launch.rank_threads(ranks)
-        compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
-                                                       models.VOCAB_SIZE, threads, checkpointing,
-                                                       device=row["device"])
+        control = ledger_control(run_rows, row)
+        shared_by = cores
+        if control is not None:
+            compute_s, optimizer_s = control
+            samples = ()                               # its slowest rank is already in it
+            shared_by = max(cores, ranks)              # and its ranks' taking turns
+        else:
+            threads = launch.rank_threads(ranks)
+            compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
+                                                           models.VOCAB_SIZE, threads, checkpointing,
+                                                           device=row["device"])
         calls = time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
-                           cores, samples, row["device"])
+                           shared_by, samples, row["device"])
         if grid.dp_kind == "fsdp":
-            flat = time_flat_collectives(ranks, row["backend"], row["device"])
+            flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
                 machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
         rows.append(predicted_row(

@@ -3,8 +3,10 @@
 the demos hand those flags to ``bench_fsdp.py`` and ``bench_zero.py``, which run it.
 
 Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOptimizer), ZeRO-2
-(Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard).
-For each, one step is counted with ``counters.py`` (the bytes each rank holds, saves for
+(Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard);
+and a control, ``none``: each rank trains its share of the batch and sends nothing, so every
+run has the compute of the others' steps measured beside them (lesson 9's check predicts the
+six from it). For each, one step is counted with ``counters.py`` (the bytes each rank holds, saves for
 backward and sends) and set beside the formula the lessons derive (``predicted_bytes``), the
 step time is measured, and the rows go to ``results/sharding.csv``.
 
@@ -42,6 +44,11 @@ def adamw(params):
 def sharded_adamw(params):
     zero = import_stage("07_parallelism/01_zero/zero")
     return zero.ShardedOptimizer(params, torch.optim.AdamW, lr=LEARNING_RATE)
+
+
+def build_none(lm):
+    """The compute-only control: the LM and AdamW as they are, no wrapper, nothing sent."""
+    return lm, adamw(lm.parameters())
 
 
 def build_ddp(lm):
@@ -90,8 +97,8 @@ def build_torch_fsdp(lm):
 
 
 def strategies() -> list[tuple]:
-    """The six rows, ``(impl, build)`` with ``build(lm) -> (wrapper, optimizer)``."""
-    return [("ddp", build_ddp), ("zero1", build_zero1), ("zero2", build_zero2), ("fsdp", build_fsdp),
+    """The control and the six rows, ``(impl, build)`` with ``build(lm) -> (wrapper, optimizer)``."""
+    return [("none", build_none), ("ddp", build_ddp), ("zero1", build_zero1), ("zero2", build_zero2), ("fsdp", build_fsdp),
             ("torch_zero1", build_torch_zero1), ("torch_fsdp", build_torch_fsdp)]
 
 
@@ -110,7 +117,7 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
     Replicas, P parameters on N ranks: weights 4P, gradients 4P, moments 8P, each divided by
     N where ``impl`` shards it (DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N). Sent: one
     all-reduce, 2(N-1)/N 4P; ZeRO-1 built on DDP's all-reduce also broadcasts the
-    parameters: 1.5x that.
+    parameters: 1.5x that; the control (``none``) holds what DDP holds and sends nothing.
 
     FSDP: a sharded tensor is padded to N ceil(rows/N) rows (W bytes in all) and each rank
     holds W/N; ours keeps 1-D parameters whole (R bytes; torch's shards them too): weights and
@@ -132,6 +139,8 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
             gradients = gradients / n
         if "zero1" in impl:
             traffic = 1.5  # the all-reduce, then the parameters broadcast from their owners
+        elif impl == "none":
+            traffic = 0
         else:
             traffic = 1
         sent = 2 * (n - 1) / n * all_bytes * traffic
@@ -187,7 +196,9 @@ def add_ledger_args(parser) -> None:
 
 def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     """Time one strategy on a fresh LM (seed 0); with ``count``, count one more step: what it
-    holds, saves for backward, sends, and its peak. Returns (seconds per step, counts or None)."""
+    holds, saves for backward, sends, and its peak. The control (``none``) also times its
+    AdamW step alone, as many times, so that its step splits into compute and optimizer.
+    Returns (seconds per step, seconds per optimizer step or [], counts or None)."""
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length,
                                  checkpoint_activations=checkpointing).to(ctx.device)
@@ -222,6 +233,10 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         return keys
 
     seconds = timing.measure(step, ctx.device, warmup=args.warmup, iters=args.steps, barrier=True)
+    optimizer_seconds = []
+    if impl == "none":  # the last step's gradients are still there: the same AdamW step again
+        optimizer_seconds = timing.measure(optimizer.step, ctx.device, warmup=0, iters=args.steps,
+                                           barrier=True)
     if count:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -250,12 +265,14 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     del wrapper, optimizer, model
     gc.collect()
     if not count:
-        return seconds, None
-    return seconds, counted
+        return seconds, optimizer_seconds, None
+    return seconds, optimizer_seconds, counted
 
 
-def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted: dict) -> dict:
-    """The slowest rank's median step time; the largest rank's bytes, beside the formula."""
+def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted: dict,
+             optimizer_seconds: list[float]) -> dict:
+    """The slowest rank's median step time; the largest rank's bytes, beside the formula; the
+    control's optimizer time (``optimizer_ms``, blank on the other rows)."""
     stats = timing.gather_times(seconds)
     kinds = [*KINDS, "cuda_peak"]
     # Host-side bookkeeping: on the host under Gloo; NCCL moves GPU memory only.
@@ -276,6 +293,9 @@ def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], cou
             row[f"{kind}_bytes_predicted"] = int(counted["predicted"][kind])
     row["step_ms_min"] = stats.min * 1e3
     row["step_ms_max"] = stats.max * 1e3
+    row["optimizer_ms"] = ""
+    if optimizer_seconds:  # the same on every rank of a case: the gather is a collective
+        row["optimizer_ms"] = timing.gather_times(optimizer_seconds).median * 1e3
     row["params"] = models.lm_parameter_count(args.model, context_length=args.context_length)
     row["batch_size"] = args.batch_size
     row["context_length"] = args.context_length
@@ -306,7 +326,7 @@ def mib_cell(row: dict, kind: str) -> str:
         cell = "-"
     else:
         cell = f"{got / 2**20:.2f}"
-    if want:
+    if want is not None:  # the control's sent: 0 predicted
         cell += f" ({want / 2**20:.2f})"
     return cell
 
@@ -321,20 +341,24 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         for checkpointing in args.checkpointing:
             cases.append((impl, build, checkpointing))
     seconds = [[] for _ in cases]
+    optimizer_seconds = [[] for _ in cases]
     counted = [None] * len(cases)
     rows = [None] * len(cases)
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
             count = counted[index] is None  # count each case once, in its first round
-            case_seconds, case_counted = measure_case(ctx, impl, build, checkpointing == "on", args, count)
+            case_seconds, case_optimizer, case_counted = measure_case(ctx, impl, build, checkpointing == "on",
+                                                                      args, count)
             seconds[index] += case_seconds
+            optimizer_seconds[index] += case_optimizer
             if count:
                 counted[index] = case_counted
             median_here = sorted(case_seconds)[len(case_seconds) // 2]
             ctx.print(f"  round {round_number}/{args.rounds} {impl}, checkpointing {checkpointing}: "
                       f"{median_here * 1e3:.1f} ms/step on rank 0", all_ranks=False)
             # The case's row, its rounds so far pooled (a collective: on every rank).
-            rows[index] = make_row(ctx, args, impl, checkpointing, seconds[index], counted[index])
+            rows[index] = make_row(ctx, args, impl, checkpointing, seconds[index], counted[index],
+                                   optimizer_seconds[index])
             if ctx.is_main:
                 measured = [row for row in rows if row is not None]
                 path = results.upsert_csv(csv_name, measured, key=CSV_KEY)
