@@ -549,8 +549,10 @@ def ledger_checks(ctx, record):
             same = r["activation_bytes"] == by["ddp", ck]["activation_bytes"] > 0
             record(f"ledger_{impl}_{ck}_activations", same, (r["activation_bytes"], by["ddp", ck]["activation_bytes"]))
     timed_alone = [impl for (impl, ck), r in by.items() if r["optimizer_ms"] != ""]
-    record("ledger_control_optimizer_timed", timed_alone == ["none"] and by["none", "off"]["optimizer_ms"] > 0
-           and by["none", "off"]["sent_bytes"] == 0, timed_alone)
+    control = by["none", "off"]
+    record("ledger_control_optimizer_timed",
+           timed_alone == ["none"] and control["optimizer_ms"] > 0 and control["sent_bytes"] == 0,
+           timed_alone)
     f = by["fsdp", "off"]  # the shards, the step counters, and the kept units gathered at once
     record("ledger_fsdp_peak", f["peak_bytes"] - f["peak_bytes_predicted"] == 4 * tensors, f)
     record("ledger_checkpointing_saves_activations",

@@ -6,9 +6,9 @@ Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOp
 (Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard);
 and a control, ``none``: each rank trains its share of the batch and sends nothing, so every
 run has the compute of the others' steps measured beside them (lesson 9's check predicts the
-six from it). For each, one step is counted with ``counters.py`` (the bytes each rank holds, saves for
-backward and sends) and set beside the formula the lessons derive (``predicted_bytes``), the
-step time is measured, and the rows go to ``results/sharding.csv``.
+six from it). For each, one step is counted with ``counters.py`` (the bytes each rank holds,
+saves for backward and sends) and set beside the formula the lessons derive
+(``predicted_bytes``), the step time is measured, and the rows go to ``results/sharding.csv``.
 
 Everything runs on the device the run names (model, batch, optimizer state). The bytes are
 counts, true on any interconnect. The step times are not: under Gloo every collective goes
@@ -34,7 +34,7 @@ CSV_KEY = ["backend", "device", "world_size", "model", "impl", "checkpointing"]
 KINDS = ("param", "grad", "optim", "peak", "activation", "sent")
 LEARNING_RATE = 1e-4
 
-# --------------------------------------------------------------------------- the six ways
+# --------------------------------------------------------------------------- the six ways, and the control
 
 
 def adamw(params):
@@ -98,8 +98,8 @@ def build_torch_fsdp(lm):
 
 def strategies() -> list[tuple]:
     """The control and the six rows, ``(impl, build)`` with ``build(lm) -> (wrapper, optimizer)``."""
-    return [("none", build_none), ("ddp", build_ddp), ("zero1", build_zero1), ("zero2", build_zero2), ("fsdp", build_fsdp),
-            ("torch_zero1", build_torch_zero1), ("torch_fsdp", build_torch_fsdp)]
+    return [("none", build_none), ("ddp", build_ddp), ("zero1", build_zero1), ("zero2", build_zero2),
+            ("fsdp", build_fsdp), ("torch_zero1", build_torch_zero1), ("torch_fsdp", build_torch_fsdp)]
 
 
 # --------------------------------------------------------------------------- the formulas
