@@ -956,9 +956,9 @@ def prediction_section(where: Where):
         table.append([r["config"], num(r, "predicted_ms"), num(r, "measured_ms"), f"{ratio:.2f}x"])
     worst = max(rows, key=lambda r: abs(num(r, "ratio") - 1))
     text = (f"Lesson 9's planner fed with this box's measured compute (for stages 03-06 and "
-            "torch DDP, the DDP bench's compute-only control from the same launch; for the rest, "
-            "each configuration's forward, backward and AdamW timed at world size 1 with one "
-            "rank's shapes), stage "
+            "torch DDP, and for the ledger, the compute-only control of their own launch; for the "
+            "grids, each configuration's forward, backward and AdamW timed at world size 1 with "
+            "one rank's shapes), stage "
             "02's all-reduce fit with its latency from calls timed back to back, and for ring "
             "attention's hops a hop timed after a slice of compute, predicting the step times "
             "measured above "

@@ -551,8 +551,8 @@ def ledger_checks(ctx, record):
     timed_alone = [impl for (impl, ck), r in by.items() if r["optimizer_ms"] != ""]
     control = by["none", "off"]
     record("ledger_control_optimizer_timed",
-           timed_alone == ["none"] and control["optimizer_ms"] > 0 and control["sent_bytes"] == 0,
-           timed_alone)
+           timed_alone == ["none"] and 0 < control["optimizer_ms"] < control["step_ms"]
+           and control["sent_bytes"] == 0, (timed_alone, control["optimizer_ms"], control["step_ms"]))
     f = by["fsdp", "off"]  # the shards, the step counters, and the kept units gathered at once
     record("ledger_fsdp_peak", f["peak_bytes"] - f["peak_bytes_predicted"] == 4 * tensors, f)
     record("ledger_checkpointing_saves_activations",
@@ -560,6 +560,7 @@ def ledger_checks(ctx, record):
     if ctx.is_main:
         written = results.read_csv("sharding_test.csv")
         csv_ok = len(written) == 8 and all(w["run_id"] and w["machine"] and w["step_ms"] for w in written)
+        csv_ok = csv_ok and [w["impl"] for w in written if w["optimizer_ms"]] == ["none"]
         record("ledger_csv", csv_ok, len(written))
     lines = ledger.target_lines(rows)
     starts = ["zero1 step / torch_zero1's, checkpointing off", "fsdp step / torch_fsdp's, checkpointing off",

@@ -302,7 +302,8 @@ def test_fsdps_collectives_are_timed_on_the_ranks():
     w = 2 MB/ms, so Link(2.5 ms, w (n-1)/n); through two points that would put a below zero, all
     bandwidth."""
     import check_prediction
-    gather, scatter = check_prediction.time_flat_collectives(2, "gloo", "cpu")
+    odd = (4 * 2**20 + 4, 8 * 2**20 + 12)            # an odd count of values: padded to the ranks
+    gather, scatter = check_prediction.time_flat_collectives(2, "gloo", "cpu", odd)
     for link in (gather, scatter):
         assert link.latency >= 0 and 0 < link.busbw < float("inf")
     line = check_prediction.link_through({1e6: 3e-3, 9e6: 7e-3}, 2)
@@ -311,7 +312,29 @@ def test_fsdps_collectives_are_timed_on_the_ranks():
     assert steep.latency == 0 and steep.busbw == pytest.approx(9e6 / 90e-3 * 0.5)
 
 
-def test_fsdps_collectives_are_timed_at_its_units_sizes():
+def test_the_ledger_rows_take_the_control_of_their_own_launch_and_checkpointing():
+    """``ledger_control``: the control at the row's settings and checkpointing gives its step
+    less its AdamW step; none at another checkpointing, batch or world size is taken; a control
+    whose AdamW step alone took its whole step, or a run without one, gives None (the check
+    then times the LM itself)."""
+    import check_prediction
+    base = {"backend": "gloo", "device": "cpu", "world_size": "2", "model": "course",
+            "batch_size": "4", "context_length": "32", "optimizer_ms": ""}
+    off = {**base, "impl": "none", "checkpointing": "off", "step_ms": "200", "optimizer_ms": "80"}
+    on = {**base, "impl": "none", "checkpointing": "on", "step_ms": "260", "optimizer_ms": "70"}
+    four = {**off, "world_size": "4", "step_ms": "500"}
+    rows = [four, off, on]
+    ddp_on = {**base, "impl": "ddp", "checkpointing": "on", "step_ms": "300"}
+    assert check_prediction.ledger_control(rows, ddp_on) == pytest.approx((0.19, 0.07))
+    ddp_off = {**ddp_on, "checkpointing": "off"}
+    assert check_prediction.ledger_control(rows, ddp_off) == pytest.approx((0.12, 0.08))
+    assert check_prediction.ledger_control(rows, {**ddp_off, "batch_size": "8"}) is None
+    assert check_prediction.ledger_control([off], ddp_on) is None
+    noise = {**off, "optimizer_ms": "200"}
+    assert check_prediction.ledger_control([noise], ddp_off) is None
+
+
+def test_fsdps_collectives_are_timed_at_its_units_sizes(monkeypatch):
     """The flat collectives' two timings sit at FSDP's smallest and largest unit, by hand for
     the ledger's course LM (d 512, ffn 1344, vocabulary 10,000, 32 tokens): a block's four
     attention and two MLP matrices; the root's embedding, head and positions. A line through
@@ -324,6 +347,8 @@ def test_fsdps_collectives_are_timed_at_its_units_sizes():
     assert check_prediction.flat_sizes(lm, planner.Grid(dp=2, dp_kind="fsdp")) == (block, root)
     halves = check_prediction.flat_sizes(lm, planner.Grid(dp=2, tp=2, dp_kind="fsdp"))
     assert halves == (block // 2, root)              # tp shares the blocks' matrices
+    monkeypatch.setattr(planner, "fsdp_unit_values", lambda lm, grid: [1000, 1000])
+    assert check_prediction.flat_sizes(lm, planner.Grid(dp=2)) == (4000, 8000)   # one size: and twice it
 
 
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):

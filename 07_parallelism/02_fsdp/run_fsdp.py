@@ -8,7 +8,7 @@ reaches the same verdict; a failure names what differed and by how much, and exi
 
     python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2    # the checks
     torchrun --nproc-per-node=2 07_parallelism/02_fsdp/run_fsdp.py
-    python 07_parallelism/02_fsdp/run_fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's
+    python 07_parallelism/02_fsdp/run_fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's, a control
     python 07_parallelism/02_fsdp/run_fsdp.py --profile         # timeline: all-gathers during compute
 
 --bench and --profile hand the command line over to 07_parallelism/measure/bench_fsdp.py.

@@ -316,11 +316,12 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     torch.set_num_threads(1)              # a rank's share of this box's cores
     mine = {}
     for nbytes in sizes:
-        numel = nbytes // 4
+        shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
+        numel = shard_numel * ctx.world_size
         gathers = []
         scatters = []
         for attempt in range(1 + REPEATS // 3):
-            shard = torch.ones(numel // ctx.world_size, device=ctx.device)
+            shard = torch.ones(shard_numel, device=ctx.device)
             gathered = torch.empty(numel, device=ctx.device)
             dist.barrier()
             synchronize(ctx.device)
@@ -331,7 +332,7 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
                 dist.all_gather_into_tensor(gathered, shard)
             synchronize(ctx.device)
             gathered_at = time.perf_counter()
-            out = torch.empty(numel // ctx.world_size, device=ctx.device)
+            out = torch.empty(shard_numel, device=ctx.device)
             dist.barrier()
             synchronize(ctx.device)
             scatter_start = time.perf_counter()
@@ -480,14 +481,18 @@ def compute_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     """(forward + backward seconds, optimizer seconds) of the ledger's compute-only control
     (``none``) measured in the same launch as ``row``, at its settings and checkpointing: its
-    step less its AdamW step timed alone. None where the run has no such row."""
+    step less its AdamW step timed alone. None where the run has no such row, or where its
+    AdamW step alone took as long as its whole step (noise: no compute left to scale by)."""
     for control in rows:
         same = all(control[key] == row[key] for key in
                    ("backend", "device", "world_size", "model", "batch_size", "context_length",
                     "checkpointing"))
         if same and control["impl"] == "none" and control.get("optimizer_ms"):
             optimizer_ms = float(control["optimizer_ms"])
-            return (float(control["step_ms"]) - optimizer_ms) / 1e3, optimizer_ms / 1e3
+            compute_ms = float(control["step_ms"]) - optimizer_ms
+            if compute_ms <= 0:
+                return None
+            return compute_ms / 1e3, optimizer_ms / 1e3
     return None
 
 
@@ -548,7 +553,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
 def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings. Their compute
     is the ledger's compute-only control (``none``) in the same launch, as for the DDP rows
-    (on this VM it came out 40-50% above the same LM timed in a process of its own, with the
+    (on this VM its step came out 1.5-1.6x the same LM timed in a process of its own, with the
     other core idle); without it, the LM timed here at one rank's shapes."""
     rows = []
     run_rows = this_run("sharding.csv")
