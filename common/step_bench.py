@@ -6,7 +6,10 @@ does. Beside the cases: ``none`` (no wrapper, no communication) and ``torch_ddp`
 backward, the communication left after backward (``finish_gradient_synchronization()``) and
 the optimizer; what overlaps backward hides in the first. ``--rounds`` repeats the whole list
 and pools each case's steps, so background load hits every case alike. Slowest rank's medians;
-rank 0 prints the table and upserts ``results/ddp_step.csv``.
+rank 0 prints the table and upserts ``results/ddp_step.csv``. Beside ``none`` in each round, a
+burst of small all-reduces is timed too (``call_ms`` on its row: one call's cost in a burst),
+so the run has both inputs of lesson 9's prediction measured beside its rows: the compute and
+what a call costs.
 """
 
 import gc
@@ -178,6 +181,7 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
               f"{args.steps} timed steps x {args.rounds} round(s), AdamW, {ctx.world_size} "
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
+    bursts = []  # seconds a call, in bursts timed beside the control, every round
     by_case = [None] * len(cases)  # each case's row from its steps so far
     round_s = 0.0
     for round_index in range(args.rounds):
@@ -194,7 +198,11 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
             ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
                       f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0",
                       all_ranks=False)
+            if impl == "none":  # the same ranks, the same moment: what a small call costs now
+                bursts += timing.call_in_burst(ctx.device)
             by_case[i] = make_row(ctx, args, impl, bucket_mb, pool)
+            if impl == "none":
+                by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
             rows = [r for r in by_case if r is not None]
             ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
             for r in rows:  # none until torch DDP's case has run

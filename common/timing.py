@@ -41,6 +41,26 @@ def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
     return times
 
 
+def call_in_burst(device: torch.device, nbytes: int = 64 * 2**10, calls: int = 20,
+                  bursts: int = 5) -> list[float]:
+    """Seconds one all-reduce of ``nbytes`` takes inside a burst of ``calls`` back-to-back
+    calls, one figure per burst; the ranks are lined up before each burst, not before each
+    call. This is what each of a step's many small calls costs (a call per tensor in stages 03
+    and 05), where a barrier before every call (stage 02) would hide the wait for the last rank
+    to arrive. A collective: every rank calls it."""
+    small = torch.ones(nbytes // 4, device=device)
+    per_call = []
+    for _ in range(bursts):
+        dist.barrier()
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            dist.all_reduce(small)
+        synchronize(device)
+        per_call.append((time.perf_counter() - start) / calls)
+    return per_call
+
+
 @dataclass(frozen=True)
 class Stats:
     """One configuration's times across ranks, in seconds."""

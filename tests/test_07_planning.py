@@ -334,6 +334,19 @@ def test_the_ledger_rows_take_the_control_of_their_own_launch_and_checkpointing(
     assert check_prediction.ledger_control([noise], ddp_off) is None
 
 
+def test_the_ddp_rows_take_the_burst_timed_beside_their_control():
+    """``control_burst``: the call's cost timed beside the DDP bench's control of the row's own
+    launch and settings, in seconds; None for an older run without it, or other settings."""
+    import check_prediction
+    base = {"backend": "gloo", "device": "cpu", "world_size": "2", "model": "tiny",
+            "batch_size": "8", "context_length": "64", "bucket_mb": ""}
+    control = {**base, "impl": "none", "call_ms": "1.5"}
+    naive = {**base, "impl": "naive", "call_ms": ""}
+    assert check_prediction.control_burst([naive, control], naive) == pytest.approx(1.5e-3)
+    assert check_prediction.control_burst([{**control, "call_ms": ""}], naive) is None
+    assert check_prediction.control_burst([control], {**naive, "world_size": "4"}) is None
+
+
 def test_fsdps_collectives_are_timed_at_its_units_sizes(monkeypatch):
     """The flat collectives' two timings sit at FSDP's smallest and largest unit, by hand for
     the ledger's course LM (d 512, ffn 1344, vocabulary 10,000, 32 tokens): a block's four
@@ -451,8 +464,9 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
                                                "gloo/cpu/4": {"a_s": 4e-3, "w_bytes_per_s": 6e8}})
     common = {"backend": "gloo", "device": "cpu", "model": "tiny"}
     ddp = [{**common, "world_size": 2, "impl": impl, "bucket_mb": bucket, "step_ms": 50,
-            "batch_size": 4, "context_length": 16, "fwd_bwd_ms": 30, "optimizer_ms": 4}
+            "batch_size": 4, "context_length": 16, "fwd_bwd_ms": 30, "optimizer_ms": 4, "call_ms": ""}
            for impl, bucket in (("none", ""), ("naive", ""), ("flat", ""), ("bucketed", 1))]
+    ddp[0]["call_ms"] = 5                       # the burst timed beside the control
     results.upsert_csv("ddp_step.csv", ddp, key=["impl", "bucket_mb"])
     ledger_rows = [{**common, "world_size": 2, "impl": impl, "checkpointing": "off",
                     "step_ms": 60, "batch_size": 4, "context_length": 16, "optimizer_ms": ""}
@@ -472,6 +486,10 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
         if config.startswith("ddp_step"):
             assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)
             assert float(row["optimizer_ms"]) == pytest.approx(4, abs=1e-3)
+        if config.startswith("ddp_step flat"):            # one call: the control's burst, not 2 ms
+            gradients = 4 * planner.parameter_count(check_prediction.course_lm("tiny", 4, 16))
+            by_hand = (5e-3 - 65536 / 1e9 + gradients / 1e9) * 1e3
+            assert float(row["dp_gradients_left_after_backward_ms"]) == pytest.approx(by_hand, abs=1e-3)
         if config.startswith("ledger ddp"):                  # the control's step less its AdamW
             assert float(row["compute_ms"]) == pytest.approx(40 - 6, abs=1e-3)
             assert float(row["optimizer_ms"]) == pytest.approx(6, abs=1e-3)

@@ -354,7 +354,8 @@ def test_ctrl_c_or_sigterm_to_make_bench_is_passed_on_to_its_step(sig, tmp_path)
 def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatch, tmp_path):
     """Stage 06's --bench writes its rows after every case, not every round: stopped after
     its first case (as make bench's cap stops it), that case's row is in ddp_step.csv. Rounds
-    pool their steps (2 per round here, 2 rounds: 4). One rank, in this process."""
+    pool their steps (2 per round here, 2 rounds: 4). The control's row carries the burst timed
+    beside it. One rank, in this process."""
     import torch.distributed as dist
 
     from common import launch, step_bench
@@ -385,6 +386,8 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     assert [(r["impl"], r["bucket_mb"], r["steps"]) for r in rows] == [("none", "", "4"),
                                                                       ("torch_ddp", "25", "4")]
     assert float(rows[1]["ratio_vs_torch_ddp"]) == 1.0
+    # beside the control, every round: a small call's cost in a burst; on its row only
+    assert float(rows[0]["call_ms"]) > 0 and rows[1]["call_ms"] == ""
 
 
 def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path):

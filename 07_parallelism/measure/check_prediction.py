@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
-from common import launch, models, results  # noqa: E402
+from common import launch, models, results, timing  # noqa: E402
 
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured
@@ -133,7 +133,7 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
 
 
 BURST_BYTES = 64 * 2**10    # a small all-reduce: what a call costs, its bytes aside
-BURST_CALLS = 20
+BURST_CALLS = 20            # (both as timing.call_in_burst's defaults, which the DDP bench uses)
 HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
 HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
 REPEATS = 15
@@ -193,7 +193,7 @@ def line_through(seconds: dict) -> tuple[float, float]:
 class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
     all_reduce_s: float    # one all-reduce of BURST_BYTES inside a burst of back-to-back calls
-    hop: planner.Link      # a point-to-point hop after a slice of compute
+    hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
 
 
 def slice_matmuls(ctx, weights: torch.Tensor) -> int:
@@ -219,17 +219,8 @@ def step_calls_worker(ctx, out_path: str) -> None:
     end to the hop's, at each of ``HOP_SIZES``. Rank 0 writes the slowest rank's medians to
     ``out_path``."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
-    small = torch.ones(BURST_BYTES // 4, device=ctx.device)
-    per_call = []
-    for attempt in range(2 + REPEATS):
-        dist.barrier()
-        synchronize(ctx.device)
-        start = time.perf_counter()
-        for _ in range(BURST_CALLS):
-            dist.all_reduce(small)
-        synchronize(ctx.device)
-        if attempt >= 2:
-            per_call.append((time.perf_counter() - start) / BURST_CALLS)
+    timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
+    per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
     weights = torch.randn(256, 256, device=ctx.device)
     matmuls = slice_matmuls(ctx, weights)
     next_rank = (ctx.rank + 1) % ctx.world_size
@@ -496,12 +487,25 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     return None
 
 
+def control_burst(rows: list[dict], row: dict) -> float | None:
+    """Seconds a small all-reduce took in a burst, timed beside the DDP bench's control in the
+    same launch as ``row`` (its ``call_ms``); None where the run has none (an older run)."""
+    for control in rows:
+        same = all(control[key] == row[key] for key in
+                   ("backend", "device", "world_size", "model", "batch_size", "context_length"))
+        if same and control["impl"] == "none" and control.get("call_ms"):
+            return float(control["call_ms"]) / 1e3
+    return None
+
+
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings. Their compute is the
     bench's own compute-only control (``none``), measured in the same launch, so the rows are
     predicted from a compute timed beside them (this VM's compute drifts by 10-20% between
     moments); without it, the LM timed here at one rank's shapes. The control is then an
-    input, not a row."""
+    input, not a row. Likewise a call's cost: the burst timed beside the control (the same
+    64 KiB call in a burst of 20 took 0.80 ms in one check's own timing and 1.56 ms in
+    another's), else the check's own."""
     rows = []
     run_rows = this_run("ddp_step.csv")
     for row in run_rows:
@@ -539,7 +543,11 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        calls = time_step_calls(ranks, row["backend"], row["device"])
+        burst = control_burst(run_rows, row)
+        if burst is not None:      # a call's cost at the moment the rows were measured
+            calls = StepCalls(all_reduce_s=burst, hop=None)
+        else:
+            calls = time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
                            shared_by, samples, row["device"])
         label = impl
