@@ -573,9 +573,6 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
     found = json.loads(out.read_text())
     # each of our grids timed in every round, its steps pooled into its row
     assert {row["steps_timed"] for row in found["grid_rows"]} == {2}, found["grid_rows"]
-    # and the launch's compute-only control beside them, pooled over the rounds: one figure
-    assert len({row["control_ms"] for row in found["grid_rows"]}) == 1
-    assert found["grid_rows"][0]["control_ms"] > 0
     shape = grid_bench.lm_shape(BENCH_SIZES)
     exact = [*grid_bench.KINDS, *(f"sent_{axis}" for axis in grid_bench.AXES)]
     caught = []

@@ -620,28 +620,8 @@ def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid | N
                         bucket_bytes=float("inf"))
 
 
-def launch_speed(row: dict, cores: int) -> float:
-    """How much slower the grids' launch computed than this check does: the grids' control
-    (``control_ms``: every rank the whole LM on its 1/W of the batch, nothing sent, timed in
-    every round beside the grids) over the same work timed here at one rank's shapes, its W
-    ranks taking turns on the cores. 1 where the run has no control (an older run).
-
-    Each grid's compute is still timed here at its own shapes; this carries the launch's
-    moment over to it: on this VM the same grids measured 10-45% slower in one afternoon's runs
-    than at the last stop, while one process's timing of their shapes moved far less."""
-    if not row.get("control_ms"):
-        return 1.0
-    ranks = int(row["world_size"])
-    compute_s, optimizer_s, _ = time_compute(row["model"], int(row["batch_size"]) // ranks,
-                                             int(row["seq_len"]), GRID_VOCAB,
-                                             launch.rank_threads(ranks), device=row["device"])
-    turns = max(1.0, ranks / cores)
-    return float(row["control_ms"]) / 1e3 / ((compute_s + optimizer_s) * turns)
-
-
 def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings, their compute
-    scaled by their launch's control (``launch_speed``)."""
+    """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings."""
     rows = []
     for row in this_run("grid.csv"):
         if row.get("impl") != "ours" or f"{row['backend']}/{row['device']}" != backend_device:
@@ -663,19 +643,14 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp,
                                                        seq // grid.cp, GRID_VOCAB, threads,
                                                        device=row["device"])
-        speed = launch_speed(row, cores)
-        compute_s = compute_s * speed
-        optimizer_s = optimizer_s * speed
         calls = time_step_calls(ranks, row["backend"], row["device"])
         hop = None
         if calls is not None:
             hop = calls.hop
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
                            cores, samples, row["device"], hop)
-        predicted = predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
-                                  "grid.csv", lm, grid, machine, float(row["step_ms"]))
-        predicted["compute_scaled_by"] = round(speed, 3)
-        rows.append(predicted)
+        rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
+                                  "grid.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
 
 

@@ -17,10 +17,7 @@ What it measures, in one run:
    rank the bytes of parameters, gradients, optimizer state and saved activations, and the
    bytes sent per step on each axis, COUNTED (``counters.py``: storages, saved-tensor hooks,
    the collectives and the group each ran on) beside the FORMULA below, which combines the
-   lessons' formulas. Random tokens: the step does not depend on the text. Beside them, in
-   every round, a compute-only control (every rank the whole LM on its 1/W of the batch,
-   nothing sent): ``control_ms`` on each of our grids' rows, the launch's compute as its grids
-   met it, which lesson 9's check scales its own compute timings by.
+   lessons' formulas. Random tokens: the step does not depend on the text.
 2. torch's own composition as the control: the same LM (the same weights) with
    ``init_device_mesh``, ``parallelize_module`` (ColwiseParallel, RowwiseParallel,
    SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) on tp, on
@@ -687,30 +684,6 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict],
     return row, per_rank, timed
 
 
-def control_step(ctx, sizes: dict):
-    """The grids' compute-only control, a step: every rank trains the whole LM on its 1/W share
-    of the global batch (W ranks, as dp W would), AdamW, nothing sent. Timed in every round
-    beside the grids (``control_ms`` on their rows), it is the compute of this launch, as its
-    grids met it: lesson 9's check scales its own timings of each grid's shapes by it."""
-    from common import models
-    torch.manual_seed(0)
-    lm = models.TransformerLM(sizes["model"], vocab_size=VOCAB,
-                              context_length=sizes["seq_len"]).to(ctx.device)
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=sizes["lr"])
-    inputs, targets = random_batch(sizes)
-    rows = sizes["batch_size"] // ctx.world_size
-    mine = slice(ctx.rank * rows, (ctx.rank + 1) * rows)
-    x = inputs[mine].to(ctx.device)       # [B / W, s]
-    y = targets[mine].to(ctx.device)
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        models.lm_loss(lm(x), y).backward()
-        optimizer.step()
-
-    return step
-
-
 TIMING_COLUMNS = ("step_ms", "step_ms_min", "step_ms_max", "tokens_per_s", "steps_timed")
 
 
@@ -1281,18 +1254,13 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     """Every rank: our grids, torch's composition beside ours, the pipelines; rank 0 writes
     results/grid.csv and prints the tables and the targets (and, for the tests, everything as
     JSON at ``out_path``)."""
-    from common import results, timing
+    from common import results
     lessons = load_lessons()
     grid_rows = []
     details = []
     timed_grids = []
-    control = control_step(ctx, sizes)
-    control_seconds = timing.measure(control, ctx.device, warmup=sizes["warmup"],
-                                     iters=sizes["iters"], barrier=True)
-    control_ms = timing.gather_times(control_seconds).median * 1e3
     for spec in grids:
         row, per_rank, timed = bench_grid(ctx, spec, sizes, lessons)
-        row["control_ms"] = control_ms
         timed_grids.append(timed)
         grid_rows.append(row)
         details.append({"grid": row["grid"], "setting": row["setting"], "spec": spec,
@@ -1302,12 +1270,8 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
     for _ in range(1, sizes["rounds"]):   # more rounds, every grid in turn, pooled
-        control_seconds += timing.measure(control, ctx.device, warmup=0, iters=sizes["iters"],
-                                          barrier=True)
-        control_ms = timing.gather_times(control_seconds).median * 1e3
         for timed in timed_grids:
             time_again(ctx, sizes, timed)
-            timed["row"]["control_ms"] = control_ms
         if ctx.is_main:
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
     for row in grid_rows:
