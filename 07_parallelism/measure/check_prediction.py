@@ -13,7 +13,8 @@ slice of compute, where ranks that share cores wait for each other to get one ba
 FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them, at the sizes of its
 units (``time_flat_collectives``: Gloo's cost about an all-reduce of the unit each, not half of
 one). The DDP rows and the ledger's take their compute instead from the compute-only control
-their own launch measured beside them (``none``). The prediction is then set beside the step
+their own launch measured beside them (``none``), and the DDP rows a call's cost from the burst
+timed beside it. The prediction is then set beside the step
 times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
@@ -456,17 +457,28 @@ def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: floa
     return row
 
 
+DDP_SETTINGS = ("backend", "device", "world_size", "model", "batch_size", "context_length")
+LEDGER_SETTINGS = (*DDP_SETTINGS, "checkpointing")
+
+
+def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | None:
+    """The compute-only control (``none``) among ``rows`` (one run's) at ``row``'s
+    ``settings``: measured in the same launch, beside it. None where the run has none."""
+    for control in rows:
+        if control["impl"] == "none" and all(control[key] == row[key] for key in settings):
+            return control
+    return None
+
+
 def compute_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     """(forward + backward seconds, optimizer seconds) of the DDP bench's compute-only control
     (``none``: each rank trains its own share of the batch, no communication) measured in the
     same launch as ``row``, at its settings: the slowest rank's medians, the cores shared as in
     the job. None where the run has no such row."""
-    for control in rows:
-        same = all(control[key] == row[key] for key in
-                   ("backend", "device", "world_size", "model", "batch_size", "context_length"))
-        if same and control["impl"] == "none" and control.get("fwd_bwd_ms"):
-            return float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
-    return None
+    control = same_launch_control(rows, row, DDP_SETTINGS)
+    if control is None or not control.get("fwd_bwd_ms"):
+        return None
+    return float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
@@ -474,28 +486,39 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     (``none``) measured in the same launch as ``row``, at its settings and checkpointing: its
     step less its AdamW step timed alone. None where the run has no such row, or where its
     AdamW step alone took as long as its whole step (noise: no compute left to scale by)."""
-    for control in rows:
-        same = all(control[key] == row[key] for key in
-                   ("backend", "device", "world_size", "model", "batch_size", "context_length",
-                    "checkpointing"))
-        if same and control["impl"] == "none" and control.get("optimizer_ms"):
-            optimizer_ms = float(control["optimizer_ms"])
-            compute_ms = float(control["step_ms"]) - optimizer_ms
-            if compute_ms <= 0:
-                return None
-            return compute_ms / 1e3, optimizer_ms / 1e3
-    return None
+    control = same_launch_control(rows, row, LEDGER_SETTINGS)
+    if control is None or not control.get("optimizer_ms"):
+        return None
+    optimizer_ms = float(control["optimizer_ms"])
+    compute_ms = float(control["step_ms"]) - optimizer_ms
+    if compute_ms <= 0:
+        return None
+    return compute_ms / 1e3, optimizer_ms / 1e3
 
 
 def control_burst(rows: list[dict], row: dict) -> float | None:
     """Seconds a small all-reduce took in a burst, timed beside the DDP bench's control in the
     same launch as ``row`` (its ``call_ms``); None where the run has none (an older run)."""
-    for control in rows:
-        same = all(control[key] == row[key] for key in
-                   ("backend", "device", "world_size", "model", "batch_size", "context_length"))
-        if same and control["impl"] == "none" and control.get("call_ms"):
-            return float(control["call_ms"]) / 1e3
-    return None
+    control = same_launch_control(rows, row, DDP_SETTINGS)
+    if control is None or not control.get("call_ms"):
+        return None
+    return float(control["call_ms"]) / 1e3
+
+
+def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
+                checkpointing: bool = False) -> tuple[float, float, tuple, int]:
+    """(forward + backward seconds, optimizer seconds, the forward + backward timings, the
+    cores the ranks take turns on) for a row: its launch's control where it has one (its
+    slowest rank is already in it, and its ranks' taking turns), else the LM timed here at one
+    rank's shapes."""
+    ranks = int(row["world_size"])
+    if control is not None:
+        return control[0], control[1], (), max(cores, ranks)
+    compute_s, optimizer_s, samples = time_compute(row["model"], int(row["batch_size"]) // ranks,
+                                                   int(row["context_length"]), models.VOCAB_SIZE,
+                                                   launch.rank_threads(ranks), checkpointing,
+                                                   device=row["device"])
+    return compute_s, optimizer_s, samples, cores
 
 
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
@@ -528,16 +551,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         control = compute_control(run_rows, row)
         if control is not None and cap is None:
             continue                                   # the control itself: the input
-        shared_by = cores
-        if control is not None:
-            compute_s, optimizer_s = control
-            samples = ()                               # its slowest rank is already in it
-            shared_by = max(cores, ranks)              # and its ranks' taking turns
-        else:
-            threads = launch.rank_threads(ranks)
-            compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
-                                                           models.VOCAB_SIZE, threads,
-                                                           device=row["device"])
+        compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
         if cap is None:
             grid = planner.Grid()                      # no communication: one rank's work
             lm = course_lm(row["model"], batch // ranks, seq)
@@ -578,16 +592,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], checkpointing=checkpointing)
         control = ledger_control(run_rows, row)
-        shared_by = cores
-        if control is not None:
-            compute_s, optimizer_s = control
-            samples = ()                               # its slowest rank is already in it
-            shared_by = max(cores, ranks)              # and its ranks' taking turns
-        else:
-            threads = launch.rank_threads(ranks)
-            compute_s, optimizer_s, samples = time_compute(row["model"], batch // ranks, seq,
-                                                           models.VOCAB_SIZE, threads, checkpointing,
-                                                           device=row["device"])
+        compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores, checkpointing)
         calls = time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
                            shared_by, samples, row["device"])
