@@ -198,10 +198,9 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
             ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
                       f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0",
                       all_ranks=False)
+            by_case[i] = make_row(ctx, args, impl, bucket_mb, pool)
             if impl == "none":  # the same ranks, the same moment: what a small call costs now
                 bursts += timing.call_in_burst(ctx.device)
-            by_case[i] = make_row(ctx, args, impl, bucket_mb, pool)
-            if impl == "none":
                 by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
             rows = [r for r in by_case if r is not None]
             ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)

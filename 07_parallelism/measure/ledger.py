@@ -6,9 +6,10 @@ Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOp
 (Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard);
 and a control, ``none``: each rank trains its share of the batch and sends nothing, so every
 run has the compute of the others' steps measured beside them (lesson 9's check predicts
-ours, DDP, ZeRO-1/2 and FSDP, from it). For each, one step is counted with ``counters.py`` (the bytes each rank holds,
-saves for backward and sends) and set beside the formula the lessons derive
-(``predicted_bytes``), the step time is measured, and the rows go to ``results/sharding.csv``.
+ours, DDP, ZeRO-1/2 and FSDP, from it). For each, one step is counted with ``counters.py``
+(the bytes each rank holds, saves for backward and sends) and set beside the formula the
+lessons derive (``predicted_bytes``), the step time is measured, and the rows go to
+``results/sharding.csv``.
 
 Everything runs on the device the run names (model, batch, optimizer state). The bytes are
 counts, true on any interconnect. The step times are not: under Gloo every collective goes
