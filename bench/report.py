@@ -958,7 +958,7 @@ def prediction_section(where: Where):
     text = (f"Lesson 9's planner fed with this box's measured compute (for stages 03-06 and "
             "torch DDP, and for the ledger, the compute-only control of their own launch; for the "
             "grids, each configuration's forward, backward and AdamW timed at world size 1 with "
-            "one rank's shapes), stage "
+            "one rank's shapes, a pipeline's a micro-batch at a time), stage "
             "02's all-reduce fit with its latency from calls timed back to back, and for ring "
             "attention's hops a hop timed after a slice of compute, predicting the step times "
             "measured above "

@@ -569,6 +569,12 @@ def ledger_checks(ctx, record):
               "fsdp: checkpointing keeps"]
     printed = len(lines) == len(starts) and all(line.startswith(s) for line, s in zip(lines, starts))
     record("ledger_targets_printed", printed, lines)
+    # on one rank nothing is sent: the bytes-sent ratios are said to need two (not 0 / 0)
+    one_rank = [{**r, "world_size": 1, "sent_bytes": 0, "sent_bytes_predicted": 0} for r in rows]
+    alone = ledger.target_lines(one_rank)
+    said = [line for line in alone if line.startswith("bytes sent")]
+    record("ledger_targets_one_rank", len(said) == 1 and said[0].startswith("bytes sent: none, on one rank"),
+           alone)
 
 
 # --------------------------------------------------------------------------- the launch

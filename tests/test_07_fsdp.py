@@ -40,7 +40,7 @@ CASES_TWO = ["tied_lm_sgd", "tied_lm_memory_after_step", "lm_bfloat16", "lm_floa
              "checkpointing_gathers_once", "gathered_weights_told_apart", "ddp_classes_with_checkpointing",
              "profile_shows_collectives_during_backward", "ledger_rows",
              "ledger_fsdp_peak", "ledger_checkpointing_saves_activations", "ledger_csv",
-             "ledger_targets_printed", "ledger_control_optimizer_timed"]
+             "ledger_targets_printed", "ledger_targets_one_rank", "ledger_control_optimizer_timed"]
 for impl in IMPLS:
     CASES_TWO += [f"ledger_{impl}_off_bytes_held", f"ledger_{impl}_off_bytes_sent", f"ledger_{impl}_off_activations"]
 CASES_TWO += ["ledger_fsdp_on_bytes_held", "ledger_fsdp_on_bytes_sent"]

@@ -178,12 +178,13 @@ def test_fsdp_step_by_hand():
     forward_wait = root + block + max(0.0, block - forward_unit)
     # backward: only block 1 is gathered again (the root and the last block stay gathered)
     backward_wait = block
-    # reduce-scatters of the three units' gradients, ready at 1/3, 2/3, 3/3 of backward
+    # reduce-scatters of the two blocks' gradients, ready at 1/2 and 2/2 of backward, then
+    # the root's, whose gradients are complete only as backward ends
     backward = compute * 2 / 3
     done = 0.0
-    for index, seconds in enumerate([root, block, block]):
-        done = max(done, backward * (index + 1) / 3) + seconds
-    reduce_tail = done - backward
+    for index, seconds in enumerate([block, block]):
+        done = max(done, backward * (index + 1) / 2) + seconds
+    reduce_tail = done - backward + root
     # the 1-D tensors kept whole (56 values a block, 16 of the final norm): one all-reduce
     replicated = 1e-3 + 2 * 0.5 * 4 * (2 * 56 + 16) / 1e6
     terms = terms_of(SMALL, grid)
@@ -300,16 +301,18 @@ def test_fsdps_collectives_are_timed_on_the_ranks():
     links, each through its two timings (latency not below zero, a positive rate), and the
     line fit by hand: t = a + N / w through (1 MB, 3 ms) and (9 MB, 7 ms) is a = 2.5 ms,
     w = 2 MB/ms, so Link(2.5 ms, w (n-1)/n); through two points that would put a below zero, all
-    bandwidth."""
+    bandwidth; through two where the larger took no longer, all latency."""
     import check_prediction
     odd = (4 * 2**20 + 4, 8 * 2**20 + 12)            # an odd count of values: padded to the ranks
     gather, scatter = check_prediction.time_flat_collectives(2, "gloo", "cpu", odd)
-    for link in (gather, scatter):
-        assert link.latency >= 0 and 0 < link.busbw < float("inf")
+    for link in (gather, scatter):          # (infinite where noise made the larger no slower)
+        assert link.latency >= 0 and link.busbw > 0
     line = check_prediction.link_through({1e6: 3e-3, 9e6: 7e-3}, 2)
     assert line.latency == pytest.approx(2.5e-3) and line.busbw == pytest.approx(2e9 * 0.5)
     steep = check_prediction.link_through({1e6: 1e-3, 9e6: 90e-3}, 2)
     assert steep.latency == 0 and steep.busbw == pytest.approx(9e6 / 90e-3 * 0.5)
+    flat = check_prediction.link_through({1e6: 5e-3, 9e6: 4e-3}, 2)
+    assert flat.latency == pytest.approx(5e-3) and flat.busbw == float("inf")   # all latency
 
 
 def test_the_ledger_rows_take_the_control_of_their_own_launch_and_checkpointing():
@@ -362,6 +365,31 @@ def test_fsdps_collectives_are_timed_at_its_units_sizes(monkeypatch):
     assert halves == (block // 2, root)              # tp shares the blocks' matrices
     monkeypatch.setattr(planner, "fsdp_unit_values", lambda lm, grid: [1000, 1000])
     assert check_prediction.flat_sizes(lm, planner.Grid(dp=2)) == (4000, 8000)   # one size: and twice it
+
+
+def test_a_pipeline_ranks_compute_is_timed_a_micro_batch_at_a_time(monkeypatch):
+    """``time_rank_compute``: a grid's rank is timed at its data rank's rows and context shard,
+    and a pipeline's at one micro-batch's rows, its forward and backward times m (each
+    operation's fixed cost is paid per micro-batch); the AdamW step once. A negative control:
+    the whole data rank's rows at once (what the check timed before) differs."""
+    import check_prediction
+    asked = []
+
+    def fake_time_compute(model, rows, seq, vocab, threads, device="cpu"):
+        asked.append((rows, seq))
+        return 1e-3 + 1e-4 * rows, 5e-3, (1e-3, 2e-3)      # a fixed cost, and a cost a row
+
+    monkeypatch.setattr(check_prediction, "time_compute", fake_time_compute)
+    pipeline = planner.Grid(dp=2, pp=2, micro_batches=4)
+    compute, optimizer, samples = check_prediction.time_rank_compute("tiny", pipeline, 16, 64, 1,
+                                                                     "cpu")
+    assert asked == [(2, 64)]                                # 16 rows / 2 data ranks / 4
+    assert compute == pytest.approx(4 * (1e-3 + 2e-4))
+    assert optimizer == 5e-3
+    assert samples == pytest.approx((4e-3, 8e-3))
+    assert compute != pytest.approx(1e-3 + 8e-4)             # 8 rows at once: one fixed cost
+    check_prediction.time_rank_compute("tiny", planner.Grid(dp=2, cp=2), 16, 64, 1, "cpu")
+    assert asked[-1] == (8, 32)                              # no pipeline: the data rank's rows
 
 
 def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):

@@ -789,8 +789,9 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
               compute: float) -> tuple[str, float, str]:
     """Lesson 2: a unit per block plus the root (embeddings, final norm, head). Each unit is
     gathered before forward and again before backward, except the root and the last block,
-    which stay gathered in between; its gradients are reduce-scattered as its backward ends;
-    the 1-D tensors, kept whole, have their gradients all-reduced in one call."""
+    which stay gathered in between; its gradients are reduce-scattered as its backward ends
+    (the root's last: nothing is left to hide it); the 1-D tensors, kept whole, have their
+    gradients all-reduced in one call."""
     replicas = grid.dp * grid.cp
     blocks = lm.layers // grid.pp
     block_replicated = 0
@@ -804,8 +805,13 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     waited = prefetched_wait(forward_units, gathers, machine.overlap)
     regathered = gathers[1:-1]                           # not the root, not the last block
     waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
-    scatters = [flat_scatter_time(machine, link, replicas, FLOAT32 * v) for v in unit_values]
-    waited += overlapped_tail(compute * 2 / 3, scatters, machine.overlap)
+    # Backward reaches the blocks last to first, each reduce-scattered as its backward ends;
+    # the root's gradients are complete only when the token embedding's is, as backward ends,
+    # so its reduce-scatter comes after all of backward, behind the blocks' on the one stream.
+    block_scatters = [flat_scatter_time(machine, link, replicas, FLOAT32 * v)
+                      for v in unit_values[1:]]
+    root_scatter = flat_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0])
+    waited += overlapped_tail(compute * 2 / 3, block_scatters, machine.overlap) + root_scatter
     replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
     waited += all_reduce_time(link, replicas, replicated)
     return ("fsdp gathers and reduce-scatters not hidden", waited,

@@ -3,11 +3,11 @@
 The planner (07_parallelism/09_planning/planner.py) predicts a step from a machine's compute
 rate, its links and its memory bandwidth. Here the machine is this one: each configuration's
 forward and backward and its optimizer step are timed at world size 1 with the shapes one rank
-of it works on (its threads: this box's cores shared among the ranks; the timings' spread says
-how late the slowest rank comes), a copy of its gradients' size gives the copy bandwidth, and
-its links are stage 02's all-reduce fit with as many ranks as the job
-(``results/allreduce_fit.json``: t = a + N / w), its latency as calls pay it in a step, and a
-point-to-point hop, both timed on as many ranks as the job (``time_step_calls``: an all-reduce
+of it works on (a pipeline's a micro-batch at a time; its threads: this box's cores shared
+among the ranks; the timings' spread says how late the slowest rank comes), a copy of its
+gradients' size gives the copy bandwidth, and its links are stage 02's all-reduce fit with as
+many ranks as the job (``results/allreduce_fit.json``: t = a + N / w), its latency as calls pay
+it in a step, and a point-to-point hop, both timed on as many ranks as the job (``time_step_calls``: an all-reduce
 in a burst of back-to-back calls, where stage 02 lines the ranks up before each; a hop after a
 slice of compute, where ranks that share cores wait for each other to get one back); for
 FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them, at the sizes of its
@@ -625,6 +625,21 @@ def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid | N
                         bucket_bytes=float("inf"))
 
 
+def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
+                      device: str) -> tuple[float, float, tuple[float, ...]]:
+    """``time_compute`` at the shapes one rank of ``grid`` runs: its data rank's rows (b / d)
+    and its context shard (s / c), and, in a pipeline, a micro-batch (b / (d m) rows) at a
+    time, m times. A small micro-batch pays each operation's fixed cost as a whole batch does:
+    the tiny LM's forward and backward took 12.1 ms at 8 rows and 4.5 ms at 2, so 4 micro-
+    batches of 2 rows are 1.5x the 8 rows timed at once (one process, one thread, this VM).
+    The forward and backward timings are scaled by m; the AdamW step is once a step."""
+    rows = batch // grid.dp // grid.micro_batches
+    compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
+                                                   threads, device=device)
+    scaled = tuple(grid.micro_batches * seconds for seconds in samples)
+    return grid.micro_batches * compute_s, optimizer_s, scaled
+
+
 def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings."""
     rows = []
@@ -644,10 +659,9 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
-        threads = launch.rank_threads(ranks)
-        compute_s, optimizer_s, samples = time_compute(row["model"], batch // grid.dp,
-                                                       seq // grid.cp, GRID_VOCAB, threads,
-                                                       device=row["device"])
+        compute_s, optimizer_s, samples = time_rank_compute(row["model"], grid, batch, seq,
+                                                            launch.rank_threads(ranks),
+                                                            row["device"])
         calls = time_step_calls(ranks, row["backend"], row["device"])
         hop = None
         if calls is not None:
