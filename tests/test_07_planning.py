@@ -370,8 +370,9 @@ def test_fsdps_collectives_are_timed_at_its_units_sizes(monkeypatch):
 def test_a_pipeline_ranks_compute_is_timed_a_micro_batch_at_a_time(monkeypatch):
     """``time_rank_compute``: a grid's rank is timed at its data rank's rows and context shard,
     and a pipeline's at one micro-batch's rows, its forward and backward times m (each
-    operation's fixed cost is paid per micro-batch); the AdamW step once. A negative control:
-    the whole data rank's rows at once (what the check timed before) differs."""
+    operation's fixed cost is paid per micro-batch); the AdamW step once. The fake timing has a
+    fixed cost a call, so the data rank's 8 rows timed at once (what the check did before)
+    would give 1.8 ms, not 4.8."""
     import check_prediction
     asked = []
 
@@ -387,7 +388,6 @@ def test_a_pipeline_ranks_compute_is_timed_a_micro_batch_at_a_time(monkeypatch):
     assert compute == pytest.approx(4 * (1e-3 + 2e-4))
     assert optimizer == 5e-3
     assert samples == pytest.approx((4e-3, 8e-3))
-    assert compute != pytest.approx(1e-3 + 8e-4)             # 8 rows at once: one fixed cost
     check_prediction.time_rank_compute("tiny", planner.Grid(dp=2, cp=2), 16, 64, 1, "cpu")
     assert asked[-1] == (8, 32)                              # no pipeline: the data rank's rows
 
@@ -504,12 +504,25 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     grid_rows = [{**common, "impl": "ours", "grid": "dp2 tp2", "setting": "AdamW",
                   "world_size": 4, "micro_batches": 1, "batch_size": 4, "seq_len": 16,
                   "step_ms": 70}]
+    grid_rows.append({**grid_rows[0], "grid": "dp2 pp2", "setting": "AdamW, 1f1b m2",
+                      "micro_batches": 2})
     results.upsert_csv("grid.csv", grid_rows, key=["grid"])
+    timed_shapes = []
+    time_compute = check_prediction.time_compute
+
+    def time_compute_seen(model, rows, seq, *args, **kwargs):
+        timed_shapes.append((model, rows, seq))
+        return time_compute(model, rows, seq, *args, **kwargs)
+
+    monkeypatch.setattr(check_prediction, "time_compute", time_compute_seen)
     assert check_prediction.main(["--project"]) == 0
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
     # the DDP rows' and the ledger's compute is their run's compute-only control (none), which
     # is an input, not a row; torch_fsdp is not modelled as ours
-    assert len(rows) == 3 + 2 + 1, sorted(rows)
+    assert len(rows) == 3 + 2 + 2, sorted(rows)
+    # dp2 pp2 is timed a micro-batch (1 row) at a time, not its data rank's 2 rows at once
+    assert any(config.startswith("grid dp2 pp2") for config in rows), sorted(rows)
+    assert ("tiny", 1, 16) in timed_shapes, timed_shapes
     for config, row in rows.items():
         if config.startswith("ddp_step"):
             assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)

@@ -806,8 +806,9 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     regathered = gathers[1:-1]                           # not the root, not the last block
     waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
     # Backward reaches the blocks last to first, each reduce-scattered as its backward ends;
-    # the root's gradients are complete only when the token embedding's is, as backward ends,
-    # so its reduce-scatter comes after all of backward, behind the blocks' on the one stream.
+    # the root's gradients are complete only when the token embedding's is, as backward ends
+    # (lesson 2 wraps the whole model, pp = 1; a pipeline stage's root is charged the same, a
+    # bound), so its reduce-scatter comes after all of backward, behind the blocks'.
     block_scatters = [flat_scatter_time(machine, link, replicas, FLOAT32 * v)
                       for v in unit_values[1:]]
     root_scatter = flat_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0])

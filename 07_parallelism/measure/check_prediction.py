@@ -7,9 +7,10 @@ of it works on (a pipeline's a micro-batch at a time; its threads: this box's co
 among the ranks; the timings' spread says how late the slowest rank comes), a copy of its
 gradients' size gives the copy bandwidth, and its links are stage 02's all-reduce fit with as
 many ranks as the job (``results/allreduce_fit.json``: t = a + N / w), its latency as calls pay
-it in a step, and a point-to-point hop, both timed on as many ranks as the job (``time_step_calls``: an all-reduce
-in a burst of back-to-back calls, where stage 02 lines the ranks up before each; a hop after a
-slice of compute, where ranks that share cores wait for each other to get one back); for
+it in a step, and a point-to-point hop, both timed on as many ranks as the job
+(``time_step_calls``: an all-reduce in a burst of back-to-back calls, where stage 02 lines the
+ranks up before each; a hop after a slice of compute, where ranks that share cores wait for
+each other to get one back); for
 FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them, at the sizes of its
 units (``time_flat_collectives``: Gloo's cost about an all-reduce of the unit each, not half of
 one). The DDP rows and the ledger's take their compute instead from the compute-only control
@@ -629,10 +630,10 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
                       device: str) -> tuple[float, float, tuple[float, ...]]:
     """``time_compute`` at the shapes one rank of ``grid`` runs: its data rank's rows (b / d)
     and its context shard (s / c), and, in a pipeline, a micro-batch (b / (d m) rows) at a
-    time, m times. A small micro-batch pays each operation's fixed cost as a whole batch does:
-    the tiny LM's forward and backward took 12.1 ms at 8 rows and 4.5 ms at 2, so 4 micro-
-    batches of 2 rows are 1.5x the 8 rows timed at once (one process, one thread, this VM).
-    The forward and backward timings are scaled by m; the AdamW step is once a step."""
+    time, m times: a small micro-batch pays each operation's fixed cost as a whole batch does
+    (lesson 9's README has the tiny LM's figures). The forward and backward timings are scaled
+    by m; the AdamW step is once a step. (Each sample scaled by m overstates the spread of a
+    sum of m micro-batches a little, so the straggler share a little for a pipeline.)"""
     rows = batch // grid.dp // grid.micro_batches
     compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
                                                    threads, device=device)

@@ -425,14 +425,16 @@ def target_lines(rows: list[dict]) -> list[str]:
         lines.append(f"{impl} {' + '.join(kinds)} bytes per rank / {formula}: {ratio:.4f} (target within 5%)")
     fsdp_row = by_case.get(("fsdp", first_checkpointing))
     ddp_row = by_case.get(("ddp", first_checkpointing))
-    if fsdp_row is not None and ddp_row is not None and ddp_row["world_size"] == 1:
-        lines.append("bytes sent: none, on one rank (the ratios to the prediction and to DDP's "
-                     "need two or more)")
-    elif fsdp_row is not None and ddp_row is not None:
-        to_prediction = fsdp_row["sent_bytes"] / fsdp_row["sent_bytes_predicted"]
-        to_ddp = fsdp_row["sent_bytes"] / ddp_row["sent_bytes"]
-        lines.append(f"fsdp bytes sent / its prediction: {to_prediction:.4f} (target within 5%); / DDP's: "
-                     f"{to_ddp:.3f}x (1.5x less the all-gathers of what stays gathered for backward)")
+    if fsdp_row is not None and ddp_row is not None:
+        if ddp_row["world_size"] == 1:
+            lines.append("bytes sent: none, on one rank (the ratios to the prediction and to "
+                         "DDP's need two or more)")
+        else:
+            to_prediction = fsdp_row["sent_bytes"] / fsdp_row["sent_bytes_predicted"]
+            to_ddp = fsdp_row["sent_bytes"] / ddp_row["sent_bytes"]
+            lines.append(f"fsdp bytes sent / its prediction: {to_prediction:.4f} (target within "
+                         f"5%); / DDP's: {to_ddp:.3f}x (1.5x less the all-gathers of what stays "
+                         "gathered for backward)")
     # activation checkpointing
     for (impl, checkpointing), on in by_case.items():
         off = by_case.get((impl, "off"))
