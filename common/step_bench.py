@@ -70,10 +70,11 @@ def check_step_bench_args(args, config) -> None:
                            f"{ws * max(1, args.batch_size // ws)})")
     # A rank's rough peak: 20 bytes per parameter (fp32 weight, gradient, AdamW's two moments,
     # a bucket copy) plus the fp32 activations kept for backward.
-    p, t = models.PRESETS[args.model], args.context_length
-    acts = 4 * (args.batch_size // ws) * t * (3 * models.VOCAB_SIZE + p["num_layers"] * (
-        12 * p["d_model"] + 2 * p["d_ff"] + p["num_heads"] * t))
-    need = 20 * models.lm_parameter_count(args.model, context_length=t) + acts
+    shape = models.PRESETS[args.model]
+    context = args.context_length
+    acts = 4 * (args.batch_size // ws) * context * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
+        12 * shape["d_model"] + 2 * shape["d_ff"] + shape["num_heads"] * context))
+    need = 20 * models.lm_parameter_count(args.model, context_length=context) + acts
     what = f"--model {args.model}, batch {args.batch_size}, context {args.context_length}"
     ranks_here = launch.ranks_on_this_node(ws)
     if config.device == "cuda":
@@ -96,9 +97,10 @@ def setup_case(ctx, factory, args):
     wrapper = factory(model) if factory is not None else model
     finish = getattr(wrapper, "finish_gradient_synchronization", None) or (lambda: None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    b, r = args.batch_size // ctx.world_size, ctx.rank
+    rows = args.batch_size // ctx.world_size      # this rank's slice of the global batch
+    first = ctx.rank * rows
     x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=ctx.device)
-    return model, wrapper, finish, optimizer, x[r * b:(r + 1) * b], y[r * b:(r + 1) * b]
+    return model, wrapper, finish, optimizer, x[first:first + rows], y[first:first + rows]
 
 
 def time_steps(ctx, factory, args) -> tuple[list[float], ...]:

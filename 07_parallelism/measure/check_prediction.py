@@ -10,13 +10,12 @@ many ranks as the job (``results/allreduce_fit.json``: t = a + N / w), its laten
 it in a step, and a point-to-point hop, both timed on as many ranks as the job
 (``time_step_calls``: an all-reduce in a burst of back-to-back calls, where stage 02 lines the
 ranks up before each; a hop after a slice of compute, where ranks that share cores wait for
-each other to get one back); for
-FSDP, its flat all-gather and reduce-scatter timed as lesson 2 makes them, at the sizes of its
-units (``time_flat_collectives``: Gloo's cost about an all-reduce of the unit each, not half of
-one). The DDP rows and the ledger's take their compute instead from the compute-only control
-their own launch measured beside them (``none``), and the DDP rows a call's cost from the burst
-timed beside it. The prediction is then set beside the step
-times the course measured on this box, each file at its newest run:
+each other to get one back); for FSDP, its flat all-gather and reduce-scatter timed as lesson 2
+makes them, at the sizes of its units (``time_flat_collectives``: Gloo's cost about an
+all-reduce of the unit each, not half of one). The DDP rows and the ledger's take their
+compute instead from the compute-only control their own launch measured beside them
+(``none``), and the DDP rows a call's cost from the burst timed beside it. The prediction is
+then set beside the step times the course measured on this box, each file at its newest run:
 
   results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
   results/sharding.csv   the ledger: DDP, ZeRO-1, ZeRO-2, FSDP (02_fsdp ``--bench``)
