@@ -124,7 +124,8 @@ def measure(ctx, impl: str, all_reduce, nbytes: int, cfg: dict) -> dict | str:
     The check is exact: every impl must produce the exact sums, so all agree bit for bit.
     Every rank checks its own buffer; all raise if any buffer is wrong (a rank that raised
     alone would leave the others waiting in the timed calls)."""
-    from common import timing, verify
+    from common import verify
+    from bench import timing
     buf = torch.empty(nbytes // 4, dtype=torch.float32, device=ctx.device)
     fill(buf, ctx.rank)
     first_call = timing.gather_times(timing.measure(lambda: all_reduce(buf), ctx.device,
@@ -179,7 +180,8 @@ def check_sums(ctx, cfg: dict) -> None:
 
 def allreduce_sweep(ctx, cfg: dict) -> None:
     """On every rank: each size, each impl: skip (with the reason), or measure and write."""
-    from common import import_stage, results
+    from common import import_stage
+    from bench import results
     stage01 = import_stage("01_collectives/collectives")
     impls = {"backend": dist.all_reduce, "ring": stage01.ring_all_reduce,
              "ring_pipelined": stage01.pipelined_ring_all_reduce}
@@ -258,7 +260,8 @@ def fits_of(rows: list[dict]) -> dict:
 
 def report(rows: list[dict], machine: str) -> None:
     """Print the table and the fits; write the fit JSON and the plot (parent / rank 0)."""
-    from common import import_stage, results
+    from common import import_stage
+    from bench import results
     fits = fits_of(rows)
     error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items()
              for p in f["points"]}  # each backend point against its group's fit
@@ -296,7 +299,7 @@ def report(rows: list[dict], machine: str) -> None:
 def plan_configurations(args) -> list[tuple[str, str, int]]:
     """(backend, device, world_size) asked for and possible here: NCCL moves GPU memory only,
     one GPU per rank; by default GPU tensors go over Gloo only where ranks share GPUs."""
-    from common import launch
+    from bench import launch  # TODO(lab): memory checks move to the lab
     gpus = torch.cuda.device_count()
     nccl_gpus = gpus if dist.is_nccl_available() else 0
     plan = []
@@ -331,7 +334,8 @@ def size_list(text: str) -> list[int]:
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, results
+    from bench import launch  # TODO(lab): memory checks move to the lab
+    from bench import results
 
     p = launch.Parser(description=__doc__.splitlines()[0],
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -16,7 +16,7 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int = 0) -> str | No
     not fit for the ranks on this node, or None. Checked inside a run, every rank for its own
     GPU, all getting the same answer: one rank short means all skip, or their collectives
     would not match."""
-    from common import launch
+    from bench import launch  # TODO(lab): memory checks move to the lab
     gib = launch.GIB
     ranks_here = launch.ranks_on_this_node(ctx.world_size)
     have = launch.host_available_bytes()
@@ -40,7 +40,7 @@ def plot_lines(path: Path, lines: dict, xlabel: str, ylabel: str, title: str,
                xticks: dict | None = None) -> Path | None:
     """A log-x line plot: ``lines`` maps a label to (xs, ys, matplotlib format string).
     ``xticks``: {x: label}. Returns the path, or None (with a note) without matplotlib."""
-    from common import results
+    from bench import results
     plt = results.pyplot()
     if plt is None:
         print(f"plot: matplotlib is not installed, so no {Path(path).name}", flush=True)

@@ -130,19 +130,20 @@ def verify_main(ctx) -> None:
 
 def bench_main(ctx, args) -> None:
     """--bench: the LM's step time, with no communication and torch DDP beside it."""
-    from common import step_bench
+    from bench import step_bench
     step_bench.run_step_bench(ctx, [("naive", None, NaiveDDP)], args)
 
 
 def profile_main(ctx, args) -> None:
     """--profile: a trace per rank and a timeline: all communication after backward."""
-    from common import profiling
+    from bench import profiling
     profiling.profile_ddp(ctx, [("naive (03)", NaiveDDP)], args, name="03_naive_ddp")
 
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, profiling, step_bench
+    from common import launch
+    from bench import profiling, step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="time a training step of the Transformer LM instead of verifying")

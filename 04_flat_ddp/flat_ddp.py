@@ -150,14 +150,16 @@ def verify_main(ctx) -> None:
 
 def bench_main(ctx, args) -> None:
     """--bench: flat beside naive (stage 03), no communication and torch DDP, in one run."""
-    from common import import_stage, step_bench
+    from common import import_stage
+    from bench import step_bench
     naive = import_stage("03_naive_ddp/naive_ddp").NaiveDDP
     step_bench.run_step_bench(ctx, [("naive", None, naive), ("flat", None, FlatDDP)], args)
 
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, step_bench
+    from common import launch
+    from bench import step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="time a training step of the Transformer LM instead of verifying")

@@ -227,7 +227,8 @@ def earlier_stages():
 
 def verify_main(ctx, args) -> None:
     """Plain run: verify against one process, then a quick step benchmark beside 03 and 04."""
-    from common import step_bench, verify
+    from common import verify
+    from bench import step_bench
     if not verify.verify_ddp(ctx, OverlapDDP, "OverlapDDP"):
         raise SystemExit(1)
     if args.check:
@@ -238,7 +239,7 @@ def verify_main(ctx, args) -> None:
 
 def bench_main(ctx, args, csv_name: str = "ddp_step.csv") -> None:
     """--bench: step time of 05 against 03 and 04 (and no communication, and torch DDP)."""
-    from common import step_bench
+    from bench import step_bench
     naive, flat = earlier_stages()
     step_bench.run_step_bench(ctx, [("naive", None, naive), ("flat", None, flat),
                                     ("overlap", None, OverlapDDP)], args, csv_name=csv_name)
@@ -246,14 +247,15 @@ def bench_main(ctx, args, csv_name: str = "ddp_step.csv") -> None:
 
 def profile_main(ctx, args) -> None:
     """--profile: traces per rank and a timeline, NaiveDDP (03) above OverlapDDP (05)."""
-    from common import profiling
+    from bench import profiling
     profiling.profile_ddp(ctx, [("naive (03)", earlier_stages()[0]), ("overlap (05)", OverlapDDP)],
                           args, name="05_overlap_ddp")
 
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, profiling, step_bench
+    from common import launch
+    from bench import profiling, step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="time a training step of the Transformer LM: 05 vs 03 and 04")

@@ -53,7 +53,9 @@ def latency_bandwidth(ctx) -> dict:
     """
     import os
 
-    from common import import_stage, results, timing
+    from common import import_stage
+
+    from bench import results, timing
     key = f"{ctx.backend}/{ctx.device.type}/{ctx.world_size}"
     decision = [None]
     if ctx.is_main:
@@ -92,7 +94,8 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, json_name: str,
     save the summary in ``results/<json_name>`` keyed by backend/device/world size/model. The
     sweep may be partial (a step stopped part-way): the summary names the sizes it has.
     ``assign_buckets``: stage 06's, passed in (this module is imported by stage 06)."""
-    from common import models, results
+    from common import models
+    from bench import results
     if not usable(fit):  # a fit measured on a noisy machine can come out with a <= 0
         if show:
             ctx.print(f"bucket model: no prediction: the latency-bandwidth fit ({fit['source']}) "

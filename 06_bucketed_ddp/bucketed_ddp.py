@@ -268,7 +268,8 @@ def sweep_and_model(ctx, args, with_earlier_stages: bool, demo: bool = False) ->
     """BucketedDDP and torch DDP at every size (stages 03-05 beside them for --bench), and the
     model's prediction beside the sweep. The plain run's quick sweep (``demo``) writes its own
     files, so a ``make run`` never replaces the rows of a real --bench."""
-    from common import import_stage, step_bench
+    from common import import_stage
+    from bench import step_bench
     model = import_stage("06_bucketed_ddp/bucket_model")
     fit = model.latency_bandwidth(ctx)
     cases = [("naive", None, import_stage("03_naive_ddp/naive_ddp").NaiveDDP),
@@ -315,7 +316,8 @@ def bench_main(ctx, args) -> None:
 
 def profile_main(ctx, args) -> None:
     """--profile: traces per rank and a timeline, NaiveDDP (03) above BucketedDDP (06)."""
-    from common import import_stage, profiling
+    from common import import_stage
+    from bench import profiling
     profiling.profile_ddp(ctx, [
         ("naive (03)", import_stage("03_naive_ddp/naive_ddp").NaiveDDP),
         (f"bucketed (06, {args.bucket_size_mb:g} MB)",
@@ -325,7 +327,8 @@ def profile_main(ctx, args) -> None:
 
 def main(argv=None) -> None:
     _repo()
-    from common import launch, profiling, step_bench
+    from common import launch
+    from bench import profiling, step_bench
     parser = launch.make_parser(__doc__)
     parser.add_argument("--bench", action="store_true",
                         help="BucketedDDP swept over --bucket-sizes, torch DDP at the same sizes "

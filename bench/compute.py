@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from common import models, results, timing  # noqa: E402
+from common import models  # noqa: E402
+
+from bench import results, timing
 
 CSV_NAME = "compute.csv"
 PEAK_JSON = "matmul_peak.json"
@@ -159,7 +161,7 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The flags, checked: a bad one is one line and exit 2, before anything is measured."""
-    from common import launch
+    from bench import launch
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--models", default="tiny",

@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compute import flops_per_token  # noqa: E402
-from common import results  # noqa: E402
+from bench import results  # noqa: E402
 
 RUN_FILE = "bench_run.json"
 RUN_KEYS = ("run_id", "quick", "model", "setup", "machine", "started_utc", "total_s", "steps")

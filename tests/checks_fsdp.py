@@ -37,7 +37,8 @@ import checks_zero
 import counters
 import fsdp as fsdp_mod
 import ledger
-from common import launch, models, results
+from common import models
+from bench import launch, results
 
 FSDP = fsdp_mod.FSDP
 # Mixed precision against the one-process cast reference. Both sides run the same casts and
@@ -598,7 +599,7 @@ def counter_checks(ctx, record):
 
 def fsdp_checks(ctx, trace_dir, record):
     """Every FSDP case, at this world size."""
-    from common import profiling
+    from bench import profiling
 
     def equivalence(name, build, **kw):
         f, fsdp, _ = train(ctx, build, **kw)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import bench_tensor_parallel as bench
 import tensor_parallel as tp
-from common import results
+from bench import results
 
 BLOCK = {"d_model": 16, "d_ff": 32, "heads": 4, "batch": 2, "seq": 8}
 MLP_PARAMS = ["output", "input.grad", "fc1.weight.grad", "fc1.bias.grad", "fc2.weight.grad",

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import collectives
-from common import launch, verify
+from common import verify
+from bench import launch
 from helpers import REPO, assert_main_usage_error
 
 SCRIPT = REPO / "01_collectives" / "collectives.py"

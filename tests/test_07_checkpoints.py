@@ -36,7 +36,8 @@ import checkpoint
 import checks_checkpoint as checks
 import layouts
 import resume
-from common import import_stage, launch
+from common import import_stage
+from bench import launch
 from helpers import REPO
 
 # --------------------------------------------------------------------------- planted bugs

@@ -27,7 +27,7 @@ import checks_pipeline as checks
 import one_f_one_b
 import pipeline_parallel as pp
 import pipeline_schedules as ps
-from common import launch
+from bench import launch
 from helpers import REPO, assert_main_usage_error, assert_usage_error, run_script
 
 CFG = dict(layers=8, d_model=16, hidden=32, batch=16, chunks=2)  # batch divides by 1, 2, 4, 8

@@ -477,7 +477,7 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     cannot run its LM."""
     import check_prediction
     from bench import report
-    from common import results
+    from bench import results
     monkeypatch.setattr(check_prediction, "PROJECTION_MODEL", "tiny")   # the path, not the size
     measured = check_prediction.StepCalls(all_reduce_s=2e-3, hop=planner.Link(3e-3, 1e8))
     monkeypatch.setattr(check_prediction, "time_step_calls", lambda *args: measured)  # its own test

@@ -147,7 +147,7 @@ import checks_together  # noqa: E402
 import text_data  # noqa: E402
 import train_flags  # noqa: E402
 import training  # noqa: E402
-from common import launch  # noqa: E402
+from bench import launch  # noqa: E402
 from helpers import assert_main_usage_error  # noqa: E402
 
 TEXT = (REPO / "README.md").read_text() * 3  # a small real text: the tests read no stdlib
@@ -531,7 +531,7 @@ import types  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import grid_bench  # noqa: E402
-from common import results  # noqa: E402
+from bench import results  # noqa: E402
 
 # train.py --bench at test sizes: three grids that use every axis and ZeRO-1, torch's
 # composition beside ours, two pipeline schedules against torch's (1F1B, and ZB-V on the V

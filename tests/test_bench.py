@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from bench import make_bench, report
-from common import results
+from bench import results
 from helpers import REPO, alive, session, start_script, wait_for_line
 
 
@@ -186,7 +186,7 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from common import launch
+    from bench import launch
 
     class Props:
         total_memory = 80 * 2**30
@@ -358,7 +358,7 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     beside it. One rank, in this process."""
     import torch.distributed as dist
 
-    from common import launch, step_bench
+    from bench import launch, step_bench
     args = argparse.Namespace(model="tiny", batch_size=2, context_length=8, steps=2, warmup=0,
                               rounds=2, case_budget_s=120.0)
     ctx = launch.Dist(0, 1, 0, "gloo", torch.device("cpu"))
@@ -397,7 +397,9 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
     second case has the first case's row in ddp_profile.csv and its picture. One rank, here."""
     import torch.distributed as dist
 
-    from common import import_stage, launch, profiling, step_bench
+    from common import import_stage
+
+    from bench import launch, profiling, step_bench
     bucketed = import_stage("06_bucketed_ddp/bucketed_ddp")
     monkeypatch.setattr(import_stage("06_bucketed_ddp/bucket_model"), "latency_bandwidth",
                         lambda ctx: {"a_s": 1e-4, "w_bytes_per_s": 1e9, "source": "test"})

@@ -51,7 +51,8 @@ import flat_ddp
 import naive_ddp
 import overlap_ddp
 from bucketed_ddp import BucketedDDP, assign_buckets, check_bucket_size_mb
-from common import launch, verify
+from common import verify
+from bench import launch
 from common.verify import agree
 from common.models import TiedModel, ToyModel, random_regression_data
 from helpers import BranchModel
@@ -593,7 +594,7 @@ def check_latency_bandwidth_decided_by_rank0(ctx):
     import os
     import tempfile
 
-    from common import results
+    from bench import results
     saved = os.environ.get("RESULTS_DIR")
     saved_sizes = bucket_model.FIT_SIZES
     bucket_model.FIT_SIZES = [2**12, 2**16]  # the decision is under test, not the fit: small

@@ -24,7 +24,8 @@ import bucketed_ddp
 import flat_ddp
 import naive_ddp
 import overlap_ddp
-from common import launch, profiling, results, step_bench, verify
+from common import verify
+from bench import launch, profiling, results, step_bench
 from helpers import REPO, assert_main_usage_error, run_script
 
 TINY = ["--backend", "gloo", "--device", "cpu", "--world-size", "2", "--model", "tiny",

@@ -31,7 +31,7 @@ import allreduce_bench
 import bucketed_ddp
 import naive_ddp
 import overlap_ddp
-from common import launch, results
+from bench import launch, results
 from helpers import REPO, alive, assert_main_usage_error, children, start_script, wait_for_line
 
 FAULTS = REPO / "tests" / "fault_worker.py"
@@ -257,7 +257,7 @@ def test_a_results_folder_that_cannot_be_written_is_refused_up_front(tmp_path, m
     (allreduce_bench.main, ["--world-sizes", ""], "empty list"),
 ])
 def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monkeypatch):
-    from common import launch
+    from bench import launch
     monkeypatch.setattr(launch, "host_available_bytes", lambda: 20 * 2**30)  # any box: 20 GiB
     assert_main_usage_error(main, ["--backend", "gloo", "--device", "cpu", *argv], capsys,
                             needle)

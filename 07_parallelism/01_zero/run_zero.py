@@ -203,7 +203,8 @@ def check_one_way(ctx, way: str, micro_batches: int) -> tuple[dict, list[str], l
 def check_against_one_process(ctx) -> list[str]:
     """The plain run (see the docstring at the top): prints the table; returns the problems
     every rank agreed on (empty: all passed)."""
-    from common import results, verify
+    from common import verify
+    from bench import results
     rows = []
     failures = []
     resumed_exactly = []

@@ -52,7 +52,8 @@ def tied_tiny_lm(seed: int, device):
 def check_against_one_process(ctx) -> list[str]:
     """The plain run. Prints the summary; returns the problems every rank agreed on (empty:
     all passed)."""
-    from common import models, results, verify
+    from common import models, verify
+    from bench import results
     model = tied_tiny_lm(1 + ctx.rank, ctx.device)  # ranks start apart: FSDP broadcasts rank 0's
     reference = tied_tiny_lm(1, ctx.device)
     fsdp = FSDP(model, units=list(model.blocks))  # a unit per block, one for the tied embedding

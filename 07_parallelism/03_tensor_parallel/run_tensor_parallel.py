@@ -132,7 +132,8 @@ def check_block(ctx, cfg: dict, with_torch: bool, checks: list) -> None:
 
 
 def demo(ctx, cfg: dict) -> None:
-    from common import results, verify
+    from common import verify
+    from bench import results
     checks = []
     for variant in cfg["variants"]:
         check_mlp(ctx, cfg, variant, checks)

@@ -188,7 +188,8 @@ def pipeline_main(ctx, args) -> None:
 
 def main(argv=None) -> None:
     _repo()
-    from common import hand_over, launch
+    from bench import launch  # TODO(lab)
+    from common import hand_over
     parser = launch.make_parser(__doc__, world_size=4)
     add_flags(parser)
     args = parser.parse_args(argv)
@@ -206,7 +207,7 @@ def main(argv=None) -> None:
 
 
 def add_flags(parser) -> None:
-    from common import launch
+    from bench import launch  # TODO(lab): memory checks move to the lab
     names = list(schedules.SCHEDULES)
     parser.add_argument("--layers", type=launch.positive_int, default=8,
                         help="residual MLP blocks; must divide by p (x v)")
@@ -231,7 +232,7 @@ def add_flags(parser) -> None:
 
 def check_flags(args, config) -> None:
     """Every setting refused in one line (exit 2) before any worker starts."""
-    from common import launch
+    from bench import launch  # TODO(lab): memory checks move to the lab
     stages = config.world_size
     if args.micro_batches is None:
         args.micro_batches = [2 * stages]

@@ -184,7 +184,8 @@ def compare_lm(ctx, cfg: dict, ep_size: int):
 
 
 def demo(ctx, cfg: dict) -> None:
-    from common import results, verify
+    from common import verify
+    from bench import results
     layer_rows = []
     differed = []
     cases = [(routing, top_k, capacity_factor) for routing in ("random", "skewed")
@@ -225,7 +226,7 @@ def demo(ctx, cfg: dict) -> None:
 
 def capacity_factor_type(text: str):
     """A flag type: none (dropless) or a finite number > 0."""
-    from common import launch
+    from bench import launch  # TODO(lab): memory checks move to the lab
     if text.strip().lower() in ("none", "dropless"):
         return None
     return launch.positive_float(text)
@@ -233,7 +234,8 @@ def capacity_factor_type(text: str):
 
 def refuse_bad_input(parser, cfg: dict, config) -> None:
     """Splits that cannot be made, sizes that cannot fit: one line, exit 2, before any worker."""
-    from common import launch, models
+    from bench import launch  # TODO(lab)
+    from common import models
     experts = cfg["num_experts"]
     if experts % config.world_size:
         parser.error(f"--num-experts {experts} is not divisible by the number of ranks "
@@ -256,7 +258,9 @@ def refuse_bad_input(parser, cfg: dict, config) -> None:
 
 def main(argv=None) -> None:
     _repo()
-    from common import hand_over, launch, models, results
+    from bench import launch  # TODO(lab)
+    from common import hand_over, models
+    from bench import results
     parser = launch.make_parser(__doc__, world_size=2)
     parser.add_argument("--bench", action="store_true",
                         help="measure instead: step time, bytes, memory and load, by "

@@ -128,7 +128,7 @@ def train_main(ctx, args, checkpoints_class=None) -> None:
     """The training run: progress lines, then (rank 0) the curve, the picture, the sample.
     ``checkpoints_class``: lesson 8's ``TrainingCheckpoints`` when it runs this loop (its
     ``resume()`` gives the first step, ``after_step(step)`` saves when a save is due)."""
-    from common import results
+    from bench import results
     if args.check:
         check_main(ctx, args)
     grid_mod, parallel_lm, _ = lessons()
@@ -207,7 +207,8 @@ def stop_unless_finite(loss: float, step: int) -> None:
 
 def finish(args, text, curve: list[dict], state: dict, grid_text: str) -> None:
     """Rank 0: the curve to results/, the picture, the sample, the saved model."""
-    from common import models, results
+    from common import models
+    from bench import results
     if not curve:
         return
     rows = []
@@ -236,7 +237,7 @@ def finish(args, text, curve: list[dict], state: dict, grid_text: str) -> None:
 
 
 def plot_curve(args, grid_text: str, unigram: float) -> None:
-    from common import results
+    from bench import results
     plt = results.pyplot()
     if plt is None:
         print("(no picture: matplotlib is not installed)", flush=True)

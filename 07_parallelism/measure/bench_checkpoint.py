@@ -149,7 +149,7 @@ def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, state
     """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many
     loads of the last one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's
     median and each rank's bytes."""
-    from common import timing
+    from bench import timing
     rows = []
     folder = root / f"{impl}_{saved_at}"
     for op, size in (("save", saved_at), ("load", loaded_at)):
@@ -247,7 +247,7 @@ def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) 
 
 def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
     """Rank 0: the table, the targets measured beside their values, results/checkpoint.csv."""
-    from common import results
+    from bench import results
     machine = results.machine_name()
     for row in rows:
         row.update({"model": args.model, "backend": dist.get_backend(),
@@ -295,7 +295,8 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
 
 
 def main(argv=None) -> None:
-    from common import launch, models, results
+    from common import models
+    from bench import launch, results
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true",
                         help="accepted (the lesson's run_checkpoint.py --bench hands over here)")

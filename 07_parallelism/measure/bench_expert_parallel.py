@@ -42,7 +42,9 @@ for folder in (REPO, REPO / "07_parallelism" / "06_expert_parallel"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from common import import_stage, launch, results, timing  # noqa: E402
+from common import import_stage  # noqa: E402
+
+from bench import launch, results, timing
 from expert_parallel import ExpertParallelMoE, MoE, expert_capacity  # noqa: E402
 
 counters = import_stage("07_parallelism/measure/counters")
@@ -366,7 +368,7 @@ def capacity_factor_type(text: str):
 def trace_folder(text: str) -> Path:
     """A flag type: a folder named (never '': that would write into the current directory)
     that can be written or made."""
-    from common.profiling import writable_folder
+    from bench.profiling import writable_folder
     if not text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is not a folder: name one for the traces")
     return writable_folder(text)

@@ -17,7 +17,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
 
 import ledger  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
-from common import import_stage, launch, profiling, step_bench  # noqa: E402
+from common import import_stage  # noqa: E402
+from bench import launch, profiling, step_bench
 
 
 def fsdp_per_block(model):

@@ -43,7 +43,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from common import import_stage, launch, results, timing  # noqa: E402  (after the path)
+from common import import_stage  # noqa: E402  (after the path)
+
+from bench import launch, results, timing
 
 pipeline_parallel = import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
 schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")

@@ -41,7 +41,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from common import import_stage, launch, models, results  # noqa: E402 (after the path)
+from common import import_stage, models  # noqa: E402 (after the path)
+
+from bench import launch, results
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # noqa: E402
                       ring_send_bytes)
 

@@ -55,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
-from common import launch, models, results, timing  # noqa: E402
+from common import models  # noqa: E402
+from bench import launch, results, timing
 
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured

@@ -647,7 +647,7 @@ def byte_columns(per_rank: list[dict], kinds) -> dict:
 def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: list[float],
               micro_batches: int) -> dict:
     """A CSV row's first columns: what ran, where, and the slowest rank's median step."""
-    from common import results, timing
+    from bench import results, timing
     stats = timing.gather_times(seconds)
     tokens = sizes["batch_size"] * sizes["seq_len"]
     return {"impl": impl, "pair": "", "grid": grid, "setting": setting, "model": sizes["model"],
@@ -662,7 +662,7 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
 def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
     """One of our grids: (its CSV row, every rank's counts and formulas, what ``time_again``
     needs to time it in another round)."""
-    from common import timing
+    from bench import timing
     built = build_grid(ctx, spec, sizes, lessons)
     mine = count_grid(ctx, spec, sizes, built, lessons)
     seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
@@ -692,7 +692,7 @@ def time_again(ctx, sizes: dict, timed: dict) -> None:
     earlier ones into its row. On a box whose ranks share cores a grid's time moves with where
     its processes land, which changes within seconds: rounds spread over the launch put every
     grid through the same spells."""
-    from common import timing
+    from bench import timing
     timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0, iters=sizes["iters"],
                                        barrier=True)
     spec = timed["spec"]
@@ -1022,7 +1022,7 @@ def compare_hsdp_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
     """Each step warmed up, then ``rounds`` rounds of ``iters`` timed calls of each in turn;
     the times pooled per step."""
-    from common import timing
+    from bench import timing
     seconds = {}
     for name, step in steps.items():
         timing.measure(step, ctx.device, warmup=sizes["warmup"], iters=0)
@@ -1254,7 +1254,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     """Every rank: our grids, torch's composition beside ours, the pipelines; rank 0 writes
     results/grid.csv and prints the tables and the targets (and, for the tests, everything as
     JSON at ``out_path``)."""
-    from common import results
+    from bench import results
     lessons = load_lessons()
     grid_rows = []
     details = []
@@ -1321,7 +1321,7 @@ def counted_and_formula(row: dict, kind: str, unit: int) -> str:
 def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
            pipeline_rows: list[dict], reference: float) -> None:
     """Rank 0: the tables, then the targets measured beside the targets."""
-    from common import results
+    from bench import results
     machine = results.machine_name()
     unit = 1024
     unit_name = "KiB"
@@ -1547,7 +1547,7 @@ def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
 
 def run(args, config) -> None:
     """``train.py --bench``: check everything, then launch the measurements."""
-    from common import launch, results
+    from bench import launch, results
     if config.world_size not in GRIDS:
         launch.usage_error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, "
                            f"not {config.world_size}: use --world-size 4 (or 8 with a GPU per "

@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import import_stage, launch, models, results, timing
+from common import import_stage, models
+
+from bench import launch, results, timing
 from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
                       optimizer_state_bytes, state_bytes, storage_key)
 

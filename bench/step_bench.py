@@ -21,7 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import launch, models, results, timing
+from common import models
+
+from bench import launch, results, timing
 
 CSV_NAME = "ddp_step.csv"
 # The plain runs of 05/06 (``make run``) end with a quick demo on small defaults; its rows go

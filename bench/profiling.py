@@ -19,9 +19,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from common import models, results, step_bench, timing
+from common import models
 
 # range name: (legend, colour, mark in the text timeline)
+
+from bench import results, step_bench, timing
 PHASES = {"ddp:forward": ("forward", "#9ecae1", "f"), "ddp:backward": ("backward", "#3182bd", "B"),
           "ddp:finish": ("wait for comm", "#fdae6b", "w"),
           "ddp:optimizer": ("optimizer", "#a1d99b", "o")}

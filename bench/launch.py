@@ -1,0 +1,503 @@
+"""The lab's launcher: the course's (common/launch.py) with what a run nobody watches needs.
+
+``launch(worker, config, *args, timeout_s=None)`` runs ``worker(ctx, *args)`` on every rank, as
+the course's ``launch`` does, and supervises the ranks: the first rank to fail is named with its
+traceback and the others are ended at once; a rank killed by a signal or stopped (SIGSTOP) is
+named; Ctrl-C or SIGTERM ends every rank with one line (``Stopped``); ``faulthandler`` in every
+rank, so a segfault prints a Python stack; ``python script.py | head -1`` ends quietly. Before
+any worker starts, one-line refusals (exit 2): environment variables out of range, runs that
+cannot fit in host or GPU memory. The ranks are always forked from Python's fork server (a
+process that never ran a thread of this one), so none can inherit a lock held at the fork.
+The rendezvous store is held here, on a port the OS picks, unless MASTER_PORT is set.
+The course's names (``Dist``, ``LaunchConfig``, the flag types) are re-exported.
+"""
+
+import argparse
+import datetime
+import faulthandler
+import gc
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import reduction
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+
+from bench import results
+from common import usage_error
+from common.launch import (Dist, LaunchConfig, Parser, choice_list, free_port, int_list,  # noqa: F401
+                           list_of, non_negative_int, positive_float, positive_int,
+                           rank_threads, ranks_on_this_node, under_torchrun)
+from common.launch import make_parser as course_parser
+from common.launch import resolve as course_resolve
+
+
+class Stopped(SystemExit):
+    """Ctrl-C or SIGTERM stopped the workers (exit 128 + signal); a benchmark may catch it to
+    report what finished, then re-raise it."""
+
+
+def make_parser(doc: str | None, world_size: int = 2) -> Parser:
+    """The course's parser; a lab script is a command-line tool, so it also ends quietly when
+    its reader does (``quiet_when_the_reader_leaves``)."""
+    quiet_when_the_reader_leaves()
+    return course_parser(doc, world_size)
+
+
+# --------------------------------------------------------------------------- environment
+# The variables a run reads, each checked for the range it really works in before any worker
+# starts, so a bad one is one line and exit 2, never a worker's traceback half way.
+MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; torch's deadlines overflow somewhere past 1e9 s
+
+
+def timeout_s() -> float:
+    """How long the rendezvous and each collective wait for a peer: ``DIST_TIMEOUT_S``, default
+    300 s, from 0.001 (torch counts whole milliseconds: less is an instant timeout) to a week."""
+    text = os.environ.get("DIST_TIMEOUT_S", "300")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.001 <= value <= MAX_TIMEOUT_S:  # NaN fails this too
+        usage_error(f"DIST_TIMEOUT_S={text!r}: give the seconds a rank waits for its peers, "
+                    f"from 0.001 to {MAX_TIMEOUT_S} (a week)")
+    return value
+
+
+def master_addr() -> str:
+    """Where the ranks meet: ``MASTER_ADDR`` (unset or empty: 127.0.0.1), which must resolve."""
+    addr = os.environ.get("MASTER_ADDR") or "127.0.0.1"
+    try:
+        socket.getaddrinfo(addr, None)
+    except (OSError, UnicodeError) as e:
+        usage_error(f"MASTER_ADDR={addr!r} does not resolve ({e}); give a host name or an IP "
+                    "address of the machine where rank 0 runs")
+    return addr
+
+
+def master_port() -> int | None:
+    """``MASTER_PORT``: a TCP port from 1 to 65535; None when unset or empty (pick a free one)."""
+    text = os.environ.get("MASTER_PORT", "").strip()
+    if not text:
+        return None
+    if not (text.isdecimal() and 1 <= int(text) <= 65535):
+        usage_error(f"MASTER_PORT={text!r}: give a TCP port from 1 to 65535, or leave it unset "
+                    "(a free port is picked)")
+    return int(text)
+
+
+def check_environment() -> None:
+    """Every environment variable a run reads, checked up front (one line, exit 2)."""
+    timeout_s()
+    master_addr()
+    master_port()
+    results.check_folder()  # RESULTS_DIR set but empty, a folder where a results file goes
+
+
+def resolve(args: argparse.Namespace) -> LaunchConfig:
+    """Check the common flags and fill in the machine's defaults. CPU only: gloo/cpu. Fewer
+    GPUs than ranks here (one GPU, say): the ranks share them over Gloo, since NCCL refuses two
+    ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
+    check_environment()  # DIST_TIMEOUT_S, MASTER_ADDR/PORT, RESULTS_DIR: before any worker
+    if not under_torchrun():
+        check_ranks_fit(args.world_size)
+    config = course_resolve(args)
+    if config.backend == "nccl" and not dist.is_nccl_available():
+        usage_error("--backend nccl: this torch has no NCCL; use --backend gloo")
+    return config
+
+
+# --------------------------------------------------------------------------- what fits
+# Host memory is checked before workers start: a run that cannot fit is refused with one line
+# (exit 2) instead of an out-of-memory kill half way.
+
+GIB = 2 ** 30
+
+
+def host_available_bytes() -> int:
+    """Host memory a new allocation can still get: Linux's MemAvailable, else free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def rank_baseline_bytes() -> int:
+    """What one rank costs before any model: this process's resident memory (a worker imports
+    the same torch), plus 64 MiB for its process group and buffers."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") + (64 << 20)
+    except (OSError, ValueError, IndexError):
+        return 512 << 20
+
+
+def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") -> None:
+    """One-line usage error when ``ranks_here`` workers (each its baseline plus
+    ``per_rank_bytes``, described by ``what``) would not fit in host memory."""
+    baseline = rank_baseline_bytes()
+    need = ranks_here * (baseline + per_rank_bytes)
+    have = int(0.9 * host_available_bytes())
+    if need > have:
+        usage_error(f"{ranks_here} ranks need about {need / GIB:.1f} GiB of host memory "
+                    f"({baseline / 2**20:.0f} MiB each to start{', plus ' + what if what else ''})"
+                    f" but {have / GIB:.1f} GiB is available; use a smaller --world-size"
+                    + (" or size" if what else ""))
+
+
+def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
+    """One-line usage error when a rank's ``per_rank_bytes`` (described by ``what``) cannot fit:
+    on CUDA in a GPU's memory, the ranks that share a GPU adding up; else in host memory."""
+    ranks_here = ranks_on_this_node(config.world_size)
+    if config.device != "cuda":
+        check_ranks_fit(ranks_here, per_rank_bytes, what)
+        return
+    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
+    need = ranks_per_gpu * per_rank_bytes
+    total = torch.cuda.get_device_properties(0).total_memory
+    if need > 0.9 * total:
+        usage_error(f"{what} needs about {need / GIB:.1f} GiB per GPU but a GPU has "
+                    f"{total / GIB:.1f} GiB; use smaller sizes")
+
+
+# --------------------------------------------------------------------------- one rank
+def rendezvous_timeout() -> datetime.timedelta:
+    """``DIST_TIMEOUT_S`` as a timedelta (``launch`` has a parameter named ``timeout_s``)."""
+    return datetime.timedelta(seconds=timeout_s())
+
+
+WAIT_NOTE_S = 10  # a rank still joining after this long says what it waits for
+RAISED_AT = "launch: this rank raised at "  # a note on a started rank's error, read by launch
+
+
+def _say_what_we_wait_for(rank: int, world_size: int, waited_s: float, wait_s: float) -> None:
+    print(f"[rank {rank}] still waiting, after {waited_s:g} s, for the other {world_size - 1} "
+          f"rank(s) to join the process group at {os.environ.get('MASTER_ADDR')}:"
+          f"{os.environ.get('MASTER_PORT')} (rank 0 listens there); torch's limit for this "
+          f"wait is DIST_TIMEOUT_S = {wait_s:g} s", file=sys.stderr, flush=True)
+
+
+def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
+    """One rank, the same under torchrun and here: pick the device, join the process group
+    (env://: MASTER_ADDR, MASTER_PORT), run ``worker``, leave the group."""
+    dev = torch.device("cuda", local_rank % torch.cuda.device_count()) \
+        if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    wait_s = timeout_s()
+    # Joining waits silently for every peer (an unreachable MASTER_ADDR: DIST_TIMEOUT_S long),
+    # so a rank not in after a few seconds says, once, what it waits for and for how long.
+    waited_s = min(WAIT_NOTE_S, wait_s / 2)
+    note = threading.Timer(waited_s, _say_what_we_wait_for, (rank, world_size, waited_s, wait_s))
+    note.daemon = True
+    note.start()
+    try:
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=wait_s),
+                                **({"device_id": dev} if backend == "nccl" else {}))
+        note.cancel()
+        return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
+    except Exception as error:
+        # The time it failed, taken before the group is torn down below (its peers fail after
+        # that, because it left): the launcher names the rank that raised first by it.
+        if not under_torchrun() and sys.version_info >= (3, 11):  # torchrun names it its way
+            error.add_note(f"{RAISED_AT}{time.time()!r}")
+        raise
+    finally:
+        note.cancel()
+        if dist.is_initialized():
+            # Collect what still holds the group's work first (torch's fully_shard leaves
+            # cycles): torn down later, during interpreter exit, it can abort the process.
+            gc.collect()
+            dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the ranks
+READER_GONE = 141  # a rank's exit status when the reader of the output left (128 + SIGPIPE)
+
+
+def _start_method() -> str:
+    """Ranks are forked from Python's fork server, which imports torch and this file once (kept
+    for the next launch of this process) and never runs a thread of ours, a tensor op or CUDA.
+    Never from this process itself: a thread it has ever run may hold a lock (torch's CPU
+    generator inside ``torch.randn``, say) at the fork, and the child would wait on it forever
+    before any timeout applies. A rank keeps from the server what was fixed when it started:
+    the variables torch reads on import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first
+    launch) and the hash seed. Spawned where there is no fork server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "bench.launch",
+                                            "bench.fork_server"])
+    return "forkserver"
+
+
+def _leave_the_server_to_the_launcher() -> None:
+    """The fork server ends when no one holds the other end of its "alive" pipe, and a rank
+    forked from it holds a copy: closed, the server ends with the launcher (even one killed by
+    SIGKILL), and Linux then ends the server's ranks."""
+    from multiprocessing import forkserver  # not on every platform
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
+class _Streams:
+    """This launcher's stdout and stderr, as file descriptors sent to a forked rank with its
+    arguments (``DupFd`` is multiprocessing's way to pass one). The fork server kept the
+    streams of the moment it started, so without these a rank's output would go where an
+    earlier launch's went (pytest's capture of an earlier test, say)."""
+
+    def __init__(self, fds=()):
+        self.fds = fds
+
+    def __reduce__(self):
+        return (_Streams, ([reduction.DupFd(1), reduction.DupFd(2)],))
+
+    def take(self) -> None:
+        for wrapped, target in zip(self.fds, (1, 2)):
+            fd = wrapped.detach()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
+def _rank(rank, worker, config, args, environ, streams):
+    """A started rank (torch's wrapper around it records its traceback if it raises)."""
+    # torch asked Linux to send SIGINT when this rank's parent dies: let it end the rank at once,
+    # even inside a collective (Ctrl-C is the launcher's to handle, and it ends every rank).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
+    if streams is not None:  # forked by the fork server
+        streams.take()
+        _leave_the_server_to_the_launcher()
+    if not multiprocessing.parent_process().is_alive():
+        os._exit(1)  # the launcher died while this rank started, before that request was made
+    try:
+        faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
+    except (AttributeError, ValueError, RuntimeError):
+        # sys.stderr without a file descriptor (a notebook's, pytest's capture, forked with
+        # the launcher), or none: the process's own stderr, where it has one
+        if sys.__stderr__ is not None:
+            faulthandler.enable(file=sys.__stderr__)
+    os.environ.clear()
+    os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    torch.seed()  # forked ranks would all share the server's generator state
+    torch.set_num_threads(rank_threads(config.world_size))
+    try:
+        _run_worker(worker, rank, config.world_size, rank, config.backend, config.device, args)
+    except BrokenPipeError:
+        if not output_reader_gone():
+            raise
+        discard_output()  # `| head -1` has its line: not a failure of this rank
+        sys.exit(READER_GONE)
+
+
+def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
+    """Run ``worker(ctx, *args)`` on every rank: in this process under torchrun, else in
+    ``config.world_size`` processes started and supervised here; ``timeout_s`` bounds the
+    run."""
+    if under_torchrun():
+        if not faulthandler.is_enabled():
+            faulthandler.enable()
+        _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                    int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
+        return
+    start_method = _start_method()
+    addr = master_addr()
+    environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
+               "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
+    store = None
+    if master_port() is None:
+        # This process holds the ranks' rendezvous store, on a port the OS picks and keeps for
+        # it (a port merely seen free could be taken before rank 0 binds it); the ranks join
+        # it as clients, as under torchrun's agent. It lives until this function returns.
+        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                              timeout=rendezvous_timeout())
+        environ["MASTER_PORT"] = str(store.port)
+        environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    streams = _Streams() if start_method == "forkserver" else None  # noqa
+    stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, lambda signum, _: stop.update(signum=signum))
+           for s in (signal.SIGINT, signal.SIGTERM)} if on_main_thread else {}
+    ranks = None
+    try:
+        ranks = torch.multiprocessing.start_processes(
+            _rank, (worker, config, args, environ, streams), nprocs=config.world_size,
+            join=False, start_method=start_method)
+        _supervise(ranks, timeout_s, stop)
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if ranks is not None:
+            _end(ranks.processes)
+            for path in ranks.error_files:
+                if os.path.exists(path):
+                    os.remove(path)
+
+
+# --------------------------------------------------------------------------- supervision
+# Not torch's ProcessContext.join: it names the first exit it happens to see, which on a busy
+# machine is often a peer that failed *because* the first rank went away; it cannot tell a
+# stalled rank; and it gives the others 30 s after SIGTERM, which a stopped rank ignores.
+
+def _end(processes) -> None:
+    for p in processes:
+        if p.is_alive():
+            p.kill()  # SIGKILL: also ends a rank that is stopped (SIGSTOP) or stuck in C++
+    for p in processes:
+        p.join(timeout=5)
+
+
+def _stopped(pid: int) -> bool:
+    """Whether Linux says the process is stopped (SIGSTOP): state T in /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def _supervise(ranks, timeout_s, stop: dict) -> None:
+    processes = ranks.processes
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        codes = [p.exitcode for p in processes]  # read once: every decision below uses them
+        if all(code == 0 for code in codes):
+            return
+        stalled = [rank for rank, p in enumerate(processes)
+                   if codes[rank] is None and _stopped(p.pid)]
+        if stop["signum"] is not None:
+            _end(processes)
+            print(f"stopped by {signal.Signals(stop['signum']).name}: all {len(processes)} ranks "
+                  "ended; results written before this point are kept", file=sys.stderr, flush=True)
+            raise Stopped(128 + stop["signum"])
+        if any(code not in (None, 0) for code in codes):
+            _end(processes)
+            _report_failure(codes, ranks.error_files, stalled)
+        if deadline is not None and time.monotonic() > deadline:
+            _end(processes)
+            print(f"error: run exceeded its {timeout_s:.0f}s limit; all ranks killed"
+                  + (f" (rank(s) {stalled} were stopped by a signal)" if stalled else ""),
+                  file=sys.stderr, flush=True)
+            raise SystemExit(1)
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None],
+                                        timeout=0.5)
+
+
+def _raised(path: str) -> tuple[float, str]:
+    """When a rank raised, and its traceback, from the file torch's wrapper wrote."""
+    with open(path, "rb") as f:
+        text = pickle.load(f).rstrip("\n")  # our own rank's file, in our own temporary folder
+    body, _, when = text.rpartition("\n" + RAISED_AT)
+    if not body:  # Python 3.10 has no notes: when torch wrote the file, to the clock's tick
+        return os.stat(path).st_mtime, text
+    return float(when), body
+
+
+CRASHES = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")  # faulthandler prints a stack
+
+
+def _killed(rank: int, code: int) -> str:
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if name in CRASHES:
+        why = "a crash in native code: its Python stack, from faulthandler, is above"
+    elif name == "SIGKILL":
+        why = "sent from outside, by the out-of-memory killer or kill -9: no stack can be printed"
+    else:
+        why = "sent from outside"
+    return f"error: rank {rank} was killed by {name} ({why})"
+
+
+def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
+    """Name the root cause, then exit: ranks killed by a signal, a stalled rank the others gave
+    up waiting for, ranks whose own checks failed (exited without a traceback), and the
+    traceback of the rank that raised first."""
+    failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+    if READER_GONE in codes:  # `| head -1`: our own output went too, so stop as quietly
+        discard_output()
+        raise SystemExit(1)
+    raised = []  # (when, rank, traceback) of each rank whose error torch's wrapper recorded
+    for rank in failed:
+        if os.path.exists(error_files[rank]):
+            when, text = _raised(error_files[rank])
+            raised.append((when, rank, text))
+    raised.sort()  # the first one first
+    silent = [rank for rank in failed if not os.path.exists(error_files[rank])]
+    if not raised and all(codes[rank] == 2 for rank in failed):
+        raise SystemExit(2)  # bad input only the ranks could see, said by them in one line
+    lines = [_killed(rank, codes[rank]) for rank in silent if codes[rank] < 0]
+    if stalled:
+        lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
+                     "others gave up waiting for them")
+    own = [rank for rank in silent if codes[rank] > 0]
+    if own:
+        lines.append(f"error: rank(s) {own} exited with status "
+                     f"{', '.join(str(codes[rank]) for rank in own)} without a traceback (their "
+                     "own checks failed, or they could not start: see their output)")
+    if raised:
+        lines.append(f"error: rank {raised[0][1]} failed first"
+                     f"{' while waiting for a stalled rank' if stalled else ''}:\n"
+                     f"{raised[0][2]}")
+    if len(raised) > 1:
+        lines.append(f"(then rank(s) {sorted(rank for _, rank, _ in raised[1:])} failed too, "
+                     "usually because a peer went away)")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    raise SystemExit(1)
+
+
+# --------------------------------------------------------------------------- output
+# `python script.py | head -1`: once head has its line it exits, and the next print raises
+# BrokenPipeError, in the parent or in a rank. As any Unix tool does, the run then ends without
+# a word: a rank exits with READER_GONE, the launcher stops the others and exits 1, and a
+# command-line script (``make_parser``) ends the same way when its own print meets the pipe.
+
+def output_reader_gone() -> bool:
+    """Whether stdout (file descriptor 1) is a pipe whose reader has exited: Linux's poll()
+    reports POLLERR for it."""
+    poller = select.poll()
+    poller.register(1, select.POLLOUT)
+    return any(events & select.POLLERR for _, events in poller.poll(0))
+
+
+def discard_output() -> None:
+    """Point stdout at /dev/null, so what is still buffered can be flushed without an error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _quiet_when_the_reader_is_gone(kind, error, tb):
+    if issubclass(kind, BrokenPipeError) and output_reader_gone():
+        discard_output()
+        return
+    _previous_excepthook(kind, error, tb)
+
+
+def quiet_when_the_reader_leaves() -> None:
+    """From now on, this process ends with status 1 and no traceback when a print meets a pipe
+    whose reader has exited (any other error keeps its traceback)."""
+    global _previous_excepthook
+    if sys.excepthook is not _quiet_when_the_reader_is_gone:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _quiet_when_the_reader_is_gone
