@@ -153,6 +153,16 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
     return LaunchConfig(world_size=world_size, backend=backend, device=device)
 
 
+def carries_point_to_point(backend: str, device: str) -> bool:
+    """Whether this backend/device pair can carry point-to-point sends and torch's coalesced
+    collectives (``torch.distributed.pipelining``, DTensor and ``parallelize_module``,
+    functional collectives). Gloo with CUDA tensors carries broadcast, all_reduce, reduce,
+    all_gather, gather, scatter, all_gather_into_tensor, reduce_scatter_tensor and
+    all_to_all_single, but its send/recv and coalesced ops have no device check: "writev: Bad
+    address" or a segfault (torch 2.13, ProcessGroupGloo.cpp). Every use of those is guarded."""
+    return not (backend == "gloo" and device == "cuda")
+
+
 # --------------------------------------------------------------------------- one rank
 def run_rank(worker, rank, world_size, local_rank, backend, device, args):
     """One rank, the same under torchrun and here: pick the device, join the process group
@@ -205,7 +215,7 @@ def launch(worker, config: LaunchConfig, *args) -> None:
     except torch.multiprocessing.ProcessExitedException as e:
         if e.exit_code != 2:  # 2: bad input a rank saw, said by it in one line
             print(f"error: rank {e.error_index} {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1 if e.exit_code != 2 else 2) from None
+        raise SystemExit(2 if e.exit_code == 2 else 1) from None
     finally:
         os.environ.clear()
         os.environ.update(saved)
