@@ -41,10 +41,14 @@ def faulty_main(ctx, fault: str, bad_rank: int) -> None:
     ctx.print("passed the second barrier")
 
 
-if __name__ == "__main__":
+def main(argv=None) -> None:
     parser = launch.make_parser(__doc__)
     parser.add_argument("--fault", choices=["raise", "kill", "segv", "stop", "none", "busy"],
                         default="raise")
     parser.add_argument("--bad-rank", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     launch.launch(faulty_main, launch.resolve(args), args.fault, args.bad_rank)
+
+
+if __name__ == "__main__":
+    main()

@@ -31,6 +31,7 @@ import allreduce_bench
 import bucketed_ddp
 import naive_ddp
 import overlap_ddp
+import fault_worker
 from bench import launch, results
 from helpers import REPO, alive, assert_main_usage_error, children, start_script, wait_for_line
 
@@ -58,7 +59,7 @@ def test_a_failing_stalled_or_unread_rank_ends_the_run(tmp_path):
     one_rank = [FAULTS, "--world-size", "1", "--bad-rank", "0", "--fault", "none", "--backend",
                 "gloo", "--device", "cpu"]
     unread = {"rank": _start_without_a_reader(one_rank, tmp_path / "unread_rank"),
-              "parent": _start_without_a_reader(["-c", "from common import launch\n"
+              "parent": _start_without_a_reader(["-c", "from bench import launch\n"
                                                  "launch.make_parser(None)\n"
                                                  "for i in range(3):\n    print(i, flush=True)"],
                                                 tmp_path / "unread_parent")}
@@ -137,32 +138,47 @@ def test_the_rank_that_raised_first_is_named_not_the_first_seen(tmp_path, capsys
     assert launch.RAISED_AT not in err and "(then rank(s) [0] failed too" in err, err
 
 
-def test_ranks_are_forked_from_the_launcher_only_when_that_is_safe(monkeypatch):
-    """Forked from the launcher itself: only while it has started no thread since importing
-    the launcher, with one thread a rank and a CPU build of torch; each condition that fails
-    alone sends the ranks to the fork server (no processes started here)."""
-    monkeypatch.setattr(launch, "THREADS_AT_IMPORT", 2)
-    monkeypatch.setattr(launch, "_threads", lambda: 2)
-    monkeypatch.setattr(launch, "rank_threads", lambda world_size: 1)
-    monkeypatch.setattr(torch.version, "cuda", None)
-    monkeypatch.setattr(torch.version, "hip", None)
-    assert launch._start_method(4) == "fork"
-    for name, value in (("_threads", lambda: 3), ("rank_threads", lambda world_size: 2)):
-        with monkeypatch.context() as changed:
-            changed.setattr(launch, name, value)
-            assert launch._start_method(4) == "forkserver", name
-    for name in ("cuda", "hip"):
-        with monkeypatch.context() as changed:
-            changed.setattr(torch.version, name, "12.4")
-            assert launch._start_method(4) == "forkserver", name
+RELAUNCH_WITH_A_BUSY_THREAD = """
+import os, sys, threading, torch
+sys.path.insert(0, sys.argv[1])
+from bench import launch
+
+def worker(ctx):
+    ctx.print("started")
+
+if __name__ == "__main__":
+    config = launch.LaunchConfig(world_size=2, backend="gloo", device="cpu")
+    launch.launch(worker, config)
+    busy = threading.Thread(target=lambda: [torch.randn(2_000_000) for _ in iter(int, 1)],
+                            daemon=True)
+    busy.start()
+    launch.launch(worker, config, timeout_s=60)
+    print("second launch done", flush=True)
+    os._exit(0)  # the busy thread would be inside torch at the interpreter's teardown
+"""
+
+
+def test_ranks_never_inherit_a_lock_from_a_thread_of_the_launcher(tmp_path):
+    """A process that launched once, then runs a thread of its own that holds torch's CPU
+    generator lock most of the time (``torch.randn``), launches again. Ranks forked from the
+    launcher itself inherited that lock held and waited in ``torch.seed()`` forever, before
+    any timeout applied; started from the fork server they never see the thread. Bounded:
+    the old launcher hangs here until the 120 s limit."""
+    script = tmp_path / "relaunch.py"
+    script.write_text(RELAUNCH_WITH_A_BUSY_THREAD)
+    assert launch._start_method() == "forkserver"
+    result = subprocess.run([sys.executable, str(script), str(REPO)], cwd=tmp_path, text=True,
+                            capture_output=True, timeout=120, env={**os.environ,
+                                                                   "DIST_TIMEOUT_S": "15"})
+    assert result.returncode == 0 and "second launch done" in result.stdout, result.stderr[-2000:]
+    assert result.stdout.count("started") == 4, result.stdout
 
 
 def test_a_rank_that_cannot_start_shows_why(monkeypatch):
     """When a process's start() raises (here: an argument the fork server cannot pickle; also
     a script without the ``if __name__ == "__main__":`` guard, under spawn), the launcher used
     to join processes never started and raise AssertionError, hiding the real error. (Ranks
-    forked from the launcher itself pickle nothing: two threads a rank rule that out.)"""
-    monkeypatch.setattr(launch, "rank_threads", lambda world_size: 2)
+    every rank is forked from the fork server, which pickles its arguments.)"""
     with pytest.raises(Exception) as e:
         launch.launch(fit_file_worker, launch.LaunchConfig(2, "gloo", "cpu"), lambda: None)
     assert not isinstance(e.value, AssertionError) and "pickle" in str(e.value), repr(e.value)
@@ -217,7 +233,7 @@ def test_a_corrupt_or_malformed_fit_file_is_measured_around(tmp_path, capfd):
 
 
 def test_two_writers_of_one_csv_lose_no_row(tmp_path):
-    code = ("import sys; from common import results\n"
+    code = ("import sys; from bench import results\n"
             "for i in range(150):\n"
             "    results.upsert_csv('c.csv', [{'writer': sys.argv[1], 'i': i}], key=['writer', 'i'])\n")
     writers = [subprocess.Popen([sys.executable, "-c", code, w], cwd=REPO, stderr=subprocess.PIPE,
@@ -277,7 +293,7 @@ def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monk
 def test_environment_variables_out_of_range_are_refused(name, value, needle, monkeypatch,
                                                         capsys):
     monkeypatch.setenv(name, value)
-    assert_main_usage_error(naive_ddp.main, ["--backend", "gloo", "--device", "cpu"], capsys,
+    assert_main_usage_error(fault_worker.main, ["--backend", "gloo", "--device", "cpu"], capsys,
                             needle)
 
 
