@@ -11,12 +11,16 @@ outcome, seconds. A script that cannot carry this backend/device pair refuses up
 line with exit status 2 (``prog: error: ...``); that is "refused", not a failure, and the line
 is shown. Anything else non-zero (a traceback, a failed check, a wrong flag, a timeout) is
 FAILED, and make check exits 1. The scripts write their result files into a temporary
-folder (``RESULTS_DIR``), removed at the end: a check never touches results/.
+folder (``RESULTS_DIR``), removed at the end: a check never touches results/. Stopped by
+Ctrl-C or SIGTERM, it ends the running script and its ranks, removes that folder and says so
+in one line; killed (SIGKILL), its script follows it (Linux's parent-death signal) and the
+next run removes the folder left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shutil
@@ -80,13 +84,23 @@ def kill_group(pgid: int) -> None:
         pass  # nothing left in it
 
 
+def die_with_parent() -> None:
+    """In the child, before exec: Linux sends it SIGKILL when check.py dies, however it dies."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+RUNNING = {"pgid": None}  # the running script's process group, for the signal handler
+
+
 def run_one(argv: list[str], timeout_s: float, results_dir: str) -> tuple[int, str]:
     """Run one script from the repository root, echoing its output as it comes; its exit
     status and output. Past ``timeout_s`` its process group is killed (exit 124)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RESULTS_DIR": results_dir}
     proc = subprocess.Popen([sys.executable, *argv], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            env=env)
+                            env=env, preexec_fn=die_with_parent)
+    RUNNING["pgid"] = proc.pid
     timer = threading.Timer(timeout_s, kill_group, args=(proc.pid,))
     timer.start()
     kept = []
@@ -99,6 +113,7 @@ def run_one(argv: list[str], timeout_s: float, results_dir: str) -> tuple[int, s
         timed_out = not timer.is_alive() and timer.finished.is_set()
         timer.cancel()
         kill_group(proc.pid)  # a rank the script left behind
+        RUNNING["pgid"] = None
     if timed_out and returncode < 0:
         kept.append(f"check.py: stopped after its {timeout_s:.0f} s limit\n")
         returncode = 124
@@ -114,6 +129,27 @@ def summary(rows: list[tuple[str, str, str, float, str]]) -> str:
     return "\n".join(lines)
 
 
+SCRATCH_PREFIX = "make-check-"
+
+
+def sweep_stale_scratch() -> None:
+    """Remove the scratch folders of earlier runs that were killed (their pid is gone)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
+        pid = folder.name[len(SCRATCH_PREFIX):].split("-")[0]
+        if pid.isdecimal() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class Stop(Exception):
+    """Ctrl-C or SIGTERM: end the running script, keep the table so far, exit 128 + signal."""
+
+
+def on_signal(signum, _frame):
+    if RUNNING["pgid"] is not None:
+        kill_group(RUNNING["pgid"])
+    raise Stop(signum)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -127,10 +163,18 @@ def main(argv=None) -> int:
             print("make check: error: DEVICE=cuda needs a GPU and none is visible; use "
                   "DEVICE=cpu", file=sys.stderr)
             return 2
-    wanted = [p for p in args.only.split(",") if p.strip()]
+    wanted = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = [p for p in wanted if not any(stage.startswith(p) for stage, _ in CHECKS)]
+    if unknown:
+        print(f"make check: error: --only {unknown[0]!r} names no stage; stages: "
+              f"{', '.join(stage.split()[0] for stage, _ in CHECKS)}", file=sys.stderr)
+        return 2
     rows = []
     start = time.monotonic()
-    scratch = tempfile.mkdtemp(prefix="make-check-")  # the scripts' result files, thrown away
+    sweep_stale_scratch()
+    # the scripts' result files, thrown away
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for stage, script in CHECKS:
             if wanted and not any(stage.startswith(p.strip()) for p in wanted):
@@ -143,7 +187,14 @@ def main(argv=None) -> int:
             status, note = outcome(returncode, output)
             rows.append((stage, args.device, status, time.monotonic() - began, note))
             print(f"[check] {stage}: {status} in {rows[-1][3]:.0f} s", flush=True)
+    except Stop as stop:
+        signum = stop.args[0]
+        print(f"make check: stopped by {signal.Signals(signum).name}; the running script and "
+              f"its ranks ended", file=sys.stderr, flush=True)
+        return 128 + signum
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         shutil.rmtree(scratch, ignore_errors=True)
     print(f"\nmake check on {args.device}: {len(rows)} scripts in "
           f"{time.monotonic() - start:.0f} s\n{summary(rows)}", flush=True)

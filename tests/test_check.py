@@ -1,0 +1,96 @@
+"""``make check`` (bench/check.py) as a user meets it: a refusal is not a failure, a wrong
+``--only`` is one line, and a stop (SIGTERM, SIGINT, SIGKILL) leaves no script, rank or
+scratch folder behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import check
+from helpers import REPO, children, live_processes, wait_for_line
+
+REFUSES = ["-c", "import sys; print('x.py: error: --device cuda needs a GPU', file=sys.stderr);"
+                 " sys.exit(2)"]
+FAILS = ["-c", "import sys; sys.exit(3)"]
+
+
+def test_a_refusal_is_shown_and_does_not_fail_make_check(monkeypatch, capsys):
+    monkeypatch.setattr(check, "CHECKS", [("01 refuses", REFUSES)])
+    assert check.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "refused" in out and "x.py: error: --device cuda needs a GPU" in out
+    monkeypatch.setattr(check, "CHECKS", [("01 refuses", REFUSES), ("02 fails", FAILS)])
+    assert check.main(["--device", "cpu"]) == 1  # the negative control: a real failure
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_an_unknown_stage_is_one_line(capsys):
+    assert check.main(["--only", "zz"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'zz' names no stage" in err[0]
+
+
+BUSY_CHECK = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from bench import check
+check.CHECKS = [("01 busy", ["tests/fault_worker.py", "--fault", "busy", "--world-size", "2",
+                             "--backend", "gloo"])]
+raise SystemExit(check.main(["--device", "cpu"]))
+"""
+
+
+def _start_busy(tmp):
+    return subprocess.Popen([sys.executable, "-c", BUSY_CHECK], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "TMPDIR": str(tmp), "PYTHONUNBUFFERED": "1"})
+
+
+def _descendants(pid):
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def test_stopping_make_check_ends_its_script_and_ranks(tmp_path):
+    """SIGTERM and SIGINT: exit 128 + signal with one line, no process and no scratch folder
+    left. SIGKILL: the script and its ranks follow (parent-death signal), and the next run
+    removes the scratch folder left behind."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGKILL):
+        tmp = tmp_path / signum.name
+        tmp.mkdir()
+        proc = _start_busy(tmp)
+        wait_for_line(proc, r"pid \d+ busy", [], timeout=120)
+        below = _descendants(proc.pid)
+        assert below, "the script and its ranks should be running"
+        proc.send_signal(signum)
+        err = proc.communicate(timeout=60)[1]
+        deadline = time.monotonic() + 20
+        while any(pid in live_processes() for pid in below) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in below if pid in live_processes()], signum.name
+        if signum == signal.SIGKILL:
+            assert proc.returncode == -signal.SIGKILL
+            assert list(tmp.glob("make-check-*")), "a killed run cannot clean up"
+            tempfile.tempdir = None
+            os.environ["TMPDIR"], saved = str(tmp), os.environ.get("TMPDIR")
+            try:
+                tempfile.tempdir = None
+                check.sweep_stale_scratch()
+            finally:
+                tempfile.tempdir = None
+                if saved is None:
+                    os.environ.pop("TMPDIR")
+                else:
+                    os.environ["TMPDIR"] = saved
+        else:
+            assert proc.returncode == 128 + signum, err
+            assert "Traceback" not in err and f"stopped by {signum.name}" in err, err
+        assert not list(tmp.glob("make-check-*")), signum.name
