@@ -19,7 +19,12 @@
 VENV          := .venv
 DEVICE        ?= cpu
 TORCH_VERSION ?= 2.13.0
-# The CPU wheel of torch==$(TORCH_VERSION); the other dependencies follow pyproject.toml.
+# torch's CPU build by default (the course runs on the CPU; the default index on Linux brings
+# the CUDA build and several GB of nvidia-* packages). Another build: TORCH_INDEX=<its index>
+# (e.g. PyTorch's cu126 index); the default index: TORCH_INDEX= (empty). Where the index cannot
+# be reached, install falls back to the default index and says so.
+TORCH_INDEX   ?= https://download.pytorch.org/whl/cpu
+# The other dependencies follow pyproject.toml.
 DEPS          := "tabulate>=0.9" "numpy>=1.24" "pytest>=7" "matplotlib>=3.7"
 
 ifeq ($(origin PYTHON), undefined)
@@ -40,10 +45,16 @@ install:
 	@if $(PYTHON) -c "import torch, tabulate, numpy" >/dev/null 2>&1; then \
 	    true; \
 	else \
-	    echo "install: creating $(VENV) with torch==$(TORCH_VERSION) (CPU build) and tabulate, numpy, pytest, matplotlib"; \
 	    python3 -m venv $(VENV) && \
-	    $(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION) && \
-	    $(VENV)/bin/pip install --quiet --disable-pip-version-check $(DEPS); \
+	    if [ -n "$(TORCH_INDEX)" ] && python3 -c "import urllib.request; urllib.request.urlopen('$(TORCH_INDEX)/torch/', timeout=10)" >/dev/null 2>&1; then \
+	        echo "install: creating $(VENV): torch==$(TORCH_VERSION) from $(TORCH_INDEX)"; \
+	        $(VENV)/bin/pip install --quiet --disable-pip-version-check --index-url $(TORCH_INDEX) torch==$(TORCH_VERSION); \
+	    else \
+	        echo "install: creating $(VENV): torch==$(TORCH_VERSION) from the default index$(if $(TORCH_INDEX), ($(TORCH_INDEX) cannot be reached),)"; \
+	        $(VENV)/bin/pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION); \
+	    fi && \
+	    $(VENV)/bin/pip install --quiet --disable-pip-version-check $(DEPS) && \
+	    $(VENV)/bin/python -c "import torch; print('install: got torch', torch.__version__, '(CUDA ' + torch.version.cuda + ' build)' if torch.version.cuda else '(CPU build)')"; \
 	fi
 	@$(PYTHON) -c "import pytest" >/dev/null 2>&1 || $(PYTHON) -m pip install --quiet "pytest>=7"
 
