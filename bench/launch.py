@@ -97,12 +97,80 @@ def master_port() -> int | None:
     return int(text)
 
 
+TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def torchrun_ranks() -> None:
+    """torchrun's variables, when any is set: all of them whole numbers in range, and where to
+    meet (MASTER_ADDR, MASTER_PORT), or one line naming the bad one."""
+    given = [name for name in (*TORCHRUN, "LOCAL_WORLD_SIZE") if name in os.environ]
+    if not given:
+        return
+    missing = [name for name in TORCHRUN if name not in os.environ]
+    if missing:
+        usage_error(f"{given[0]} is set but {missing[0]} is not: set RANK, WORLD_SIZE and "
+                    "LOCAL_RANK together (torchrun does), or none of them")
+    value = {}
+    for name in given:
+        text = os.environ[name]
+        if not text.isdecimal() or len(text) > 9:
+            usage_error(f"{name}={text!r}: give a whole number >= 0 (torchrun sets it)")
+        value[name] = int(text)
+    if not value["RANK"] < value["WORLD_SIZE"]:
+        usage_error(f"RANK={value['RANK']} with WORLD_SIZE={value['WORLD_SIZE']}: a rank counts "
+                    "from 0 to WORLD_SIZE - 1")
+    if not os.environ.get("MASTER_ADDR") or master_port() is None:
+        usage_error("torchrun's RANK, WORLD_SIZE and LOCAL_RANK are set but MASTER_ADDR or "
+                    "MASTER_PORT is not: set both to where rank 0 listens")
+
+
+def port_is_free() -> None:
+    """A MASTER_PORT given by hand (not under torchrun) must be free here: rank 0 binds it."""
+    port = master_port()
+    if port is None or under_torchrun():
+        return
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((master_addr(), port))
+        except OSError as e:
+            usage_error(f"MASTER_PORT={port}: another process holds it ({e.strerror}); unset "
+                        "MASTER_PORT (a free port is picked) or give a free one")
+
+
 def check_environment() -> None:
     """Every environment variable a run reads, checked up front (one line, exit 2)."""
     timeout_s()
+    torchrun_ranks()
     master_addr()
     master_port()
+    port_is_free()
     results.check_folder()  # RESULTS_DIR set but empty, a folder where a results file goes
+
+
+def wait_for_rank_0(rank: int) -> None:
+    """Under torchrun, a rank other than 0 first waits for rank 0's store to listen, saying so
+    once, and gives up in one line after DIST_TIMEOUT_S (torch's own wait ends in minutes of
+    silence and C++ frames)."""
+    if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    addr = master_addr()
+    port = master_port()
+    limit = time.monotonic() + timeout_s()
+    noted = False
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > limit:
+                print(f"error: rank {rank}: rank 0 never listened at {addr}:{port} within "
+                      f"DIST_TIMEOUT_S = {timeout_s():g} s", file=sys.stderr, flush=True)
+                raise SystemExit(1)
+            if not noted:
+                print(f"[rank {rank}] waiting for rank 0 at {addr}:{port} (up to "
+                      f"DIST_TIMEOUT_S = {timeout_s():g} s)", file=sys.stderr, flush=True)
+                noted = True
+            time.sleep(0.5)
 
 
 def resolve(args: argparse.Namespace) -> LaunchConfig:
@@ -313,6 +381,8 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     if under_torchrun():
         if not faulthandler.is_enabled():
             faulthandler.enable()
+        check_environment()
+        wait_for_rank_0(int(os.environ["RANK"]))
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return

@@ -289,12 +289,40 @@ def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monk
     ("MASTER_PORT", "0", "MASTER_PORT='0'"),
     ("MASTER_ADDR", "bad..host", "MASTER_ADDR='bad..host' does not resolve"),
     ("RESULTS_DIR", "", "RESULTS_DIR is set but empty"),  # wrote into the current folder
+    # torchrun's variables: each was a traceback, or silence past a minute (RANK=-1)
+    ("RANK=-1 WORLD_SIZE=2 LOCAL_RANK=0", None, "RANK='-1': give a whole number >= 0"),
+    ("WORLD_SIZE=abc RANK=0 LOCAL_RANK=0", None, "WORLD_SIZE='abc'"),
+    ("LOCAL_WORLD_SIZE=abc RANK=0 WORLD_SIZE=2 LOCAL_RANK=0", None, "LOCAL_WORLD_SIZE='abc'"),
+    ("RANK=2 WORLD_SIZE=2 LOCAL_RANK=0", None, "a rank counts from 0 to WORLD_SIZE - 1"),
+    ("RANK=1 WORLD_SIZE=2 LOCAL_RANK=1", None, "MASTER_ADDR or MASTER_PORT is not"),
 ])
 def test_environment_variables_out_of_range_are_refused(name, value, needle, monkeypatch,
                                                         capsys):
-    monkeypatch.setenv(name, value)
+    for unset in ("MASTER_ADDR", "MASTER_PORT") if value is None else ():
+        monkeypatch.delenv(unset, raising=False)
+    for pair in name.split() if value is None else [f"{name}={value}"]:
+        monkeypatch.setenv(*pair.split("=", 1))
     assert_main_usage_error(fault_worker.main, ["--backend", "gloo", "--device", "cpu"], capsys,
                             needle)
+
+
+def test_a_held_master_port_and_a_rank_0_that_never_comes_are_one_line(monkeypatch, capsys):
+    """A MASTER_PORT another process holds was an EADDRINUSE traceback; a rank under torchrun
+    whose rank 0 never listens waited minutes in silence, then printed C++ frames."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        monkeypatch.setenv("MASTER_PORT", str(held.getsockname()[1]))
+        assert_main_usage_error(fault_worker.main, ["--backend", "gloo"], capsys,
+                                "another process holds it")
+        env = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(held.getsockname()[1] + 1), "DIST_TIMEOUT_S": "2"}
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, FAULTS, "--fault", "none", "--backend", "gloo"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **env})
+    assert result.returncode == 1 and time.monotonic() - began < 30, result.stderr[-2000:]
+    assert "rank 0 never listened at 127.0.0.1" in result.stderr.splitlines()[-1], result.stderr
 
 
 def test_a_lock_or_trace_folder_that_cannot_work_is_refused_up_front(tmp_path, monkeypatch,
