@@ -493,6 +493,41 @@ def test_each_step_runs_to_its_deadline_and_the_budget_holds():
     assert steps[1].status.startswith("skipped: the steps before it ran over, 0 s was left")
 
 
+def test_the_prediction_is_skipped_with_a_note_when_nothing_it_checks_ran():
+    """BENCH_QUICK=1 BENCH_BUDGET_S=60 skipped the DDP, ledger and grid steps, and the
+    prediction then failed the whole run (exit 1): it has nothing to compare, so it is skipped
+    with a note and does not count as a failure. With one of them run, it runs."""
+    steps = make_bench.plan(make_bench.pick_setup(0), quick=True, model="tiny")
+    make_bench.plan_budget(steps, make_bench.DEFAULT_BUDGET_S[True])
+    ran = []
+
+    def skip_what_it_reads(step, cap):
+        ran.append(step.key)
+        step.status = "stopped" if step.key in make_bench.PREDICTION_READS else "ok"
+    make_bench.run_all(steps, run=skip_what_it_reads, clock=lambda: 0.0)
+    prediction = next(s for s in steps if s.key == "prediction")
+    assert "prediction" not in ran and prediction.status == make_bench.NOTHING_TO_CHECK
+    ran.clear()
+    make_bench.run_all(steps, run=lambda step, cap: (ran.append(step.key),
+                                                     setattr(step, "status", "ok")),
+                       clock=lambda: 0.0)
+    assert "prediction" in ran  # the negative control
+
+
+def test_a_second_make_bench_on_one_folder_is_refused_in_one_line(tmp_path, capsys):
+    """Two make bench at once on one results folder shared a run id and mixed their rows."""
+    held = make_bench.take_the_lock(tmp_path)
+    try:
+        with pytest.raises(SystemExit) as e:
+            make_bench.take_the_lock(tmp_path)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "another make bench is writing" in err[0]
+    finally:
+        os.close(held)
+    os.close(make_bench.take_the_lock(tmp_path))  # free again once the first has ended
+
+
 # --------------------------------------------------------------------------- signals
 # make bench with a plan of two tiny steps: one writes rows the report shows, the other is a
 # real launcher with two busy ranks, to be stopped from outside.
