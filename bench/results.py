@@ -50,11 +50,20 @@ def run_id() -> str:
 
 
 def machine_name() -> str:
-    """One line naming the machine a number came from: CPU cores and GPU model if any."""
+    """One line naming the machine a number came from: CPU cores and GPU model if any; under
+    torchrun across nodes, the job (nodes x ranks per node), not this node's GPUs alone."""
     cpu = f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}"
+    world = os.environ.get("WORLD_SIZE", "")
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    nodes = ""
+    if world.isdecimal() and local.isdecimal() and 0 < int(local) < int(world):
+        nodes = f"{-(-int(world) // int(local))} nodes x {local} ranks, "
     if torch.cuda.is_available():
-        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, {cpu}"
-    return f"no GPU, {cpu}"
+        gpu = torch.cuda.get_device_name(0)
+        if nodes:
+            return f"{nodes}{gpu} (one per rank: {world} GPUs), {cpu} per node"
+        return f"{torch.cuda.device_count()} x {gpu}, {cpu}"
+    return f"{nodes}no GPU, {cpu}" + (" per node" if nodes else "")
 
 
 def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g") -> str:

@@ -94,3 +94,17 @@ def test_stopping_make_check_ends_its_script_and_ranks(tmp_path):
             assert proc.returncode == 128 + signum, err
             assert "Traceback" not in err and f"stopped by {signum.name}" in err, err
         assert not list(tmp.glob("make-check-*")), signum.name
+
+
+def test_the_machine_is_named_as_the_job_across_nodes(monkeypatch):
+    """On 2 nodes x 8 GPUs the report said "8 x H100" for 16 ranks: it names the job."""
+    from bench import results
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 8)
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda i=0: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert results.machine_name().startswith("2 nodes x 8 ranks, NVIDIA H100 80GB HBM3 (one per "
+                                             "rank: 16 GPUs)")
+    monkeypatch.setenv("WORLD_SIZE", "8")  # one node: its GPUs, as before
+    assert results.machine_name().startswith("8 x NVIDIA H100 80GB HBM3")
