@@ -108,3 +108,35 @@ def test_the_machine_is_named_as_the_job_across_nodes(monkeypatch):
                                              "rank: 16 GPUs)")
     monkeypatch.setenv("WORLD_SIZE", "8")  # one node: its GPUs, as before
     assert results.machine_name().startswith("8 x NVIDIA H100 80GB HBM3")
+
+
+def _write_csv(path, rows):
+    import csv
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_the_report_counts_within_25_percent_both_ways_and_labels_nccl_as_nccl(tmp_path):
+    """Two headlines a mutation could break unseen: "within 25%" must not count a row
+    predicted at half its measured time (ratio 0.5), and an NCCL all-reduce is not "Gloo's
+    host path"."""
+    from bench import report
+    where = report.Where(out=tmp_path, draw=tmp_path, run_id=None, machine="test box")
+    base = {"run_id": "r1", "predicted_ms": "1", "measured_ms": "1"}
+    _write_csv(tmp_path / "prediction.csv", [
+        {**base, "config": "fits", "ratio": "1.1"},
+        {**base, "config": "half", "ratio": "0.5"},
+        {**base, "config": "double", "ratio": "2.0"}])
+    text, headline, _ = report.prediction_section(where)
+    assert "1 of 3" in headline[0][1], headline
+    row = {"run_id": "r1", "backend": "nccl", "device": "cuda", "world_size": "2",
+           "bytes": str(2**30), "impl": "backend", "time_ms_median": "10", "time_ms_min": "9",
+           "time_ms_max": "11", "algbw_gbps": "100", "busbw_gbps": "100"}
+    _write_csv(tmp_path / "allreduce.csv", [row])
+    _, headline, _ = report.allreduce_section(where)
+    assert "host path" not in headline[0][1], headline
+    _write_csv(tmp_path / "allreduce.csv", [{**row, "backend": "gloo"}])
+    _, headline, _ = report.allreduce_section(where)
+    assert "Gloo's host path" in headline[0][1], headline  # the negative control
