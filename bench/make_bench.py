@@ -75,6 +75,9 @@ MAX_BUDGET_S = 24 * 3600
 GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
 KILL_WAIT_S = 2    # after SIGKILL to its process group, the time to reap it
 STOP_S = GRACE_S + KILL_WAIT_S  # the most a step can run past its deadline
+# Left out of every plan: a step whose script does not stop in time, a box slower than the one
+# the shares were sized on. Quick runs keep none (their minimums alone fill a GPU box's 180 s).
+UNPLANNED_FULL = 0.15
 SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a shorter grace
 # A step that starts CUDA spends this long before its first measurement (8-12 s on the one-GPU
 # H200 box's logs: interpreter, torch, CUDA context, ranks, process group). Every minimum on
@@ -95,19 +98,19 @@ CPU_STARTUP_S = 3
 # (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL ones are estimates
 # until a multi-GPU box has run them.
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
-    "compute": dict(cpu=(7, 8, 5), one_gpu=(16, 30, 15), nccl=(16, 25, 15)),
-    "allreduce": dict(cpu=(10, 28, 8), one_gpu=(18, 40, 15), nccl=(18, 60, 15)),
-    "ddp": dict(cpu=(21, 48, 15), one_gpu=(21, 70, 20), nccl=(21, 70, 20)),
-    "profile": dict(cpu=(12, 12, 10), one_gpu=(16, 28, 15), nccl=(16, 25, 15)),
-    "tp": dict(cpu=(10, 8, 6), one_gpu=(16, 20, 15), nccl=(16, 20, 15)),
-    "pp": dict(cpu=(16, 100, 12), one_gpu=(17, 50, 15), nccl=(17, 40, 15)),
-    "ledger": dict(cpu=(17, 55, 15), one_gpu=(17, 42, 15), nccl=(17, 50, 15)),
-    "cp": dict(cpu=(14, 42, 8), one_gpu=(16, 40, 15), nccl=(16, 45, 15)),
-    "ep2": dict(cpu=(0, 10, 6), one_gpu=(0, 25, 15), nccl=(0, 25, 15)),  # quick: 4 ranks only
-    "ep4": dict(cpu=(13, 14, 8), one_gpu=(17, 30, 15), nccl=(17, 30, 15)),
-    "grid": dict(cpu=(0, 135, 45), one_gpu=(0, 70, 45), nccl=(0, 60, 45)),  # no smaller size
-    "checkpoint": dict(cpu=(14, 20, 6), one_gpu=(16, 35, 15), nccl=(16, 30, 15)),
-    "prediction": dict(cpu=(6, 18, 5), one_gpu=(0, 20, 15), nccl=(0, 20, 15)),  # quick: CPU
+    "compute": dict(cpu=(7, 7, 5), one_gpu=(16, 25, 15), nccl=(16, 22, 15)),
+    "allreduce": dict(cpu=(10, 23, 8), one_gpu=(18, 32, 15), nccl=(18, 47, 15)),
+    "ddp": dict(cpu=(21, 40, 15), one_gpu=(21, 55, 20), nccl=(21, 55, 20)),
+    "profile": dict(cpu=(12, 11, 10), one_gpu=(16, 24, 15), nccl=(16, 22, 15)),
+    "tp": dict(cpu=(10, 7, 6), one_gpu=(16, 18, 15), nccl=(16, 18, 15)),
+    "pp": dict(cpu=(16, 81, 12), one_gpu=(17, 40, 15), nccl=(17, 32, 15)),
+    "ledger": dict(cpu=(17, 46, 15), one_gpu=(17, 34, 15), nccl=(17, 40, 15)),
+    "cp": dict(cpu=(14, 34, 8), one_gpu=(16, 32, 15), nccl=(16, 36, 15)),
+    "ep2": dict(cpu=(0, 9, 6), one_gpu=(0, 22, 15), nccl=(0, 22, 15)),  # quick: 4 ranks only
+    "ep4": dict(cpu=(13, 12, 8), one_gpu=(17, 25, 15), nccl=(17, 25, 15)),
+    "grid": dict(cpu=(0, 115, 45), one_gpu=(0, 62, 45), nccl=(0, 55, 45)),  # no smaller size
+    "checkpoint": dict(cpu=(14, 17, 6), one_gpu=(16, 29, 15), nccl=(16, 25, 15)),
+    "prediction": dict(cpu=(6, 15, 5), one_gpu=(0, 18, 15), nccl=(0, 18, 15)),  # quick: CPU
 }
 
 
@@ -465,14 +468,14 @@ def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
             str(world_size), *where, *sizes]
 
 
-def plan_budget(steps: list[Step], budget: float) -> None:
+def plan_budget(steps: list[Step], budget: float, unplanned: float = 0.0) -> None:
     """Give each step its cap, up front. Of the budget less one stop (the last step's overrun),
     every step gets its minimum, and the rest is shared out in proportion to what each share
     holds above its minimum: at the default budget each cap is at least its share. While the
     minimums add up to more than there is, the step that needs the most is skipped, so that
     the most steps run (said here, before anything runs); a budget too small for any step is a
     usage error."""
-    usable = budget - STOP_S
+    usable = budget * (1 - unplanned) - STOP_S
     running = list(steps)
     while running and sum(s.min_s for s in running) > usable:
         neediest = max(reversed(running), key=lambda s: s.min_s)  # of equals, the later one
@@ -651,7 +654,8 @@ def main() -> None:
     shown = os.path.relpath(trace_dir, REPO_ROOT) if trace_dir.is_relative_to(REPO_ROOT) \
         else str(trace_dir)
     steps = plan(setup, quick, model, shown)
-    plan_budget(steps, budget)  # before anything runs: a budget too small is refused here
+    # before anything runs: a budget too small is refused here
+    plan_budget(steps, budget, 0.0 if quick else UNPLANNED_FULL)
     lock = take_the_lock(out)  # held until this process ends
     run_id = "bench-" + time.strftime("%Y%m%d-%H%M%S")
     env = {**KEEP_FREED_MEMORY, **os.environ, "RESULTS_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"}
