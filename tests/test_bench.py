@@ -187,6 +187,7 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     import torch.distributed as dist
 
     from bench import launch
+    from common import launch as course_launch
 
     class Props:
         total_memory = 80 * 2**30
@@ -197,6 +198,8 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
     launched = []
     monkeypatch.setattr(launch, "launch", lambda worker, config, *a, **k: launched.append(config))
+    monkeypatch.setattr(course_launch, "launch",
+                        lambda worker, config, *a, **k: launched.append(config))
     for quick in (False, True):
         setup = make_bench.pick_setup(gpus, "Fake GPU")
         for step in make_bench.plan(setup, quick, "small" if gpus else "tiny"):
