@@ -24,7 +24,6 @@ of the medians is this run's, on this machine (target: ours at most 1.10x torch'
 ``results/pipeline_vs_torch.csv``.
 
 Run:  python 07_parallelism/measure/bench_pipeline.py --micro-batches 4,8,16 --emulate-ms 50
-      python 07_parallelism/04_pipeline_parallel/run_pipeline.py --emulate-ms 50   # the same
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from common import import_stage, launch, results, timing  # noqa: E402  (after t
 
 pipeline_parallel = import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
 schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
+schedule_check = import_stage("07_parallelism/measure/schedule_check")
 
 MAX_EMULATE_MS = 60_000.0               # a minute per step: more is a typo, not a measurement
 SIZE_COLUMNS = ("layers", "d_model", "hidden", "batch")
@@ -198,7 +198,7 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
         for m in cfg["micro_batches"]:
             if schedule_refuses(name, stages, m, v):
                 continue                       # left out up front (main says which)
-            simulated = schedules.simulated_idle(name, stages, m, v)
+            simulated = schedule_check.simulated_idle(name, stages, m, v)
             peak = None
             for emulated_ms in (0.0, cfg["emulate_ms"]):    # real compute, then emulated
                 passes = cfg["iters"]
@@ -221,7 +221,7 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
                 pass_seconds = [result["total_s"] for result in timed]
                 rows.append({"schedule": name, "m": m, "v": v, "emulated_ms": emulated_ms,
                              "peak": peak, "idle": idle, "sim": simulated, "gap": gap,
-                             "formula": schedules.bubble_formula(name, stages, m, v),
+                             "formula": schedule_check.bubble_formula(name, stages, m, v),
                              "step_ms": timing.gather_times(pass_seconds).median * 1e3})
                 if ctx.is_main:
                     write_rows(ctx, cfg, rows)
@@ -493,7 +493,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
     for name in cfg["schedules"]:
         m = max(cfg["micro_batches"])
         if not schedule_refuses(name, stages, m, cfg["v"][name]):
-            print("\n" + schedules.describe(name, stages, m, cfg["v"][name]))
+            print("\n" + schedule_check.describe(name, stages, m, cfg["v"][name]))
     path = write_rows(ctx, cfg, rows)
     print(f"\nwrote {path}")
 
@@ -534,7 +534,7 @@ def schedule_refuses(name: str, stages: int, m: int, v: int) -> str:
     """Why schedule ``name`` cannot run m micro-batches on these stages ('' when it can): its
     own rule, such as m a multiple of p for interleaved or m >= 2p for DualPipeV."""
     try:
-        schedules.check_setting(name, stages, m, v)
+        schedule_check.check_setting(name, stages, m, v)
     except ValueError as error:
         return str(error)
     return ""
@@ -566,7 +566,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=launch.positive_int, default=3,
                         help="timed passes per setting")
     parser.add_argument("--bench", action="store_true",
-                        help="accepted for run_pipeline.py's sake: this script only measures")
+                        help="accepted for make bench's sake: this script only measures")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     stages = config.world_size
@@ -591,7 +591,7 @@ def main(argv=None) -> None:
                 print(f"bench_pipeline.py: {name} left out at m={m}: {refusal}")
                 continue
             try:
-                schedules.check_setting(name, stages, m, args.v[name], args.layers, args.batch)
+                schedule_check.check_setting(name, stages, m, args.v[name], args.layers, args.batch)
             except ValueError as error:
                 launch.usage_error(f"--schedules {name} --micro-batches {m} --layers "
                                    f"{args.layers} --batch {args.batch}: {error}")
