@@ -1,23 +1,16 @@
 """Stage 07, lesson 4: pipeline parallelism, one executor for every schedule.
 
 What it teaches. ``one_f_one_b.py`` wrote 1F1B as three loops; here the order of work is data
-(``pipeline_schedules.py``: each rank's list of F, B and W steps) and ``run_schedule`` runs
-any such list, one step at a time: post the messages planned before the step, wait for its
-input, then forward one micro-batch (F), backward one (B), or compute one's weight gradients
-(W), and leave the output for the send the plan posts next. Three things beyond the loops:
-
-1. Messages are planned (``schedules.p2p_plan``): sends and receives posted in groups, each
-   one ``batch_isend_irecv``, in an order that cannot deadlock even where a send completes
-   only once its receive is posted (NCCL, above its eager buffer).
-2. The split backward (ZB-H1, ZB-V, DualPipeV): ``DeferredLinear`` is an ``nn.Linear`` whose
-   backward returns dL/dx = dL/dy W (B) and leaves (x, dL/dy) for W to turn into
-   dL/dW = dL/dy^T x and dL/db = sum(dL/dy) later: real work moved in time.
-3. Several chunks per rank (interleaved, the V): a step names its chunk and virtual stage,
-   so a message goes to whichever rank holds the next stage (to its own inbox at the V's
-   turn on rank p-1), and the rank whose forward sends nothing computes the loss.
-
-The last stage computes ``loss_fn(output, target) / m`` per micro-batch: for a mean loss and
-equal micro-batches, the m backwards add up in ``.grad`` to one process's gradient.
+(``pipeline_schedules.py``) and ``run_schedule`` runs any rank's list of steps: post the
+messages planned before the step, wait for its input, then forward one micro-batch (F),
+backward one (B) or compute one's weight gradients (W), and leave the output for its send.
+Beyond the loops: messages go in groups (``schedules.p2p_plan``) that cannot deadlock even
+where a send completes only once its receive is posted (NCCL); ``DeferredLinear``'s backward
+returns dL/dx = dL/dy W (B) and leaves (x, dL/dy) for W to make dL/dW = dL/dy^T x later (the
+split backward of ZB-H1, ZB-V, DualPipeV); a step names its chunk and virtual stage, so a
+rank may hold several (interleaved, the V). The last stage adds ``loss_fn(output, target) / m``
+per micro-batch: for a mean loss and equal micro-batches, the m backwards add up in ``.grad``
+to one process's gradient.
 
 Use it (torch and ``pipeline_schedules.py`` beside it: copy the folder whole):
 

@@ -1,22 +1,15 @@
 """Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V and DualPipeV.
 
-What it teaches. A schedule is a pure function of (rank, p stages, m micro-batches) that
-returns the rank's ordered list of ``Step``s; ``pipeline_parallel.py`` executes any such list
-with real tensors. The model is cut into p*v pieces ("virtual stages"); a layout says which
-rank holds which (``stage_of``):
-  * loop (GPipe, 1F1B, ZB-H1 with v = 1; interleaved): piece s on rank s % p as its chunk
-    s // p, so a micro-batch loops over the ranks v times (Narayanan et al., 2021);
-  * V (ZB-V, DualPipeV; v = 2): rank r holds piece r as chunk 0 and piece 2p-1-r as chunk 1:
-    a micro-batch goes down the ranks and back up, the loss sits on rank 0 (Qi et al., 2024).
-Ops: F forward; B backward (where a schedule has W's, only dL/d(input), which the previous
-stage waits for); W the weight gradients, which nobody waits for. ``simulate`` runs the lists
-in unit time and ``p2p_plan`` groups their messages so that they cannot deadlock, even where
-a send waits for its receive (NCCL). Plain Python, no torch.
+What it teaches. A schedule is a pure function of (rank, p stages, m micro-batches) returning
+the rank's ordered ``Step``s; ``pipeline_parallel.py`` executes any such list. The model is
+cut into p*v pieces ("virtual stages") laid over the ranks (``stage_of``): on the loop layout
+piece s is on rank s % p (interleaved: v > 1); on the V (ZB-V, DualPipeV) rank r holds pieces
+r and 2p-1-r, so a micro-batch goes down the ranks and back up and the loss sits on rank 0.
+Ops: F forward; B backward (only dL/d(input) where the schedule has W's); W the weight
+gradients, which nobody waits for. ``simulate`` runs the lists in unit time; ``p2p_plan``
+groups their messages so that they cannot deadlock. Plain Python, no torch:
 
-Use it:
-
-    import pipeline_schedules as schedules
-    lists = schedules.all_ranks("zbv", stages=4, micro_batches=8)   # [rank] -> its Steps
+    lists = pipeline_schedules.all_ranks("zbv", stages=4, micro_batches=8)   # [rank] -> Steps
 """
 
 from __future__ import annotations
@@ -137,8 +130,7 @@ def zb_h1_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
 
 
 class VSteps:
-    """A rank's steps on the V layout, built in order: ``add(op, chunk)`` appends that chunk's
-    next micro-batch's F, B or W; ``done(op, chunk)`` counts them."""
+    """A rank's steps on the V, in order: ``add(op, chunk)`` appends the chunk's next F/B/W."""
 
     def __init__(self, rank: int, stages: int):
         self.rank = rank
@@ -204,7 +196,7 @@ def dualpipev_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]
       1. 2(p-r-1) chunk-0 forwards;  2. r+1 pairs (F chunk 0, F chunk 1): the V fills;
       3. p-r-1 of (B W chunk 1, F chunk 1);  4. m-2p+r+1 of the two pairs: the steady state;
       5. p-r-1 of (B W chunk 1, F chunk 1, B W chunk 0);
-      6. r+1 of (B chunk 1, B chunk 0), from the middle on with W put off;
+      6. r+1 of (B chunk 1, B chunk 0), the first r+1 whole, then with W put off;
       7. p-r-1 of (the oldest W put off, B chunk 0);  8. the W's still put off.
     """
     p = stages
@@ -239,18 +231,12 @@ def dualpipev_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]
         backward(1)
         work.add(FORWARD, 1)
         backward(0)
-    whole = True
-    for i in range(rank + 1):                        # 6.
-        if i == (rank + 1) // 2 and rank % 2 == 1:
-            whole = False
-        backward(1, whole)
-        if i == (rank + 1) // 2 and rank % 2 == 0:
-            whole = False
-        backward(0, whole)
+    for i in range(2 * (rank + 1)):                  # 6. the first r+1 whole, then W put off
+        backward(1 - i % 2, whole=i < rank + 1)
     for _ in range(p - rank - 1):                    # 7.
         if put_off:
             work.add(WEIGHT, put_off.pop(0))
-        backward(0, whole)
+        backward(0, whole=False)
     while put_off:                                   # 8.
         work.add(WEIGHT, put_off.pop(0))
     return work.steps
@@ -263,19 +249,12 @@ V_SCHEDULES = ("zbv", "dualpipev")                 # the schedules on the V layo
 
 
 def layout_of(name: str) -> str:
-    """V for ZB-V and DualPipeV, else loop."""
-    if name in V_SCHEDULES:
-        return V
-    return LOOP
+    return V if name in V_SCHEDULES else LOOP
 
 
 def chunks_per_rank(name: str, chunks: int = 1) -> int:
     """v under schedule ``name``: ``chunks`` for interleaved, 2 on the V layout, else 1."""
-    if name == "interleaved":
-        return chunks
-    if name in V_SCHEDULES:
-        return 2
-    return 1
+    return {"interleaved": chunks, "zbv": 2, "dualpipev": 2}.get(name, 1)
 
 
 def loss_rank(name: str, stages: int, chunks: int = 1) -> int:
@@ -306,9 +285,8 @@ def message(step: Step, sending: bool = False) -> tuple:
 
 
 def simulate(lists: list[list[Step]], cost: dict | None = None) -> list[list[tuple]]:
-    """Every step starts as early as its rank and its incoming message allow (a send does not
-    wait for its receiver); ``cost``: time per op, 1 each by default. [rank] -> [(start, end,
-    step)]; RuntimeError on a deadlock."""
+    """Each step as early as its rank and its input allow (sends do not wait); ``cost``: time
+    per op, 1 each by default. [rank] -> [(start, end, step)]; RuntimeError on a deadlock."""
     cost = cost or {FORWARD: 1, BACKWARD: 1, WEIGHT: 1}
     stages = len(lists)
     arrives = {}                                  # message -> when its receiver has it
@@ -338,14 +316,11 @@ def simulate(lists: list[list[Step]], cost: dict | None = None) -> list[list[tup
 
 
 def p2p_plan(lists: list[list[Step]]) -> list[list[list[list[tuple]]]]:
-    """[rank][k]: the groups of ("send" | "recv", peer, message) to post before step k
-    (k = len: after the last step), each group one ``batch_isend_irecv``.
-
-    A message made at the end of time t is sent and received in round t by both ranks,
-    so each rank's round-t group matches its peers' round-t groups. A receive is posted early
-    and waited for when its step comes; where a send completes only once its receive is posted
-    (NCCL), ranks posting rounds in order cannot wait on each other in a cycle. Messages to
-    oneself (the V's turn on rank p-1; p = 1) stay local."""
+    """[rank][k]: the groups of ("send" | "recv", peer, message) to post before step k (k =
+    len: after the last), each one ``batch_isend_irecv``. A message made at time t of the
+    simulation is sent and received in round t by both ranks, so groups match across ranks
+    and, posted in order, cannot wait on each other in a cycle even where a send completes only
+    once its receive is posted (NCCL). Messages to oneself (the V's turn) stay local."""
     timed = simulate(lists)
     rounds = [{} for _ in lists]                 # [rank][t]: what it sends and receives at t
     for rank, row in enumerate(timed):
