@@ -537,6 +537,9 @@ def pipeline_worker(ctx, harness_cfg):
 def test_gradients_match_single_process(stages, tmp_path, capfd, monkeypatch):
     harness = None
     monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    # Issue 44: a rank stuck in a message (the executor without a receive's wait: its peer's
+    # send never completes) fails here in 30 s, not at the launch's 120 s limit.
+    monkeypatch.setenv("DIST_TIMEOUT_S", "30")
     if stages == 4:   # the measurement too, in the same launch: one start-up fewer
         harness = dict(CFG, batch=16, schedules=list(ps.SCHEDULES), micro_batches=[8],
                        v={name: chunks_for(name) for name in ps.SCHEDULES}, emulate_ms=1.0,
