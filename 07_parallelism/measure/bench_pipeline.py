@@ -1,27 +1,16 @@
 """Not a lesson: lesson 4's bubble, measured (each rank's idle share per schedule and m).
 
-The executor (``pipeline_parallel.run_schedule``) carries no clock; this wraps it from
-outside. Each step's compute (F, B, W) is timed by a subclass of the executor's
-``ScheduleRunner``, put in its place for the pass, that synchronizes the GPU and reads the
-clock around the step, and the whole pass is timed between two barriers: a rank's idle share
-is 1 - busy / pass. Then the same with emulated compute, where each chunk of the model is
-replaced by one that only waits (``EmulatedChunk``: forward waits, backward waits, and under
-ZB-H1 the weight-gradient step W waits too), while the messages keep their real size and
-order. Four ranks on two shared cores cannot show a bubble with real compute (a rank computes
-slower while others compute); emulated compute can, so the measured idle tests the executor
-against the schedule's unit-time simulation and the formula on any machine.
-
-Writes ``results/pipeline_bubble.csv`` (one row per schedule, m, chunks, emulated_ms (0:
-real) and rank), each setting's rows as soon as it is measured; prints the table, whether
-emulated compute came within 0.05 of the simulation, and each schedule's timeline.
-
-Then the V schedules beside torch's own (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``
-from ``torch.distributed.pipelining``, two ``PipelineStage``s per rank) on the same chunks:
-real compute with the same weights (and how far the gradients differ), emulated compute with
-the same waits (torch splits B from W in the autograd graph, so its emulated chunk waits on
-an input's path and on a parameter's path). Passes alternate, ours then torch's; the ratio
-of the medians is this run's, on this machine (target: ours at most 1.10x torch's). Writes
-``results/pipeline_vs_torch.csv``.
+The executor carries no clock: a subclass of its ``ScheduleRunner`` (``TimedRunner``) reads
+the clock around each step's compute, and the pass is timed between two barriers: idle =
+1 - busy / pass. Then the same with emulated compute: each chunk only waits (F, B, and W under
+a split backward), the messages keep their real size and order, so the measured idle tests the
+executor against the unit-time simulation on any machine (four ranks on two cores cannot show
+a bubble with real compute). Writes ``results/pipeline_bubble.csv`` as each setting is
+measured; prints the table, the verdict (within 0.05 of the simulation) and the timelines.
+Then ZB-V and DualPipeV beside torch's own (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``,
+two ``PipelineStage``s per rank) on the same chunks, real (the same weights: how far the
+gradients differ) and emulated; passes alternate, the ratio of medians is this run's (target:
+ours at most 1.10x torch's). Writes ``results/pipeline_vs_torch.csv``. ``make bench`` runs it.
 
 Run:  python 07_parallelism/measure/bench_pipeline.py --micro-batches 4,8,16 --emulate-ms 50
 """
