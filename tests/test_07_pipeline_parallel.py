@@ -15,6 +15,7 @@ it (a subprocess). The copies (alone, and the folder whole) are in test_copy_one
 """
 
 import csv
+import json
 
 import pytest
 import torch
@@ -27,7 +28,6 @@ import checks_pipeline as checks
 import one_f_one_b
 import pipeline_parallel as pp
 import pipeline_schedules as ps
-import run_pipeline
 import schedule_check as sc
 from common import launch
 from helpers import REPO, assert_main_usage_error, run_script
@@ -655,7 +655,7 @@ def test_the_demo_passes_on_two_stages_and_names_every_schedule():
         assert text in result.stdout, text
 
 
-@pytest.mark.parametrize("argv, needles", [
+DEMO_REFUSALS = [
     (["--layers", "6"], ["--layers 6", "4 stages x 1 chunks"]),
     (["--layers", "4", "--schedules", "zbv"], ["--layers 4", "4 stages x 2 chunks"]),
     (["--batch", "10", "--micro-batches", "4"], ["--batch 10", "4 equal"]),
@@ -663,6 +663,29 @@ def test_the_demo_passes_on_two_stages_and_names_every_schedule():
     (["--schedules", "interleaved", "--micro-batches", "2"], ["multiple"]),
     (["--schedules", "zb"], ["'zb'"]),
     (["--emulate-ms", "50"], ["--emulate-ms"]),       # measurement flags: bench_pipeline.py's
-])
-def test_the_demo_refuses_bad_input_in_one_line(argv, needles, capsys):
-    assert_main_usage_error(run_pipeline.main, [*WHERE, *argv], capsys, *needles)
+]
+
+
+def test_the_demo_refuses_bad_input_in_one_line():
+    """Each bad setting: exit 2 and one line on stderr, before any worker starts; all in one
+    interpreter (torch imported once), the script run as a learner runs it."""
+    run_each = ("import contextlib, io, json, os, runpy, sys\n"
+                "script, cases = sys.argv[1], json.loads(sys.argv[2])\n"
+                "sys.path.insert(0, os.path.dirname(script))\n"
+                "for argv in cases:\n"
+                "    sys.argv = [script, *argv]\n"
+                "    stderr = io.StringIO()\n"
+                "    with contextlib.redirect_stderr(stderr):\n"
+                "        try:\n"
+                "            runpy.run_path(script, run_name='__main__')\n"
+                "        except SystemExit as stop:\n"
+                "            print(json.dumps([stop.code, stderr.getvalue()]), flush=True)\n")
+    cases = [[*WHERE, *argv] for argv, _ in DEMO_REFUSALS]
+    result = run_script("-c", run_each, DEMO, json.dumps(cases), timeout=120)
+    verdicts = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(verdicts) == len(DEMO_REFUSALS), result.stdout + result.stderr
+    for (argv, needles), (code, stderr) in zip(DEMO_REFUSALS, verdicts):
+        lines = stderr.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (argv, code, stderr)
+        assert lines[0].startswith("run_pipeline.py: error: "), lines
+        assert all(needle in lines[0] for needle in needles), (argv, lines)
