@@ -123,8 +123,8 @@ def chunk_layers(layers: int, stages: int, rank: int, chunks: int = 1,
 
 
 class ScheduleRunner:
-    """One rank running its steps: its chunks, what it holds between steps, the messages in
-    flight. Tensors are keyed by (chunk, micro-batch); messages by ``schedules.message``."""
+    """One rank's steps: tensors held between steps by (chunk, micro-batch), messages in
+    flight by ``schedules.message``."""
 
     def __init__(self, chunks, schedule, micro_inputs, micro_targets, activation_shape,
                  device, loss_fn, group, dtype):
@@ -208,9 +208,8 @@ class ScheduleRunner:
         return None
 
     def backward_one(self, step, received: torch.Tensor | None):
-        """B: backpropagate one micro-batch through one chunk from dL/d(output) (the loss on
-        the last stage); under W's, DeferredLinear leaves its weight gradients for later.
-        Returns dL/d(input) for the previous stage (None on the first)."""
+        """B: one micro-batch back through one chunk from dL/d(output) (or the loss), weight
+        gradients left for W under a split backward; returns dL/d(input) (None first)."""
         key = (step.chunk, step.micro_batch)
         x = self.inputs.pop(key)
         y = self.outputs.pop(key)                          # frees all but what W needs
@@ -251,17 +250,12 @@ class ScheduleRunner:
 def run_schedule(chunks, schedule, micro_inputs, micro_targets, activation_shape,
                  device: torch.device, loss_fn=F.mse_loss, group=None,
                  dtype: torch.dtype = torch.float32) -> dict:
-    """Run this rank's steps of ``schedule``; the gradients accumulate in the chunks' .grad.
-
-    ``chunks``: this rank's model chunks, a list indexed by ``Step.chunk`` (one module for
-    one chunk). ``schedule``: every rank's steps (``schedules.all_ranks``); its peers are
-    ranks within ``group``, the pipeline's process group (None: the default group).
-    ``micro_inputs``: the m micro-batches on group rank 0, else None; ``micro_targets``:
-    theirs on ``schedules.loss_rank``, else None. ``activation_shape``, ``dtype``: the tensor
-    that crosses every stage boundary, forward and backward. Returns ``peak_held`` (most
-    (chunk, micro-batch) pairs held at once) and ``loss`` (the batch's mean on the loss rank,
-    0.0 elsewhere).
-    """
+    """Run this rank's steps of ``schedule`` (every rank's, peers being ranks of ``group``);
+    the gradients accumulate in ``chunks``' .grad (a list indexed by ``Step.chunk``). The m
+    ``micro_inputs`` on group rank 0, their ``micro_targets`` on ``schedules.loss_rank``,
+    None elsewhere; ``activation_shape``, ``dtype``: what crosses every stage boundary.
+    Returns ``peak_held`` ((chunk, micro-batch) pairs held at once) and ``loss`` (the batch's
+    mean on the loss rank, 0.0 elsewhere)."""
     if isinstance(chunks, nn.Module):
         chunks = [chunks]
     runner = ScheduleRunner(chunks, schedule, micro_inputs, micro_targets, activation_shape,
