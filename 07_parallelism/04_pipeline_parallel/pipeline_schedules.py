@@ -130,7 +130,8 @@ def zb_h1_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
 
 
 class VSteps:
-    """A rank's steps on the V, in order: ``add(op, chunk)`` appends the chunk's next F/B/W."""
+    """A rank's steps on the V, in order: ``add("F0 B1 W1")`` appends a forward on chunk 0, a
+    B and a W on chunk 1, each of that chunk's next micro-batch."""
 
     def __init__(self, rank: int, stages: int):
         self.rank = rank
@@ -138,10 +139,12 @@ class VSteps:
         self.steps = []
         self.count = {}           # (op, chunk) -> how many added so far
 
-    def add(self, op: str, chunk: int) -> None:
-        micro_batch = self.done(op, chunk)
-        self.count[(op, chunk)] = micro_batch + 1
-        self.steps.append(make_step(op, self.rank, self.stages, micro_batch, chunk, 2, V))
+    def add(self, ops: str) -> None:
+        for token in ops.split():                    # "B1": op B on chunk 1
+            op, chunk = token[0], int(token[1])
+            micro_batch = self.done(op, chunk)
+            self.count[(op, chunk)] = micro_batch + 1
+            self.steps.append(make_step(op, self.rank, self.stages, micro_batch, chunk, 2, V))
 
     def done(self, op: str, chunk: int) -> int:
         return self.count.get((op, chunk), 0)
@@ -162,29 +165,22 @@ def zbv_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]:
     built_for = max(micro_batches, 2 * p - 1)
     work = VSteps(rank, p)
     for _ in range(2 * (p - rank) - 1):              # 1.
-        work.add(FORWARD, 0)
+        work.add("F0")
     for _ in range(rank):                            # 2.
-        work.add(FORWARD, 1)
-        work.add(FORWARD, 0)
+        work.add("F1 F0")
     for _ in range(p - rank):                        # 3.
-        for op in (FORWARD, BACKWARD, WEIGHT):
-            work.add(op, 1)
+        work.add("F1 B1 W1")
     while work.done(FORWARD, 1) < built_for:         # 4.
         if work.done(FORWARD, 0) < built_for:
-            work.add(FORWARD, 0)
-        work.add(BACKWARD, 0)
-        work.add(WEIGHT, 0)
-        for op in (FORWARD, BACKWARD, WEIGHT):
-            work.add(op, 1)
+            work.add("F0")
+        work.add("B0 W0 F1 B1 W1")
     for _ in range(rank):                            # 5.
-        work.add(BACKWARD, 0)
-        work.add(BACKWARD, 1)
+        work.add("B0 B1")
     for _ in range(p - rank):
-        work.add(BACKWARD, 0)
-        work.add(WEIGHT, 0)
+        work.add("B0 W0")
     for chunk in (1, 0):
         while work.done(WEIGHT, chunk) < built_for:
-            work.add(WEIGHT, chunk)
+            work.add(f"W{chunk}")
     return [step for step in work.steps if step.micro_batch < micro_batches]
 
 
@@ -205,40 +201,31 @@ def dualpipev_schedule(rank: int, stages: int, micro_batches: int) -> list[Step]
         raise ValueError(f"DualPipeV needs at least as many micro-batches as virtual stages, "
                          f"m >= 2p: m={m}, p={p}")
     work = VSteps(rank, p)
-    put_off = []                                    # chunks whose oldest W is put off
-
-    def backward(chunk: int, whole: bool = True) -> None:
-        work.add(BACKWARD, chunk)
-        if whole:
-            work.add(WEIGHT, chunk)                    # the whole backward: B then W
+    for _ in range(2 * (p - rank - 1)):              # 1.
+        work.add("F0")
+    for _ in range(rank + 1):                        # 2.
+        work.add("F0 F1")
+    for _ in range(p - rank - 1):                    # 3.
+        work.add("B1 W1 F1")
+    for _ in range(m - 2 * p + rank + 1):            # 4.
+        work.add("F0 B1 W1 F1 B0 W0")
+    for _ in range(p - rank - 1):                    # 5.
+        work.add("B1 W1 F1 B0 W0")
+    put_off = []                                     # chunks whose oldest W is put off
+    for i in range(2 * (rank + 1)):                  # 6. the first r+1 whole, then W put off
+        chunk = 1 - i % 2                            #    B chunk 1, B chunk 0, ...
+        work.add(f"B{chunk}")
+        if i < rank + 1:
+            work.add(f"W{chunk}")
         else:
             put_off.append(chunk)
-
-    for _ in range(2 * (p - rank - 1)):              # 1.
-        work.add(FORWARD, 0)
-    for _ in range(rank + 1):                        # 2.
-        work.add(FORWARD, 0)
-        work.add(FORWARD, 1)
-    for _ in range(p - rank - 1):                    # 3.
-        backward(1)
-        work.add(FORWARD, 1)
-    for _ in range(m - 2 * p + rank + 1):            # 4.
-        work.add(FORWARD, 0)
-        backward(1)
-        work.add(FORWARD, 1)
-        backward(0)
-    for _ in range(p - rank - 1):                    # 5.
-        backward(1)
-        work.add(FORWARD, 1)
-        backward(0)
-    for i in range(2 * (rank + 1)):                  # 6. the first r+1 whole, then W put off
-        backward(1 - i % 2, whole=i < rank + 1)
     for _ in range(p - rank - 1):                    # 7.
         if put_off:
-            work.add(WEIGHT, put_off.pop(0))
-        backward(0, whole=False)
-    while put_off:                                   # 8.
-        work.add(WEIGHT, put_off.pop(0))
+            work.add(f"W{put_off.pop(0)}")
+        work.add("B0")
+        put_off.append(0)
+    for chunk in put_off:                            # 8.
+        work.add(f"W{chunk}")
     return work.steps
 
 
