@@ -4,8 +4,8 @@ gradient, the loss, the micro-batches held at once), and one verdict on every ra
 
 Each check returns the problems it found (an empty list: it passed), so a test can run it on
 the real code and beside a planted bug (``tests/test_07_pipeline_parallel.py``), which must
-make the same check fail. run_pipeline.py has its own plain loop for the learner; this is the
-version the tests bend.
+make the same check fail. run_pipeline.py has its own loop for the learner; this is the
+version the tests bend, with the micro-batches held checked against the schedule's count.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import one_f_one_b
 import pipeline_parallel
 import pipeline_schedules as schedules
+import schedule_check
 
 GRAD_RTOL = 1e-4                        # float32: see compare_gradients
 GRAD_ATOL = 1e-6
@@ -147,8 +148,8 @@ def check_schedule_pass(model, reference: dict, ctx, cfg: dict, name: str, m: in
     problems = compare_loss(ctx, result, reference, label, last_rank)
     gradient_problems, largest = compare_gradients(model, reference["grads"], layer_ranges, label)
     problems += gradient_problems
-    steps = schedules.schedule_steps(name, ctx.rank, ctx.world_size, m, chunks_per_rank)
-    promised = schedules.peak_held(steps)
+    steps = schedules.all_ranks(name, ctx.world_size, m, chunks_per_rank)[ctx.rank]
+    promised = schedule_check.peak_held(steps)
     if result["peak_held"] != promised:
         problems.append(f"{label}: held {result['peak_held']} micro-batches at once, the "
                         f"schedule says {promised}")
@@ -169,6 +170,25 @@ def check_plain_pass(model, reference: dict, ctx, cfg: dict, m: int,
         problems.append(f"{label}: held {result['peak_held']} micro-batches at once, 1F1B "
                         f"holds min(p - r, m) = {promised}")
     return problems, largest
+
+
+class NcclBranchOnGloo(pipeline_parallel.ScheduleRunner):
+    """The executor's NCCL branch run over Gloo: every group waited for as soon as it is
+    posted (where NCCL makes only the GPU stream wait, this blocks the host: stricter)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nccl = True
+
+
+def with_nccl_branch(check, *args, **kwargs):
+    """Run ``check`` with the executor's NCCL branch (``NcclBranchOnGloo``) in place."""
+    original = pipeline_parallel.ScheduleRunner
+    pipeline_parallel.ScheduleRunner = NcclBranchOnGloo
+    try:
+        return check(*args, **kwargs)
+    finally:
+        pipeline_parallel.ScheduleRunner = original
 
 
 def gather_from_every_rank(ctx, value) -> list:

@@ -1,30 +1,18 @@
 """Not a lesson: lesson 4's bubble, measured (each rank's idle share per schedule and m).
 
-The executor (``pipeline_parallel.run_schedule``) carries no clock; this wraps it from
-outside. Each step's compute (F, B, W) is timed by a subclass of the executor's
-``ScheduleRunner``, put in its place for the pass, that synchronizes the GPU and reads the
-clock around the step, and the whole pass is timed between two barriers: a rank's idle share
-is 1 - busy / pass. Then the same with emulated compute, where each chunk of the model is
-replaced by one that only waits (``EmulatedChunk``: forward waits, backward waits, and under
-ZB-H1 the weight-gradient step W waits too), while the messages keep their real size and
-order. Four ranks on two shared cores cannot show a bubble with real compute (a rank computes
-slower while others compute); emulated compute can, so the measured idle tests the executor
-against the schedule's unit-time simulation and the formula on any machine.
-
-Writes ``results/pipeline_bubble.csv`` (one row per schedule, m, chunks, emulated_ms (0:
-real) and rank), each setting's rows as soon as it is measured; prints the table, whether
-emulated compute came within 0.05 of the simulation, and each schedule's timeline.
-
-Then the V schedules beside torch's own (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``
-from ``torch.distributed.pipelining``, two ``PipelineStage``s per rank) on the same chunks:
-real compute with the same weights (and how far the gradients differ), emulated compute with
-the same waits (torch splits B from W in the autograd graph, so its emulated chunk waits on
-an input's path and on a parameter's path). Passes alternate, ours then torch's; the ratio
-of the medians is this run's, on this machine (target: ours at most 1.10x torch's). Writes
-``results/pipeline_vs_torch.csv``.
+The executor carries no clock: a subclass of its ``ScheduleRunner`` (``TimedRunner``) reads
+the clock around each step's compute, and the pass is timed between two barriers: idle =
+1 - busy / pass. Then the same with emulated compute: each chunk only waits (F, B, and W under
+a split backward), the messages keep their real size and order, so the measured idle tests the
+executor against the unit-time simulation on any machine (four ranks on two cores cannot show
+a bubble with real compute). Writes ``results/pipeline_bubble.csv`` as each setting is
+measured; prints the table, the verdict (within 0.05 of the simulation) and the timelines.
+Then ZB-V and DualPipeV beside torch's own (``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV``,
+two ``PipelineStage``s per rank) on the same chunks, real (the same weights: how far the
+gradients differ) and emulated; passes alternate, the ratio of medians is this run's (target:
+ours at most 1.10x torch's). Writes ``results/pipeline_vs_torch.csv``. ``make bench`` runs it.
 
 Run:  python 07_parallelism/measure/bench_pipeline.py --micro-batches 4,8,16 --emulate-ms 50
-      python 07_parallelism/04_pipeline_parallel/run_pipeline.py --emulate-ms 50   # the same
 """
 
 from __future__ import annotations
@@ -49,6 +37,7 @@ from bench import launch, results, timing
 
 pipeline_parallel = import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
 schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
+schedule_check = import_stage("07_parallelism/measure/schedule_check")
 
 MAX_EMULATE_MS = 60_000.0               # a minute per step: more is a typo, not a measurement
 SIZE_COLUMNS = ("layers", "d_model", "hidden", "batch")
@@ -200,7 +189,7 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
         for m in cfg["micro_batches"]:
             if schedule_refuses(name, stages, m, v):
                 continue                       # left out up front (main says which)
-            simulated = schedules.simulated_idle(name, stages, m, v)
+            simulated = schedule_check.simulated_idle(name, stages, m, v)
             peak = None
             for emulated_ms in (0.0, cfg["emulate_ms"]):    # real compute, then emulated
                 passes = cfg["iters"]
@@ -223,7 +212,7 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
                 pass_seconds = [result["total_s"] for result in timed]
                 rows.append({"schedule": name, "m": m, "v": v, "emulated_ms": emulated_ms,
                              "peak": peak, "idle": idle, "sim": simulated, "gap": gap,
-                             "formula": schedules.bubble_formula(name, stages, m, v),
+                             "formula": schedule_check.bubble_formula(name, stages, m, v),
                              "step_ms": timing.gather_times(pass_seconds).median * 1e3})
                 if ctx.is_main:
                     write_rows(ctx, cfg, rows)
@@ -495,7 +484,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
     for name in cfg["schedules"]:
         m = max(cfg["micro_batches"])
         if not schedule_refuses(name, stages, m, cfg["v"][name]):
-            print("\n" + schedules.describe(name, stages, m, cfg["v"][name]))
+            print("\n" + schedule_check.describe(name, stages, m, cfg["v"][name]))
     path = write_rows(ctx, cfg, rows)
     print(f"\nwrote {path}")
 
@@ -536,7 +525,7 @@ def schedule_refuses(name: str, stages: int, m: int, v: int) -> str:
     """Why schedule ``name`` cannot run m micro-batches on these stages ('' when it can): its
     own rule, such as m a multiple of p for interleaved or m >= 2p for DualPipeV."""
     try:
-        schedules.check_setting(name, stages, m, v)
+        schedule_check.check_setting(name, stages, m, v)
     except ValueError as error:
         return str(error)
     return ""
@@ -568,7 +557,7 @@ def main(argv=None) -> None:
     parser.add_argument("--iters", type=launch.positive_int, default=3,
                         help="timed passes per setting")
     parser.add_argument("--bench", action="store_true",
-                        help="accepted for run_pipeline.py's sake: this script only measures")
+                        help="accepted for make bench's sake: this script only measures")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     stages = config.world_size
@@ -593,7 +582,7 @@ def main(argv=None) -> None:
                 print(f"bench_pipeline.py: {name} left out at m={m}: {refusal}")
                 continue
             try:
-                schedules.check_setting(name, stages, m, args.v[name], args.layers, args.batch)
+                schedule_check.check_setting(name, stages, m, args.v[name], args.layers, args.batch)
             except ValueError as error:
                 launch.usage_error(f"--schedules {name} --micro-batches {m} --layers "
                                    f"{args.layers} --batch {args.batch}: {error}")
