@@ -187,7 +187,7 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     import torch.distributed as dist
 
     from bench import launch
-    from bench import launch as course_launch
+    from common import launch as course_launch
 
     class Props:
         total_memory = 80 * 2**30
