@@ -299,7 +299,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
              ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", "--world-size", "2",
               *where, *tp]),
         step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
-             ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size",
+             ["07_parallelism/measure/bench_pipeline.py", "--world-size",
               str(pp_ws), *where, *pp, "--micro-batches", micro_batches, "--chunks", "2",
               "--warmup", "1", "--iters", "2" if quick or gpus == 1 else "3"]),
         step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's, a compute-only control "
@@ -349,7 +349,6 @@ MEASURED_BY = {
     "07_parallelism/02_fsdp/run_fsdp.py": "07_parallelism/measure/bench_fsdp.py",
     "07_parallelism/03_tensor_parallel/run_tensor_parallel.py":
         "07_parallelism/measure/bench_tensor_parallel.py",
-    "07_parallelism/04_pipeline_parallel/run_pipeline.py": "07_parallelism/measure/bench_pipeline.py",
     "07_parallelism/05_context_parallel/run_context_parallel.py":
         "07_parallelism/measure/bench_context_parallel.py",
     "07_parallelism/06_expert_parallel/run_expert_parallel.py":

@@ -23,7 +23,7 @@ def tiny_plan(setup, quick, model, trace_dir):
                      "--trace-dir", trace_dir]),
         ("tp", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", *WHERE, "--d-model", "32",
                 "--d-ff", "64"]),
-        ("pp", ["07_parallelism/04_pipeline_parallel/run_pipeline.py", "--world-size", "2",
+        ("pp", ["07_parallelism/measure/bench_pipeline.py", "--world-size", "2",
                 *WHERE, "--layers", "4", "--d-model", "16", "--hidden", "32", "--batch", "8",
                 "--micro-batches", "2", "--emulate-ms", "5", "--iters", "1"]),
         ("ledger", ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", *WHERE, *LM, "--steps", "1",

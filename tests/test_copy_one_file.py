@@ -355,8 +355,10 @@ if __name__ == "__main__":
                 for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert imported <= {"__future__", "dataclasses"}, imported
-    ps.check_setting("zbh1", 4, 8, layers=8, batch=64)
-    assert "rank 3 | .  .  .  F0 B0" in ps.describe("zbh1", 4, 8)
+    rank_3 = ps.simulate(ps.all_ranks("zbh1", 4, 8))[3]            # [(start, end, step)]
+    assert [(start, step.op, step.micro_batch) for start, _, step in rank_3[:2]] == \
+        [(3, "F", 0), (4, "B", 0)], rank_3[:2]
+    assert len(ps.p2p_plan(ps.all_ranks("dualpipev", 4, 8))) == 4
 
     # The plain 1F1B loops alone, on one rank: the gradients and loss of one process.
     plain = fresh_import("loops_alone", "one_f_one_b")
