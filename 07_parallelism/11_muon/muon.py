@@ -1,0 +1,354 @@
+"""Stage 07, lesson 11: Muon, the optimizer that does not shard like AdamW, four ways.
+
+What it teaches. ZeRO and FSDP (lessons 1 and 2) rest on one property of AdamW: its update is
+elementwise, so any rank can update any slice of a matrix. Muon (Jordan et al. 2024) keeps a
+momentum per weight matrix, as SGD does, then replaces the update by an orthogonal matrix
+near it, U V^T for the update's SVD U S V^T, which a Newton-Schulz iteration reaches with five
+pairs of matrix products. The momentum is elementwise; the iteration is not: it needs the whole
+matrix. Moonshot ("Muon is Scalable for LLM Training", 2025, arXiv 2502.16982) report about
+twice AdamW's compute efficiency; so every trainer must say which rank orthogonalizes which
+matrix, and how the matrix gets there:
+
+* ``Muon``: one process. torch.optim.Muon's rule, with the iteration in the parameter's dtype.
+* ``Replicated``: DDP's all-reduce, then every rank orthogonalizes every matrix (N times the
+  work: the waste made visible).
+* ``Owner``: each matrix has an owner rank. Its gradient is reduced to the owner, which keeps
+  its momentum, orthogonalizes it and updates it; the matrix is then broadcast (modded-nanogpt).
+* ``Sharded``: ZeRO-1's layout: rank r keeps the momentum of its block of rows of every
+  matrix. The gradients are reduce-scattered into those blocks; one all-to-all moves every
+  block of the update to the matrix's owner, whole; the owner orthogonalizes; a second
+  all-to-all sends each block back; each rank updates its rows; an all-gather rebuilds them.
+* ``FSDPMuon``: the same two all-to-alls on lesson 2's FSDP shards, which are those blocks of
+  rows already (torchtitan's pattern): no reduce-scatter, no all-gather of its own.
+
+Owners are dealt by the iteration's cost, costliest matrix first, each to the rank with the
+least so far. An m x n matrix (m <= n) costs ``ns_flops``: 5 steps x (4 m^2 n + 2 m^3) FLOPs.
+The bytes each design sends per step, summed over N ranks (ring collectives: an all-reduce of
+M bytes sends 2(N-1)/N M from each rank; a matrix's rows padded to N ceil(rows / N): M'):
+
+    Replicated   all-reduce M                                    2(N-1) M
+    Owner        reduce + broadcast, M each                      2(N-1) M
+    Sharded      reduce-scatter, 2 all-to-alls, all-gather       2(N-1)(N+1)/N M'
+    FSDPMuon     2 all-to-alls (FSDP moves the rest anyway)      2(N-1)/N M'
+
+Use it in your own loop (this file needs only torch; copy it anywhere):
+
+    matrices = [p for name, p in model.named_parameters() if p.ndim == 2 and "block" in name]
+    muon = DESIGNS["owner"](matrices, lr=0.02)       # after dist.init_process_group(...)
+    adamw = torch.optim.AdamW(others, lr=3e-4)       # embeddings, head, 1-D: average their grads
+    loss_fn(model(x_local), y_local).backward()
+    muon.step()                                      # averages its matrices' gradients itself
+    adamw.step()
+
+Run it against one process, and torch.optim.Muon, with the demo beside this file:
+    python 07_parallelism/11_muon/run_muon.py --world-size 4
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+# --------------------------------------------------------------------------- one matrix
+
+
+def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """The quintic Newton-Schulz iteration (Jordan et al. 2024): G's singular values move
+    towards 1 (into about [0.7, 1.2]), its singular vectors stay. In G's dtype; G is not changed."""
+    a, b, c = (3.4445, -4.7750, 2.0315)
+    X = G
+    if G.size(0) > G.size(1):
+        X = X.T  # work on the wide side: X X^T is the smaller square
+    X = X / X.norm().clamp(min=eps)  # Frobenius norm 1, so every singular value <= 1
+    for _ in range(steps):
+        A = X @ X.T                                  # [m, m]
+        B = torch.addmm(A, A, A, beta=b, alpha=c)    # b A + c A^2
+        X = torch.addmm(X, B, X, beta=a)             # a X + B X: p(S) = a S + b S^3 + c S^5
+    if G.size(0) > G.size(1):
+        X = X.T
+    return X
+
+
+def ns_flops(shape, steps: int = 5) -> int:
+    """FLOPs of ``newton_schulz`` on a matrix of ``shape``: per step X X^T, A A and B X."""
+    m, n = sorted(shape[:2])
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def momentum_update(buf: torch.Tensor, grad: torch.Tensor, momentum: float, nesterov: bool):
+    """torch.optim.Muon's momentum: buf <- buf + (1 - mu)(grad - buf), and with Nesterov the
+    update grad + mu (buf - grad). Elementwise: rows of the gradient give the same rows."""
+    buf.lerp_(grad, 1 - momentum)
+    if nesterov:
+        return grad.lerp(buf, momentum)
+    return buf
+
+
+def apply_update(param, orthogonal, lr: float, weight_decay: float, shape) -> None:
+    """Decoupled weight decay with the plain lr, then the step with lr sqrt(max(1, rows/cols))
+    ("original": an update's RMS the same for tall matrices). ``shape``: the whole matrix's."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(orthogonal, alpha=-lr * math.sqrt(max(1, shape[0] / shape[1])))
+
+
+def deal(params: list, costs: list[int], world_size: int) -> dict:
+    """Owners: costliest first, each to the rank with the least cost so far (ties: the lowest
+    rank, then the earlier parameter). Every rank deals the same list the same way."""
+    loads = [0] * world_size
+    owner = {}
+    for index in sorted(range(len(params)), key=lambda i: -costs[i]):
+        lightest = loads.index(min(loads))
+        owner[params[index]] = lightest
+        loads[lightest] += costs[index]
+    return owner
+
+
+# --------------------------------------------------------------------------- one process
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon for 2-D parameters: torch.optim.Muon's rule (adjust_lr_fn "original"), but the
+    iteration runs in the parameter's dtype (torch's runs in bfloat16)."""
+
+    def __init__(self, params, lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        for param, _ in self.matrices():
+            if param.ndim != 2:
+                raise ValueError(f"Muon: 2-D parameters only, got {tuple(param.shape)}; give it to AdamW")
+
+    def matrices(self) -> list:
+        """(parameter, its group) for every parameter, in order."""
+        return [(param, group) for group in self.param_groups for param in group["params"]]
+
+    def momentum(self, param, grad, group) -> torch.Tensor:
+        """The update from this parameter's momentum (``grad``: the whole or rows of it)."""
+        if "momentum_buffer" not in self.state[param]:
+            self.state[param]["momentum_buffer"] = torch.zeros_like(grad)
+        buf = self.state[param]["momentum_buffer"]
+        return momentum_update(buf, grad, group["momentum"], group["nesterov"])
+
+    @torch.no_grad()
+    def step(self):
+        for param, group in self.matrices():
+            if param.grad is None:
+                continue
+            update = self.momentum(param, param.grad, group)
+            orthogonal = newton_schulz(update, group["ns_steps"])
+            apply_update(param, orthogonal, group["lr"], group["weight_decay"], param.shape)
+
+
+# --------------------------------------------------------------------------- design 1
+
+
+class Replicated(Muon):
+    """Every gradient all-reduced (one flat call), then every rank runs Muon on everything."""
+
+    def __init__(self, params, lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
+                 group=None):
+        super().__init__(params, lr, momentum, nesterov, ns_steps, weight_decay)
+        self.group = group
+
+    @torch.no_grad()
+    def step(self):
+        grads = [param.grad for param, _ in self.matrices() if param.grad is not None]
+        flat = torch.cat([grad.flatten() for grad in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= dist.get_world_size(self.group)
+        for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
+            grad.copy_(mean.view_as(grad))
+        super().step()
+
+
+# --------------------------------------------------------------------------- design 2
+
+
+class Owner(Muon):
+    """One owner per matrix: it alone keeps the momentum and runs the iteration. Per owner,
+    one flat reduce of its matrices' gradients and one flat broadcast of the new matrices."""
+
+    def __init__(self, params, lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
+                 group=None):
+        super().__init__(params, lr, momentum, nesterov, ns_steps, weight_decay)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        params = [param for param, _ in self.matrices()]
+        self.owner = deal(params, [ns_flops(param.shape) for param in params], self.world_size)
+
+    def owned_by(self, rank: int) -> list:
+        return [param for param, _ in self.matrices() if self.owner[param] == rank and param.grad is not None]
+
+    @torch.no_grad()
+    def step(self):
+        for rank in range(self.world_size):
+            params = self.owned_by(rank)
+            if not params:
+                continue
+            flat = torch.cat([param.grad.flatten() for param in params])
+            dist.reduce(flat, global_rank(self.group, rank), group=self.group)
+            if rank == self.rank:
+                flat /= self.world_size
+                for param, mean in zip(params, flat.split([param.numel() for param in params])):
+                    param.grad.copy_(mean.view_as(param))
+        for param, group in self.matrices():
+            if param.grad is not None and self.owner[param] == self.rank:
+                update = self.momentum(param, param.grad, group)
+                orthogonal = newton_schulz(update, group["ns_steps"])
+                apply_update(param, orthogonal, group["lr"], group["weight_decay"], param.shape)
+        for rank in range(self.world_size):
+            params = self.owned_by(rank)
+            if not params:
+                continue
+            flat = torch.cat([param.flatten() for param in params])
+            dist.broadcast(flat, global_rank(self.group, rank), group=self.group)
+            for param, value in zip(params, flat.split([param.numel() for param in params])):
+                param.copy_(value.view_as(param))
+
+
+def global_rank(group, rank: int) -> int:
+    """Collectives name their source or destination by its rank in the default group."""
+    if group is None:
+        return rank
+    return dist.get_global_rank(group, rank)
+
+
+# --------------------------------------------------------------------------- designs 3 and 4
+
+
+class Sharded(Muon):
+    """ZeRO-1's layout: rank r keeps the momentum of rows [r k, (r+1) k) of every matrix,
+    k = ceil(rows / N), zero-padded past the last row (lesson 2's shard layout)."""
+
+    def __init__(self, params, lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
+                 group=None):
+        super().__init__(params, lr, momentum, nesterov, ns_steps, weight_decay)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.shape = {param: param.shape for param, _ in self.matrices()}  # the whole matrix's
+        self.deal()
+
+    def deal(self) -> None:
+        params = [param for param, _ in self.matrices()]
+        self.owner = deal(params, [ns_flops(self.shape[param]) for param in params], self.world_size)
+
+    def rows(self, param) -> int:
+        """k: the rows of ``param`` each rank holds."""
+        return -(-self.shape[param][0] // self.world_size)
+
+    def padded(self, param, matrix) -> torch.Tensor:
+        """``matrix`` [rows, cols] with zero rows below: [N k, cols]."""
+        out = matrix.new_zeros(self.world_size * self.rows(param), matrix.shape[1])
+        out[:matrix.shape[0]] = matrix
+        return out
+
+    @torch.no_grad()
+    def step(self):
+        params = [param for param, _ in self.matrices() if param.grad is not None]
+        grads = []    # this rank's rows of each averaged gradient: [k, cols]
+        shards = []   # ... and of each matrix
+        for param in params:
+            k = self.rows(param)
+            grad = param.grad.new_empty(k, param.shape[1])
+            dist.reduce_scatter_tensor(grad, self.padded(param, param.grad), group=self.group)
+            grads.append(grad / self.world_size)
+            shards.append(self.padded(param, param)[self.rank * k:(self.rank + 1) * k])
+        self.update_shards(params, shards, grads)
+        for param, shard in zip(params, shards):
+            full = shard.new_empty(self.world_size * shard.shape[0], shard.shape[1])  # [N k, cols]
+            dist.all_gather_into_tensor(full, shard, group=self.group)
+            param.copy_(full[:param.shape[0]])
+
+    def update_shards(self, params, shards, grads) -> None:
+        """Momentum on the rows, the iteration on the whole matrices, the step on the rows."""
+        if not params:
+            return
+        groups = dict(self.matrices())
+        updates = []
+        for param, grad in zip(params, grads):
+            updates.append(self.momentum(param, grad, groups[param]))
+        for param, shard, rows in zip(params, shards, self.orthogonalized_rows(params, updates)):
+            group = groups[param]
+            apply_update(shard, rows, group["lr"], group["weight_decay"], self.shape[param])
+
+    def orthogonalized_rows(self, params, updates) -> list:
+        """This rank's rows of each orthogonalized update, each matrix whole at its owner."""
+        groups = dict(self.matrices())
+        whole = self.to_owners(params, updates)
+        orthogonal = {}
+        for param, matrix in whole.items():
+            orthogonal[param] = newton_schulz(matrix, groups[param]["ns_steps"])
+        return self.from_owners(params, orthogonal)
+
+    def to_owners(self, params, updates) -> dict:
+        """One all-to-all: every rank's rows of each matrix to its owner. Returns the matrices
+        this rank owns, whole: parameter -> [rows, cols]."""
+        send = []
+        send_sizes = [0] * self.world_size  # elements for each rank
+        for rank in range(self.world_size):
+            for param, update in zip(params, updates):
+                if self.owner[param] == rank:
+                    send.append(update.flatten())
+                    send_sizes[rank] += update.numel()
+        mine = [(param, update) for param, update in zip(params, updates) if self.owner[param] == self.rank]
+        size = sum(update.numel() for _, update in mine)  # what each rank sends me
+        received = updates[0].new_empty(self.world_size * size)
+        dist.all_to_all_single(received, torch.cat(send), [size] * self.world_size, send_sizes,
+                               group=self.group)
+        whole = {}
+        offset = 0
+        blocks = received.view(self.world_size, size)  # [N, size]: row s from rank s
+        for param, update in mine:
+            block = blocks[:, offset:offset + update.numel()]  # [N, k cols]: rank s's rows in row s
+            offset += update.numel()
+            whole[param] = block.reshape(-1, update.shape[1])[:self.shape[param][0]]  # [rows, cols]
+        return whole
+
+    def from_owners(self, params, orthogonal: dict) -> list:
+        """One all-to-all back: the owner sends rank s its rows of each matrix. Returns this
+        rank's rows of every matrix in ``params``: [k, cols] each."""
+        send = []  # per owned matrix, [N, k cols]: row s for rank s
+        for param, matrix in orthogonal.items():
+            send.append(self.padded(param, matrix).view(self.world_size, -1))
+        size = sum(block.shape[1] for block in send)
+        receive_sizes = [0] * self.world_size
+        order = []  # the parameters in the order they arrive: by owner, then as in params
+        for rank in range(self.world_size):
+            for param in params:
+                if self.owner[param] == rank:
+                    receive_sizes[rank] += self.rows(param) * param.shape[-1]
+                    order.append(param)
+        flat = torch.cat(send, dim=1).flatten() if send else params[0].new_empty(0)
+        received = flat.new_empty(sum(receive_sizes))
+        dist.all_to_all_single(received, flat, receive_sizes, [size] * self.world_size, group=self.group)
+        sizes = [self.rows(param) * self.shape[param][1] for param in order]
+        mine = {}
+        for param, rows in zip(order, received.split(sizes)):
+            mine[param] = rows.view(self.rows(param), self.shape[param][1])
+        return [mine[param] for param in params]
+
+
+class FSDPMuon(Sharded):
+    """Design 4: Muon over lesson 2's FSDP shards. ``params``: shards of ``fsdp`` (e.g. the
+    blocks' matrices), each rank's [k, cols] block of rows; their averaged gradients are there
+    after ``fsdp.finish_gradient_synchronization()``; ``step()`` needs only the all-to-alls."""
+
+    def __init__(self, params, fsdp, lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
+        super().__init__(params, lr, momentum, nesterov, ns_steps, weight_decay, group=fsdp.group)
+        for unit in fsdp.units:
+            for shard, full in zip(unit.params, unit.full):
+                if shard in self.shape:
+                    self.shape[shard] = full.shape  # the full weight's shape (storage freed)
+        self.deal()
+
+    @torch.no_grad()
+    def step(self):
+        params = [param for param, _ in self.matrices() if param.grad is not None]
+        self.update_shards(params, params, [param.grad for param in params])
+
+
+DESIGNS = {"replicated": Replicated, "owner": Owner, "sharded": Sharded}
