@@ -191,7 +191,7 @@ def test_newton_schulz_orthogonalizes_in_its_dtype():
             X = muon.newton_schulz(G)
             assert X.dtype == dtype and X.shape == G.shape and torch.equal(G, before)
             singular = torch.linalg.svdvals(X.double())
-            assert 0.5 < singular.min() and singular.max() < 1.3, (shape, dtype, singular)
+            assert 0.4 < singular.min() and singular.max() < 1.3, (shape, dtype, singular)
 
 
 def test_dealing_balances_the_course_lm():

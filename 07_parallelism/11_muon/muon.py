@@ -133,12 +133,23 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self):
-        for param, group in self.matrices():
-            if param.grad is None:
-                continue
-            update = self.momentum(param, param.grad, group)
-            orthogonal = newton_schulz(update, group["ns_steps"])
-            apply_update(param, orthogonal, group["lr"], group["weight_decay"], param.shape)
+        self.update([param for param, _ in self.matrices()])
+
+    def update(self, params) -> None:
+        """Muon's rule on each of ``params`` that has a gradient, whole."""
+        groups = dict(self.matrices())
+        for param in params:
+            if param.grad is not None:
+                group = groups[param]
+                update = self.momentum(param, param.grad, group)
+                orthogonal = newton_schulz(update, group["ns_steps"])
+                apply_update(param, orthogonal, group["lr"], group["weight_decay"], param.shape)
+
+
+def copy_flat(flat: torch.Tensor, tensors: list) -> None:
+    """One flat tensor back into ``tensors``, in order."""
+    for tensor, part in zip(tensors, flat.split([tensor.numel() for tensor in tensors])):
+        tensor.copy_(part.view_as(tensor))
 
 
 # --------------------------------------------------------------------------- design 1
@@ -157,9 +168,7 @@ class Replicated(Muon):
         grads = [param.grad for param, _ in self.matrices() if param.grad is not None]
         flat = torch.cat([grad.flatten() for grad in grads])
         dist.all_reduce(flat, group=self.group)
-        flat /= dist.get_world_size(self.group)
-        for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads])):
-            grad.copy_(mean.view_as(grad))
+        copy_flat(flat / dist.get_world_size(self.group), grads)
         super().step()
 
 
@@ -184,36 +193,20 @@ class Owner(Muon):
 
     @torch.no_grad()
     def step(self):
-        for rank in range(self.world_size):
+        for rank in range(self.world_size):  # each owner's gradients, summed on it
+            grads = [param.grad for param in self.owned_by(rank)]
+            if grads:
+                flat = torch.cat([grad.flatten() for grad in grads])
+                dist.reduce(flat, group=self.group, group_dst=rank)
+                if rank == self.rank:
+                    copy_flat(flat / self.world_size, grads)
+        self.update(self.owned_by(self.rank))
+        for rank in range(self.world_size):  # each owner's new matrices, to everyone
             params = self.owned_by(rank)
-            if not params:
-                continue
-            flat = torch.cat([param.grad.flatten() for param in params])
-            dist.reduce(flat, global_rank(self.group, rank), group=self.group)
-            if rank == self.rank:
-                flat /= self.world_size
-                for param, mean in zip(params, flat.split([param.numel() for param in params])):
-                    param.grad.copy_(mean.view_as(param))
-        for param, group in self.matrices():
-            if param.grad is not None and self.owner[param] == self.rank:
-                update = self.momentum(param, param.grad, group)
-                orthogonal = newton_schulz(update, group["ns_steps"])
-                apply_update(param, orthogonal, group["lr"], group["weight_decay"], param.shape)
-        for rank in range(self.world_size):
-            params = self.owned_by(rank)
-            if not params:
-                continue
-            flat = torch.cat([param.flatten() for param in params])
-            dist.broadcast(flat, global_rank(self.group, rank), group=self.group)
-            for param, value in zip(params, flat.split([param.numel() for param in params])):
-                param.copy_(value.view_as(param))
-
-
-def global_rank(group, rank: int) -> int:
-    """Collectives name their source or destination by its rank in the default group."""
-    if group is None:
-        return rank
-    return dist.get_global_rank(group, rank)
+            if params:
+                flat = torch.cat([param.flatten() for param in params])
+                dist.broadcast(flat, group=self.group, group_src=rank)
+                copy_flat(flat, params)
 
 
 # --------------------------------------------------------------------------- designs 3 and 4
@@ -254,13 +247,13 @@ class Sharded(Muon):
         for param in params:
             k = self.rows(param)
             grad = param.grad.new_empty(k, param.shape[1])
-            dist.reduce_scatter_tensor(grad, self.padded(param, param.grad), group=self.group)
+            dist.reduce_scatter_single(grad, self.padded(param, param.grad), group=self.group)
             grads.append(grad / self.world_size)
             shards.append(self.padded(param, param)[self.rank * k:(self.rank + 1) * k])
         self.update_shards(params, shards, grads)
         for param, shard in zip(params, shards):
             full = shard.new_empty(self.world_size * shard.shape[0], shard.shape[1])  # [N k, cols]
-            dist.all_gather_into_tensor(full, shard, group=self.group)
+            dist.all_gather_single(full, shard, group=self.group)
             param.copy_(full[:param.shape[0]])
 
     def update_shards(self, params, shards, grads) -> None:

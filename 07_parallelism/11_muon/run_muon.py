@@ -66,8 +66,8 @@ def control(device) -> tuple[list[str], list[str]]:
     problems = []
     steps = 3
     for dtype in (torch.bfloat16, torch.float32):
-        ours = [param.detach().to(device, dtype).requires_grad_() for param in matrices]
-        theirs = [param.detach().to(device, dtype).requires_grad_() for param in matrices]
+        ours = [param.detach().to(device, dtype, copy=True).requires_grad_() for param in matrices]
+        theirs = [param.detach().to(device, dtype, copy=True).requires_grad_() for param in matrices]
         optimizers = (Muon(ours, lr=LR, weight_decay=0.1), torch.optim.Muon(theirs, lr=LR, weight_decay=0.1))
         for step in range(steps):
             generator = torch.Generator().manual_seed(step)
