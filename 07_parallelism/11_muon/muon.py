@@ -10,16 +10,15 @@ twice AdamW's compute efficiency; so every trainer must say which rank orthogona
 matrix, and how the matrix gets there:
 
 * ``Muon``: one process. torch.optim.Muon's rule, with the iteration in the parameter's dtype.
-* ``Replicated``: DDP's all-reduce, then every rank orthogonalizes every matrix (N times the
-  work: the waste made visible).
-* ``Owner``: each matrix has an owner rank. Its gradient is reduced to the owner, which keeps
-  its momentum, orthogonalizes it and updates it; the matrix is then broadcast (modded-nanogpt).
-* ``Sharded``: ZeRO-1's layout: rank r keeps the momentum of its block of rows of every
-  matrix. The gradients are reduce-scattered into those blocks; one all-to-all moves every
-  block of the update to the matrix's owner, whole; the owner orthogonalizes; a second
-  all-to-all sends each block back; each rank updates its rows; an all-gather rebuilds them.
-* ``FSDPMuon``: the same two all-to-alls on lesson 2's FSDP shards, which are those blocks of
-  rows already (torchtitan's pattern): no reduce-scatter, no all-gather of its own.
+* ``Replicated``: DDP's all-reduce; every rank orthogonalizes every matrix (N times the work).
+* ``Owner``: each matrix's gradient is reduced to its owner rank, which keeps its momentum,
+  orthogonalizes and updates it, then broadcasts it (modded-nanogpt's pattern).
+* ``Sharded``: ZeRO-1's layout: rank r keeps the momentum of its rows of every matrix. The
+  gradients are reduce-scattered into those rows; an all-to-all takes every rank's rows of the
+  update to the matrix's owner, which orthogonalizes it whole; a second all-to-all sends the
+  rows back; each rank updates its rows; an all-gather rebuilds the matrices.
+* ``FSDPMuon``: the same two all-to-alls on lesson 2's FSDP shards, which are those rows
+  already (torchtitan's pattern): no reduce-scatter, no all-gather of its own.
 
 Owners are dealt by the iteration's cost, costliest matrix first, each to the rank with the
 least so far. An m x n matrix (m <= n) costs ``ns_flops``: 5 steps x (4 m^2 n + 2 m^3) FLOPs.
@@ -280,55 +279,42 @@ class Sharded(Muon):
     def to_owners(self, params, updates) -> dict:
         """One all-to-all: every rank's rows of each matrix to its owner. Returns the matrices
         this rank owns, whole: parameter -> [rows, cols]."""
-        send = []
+        order = sorted(range(len(params)), key=lambda i: self.owner[params[i]])  # by owner
         send_sizes = [0] * self.world_size  # elements for each rank
-        for rank in range(self.world_size):
-            for param, update in zip(params, updates):
-                if self.owner[param] == rank:
-                    send.append(update.flatten())
-                    send_sizes[rank] += update.numel()
-        mine = [(param, update) for param, update in zip(params, updates) if self.owner[param] == self.rank]
-        size = sum(update.numel() for _, update in mine)  # what each rank sends me
+        for i in order:
+            send_sizes[self.owner[params[i]]] += updates[i].numel()
+        size = send_sizes[self.rank]  # each rank sends me as much as I send myself
         received = updates[0].new_empty(self.world_size * size)
-        dist.all_to_all_single(received, torch.cat(send), [size] * self.world_size, send_sizes,
-                               group=self.group)
+        dist.all_to_all_single(received, torch.cat([updates[i].flatten() for i in order]),
+                               [size] * self.world_size, send_sizes, group=self.group)
+        mine = [i for i in order if self.owner[params[i]] == self.rank]
+        blocks = received.view(self.world_size, size).split([updates[i].numel() for i in mine], dim=1)
         whole = {}
-        offset = 0
-        blocks = received.view(self.world_size, size)  # [N, size]: row s from rank s
-        for param, update in mine:
-            block = blocks[:, offset:offset + update.numel()]  # [N, k cols]: rank s's rows in row s
-            offset += update.numel()
-            whole[param] = block.reshape(-1, update.shape[1])[:self.shape[param][0]]  # [rows, cols]
+        for i, block in zip(mine, blocks):  # block [N, k cols]: row s rank s's rows
+            whole[params[i]] = block.reshape(-1, updates[i].shape[1])[:self.shape[params[i]][0]]
         return whole
 
     def from_owners(self, params, orthogonal: dict) -> list:
         """One all-to-all back: the owner sends rank s its rows of each matrix. Returns this
         rank's rows of every matrix in ``params``: [k, cols] each."""
-        send = []  # per owned matrix, [N, k cols]: row s for rank s
+        order = sorted(params, key=self.owner.get)  # as they arrive: by owner
+        sizes = [self.rows(param) * self.shape[param][1] for param in order]
+        receive_sizes = [0] * self.world_size
+        for param, size in zip(order, sizes):
+            receive_sizes[self.owner[param]] += size
+        send = [params[0].new_empty(self.world_size, 0)]  # per owned matrix [N, k cols], row s for rank s
         for param, matrix in orthogonal.items():
             send.append(self.padded(param, matrix).view(self.world_size, -1))
-        size = sum(block.shape[1] for block in send)
-        receive_sizes = [0] * self.world_size
-        order = []  # the parameters in the order they arrive: by owner, then as in params
-        for rank in range(self.world_size):
-            for param in params:
-                if self.owner[param] == rank:
-                    receive_sizes[rank] += self.rows(param) * param.shape[-1]
-                    order.append(param)
-        flat = torch.cat(send, dim=1).flatten() if send else params[0].new_empty(0)
-        received = flat.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received, flat, receive_sizes, [size] * self.world_size, group=self.group)
-        sizes = [self.rows(param) * self.shape[param][1] for param in order]
-        mine = {}
-        for param, rows in zip(order, received.split(sizes)):
-            mine[param] = rows.view(self.rows(param), self.shape[param][1])
-        return [mine[param] for param in params]
+        received = params[0].new_empty(sum(receive_sizes))
+        dist.all_to_all_single(received, torch.cat(send, dim=1).flatten(), receive_sizes,
+                               [receive_sizes[self.rank]] * self.world_size, group=self.group)
+        mine = dict(zip(order, received.split(sizes)))
+        return [mine[param].view(self.rows(param), -1) for param in params]
 
 
 class FSDPMuon(Sharded):
-    """Design 4: Muon over lesson 2's FSDP shards. ``params``: shards of ``fsdp`` (e.g. the
-    blocks' matrices), each rank's [k, cols] block of rows; their averaged gradients are there
-    after ``fsdp.finish_gradient_synchronization()``; ``step()`` needs only the all-to-alls."""
+    """Muon over lesson 2's FSDP shards (``params``: some of ``fsdp``'s, each this rank's
+    [k, cols] rows), after ``fsdp.finish_gradient_synchronization()`` averaged their gradients."""
 
     def __init__(self, params, fsdp, lr, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0):
         super().__init__(params, lr, momentum, nesterov, ns_steps, weight_decay, group=fsdp.group)

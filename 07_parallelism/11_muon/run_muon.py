@@ -1,18 +1,15 @@
-"""Stage 07, lesson 11, runnable: Muon (muon.py), beside torch.optim.Muon, and its four
+"""Stage 07, lesson 11, runnable: Muon (muon.py) beside torch.optim.Muon, and its four
 distributed designs, each beside Muon on one process.
 
-1. The control, on one process: Muon and torch.optim.Muon take the same 3 steps on the tiny
-   LM's block matrices. With bfloat16 weights both iterate in bfloat16: bitwise equal. With
-   float32 weights torch still iterates in bfloat16 (8 significant bits, relative spacing
-   2^-8): each entry of its orthogonal matrix is off by up to about 2^-5 of the largest, so a
-   weight by up to 2^-5 x lr sqrt(max(1, rows/cols)) per step.
-2. Each design (``DESIGNS``) on N ranks: four weight matrices, wide, tall, square and wide,
-   rows not a multiple of N, float64, 5 steps, each rank on its slice of the batch, beside
-   Muon on one process over the whole batch: within 1e-10. Then lesson 2's FSDP with
-   FSDPMuon, the same way.
-3. The tiny LM, float64, 3 steps: Muon on the blocks' matrices, AdamW on the embeddings, the
-   head and the 1-D weights; each design (and FSDPMuon) beside one process: the loss and the
-   weights within 1e-10.
+1. The control, one process, 3 steps on the tiny LM's first block's matrices, the same
+   gradients. bfloat16 weights: both iterate in bfloat16, bitwise equal. float32 weights: torch
+   still iterates in bfloat16 (8 significant bits): each entry of its orthogonal matrix is off
+   by up to about 2^-5 of the largest, a weight by 2^-5 lr sqrt(max(1, rows/cols)) per step.
+2. Each design on N ranks, and FSDPMuon on lesson 2's FSDP: four matrices (wide, tall, square,
+   wide; rows not a multiple of N), float64, 5 steps, each rank on its slice of the batch,
+   beside Muon on one process over the whole batch: within 1e-10.
+3. The same for the tiny LM, float64, 3 steps, Muon on the blocks' matrices and AdamW on the
+   embeddings, the head and the 1-D weights: the loss and the weights within 1e-10.
 
 Every rank reaches the same verdict; a difference is named and exits 1.
 
@@ -29,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from muon import DESIGNS, FSDPMuon, Muon, ns_flops
+from muon import DESIGNS, FSDPMuon, Muon, copy_flat, deal, ns_flops
 
 TOLERANCE = 1e-10  # float64: the sums run in another order, each rounding by 1e-16 relative
 LR = 0.02
@@ -57,11 +54,11 @@ def fsdp_class():
 
 
 def control(device) -> tuple[list[str], list[str]]:
-    """Muon beside torch.optim.Muon, 3 steps on the tiny LM's block matrices, the same
-    gradients. Returns the lines to print and the problems."""
+    """Muon beside torch.optim.Muon, 3 steps on the tiny LM's first block's matrices, the
+    same gradients. Returns the lines to print and the problems."""
     from common import models
     torch.manual_seed(0)
-    matrices = block_matrices(models.TransformerLM("tiny", context_length=16))
+    matrices = block_matrices(models.TransformerLM("tiny", context_length=16))[:4]  # block 0
     lines = []
     problems = []
     steps = 3
@@ -153,7 +150,6 @@ def design_makers() -> dict:
 
 def flops_per_rank(shapes, world_size: int) -> dict:
     """Newton-Schulz FLOPs each rank runs per step, per design (the owners' dealing)."""
-    from muon import deal
     costs = [ns_flops(shape) for shape in shapes]
     owner = deal(list(range(len(shapes))), costs, world_size)
     owned = [0] * world_size
@@ -215,8 +211,7 @@ def train_lm(ctx, name: str, steps: int = 3) -> dict:
             grads = [param.grad for param in optimizers[1].param_groups[0]["params"]]
             flat = torch.cat([grad.flatten() for grad in grads])
             dist.all_reduce(flat)
-            for grad, mean in zip(grads, flat.div_(ctx.world_size).split([g.numel() for g in grads])):
-                grad.copy_(mean.view_as(grad))
+            copy_flat(flat / ctx.world_size, grads)
         for optimizer in (*one_process, *optimizers):
             optimizer.step()
             optimizer.zero_grad()
@@ -239,7 +234,7 @@ def check_main(ctx) -> None:
     from common import verify
     n = ctx.world_size
     lines, problems = control(ctx.device)
-    ctx.print("1. Muon beside torch.optim.Muon, tiny LM's block matrices, 3 steps (one process):", all_ranks=False)
+    ctx.print("1. Muon beside torch.optim.Muon, one process, the tiny LM's block 0, 3 steps:", all_ranks=False)
     for line in lines:
         ctx.print(line, all_ranks=False)
 
@@ -248,7 +243,7 @@ def check_main(ctx) -> None:
     ctx.print(f"2. four matrices {', '.join('x'.join(map(str, s)) for s in shapes)}, float64, 5 steps, "
               f"{n} ranks vs Muon on one process:", all_ranks=False)
     ctx.print(f"  {'design':11} {'max |diff|':>10}  {'bytes/step':>10}  {'momentum B, rank 0':>18}  "
-              f"Newton-Schulz kFLOP per rank", all_ranks=False)
+              f"Newton-Schulz kFLOP per rank (dealt)", all_ranks=False)
     for name, make in design_makers().items():
         found = train_matrices(ctx, make, fsdp=name == "fsdp")
         if found["diff"] > TOLERANCE:
