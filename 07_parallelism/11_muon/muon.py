@@ -57,17 +57,14 @@ def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.T
     """The quintic Newton-Schulz iteration (Jordan et al. 2024): G's singular values move
     towards 1 (into about [0.7, 1.2]), its singular vectors stay. In G's dtype; G is not changed."""
     a, b, c = (3.4445, -4.7750, 2.0315)
-    X = G
-    if G.size(0) > G.size(1):
-        X = X.T  # work on the wide side: X X^T is the smaller square
+    tall = G.size(0) > G.size(1)
+    X = G.T if tall else G  # the wide side: X X^T is the smaller square
     X = X / X.norm().clamp(min=eps)  # Frobenius norm 1, so every singular value <= 1
     for _ in range(steps):
         A = X @ X.T                                  # [m, m]
         B = torch.addmm(A, A, A, beta=b, alpha=c)    # b A + c A^2
         X = torch.addmm(X, B, X, beta=a)             # a X + B X: p(S) = a S + b S^3 + c S^5
-    if G.size(0) > G.size(1):
-        X = X.T
-    return X
+    return X.T if tall else X
 
 
 def ns_flops(shape, steps: int = 5) -> int:

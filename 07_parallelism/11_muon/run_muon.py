@@ -73,17 +73,14 @@ def control(device) -> tuple[list[str], list[str]]:
                 b.grad = a.grad.clone()
             for optimizer in optimizers:
                 optimizer.step()
-        largest = 0.0
-        for a, b in zip(ours, theirs):
-            diff = (a - b).abs().max().item()
-            largest = max(largest, diff)
+        diffs = [(a - b).abs().max().item() for a, b in zip(ours, theirs)]
+        for a, diff in zip(ours, diffs):
             allowed = 0.0  # bfloat16: the same operations on the same numbers
             if dtype == torch.float32:
                 allowed = steps * 2 ** -5 * LR * max(1, a.shape[0] / a.shape[1]) ** 0.5
             if diff > allowed:
-                problems.append(f"control, {dtype}: a {tuple(a.shape)} matrix differs from "
-                                f"torch.optim.Muon's by {diff:.2e} > {allowed:.2e}")
-        lines.append(f"  {str(dtype):15} max |Muon - torch.optim.Muon| {largest:.2e}")
+                problems.append(f"control, {dtype}: a {tuple(a.shape)} matrix is off by {diff:.2e} > {allowed:.2e}")
+        lines.append(f"  {str(dtype):15} max |Muon - torch.optim.Muon| {max(diffs):.2e}")
     return lines, problems
 
 
@@ -130,10 +127,7 @@ def train_matrices(ctx, make_optimizer, steps: int = 5, fsdp: bool = False) -> d
             wrapped.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad()
-    if fsdp:
-        weights = list(wrapped.gather_full_params().values())
-    else:
-        weights = list(model.parameters())
+    weights = list(wrapped.gather_full_params().values()) if fsdp else list(model.parameters())
     diff = max((a - b).abs().max().item() for a, b in zip(weights, reference.parameters()))
     held = sum(state["momentum_buffer"].nbytes for state in optimizer.state.values())
     return {"diff": diff, "momentum_bytes": held}
@@ -152,9 +146,7 @@ def flops_per_rank(shapes, world_size: int) -> dict:
     """Newton-Schulz FLOPs each rank runs per step, per design (the owners' dealing)."""
     costs = [ns_flops(shape) for shape in shapes]
     owner = deal(list(range(len(shapes))), costs, world_size)
-    owned = [0] * world_size
-    for index, cost in enumerate(costs):
-        owned[owner[index]] += cost
+    owned = [sum(cost for i, cost in enumerate(costs) if owner[i] == rank) for rank in range(world_size)]
     return {"replicated": [sum(costs)] * world_size, "owner": owned, "sharded": owned, "fsdp": owned}
 
 
@@ -218,10 +210,7 @@ def train_lm(ctx, name: str, steps: int = 3) -> dict:
         total = loss.detach().clone()
         dist.all_reduce(total)
         loss_diff = max(loss_diff, abs(total.item() / ctx.world_size - want.item()))
-    if name == "fsdp":
-        weights = model.gather_full_params()
-    else:
-        weights = dict(lm.named_parameters())
+    weights = model.gather_full_params() if name == "fsdp" else dict(lm.named_parameters())
     reference_weights = dict(reference.named_parameters())
     weight_diff = max((weights[key] - reference_weights[key]).abs().max().item() for key in reference_weights)
     return {"loss_diff": loss_diff, "weight_diff": weight_diff}
