@@ -3,8 +3,8 @@ distributed designs, each beside Muon on one process.
 
 1. The control, one process, 3 steps on the tiny LM's first block's matrices, the same
    gradients. bfloat16 weights: both iterate in bfloat16, bitwise equal. float32 weights: torch
-   still iterates in bfloat16 (8 significant bits): each entry of its orthogonal matrix is off
-   by up to about 2^-5 of the largest, a weight by 2^-5 lr sqrt(max(1, rows/cols)) per step.
+   still iterates in bfloat16 (8 significant bits): an entry of its orthogonal matrix lands up
+   to about 2^-7 from ours; allowed 2^-5, so a weight 2^-5 lr sqrt(max(1, rows/cols)) per step.
 2. Each design on N ranks, and FSDPMuon on lesson 2's FSDP: four matrices (wide, tall, square,
    wide; rows not a multiple of N), float64, 5 steps, each rank on its slice of the batch,
    beside Muon on one process over the whole batch: within 1e-10.
