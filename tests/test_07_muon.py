@@ -100,6 +100,33 @@ def counted_step(ctx, name, make) -> tuple[float, int]:
     return comm.sent_bytes, sum(flops)
 
 
+def subgroup_diffs(ctx) -> dict:
+    """Each of ``DESIGNS`` on ranks 1 .. N-1 only (``group=``), 3 steps beside one process:
+    the designs name ranks by their place in the group."""
+    members = list(range(1, ctx.world_size))
+    group = dist.new_group(members)  # (every rank calls it)
+    if ctx.rank not in members:
+        return {}
+    me = members.index(ctx.rank)
+    diffs = {}
+    for name, design in muon.DESIGNS.items():
+        reference = run_muon.matrices_model(ctx.device)
+        model = run_muon.matrices_model(ctx.device)
+        one_process = muon.Muon(reference.parameters(), lr=run_muon.LR)
+        optimizer = design(list(model.parameters()), lr=run_muon.LR, group=group)
+        for step in range(3):
+            x, y = run_muon.batch(step, len(members), ctx.device)
+            torch.nn.functional.mse_loss(reference(x), y).backward()
+            one_process.step()
+            one_process.zero_grad()
+            mine = slice(4 * me, 4 * me + 4)
+            torch.nn.functional.mse_loss(model(x[mine]), y[mine]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        diffs[name] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    return diffs
+
+
 def worker(ctx, out_path):
     findings = {}
     shapes = [tuple(m.weight.shape) for m in run_muon.matrices_model("cpu") if hasattr(m, "weight")]
@@ -117,6 +144,7 @@ def worker(ctx, out_path):
             def make(params, design=design):
                 return design(params, lr=run_muon.LR, weight_decay=0.1)
         findings[name] = run_muon.train_matrices(ctx, make, fsdp=fsdp)["diff"]
+    findings["subgroup"] = subgroup_diffs(ctx) if ctx.world_size == 4 else {}
     if ctx.world_size == 2:
         for name in run_muon.design_makers():
             findings[f"{name} LM"] = run_muon.train_lm(ctx, name, steps=2)
@@ -165,6 +193,16 @@ def test_bytes_and_flops_equal_their_formulas(world_size, design, tmp_path):
     assert counted == dealt
     total = sum(muon.ns_flops(shape) for shape in shapes)
     assert sum(counted) == (world_size * total if design == "replicated" else total)
+
+
+def test_designs_on_a_subgroup(tmp_path):
+    """At 4 ranks, each design on the group of ranks 1, 2, 3 equals one process."""
+    ranks = found(4, tmp_path)["ranks"]
+    assert ranks[0]["subgroup"] == {}
+    for rank in (1, 2, 3):
+        for design, diff in ranks[rank]["subgroup"].items():
+            assert diff <= TOLERANCE, f"{design} on a subgroup, rank {rank}: off by {diff:.2e}"
+        assert sorted(ranks[rank]["subgroup"]) == sorted(muon.DESIGNS)
 
 
 @pytest.mark.parametrize("design", ["replicated", "owner", "sharded", "fsdp"])
