@@ -1,31 +1,23 @@
 """Stage 07, lesson 9: predict a training step before running it.
 
-Every lesson so far derived what it holds and what it sends. This file puts those formulas
-together with a machine (how fast it multiplies, how fast its links move bytes, how much memory
-it has) and answers the three questions asked before any large run: will it fit, how many bytes
-cross each link, and how long will one step take. Each step-time term is the idea of one lesson:
+The lessons' formulas for what a rank holds and sends, put together with a machine, answer
+the questions asked before a large run: will it fit, and how long will a step take. Each
+step-time term is one lesson's idea:
 
-    step = compute x (1 + pipeline bubble)          lesson 4: (p-1)/(m+p-1) for 1F1B
-         + waiting for the slowest rank              a collective ends when its last rank comes
-         + tensor-parallel collectives               lesson 3: on the critical path, not hidden
-         + ring-attention hops not hidden by compute lesson 5
+    step = compute, kernel class by kernel class      matmuls, attention, memory-bound work,
+                                                      the launch floor, recomputation
+         + pipeline bubble                            lesson 4: (p-1)/(v m+p-1)
+         + waiting for the slowest rank               a collective ends when its last rank comes
+         + tensor-parallel collectives                lesson 3: on the critical path
+         + ring-attention hops not hidden by compute  lesson 5
          + pipeline hops while the pipe fills         lesson 4
-         + data-parallel communication left after    stage 06 (buckets under backward),
-           backward                                  lessons 1-2 (ZeRO, FSDP prefetch)
-         + copies into communication buffers         stage 06, lessons 1-2: memory-bound
-         + the loss all-reduce, if the step logs it  lesson 7
-         + the optimizer step                         memory-bound: AdamW reads and writes 28
-                                                      bytes per parameter
+         + data-parallel communication left after     stage 06 (buckets), lessons 1-2 (ZeRO,
+           backward, and its buffer copies            FSDP prefetch)
+         + the loss all-reduce, the optimizer step    lesson 7; AdamW: 28 bytes a parameter
 
 and, for one rank of lesson 7's grid, its memory and the bytes it sends on each axis exactly as
-lesson 7's bench counts them (``rank_bytes``).
-
-Standard library only: copy this file anywhere. ``run_planning.py`` beside it ranks grids for a
-model on a cluster (``make plan``).
-
-Units: bytes, seconds, FLOP. The LM is the course's (common/models.py: pre-norm blocks, learned
-position embeddings, untied head), or a Llama-shaped one (no position embedding, gated MLP,
-grouped-query attention) for the published configurations.
+lesson 7's bench counts them (``rank_bytes``). Standard library only: copy this file anywhere;
+``run_planning.py`` beside it ranks grids (``make plan``). Units: bytes, seconds, FLOP.
 """
 
 from __future__ import annotations
@@ -34,8 +26,10 @@ import math
 from dataclasses import dataclass
 
 FLOAT32 = 4
+INT64 = 8                  # token ids and positions
 ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
 ADAMW_STEP_BYTES = 4       # torch's AdamW keeps its step count as a float32 tensor per parameter
+RECOMPUTE = ("none", "selective", "full")
 
 
 # --------------------------------------------------------------------------- what is trained
@@ -43,7 +37,8 @@ ADAMW_STEP_BYTES = 4       # torch's AdamW keeps its step count as a float32 ten
 
 @dataclass(frozen=True)
 class LM:
-    """A decoder-only LM's shape, and the batch one optimizer step trains on."""
+    """A decoder-only LM's shape (common/models.py's, or Llama's: no position embedding, gated
+    MLP, grouped-query attention), and the batch one optimizer step trains on."""
     layers: int
     d_model: int
     d_ff: int
@@ -53,7 +48,7 @@ class LM:
     batch: int                     # sequences per optimizer step, all data-parallel ranks together
     kv_heads: int = 0              # grouped-query attention; 0: as many as ``heads``
     gated_mlp: bool = False        # SwiGLU: three d_model x d_ff matrices instead of two
-    position_embedding: bool = True
+    position_embedding: bool = True   # False: rotary positions
     compute_bytes: int = FLOAT32   # activations and what tp/cp/pp send: 4 float32, 2 bfloat16
 
 
@@ -91,26 +86,31 @@ def parameter_count(lm: LM) -> int:
     return sum(numel(shape) for shape in parameter_shapes(lm))
 
 
-def forward_flops_per_token(lm: LM, causal_skip: bool = True) -> float:
+def attention_flops_per_token(lm: LM) -> float:
+    """One layer's q k^T and weighted sum of v for one token, 2 x 2 x seq x d_model, halved:
+    the kernel skips what the causal mask hides (flash attention does)."""
+    return 4 * lm.seq * lm.d_model / 2
+
+
+def forward_flops_per_token(lm: LM) -> float:
     """Multiply-adds x 2 of one token's forward: every weight matrix once (the embeddings are
-    look-ups, not products), plus attention's two products over the keys before it: q k^T and
-    the weighted sum of v, 2 x 2 x seq x d_model, halved when the kernel skips what the causal
-    mask hides (flash attention does)."""
+    look-ups, not products), plus attention's two products."""
     matrices = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2)
     per_token = 2 * lm.layers * matrices + 2 * lm.vocab * lm.d_model
-    attention = 4 * lm.layers * lm.seq * lm.d_model
-    if causal_skip:
-        attention = attention / 2
-    return per_token + attention
+    return per_token + lm.layers * attention_flops_per_token(lm)
 
 
-def training_flops_per_token(lm: LM, checkpointing: bool = False) -> float:
+def training_flops_per_token(lm: LM, recompute: str = "none") -> float:
     """Forward, then backward at twice the forward (a gradient for the input and one for the
-    weight per product); checkpointing recomputes the blocks' forward once more."""
-    forward = forward_flops_per_token(lm)
-    if checkpointing:
-        return 4 * forward
-    return 3 * forward
+    weight per product), then what is recomputed: ``full`` every block's forward again (the
+    head's is not: it is not checkpointed), ``selective`` (Korthikanti et al. 2022) only the
+    attention core's, q k^T, softmax and the weighted sum of v."""
+    flops = 3 * forward_flops_per_token(lm)
+    if recompute == "full":
+        flops += forward_flops_per_token(lm) - 2 * lm.vocab * lm.d_model
+    if recompute == "selective":
+        flops += lm.layers * attention_flops_per_token(lm)
+    return flops
 
 
 # --------------------------------------------------------------------------- how it is split
@@ -128,7 +128,8 @@ class Grid:
     schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zbh1
     micro_batches: int = 1
     chunks: int = 1                # interleaved 1F1B: model chunks per pipeline rank
-    checkpointing: bool = False
+    recompute: str = "none"        # none, selective, full (training_flops_per_token)
+    sp: bool = True                # sequence parallelism: norms and residuals on S/t tokens
     bucket_bytes: float = 25 * 2**20   # data-parallel gradient buckets (torch DDP's default)
     loss_all_reduce: bool = False  # the step averages its loss over every rank (lesson 7 does)
 
@@ -157,7 +158,7 @@ def bubble_share(grid: Grid) -> float:
 
 def micro_batches_in_flight(grid: Grid) -> int:
     """Micro-batches whose activations the first pipeline rank holds at once: GPipe all m,
-    1F1B at most p (lesson 4)."""
+    1F1B at most p (lesson 4; interleaved, a bound)."""
     if grid.schedule == "gpipe":
         return grid.micro_batches
     return min(grid.micro_batches, grid.pp)
@@ -222,7 +223,7 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
         values = blocks * block_values + embeddings + head
     else:
         values = blocks * block_values + max(embeddings, head)
-    d = grid.dp
+    d = grid.dp * grid.cp           # the ranks holding the same parameters
     params = FLOAT32 * values
     grads = FLOAT32 * values
     moments = 2 * FLOAT32 * values
@@ -249,7 +250,7 @@ def data_parallel_bytes_sent(lm: LM, grid: Grid) -> float:
     broadcast the new parameters, 1.5x. FSDP (lesson 2): every sharded unit gathered for forward
     and again for backward, except those kept gathered in between (the root and the last
     block), gradients reduce-scattered, and the whole 1-D tensors' gradients all-reduced."""
-    d = grid.dp
+    d = grid.dp * grid.cp           # the ranks holding the same parameters
     whole = FLOAT32 * parameter_count(lm)
     if grid.dp_kind == "fsdp":
         sharded, replicated = fsdp_shard_values(lm, d)
@@ -271,23 +272,22 @@ def data_parallel_bytes_sent(lm: LM, grid: Grid) -> float:
     return sent
 
 
-INT64 = 8                  # token ids and positions
 
 
 def block_activation_bytes(lm: LM, grid: Grid) -> int:
-    """What one block saves for backward, one micro-batch on one rank: lesson 7's table
-    (sequence parallel, b rows of S = s/c tokens, S/t of them between the tp regions; the
-    values the course's block saves)."""
+    """What one block saves for backward, one micro-batch on one rank: lesson 7's table (b rows
+    of S = s/c tokens, S/t of them between the tp regions with sequence parallelism); Llama's
+    block saves k and v at their grouped width and its gated MLP's three d_ff-wide tensors."""
     h = lm.d_model
-    f = lm.d_ff
+    kv = h * (lm.kv_heads or lm.heads) // lm.heads
     t = grid.tp
-    rows = lm.batch // (grid.dp * grid.micro_batches)
-    tokens = lm.seq // grid.cp
-    per_block = (2 * rows * tokens * h + 4 * rows * tokens) // t      # two norms' inputs, stats
+    rows, tokens = rows_and_tokens(lm, grid)
+    between = t if grid.sp else 1
+    per_block = (2 * rows * tokens * h + 4 * rows * tokens) // between  # two norms' inputs, stats
     per_block += 2 * rows * tokens * h                                # gathered inputs of qkv, fc1
-    per_block += 4 * rows * tokens * h // t                           # q, k, v, attention's out
+    per_block += (2 * h + 2 * kv) * rows * tokens // t                # q, k, v, attention's out
     per_block += rows * (lm.heads // t) * tokens                      # log-sum-exp
-    per_block += 2 * rows * tokens * f // t                           # fc1's output, GELU's
+    per_block += (3 if lm.gated_mlp else 2) * rows * tokens * lm.d_ff // t   # fc1's output, GELU's
     if grid.cp > 1:
         per_block += rows * tokens * h // t    # ring attention's output is [b, heads, S, hd]:
                                                # the out projection keeps a transposed copy
@@ -313,15 +313,16 @@ def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
 def activations_per_rank(lm: LM, grid: Grid) -> float:
     """Bytes saved for backward on the first pipeline rank, at its peak: per micro-batch its
     blocks' and the model's ends' (block_activation_bytes, edge_activation_bytes), times the
-    micro-batches in flight. With checkpointing a block keeps only its input, and one block's
-    full set is alive in backward."""
+    micro-batches in flight. With full recomputation a block keeps only its input, and one
+    block's full set is alive in backward; selective recomputation drops the attention core's
+    [s, s] tensors, which flash attention never keeps: as none here."""
     rows = lm.batch // (grid.dp * grid.micro_batches)
     tokens = lm.seq // grid.cp
     per_block_bytes = block_activation_bytes(lm, grid)
     edges = edge_activation_bytes(lm, grid, first=True, last=grid.pp == 1)
     blocks = lm.layers // grid.pp
     in_flight = micro_batches_in_flight(grid)
-    if grid.checkpointing:
+    if grid.recompute == "full":
         kept_input = lm.compute_bytes * rows * tokens * lm.d_model // grid.tp
         return in_flight * (blocks * kept_input + edges) + per_block_bytes
     return in_flight * (blocks * per_block_bytes + edges)
@@ -450,9 +451,23 @@ class Link:
 
 
 @dataclass(frozen=True)
+class GPU:
+    """A GPU's datasheet, and the shares of its peak that public measurements reached."""
+    name: str
+    peak: float                    # dense bfloat16 tensor-core FLOP/s (datasheet)
+    memory: float                  # bytes (datasheet)
+    memory_bandwidth: float        # bytes per second (datasheet)
+    nvlink: float                  # bytes per second each way (datasheet)
+    network: float                 # bytes per second per GPU between nodes (its NIC)
+    matmul_share: float            # the best bf16 matmul measured, over the peak
+    attention_share: float         # flash attention's forward and backward measured, over the peak
+    launch_s: float = 5e-6         # the shortest a kernel takes, its launch included
+
+
+@dataclass(frozen=True)
 class Machine:
     name: str
-    flops: float                   # the matmul rate a rank reaches (FLOP/s)
+    flops: float                   # FLOP/s: the peak for MFU; a measured machine's only rate
     memory: float                  # bytes per rank
     memory_bandwidth: float        # bytes per second per rank (the optimizer step is bound by it)
     ranks_per_node: int
@@ -474,6 +489,7 @@ class Machine:
                                    # axis's link, as a ring would)
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
+    gpu: GPU | None = None         # kernel classes at their rates (None: every FLOP at ``flops``)
 
 
 def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
@@ -595,17 +611,119 @@ def turns(grid: Grid, machine: Machine) -> float:
     return 1.0
 
 
-def compute_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Every rank does 1/W of the FLOPs: dp and cp split the tokens, tp the matrices, pp the
-    layers. Ranks that share fewer cores than there are ranks take turns on them."""
-    per_token = training_flops_per_token(lm, grid.checkpointing)
-    tokens_worth = lm.batch * lm.seq / grid.world_size
-    seconds = per_token * tokens_worth / machine.flops * turns(grid, machine)
-    source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a rank / "
-              f"{machine.flops / 1e12:.3g} TFLOP/s")
-    if turns(grid, machine) > 1:
-        source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
-    return ("compute", seconds, source)
+def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
+    """(class, FLOP, bytes touched) of each kernel of one block's forward, one micro-batch on
+    one rank: a matmul per weight matrix (tp splits each), attention (its own kernel, the causal
+    half skipped), and the memory-bound work, read and written once: two norms, two residual
+    adds (two read, one written), the MLP's activation, rotary on q and k."""
+    rows, tokens = rows_and_tokens(lm, grid)
+    T = rows * tokens                         # tokens this rank runs attention and the MLP on
+    t = grid.tp
+    Tn = T // t if grid.sp else T             # tokens of the norms and residual adds
+    h = lm.d_model
+    kv = h * (lm.kv_heads or lm.heads) // lm.heads
+    c = lm.compute_bytes
+    kernels = []
+    for shape in block_parameter_shapes(lm):
+        if len(shape) == 2:                   # [T, in] @ [in, out / t] or [T, in / t] @ [in / t, out]
+            out, inp = shape
+            kernels.append(("matmul", 2 * T * out * inp / t, c * (T * inp + out * inp + T * out) / t))
+    kernels.append(("attention", T * attention_flops_per_token(lm) / t, c * T * (2 * h + 2 * kv) / t))
+    touched = [2 * Tn * h, 2 * Tn * h, 3 * Tn * h, 3 * Tn * h]
+    touched.append((3 if lm.gated_mlp else 2) * T * lm.d_ff / t)
+    if not lm.position_embedding:
+        touched.extend([2 * T * h / t, 2 * T * kv / t])
+    for values in touched:
+        kernels.append(("memory-bound", 0.0, c * values))
+    return kernels
+
+
+def edge_kernels(lm: LM, grid: Grid, first: bool, last: bool) -> list[tuple[str, float, float]]:
+    """The model's ends, one micro-batch: the embedding look-up on the first stage; the final
+    norm, the head and the softmax and cross-entropy over the vocabulary on the last."""
+    rows, tokens = rows_and_tokens(lm, grid)
+    T = rows * tokens / grid.tp               # the head's tokens (S/t with sp; else V/t each)
+    c = lm.compute_bytes
+    kernels = []
+    if first:
+        kernels.append(("memory-bound", 0.0, c * T * lm.d_model))
+    if last:
+        kernels.append(("memory-bound", 0.0, c * 2 * T * lm.d_model))
+        kernels.append(("matmul", 2 * T * lm.vocab * lm.d_model,
+                        c * (T * lm.d_model + lm.vocab * lm.d_model + T * lm.vocab)))
+        kernels.append(("memory-bound", 0.0, c * 2 * T * lm.vocab))
+    return kernels
+
+
+def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: GPU) -> float:
+    """A kernel at its class's rate: a matmul at the measured share of the peak or its bytes at
+    the memory bandwidth, whichever is longer (so small shapes fall below the share: the
+    roofline), attention at its own share, memory-bound work at the bandwidth."""
+    if kind == "matmul":
+        return max(flops / (gpu.peak * gpu.matmul_share), nbytes / gpu.memory_bandwidth)
+    if kind == "attention":
+        return flops / (gpu.peak * gpu.attention_share)
+    return nbytes / gpu.memory_bandwidth
+
+
+def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool) -> dict:
+    """{class: [FLOP, bytes, kernels, seconds]} of one rank's step (``first``, ``last``: it
+    holds the model's ends), and the launch floor: a kernel takes at least ``gpu.launch_s``.
+    Backward runs each forward kernel twice over (a gradient for the input, one for the weight;
+    element-wise, the gradient and the saved input read); recomputation adds a forward:
+    ``full`` of every block kernel, ``selective`` of attention's."""
+    blocks = lm.layers // grid.pp
+    runs = []                                 # (kernel, how many times it runs a step)
+    for kernel in block_kernels(lm, grid):
+        again = grid.recompute == "full" or (grid.recompute == "selective" and kernel[0] == "attention")
+        runs.append((kernel, grid.micro_batches * blocks * (3 + again)))
+    for kernel in edge_kernels(lm, grid, first, last):
+        runs.append((kernel, grid.micro_batches * 3))
+    classes = {kind: [0.0, 0.0, 0, 0.0] for kind in ("matmul", "attention", "memory-bound", "launch floor")}
+    for (kind, flops, nbytes), count in runs:
+        seconds = 0.0
+        if gpu is not None:
+            seconds = kernel_seconds(kind, flops, nbytes, gpu)
+            if seconds < gpu.launch_s:
+                classes["launch floor"][2] += count
+                classes["launch floor"][3] += count * (gpu.launch_s - seconds)
+        row = classes[kind]
+        row[0] += count * flops
+        row[1] += count * nbytes
+        row[2] += count
+        row[3] += count * seconds
+    return classes
+
+
+def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
+    """A machine with a GPU preset: each kernel class at its own rate on the slower of the
+    first and the last pipeline stage. A measured machine (this box's check): every FLOP at the
+    rate measured for it, 1/W of them a rank; ranks taking turns on shared cores take W/cores."""
+    if machine.gpu is None:
+        per_token = training_flops_per_token(lm, grid.recompute)
+        tokens_worth = lm.batch * lm.seq / grid.world_size
+        seconds = per_token * tokens_worth / machine.flops * turns(grid, machine)
+        source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a "
+                  f"rank / {machine.flops / 1e12:.3g} TFLOP/s")
+        if turns(grid, machine) > 1:
+            source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
+        return [("compute", seconds, source)]
+    gpu = machine.gpu
+    stages = [compute_classes(lm, grid, gpu, True, grid.pp == 1),
+              compute_classes(lm, grid, gpu, False, True)]
+    classes = max(stages, key=lambda stage: sum(row[3] for row in stage.values()))
+    peak = gpu.peak / 1e12
+    sources = {"matmul": f"TFLOP at {gpu.matmul_share:.0%} of {peak:.0f} TFLOP/s, or GB at the bandwidth",
+               "attention": f"TFLOP at {gpu.attention_share:.0%} of {peak:.0f} TFLOP/s",
+               "memory-bound": f"GB at {gpu.memory_bandwidth / 1e12:.3g} TB/s",
+               "launch floor": f"kernels shorter than {gpu.launch_s * 1e6:.3g} us, raised to it"}
+    terms = []
+    for kind, (flops, nbytes, kernels, seconds) in classes.items():
+        amount = f"{flops / 1e12:.4g} " if kind in ("matmul", "attention") else ""
+        if kind == "memory-bound":
+            amount = f"{nbytes / 1e9:.4g} "
+        terms.append((f"compute: {kind}", seconds, f"{kernels:,} kernels, {amount}{sources[kind]}"))
+    return terms
 
 
 def straggler_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
@@ -843,19 +961,19 @@ def loss_term(grid: Grid, machine: Machine) -> tuple[str, float, str]:
 
 def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
     """One optimizer step on the slowest rank, as (term, seconds, where it comes from)."""
-    compute = compute_term(lm, grid, machine)
-    terms = [compute]
+    terms = compute_terms(lm, grid, machine)
+    compute = sum(term[1] for term in terms)
     if grid.world_size > 1 and machine.straggler:
-        terms.append(straggler_term(grid, machine, compute[1]))
+        terms.append(straggler_term(grid, machine, compute))
     if grid.pp > 1:
-        terms.append(bubble_term(grid, machine, compute[1]))
+        terms.append(bubble_term(grid, machine, compute))
         terms.append(pipeline_hops_term(lm, grid, machine))
     if grid.tp > 1:
         terms.append(tensor_parallel_term(lm, grid, machine))
     if grid.cp > 1:
         terms.append(ring_attention_term(lm, grid, machine))
     if grid.dp * grid.cp > 1:
-        terms.extend(data_parallel_terms(lm, grid, machine, compute[1]))
+        terms.extend(data_parallel_terms(lm, grid, machine, compute))
     if grid.loss_all_reduce:
         terms.append(loss_term(grid, machine))
     terms.append(optimizer_term(lm, grid, machine))
@@ -882,85 +1000,113 @@ DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """Every k that divides n, in order, trying k up to sqrt(n) only."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
 
 
 def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
     """Every grid of ``ranks`` ranks the LM's shape allows: tp divides the heads and stays in a
-    node, pp divides the layers, cp divides the sequence in 2 cp zig-zag halves, and each data
-    rank gets whole micro-batches; each with every data-parallel kind, and with and without
-    activation checkpointing."""
-    for tp in divisors(ranks):
-        if tp > ranks_per_node or lm.heads % tp:
+    node, pp divides the layers, cp > 1 divides the sequence in 2 cp zig-zag halves, and each
+    data rank gets whole micro-batches; each with every data-parallel kind and recomputation.
+    The loops run over the divisors of the model's shape, not of ``ranks``."""
+    for tp in divisors(math.gcd(lm.heads, ranks)):
+        if tp > ranks_per_node:
             continue
-        for pp in divisors(ranks // tp):
-            if lm.layers % pp:
-                continue
-            for cp in divisors(ranks // (tp * pp)):
-                if lm.seq % (2 * cp):
+        for pp in divisors(math.gcd(lm.layers, ranks // tp)):
+            for cp in divisors(math.gcd(lm.seq // 2 or 1, ranks // (tp * pp))):
+                if cp > 1 and lm.seq % (2 * cp):
                     continue
                 dp = ranks // (tp * pp * cp)
                 if lm.batch % dp:
                     continue
-                rows = lm.batch // dp
                 micro_batch_counts = [1]
                 if pp > 1:
-                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
+                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if lm.batch // dp % m == 0]
                 kinds = ("ddp",)
                 if dp * cp > 1:
                     kinds = DP_KINDS
                 for m in micro_batch_counts:
                     for kind in kinds:
-                        for checkpointing in (False, True):
-                            yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind,
-                                       micro_batches=m, checkpointing=checkpointing)
+                        for recompute in RECOMPUTE:
+                            yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind, sp=tp > 1,
+                                       micro_batches=m, recompute=recompute)
 
 
 def label(grid: Grid) -> str:
-    """'dp2 fsdp tp2 pp2 m8 ckpt': the axes of degree > 1 and what they are set to."""
-    parts = ["dp1"]
-    if grid.dp * grid.cp > 1:
-        parts = [f"dp{grid.dp} {grid.dp_kind}"]
-    for axis in ("tp", "pp", "cp"):
-        if getattr(grid, axis) > 1:
-            parts.append(f"{axis}{getattr(grid, axis)}")
+    """'dp2 fsdp tp2 sp pp2 m8 ckpt': the axes and what they are set to; ``parse_label``
+    reads it back."""
+    parts = [f"dp{grid.dp} {grid.dp_kind}"]
+    if grid.tp > 1:
+        parts.append(f"tp{grid.tp}" + " sp" * grid.sp)
     if grid.pp > 1:
-        parts.append(f"m{grid.micro_batches}")
-    if grid.checkpointing:
-        parts.append("ckpt")
-    return " ".join(parts)
+        parts.append(f"pp{grid.pp}" + f" v{grid.chunks}" * (grid.chunks > 1) + f" m{grid.micro_batches}")
+    if grid.cp > 1:
+        parts.append(f"cp{grid.cp}")
+    parts.append({"none": "", "selective": "sel", "full": "ckpt"}[grid.recompute])
+    return " ".join(parts).strip()
+
+
+def parse_label(text: str) -> Grid:
+    """A label's tokens, space-separated, any order: dpN tpN ppN cpN (1 when absent), one of
+    ddp zero1 zero2 fsdp, mN (micro-batches), vN (chunks a pipeline rank: interleaved 1F1B),
+    sp, and ckpt (full recomputation) or sel (selective). ValueError names a token it cannot
+    read."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "m": 1, "v": 1}
+    grid = {"dp_kind": "ddp", "sp": False, "recompute": "none"}
+    for token in text.split():
+        name = token.rstrip("0123456789")
+        if token in DP_KINDS:
+            grid["dp_kind"] = token
+        elif token in ("sp", "sel", "ckpt"):
+            grid.update({"sp": {"sp": True}, "sel": {"recompute": "selective"},
+                         "ckpt": {"recompute": "full"}}[token])
+        elif name in sizes and token[len(name):].isdigit() and 0 < int(token[len(name):]) < 10**7:
+            sizes[name] = int(token[len(name):])
+        else:
+            raise ValueError(f"{token!r} is not a grid token (dpN tpN ppN cpN mN vN, "
+                             f"{' '.join(DP_KINDS)}, sp, ckpt, sel)")
+    schedule = "interleaved" if sizes["v"] > 1 else "1f1b"
+    return Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
+                micro_batches=sizes["m"], chunks=sizes["v"], schedule=schedule, **grid)
 
 
 # --------------------------------------------------------------------------- presets
-# Spec-sheet figures (README.md beside this file gives the sources). A spec sheet's matmul rate
-# and a link's line rate are upper bounds: a prediction made with them is the fastest the step
-# could be, and the gap to a measured run is what kernels and collectives leave on the table.
+# Datasheet peaks and bandwidths; the matmul shares are the best bf16 shape stas00/ml-engineering's
+# mamf-finder measured (H200: "the same" as H100); attention shares from the FlashAttention-2 and
+# -3 papers (B200: none published, H100's assumed), which count a backward as 2.5 forwards (it
+# recomputes the scores): 3/3.5 of their share is the share of the 3 forwards counted here.
+# README.md beside this file cites each.
+FA = 3 / 3.5
 
-H100_SXM_BF16 = 989e12         # dense bfloat16 tensor-core FLOP/s
-H100_PCIE_BF16 = 756e12
-NVLINK4 = 450e9                # bytes/s each way per GPU (900 GB/s both ways)
-INFINIBAND_NDR = 50e9          # 400 Gb/s per GPU, one NIC each
-PCIE5_X16 = 64e9               # bytes/s each way
-
-CLUSTERS = {
-    "8xH100-nvlink": Machine(
-        name="8 x H100 SXM, NVLink 4", flops=H100_SXM_BF16, memory=80e9,
-        memory_bandwidth=3.35e12, ranks_per_node=8, ranks=8,
-        inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=10e-6, busbw=NVLINK4),
-        source="H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; NVLink 4"),
-    "16xH100-ib": Machine(
-        name="2 nodes of 8 x H100 SXM, NVLink 4 inside, InfiniBand NDR between", flops=H100_SXM_BF16,
-        memory=80e9, memory_bandwidth=3.35e12, ranks_per_node=8, ranks=16,
-        inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=20e-6, busbw=INFINIBAND_NDR),
-        source="as 8xH100-nvlink; ConnectX-7 NDR 400 Gb/s per GPU between nodes"),
-    "8xH100-pcie": Machine(
-        name="8 x H100 PCIe, PCIe 5 x16", flops=H100_PCIE_BF16, memory=80e9,
-        memory_bandwidth=2.0e12, ranks_per_node=8, ranks=8,
-        inside=Link(latency=10e-6, busbw=PCIE5_X16), across=Link(latency=10e-6, busbw=PCIE5_X16),
-        source="H100 PCIe datasheet: 756 TFLOP/s bf16 dense, 80 GB at 2.0 TB/s; PCIe 5 x16"),
+GPUS = {
+    "A100": GPU("A100 80GB SXM", peak=312e12, memory=80e9, memory_bandwidth=2.039e12,
+                nvlink=300e9, network=25e9, matmul_share=271.2 / 312, attention_share=0.6 * FA),
+    "H100": GPU("H100 SXM", peak=989e12, memory=80e9, memory_bandwidth=3.35e12,
+                nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
+    "H200": GPU("H200 SXM", peak=989e12, memory=141e9, memory_bandwidth=4.8e12,
+                nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
+    "B200": GPU("B200 (HGX)", peak=2250e12, memory=180e9, memory_bandwidth=7.7e12,
+                nvlink=900e9, network=50e9, matmul_share=1745 / 2250, attention_share=0.35 * FA),
 }
 
-# A published configuration to hold the projection against: torchtitan's Llama 3.1 8B on 8 H100s
-# with FSDP, local batch 2 (global 16), sequence 8192, bfloat16, selective activation checkpointing.
+
+def cluster(gpu_name: str, gpus: int, gpus_per_node: int = 8) -> Machine:
+    """``gpus`` of a GPU preset, ``gpus_per_node`` a node on NVLink, a NIC each between nodes;
+    latencies of the right order for NCCL (10 us inside a node, 20 us across), not measured."""
+    gpu = GPUS[gpu_name]
+    return Machine(name=f"{gpus} x {gpu.name}, {gpus_per_node} a node", flops=gpu.peak,
+                   memory=gpu.memory, memory_bandwidth=gpu.memory_bandwidth,
+                   ranks_per_node=gpus_per_node, ranks=gpus, gpu=gpu,
+                   inside=Link(latency=10e-6, busbw=gpu.nvlink),
+                   across=Link(latency=20e-6, busbw=gpu.network),
+                   source=f"{gpu.peak / 1e12:.0f} TFLOP/s bf16, {gpu.memory / 1e9:.0f} GB at "
+                          f"{gpu.memory_bandwidth / 1e12:.3g} TB/s, NVLink {gpu.nvlink / 1e9:.0f} GB/s, "
+                          f"{gpu.network * 8 / 1e9:.0f} Gb/s a GPU between nodes")
+
+
+CLUSTERS = {"8xH100-nvlink": cluster("H100", 8), "16xH100-ib": cluster("H100", 16)}
+
+# torchtitan's Llama 3.1 8B (bfloat16), at its published sequence and global batch on 8 GPUs.
 LLAMA3_8B = LM(layers=32, d_model=4096, d_ff=14336, heads=32, kv_heads=8, vocab=128256,
                seq=8192, batch=16, gated_mlp=True, position_embedding=False, compute_bytes=2)
