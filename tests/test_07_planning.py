@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+import check_prediction
 import ledger
 import planner
 from common import models
@@ -59,7 +60,7 @@ def test_memory_and_bytes_equal_the_ledgers_formula(preset, ranks):
         state = planner.state_per_rank(lm, grid)
         for column in ("param", "grad", "optim"):
             assert state[column] == pytest.approx(want[column], rel=1e-12), (kind, column)
-        assert planner.data_parallel_bytes_sent(lm, grid) == pytest.approx(want["sent"], rel=1e-12), kind
+        assert check_prediction.data_parallel_bytes_sent(lm, grid) == pytest.approx(want["sent"], rel=1e-12), kind
 
 
 def grid_of(spec: dict) -> planner.Grid:
@@ -97,7 +98,7 @@ def test_every_rank_of_the_grid_bench_equals_its_formula_exactly():
                 for data_rank in range(grid.dp * grid.cp):
                     want = grid_bench.combined_formula(shape, one, pp_rank, grid.world_size,
                                                        data_rank)
-                    got = planner.rank_bytes(lm, grid, pp_rank, data_rank)
+                    got = check_prediction.rank_bytes(lm, grid, pp_rank, data_rank)
                     for column, value in want.items():
                         if column in ("sent_other", "sent_dp_shard", "sent_dp_replicate"):
                             assert value == 0              # no group there: none, or no HSDP
@@ -116,7 +117,7 @@ def test_every_rank_of_the_grid_bench_equals_its_formula_exactly():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(planner, "split_over_tp",
                       lambda lm: [len(shape) == 2 for shape in planner.block_parameter_shapes(lm)])
-        assert planner.rank_bytes(lm, grid_of(one))["param"] != want
+        assert check_prediction.rank_bytes(lm, grid_of(one))["param"] != want
 
 
 def test_compute_term_by_hand():
@@ -457,9 +458,9 @@ def test_modelling_errors_move_the_prediction_past_the_tolerance(monkeypatch):
     monkeypatch.undo()
 
     # a ring counted as one hop: every rank sends the whole payload, not (n-1)/n of it
-    right = planner.data_parallel_bytes_sent(medium, ddp)
+    right = check_prediction.data_parallel_bytes_sent(medium, ddp)
     monkeypatch.setattr(planner, "ring_share", lambda ranks: 1.0)
-    assert planner.data_parallel_bytes_sent(medium, ddp) != pytest.approx(right, rel=0.1)
+    assert check_prediction.data_parallel_bytes_sent(medium, ddp) != pytest.approx(right, rel=0.1)
 
 
 PLAN = REPO / "07_parallelism" / "09_planning" / "run_planning.py"

@@ -87,24 +87,20 @@ def parameter_count(lm: LM) -> int:
 
 
 def attention_flops_per_token(lm: LM) -> float:
-    """One layer's q k^T and weighted sum of v for one token, 2 x 2 x seq x d_model, halved:
-    the kernel skips what the causal mask hides (flash attention does)."""
+    """One layer's q k^T and weighted v for a token, 4 s h, halved: the causal half is skipped."""
     return 4 * lm.seq * lm.d_model / 2
 
 
 def forward_flops_per_token(lm: LM) -> float:
-    """Multiply-adds x 2 of one token's forward: every weight matrix once (the embeddings are
-    look-ups, not products), plus attention's two products."""
+    """2 x every weight matrix (embeddings are look-ups) plus attention's two products."""
     matrices = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2)
     per_token = 2 * lm.layers * matrices + 2 * lm.vocab * lm.d_model
     return per_token + lm.layers * attention_flops_per_token(lm)
 
 
 def training_flops_per_token(lm: LM, recompute: str = "none") -> float:
-    """Forward, then backward at twice the forward (a gradient for the input and one for the
-    weight per product), then what is recomputed: ``full`` every block's forward again (the
-    head's is not: it is not checkpointed), ``selective`` (Korthikanti et al. 2022) only the
-    attention core's, q k^T, softmax and the weighted sum of v."""
+    """Forward, backward at twice it, and what is recomputed: ``full`` every block's forward
+    (not the head's), ``selective`` (Korthikanti et al. 2022) the attention core's."""
     flops = 3 * forward_flops_per_token(lm)
     if recompute == "full":
         flops += forward_flops_per_token(lm) - 2 * lm.vocab * lm.d_model
@@ -144,8 +140,7 @@ def ring_share(ranks: int) -> float:
 
 
 def bubble_share(grid: Grid) -> float:
-    """The share of a step a pipeline rank idles, every F and B of equal length (lesson 4's
-    formulas; ZB-H1 with F = B = W)."""
+    """The share of a step a pipeline rank idles (lesson 4; ZB-H1 with F = B = W)."""
     p = grid.pp
     m = grid.micro_batches
     v = grid.chunks
@@ -168,9 +163,7 @@ def micro_batches_in_flight(grid: Grid) -> int:
 
 
 def split_over_tp(lm: LM) -> list[bool]:
-    """Which of a block's tensors (block_parameter_shapes' order) lesson 3 splits over tp: every
-    matrix, and the bias of the column-parallel fc1 (its outputs are split, so is its bias);
-    the norms and the row-parallel fc2's bias stay whole on every tp rank."""
+    """Which of a block's tensors lesson 3 splits over tp: every matrix and fc1's bias."""
     split = []
     for index, shape in enumerate(block_parameter_shapes(lm)):
         fc1_bias = not lm.gated_mlp and index == 7
@@ -179,8 +172,7 @@ def split_over_tp(lm: LM) -> list[bool]:
 
 
 def values_per_block(lm: LM, tp: int) -> int:
-    """One block's parameter values on a tensor-parallel rank: matrices and fc1's bias split t
-    ways (lesson 3), norms and fc2's bias whole."""
+    """One block's parameter values on a tp rank: the split tensors 1/t each."""
     values = 0
     for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)):
         if split:
@@ -191,8 +183,7 @@ def values_per_block(lm: LM, tp: int) -> int:
 
 
 def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
-    """(W, R): lesson 2 shards every tensor of two or more dimensions along its rows, padded to
-    d ceil(rows / d) rows (W values in all, padding included), and keeps 1-D ones whole (R)."""
+    """(W, R): lesson 2's padded shards of the tensors of 2+ dimensions, and the 1-D ones whole."""
     sharded = 0
     replicated = 0
     for shape in parameter_shapes(lm):
@@ -205,14 +196,9 @@ def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
 
 
 def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
-    """Parameters, gradients and AdamW's two moments in float32 on the most loaded rank, from
-    lessons 1-4:
-
-      tp splits every matrix of a block (lesson 3; norms and biases stay whole);
-      pp gives a rank L/p blocks, the embeddings to the first stage, the head to the last;
-      over dp: DDP 16P, ZeRO-1 8P + 8P/d, ZeRO-2 4P + 12P/d (lesson 1's table); FSDP 16P/d,
-      exactly: W/d + R of padded shards and whole 1-D tensors (lesson 2; tp = pp = 1 only).
-    """
+    """Parameters, gradients and AdamW's moments (float32) on the most loaded rank: tp splits
+    the matrices (lesson 3), pp gives L/p blocks and an end (lesson 4), dp: DDP 16P, ZeRO-1
+    8P + 8P/d, ZeRO-2 4P + 12P/d, FSDP 16P/d, its padded shards exactly (lessons 1-2)."""
     blocks = lm.layers // grid.pp
     block_values = values_per_block(lm, grid.tp)
     embeddings = lm.vocab * lm.d_model
@@ -242,42 +228,9 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     return {"param": params, "grad": grads, "optim": moments}
 
 
-def data_parallel_bytes_sent(lm: LM, grid: Grid) -> float:
-    """Bytes one rank sends a step on the data-parallel axis alone (tp = pp = cp = 1), as a ring
-    sends them: an all-reduce 2 (d-1)/d of its payload, an all-gather or reduce-scatter (d-1)/d.
-    DDP and ZeRO-2: the gradients' all-reduce volume (ZeRO-2 as a reduce-scatter, then the
-    parameters' all-gather); ZeRO-1 as built in lesson 1: the all-reduce, then the owners
-    broadcast the new parameters, 1.5x. FSDP (lesson 2): every sharded unit gathered for forward
-    and again for backward, except those kept gathered in between (the root and the last
-    block), gradients reduce-scattered, and the whole 1-D tensors' gradients all-reduced."""
-    d = grid.dp * grid.cp           # the ranks holding the same parameters
-    whole = FLOAT32 * parameter_count(lm)
-    if grid.dp_kind == "fsdp":
-        sharded, replicated = fsdp_shard_values(lm, d)
-        kept = 0
-        shapes = parameter_shapes(lm)
-        last_block = len(shapes) - len(block_parameter_shapes(lm)) - 3   # before the final norm, head
-        for index, shape in enumerate(shapes):
-            outside_blocks = index < 2 or index >= len(shapes) - 3
-            in_last_block = last_block <= index < len(shapes) - 3
-            if len(shape) >= 2 and (outside_blocks or in_last_block):
-                kept += -(-shape[0] // d) * d * numel(shape[1:])
-        W = FLOAT32 * sharded
-        K = FLOAT32 * kept
-        R = FLOAT32 * replicated
-        return ring_share(d) * (3 * W - K) + 2 * ring_share(d) * R
-    sent = 2 * ring_share(d) * whole
-    if grid.dp_kind == "zero1":
-        sent = 1.5 * sent
-    return sent
-
-
-
-
 def block_activation_bytes(lm: LM, grid: Grid) -> int:
-    """What one block saves for backward, one micro-batch on one rank: lesson 7's table (b rows
-    of S = s/c tokens, S/t of them between the tp regions with sequence parallelism); Llama's
-    block saves k and v at their grouped width and its gated MLP's three d_ff-wide tensors."""
+    """One block's saved activations, one micro-batch: lesson 7's table (S/t tokens between tp
+    regions with sp); Llama's k, v at their grouped width and its MLP's three d_ff tensors."""
     h = lm.d_model
     kv = h * (lm.kv_heads or lm.heads) // lm.heads
     t = grid.tp
@@ -295,9 +248,8 @@ def block_activation_bytes(lm: LM, grid: Grid) -> int:
 
 
 def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
-    """What the ends of the model save, one micro-batch: the first stage the token ids and
-    positions (int64), the last the final norm's input and statistics, the head's input, the
-    log-softmax, the targets and the cross-entropy's weight sum; each on S/t tokens."""
+    """What the model's ends save, one micro-batch, S/t tokens: token ids and positions first;
+    the final norm's input, the head's input, the log-softmax and the targets last."""
     rows = lm.batch // (grid.dp * grid.micro_batches)
     between = lm.seq // grid.cp // grid.tp
     saved = 0
@@ -311,11 +263,9 @@ def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
 
 
 def activations_per_rank(lm: LM, grid: Grid) -> float:
-    """Bytes saved for backward on the first pipeline rank, at its peak: per micro-batch its
-    blocks' and the model's ends' (block_activation_bytes, edge_activation_bytes), times the
-    micro-batches in flight. With full recomputation a block keeps only its input, and one
-    block's full set is alive in backward; selective recomputation drops the attention core's
-    [s, s] tensors, which flash attention never keeps: as none here."""
+    """Bytes saved for backward on the first pipeline rank at its peak, times the micro-batches
+    in flight. Full recomputation keeps each block's input (one block's set alive in backward);
+    selective drops only the [s, s] scores, which flash attention never keeps: as none here."""
     rows = lm.batch // (grid.dp * grid.micro_batches)
     tokens = lm.seq // grid.cp
     per_block_bytes = block_activation_bytes(lm, grid)
@@ -329,10 +279,8 @@ def activations_per_rank(lm: LM, grid: Grid) -> float:
 
 
 def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]:
-    """(values, split over tp) of each parameter tensor one pipeline rank holds, in the order
-    its optimizer gets them, laid out as lesson 7 lays them out: v chunks a rank (virtual
-    stages chunk x p + pp_rank), the embeddings on virtual stage 0, the final norm and the head
-    on the last, every block's matrices and fc1's bias split over tp."""
+    """(values, split over tp) of each parameter tensor a pipeline rank holds, as lesson 7 lays
+    them out: virtual stages chunk x p + pp_rank, the embeddings first, the head last."""
     p = grid.pp
     v = grid.chunks
     h = lm.d_model
@@ -359,72 +307,6 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
     return tensors
 
 
-def zero1_dealt_state(tensors: list[tuple[int, bool]], owners: int, owner: int) -> int:
-    """Lesson 1's ZeRO-1 deal: whole tensors, largest first, each to the rank holding the fewest
-    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count.
-    (measure/grid_bench.py deals the same way for its formula: repeated on purpose, so that
-    this file copies alone.)"""
-    loads = [0] * owners
-    owned = [0] * owners
-    sizes = [values for values, _ in tensors]
-    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])
-    for index in order:
-        rank = loads.index(min(loads))
-        loads[rank] += FLOAT32 * sizes[index]
-        owned[rank] += 2 * FLOAT32 * sizes[index] + ADAMW_STEP_BYTES
-    return owned[owner]
-
-
-def rank_bytes(lm: LM, grid: Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
-    """One rank of lesson 7's grid, exactly as lesson 7 builds it (its bench counts the same
-    numbers from the tensors): parameters, gradients and AdamW state (torch keeps a float32
-    step count per tensor; ZeRO-1 deals whole tensors), what one micro-batch saves for
-    backward, and the bytes it sends a step on each axis, a ring's share of each payload.
-    ``pp_rank``: its pipeline position; ``data_rank``: its position among the dp x cp ranks."""
-    if grid.dp_kind not in ("ddp", "zero1"):
-        raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
-    p = grid.pp
-    v = grid.chunks
-    t = grid.tp
-    c = grid.cp
-    m = grid.micro_batches
-    tensors = rank_tensors(lm, grid, pp_rank)
-    params = sum(values for values, _ in tensors)
-    replicated = sum(values for values, split in tensors if not split)
-    optim = 2 * FLOAT32 * params + ADAMW_STEP_BYTES * len(tensors)
-    if grid.dp_kind == "zero1":
-        optim = zero1_dealt_state(tensors, grid.dp * c, data_rank)
-    stages = [chunk * p + pp_rank for chunk in range(v)]
-    first = 0 in stages
-    last = p * v - 1 in stages
-    blocks = lm.layers // p
-    activation = (blocks * block_activation_bytes(lm, grid)
-                  + edge_activation_bytes(lm, grid, first, last))
-
-    rows, tokens = rows_and_tokens(lm, grid)
-    gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
-    sent_tp = m * blocks * 8 * ring_share(t) * gathered          # lesson 3, forward and back
-    sent_tp += 2 * ring_share(t) * FLOAT32 * replicated          # whole tensors' gradients
-    sent_cp = 0.0
-    if c > 1:
-        kv_block = lm.compute_bytes * rows * tokens * lm.d_model / t
-        sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * kv_block  # lesson 5's hops
-    messages = 0
-    for stage in stages:
-        if stage < p * v - 1 and (stage + 1) % p != pp_rank:
-            messages += m                                        # activations forward
-        if stage > 0 and (stage - 1) % p != pp_rank:
-            messages += m                                        # gradients backward
-    sent_pp = messages * lm.compute_bytes * rows * (tokens // t) * lm.d_model
-    sent_dp_cp = 2 * ring_share(grid.dp * c) * FLOAT32 * params  # every gradient
-    if grid.dp_kind == "zero1":
-        sent_dp_cp += ring_share(grid.dp * c) * FLOAT32 * params  # the owners' broadcasts
-    sent_world = 2 * ring_share(grid.world_size) * 8             # the loss, float64
-    return {"param": FLOAT32 * params, "grad": FLOAT32 * params, "optim": optim,
-            "activation": activation, "sent_tp": sent_tp, "sent_cp": sent_cp,
-            "sent_pp": sent_pp, "sent_dp_cp": sent_dp_cp, "sent_world": sent_world}
-
-
 def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     memory = state_per_rank(lm, grid)
     memory["activation"] = activations_per_rank(lm, grid)
@@ -437,14 +319,9 @@ def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Link:
-    """A collective's cost on a group, the alpha-beta model of stage 02: ``latency`` per call,
-    and the bus bandwidth (nccl-tests' convention: an all-reduce of N bytes over n ranks moves
-    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N, a broadcast or a reduce N).
-
-    ``step_latency``: what each message step of a ring adds, 2 (n-1) steps for an all-reduce
-    over n ranks, n-1 for an all-gather or reduce-scatter, 1 for a send. On a GPU it is small
-    beside ``latency``; where ranks outnumber cores it is most of the cost: every step waits
-    for its receiver to get a core back."""
+    """Stage 02's alpha-beta model: ``latency`` a call, the bus bandwidth (nccl-tests'), and
+    ``step_latency`` a ring step (2(n-1) for an all-reduce): most of a call's cost where ranks
+    outnumber cores and every step waits for its receiver to get one back."""
     latency: float                 # seconds per call
     busbw: float                   # bytes per second
     step_latency: float = 0.0      # seconds per message step of a ring
@@ -514,15 +391,14 @@ def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float)
 
 
 def flat_gather_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
-    """FSDP's all-gather of a unit of ``nbytes``: the machine's own link for it where it has
-    one (Link(a, w (n-1)/n) for a measured t = a + N / w), else a ring on the axis's link."""
+    """FSDP's all-gather of a unit: the machine's measured link for it, else a ring's."""
     if machine.gather is not None:
         return all_gather_time(machine.gather, ranks, nbytes)
     return all_gather_time(link, ranks, nbytes)
 
 
 def flat_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
-    """FSDP's reduce-scatter of a unit's ``nbytes`` of gradients, as ``flat_gather_time``."""
+    """FSDP's reduce-scatter of a unit's gradients, as ``flat_gather_time``."""
     if machine.scatter is not None:
         return all_gather_time(machine.scatter, ranks, nbytes)
     return reduce_scatter_time(machine, link, ranks, nbytes)
@@ -534,17 +410,15 @@ def send_time(link: Link, nbytes: float) -> float:
 
 
 def broadcast_time(link: Link, ranks: int, nbytes: float) -> float:
-    """One owner's ``nbytes`` to every rank of the group, pipelined down a chain: n-1 steps,
-    the whole payload through each link once."""
+    """One owner's ``nbytes`` to every rank, pipelined down a chain: n-1 steps."""
     if ranks == 1:
         return 0.0
     return link.latency + (ranks - 1) * link.step_latency + nbytes / link.busbw
 
 
 def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
-    """The link an axis's group crosses. Ranks are laid out (pp, dp, cp, tp), tp innermost
-    (lesson 7): an axis's group spans its own size times every axis inside it, and crosses
-    nodes when that span is larger than a node."""
+    """The link an axis's group crosses: ranks are laid out (pp, dp, cp, tp), tp innermost, and
+    a group whose span is larger than a node crosses nodes."""
     inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp * grid.cp, "pp": grid.tp * grid.cp * grid.dp}
     size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "pp": grid.pp}
     span = inner[axis] * size[axis]
@@ -554,8 +428,7 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
 
 
 def hop_link(machine: Machine, grid: Grid, axis: str) -> Link:
-    """The link a point-to-point send of ``axis`` crosses: the machine's own for sends where it
-    has one, else the axis's (``link_of``)."""
+    """A point-to-point send's link: the machine's own where it has one, else the axis's."""
     if machine.point_to_point is not None:
         return machine.point_to_point
     return link_of(machine, grid, axis)
@@ -565,9 +438,8 @@ def hop_link(machine: Machine, grid: Grid, axis: str) -> Link:
 
 
 def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float:
-    """Communication left after ``compute`` when piece i becomes ready at (i+1)/n of it and the
-    pieces go one at a time (one communication stream): the simulation behind stage 06's model.
-    Without overlap (ranks that compute and communicate on the same cores) all of it is left."""
+    """Communication left after ``compute`` when piece i is ready at (i+1)/n of it, one at a
+    time (stage 06's simulation); without overlap, all of it."""
     if not overlap:
         return sum(pieces)
     finish = 0.0
@@ -578,9 +450,8 @@ def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float
 
 
 def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: bool) -> float:
-    """How long compute waits for FSDP's gathers (lesson 2): unit i computes once its gather is
-    done; the gather of unit i+1 starts once unit i has started computing (one unit prefetched),
-    one gather at a time. Without overlap every gather is waited for."""
+    """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2); without
+    overlap every gather is waited for."""
     if not overlap:
         return sum(gathers)
     gather_done = 0.0
@@ -603,19 +474,16 @@ def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
 
 
 def turns(grid: Grid, machine: Machine) -> float:
-    """How much longer a rank's work takes when W ranks take turns on fewer cores: W / cores
-    (1 where every rank has a device, or a core, of its own). A property of a box like this
-    course's 2-core VM, absent on a GPU box with a GPU per rank."""
+    """W / cores where W ranks take turns on fewer cores (this course's CPU box), else 1."""
     if machine.cores and grid.world_size > machine.cores:
         return grid.world_size / machine.cores
     return 1.0
 
 
 def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
-    """(class, FLOP, bytes touched) of each kernel of one block's forward, one micro-batch on
-    one rank: a matmul per weight matrix (tp splits each), attention (its own kernel, the causal
-    half skipped), and the memory-bound work, read and written once: two norms, two residual
-    adds (two read, one written), the MLP's activation, rotary on q and k."""
+    """(class, FLOP, bytes) of each kernel of one block's forward, one micro-batch on one rank:
+    the matmuls, attention, and the memory-bound work read and written once (two norms, two
+    residual adds, the MLP's activation, rotary on q and k)."""
     rows, tokens = rows_and_tokens(lm, grid)
     T = rows * tokens                         # tokens this rank runs attention and the MLP on
     t = grid.tp
@@ -639,8 +507,7 @@ def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
 
 
 def edge_kernels(lm: LM, grid: Grid, first: bool, last: bool) -> list[tuple[str, float, float]]:
-    """The model's ends, one micro-batch: the embedding look-up on the first stage; the final
-    norm, the head and the softmax and cross-entropy over the vocabulary on the last."""
+    """The ends, one micro-batch: the embedding look-up; the final norm, head and cross-entropy."""
     rows, tokens = rows_and_tokens(lm, grid)
     T = rows * tokens / grid.tp               # the head's tokens (S/t with sp; else V/t each)
     c = lm.compute_bytes
@@ -656,9 +523,8 @@ def edge_kernels(lm: LM, grid: Grid, first: bool, last: bool) -> list[tuple[str,
 
 
 def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: GPU) -> float:
-    """A kernel at its class's rate: a matmul at the measured share of the peak or its bytes at
-    the memory bandwidth, whichever is longer (so small shapes fall below the share: the
-    roofline), attention at its own share, memory-bound work at the bandwidth."""
+    """A kernel at its class's rate: a matmul at the measured share of the peak, or its bytes at
+    the bandwidth where longer (the roofline: small shapes fall below the share)."""
     if kind == "matmul":
         return max(flops / (gpu.peak * gpu.matmul_share), nbytes / gpu.memory_bandwidth)
     if kind == "attention":
@@ -667,11 +533,10 @@ def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: GPU) -> float:
 
 
 def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool) -> dict:
-    """{class: [FLOP, bytes, kernels, seconds]} of one rank's step (``first``, ``last``: it
-    holds the model's ends), and the launch floor: a kernel takes at least ``gpu.launch_s``.
-    Backward runs each forward kernel twice over (a gradient for the input, one for the weight;
-    element-wise, the gradient and the saved input read); recomputation adds a forward:
-    ``full`` of every block kernel, ``selective`` of attention's."""
+    """{class: [FLOP, bytes, kernels, seconds]} of one rank's step (``first``, ``last``: it holds
+    the model's ends). Backward runs each forward kernel twice over; recomputation adds a
+    forward, ``full`` of every block kernel, ``selective`` of attention's; the launch floor
+    raises each kernel to ``gpu.launch_s``."""
     blocks = lm.layers // grid.pp
     runs = []                                 # (kernel, how many times it runs a step)
     for kernel in block_kernels(lm, grid):
@@ -696,9 +561,8 @@ def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool
 
 
 def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
-    """A machine with a GPU preset: each kernel class at its own rate on the slower of the
-    first and the last pipeline stage. A measured machine (this box's check): every FLOP at the
-    rate measured for it, 1/W of them a rank; ranks taking turns on shared cores take W/cores."""
+    """Each kernel class at its rate on the slower of the first and the last pipeline stage; a
+    measured machine (this box's check): every FLOP at its rate, 1/W of them a rank."""
     if machine.gpu is None:
         per_token = training_flops_per_token(lm, grid.recompute)
         tokens_worth = lm.batch * lm.seq / grid.world_size
@@ -727,17 +591,14 @@ def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float
 
 
 def straggler_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
-    """A collective ends when its last rank arrives, so ranks that wait for each other every
-    step take as long as the slowest of them: on a quiet GPU box each computes the same kernels
-    in the same time (0); on a box whose cores other work also uses, a rank's compute varies
-    from step to step, and the slowest of W draws is later than the median one."""
+    """A collective ends when its last rank comes: the slowest of W ranks' compute (0 on a quiet
+    GPU box)."""
     return ("waiting for the slowest rank", compute * machine.straggler,
             f"the slowest of {grid.world_size} ranks computes {machine.straggler:.0%} longer")
 
 
 def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
-    """Lesson 4: a pipeline rank idles ``bubble`` of the step, so its compute is stretched by
-    1 / (1 - bubble). Ranks taking turns on shared cores fill each other's bubbles."""
+    """Lesson 4: compute stretched by 1 / (1 - bubble); ranks sharing cores fill each other's."""
     bubble = bubble_share(grid)
     if machine.cores and grid.world_size > machine.cores:
         return ("pipeline bubble", 0.0, f"{grid.schedule}: an idle rank's core runs another rank")
@@ -746,10 +607,9 @@ def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, floa
 
 
 def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 3 with sequence parallelism: per block and micro-batch an all-gather of [b, S, h]
-    before attention and before the MLP and a reduce-scatter after each, forward, and the same
-    backward: on the critical path. Then the gradients of the tensors every tp rank holds whole
-    (norms, fc2's bias, the embeddings and the head) are all-reduced over tp."""
+    """Lesson 3 with sequence parallelism: per block and micro-batch two all-gathers and two
+    reduce-scatters of [b, S, h] forward, as many backward, on the critical path; then the
+    gradients of the tensors every tp rank holds whole, all-reduced."""
     t = grid.tp
     link = link_of(machine, grid, "tp")
     rows, tokens = rows_and_tokens(lm, grid)
@@ -768,8 +628,7 @@ def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, flo
 
 
 def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 5: K and V go c-1 hops forward; K, V c-1 and dK, dV c hops backward; each hop
-    runs beside one chunk's attention and shows only where it is longer."""
+    """Lesson 5: K, V c-1 hops forward, K, V c-1 and dK, dV c backward, each beside a chunk's attention."""
     c = grid.cp
     link = hop_link(machine, grid, "cp")
     rows, tokens = rows_and_tokens(lm, grid)
@@ -784,12 +643,8 @@ def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, floa
 
 
 def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 4: one micro-batch's activation (or its gradient) per send. With overlap only the
-    first micro-batch's trip down and back is waited for; without, every send of a middle rank
-    (m activations forward, m gradients back) is. Where ranks share cores, a rank waiting for
-    the next stage gives its core to that stage, as in its bubble: the send costs what it
-    costs back to back (the axis's link), not a hop's wait for a core (the point-to-point
-    link, measured after compute, when every rank of a ring hops at once)."""
+    """Lesson 4: with overlap only the first micro-batch's trip down and back is waited for,
+    without every send; ranks sharing cores send back to back (the axis's link)."""
     link = hop_link(machine, grid, "pp")
     if machine.cores and grid.world_size > machine.cores:
         link = link_of(machine, grid, "pp")
@@ -803,8 +658,7 @@ def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 
 def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
-    """float32 bytes of each parameter tensor on the first pipeline rank, registration order;
-    tp splits the matrices of the blocks and fc1's bias (lesson 3)."""
+    """float32 bytes of each parameter tensor on the first pipeline rank."""
     sizes = []
     for values, _ in rank_tensors(lm, grid, pp_rank=0):
         sizes.append(FLOAT32 * values)
@@ -812,8 +666,7 @@ def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
 
 
 def gradient_buckets(sizes: list[int], cap: float) -> list[int]:
-    """Stage 06's buckets: tensors in reverse registration order, a bucket closed when the next
-    tensor would take it past ``cap`` bytes (0: a tensor a call, stages 03 and 05)."""
+    """Stage 06's buckets, last tensor first, closed before ``cap`` bytes (0: a call a tensor)."""
     buckets = []
     current = 0
     for nbytes in reversed(sizes):
@@ -858,17 +711,9 @@ def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
 
 
 def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """What the data-parallel wrappers copy in memory to talk in few calls, each byte read once
-    and written once, at the memory bandwidth (on the same cores as compute, so not hidden):
-
-      DDP with buckets (stage 06, torch's): each gradient into its bucket (divided by d on the
-        way) and the mean back out, 4 G for G bytes of gradients; a call a tensor (stages 03,
-        05) divides in place, 2 G;
-      ZeRO-2: each gradient into its owner's bucket, 2 G;
-      ZeRO-1 and ZeRO-2: the owners' parameters into one flat buffer each and every broadcast
-        buffer back into the parameters, 2 G / d + 2 G (lesson 1);
-      FSDP: each gathered unit out of the gather buffer into its parameters, for forward and
-        again for backward, and its gradients into the reduce-scatter buffer (lesson 2)."""
+    """Bytes the data-parallel wrappers copy into their buffers and back, at the copy bandwidth:
+    DDP 4G (in and out of buckets; a call a tensor 2G), ZeRO-2 2G, ZeRO-1/2 owners' flat
+    buffers 2G/d + 2G, FSDP each gathered unit out of its buffer and gradients into theirs."""
     d = grid.dp * grid.cp
     gradients = sum(rank_tensor_bytes(lm, grid))
     copied = 0.0
@@ -891,8 +736,7 @@ def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 
 def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
-    """Lesson 2's units, in values (the tp share of each matrix): the root (embeddings, head),
-    then a unit per block of this pipeline rank."""
+    """Lesson 2's units, in values a tp rank holds: the root (embeddings, head), then the blocks."""
     block_values = 0
     for shape in block_parameter_shapes(lm):
         if len(shape) == 2:
@@ -905,11 +749,9 @@ def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
 
 def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
               compute: float) -> tuple[str, float, str]:
-    """Lesson 2: a unit per block plus the root (embeddings, final norm, head). Each unit is
-    gathered before forward and again before backward, except the root and the last block,
-    which stay gathered in between; its gradients are reduce-scattered as its backward ends
-    (the root's last: nothing is left to hide it); the 1-D tensors, kept whole, have their
-    gradients all-reduced in one call."""
+    """Lesson 2: each unit gathered before forward and again before backward (the root and the
+    last block stay gathered), one prefetched; gradients reduce-scattered as each block's
+    backward ends, the root's after all of backward; the 1-D tensors' all-reduced once."""
     replicas = grid.dp * grid.cp
     blocks = lm.layers // grid.pp
     block_replicated = 0
@@ -939,8 +781,7 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
 
 
 def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """AdamW reads a parameter, its gradient and two moments and writes three of them back:
-    28 bytes per parameter this rank updates, bound by memory bandwidth."""
+    """AdamW: 28 bytes a parameter this rank updates, at the memory bandwidth."""
     owned = state_per_rank(lm, grid)["optim"] / (2 * FLOAT32)
     seconds = ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth * turns(grid, machine)
     source = f"28 bytes x {owned / 1e6:.3g}M parameters / {machine.memory_bandwidth / 1e9:.3g} GB/s"
@@ -950,8 +791,7 @@ def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, st
 
 
 def loss_term(grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """One float64 all-reduced over every rank, so each logs the global loss: nothing on a
-    GPU, one more call's latency where calls are slow."""
+    """One float64 all-reduced over every rank, so each logs the global loss."""
     link = machine.inside
     if grid.world_size > machine.ranks_per_node:
         link = machine.across
@@ -1006,10 +846,9 @@ def divisors(n: int) -> list[int]:
 
 
 def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
-    """Every grid of ``ranks`` ranks the LM's shape allows: tp divides the heads and stays in a
-    node, pp divides the layers, cp > 1 divides the sequence in 2 cp zig-zag halves, and each
-    data rank gets whole micro-batches; each with every data-parallel kind and recomputation.
-    The loops run over the divisors of the model's shape, not of ``ranks``."""
+    """Every grid of ``ranks`` the LM's shape allows (tp divides the heads within a node, pp the
+    layers, cp > 1 the sequence in 2 cp halves, dp the batch), each with every data-parallel
+    kind and recomputation; the loops run over the model's divisors, not the ranks'."""
     for tp in divisors(math.gcd(lm.heads, ranks)):
         if tp > ranks_per_node:
             continue
@@ -1048,10 +887,8 @@ def label(grid: Grid) -> str:
 
 
 def parse_label(text: str) -> Grid:
-    """A label's tokens, space-separated, any order: dpN tpN ppN cpN (1 when absent), one of
-    ddp zero1 zero2 fsdp, mN (micro-batches), vN (chunks a pipeline rank: interleaved 1F1B),
-    sp, and ckpt (full recomputation) or sel (selective). ValueError names a token it cannot
-    read."""
+    """A label's tokens in any order: dpN tpN ppN cpN (1 when absent), ddp zero1 zero2 fsdp, mN,
+    vN (chunks: interleaved 1F1B), sp, ckpt (full) or sel (selective recomputation)."""
     sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "m": 1, "v": 1}
     grid = {"dp_kind": "ddp", "sp": False, "recompute": "none"}
     for token in text.split():
@@ -1093,7 +930,7 @@ GPUS = {
 
 def cluster(gpu_name: str, gpus: int, gpus_per_node: int = 8) -> Machine:
     """``gpus`` of a GPU preset, ``gpus_per_node`` a node on NVLink, a NIC each between nodes;
-    latencies of the right order for NCCL (10 us inside a node, 20 us across), not measured."""
+    latencies of NCCL's order (10 us inside, 20 us across), not measured."""
     gpu = GPUS[gpu_name]
     return Machine(name=f"{gpus} x {gpu.name}, {gpus_per_node} a node", flops=gpu.peak,
                    memory=gpu.memory, memory_bandwidth=gpu.memory_bandwidth,

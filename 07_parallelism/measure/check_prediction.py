@@ -755,6 +755,109 @@ def projection_rows(device: str) -> list[dict]:
     return rows
 
 
+# --------------------------------------------------------------------------- bytes, exactly
+# The planner's memory and bytes for one rank of lesson 7's grid, counted as lesson 7 builds
+# it: tests hold them equal to the benches' own formulas.
+
+
+def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
+    """Bytes one rank sends a step on the data-parallel axis alone (tp = pp = cp = 1), as a ring
+    sends them: an all-reduce 2 (d-1)/d of its payload, an all-gather or reduce-scatter (d-1)/d.
+    DDP and ZeRO-2: the gradients' all-reduce volume (ZeRO-2 as a reduce-scatter, then the
+    parameters' all-gather); ZeRO-1 as built in lesson 1: the all-reduce, then the owners
+    broadcast the new parameters, 1.5x. FSDP (lesson 2): every sharded unit gathered for forward
+    and again for backward, except those kept gathered in between (the root and the last
+    block), gradients reduce-scattered, and the whole 1-D tensors' gradients all-reduced."""
+    d = grid.dp * grid.cp           # the ranks holding the same parameters
+    whole = planner.FLOAT32 * planner.parameter_count(lm)
+    if grid.dp_kind == "fsdp":
+        sharded, replicated = planner.fsdp_shard_values(lm, d)
+        kept = 0
+        shapes = planner.parameter_shapes(lm)
+        last_block = len(shapes) - len(planner.block_parameter_shapes(lm)) - 3   # before the final norm, head
+        for index, shape in enumerate(shapes):
+            outside_blocks = index < 2 or index >= len(shapes) - 3
+            in_last_block = last_block <= index < len(shapes) - 3
+            if len(shape) >= 2 and (outside_blocks or in_last_block):
+                kept += -(-shape[0] // d) * d * planner.numel(shape[1:])
+        W = planner.FLOAT32 * sharded
+        K = planner.FLOAT32 * kept
+        R = planner.FLOAT32 * replicated
+        return planner.ring_share(d) * (3 * W - K) + 2 * planner.ring_share(d) * R
+    sent = 2 * planner.ring_share(d) * whole
+    if grid.dp_kind == "zero1":
+        sent = 1.5 * sent
+    return sent
+
+
+
+
+def zero1_dealt_state(tensors: list[tuple[int, bool]], owners: int, owner: int) -> int:
+    """Lesson 1's ZeRO-1 deal: whole tensors, largest first, each to the rank holding the fewest
+    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count.
+    (measure/grid_bench.py deals the same way for its formula: repeated on purpose, so that
+    this file copies alone.)"""
+    loads = [0] * owners
+    owned = [0] * owners
+    sizes = [values for values, _ in tensors]
+    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])
+    for index in order:
+        rank = loads.index(min(loads))
+        loads[rank] += planner.FLOAT32 * sizes[index]
+        owned[rank] += 2 * planner.FLOAT32 * sizes[index] + planner.ADAMW_STEP_BYTES
+    return owned[owner]
+
+
+def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
+    """One rank of lesson 7's grid, exactly as lesson 7 builds it (its bench counts the same
+    numbers from the tensors): parameters, gradients and AdamW state (torch keeps a float32
+    step count per tensor; ZeRO-1 deals whole tensors), what one micro-batch saves for
+    backward, and the bytes it sends a step on each axis, a ring's share of each payload.
+    ``pp_rank``: its pipeline position; ``data_rank``: its position among the dp x cp ranks."""
+    if grid.dp_kind not in ("ddp", "zero1"):
+        raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
+    p = grid.pp
+    v = grid.chunks
+    t = grid.tp
+    c = grid.cp
+    m = grid.micro_batches
+    tensors = planner.rank_tensors(lm, grid, pp_rank)
+    params = sum(values for values, _ in tensors)
+    replicated = sum(values for values, split in tensors if not split)
+    optim = 2 * planner.FLOAT32 * params + planner.ADAMW_STEP_BYTES * len(tensors)
+    if grid.dp_kind == "zero1":
+        optim = zero1_dealt_state(tensors, grid.dp * c, data_rank)
+    stages = [chunk * p + pp_rank for chunk in range(v)]
+    first = 0 in stages
+    last = p * v - 1 in stages
+    blocks = lm.layers // p
+    activation = (blocks * planner.block_activation_bytes(lm, grid)
+                  + planner.edge_activation_bytes(lm, grid, first, last))
+
+    rows, tokens = planner.rows_and_tokens(lm, grid)
+    gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
+    sent_tp = m * blocks * 8 * planner.ring_share(t) * gathered          # lesson 3, forward and back
+    sent_tp += 2 * planner.ring_share(t) * planner.FLOAT32 * replicated          # whole tensors' gradients
+    sent_cp = 0.0
+    if c > 1:
+        kv_block = lm.compute_bytes * rows * tokens * lm.d_model / t
+        sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * kv_block  # lesson 5's hops
+    messages = 0
+    for stage in stages:
+        if stage < p * v - 1 and (stage + 1) % p != pp_rank:
+            messages += m                                        # activations forward
+        if stage > 0 and (stage - 1) % p != pp_rank:
+            messages += m                                        # gradients backward
+    sent_pp = messages * lm.compute_bytes * rows * (tokens // t) * lm.d_model
+    sent_dp_cp = 2 * planner.ring_share(grid.dp * c) * planner.FLOAT32 * params  # every gradient
+    if grid.dp_kind == "zero1":
+        sent_dp_cp += planner.ring_share(grid.dp * c) * planner.FLOAT32 * params  # the owners' broadcasts
+    sent_world = 2 * planner.ring_share(grid.world_size) * 8             # the loss, float64
+    return {"param": planner.FLOAT32 * params, "grad": planner.FLOAT32 * params, "optim": optim,
+            "activation": activation, "sent_tp": sent_tp, "sent_cp": sent_cp,
+            "sent_pp": sent_pp, "sent_dp_cp": sent_dp_cp, "sent_world": sent_world}
+
+
 # --------------------------------------------------------------------------- published runs
 
 # Published training runs, predicted cold from the planner's presets (lesson 9's README cites
