@@ -15,9 +15,8 @@ step-time term is one lesson's idea:
            backward, and its buffer copies            FSDP prefetch)
          + the loss all-reduce, the optimizer step    lesson 7; AdamW: 28 bytes a parameter
 
-and, for one rank of lesson 7's grid, its memory and the bytes it sends on each axis exactly as
-lesson 7's bench counts them (``rank_bytes``). Standard library only: copy this file anywhere;
-``run_planning.py`` beside it ranks grids (``make plan``). Units: bytes, seconds, FLOP.
+and each rank's memory. Standard library only: copy this file anywhere; ``run_planning.py``
+beside it ranks grids (``make plan``). Units: bytes, seconds, FLOP.
 """
 
 from __future__ import annotations
@@ -351,19 +350,14 @@ class Machine:
     inside: Link                   # between ranks of one node
     across: Link                   # between nodes
     overlap: bool = True           # can communication run while the rank computes?
-    cores: int = 0                 # ranks share this many cores (0: a device of its own each)
-    copy_bandwidth: float = 0.0    # bytes read and written per second copying a buffer (0: the
-                                   # memory bandwidth; a CPU's caches make it differ)
-    straggler: float = 0.0         # how much longer the slowest of the W ranks computes than
-                                   # the median one, as a share (0: ranks in lockstep)
-    reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
-    point_to_point: Link | None = None   # sends between two ranks (ring attention's hops, a
-                                         # pipeline's activations but where ranks share cores),
-                                         # where they go a path of their own (None: the
-                                         # collectives' link of the axis)
-    gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors, where
-    scatter: Link | None = None    # the backend runs them at a cost of their own (None: the
-                                   # axis's link, as a ring would)
+    # Measured on a box like this course's CPU one (check_prediction.py); 0 or None elsewhere:
+    cores: int = 0                 # ranks take turns on this many cores
+    copy_bandwidth: float = 0.0    # copying a buffer, bytes read and written a second
+    straggler: float = 0.0         # the slowest of W ranks computes this share longer
+    reduce_scatter_as_all_reduce: bool = False   # Gloo's
+    point_to_point: Link | None = None   # sends after compute (ring attention's hops)
+    gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors
+    scatter: Link | None = None
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
     gpu: GPU | None = None         # kernel classes at their rates (None: every FLOP at ``flops``)
@@ -577,16 +571,15 @@ def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float
               compute_classes(lm, grid, gpu, False, True)]
     classes = max(stages, key=lambda stage: sum(row[3] for row in stage.values()))
     peak = gpu.peak / 1e12
-    sources = {"matmul": f"TFLOP at {gpu.matmul_share:.0%} of {peak:.0f} TFLOP/s, or GB at the bandwidth",
+    sources = {"matmul": f"TFLOP at {gpu.matmul_share:.0%} of {peak:.0f} TFLOP/s or bytes at the bandwidth",
                "attention": f"TFLOP at {gpu.attention_share:.0%} of {peak:.0f} TFLOP/s",
                "memory-bound": f"GB at {gpu.memory_bandwidth / 1e12:.3g} TB/s",
-               "launch floor": f"kernels shorter than {gpu.launch_s * 1e6:.3g} us, raised to it"}
+               "launch floor": f"shorter than {gpu.launch_s * 1e6:.3g} us, raised to it"}
     terms = []
     for kind, (flops, nbytes, kernels, seconds) in classes.items():
-        amount = f"{flops / 1e12:.4g} " if kind in ("matmul", "attention") else ""
-        if kind == "memory-bound":
-            amount = f"{nbytes / 1e9:.4g} "
-        terms.append((f"compute: {kind}", seconds, f"{kernels:,} kernels, {amount}{sources[kind]}"))
+        amount = {"matmul": flops / 1e12, "attention": flops / 1e12, "memory-bound": nbytes / 1e9}
+        source = f"{kernels:,} kernels, " + (f"{amount[kind]:.4g} " if kind in amount else "")
+        terms.append((f"compute: {kind}", seconds, source + sources[kind]))
     return terms
 
 

@@ -1,12 +1,7 @@
 """Stage 07, lesson 9: which grid for this model on this cluster? Every grid ranked, before any
-GPU is rented.
-
-For a model (a preset, or any shape on the command line) and a cluster (a preset, or any GPU
-preset times any count), this tries every way to split the GPUs into (pp, dp, cp, tp) with each
-data-parallel kind, micro-batch counts and recomputation, keeps those that fit in memory, and
-prints them fastest first, the fastest taken apart term by term (planner.py says where each
-term comes from); or it predicts the one grid ``--grid`` names. Everything printed is a
-prediction: arithmetic on the lessons' formulas and the presets, nothing run.
+GPU is rented: each split of the GPUs into (pp, dp, cp, tp), data-parallel kind, micro-batch
+count and recomputation that fits, fastest first, the fastest term by term (planner.py); or
+the one grid ``--grid`` names. Every figure is a prediction from the presets, nothing run.
 
 Run:  make plan                                           # the course's small LM, 8 x H100
       make plan MODEL=llama3-8b CLUSTER=8xH100-nvlink
@@ -31,8 +26,7 @@ GPUS = 10**6
 
 
 def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
+    """The harness needs common/, the algorithm does not."""
     root = Path(__file__).resolve().parent
     while not (root / "common" / "launch.py").exists():
         if root == root.parent:
@@ -95,20 +89,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_of(args, models, default_batch: int) -> planner.LM:
     """The preset (2 sequences a GPU), then every shape flag given over it."""
-    if args.model == "llama3-8b":
-        lm = planner.LLAMA3_8B
-    else:
+    lm = planner.LLAMA3_8B
+    if args.model != "llama3-8b":
         shape = models.PRESETS[args.model]
         lm = planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
                         heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=256, batch=0,
                         compute_bytes=2)
     given = {flag: getattr(args, flag) for flag in SHAPE if getattr(args, flag) is not None}
-    lm = dataclasses.replace(lm, **{"batch": default_batch, **given})
-    if args.gated_mlp:
-        lm = dataclasses.replace(lm, gated_mlp=True)
-    if args.no_position_embedding:
-        lm = dataclasses.replace(lm, position_embedding=False)
-    return lm
+    return dataclasses.replace(lm, **{"batch": default_batch, **given},
+                               gated_mlp=lm.gated_mlp or args.gated_mlp,
+                               position_embedding=lm.position_embedding and not args.no_position_embedding)
 
 
 def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int) -> str:
