@@ -816,3 +816,52 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     assert check_prediction.projection_rows("cpu") == []
     said = capsys.readouterr().out.strip().splitlines()
     assert len(said) == 1 and "projection skipped" in said[0] and "out of memory" in said[0]
+
+
+# --------------------------------------------------------------------------- bench/compute.py
+
+
+def test_compute_refuses_sizes_that_cannot_fit_and_a_bad_deadline_in_one_line(capsys, monkeypatch):
+    from bench import compute
+    bad = [(["--matmul-n", "1000000"], "--matmul-n 1000000"),
+           (["--context-length", "100000000"], "100000000"),
+           (["--models", "tiny,xl", "--batch-size", "100000"], "--models xl at batch 100000")]
+    for argv, named in bad:
+        with pytest.raises(SystemExit) as stop:
+            compute.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and len(err) == 1 and named in err[0], (argv, err)
+    monkeypatch.setenv("BENCH_STEP_DEADLINE", "abc")
+    with pytest.raises(SystemExit) as stop:
+        compute.parse_args([])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and "'abc'" in err[0]
+
+
+def test_compute_labels_each_mfu_with_its_peak():
+    from bench import compute
+    measured = {"forward": 0.005, "backward": 0.010, "optimizer": 0.005, "params": 20087040,
+                "max_memory_allocated": None}
+    peak = {"matmul_flops_per_s": 50e12, "copy_bytes_per_s": 1e12, "bf16_flops_per_s": 500e12}
+    row = compute.make_row("course", 4, 256, torch.device("cpu"), measured, peak)
+    assert row["mfu_of"] == "the float32 matmul peak measured here" and row["datasheet"] == ""
+    bf16 = compute.make_row("course", 4, 256, torch.device("cpu"), measured, peak, "bfloat16")
+    assert bf16["mfu_of"] == "the bfloat16 matmul peak measured here"
+    assert bf16["mfu"] == pytest.approx(row["mfu"] / 10)
+
+
+def test_compute_stopped_by_ctrl_c_says_so_in_one_line(tmp_path):
+    import signal
+    import subprocess
+    env = {**__import__("os").environ, "RESULTS_DIR": str(tmp_path)}
+    process = subprocess.Popen([sys.executable, str(REPO / "bench" / "compute.py"), "--steps",
+                                "100000", "--context-length", "32", "--batch-size", "1",
+                                "--matmul-n", "64"],
+                               cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    process.stdout.readline()                              # the peaks: it is measuring now
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 130, err
+    assert err.strip().splitlines() == [
+        "compute.py: stopped (Ctrl-C); the rows measured so far are in results/compute.csv"]
