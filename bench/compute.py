@@ -264,7 +264,18 @@ def measure_peaks(device: torch.device, n: int) -> dict:
     return peak
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
+    """The run; Ctrl-C ends it with one line (the rows already written stay)."""
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        print("compute.py: stopped (Ctrl-C); the rows measured so far are in results/compute.csv",
+              file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+def run(argv=None) -> None:
     args = parse_args(argv)
     results.check_writable()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
@@ -307,9 +318,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("compute.py: stopped (Ctrl-C); the rows measured so far are in results/compute.csv",
-              file=sys.stderr, flush=True)
-        sys.exit(130)
+    sys.exit(main())
