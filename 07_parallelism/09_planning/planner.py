@@ -170,17 +170,6 @@ def split_over_tp(lm: LM) -> list[bool]:
     return split
 
 
-def values_per_block(lm: LM, tp: int) -> int:
-    """One block's parameter values on a tp rank: the split tensors 1/t each."""
-    values = 0
-    for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)):
-        if split:
-            values += numel(shape) // tp
-        else:
-            values += numel(shape)
-    return values
-
-
 def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
     """(W, R): lesson 2's padded shards of the tensors of 2+ dimensions, and the 1-D ones whole."""
     sharded = 0
@@ -199,7 +188,8 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     the matrices (lesson 3), pp gives L/p blocks and an end (lesson 4), dp: DDP 16P, ZeRO-1
     8P + 8P/d, ZeRO-2 4P + 12P/d, FSDP 16P/d, its padded shards exactly (lessons 1-2)."""
     blocks = lm.layers // grid.pp
-    block_values = values_per_block(lm, grid.tp)
+    block_values = sum(numel(shape) // grid.tp if split else numel(shape)
+                       for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)))
     embeddings = lm.vocab * lm.d_model
     if lm.position_embedding:
         embeddings += lm.seq * lm.d_model
@@ -378,24 +368,14 @@ def all_gather_time(link: Link, ranks: int, nbytes: float) -> float:
     return link.latency + steps * link.step_latency + ring_share(ranks) * nbytes / link.busbw
 
 
-def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
+def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float,
+                        own: Link | None = None) -> float:
+    """A ring's, Gloo's (an all-reduce), or at a link measured for it (``own``: FSDP's)."""
+    if own is not None:
+        return all_gather_time(own, ranks, nbytes)
     if machine.reduce_scatter_as_all_reduce:
         return all_reduce_time(link, ranks, nbytes)
     return all_gather_time(link, ranks, nbytes)
-
-
-def flat_gather_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
-    """FSDP's all-gather of a unit: the machine's measured link for it, else a ring's."""
-    if machine.gather is not None:
-        return all_gather_time(machine.gather, ranks, nbytes)
-    return all_gather_time(link, ranks, nbytes)
-
-
-def flat_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
-    """FSDP's reduce-scatter of a unit's gradients, as ``flat_gather_time``."""
-    if machine.scatter is not None:
-        return all_gather_time(machine.scatter, ranks, nbytes)
-    return reduce_scatter_time(machine, link, ranks, nbytes)
 
 
 def send_time(link: Link, nbytes: float) -> float:
@@ -754,7 +734,8 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     unit_values = fsdp_unit_values(lm, grid)
     forward_units = [0.0] + [compute / 3 / blocks] * blocks
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
-    gathers = [flat_gather_time(machine, link, replicas, lm.compute_bytes * v) for v in unit_values]
+    gathers = [all_gather_time(machine.gather or link, replicas, lm.compute_bytes * v)
+               for v in unit_values]
     waited = prefetched_wait(forward_units, gathers, machine.overlap)
     regathered = gathers[1:-1]                           # not the root, not the last block
     waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
@@ -762,9 +743,10 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     # the root's gradients are complete only when the token embedding's is, as backward ends
     # (lesson 2 wraps the whole model, pp = 1; a pipeline stage's root is charged the same, a
     # bound), so its reduce-scatter comes after all of backward, behind the blocks'.
-    block_scatters = [flat_scatter_time(machine, link, replicas, FLOAT32 * v)
+    block_scatters = [reduce_scatter_time(machine, link, replicas, FLOAT32 * v, machine.scatter)
                       for v in unit_values[1:]]
-    root_scatter = flat_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0])
+    root_scatter = reduce_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0],
+                                       machine.scatter)
     waited += overlapped_tail(compute * 2 / 3, block_scatters, machine.overlap) + root_scatter
     replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
     waited += all_reduce_time(link, replicas, replicated)
