@@ -599,7 +599,7 @@ def test_each_kernel_class_of_one_layer_by_hand():
 
 
 def test_recomputation_is_counted_as_its_papers_define_it():
-    """Megatron's count (Narayanan et al. 2021, eq. 3): 96 B s l h^2 (1 + s/6h + V/16lh) with
+    """Megatron's count (Narayanan et al. 2021): 96 B s l h^2 (1 + s/6h + V/16lh) with
     full recomputation, attention without the causal half skipped, f = 4h: a block's forward
     four times, the head's three. Korthikanti et al. 2022's selective: only the attention
     core's forward again, 4 s h a token and layer. Memory: full keeps each block's input only."""
