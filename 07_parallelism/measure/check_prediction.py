@@ -1,37 +1,18 @@
-"""Measurement, not a lesson: lesson 9's planner checked against this box.
+"""Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
-The planner (07_parallelism/09_planning/planner.py) predicts a step from a machine's compute
-rate, its links and its memory bandwidth. Here the machine is this one: each configuration's
-forward and backward and its optimizer step are timed at world size 1 with the shapes one rank
-of it works on (a pipeline's a micro-batch at a time; its threads: this box's cores shared
-among the ranks; the timings' spread says how late the slowest rank comes), a copy of its
-gradients' size gives the copy bandwidth, and its links are stage 02's all-reduce fit with as
-many ranks as the job (``results/allreduce_fit.json``: t = a + N / w), its latency as calls pay
-it in a step, and a point-to-point hop, both timed on as many ranks as the job
-(``time_step_calls``: an all-reduce in a burst of back-to-back calls, where stage 02 lines the
-ranks up before each; a hop after a slice of compute, where ranks that share cores wait for
-each other to get one back); for FSDP, its flat all-gather and reduce-scatter timed as lesson 2
-makes them, at the sizes of its units (``time_flat_collectives``: Gloo's cost about an
-all-reduce of the unit each, not half of one). The DDP rows and the ledger's take their
-compute instead from the compute-only control their own launch measured beside them
-(``none``), and the DDP rows a call's cost from the burst timed beside it. The prediction is
-then set beside the step times the course measured on this box, each file at its newest run:
-
-  results/ddp_step.csv   stages 03-06 and torch DDP (06 ``--bench``)
-  results/sharding.csv   the ledger: DDP, ZeRO-1, ZeRO-2, FSDP (02_fsdp ``--bench``)
-  results/grid.csv       our grids of lesson 7 (``train.py --bench``)
-
-and written to ``results/prediction.csv``, one row per configuration: ``config``,
-``predicted_ms``, ``measured_ms``, their ratio, and each term (a run's rows replace the older
-ones of the same source). What the planner leaves out on a box like this is in its README; the
-worst row is named at the end.
-
-With ``--device cuda`` (make bench on a GPU box), or ``--project``, it also projects: the
-planner on each cluster preset with this device's measured compute in place of the spec
-sheet's, written to ``results/projection.csv``, every row labelled predicted.
+The machine fed to the planner is this one, every input measured: each configuration's forward,
+backward and optimizer step at one rank's shapes (or the compute-only control its own launch
+timed beside it), their spread (the straggler), a copy at the gradients' size, stage 02's
+all-reduce fit for the links, a call in a burst, a hop after compute and FSDP's flat
+collectives, each on as many ranks as the job. The prediction is set beside the steps make
+bench measured (results/ddp_step.csv, sharding.csv, grid.csv, each at its newest run) and
+written to results/prediction.csv, one row a configuration with every term. ``--device cuda``
+or ``--project`` also projects onto the cluster presets with this device's measured compute
+(results/projection.csv); ``--published`` prints the published runs beside the planner's cold
+predictions from its presets alone (lesson 9's README).
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
-      python 07_parallelism/measure/check_prediction.py --project   (the projection on a CPU)
+      python 07_parallelism/measure/check_prediction.py --published
 """
 
 from __future__ import annotations
