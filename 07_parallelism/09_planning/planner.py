@@ -401,13 +401,6 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
     return machine.inside
 
 
-def hop_link(machine: Machine, grid: Grid, axis: str) -> Link:
-    """A point-to-point send's link: the machine's own where it has one, else the axis's."""
-    if machine.point_to_point is not None:
-        return machine.point_to_point
-    return link_of(machine, grid, axis)
-
-
 # --------------------------------------------------------------------------- overlap
 
 
@@ -603,7 +596,7 @@ def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, flo
 def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """Lesson 5: K, V c-1 hops forward, K, V c-1 and dK, dV c backward, each beside a chunk's attention."""
     c = grid.cp
-    link = hop_link(machine, grid, "cp")
+    link = machine.point_to_point or link_of(machine, grid, "cp")
     rows, tokens = rows_and_tokens(lm, grid)
     kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / grid.tp
     hops = grid.micro_batches * (lm.layers // grid.pp) * (2 * (c - 1) + c)
@@ -618,7 +611,7 @@ def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, floa
 def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """Lesson 4: with overlap only the first micro-batch's trip down and back is waited for,
     without every send; ranks sharing cores send back to back (the axis's link)."""
-    link = hop_link(machine, grid, "pp")
+    link = machine.point_to_point or link_of(machine, grid, "pp")
     if machine.cores and grid.world_size > machine.cores:
         link = link_of(machine, grid, "pp")
     rows, tokens = rows_and_tokens(lm, grid)
