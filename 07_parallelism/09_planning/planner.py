@@ -163,11 +163,8 @@ def micro_batches_in_flight(grid: Grid) -> int:
 
 def split_over_tp(lm: LM) -> list[bool]:
     """Which of a block's tensors lesson 3 splits over tp: every matrix and fc1's bias."""
-    split = []
-    for index, shape in enumerate(block_parameter_shapes(lm)):
-        fc1_bias = not lm.gated_mlp and index == 7
-        split.append(len(shape) == 2 or fc1_bias)
-    return split
+    return [len(shape) == 2 or (not lm.gated_mlp and index == 7)      # index 7: fc1's bias
+            for index, shape in enumerate(block_parameter_shapes(lm))]
 
 
 def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
@@ -583,11 +580,8 @@ def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, flo
     calls = grid.micro_batches * (lm.layers // grid.pp) * 4
     seconds = calls * (all_gather_time(link, t, payload)
                        + reduce_scatter_time(machine, link, t, payload))
-    replicated = 0
-    for pp_rank in (0, grid.pp - 1):                      # the first and the last stage
-        tensors = rank_tensors(lm, grid, pp_rank)
-        whole = sum(values for values, split in tensors if not split)
-        replicated = max(replicated, whole)
+    replicated = max(sum(values for values, split in rank_tensors(lm, grid, pp_rank) if not split)
+                     for pp_rank in (0, grid.pp - 1))     # the first and the last stage
     seconds += all_reduce_time(link, t, FLOAT32 * replicated)
     return ("tp collectives", seconds,
             f"{2 * calls} all-gathers and reduce-scatters of {payload / 2**20:.3g} MiB (lesson 3)")
@@ -625,10 +619,7 @@ def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
     """float32 bytes of each parameter tensor on the first pipeline rank."""
-    sizes = []
-    for values, _ in rank_tensors(lm, grid, pp_rank=0):
-        sizes.append(FLOAT32 * values)
-    return sizes
+    return [FLOAT32 * values for values, _ in rank_tensors(lm, grid, pp_rank=0)]
 
 
 def gradient_buckets(sizes: list[int], cap: float) -> list[int]:
@@ -703,10 +694,7 @@ def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
     """Lesson 2's units, in values a tp rank holds: the root (embeddings, head), then the blocks."""
-    block_values = 0
-    for shape in block_parameter_shapes(lm):
-        if len(shape) == 2:
-            block_values += numel(shape) // grid.tp
+    block_values = sum(numel(shape) // grid.tp for shape in block_parameter_shapes(lm) if len(shape) == 2)
     root_values = lm.vocab * lm.d_model * 2
     if lm.position_embedding:
         root_values += lm.seq * lm.d_model
@@ -720,10 +708,7 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     backward ends, the root's after all of backward; the 1-D tensors' all-reduced once."""
     replicas = grid.dp * grid.cp
     blocks = lm.layers // grid.pp
-    block_replicated = 0
-    for shape in block_parameter_shapes(lm):
-        if len(shape) == 1:
-            block_replicated += numel(shape)
+    block_replicated = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
     unit_values = fsdp_unit_values(lm, grid)
     forward_units = [0.0] + [compute / 3 / blocks] * blocks
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
