@@ -6,13 +6,15 @@
 On a box where ranks share one GPU over Gloo, the step times of stages 03-07 measure Gloo's
 path through host memory as much as the GPU. This measures the GPU alone, at one rank's shapes:
 
-1. the peak it is measured against: a large float32 matmul (the dtype every stage trains in),
-   timed in this run, not read off a spec sheet (a wrong peak is how MFU comes out above 100%);
-   and the device's copy bandwidth (a large tensor copied: bytes read + written per second),
-   the limit of memory-bound work such as the optimizer step;
+1. the peaks MFU is measured against, timed in this run, not read off a spec sheet (a wrong
+   peak is how MFU comes out above 100%): a large matmul in float32 (the dtype every stage
+   trains in), and on a GPU in TF32 and bfloat16 too; and the device's copy bandwidth (bytes
+   read + written per second), the limit of memory-bound work such as the optimizer step;
 2. the Transformer LM: forward, backward and the AdamW step timed apart (synchronised, median
    of the timed steps), ``torch.cuda.max_memory_allocated`` over a step, tokens/s, achieved
-   TFLOP/s and model FLOPs utilisation.
+   TFLOP/s and model FLOPs utilisation, each MFU labelled with its peak; on a GPU one more row
+   at a batch that saturates it (the course LM, 32 x 1024 tokens, bfloat16 autocast) against
+   the bfloat16 peak measured here and the datasheet's for the GPU the box names.
 
 FLOPs per token, the convention of PaLM (appendix B), torchtitan and picotron:
 
@@ -48,6 +50,8 @@ from bench import results, timing
 CSV_NAME = "compute.csv"
 PEAK_JSON = "matmul_peak.json"
 ADAMW_BYTES_PER_PARAM = 28  # float32: read+write param, exp_avg, exp_avg_sq (24), read grad (4)
+SATURATING = ("course", 32, 1024)   # model, rows, tokens: enough work to fill a GPU
+DATASHEET_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense
 
 
 # --------------------------------------------------------------------------- the arithmetic
@@ -80,12 +84,40 @@ def median_seconds(fn, device: torch.device, warmup: int, iters: int) -> float:
     return statistics.median(timing.measure(fn, device, warmup=warmup, iters=iters))
 
 
-def matmul_peak(device: torch.device, n: int) -> float:
-    """FLOP/s of an n x n x n float32 matmul (2 n^3 FLOPs), the median of 10 after warm-up."""
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    seconds = median_seconds(lambda: a @ b, device, warmup=3, iters=10)
+def matmul_peak(device: torch.device, n: int, dtype: torch.dtype = torch.float32,
+                tf32: bool = False) -> float:
+    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype`` (``tf32``: float32 on TF32
+    tensor cores), the median of 10 after warm-up."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        seconds = median_seconds(lambda: a @ b, device, warmup=3, iters=10)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
     return 2 * n ** 3 / seconds
+
+
+def datasheet_peak(device: torch.device) -> tuple[str, float] | None:
+    """(the GPU's name, its datasheet bf16 dense peak) where the box names a GPU we know."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for gpu, flops in DATASHEET_BF16.items():
+        if gpu in name:
+            return name, flops
+    return None
+
+
+def step_bytes(preset: str, batch_size: int, context_length: int) -> int:
+    """A step's rough peak, as common/step_bench checks it: 20 bytes a parameter plus the
+    float32 activations kept for backward."""
+    shape = models.PRESETS[preset]
+    acts = 4 * batch_size * context_length * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
+        12 * shape["d_model"] + 2 * shape["d_ff"] + shape["num_heads"] * context_length))
+    params = models.lm_parameter_count(preset, 1) + (context_length - 1) * shape["d_model"]
+    return 20 * params + acts
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -97,8 +129,9 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
 
 
 def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device,
-               warmup: int, steps: int) -> dict:
-    """Forward, backward, optimizer seconds (medians) and the peak memory of one rank's step."""
+               warmup: int, steps: int, bf16: bool = False) -> dict:
+    """Forward, backward, optimizer seconds (medians) and the peak memory of one rank's step
+    (``bf16``: the forward under bfloat16 autocast)."""
     torch.manual_seed(0)
     model = models.TransformerLM(preset, context_length=context_length).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -110,7 +143,8 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
         timing.synchronize(device)
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = models.lm_loss(model(x), y)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss = models.lm_loss(model(x), y)
         timing.synchronize(device)
         t1 = time.perf_counter()
         loss.backward()
@@ -133,7 +167,9 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
 
 
 def make_row(preset: str, batch_size: int, context_length: int, device: torch.device,
-             measured: dict, peak: dict) -> dict:
+             measured: dict, peak: dict, dtype: str = "float32") -> dict:
+    """A row; its MFU against the measured peak of its dtype, labelled with it (``mfu_of``),
+    and against the datasheet's bf16 peak where the box names its GPU."""
     step_s = measured["forward"] + measured["backward"] + measured["optimizer"]
     tokens_per_s = batch_size * context_length / step_s
     per_token = flops_per_token(preset, context_length)
@@ -142,16 +178,20 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
     memory = measured["max_memory_allocated"]
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
         else None
+    key = "bf16_flops_per_s" if dtype == "bfloat16" else "matmul_flops_per_s"
+    sheet = datasheet_peak(device) if dtype == "bfloat16" else None
     return {
-        "device": device.type, "dtype": "float32", "model": preset,
+        "device": device.type, "dtype": dtype, "model": preset,
         "params": measured["params"],
         "nonembedding_params": nonembedding_parameters(preset, context_length),
         "batch_size": batch_size, "context_length": context_length,
         "fwd_ms": measured["forward"] * 1e3, "bwd_ms": measured["backward"] * 1e3,
         "optimizer_ms": measured["optimizer"] * 1e3, "step_ms": step_s * 1e3,
         "tokens_per_s": tokens_per_s, "flops_per_token": per_token,
-        "achieved_tflops": achieved / 1e12, "peak_tflops": peak["matmul_flops_per_s"] / 1e12,
-        "mfu": achieved / peak["matmul_flops_per_s"],
+        "achieved_tflops": achieved / 1e12, "peak_tflops": peak[key] / 1e12,
+        "mfu": achieved / peak[key], "mfu_of": f"the {dtype} matmul peak measured here",
+        "mfu_of_datasheet": "" if sheet is None else achieved / sheet[1],
+        "datasheet": "" if sheet is None else f"{sheet[0]}: {sheet[1] / 1e12:.0f} TFLOP/s bf16 dense",
         "optimizer_gbps": optimizer_bytes_per_s / 1e9,
         "copy_gbps": peak["copy_bytes_per_s"] / 1e9,
         "max_memory_allocated_bytes": "" if memory is None else memory,
@@ -160,7 +200,8 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The flags, checked: a bad one is one line and exit 2, before anything is measured."""
+    """The flags, checked: a bad one is one line and exit 2, before anything is measured (a
+    size that would not fit in memory included)."""
     from bench import launch
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -181,58 +222,102 @@ def parse_args(argv=None) -> argparse.Namespace:
                                f"{', '.join(models.PRESETS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         launch.usage_error("--device cuda needs a GPU and none is visible; use --device cpu")
+    deadline = os.environ.get("BENCH_STEP_DEADLINE", "") or "0"
+    try:
+        args.deadline = float(deadline)
+    except ValueError:
+        launch.usage_error(f"BENCH_STEP_DEADLINE={deadline[:40]!r} is not a number (seconds "
+                           "since the epoch by which this step must end)")
+    args.matmul_n = args.matmul_n or (8192 if args.device == "cuda" else 1024)
+    need = {f"--matmul-n {args.matmul_n}": 3 * 4 * args.matmul_n ** 2}
+    for preset in presets:
+        need[f"--models {preset} at batch {args.batch_size} x {args.context_length}"] = \
+            step_bytes(preset, args.batch_size, args.context_length)
+    what, most = max(need.items(), key=lambda item: item[1])
+    have = 0.9 * launch.host_available_bytes()
+    where = "host memory"
+    if args.device == "cuda":
+        have = 0.9 * torch.cuda.get_device_properties(0).total_memory
+        where = "GPU memory"
+    if most > have:
+        launch.usage_error(f"{what} needs about {most / 2**30:.1f} GiB of {where}, and "
+                           f"{have / 2**30:.1f} GiB can be had; use a smaller size")
     args.presets = presets
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    presets = args.presets
-    results.check_writable()
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-    machine = results.machine_name()
-    n = args.matmul_n or (8192 if device.type == "cuda" else 1024)
-    # float32 as the stages run it: TF32 off unless the user turned it on (then both are TF32)
+def measure_peaks(device: torch.device, n: int) -> dict:
+    """The matmul peaks of this run (float32; TF32 and bfloat16 on a GPU) and the copy bandwidth."""
     peak = {"device": device.type, "dtype": "float32", "matmul_n": n,
-            "tf32": bool(device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32),
             "matmul_flops_per_s": matmul_peak(device, n),
             "copy_bytes_per_s": copy_bandwidth(device, 2 ** 30 if device.type == "cuda"
                                                else 2 ** 26),
-            "machine": machine, "run_id": results.run_id()}
+            "machine": results.machine_name(), "run_id": results.run_id()}
+    said = f"float32 matmul {n}^3: {peak['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s"
+    if device.type == "cuda":
+        peak["tf32_flops_per_s"] = matmul_peak(device, n, tf32=True)
+        peak["bf16_flops_per_s"] = matmul_peak(device, n, torch.bfloat16)
+        said += (f", TF32 {peak['tf32_flops_per_s'] / 1e12:.1f}, bfloat16 "
+                 f"{peak['bf16_flops_per_s'] / 1e12:.1f} TFLOP/s")
+    else:
+        said += " (a CPU: float32 only; TF32 and bfloat16 tensor-core peaks need a GPU)"
+    print(f"{results.machine_name()}: {said}; copy {peak['copy_bytes_per_s'] / 1e9:.1f} GB/s",
+          flush=True)
+    return peak
+
+
+def main(argv=None) -> int:
+    """The run; Ctrl-C ends it with one line (the rows already written stay)."""
+    try:
+        run(argv)
+    except KeyboardInterrupt:
+        print("compute.py: stopped (Ctrl-C); the rows measured so far are in results/compute.csv",
+              file=sys.stderr, flush=True)
+        return 130
+    return 0
+
+
+def run(argv=None) -> None:
+    args = parse_args(argv)
+    results.check_writable()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    peak = measure_peaks(device, args.matmul_n)
     results.update_json(PEAK_JSON, {device.type: peak})
-    print(f"{machine}: float32 matmul {n}^3: {peak['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s "
-          f"(the peak MFU is measured against); copy: "
-          f"{peak['copy_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)
+    cases = [(preset, args.batch_size, args.context_length, "float32") for preset in args.presets]
+    if device.type == "cuda":
+        cases.append((*SATURATING, "bfloat16"))
     last = None  # (params, seconds) of the previous model: the next one's estimate
-    for preset in presets:
-        params = models.lm_parameter_count(preset, context_length=args.context_length)
-        if last is not None and deadline:
+    for preset, batch_size, context_length, dtype in cases:
+        params = models.lm_parameter_count(preset, context_length=context_length)
+        if last is not None and args.deadline:
             estimate = last[1] * params / last[0]
-            left = deadline - time.time()
+            left = args.deadline - time.time()
             if estimate > left:
                 print(f"{preset}: skipped: about {estimate:.0f} s from the previous model, "
                       f"{left:.0f} s left before make bench stops this step", flush=True)
                 continue
         start = time.perf_counter()
         try:
-            measured = measure_lm(preset, args.batch_size, args.context_length, device,
-                                  args.warmup, args.steps)
+            measured = measure_lm(preset, batch_size, context_length, device,
+                                  args.warmup, args.steps, bf16=dtype == "bfloat16")
         except torch.cuda.OutOfMemoryError:
-            print(f"{preset}: skipped: out of GPU memory at batch {args.batch_size}", flush=True)
+            print(f"{preset}: skipped: out of GPU memory at batch {batch_size}", flush=True)
             continue
         last = (params, time.perf_counter() - start)
-        row = make_row(preset, args.batch_size, args.context_length, device, measured, peak)
+        row = make_row(preset, batch_size, context_length, device, measured, peak, dtype)
         results.upsert_csv(CSV_NAME, [row], key=["device", "model", "batch_size",
-                                                 "context_length"])
+                                                 "context_length", "dtype"])
         memory = row["max_memory_allocated_bytes"]
-        print(f"{preset}: forward {row['fwd_ms']:.1f} ms, backward {row['bwd_ms']:.1f} ms, "
-              f"AdamW {row['optimizer_ms']:.1f} ms; {row['tokens_per_s']:.0f} tokens/s, "
-              f"{row['achieved_tflops']:.2f} TFLOP/s = MFU {row['mfu']:.1%}"
+        sheet = "" if row["datasheet"] == "" else \
+            f", {row['mfu_of_datasheet']:.1%} of the datasheet's ({row['datasheet']})"
+        print(f"{preset} {batch_size} x {context_length} {dtype}: forward {row['fwd_ms']:.1f} ms, "
+              f"backward {row['bwd_ms']:.1f} ms, AdamW {row['optimizer_ms']:.1f} ms; "
+              f"{row['tokens_per_s']:.0f} tokens/s, {row['achieved_tflops']:.2f} TFLOP/s = MFU "
+              f"{row['mfu']:.1%} of {row['mfu_of']}{sheet}"
               + ("" if memory == "" else f"; max memory allocated {memory / 2**30:.2f} GiB"),
               flush=True)
     print(f"rows in {results.results_dir() / CSV_NAME}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

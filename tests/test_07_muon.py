@@ -23,7 +23,8 @@ import torch.distributed as dist
 import counters
 import muon
 import run_muon
-from common import launch, models
+from common import models
+from bench import launch
 
 TOLERANCE = run_muon.TOLERANCE
 _FINDINGS = {}

@@ -1,31 +1,22 @@
 """Stage 07, lesson 9: predict a training step before running it.
 
-Every lesson so far derived what it holds and what it sends. This file puts those formulas
-together with a machine (how fast it multiplies, how fast its links move bytes, how much memory
-it has) and answers the three questions asked before any large run: will it fit, how many bytes
-cross each link, and how long will one step take. Each step-time term is the idea of one lesson:
+The lessons' formulas for what a rank holds and sends, put together with a machine, answer
+the questions asked before a large run: will it fit, and how long will a step take. Each
+step-time term is one lesson's idea:
 
-    step = compute x (1 + pipeline bubble)          lesson 4: (p-1)/(m+p-1) for 1F1B
-         + waiting for the slowest rank              a collective ends when its last rank comes
-         + tensor-parallel collectives               lesson 3: on the critical path, not hidden
-         + ring-attention hops not hidden by compute lesson 5
+    step = compute, kernel class by kernel class      matmuls, attention, memory-bound work,
+                                                      the launch floor, recomputation
+         + pipeline bubble                            lesson 4: (p-1)/(v m+p-1)
+         + waiting for the slowest rank               a collective ends when its last rank comes
+         + tensor-parallel collectives                lesson 3: on the critical path
+         + ring-attention hops not hidden by compute  lesson 5
          + pipeline hops while the pipe fills         lesson 4
-         + data-parallel communication left after    stage 06 (buckets under backward),
-           backward                                  lessons 1-2 (ZeRO, FSDP prefetch)
-         + copies into communication buffers         stage 06, lessons 1-2: memory-bound
-         + the loss all-reduce, if the step logs it  lesson 7
-         + the optimizer step                         memory-bound: AdamW reads and writes 28
-                                                      bytes per parameter
+         + data-parallel communication left after     stage 06 (buckets), lessons 1-2 (ZeRO,
+           backward, and its buffer copies            FSDP prefetch)
+         + the loss all-reduce, the optimizer step    lesson 7; AdamW: 28 bytes a parameter
 
-and, for one rank of lesson 7's grid, its memory and the bytes it sends on each axis exactly as
-lesson 7's bench counts them (``rank_bytes``).
-
-Standard library only: copy this file anywhere. ``run_planning.py`` beside it ranks grids for a
-model on a cluster (``make plan``).
-
-Units: bytes, seconds, FLOP. The LM is the course's (common/models.py: pre-norm blocks, learned
-position embeddings, untied head), or a Llama-shaped one (no position embedding, gated MLP,
-grouped-query attention) for the published configurations.
+and each rank's memory. Standard library only: copy this file anywhere; ``run_planning.py``
+beside it ranks grids (``make plan``). Units: bytes, seconds, FLOP.
 """
 
 from __future__ import annotations
@@ -34,8 +25,10 @@ import math
 from dataclasses import dataclass
 
 FLOAT32 = 4
+INT64 = 8                  # token ids and positions
 ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
 ADAMW_STEP_BYTES = 4       # torch's AdamW keeps its step count as a float32 tensor per parameter
+RECOMPUTE = ("none", "selective", "full")
 
 
 # --------------------------------------------------------------------------- what is trained
@@ -43,7 +36,8 @@ ADAMW_STEP_BYTES = 4       # torch's AdamW keeps its step count as a float32 ten
 
 @dataclass(frozen=True)
 class LM:
-    """A decoder-only LM's shape, and the batch one optimizer step trains on."""
+    """A decoder-only LM's shape (common/models.py's, or Llama's: no position embedding, gated
+    MLP, grouped-query attention), and the batch one optimizer step trains on."""
     layers: int
     d_model: int
     d_ff: int
@@ -53,7 +47,7 @@ class LM:
     batch: int                     # sequences per optimizer step, all data-parallel ranks together
     kv_heads: int = 0              # grouped-query attention; 0: as many as ``heads``
     gated_mlp: bool = False        # SwiGLU: three d_model x d_ff matrices instead of two
-    position_embedding: bool = True
+    position_embedding: bool = True   # False: rotary positions
     compute_bytes: int = FLOAT32   # activations and what tp/cp/pp send: 4 float32, 2 bfloat16
 
 
@@ -91,26 +85,27 @@ def parameter_count(lm: LM) -> int:
     return sum(numel(shape) for shape in parameter_shapes(lm))
 
 
-def forward_flops_per_token(lm: LM, causal_skip: bool = True) -> float:
-    """Multiply-adds x 2 of one token's forward: every weight matrix once (the embeddings are
-    look-ups, not products), plus attention's two products over the keys before it: q k^T and
-    the weighted sum of v, 2 x 2 x seq x d_model, halved when the kernel skips what the causal
-    mask hides (flash attention does)."""
+def attention_flops_per_token(lm: LM) -> float:
+    """One layer's q k^T and weighted v for a token, 4 s h, halved: the causal half is skipped."""
+    return 4 * lm.seq * lm.d_model / 2
+
+
+def forward_flops_per_token(lm: LM) -> float:
+    """2 x every weight matrix (embeddings are look-ups) plus attention's two products."""
     matrices = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2)
     per_token = 2 * lm.layers * matrices + 2 * lm.vocab * lm.d_model
-    attention = 4 * lm.layers * lm.seq * lm.d_model
-    if causal_skip:
-        attention = attention / 2
-    return per_token + attention
+    return per_token + lm.layers * attention_flops_per_token(lm)
 
 
-def training_flops_per_token(lm: LM, checkpointing: bool = False) -> float:
-    """Forward, then backward at twice the forward (a gradient for the input and one for the
-    weight per product); checkpointing recomputes the blocks' forward once more."""
-    forward = forward_flops_per_token(lm)
-    if checkpointing:
-        return 4 * forward
-    return 3 * forward
+def training_flops_per_token(lm: LM, recompute: str = "none") -> float:
+    """Forward, backward at twice it, and what is recomputed: ``full`` every block's forward
+    (not the head's), ``selective`` (Korthikanti et al. 2022) the attention core's."""
+    flops = 3 * forward_flops_per_token(lm)
+    if recompute == "full":
+        flops += forward_flops_per_token(lm) - 2 * lm.vocab * lm.d_model
+    if recompute == "selective":
+        flops += lm.layers * attention_flops_per_token(lm)
+    return flops
 
 
 # --------------------------------------------------------------------------- how it is split
@@ -128,7 +123,8 @@ class Grid:
     schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zbh1
     micro_batches: int = 1
     chunks: int = 1                # interleaved 1F1B: model chunks per pipeline rank
-    checkpointing: bool = False
+    recompute: str = "none"        # none, selective, full (training_flops_per_token)
+    sp: bool = True                # sequence parallelism: norms and residuals on S/t tokens
     bucket_bytes: float = 25 * 2**20   # data-parallel gradient buckets (torch DDP's default)
     loss_all_reduce: bool = False  # the step averages its loss over every rank (lesson 7 does)
 
@@ -143,8 +139,7 @@ def ring_share(ranks: int) -> float:
 
 
 def bubble_share(grid: Grid) -> float:
-    """The share of a step a pipeline rank idles, every F and B of equal length (lesson 4's
-    formulas; ZB-H1 with F = B = W)."""
+    """The share of a step a pipeline rank idles (lesson 4; ZB-H1 with F = B = W)."""
     p = grid.pp
     m = grid.micro_batches
     v = grid.chunks
@@ -157,7 +152,7 @@ def bubble_share(grid: Grid) -> float:
 
 def micro_batches_in_flight(grid: Grid) -> int:
     """Micro-batches whose activations the first pipeline rank holds at once: GPipe all m,
-    1F1B at most p (lesson 4)."""
+    1F1B at most p (lesson 4; interleaved, a bound)."""
     if grid.schedule == "gpipe":
         return grid.micro_batches
     return min(grid.micro_batches, grid.pp)
@@ -167,31 +162,13 @@ def micro_batches_in_flight(grid: Grid) -> int:
 
 
 def split_over_tp(lm: LM) -> list[bool]:
-    """Which of a block's tensors (block_parameter_shapes' order) lesson 3 splits over tp: every
-    matrix, and the bias of the column-parallel fc1 (its outputs are split, so is its bias);
-    the norms and the row-parallel fc2's bias stay whole on every tp rank."""
-    split = []
-    for index, shape in enumerate(block_parameter_shapes(lm)):
-        fc1_bias = not lm.gated_mlp and index == 7
-        split.append(len(shape) == 2 or fc1_bias)
-    return split
-
-
-def values_per_block(lm: LM, tp: int) -> int:
-    """One block's parameter values on a tensor-parallel rank: matrices and fc1's bias split t
-    ways (lesson 3), norms and fc2's bias whole."""
-    values = 0
-    for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)):
-        if split:
-            values += numel(shape) // tp
-        else:
-            values += numel(shape)
-    return values
+    """Which of a block's tensors lesson 3 splits over tp: every matrix and fc1's bias."""
+    return [len(shape) == 2 or (not lm.gated_mlp and index == 7)      # index 7: fc1's bias
+            for index, shape in enumerate(block_parameter_shapes(lm))]
 
 
 def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
-    """(W, R): lesson 2 shards every tensor of two or more dimensions along its rows, padded to
-    d ceil(rows / d) rows (W values in all, padding included), and keeps 1-D ones whole (R)."""
+    """(W, R): lesson 2's padded shards of the tensors of 2+ dimensions, and the 1-D ones whole."""
     sharded = 0
     replicated = 0
     for shape in parameter_shapes(lm):
@@ -204,16 +181,12 @@ def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
 
 
 def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
-    """Parameters, gradients and AdamW's two moments in float32 on the most loaded rank, from
-    lessons 1-4:
-
-      tp splits every matrix of a block (lesson 3; norms and biases stay whole);
-      pp gives a rank L/p blocks, the embeddings to the first stage, the head to the last;
-      over dp: DDP 16P, ZeRO-1 8P + 8P/d, ZeRO-2 4P + 12P/d (lesson 1's table); FSDP 16P/d,
-      exactly: W/d + R of padded shards and whole 1-D tensors (lesson 2; tp = pp = 1 only).
-    """
+    """Parameters, gradients and AdamW's moments (float32) on the most loaded rank: tp splits
+    the matrices (lesson 3), pp gives L/p blocks and an end (lesson 4), dp: DDP 16P, ZeRO-1
+    8P + 8P/d, ZeRO-2 4P + 12P/d, FSDP 16P/d, its padded shards exactly (lessons 1-2)."""
     blocks = lm.layers // grid.pp
-    block_values = values_per_block(lm, grid.tp)
+    block_values = sum(numel(shape) // grid.tp if split else numel(shape)
+                       for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)))
     embeddings = lm.vocab * lm.d_model
     if lm.position_embedding:
         embeddings += lm.seq * lm.d_model
@@ -222,7 +195,7 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
         values = blocks * block_values + embeddings + head
     else:
         values = blocks * block_values + max(embeddings, head)
-    d = grid.dp
+    d = grid.dp * grid.cp           # the ranks holding the same parameters
     params = FLOAT32 * values
     grads = FLOAT32 * values
     moments = 2 * FLOAT32 * values
@@ -241,53 +214,19 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     return {"param": params, "grad": grads, "optim": moments}
 
 
-def data_parallel_bytes_sent(lm: LM, grid: Grid) -> float:
-    """Bytes one rank sends a step on the data-parallel axis alone (tp = pp = cp = 1), as a ring
-    sends them: an all-reduce 2 (d-1)/d of its payload, an all-gather or reduce-scatter (d-1)/d.
-    DDP and ZeRO-2: the gradients' all-reduce volume (ZeRO-2 as a reduce-scatter, then the
-    parameters' all-gather); ZeRO-1 as built in lesson 1: the all-reduce, then the owners
-    broadcast the new parameters, 1.5x. FSDP (lesson 2): every sharded unit gathered for forward
-    and again for backward, except those kept gathered in between (the root and the last
-    block), gradients reduce-scattered, and the whole 1-D tensors' gradients all-reduced."""
-    d = grid.dp
-    whole = FLOAT32 * parameter_count(lm)
-    if grid.dp_kind == "fsdp":
-        sharded, replicated = fsdp_shard_values(lm, d)
-        kept = 0
-        shapes = parameter_shapes(lm)
-        last_block = len(shapes) - len(block_parameter_shapes(lm)) - 3   # before the final norm, head
-        for index, shape in enumerate(shapes):
-            outside_blocks = index < 2 or index >= len(shapes) - 3
-            in_last_block = last_block <= index < len(shapes) - 3
-            if len(shape) >= 2 and (outside_blocks or in_last_block):
-                kept += -(-shape[0] // d) * d * numel(shape[1:])
-        W = FLOAT32 * sharded
-        K = FLOAT32 * kept
-        R = FLOAT32 * replicated
-        return ring_share(d) * (3 * W - K) + 2 * ring_share(d) * R
-    sent = 2 * ring_share(d) * whole
-    if grid.dp_kind == "zero1":
-        sent = 1.5 * sent
-    return sent
-
-
-INT64 = 8                  # token ids and positions
-
-
 def block_activation_bytes(lm: LM, grid: Grid) -> int:
-    """What one block saves for backward, one micro-batch on one rank: lesson 7's table
-    (sequence parallel, b rows of S = s/c tokens, S/t of them between the tp regions; the
-    values the course's block saves)."""
+    """One block's saved activations, one micro-batch: lesson 7's table (S/t tokens between tp
+    regions with sp); Llama's k, v at their grouped width and its MLP's three d_ff tensors."""
     h = lm.d_model
-    f = lm.d_ff
+    kv = h * (lm.kv_heads or lm.heads) // lm.heads
     t = grid.tp
-    rows = lm.batch // (grid.dp * grid.micro_batches)
-    tokens = lm.seq // grid.cp
-    per_block = (2 * rows * tokens * h + 4 * rows * tokens) // t      # two norms' inputs, stats
+    rows, tokens = rows_and_tokens(lm, grid)
+    between = t if grid.sp else 1
+    per_block = (2 * rows * tokens * h + 4 * rows * tokens) // between  # two norms' inputs, stats
     per_block += 2 * rows * tokens * h                                # gathered inputs of qkv, fc1
-    per_block += 4 * rows * tokens * h // t                           # q, k, v, attention's out
+    per_block += (2 * h + 2 * kv) * rows * tokens // t                # q, k, v, attention's out
     per_block += rows * (lm.heads // t) * tokens                      # log-sum-exp
-    per_block += 2 * rows * tokens * f // t                           # fc1's output, GELU's
+    per_block += (3 if lm.gated_mlp else 2) * rows * tokens * lm.d_ff // t   # fc1's output, GELU's
     if grid.cp > 1:
         per_block += rows * tokens * h // t    # ring attention's output is [b, heads, S, hd]:
                                                # the out projection keeps a transposed copy
@@ -295,9 +234,8 @@ def block_activation_bytes(lm: LM, grid: Grid) -> int:
 
 
 def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
-    """What the ends of the model save, one micro-batch: the first stage the token ids and
-    positions (int64), the last the final norm's input and statistics, the head's input, the
-    log-softmax, the targets and the cross-entropy's weight sum; each on S/t tokens."""
+    """What the model's ends save, one micro-batch, S/t tokens: token ids and positions first;
+    the final norm's input, the head's input, the log-softmax and the targets last."""
     rows = lm.batch // (grid.dp * grid.micro_batches)
     between = lm.seq // grid.cp // grid.tp
     saved = 0
@@ -311,27 +249,24 @@ def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
 
 
 def activations_per_rank(lm: LM, grid: Grid) -> float:
-    """Bytes saved for backward on the first pipeline rank, at its peak: per micro-batch its
-    blocks' and the model's ends' (block_activation_bytes, edge_activation_bytes), times the
-    micro-batches in flight. With checkpointing a block keeps only its input, and one block's
-    full set is alive in backward."""
+    """Bytes saved for backward on the first pipeline rank at its peak, times the micro-batches
+    in flight. Full recomputation keeps each block's input (one block's set alive in backward);
+    selective drops only the [s, s] scores, which flash attention never keeps: as none here."""
     rows = lm.batch // (grid.dp * grid.micro_batches)
     tokens = lm.seq // grid.cp
     per_block_bytes = block_activation_bytes(lm, grid)
     edges = edge_activation_bytes(lm, grid, first=True, last=grid.pp == 1)
     blocks = lm.layers // grid.pp
     in_flight = micro_batches_in_flight(grid)
-    if grid.checkpointing:
+    if grid.recompute == "full":
         kept_input = lm.compute_bytes * rows * tokens * lm.d_model // grid.tp
         return in_flight * (blocks * kept_input + edges) + per_block_bytes
     return in_flight * (blocks * per_block_bytes + edges)
 
 
 def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]:
-    """(values, split over tp) of each parameter tensor one pipeline rank holds, in the order
-    its optimizer gets them, laid out as lesson 7 lays them out: v chunks a rank (virtual
-    stages chunk x p + pp_rank), the embeddings on virtual stage 0, the final norm and the head
-    on the last, every block's matrices and fc1's bias split over tp."""
+    """(values, split over tp) of each parameter tensor a pipeline rank holds, as lesson 7 lays
+    them out: virtual stages chunk x p + pp_rank, the embeddings first, the head last."""
     p = grid.pp
     v = grid.chunks
     h = lm.d_model
@@ -358,72 +293,6 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
     return tensors
 
 
-def zero1_dealt_state(tensors: list[tuple[int, bool]], owners: int, owner: int) -> int:
-    """Lesson 1's ZeRO-1 deal: whole tensors, largest first, each to the rank holding the fewest
-    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count.
-    (measure/grid_bench.py deals the same way for its formula: repeated on purpose, so that
-    this file copies alone.)"""
-    loads = [0] * owners
-    owned = [0] * owners
-    sizes = [values for values, _ in tensors]
-    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])
-    for index in order:
-        rank = loads.index(min(loads))
-        loads[rank] += FLOAT32 * sizes[index]
-        owned[rank] += 2 * FLOAT32 * sizes[index] + ADAMW_STEP_BYTES
-    return owned[owner]
-
-
-def rank_bytes(lm: LM, grid: Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
-    """One rank of lesson 7's grid, exactly as lesson 7 builds it (its bench counts the same
-    numbers from the tensors): parameters, gradients and AdamW state (torch keeps a float32
-    step count per tensor; ZeRO-1 deals whole tensors), what one micro-batch saves for
-    backward, and the bytes it sends a step on each axis, a ring's share of each payload.
-    ``pp_rank``: its pipeline position; ``data_rank``: its position among the dp x cp ranks."""
-    if grid.dp_kind not in ("ddp", "zero1"):
-        raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
-    p = grid.pp
-    v = grid.chunks
-    t = grid.tp
-    c = grid.cp
-    m = grid.micro_batches
-    tensors = rank_tensors(lm, grid, pp_rank)
-    params = sum(values for values, _ in tensors)
-    replicated = sum(values for values, split in tensors if not split)
-    optim = 2 * FLOAT32 * params + ADAMW_STEP_BYTES * len(tensors)
-    if grid.dp_kind == "zero1":
-        optim = zero1_dealt_state(tensors, grid.dp * c, data_rank)
-    stages = [chunk * p + pp_rank for chunk in range(v)]
-    first = 0 in stages
-    last = p * v - 1 in stages
-    blocks = lm.layers // p
-    activation = (blocks * block_activation_bytes(lm, grid)
-                  + edge_activation_bytes(lm, grid, first, last))
-
-    rows, tokens = rows_and_tokens(lm, grid)
-    gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
-    sent_tp = m * blocks * 8 * ring_share(t) * gathered          # lesson 3, forward and back
-    sent_tp += 2 * ring_share(t) * FLOAT32 * replicated          # whole tensors' gradients
-    sent_cp = 0.0
-    if c > 1:
-        kv_block = lm.compute_bytes * rows * tokens * lm.d_model / t
-        sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * kv_block  # lesson 5's hops
-    messages = 0
-    for stage in stages:
-        if stage < p * v - 1 and (stage + 1) % p != pp_rank:
-            messages += m                                        # activations forward
-        if stage > 0 and (stage - 1) % p != pp_rank:
-            messages += m                                        # gradients backward
-    sent_pp = messages * lm.compute_bytes * rows * (tokens // t) * lm.d_model
-    sent_dp_cp = 2 * ring_share(grid.dp * c) * FLOAT32 * params  # every gradient
-    if grid.dp_kind == "zero1":
-        sent_dp_cp += ring_share(grid.dp * c) * FLOAT32 * params  # the owners' broadcasts
-    sent_world = 2 * ring_share(grid.world_size) * 8             # the loss, float64
-    return {"param": FLOAT32 * params, "grad": FLOAT32 * params, "optim": optim,
-            "activation": activation, "sent_tp": sent_tp, "sent_cp": sent_cp,
-            "sent_pp": sent_pp, "sent_dp_cp": sent_dp_cp, "sent_world": sent_world}
-
-
 def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     memory = state_per_rank(lm, grid)
     memory["activation"] = activations_per_rank(lm, grid)
@@ -436,44 +305,49 @@ def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Link:
-    """A collective's cost on a group, the alpha-beta model of stage 02: ``latency`` per call,
-    and the bus bandwidth (nccl-tests' convention: an all-reduce of N bytes over n ranks moves
-    2 (n-1)/n N through each rank's link, an all-gather (n-1)/n N, a broadcast or a reduce N).
-
-    ``step_latency``: what each message step of a ring adds, 2 (n-1) steps for an all-reduce
-    over n ranks, n-1 for an all-gather or reduce-scatter, 1 for a send. On a GPU it is small
-    beside ``latency``; where ranks outnumber cores it is most of the cost: every step waits
-    for its receiver to get a core back."""
+    """Stage 02's alpha-beta model: ``latency`` a call, the bus bandwidth (nccl-tests'), and
+    ``step_latency`` a ring step (2(n-1) for an all-reduce): most of a call's cost where ranks
+    outnumber cores and every step waits for its receiver to get one back."""
     latency: float                 # seconds per call
     busbw: float                   # bytes per second
     step_latency: float = 0.0      # seconds per message step of a ring
 
 
 @dataclass(frozen=True)
+class GPU:
+    """A GPU's datasheet, and the shares of its peak that public measurements reached."""
+    name: str
+    peak: float                    # dense bfloat16 tensor-core FLOP/s (datasheet)
+    memory: float                  # bytes (datasheet)
+    memory_bandwidth: float        # bytes per second (datasheet)
+    nvlink: float                  # bytes per second each way (datasheet)
+    network: float                 # bytes per second per GPU between nodes (its NIC)
+    matmul_share: float            # the best bf16 matmul measured, over the peak
+    attention_share: float         # flash attention's forward and backward measured, over the peak
+    launch_s: float = 5e-6         # the shortest a kernel takes, its launch included
+
+
+@dataclass(frozen=True)
 class Machine:
     name: str
-    flops: float                   # the matmul rate a rank reaches (FLOP/s)
+    flops: float                   # FLOP/s: the peak for MFU; a measured machine's only rate
     memory: float                  # bytes per rank
     memory_bandwidth: float        # bytes per second per rank (the optimizer step is bound by it)
     ranks_per_node: int
     inside: Link                   # between ranks of one node
     across: Link                   # between nodes
     overlap: bool = True           # can communication run while the rank computes?
-    cores: int = 0                 # ranks share this many cores (0: a device of its own each)
-    copy_bandwidth: float = 0.0    # bytes read and written per second copying a buffer (0: the
-                                   # memory bandwidth; a CPU's caches make it differ)
-    straggler: float = 0.0         # how much longer the slowest of the W ranks computes than
-                                   # the median one, as a share (0: ranks in lockstep)
-    reduce_scatter_as_all_reduce: bool = False   # Gloo runs reduce-scatter as an all-reduce
-    point_to_point: Link | None = None   # sends between two ranks (ring attention's hops, a
-                                         # pipeline's activations but where ranks share cores),
-                                         # where they go a path of their own (None: the
-                                         # collectives' link of the axis)
-    gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors, where
-    scatter: Link | None = None    # the backend runs them at a cost of their own (None: the
-                                   # axis's link, as a ring would)
+    # Measured on a box like this course's CPU one (check_prediction.py); 0 or None elsewhere:
+    cores: int = 0                 # ranks take turns on this many cores
+    copy_bandwidth: float = 0.0    # copying a buffer, bytes read and written a second
+    straggler: float = 0.0         # the slowest of W ranks computes this share longer
+    reduce_scatter_as_all_reduce: bool = False   # Gloo's
+    point_to_point: Link | None = None   # sends after compute (ring attention's hops)
+    gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors
+    scatter: Link | None = None
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
+    gpu: GPU | None = None         # kernel classes at their rates (None: every FLOP at ``flops``)
 
 
 def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
@@ -491,25 +365,14 @@ def all_gather_time(link: Link, ranks: int, nbytes: float) -> float:
     return link.latency + steps * link.step_latency + ring_share(ranks) * nbytes / link.busbw
 
 
-def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
+def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float,
+                        own: Link | None = None) -> float:
+    """A ring's, Gloo's (an all-reduce), or at a link measured for it (``own``: FSDP's)."""
+    if own is not None:
+        return all_gather_time(own, ranks, nbytes)
     if machine.reduce_scatter_as_all_reduce:
         return all_reduce_time(link, ranks, nbytes)
     return all_gather_time(link, ranks, nbytes)
-
-
-def flat_gather_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
-    """FSDP's all-gather of a unit of ``nbytes``: the machine's own link for it where it has
-    one (Link(a, w (n-1)/n) for a measured t = a + N / w), else a ring on the axis's link."""
-    if machine.gather is not None:
-        return all_gather_time(machine.gather, ranks, nbytes)
-    return all_gather_time(link, ranks, nbytes)
-
-
-def flat_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float) -> float:
-    """FSDP's reduce-scatter of a unit's ``nbytes`` of gradients, as ``flat_gather_time``."""
-    if machine.scatter is not None:
-        return all_gather_time(machine.scatter, ranks, nbytes)
-    return reduce_scatter_time(machine, link, ranks, nbytes)
 
 
 def send_time(link: Link, nbytes: float) -> float:
@@ -518,17 +381,15 @@ def send_time(link: Link, nbytes: float) -> float:
 
 
 def broadcast_time(link: Link, ranks: int, nbytes: float) -> float:
-    """One owner's ``nbytes`` to every rank of the group, pipelined down a chain: n-1 steps,
-    the whole payload through each link once."""
+    """One owner's ``nbytes`` to every rank, pipelined down a chain: n-1 steps."""
     if ranks == 1:
         return 0.0
     return link.latency + (ranks - 1) * link.step_latency + nbytes / link.busbw
 
 
 def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
-    """The link an axis's group crosses. Ranks are laid out (pp, dp, cp, tp), tp innermost
-    (lesson 7): an axis's group spans its own size times every axis inside it, and crosses
-    nodes when that span is larger than a node."""
+    """The link an axis's group crosses: ranks are laid out (pp, dp, cp, tp), tp innermost, and
+    a group whose span is larger than a node crosses nodes."""
     inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp * grid.cp, "pp": grid.tp * grid.cp * grid.dp}
     size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "pp": grid.pp}
     span = inner[axis] * size[axis]
@@ -537,21 +398,12 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
     return machine.inside
 
 
-def hop_link(machine: Machine, grid: Grid, axis: str) -> Link:
-    """The link a point-to-point send of ``axis`` crosses: the machine's own for sends where it
-    has one, else the axis's (``link_of``)."""
-    if machine.point_to_point is not None:
-        return machine.point_to_point
-    return link_of(machine, grid, axis)
-
-
 # --------------------------------------------------------------------------- overlap
 
 
 def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float:
-    """Communication left after ``compute`` when piece i becomes ready at (i+1)/n of it and the
-    pieces go one at a time (one communication stream): the simulation behind stage 06's model.
-    Without overlap (ranks that compute and communicate on the same cores) all of it is left."""
+    """Communication left after ``compute`` when piece i is ready at (i+1)/n of it, one at a
+    time (stage 06's simulation); without overlap, all of it."""
     if not overlap:
         return sum(pieces)
     finish = 0.0
@@ -562,9 +414,8 @@ def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float
 
 
 def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: bool) -> float:
-    """How long compute waits for FSDP's gathers (lesson 2): unit i computes once its gather is
-    done; the gather of unit i+1 starts once unit i has started computing (one unit prefetched),
-    one gather at a time. Without overlap every gather is waited for."""
+    """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2); without
+    overlap every gather is waited for."""
     if not overlap:
         return sum(gathers)
     gather_done = 0.0
@@ -587,39 +438,130 @@ def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
 
 
 def turns(grid: Grid, machine: Machine) -> float:
-    """How much longer a rank's work takes when W ranks take turns on fewer cores: W / cores
-    (1 where every rank has a device, or a core, of its own). A property of a box like this
-    course's 2-core VM, absent on a GPU box with a GPU per rank."""
+    """W / cores where W ranks take turns on fewer cores (this course's CPU box), else 1."""
     if machine.cores and grid.world_size > machine.cores:
         return grid.world_size / machine.cores
     return 1.0
 
 
-def compute_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Every rank does 1/W of the FLOPs: dp and cp split the tokens, tp the matrices, pp the
-    layers. Ranks that share fewer cores than there are ranks take turns on them."""
-    per_token = training_flops_per_token(lm, grid.checkpointing)
-    tokens_worth = lm.batch * lm.seq / grid.world_size
-    seconds = per_token * tokens_worth / machine.flops * turns(grid, machine)
-    source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a rank / "
-              f"{machine.flops / 1e12:.3g} TFLOP/s")
-    if turns(grid, machine) > 1:
-        source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
-    return ("compute", seconds, source)
+def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
+    """(class, FLOP, bytes) of each kernel of one block's forward, one micro-batch on one rank:
+    the matmuls, attention, and the memory-bound work read and written once (two norms, two
+    residual adds, the MLP's activation, rotary on q and k)."""
+    rows, tokens = rows_and_tokens(lm, grid)
+    T = rows * tokens                         # tokens this rank runs attention and the MLP on
+    t = grid.tp
+    Tn = T // t if grid.sp else T             # tokens of the norms and residual adds
+    h = lm.d_model
+    kv = h * (lm.kv_heads or lm.heads) // lm.heads
+    c = lm.compute_bytes
+    kernels = []
+    for shape in block_parameter_shapes(lm):
+        if len(shape) == 2:                   # [T, in] @ [in, out / t] or [T, in / t] @ [in / t, out]
+            out, inp = shape
+            kernels.append(("matmul", 2 * T * out * inp / t, c * (T * inp + out * inp + T * out) / t))
+    kernels.append(("attention", T * attention_flops_per_token(lm) / t, c * T * (2 * h + 2 * kv) / t))
+    touched = [2 * Tn * h, 2 * Tn * h, 3 * Tn * h, 3 * Tn * h]
+    touched.append((3 if lm.gated_mlp else 2) * T * lm.d_ff / t)
+    if not lm.position_embedding:
+        touched.extend([2 * T * h / t, 2 * T * kv / t])
+    for values in touched:
+        kernels.append(("memory-bound", 0.0, c * values))
+    return kernels
+
+
+def edge_kernels(lm: LM, grid: Grid, first: bool, last: bool) -> list[tuple[str, float, float]]:
+    """The ends, one micro-batch: the embedding look-up; the final norm, head and cross-entropy."""
+    rows, tokens = rows_and_tokens(lm, grid)
+    T = rows * tokens / grid.tp               # the head's tokens (S/t with sp; else V/t each)
+    c = lm.compute_bytes
+    kernels = []
+    if first:
+        kernels.append(("memory-bound", 0.0, c * T * lm.d_model))
+    if last:
+        kernels.append(("memory-bound", 0.0, c * 2 * T * lm.d_model))
+        kernels.append(("matmul", 2 * T * lm.vocab * lm.d_model,
+                        c * (T * lm.d_model + lm.vocab * lm.d_model + T * lm.vocab)))
+        kernels.append(("memory-bound", 0.0, c * 2 * T * lm.vocab))
+    return kernels
+
+
+def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: GPU) -> float:
+    """A kernel at its class's rate: a matmul at the measured share of the peak, or its bytes at
+    the bandwidth where longer (the roofline: small shapes fall below the share)."""
+    if kind == "matmul":
+        return max(flops / (gpu.peak * gpu.matmul_share), nbytes / gpu.memory_bandwidth)
+    if kind == "attention":
+        return flops / (gpu.peak * gpu.attention_share)
+    return nbytes / gpu.memory_bandwidth
+
+
+def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool) -> dict:
+    """{class: [FLOP, bytes, kernels, seconds]} of one rank's step (``first``, ``last``: it holds
+    the model's ends). Backward runs each forward kernel twice over; recomputation adds a
+    forward, ``full`` of every block kernel, ``selective`` of attention's; the launch floor
+    raises each kernel to ``gpu.launch_s``."""
+    blocks = lm.layers // grid.pp
+    runs = []                                 # (kernel, how many times it runs a step)
+    for kernel in block_kernels(lm, grid):
+        again = grid.recompute == "full" or (grid.recompute == "selective" and kernel[0] == "attention")
+        runs.append((kernel, grid.micro_batches * blocks * (3 + again)))
+    for kernel in edge_kernels(lm, grid, first, last):
+        runs.append((kernel, grid.micro_batches * 3))
+    classes = {kind: [0.0, 0.0, 0, 0.0] for kind in ("matmul", "attention", "memory-bound", "launch floor")}
+    for (kind, flops, nbytes), count in runs:
+        seconds = 0.0
+        if gpu is not None:
+            seconds = kernel_seconds(kind, flops, nbytes, gpu)
+            if seconds < gpu.launch_s:
+                classes["launch floor"][2] += count
+                classes["launch floor"][3] += count * (gpu.launch_s - seconds)
+        row = classes[kind]
+        row[0] += count * flops
+        row[1] += count * nbytes
+        row[2] += count
+        row[3] += count * seconds
+    return classes
+
+
+def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
+    """Each kernel class at its rate on the slower of the first and the last pipeline stage; a
+    measured machine (this box's check): every FLOP at its rate, 1/W of them a rank."""
+    if machine.gpu is None:
+        per_token = training_flops_per_token(lm, grid.recompute)
+        tokens_worth = lm.batch * lm.seq / grid.world_size
+        seconds = per_token * tokens_worth / machine.flops * turns(grid, machine)
+        source = (f"{per_token / 1e9:.3g} GFLOP a token x {tokens_worth:.0f} tokens' worth a "
+                  f"rank / {machine.flops / 1e12:.3g} TFLOP/s")
+        if turns(grid, machine) > 1:
+            source += f", {grid.world_size} ranks taking turns on {machine.cores} cores"
+        return [("compute", seconds, source)]
+    gpu = machine.gpu
+    stages = [compute_classes(lm, grid, gpu, True, grid.pp == 1),
+              compute_classes(lm, grid, gpu, False, True)]
+    classes = max(stages, key=lambda stage: sum(row[3] for row in stage.values()))
+    peak = gpu.peak / 1e12
+    sources = {"matmul": f"TFLOP at {gpu.matmul_share:.0%} of {peak:.0f} TFLOP/s or bytes at the bandwidth",
+               "attention": f"TFLOP at {gpu.attention_share:.0%} of {peak:.0f} TFLOP/s",
+               "memory-bound": f"GB at {gpu.memory_bandwidth / 1e12:.3g} TB/s",
+               "launch floor": f"shorter than {gpu.launch_s * 1e6:.3g} us, raised to it"}
+    terms = []
+    for kind, (flops, nbytes, kernels, seconds) in classes.items():
+        amount = {"matmul": flops / 1e12, "attention": flops / 1e12, "memory-bound": nbytes / 1e9}
+        source = f"{kernels:,} kernels, " + (f"{amount[kind]:.4g} " if kind in amount else "")
+        terms.append((f"compute: {kind}", seconds, source + sources[kind]))
+    return terms
 
 
 def straggler_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
-    """A collective ends when its last rank arrives, so ranks that wait for each other every
-    step take as long as the slowest of them: on a quiet GPU box each computes the same kernels
-    in the same time (0); on a box whose cores other work also uses, a rank's compute varies
-    from step to step, and the slowest of W draws is later than the median one."""
+    """A collective ends when its last rank comes: the slowest of W ranks' compute (0 on a quiet
+    GPU box)."""
     return ("waiting for the slowest rank", compute * machine.straggler,
             f"the slowest of {grid.world_size} ranks computes {machine.straggler:.0%} longer")
 
 
 def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
-    """Lesson 4: a pipeline rank idles ``bubble`` of the step, so its compute is stretched by
-    1 / (1 - bubble). Ranks taking turns on shared cores fill each other's bubbles."""
+    """Lesson 4: compute stretched by 1 / (1 - bubble); ranks sharing cores fill each other's."""
     bubble = bubble_share(grid)
     if machine.cores and grid.world_size > machine.cores:
         return ("pipeline bubble", 0.0, f"{grid.schedule}: an idle rank's core runs another rank")
@@ -628,10 +570,9 @@ def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, floa
 
 
 def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 3 with sequence parallelism: per block and micro-batch an all-gather of [b, S, h]
-    before attention and before the MLP and a reduce-scatter after each, forward, and the same
-    backward: on the critical path. Then the gradients of the tensors every tp rank holds whole
-    (norms, fc2's bias, the embeddings and the head) are all-reduced over tp."""
+    """Lesson 3 with sequence parallelism: per block and micro-batch two all-gathers and two
+    reduce-scatters of [b, S, h] forward, as many backward, on the critical path; then the
+    gradients of the tensors every tp rank holds whole, all-reduced."""
     t = grid.tp
     link = link_of(machine, grid, "tp")
     rows, tokens = rows_and_tokens(lm, grid)
@@ -639,21 +580,17 @@ def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, flo
     calls = grid.micro_batches * (lm.layers // grid.pp) * 4
     seconds = calls * (all_gather_time(link, t, payload)
                        + reduce_scatter_time(machine, link, t, payload))
-    replicated = 0
-    for pp_rank in (0, grid.pp - 1):                      # the first and the last stage
-        tensors = rank_tensors(lm, grid, pp_rank)
-        whole = sum(values for values, split in tensors if not split)
-        replicated = max(replicated, whole)
+    replicated = max(sum(values for values, split in rank_tensors(lm, grid, pp_rank) if not split)
+                     for pp_rank in (0, grid.pp - 1))     # the first and the last stage
     seconds += all_reduce_time(link, t, FLOAT32 * replicated)
     return ("tp collectives", seconds,
             f"{2 * calls} all-gathers and reduce-scatters of {payload / 2**20:.3g} MiB (lesson 3)")
 
 
 def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 5: K and V go c-1 hops forward; K, V c-1 and dK, dV c hops backward; each hop
-    runs beside one chunk's attention and shows only where it is longer."""
+    """Lesson 5: K, V c-1 hops forward, K, V c-1 and dK, dV c backward, each beside a chunk's attention."""
     c = grid.cp
-    link = hop_link(machine, grid, "cp")
+    link = machine.point_to_point or link_of(machine, grid, "cp")
     rows, tokens = rows_and_tokens(lm, grid)
     kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / grid.tp
     hops = grid.micro_batches * (lm.layers // grid.pp) * (2 * (c - 1) + c)
@@ -666,13 +603,9 @@ def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, floa
 
 
 def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 4: one micro-batch's activation (or its gradient) per send. With overlap only the
-    first micro-batch's trip down and back is waited for; without, every send of a middle rank
-    (m activations forward, m gradients back) is. Where ranks share cores, a rank waiting for
-    the next stage gives its core to that stage, as in its bubble: the send costs what it
-    costs back to back (the axis's link), not a hop's wait for a core (the point-to-point
-    link, measured after compute, when every rank of a ring hops at once)."""
-    link = hop_link(machine, grid, "pp")
+    """Lesson 4: with overlap only the first micro-batch's trip down and back is waited for,
+    without every send; ranks sharing cores send back to back (the axis's link)."""
+    link = machine.point_to_point or link_of(machine, grid, "pp")
     if machine.cores and grid.world_size > machine.cores:
         link = link_of(machine, grid, "pp")
     rows, tokens = rows_and_tokens(lm, grid)
@@ -685,17 +618,12 @@ def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 
 def rank_tensor_bytes(lm: LM, grid: Grid) -> list[int]:
-    """float32 bytes of each parameter tensor on the first pipeline rank, registration order;
-    tp splits the matrices of the blocks and fc1's bias (lesson 3)."""
-    sizes = []
-    for values, _ in rank_tensors(lm, grid, pp_rank=0):
-        sizes.append(FLOAT32 * values)
-    return sizes
+    """float32 bytes of each parameter tensor on the first pipeline rank."""
+    return [FLOAT32 * values for values, _ in rank_tensors(lm, grid, pp_rank=0)]
 
 
 def gradient_buckets(sizes: list[int], cap: float) -> list[int]:
-    """Stage 06's buckets: tensors in reverse registration order, a bucket closed when the next
-    tensor would take it past ``cap`` bytes (0: a tensor a call, stages 03 and 05)."""
+    """Stage 06's buckets, last tensor first, closed before ``cap`` bytes (0: a call a tensor)."""
     buckets = []
     current = 0
     for nbytes in reversed(sizes):
@@ -740,17 +668,9 @@ def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
 
 
 def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """What the data-parallel wrappers copy in memory to talk in few calls, each byte read once
-    and written once, at the memory bandwidth (on the same cores as compute, so not hidden):
-
-      DDP with buckets (stage 06, torch's): each gradient into its bucket (divided by d on the
-        way) and the mean back out, 4 G for G bytes of gradients; a call a tensor (stages 03,
-        05) divides in place, 2 G;
-      ZeRO-2: each gradient into its owner's bucket, 2 G;
-      ZeRO-1 and ZeRO-2: the owners' parameters into one flat buffer each and every broadcast
-        buffer back into the parameters, 2 G / d + 2 G (lesson 1);
-      FSDP: each gathered unit out of the gather buffer into its parameters, for forward and
-        again for backward, and its gradients into the reduce-scatter buffer (lesson 2)."""
+    """Bytes the data-parallel wrappers copy into their buffers and back, at the copy bandwidth:
+    DDP 4G (in and out of buckets; a call a tensor 2G), ZeRO-2 2G, ZeRO-1/2 owners' flat
+    buffers 2G/d + 2G, FSDP each gathered unit out of its buffer and gradients into theirs."""
     d = grid.dp * grid.cp
     gradients = sum(rank_tensor_bytes(lm, grid))
     copied = 0.0
@@ -773,12 +693,8 @@ def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 
 def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
-    """Lesson 2's units, in values (the tp share of each matrix): the root (embeddings, head),
-    then a unit per block of this pipeline rank."""
-    block_values = 0
-    for shape in block_parameter_shapes(lm):
-        if len(shape) == 2:
-            block_values += numel(shape) // grid.tp
+    """Lesson 2's units, in values a tp rank holds: the root (embeddings, head), then the blocks."""
+    block_values = sum(numel(shape) // grid.tp for shape in block_parameter_shapes(lm) if len(shape) == 2)
     root_values = lm.vocab * lm.d_model * 2
     if lm.position_embedding:
         root_values += lm.seq * lm.d_model
@@ -787,21 +703,17 @@ def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
 
 def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
               compute: float) -> tuple[str, float, str]:
-    """Lesson 2: a unit per block plus the root (embeddings, final norm, head). Each unit is
-    gathered before forward and again before backward, except the root and the last block,
-    which stay gathered in between; its gradients are reduce-scattered as its backward ends
-    (the root's last: nothing is left to hide it); the 1-D tensors, kept whole, have their
-    gradients all-reduced in one call."""
+    """Lesson 2: each unit gathered before forward and again before backward (the root and the
+    last block stay gathered), one prefetched; gradients reduce-scattered as each block's
+    backward ends, the root's after all of backward; the 1-D tensors' all-reduced once."""
     replicas = grid.dp * grid.cp
     blocks = lm.layers // grid.pp
-    block_replicated = 0
-    for shape in block_parameter_shapes(lm):
-        if len(shape) == 1:
-            block_replicated += numel(shape)
+    block_replicated = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
     unit_values = fsdp_unit_values(lm, grid)
     forward_units = [0.0] + [compute / 3 / blocks] * blocks
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
-    gathers = [flat_gather_time(machine, link, replicas, lm.compute_bytes * v) for v in unit_values]
+    gathers = [all_gather_time(machine.gather or link, replicas, lm.compute_bytes * v)
+               for v in unit_values]
     waited = prefetched_wait(forward_units, gathers, machine.overlap)
     regathered = gathers[1:-1]                           # not the root, not the last block
     waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
@@ -809,9 +721,10 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     # the root's gradients are complete only when the token embedding's is, as backward ends
     # (lesson 2 wraps the whole model, pp = 1; a pipeline stage's root is charged the same, a
     # bound), so its reduce-scatter comes after all of backward, behind the blocks'.
-    block_scatters = [flat_scatter_time(machine, link, replicas, FLOAT32 * v)
+    block_scatters = [reduce_scatter_time(machine, link, replicas, FLOAT32 * v, machine.scatter)
                       for v in unit_values[1:]]
-    root_scatter = flat_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0])
+    root_scatter = reduce_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0],
+                                       machine.scatter)
     waited += overlapped_tail(compute * 2 / 3, block_scatters, machine.overlap) + root_scatter
     replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
     waited += all_reduce_time(link, replicas, replicated)
@@ -821,8 +734,7 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
 
 
 def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """AdamW reads a parameter, its gradient and two moments and writes three of them back:
-    28 bytes per parameter this rank updates, bound by memory bandwidth."""
+    """AdamW: 28 bytes a parameter this rank updates, at the memory bandwidth."""
     owned = state_per_rank(lm, grid)["optim"] / (2 * FLOAT32)
     seconds = ADAMW_BYTES_TOUCHED * owned / machine.memory_bandwidth * turns(grid, machine)
     source = f"28 bytes x {owned / 1e6:.3g}M parameters / {machine.memory_bandwidth / 1e9:.3g} GB/s"
@@ -832,8 +744,7 @@ def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, st
 
 
 def loss_term(grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """One float64 all-reduced over every rank, so each logs the global loss: nothing on a
-    GPU, one more call's latency where calls are slow."""
+    """One float64 all-reduced over every rank, so each logs the global loss."""
     link = machine.inside
     if grid.world_size > machine.ranks_per_node:
         link = machine.across
@@ -843,19 +754,19 @@ def loss_term(grid: Grid, machine: Machine) -> tuple[str, float, str]:
 
 def step_time(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float, str]]:
     """One optimizer step on the slowest rank, as (term, seconds, where it comes from)."""
-    compute = compute_term(lm, grid, machine)
-    terms = [compute]
+    terms = compute_terms(lm, grid, machine)
+    compute = sum(term[1] for term in terms)
     if grid.world_size > 1 and machine.straggler:
-        terms.append(straggler_term(grid, machine, compute[1]))
+        terms.append(straggler_term(grid, machine, compute))
     if grid.pp > 1:
-        terms.append(bubble_term(grid, machine, compute[1]))
+        terms.append(bubble_term(grid, machine, compute))
         terms.append(pipeline_hops_term(lm, grid, machine))
     if grid.tp > 1:
         terms.append(tensor_parallel_term(lm, grid, machine))
     if grid.cp > 1:
         terms.append(ring_attention_term(lm, grid, machine))
     if grid.dp * grid.cp > 1:
-        terms.extend(data_parallel_terms(lm, grid, machine, compute[1]))
+        terms.extend(data_parallel_terms(lm, grid, machine, compute))
     if grid.loss_all_reduce:
         terms.append(loss_term(grid, machine))
     terms.append(optimizer_term(lm, grid, machine))
@@ -882,85 +793,110 @@ DP_KINDS = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """Every k that divides n, in order, trying k up to sqrt(n) only."""
+    small = [k for k in range(1, math.isqrt(n) + 1) if n % k == 0]
+    return sorted(set(small + [n // k for k in small]))
 
 
 def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
-    """Every grid of ``ranks`` ranks the LM's shape allows: tp divides the heads and stays in a
-    node, pp divides the layers, cp divides the sequence in 2 cp zig-zag halves, and each data
-    rank gets whole micro-batches; each with every data-parallel kind, and with and without
-    activation checkpointing."""
-    for tp in divisors(ranks):
-        if tp > ranks_per_node or lm.heads % tp:
+    """Every grid of ``ranks`` the LM's shape allows (tp divides the heads within a node, pp the
+    layers, cp > 1 the sequence in 2 cp halves, dp the batch), each with every data-parallel
+    kind and recomputation; the loops run over the model's divisors, not the ranks'."""
+    for tp in divisors(math.gcd(lm.heads, ranks)):
+        if tp > ranks_per_node:
             continue
-        for pp in divisors(ranks // tp):
-            if lm.layers % pp:
-                continue
-            for cp in divisors(ranks // (tp * pp)):
-                if lm.seq % (2 * cp):
+        for pp in divisors(math.gcd(lm.layers, ranks // tp)):
+            for cp in divisors(math.gcd(lm.seq // 2 or 1, ranks // (tp * pp))):
+                if cp > 1 and lm.seq % (2 * cp):
                     continue
                 dp = ranks // (tp * pp * cp)
                 if lm.batch % dp:
                     continue
-                rows = lm.batch // dp
                 micro_batch_counts = [1]
                 if pp > 1:
-                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if rows % m == 0]
+                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if lm.batch // dp % m == 0]
                 kinds = ("ddp",)
                 if dp * cp > 1:
                     kinds = DP_KINDS
                 for m in micro_batch_counts:
                     for kind in kinds:
-                        for checkpointing in (False, True):
-                            yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind,
-                                       micro_batches=m, checkpointing=checkpointing)
+                        for recompute in RECOMPUTE:
+                            yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind, sp=tp > 1,
+                                       micro_batches=m, recompute=recompute)
 
 
 def label(grid: Grid) -> str:
-    """'dp2 fsdp tp2 pp2 m8 ckpt': the axes of degree > 1 and what they are set to."""
-    parts = ["dp1"]
-    if grid.dp * grid.cp > 1:
-        parts = [f"dp{grid.dp} {grid.dp_kind}"]
-    for axis in ("tp", "pp", "cp"):
-        if getattr(grid, axis) > 1:
-            parts.append(f"{axis}{getattr(grid, axis)}")
+    """'dp2 fsdp tp2 sp pp2 m8 ckpt': the axes and what they are set to; ``parse_label``
+    reads it back."""
+    parts = [f"dp{grid.dp} {grid.dp_kind}"]
+    if grid.tp > 1:
+        parts.append(f"tp{grid.tp}" + " sp" * grid.sp)
     if grid.pp > 1:
-        parts.append(f"m{grid.micro_batches}")
-    if grid.checkpointing:
-        parts.append("ckpt")
-    return " ".join(parts)
+        parts.append(f"pp{grid.pp}" + f" v{grid.chunks}" * (grid.chunks > 1) + f" m{grid.micro_batches}")
+    if grid.cp > 1:
+        parts.append(f"cp{grid.cp}")
+    parts.append({"none": "", "selective": "sel", "full": "ckpt"}[grid.recompute])
+    return " ".join(parts).strip()
+
+
+def parse_label(text: str) -> Grid:
+    """A label's tokens in any order: dpN tpN ppN cpN (1 when absent), ddp zero1 zero2 fsdp, mN,
+    vN (chunks: interleaved 1F1B), sp, ckpt (full) or sel (selective recomputation)."""
+    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "m": 1, "v": 1}
+    grid = {"dp_kind": "ddp", "sp": False, "recompute": "none"}
+    for token in text.split():
+        name = token.rstrip("0123456789")
+        if token in DP_KINDS:
+            grid["dp_kind"] = token
+        elif token in ("sp", "sel", "ckpt"):
+            grid.update({"sp": {"sp": True}, "sel": {"recompute": "selective"},
+                         "ckpt": {"recompute": "full"}}[token])
+        elif name in sizes and token[len(name):].isdigit() and 0 < int(token[len(name):]) < 10**7:
+            sizes[name] = int(token[len(name):])
+        else:
+            raise ValueError(f"{token!r} is not a grid token (dpN tpN ppN cpN mN vN, "
+                             f"{' '.join(DP_KINDS)}, sp, ckpt, sel)")
+    schedule = "interleaved" if sizes["v"] > 1 else "1f1b"
+    return Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
+                micro_batches=sizes["m"], chunks=sizes["v"], schedule=schedule, **grid)
 
 
 # --------------------------------------------------------------------------- presets
-# Spec-sheet figures (README.md beside this file gives the sources). A spec sheet's matmul rate
-# and a link's line rate are upper bounds: a prediction made with them is the fastest the step
-# could be, and the gap to a measured run is what kernels and collectives leave on the table.
+# Datasheet peaks and bandwidths; the matmul shares are the best bf16 shape stas00/ml-engineering's
+# mamf-finder measured (H200: "the same" as H100); attention shares from the FlashAttention-2 and
+# -3 papers (B200: none published, H100's assumed), which count a backward as 2.5 forwards (it
+# recomputes the scores): 3/3.5 of their share is the share of the 3 forwards counted here.
+# README.md beside this file cites each.
+FA = 3 / 3.5
 
-H100_SXM_BF16 = 989e12         # dense bfloat16 tensor-core FLOP/s
-H100_PCIE_BF16 = 756e12
-NVLINK4 = 450e9                # bytes/s each way per GPU (900 GB/s both ways)
-INFINIBAND_NDR = 50e9          # 400 Gb/s per GPU, one NIC each
-PCIE5_X16 = 64e9               # bytes/s each way
-
-CLUSTERS = {
-    "8xH100-nvlink": Machine(
-        name="8 x H100 SXM, NVLink 4", flops=H100_SXM_BF16, memory=80e9,
-        memory_bandwidth=3.35e12, ranks_per_node=8, ranks=8,
-        inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=10e-6, busbw=NVLINK4),
-        source="H100 SXM datasheet: 989 TFLOP/s bf16 dense, 80 GB HBM3 at 3.35 TB/s; NVLink 4"),
-    "16xH100-ib": Machine(
-        name="2 nodes of 8 x H100 SXM, NVLink 4 inside, InfiniBand NDR between", flops=H100_SXM_BF16,
-        memory=80e9, memory_bandwidth=3.35e12, ranks_per_node=8, ranks=16,
-        inside=Link(latency=10e-6, busbw=NVLINK4), across=Link(latency=20e-6, busbw=INFINIBAND_NDR),
-        source="as 8xH100-nvlink; ConnectX-7 NDR 400 Gb/s per GPU between nodes"),
-    "8xH100-pcie": Machine(
-        name="8 x H100 PCIe, PCIe 5 x16", flops=H100_PCIE_BF16, memory=80e9,
-        memory_bandwidth=2.0e12, ranks_per_node=8, ranks=8,
-        inside=Link(latency=10e-6, busbw=PCIE5_X16), across=Link(latency=10e-6, busbw=PCIE5_X16),
-        source="H100 PCIe datasheet: 756 TFLOP/s bf16 dense, 80 GB at 2.0 TB/s; PCIe 5 x16"),
+GPUS = {
+    "A100": GPU("A100 80GB SXM", peak=312e12, memory=80e9, memory_bandwidth=2.039e12,
+                nvlink=300e9, network=25e9, matmul_share=271.2 / 312, attention_share=0.6 * FA),
+    "H100": GPU("H100 SXM", peak=989e12, memory=80e9, memory_bandwidth=3.35e12,
+                nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
+    "H200": GPU("H200 SXM", peak=989e12, memory=141e9, memory_bandwidth=4.8e12,
+                nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
+    "B200": GPU("B200 (HGX)", peak=2250e12, memory=180e9, memory_bandwidth=7.7e12,
+                nvlink=900e9, network=50e9, matmul_share=1745 / 2250, attention_share=0.35 * FA),
 }
 
-# A published configuration to hold the projection against: torchtitan's Llama 3.1 8B on 8 H100s
-# with FSDP, local batch 2 (global 16), sequence 8192, bfloat16, selective activation checkpointing.
+
+def cluster(gpu_name: str, gpus: int, gpus_per_node: int = 8) -> Machine:
+    """``gpus`` of a GPU preset, ``gpus_per_node`` a node on NVLink, a NIC each between nodes;
+    latencies of NCCL's order (10 us inside, 20 us across), not measured."""
+    gpu = GPUS[gpu_name]
+    return Machine(name=f"{gpus} x {gpu.name}, {gpus_per_node} a node", flops=gpu.peak,
+                   memory=gpu.memory, memory_bandwidth=gpu.memory_bandwidth,
+                   ranks_per_node=gpus_per_node, ranks=gpus, gpu=gpu,
+                   inside=Link(latency=10e-6, busbw=gpu.nvlink),
+                   across=Link(latency=20e-6, busbw=gpu.network),
+                   source=f"{gpu.peak / 1e12:.0f} TFLOP/s bf16, {gpu.memory / 1e9:.0f} GB at "
+                          f"{gpu.memory_bandwidth / 1e12:.3g} TB/s, NVLink {gpu.nvlink / 1e9:.0f} GB/s, "
+                          f"{gpu.network * 8 / 1e9:.0f} Gb/s a GPU between nodes")
+
+
+CLUSTERS = {"8xH100-nvlink": cluster("H100", 8), "16xH100-ib": cluster("H100", 16)}
+
+# torchtitan's Llama 3.1 8B (bfloat16), at its published sequence and global batch on 8 GPUs.
 LLAMA3_8B = LM(layers=32, d_model=4096, d_ff=14336, heads=32, kv_heads=8, vocab=128256,
                seq=8192, batch=16, gated_mlp=True, position_embedding=False, compute_bytes=2)

@@ -1,31 +1,32 @@
 """Stage 07, lesson 9: which grid for this model on this cluster? Every grid ranked, before any
-GPU is rented.
-
-For a model (a course preset, or Llama 3.1 8B) and a cluster preset, this tries every way to
-split the ranks into (pp, dp, cp, tp) with each data-parallel kind (DDP, ZeRO-1, ZeRO-2, FSDP),
-micro-batch counts and activation checkpointing, keeps those that fit in memory, and prints them
-fastest first, with the best one's step time taken apart term by term (planner.py, beside this
-file, says where each term comes from). Everything printed is a prediction: arithmetic on the
-lessons' formulas and a spec sheet, nothing run.
+GPU is rented: each split of the GPUs into (pp, dp, cp, tp), data-parallel kind, micro-batch
+count and recomputation that fits, fastest first, the fastest term by term (planner.py); or
+the one grid ``--grid`` names. Every figure is a prediction from the presets, nothing run.
 
 Run:  make plan                                           # the course's small LM, 8 x H100
       make plan MODEL=llama3-8b CLUSTER=8xH100-nvlink
-      python 07_parallelism/09_planning/run_planning.py --model medium --cluster 16xH100-ib --top 5
+      python 07_parallelism/09_planning/run_planning.py --model llama3-8b --gpu A100 --gpus 64 \\
+          --batch 64 --grid "dp64 fsdp sel" --json
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner  # noqa: E402  (the lesson, beside this file)
 
+SHAPE = {"layers": 10**4, "d_model": 10**6, "heads": 10**5, "d_ff": 10**7, "vocab": 10**8,
+         "seq": 10**8, "batch": 10**9, "kv_heads": 10**5}   # each flag's largest value
+GPUS = 10**6
+
+
 def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
+    """The harness needs common/, the algorithm does not."""
     root = Path(__file__).resolve().parent
     while not (root / "common" / "launch.py").exists():
         if root == root.parent:
@@ -36,12 +37,13 @@ def _repo() -> None:
         sys.path.insert(0, str(root))
 
 
-def course_lm(preset: str, batch: int, seq: int) -> planner.LM:
-    from common import models
-    shape = models.PRESETS[preset]
-    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
-                      heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=seq, batch=batch,
-                      compute_bytes=2)
+def up_to(largest: int):
+    """An argparse type: a whole number from 1 to ``largest``."""
+    def parse(text: str) -> int:
+        if not text.isdigit() or len(text) > len(str(largest)) or not 1 <= int(text) <= largest:
+            raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a whole number from 1 to {largest:,}")
+        return int(text)
+    return parse
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,79 +52,119 @@ def parse_args(argv=None) -> argparse.Namespace:
     from common.launch import Parser     # argparse, a usage error in one line, exit 2
     parser = Parser(description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="small",
-                        help=f"a course preset ({', '.join(models.PRESETS)}) or llama3-8b "
-                             "(default: small)")
-    parser.add_argument("--cluster", default="8xH100-nvlink",
-                        help=f"one of {', '.join(planner.CLUSTERS)} (default: 8xH100-nvlink)")
-    parser.add_argument("--ranks", type=int, default=0,
-                        help="GPUs to use (default: every GPU of the cluster preset)")
-    parser.add_argument("--batch", type=int, default=0,
-                        help="sequences per optimizer step (default: 2 per GPU)")
-    parser.add_argument("--seq", type=int, default=0,
-                        help="tokens per sequence (default: 256 for course presets, 8192 for llama3-8b)")
-    parser.add_argument("--top", type=int, default=10, help="grids to print (default: 10)")
-    parser.add_argument("--grid", default="",
-                        help="only grids whose label starts with this, e.g. 'dp8 fsdp' (default: all)")
+    parser.add_argument("--model", default="small", choices=[*models.PRESETS, "llama3-8b"],
+                        help="a preset the shape flags start from (default: small)")
+    for flag, largest in SHAPE.items():
+        parser.add_argument("--" + flag.replace("_", "-"), type=up_to(largest),
+                            help="overrides the preset's (--batch: sequences a step, all GPUs)")
+    parser.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (Llama)")
+    parser.add_argument("--no-position-embedding", action="store_true", help="rotary (Llama)")
+    parser.add_argument("--cluster", default="8xH100-nvlink", choices=list(planner.CLUSTERS))
+    parser.add_argument("--gpu", choices=list(planner.GPUS), help="overrides the cluster's GPU")
+    parser.add_argument("--gpus", "--ranks", type=up_to(GPUS), help="GPUs in all")
+    parser.add_argument("--gpus-per-node", type=up_to(1024), help="GPUs a node (default: 8)")
+    parser.add_argument("--top", type=up_to(10**6), default=10, help="grids to print (default: 10)")
+    parser.add_argument("--grid", help="predict this grid only, a label as printed, e.g. "
+                                       "'dp1 ddp tp8 sp pp8 v3 m64 sel'")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object a grid")
     args = parser.parse_args(argv)
-    if args.model != "llama3-8b" and args.model not in models.PRESETS:
-        parser.error(f"--model {args.model!r}: choose one of {', '.join(models.PRESETS)}, llama3-8b")
-    if args.cluster not in planner.CLUSTERS:
-        parser.error(f"--cluster {args.cluster!r}: choose one of {', '.join(planner.CLUSTERS)}")
-    for flag in ("ranks", "batch", "seq", "top"):
-        if getattr(args, flag) < 0 or (flag == "top" and args.top == 0):
-            parser.error(f"--{flag} {getattr(args, flag)}: must be a positive whole number")
+    preset = planner.CLUSTERS[args.cluster]
+    args.machine = planner.cluster(args.gpu or "H100", args.gpus or preset.ranks,
+                                   args.gpus_per_node or preset.ranks_per_node)
+    args.lm = model_of(args, models, default_batch=2 * args.machine.ranks)
+    if args.lm.d_model % args.lm.heads or args.lm.heads % (args.lm.kv_heads or args.lm.heads):
+        parser.error(f"--heads {args.lm.heads}: must divide --d-model {args.lm.d_model} and be a "
+                     f"multiple of --kv-heads {args.lm.kv_heads}")
+    if args.grid is not None:
+        try:
+            grid = planner.parse_label(args.grid)
+        except ValueError as error:
+            parser.error(f"--grid {args.grid!r}: {error}")
+        problem = grid_problem(args.lm, grid, args.machine.ranks)
+        if problem:
+            parser.error(f"--grid {args.grid!r}: {problem}")
+        args.grid = grid
     return args
+
+
+def model_of(args, models, default_batch: int) -> planner.LM:
+    """The preset (2 sequences a GPU), then every shape flag given over it."""
+    lm = planner.LLAMA3_8B
+    if args.model != "llama3-8b":
+        shape = models.PRESETS[args.model]
+        lm = planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
+                        heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=256, batch=0,
+                        compute_bytes=2)
+    given = {flag: getattr(args, flag) for flag in SHAPE if getattr(args, flag) is not None}
+    return dataclasses.replace(lm, **{"batch": default_batch, **given},
+                               gated_mlp=lm.gated_mlp or args.gated_mlp,
+                               position_embedding=lm.position_embedding and not args.no_position_embedding)
+
+
+def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int) -> str:
+    """Why ``grid`` cannot run ``lm`` on ``gpus`` GPUs, in one line ('' if it can)."""
+    rows = lm.batch // grid.dp
+    checks = [
+        (grid.world_size == gpus, f"dp x tp x pp x cp = {grid.world_size}, not the {gpus} GPUs"),
+        (lm.heads % grid.tp == 0 and (lm.kv_heads or lm.heads) % grid.tp == 0,
+         f"tp{grid.tp} does not divide the {lm.heads} heads ({lm.kv_heads or lm.heads} kv heads)"),
+        (lm.layers % (grid.pp * grid.chunks) == 0,
+         f"pp{grid.pp} x v{grid.chunks} does not divide the {lm.layers} layers"),
+        (grid.pp == 1 or grid.micro_batches >= grid.pp,
+         f"m{grid.micro_batches}: fewer micro-batches than the {grid.pp} stages"),
+        (lm.batch % grid.dp == 0 and rows % grid.micro_batches == 0 and rows >= grid.micro_batches,
+         f"the batch of {lm.batch} does not split into dp{grid.dp} x m{grid.micro_batches}"),
+        (grid.cp == 1 or lm.seq % (2 * grid.cp) == 0,
+         f"cp{grid.cp} does not split the sequence of {lm.seq} into {2 * grid.cp} halves"),
+        (grid.tp > 1 or not grid.sp, "sp without tp"),
+    ]
+    return next((why for ok, why in checks if not ok), "")
+
+
+def as_json(prediction: dict) -> dict:
+    return {"grid": planner.label(prediction["grid"]), "step_ms": prediction["step_s"] * 1e3,
+            "tokens_per_s_per_gpu": prediction["tokens_per_s_per_rank"], "mfu": prediction["mfu"],
+            "memory_gib": prediction["memory"]["total"] / 2**30, "fits": prediction["fits"],
+            "terms_ms": {name: seconds * 1e3 for name, seconds, _ in prediction["terms"]}}
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    machine = planner.CLUSTERS[args.cluster]
-    ranks = args.ranks or machine.ranks
-    batch = args.batch or 2 * ranks
-    if args.model == "llama3-8b":
-        lm = dataclasses.replace(planner.LLAMA3_8B, batch=batch, seq=args.seq or planner.LLAMA3_8B.seq)
+    lm = args.lm
+    machine = args.machine
+    if args.grid is not None:
+        grids = [args.grid]
     else:
-        lm = course_lm(args.model, batch, args.seq or 256)
-    print(f"model {args.model}: {planner.parameter_count(lm) / 1e9:.3g}B parameters, "
-          f"{lm.batch} sequences of {lm.seq} tokens a step, {lm.compute_bytes * 8}-bit compute")
-    print(f"cluster {args.cluster}: {machine.name} ({machine.source}), {ranks} GPUs")
-    print("every figure below is PREDICTED from the formulas and the spec sheet, not measured\n")
-
-    fitting = []
-    too_big = []
-    for grid in planner.candidate_grids(lm, ranks, machine.ranks_per_node):
-        if not planner.label(grid).startswith(args.grid):
-            continue
-        prediction = planner.predict(lm, grid, machine)
-        if prediction["fits"]:
-            fitting.append(prediction)
-        else:
-            too_big.append(prediction)
-    if args.grid:                    # the grids asked for by name: say which do not fit, and why
-        for prediction in too_big:
-            print(f"{planner.label(prediction['grid'])}: does not fit, "
-                  f"{prediction['memory']['total'] / 2**30:.1f} GiB a GPU predicted "
-                  f"(of {machine.memory / 2**30:.1f} GiB)")
-    if not fitting:
-        like = ""
-        if args.grid:
-            like = f" like {args.grid!r}"
-        print(f"no grid of {ranks} GPUs{like} fits this model in {machine.memory / 1e9:.0f} GB "
-              f"a GPU ({len(too_big)} tried): more GPUs, a smaller batch, or a shorter sequence")
+        grids = list(planner.candidate_grids(lm, machine.ranks, machine.ranks_per_node))
+    predictions = [planner.predict(lm, grid, machine) for grid in grids]
+    fitting = sorted((p for p in predictions if p["fits"] or args.grid), key=lambda p: p["step_s"])
+    if args.json:
+        print(json.dumps([as_json(p) for p in fitting[:args.top]], indent=1))
+        return 0 if fitting else 1
+    print(f"model: {planner.parameter_count(lm) / 1e9:.3g}B parameters, {lm.layers} layers, "
+          f"d_model {lm.d_model}, {lm.heads} heads, {lm.batch} sequences of {lm.seq} tokens a step")
+    print(f"cluster: {machine.name} ({machine.source})")
+    print("every figure below is PREDICTED from the formulas and the presets, not measured\n")
+    if not predictions:
+        print(f"no grid of {machine.ranks} GPUs splits this model: the batch of {lm.batch} must "
+              f"split over the data ranks, the {lm.heads} heads over tp (at most a node), the "
+              f"{lm.layers} layers over pp")
         return 1
-    fitting.sort(key=lambda prediction: prediction["step_s"])
-    print(f"{len(fitting)} grids fit ({len(too_big)} do not); the "
+    if not fitting:
+        print(f"no grid of {machine.ranks} GPUs fits this model in {machine.memory / 1e9:.0f} GB "
+              f"a GPU ({len(predictions)} tried): more GPUs, a smaller batch, or a shorter sequence")
+        return 1
+    print(f"{len(fitting)} grids fit ({len(predictions) - len(fitting)} do not); the "
           f"{min(args.top, len(fitting))} fastest:")
-    print(f"{'grid':32} {'GiB/GPU':>8} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU':>6}")
+    print(f"{'grid':34} {'GiB/GPU':>8} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU':>6}")
     for prediction in fitting[:args.top]:
-        print(f"{planner.label(prediction['grid']):32} {prediction['memory']['total'] / 2**30:8.1f} "
+        print(f"{planner.label(prediction['grid']):34} {prediction['memory']['total'] / 2**30:8.1f} "
               f"{prediction['step_s'] * 1e3:9.1f} {prediction['tokens_per_s_per_rank']:13,.0f} "
-              f"{prediction['mfu']:6.1%}")
+              f"{prediction['mfu']:6.1%}" + "  does not fit" * (not prediction["fits"]))
     best = fitting[0]
-    print(f"\nthe fastest, {planner.label(best['grid'])}, term by term:")
+    print(f"\n{planner.label(best['grid'])}, term by term:")
     for name, seconds, source in best["terms"]:
-        print(f"  {name:46} {seconds * 1e3:9.2f} ms   {source}")
+        print(f"  {name:44} {seconds * 1e3:9.2f} ms   {source}")
     memory = best["memory"]
     print("  memory per GPU: " + ", ".join(f"{kind} {memory[kind] / 2**30:.2f} GiB"
                                            for kind in ("param", "grad", "optim", "activation")))
