@@ -22,7 +22,8 @@ FILES = ["01_collectives/collectives.py", "02_allreduce_bench/allreduce_bench.py
 
 # 07's lessons whose algorithm file has no harness (their run_<lesson>.py has it)
 ALGORITHM_ONLY = ["07_parallelism/01_zero/zero.py", "07_parallelism/02_fsdp/fsdp.py",
-                  "07_parallelism/06_expert_parallel/expert_parallel.py"]
+                  "07_parallelism/06_expert_parallel/expert_parallel.py",
+                  "07_parallelism/11_muon/muon.py"]
 
 CHECK = r'''
 import importlib, io, os, socket, sys, tempfile, warnings
@@ -213,6 +214,23 @@ if __name__ == "__main__":
     (moe(x_ref).square().mean() + moe.aux_loss).backward()
     (layer(x_ep).square().mean() + layer.aux_loss).backward()
     assert layer.dropped == moe.dropped and torch.equal(layer.aux_loss, moe.aux_loss)
+
+    muon = load("11_muon", "muon")  # on one rank every design is Muon, bitwise
+    torch.manual_seed(0)
+    weights = [torch.randn(5, 3, dtype=torch.float64), torch.randn(3, 7, dtype=torch.float64)]
+    for design in muon.DESIGNS.values():
+        ours = [w.clone().requires_grad_() for w in weights]
+        ref = [w.clone().requires_grad_() for w in weights]
+        optimizer = design(ours, lr=0.02, weight_decay=0.1)
+        reference = muon.Muon(ref, lr=0.02, weight_decay=0.1)
+        for step in range(2):
+            for p, q in zip(ours, ref):
+                p.grad = torch.full_like(p, step + 1.0)
+                q.grad = p.grad.clone()
+            optimizer.step()
+            reference.step()
+        assert all(torch.equal(p, q) for p, q in zip(ours, ref)), design
+    assert "common" not in sys.modules, "muon.py imported the repository's common"
     assert torch.allclose(x_ep.grad, x_ref.grad, atol=1e-6)
     for index, expert in layer.experts.items():
         for got, want in zip(expert.parameters(), moe.experts[int(index)].parameters()):
