@@ -299,7 +299,7 @@ def report(rows: list[dict], machine: str) -> None:
 def plan_configurations(args) -> list[tuple[str, str, int]]:
     """(backend, device, world_size) asked for and possible here: NCCL moves GPU memory only,
     one GPU per rank; by default GPU tensors go over Gloo only where ranks share GPUs."""
-    from bench import launch  # TODO(lab): memory checks move to the lab
+    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
     gpus = torch.cuda.device_count()
     nccl_gpus = gpus if dist.is_nccl_available() else 0
     plan = []
@@ -334,7 +334,7 @@ def size_list(text: str) -> list[int]:
 
 def main(argv=None) -> None:
     _repo()
-    from bench import launch  # TODO(lab): memory checks move to the lab
+    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
     from bench import results
 
     p = launch.Parser(description=__doc__.splitlines()[0],

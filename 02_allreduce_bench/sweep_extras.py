@@ -16,7 +16,7 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int = 0) -> str | No
     not fit for the ranks on this node, or None. Checked inside a run, every rank for its own
     GPU, all getting the same answer: one rank short means all skip, or their collectives
     would not match."""
-    from bench import launch  # TODO(lab): memory checks move to the lab
+    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
     gib = launch.GIB
     ranks_here = launch.ranks_on_this_node(ctx.world_size)
     have = launch.host_available_bytes()

@@ -1,4 +1,4 @@
-"""Imported by the fork server the ranks are started from, before it forks any (common/launch.py
+"""Imported by the fork server the ranks are started from, before it forks any (bench/supervisor.py
 names it in ``set_forkserver_preload``, after torch); not meant to be imported elsewhere.
 
 The server is Python's own (``multiprocessing.forkserver``). It ends when the launcher has

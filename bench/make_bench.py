@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models  # noqa: E402
 from bench import results
-from bench.launch import usage_error  # noqa: E402
+from bench.supervisor import usage_error  # noqa: E402
 
 # The whole run, every stop included: quick and full, on a CPU box and on a GPU box. A GPU
 # box's quick run is longer than a CPU's: each of its steps pays a CUDA start-up.

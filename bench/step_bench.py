@@ -23,7 +23,9 @@ import torch.distributed as dist
 
 from common import models
 
-from bench import launch, results, timing
+from bench import results, timing
+
+from bench import supervisor as launch
 
 CSV_NAME = "ddp_step.csv"
 # The plain runs of 05/06 (``make run``) end with a quick demo on small defaults; its rows go

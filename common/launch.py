@@ -14,7 +14,7 @@ inherits a lock held by another thread of this process.
 Defaults follow the machine: no GPU, Gloo with CPU tensors; fewer GPUs than ranks on this node,
 Gloo with the ranks sharing them (NCCL refuses two ranks on one GPU, "Duplicate GPU
 detected"); a GPU per rank, NCCL. Collectives time out after ``DIST_TIMEOUT_S`` (300 s).
-The lab (bench/launch.py) adds what a run that nobody watches needs: stalled ranks named,
+The lab (bench/supervisor.py) adds what a run that nobody watches needs: stalled ranks named,
 memory checked up front, Ctrl-C handled, every environment variable checked.
 """
 

@@ -38,7 +38,8 @@ import counters
 import fsdp as fsdp_mod
 import ledger
 from common import models
-from bench import launch, results
+from bench import results
+from bench import supervisor as launch
 
 FSDP = fsdp_mod.FSDP
 # Mixed precision against the one-process cast reference. Both sides run the same casts and

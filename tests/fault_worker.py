@@ -18,7 +18,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import launch  # noqa: E402
+from bench import supervisor as launch  # noqa: E402
 
 
 def faulty_main(ctx, fault: str, bad_rank: int) -> None:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import collectives
 from common import verify
-from bench import launch
+from bench import supervisor as launch
 from helpers import REPO, assert_main_usage_error
 
 SCRIPT = REPO / "01_collectives" / "collectives.py"

@@ -11,7 +11,7 @@ import torch
 
 import allreduce_bench as bench
 from common import import_stage, verify
-from bench import launch
+from bench import supervisor as launch
 from helpers import assert_main_usage_error
 
 KB, MB, GB = 2**10, 2**20, 2**30

@@ -37,7 +37,7 @@ import checks_checkpoint as checks
 import layouts
 import resume
 from common import import_stage
-from bench import launch
+from bench import supervisor as launch
 from helpers import REPO
 
 # --------------------------------------------------------------------------- planted bugs

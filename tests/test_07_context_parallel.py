@@ -22,7 +22,7 @@ import checks_context_parallel as run_cp
 import context_parallel as cp
 import tensor_parallel as tp
 from common import models
-from bench import launch
+from bench import supervisor as launch
 from helpers import REPO, assert_main_usage_error, assert_usage_error, run_script
 
 CFG = {"batch": 2, "heads": 2, "seq": 16, "head_dim": 5, "layouts": ["contiguous", "zigzag"]}

@@ -24,7 +24,8 @@ import torch.distributed as dist
 import bench_expert_parallel as bench
 import checks_expert_parallel as checks
 import expert_parallel as ep
-from bench import launch, results
+from bench import results
+from bench import supervisor as launch
 from helpers import REPO, assert_main_usage_error, run_script
 
 DEMO = REPO / "07_parallelism" / "06_expert_parallel" / "run_expert_parallel.py"

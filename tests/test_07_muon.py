@@ -24,7 +24,7 @@ import counters
 import muon
 import run_muon
 from common import models
-from bench import launch
+from bench import supervisor as launch
 
 TOLERANCE = run_muon.TOLERANCE
 _FINDINGS = {}

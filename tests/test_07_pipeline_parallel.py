@@ -29,7 +29,7 @@ import one_f_one_b
 import pipeline_parallel as pp
 import pipeline_schedules as ps
 import schedule_check as sc
-from bench import launch
+from bench import supervisor as launch
 from helpers import REPO, assert_main_usage_error, run_script
 
 CFG = dict(layers=8, d_model=16, hidden=32, batch=16, chunks=2)  # batch divides by 1, 2, 4, 8

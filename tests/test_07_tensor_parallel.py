@@ -14,7 +14,7 @@ import bench_tensor_parallel as bench
 import checks_tensor_parallel as checks
 import torch_tensor_parallel as torch_tp
 import common
-from bench import launch
+from bench import supervisor as launch
 from helpers import REPO, assert_main_usage_error, run_script
 
 DEMO = REPO / "07_parallelism/03_tensor_parallel/run_tensor_parallel.py"

@@ -147,7 +147,7 @@ import checks_together  # noqa: E402
 import text_data  # noqa: E402
 import train_flags  # noqa: E402
 import training  # noqa: E402
-from bench import launch  # noqa: E402
+from bench import supervisor as launch  # noqa: E402
 from helpers import assert_main_usage_error  # noqa: E402
 
 TEXT = (REPO / "README.md").read_text() * 3  # a small real text: the tests read no stdlib

@@ -186,7 +186,7 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     import torch
     import torch.distributed as dist
 
-    from bench import launch
+    from bench import supervisor as launch
     from common import launch as course_launch
 
     class Props:
@@ -361,7 +361,9 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     beside it. One rank, in this process."""
     import torch.distributed as dist
 
-    from bench import launch, step_bench
+    from bench import step_bench
+
+    from bench import supervisor as launch
     args = argparse.Namespace(model="tiny", batch_size=2, context_length=8, steps=2, warmup=0,
                               rounds=2, case_budget_s=120.0)
     ctx = launch.Dist(0, 1, 0, "gloo", torch.device("cpu"))
@@ -402,7 +404,9 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
 
     from common import import_stage
 
-    from bench import launch, profiling, step_bench
+    from bench import profiling, step_bench
+
+    from bench import supervisor as launch
     bucketed = import_stage("06_bucketed_ddp/bucketed_ddp")
     monkeypatch.setattr(import_stage("06_bucketed_ddp/bucket_model"), "latency_bandwidth",
                         lambda ctx: {"a_s": 1e-4, "w_bytes_per_s": 1e9, "source": "test"})

@@ -52,7 +52,7 @@ import naive_ddp
 import overlap_ddp
 from bucketed_ddp import BucketedDDP, assign_buckets, check_bucket_size_mb
 from common import verify
-from bench import launch
+from bench import supervisor as launch
 from common.verify import agree
 from common.models import TiedModel, ToyModel, random_regression_data
 from helpers import BranchModel

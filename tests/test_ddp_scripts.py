@@ -25,7 +25,8 @@ import flat_ddp
 import naive_ddp
 import overlap_ddp
 from common import verify
-from bench import launch, profiling, results, step_bench
+from bench import profiling, results, step_bench
+from bench import supervisor as launch
 from helpers import REPO, assert_main_usage_error, run_script
 
 TINY = ["--backend", "gloo", "--device", "cpu", "--world-size", "2", "--model", "tiny",

@@ -32,7 +32,8 @@ import bucketed_ddp
 import naive_ddp
 import overlap_ddp
 import fault_worker
-from bench import launch, results
+from bench import results
+from bench import supervisor as launch
 from helpers import REPO, alive, assert_main_usage_error, children, start_script, wait_for_line
 
 FAULTS = REPO / "tests" / "fault_worker.py"
@@ -59,7 +60,7 @@ def test_a_failing_stalled_or_unread_rank_ends_the_run(tmp_path):
     one_rank = [FAULTS, "--world-size", "1", "--bad-rank", "0", "--fault", "none", "--backend",
                 "gloo", "--device", "cpu"]
     unread = {"rank": _start_without_a_reader(one_rank, tmp_path / "unread_rank"),
-              "parent": _start_without_a_reader(["-c", "from bench import launch\n"
+              "parent": _start_without_a_reader(["-c", "from bench import supervisor as launch\n"
                                                  "launch.make_parser(None)\n"
                                                  "for i in range(3):\n    print(i, flush=True)"],
                                                 tmp_path / "unread_parent")}
@@ -141,7 +142,7 @@ def test_the_rank_that_raised_first_is_named_not_the_first_seen(tmp_path, capsys
 RELAUNCH_WITH_A_BUSY_THREAD = """
 import os, sys, threading, torch
 sys.path.insert(0, sys.argv[1])
-from bench import launch
+from bench import supervisor as launch
 
 def worker(ctx):
     ctx.print("started")
@@ -273,7 +274,7 @@ def test_a_results_folder_that_cannot_be_written_is_refused_up_front(tmp_path, m
     (allreduce_bench.main, ["--world-sizes", ""], "empty list"),
 ])
 def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monkeypatch):
-    from bench import launch
+    from bench import supervisor as launch
     monkeypatch.setattr(launch, "host_available_bytes", lambda: 20 * 2**30)  # any box: 20 GiB
     assert_main_usage_error(main, ["--backend", "gloo", "--device", "cpu", *argv], capsys,
                             needle)

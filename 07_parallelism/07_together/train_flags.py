@@ -25,7 +25,7 @@ MAX_SEED = 2**32 - 1             # batch_at seeds a generator with seed * 1_000_
 
 
 def build_parser(doc: str | None):
-    from bench import launch  # TODO(lab)
+    from bench import supervisor as launch  # TODO(lab)
     from common import models
     parser = launch.make_parser(doc, world_size=4)
     parser.prog = "train.py"       # also when grid_bench.py or resume.py parses train.py's flags
@@ -104,7 +104,7 @@ def parse(argv=None, doc: str | None = None, bench: bool = False):
     """Parse train.py's flags and refuse bad input up front: (args, config). ``--bench`` (or
     ``bench``: measure/grid_bench.py parsing) skips the training checks: the bench checks its
     own grids."""
-    from bench import launch  # TODO(lab): memory checks move to the lab
+    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
     from bench import results
     parser = build_parser(doc)
     args = parser.parse_args(argv)
@@ -293,7 +293,7 @@ def file_not_writable(file: str) -> str | None:
 def memory_problem(args, config) -> str | None:
     """A run that would not fit: a rank's rough peak against the host's memory (ranks of one
     machine add up) or the GPU's (ranks sharing a GPU add up)."""
-    from bench import launch  # TODO(lab): memory checks move to the lab
+    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
     need = per_rank_bytes(args)
     what = (f"--model {args.model}, --batch-size {args.batch_size}, --seq-len {args.seq_len} "
             f"on dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp}")

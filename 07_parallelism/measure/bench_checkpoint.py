@@ -296,7 +296,8 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
 
 def main(argv=None) -> None:
     from common import models
-    from bench import launch, results
+    from bench import results
+    from bench import supervisor as launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true",
                         help="accepted (the lesson's run_checkpoint.py --bench hands over here)")

@@ -40,7 +40,9 @@ if str(REPO) not in sys.path:
 
 from common import import_stage  # noqa: E402  (after the path)
 
-from bench import launch, results, timing
+from bench import results, timing
+
+from bench import supervisor as launch
 
 cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
 counters = import_stage("07_parallelism/measure/counters")

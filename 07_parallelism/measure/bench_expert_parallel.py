@@ -44,7 +44,9 @@ for folder in (REPO, REPO / "07_parallelism" / "06_expert_parallel"):
 
 from common import import_stage  # noqa: E402
 
-from bench import launch, results, timing
+from bench import results, timing
+
+from bench import supervisor as launch
 from expert_parallel import ExpertParallelMoE, MoE, expert_capacity  # noqa: E402
 
 counters = import_stage("07_parallelism/measure/counters")

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 import ledger  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
 from common import import_stage  # noqa: E402
-from bench import launch, profiling, step_bench
+from bench import profiling, step_bench
+from bench import supervisor as launch
 
 
 def fsdp_per_block(model):

@@ -24,7 +24,8 @@ import torch.distributed as dist  # noqa: E402
 
 import counters  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
 from common import import_stage, models  # noqa: E402
-from bench import launch, results, timing
+from bench import results, timing
+from bench import supervisor as launch
 
 run_muon = import_stage("07_parallelism/11_muon/run_muon")
 muon = import_stage("07_parallelism/11_muon/muon")

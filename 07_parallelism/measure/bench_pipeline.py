@@ -33,7 +33,9 @@ if str(REPO) not in sys.path:
 
 from common import import_stage  # noqa: E402  (after the path)
 
-from bench import launch, results, timing
+from bench import results, timing
+
+from bench import supervisor as launch
 
 pipeline_parallel = import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel")
 schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")

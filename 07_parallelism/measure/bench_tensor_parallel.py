@@ -43,7 +43,9 @@ if str(REPO) not in sys.path:
 
 from common import import_stage, models  # noqa: E402 (after the path)
 
-from bench import launch, results
+from bench import results
+
+from bench import supervisor as launch
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # noqa: E402
                       ring_send_bytes)
 

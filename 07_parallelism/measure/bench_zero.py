@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
 
 import ledger  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
-from bench import launch, step_bench  # noqa: E402
+from bench import step_bench  # noqa: E402
+from bench import supervisor as launch
 
 
 def bench_main(ctx, args) -> None:

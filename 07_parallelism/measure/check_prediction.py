@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
 from common import models  # noqa: E402
-from bench import launch, results, timing
+from bench import results, timing
+from bench import supervisor as launch
 
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured

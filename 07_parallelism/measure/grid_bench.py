@@ -1547,7 +1547,8 @@ def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
 
 def run(args, config) -> None:
     """``train.py --bench``: check everything, then launch the measurements."""
-    from bench import launch, results
+    from bench import results
+    from bench import supervisor as launch
     if config.world_size not in GRIDS:
         launch.usage_error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, "
                            f"not {config.world_size}: use --world-size 4 (or 8 with a GPU per "

@@ -29,7 +29,9 @@ import torch.nn as nn
 
 from common import import_stage, models
 
-from bench import launch, results, timing
+from bench import results, timing
+
+from bench import supervisor as launch
 from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
                       optimizer_state_bytes, state_bytes, storage_key)
 
