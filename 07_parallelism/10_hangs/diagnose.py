@@ -159,6 +159,8 @@ def diagnose(dumps: dict) -> tuple[bool, str]:
         if line:
             return False, line
     count = sum(len(max(ranks.values(), key=len)) for ranks in groups.values())
+    if not count:
+        return True, f"{named(dumps)} agree: the recorder holds no collective (send/recv aside)"
     slow = "".join(straggler(ranks) for ranks in groups.values())
     return True, (f"{named(dumps)} agree on all {count} collectives the recorder holds, in "
                   f"{len(groups)} group(s) (op, shape, dtype, order){slow}")

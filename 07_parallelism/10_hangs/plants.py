@@ -25,8 +25,8 @@ def skip_collective(rank, world_size, group, plant):
 
 
 def wrong_order(rank, world_size, group, plant):
-    """Rank 1 broadcasts rank 0's weights before it averages the gradients; the others after.
-    Each rank's collective #2 is another operation than its peers'."""
+    """Rank 1 broadcasts rank 0's weights before it averages the gradients; the others after:
+    its first collective is another op than its peers' first."""
     grad = torch.ones(4)
     weights = torch.ones(4)
     if plant and rank == 1:
