@@ -79,7 +79,10 @@ def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
     except RuntimeError as e:  # Gloo's timeout, or a peer's (torch's DistBackendError)
         error = waited_in(e)
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    record["entries"] = [e for e in record["entries"] if e["process_group"][1] == label]
+    record["entries"] = [e for e in record["entries"] if e["process_group"][0] == group.group_name]
+    # Gloo leaves the groups' table empty; torch's analyzer (fr_trace) needs it to read a dump
+    record["pg_config"] = {group.group_name: {"name": group.group_name, "desc": label,
+                                              "ranks": str(dist.get_process_group_ranks(group))}}
     folder = dumps / label
     folder.mkdir(parents=True, exist_ok=True)
     (folder / f"rank_{ctx.rank}").write_bytes(pickle.dumps(record))
