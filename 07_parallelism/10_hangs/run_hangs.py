@@ -24,6 +24,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  (a rank's first recorder dump imports it: once, before the fork)
 import torch.distributed as dist
 
 import diagnose
