@@ -136,3 +136,5 @@ def test_straggler_is_slow_not_hung_and_ring_buffer_start():
     assert agree and "rank 1 calls each collective 90 ms after the first rank" in line, line
     agree, line = diagnose.diagnose({0: {"entries": fast}, 1: {"entries": fast}})
     assert agree and "straggler" not in line, line
+    agree, line = diagnose.diagnose({0: {"entries": fast}, 1: {"entries": slow[:2]}})
+    assert not agree and "#3" in line and "rank 1 never did (stopped after #2)" in line, line

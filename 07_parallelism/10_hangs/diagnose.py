@@ -88,9 +88,10 @@ def first_difference(ranks: dict, group: str):
         if missing:
             calls = by_value({rank: where(entry) for rank, entry in have.items()})
             op = by_value({rank: entry["profiling_name"] for rank, entry in have.items()})
-            line = (f"{at}{named(have)} called {op[0][0]} at {calls[0][0]}; {named(missing)} "
-                    f"never did (stopped after #{seq - 1})")
-            return line + split_paths(ranks, seq)
+            stopped = by_value({rank: max(ranks[rank], default=0) for rank in missing})
+            return (f"{at}{named(have)} called {op[0][0]} at {calls[0][0]}; " +
+                    ", ".join(f"{named(rs)} never did (stopped after #{last})"
+                              for last, rs in stopped) + split_paths(ranks, seq))
         checks = [("op", "profiling_name"), ("dtype", "input_dtypes"), ("shape", "input_sizes")]
         all_to_all = "all_to_all" in have[min(have)]["profiling_name"]
         if all_to_all:
@@ -120,8 +121,9 @@ def split_paths(ranks: dict, seq: int) -> str:
 def all_to_all_difference(have: dict) -> str:
     """An all-to-all moves every row sent to some rank: the rows all ranks send must add up
     to the rows they expect, whatever the splits."""
-    rows = {rank: (entry["input_sizes"][0][0], entry["output_sizes"][0][0])
-            for rank, entry in have.items()}
+    rows = {rank: (sum(size[0] for size in entry["input_sizes"] if size),
+                   sum(size[0] for size in entry["output_sizes"] if size))
+            for rank, entry in have.items()}  # all_to_all_single: one tensor; all_to_all: a list
     sent = sum(send for send, _ in rows.values())
     expected = sum(expect for _, expect in rows.values())
     if sent == expected:
@@ -145,7 +147,7 @@ def straggler(ranks: dict) -> str:
            for rank in ranks}
     step = statistics.median(b - a for a, b in zip(first, first[1:]))
     slow = max(lag, key=lag.get)
-    if lag[slow] < STRAGGLER_MIN_MS or lag[slow] < STRAGGLER_SHARE * step:
+    if step <= 0 or lag[slow] < max(STRAGGLER_MIN_MS, STRAGGLER_SHARE * step):
         return ""
     return (f"; but rank {slow} calls each collective {lag[slow]:.0f} ms after the first rank "
             f"(median; {lag[slow] / step:.0%} of a step): a straggler, slow, not a hang")

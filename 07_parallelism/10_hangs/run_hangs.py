@@ -91,6 +91,9 @@ def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
     dist.all_gather_object(errors, error)  # the default group: DIST_TIMEOUT_S, long
     if not ctx.is_main:
         return ""
+    for stale in folder.glob("rank_*"):  # an earlier run's, on more ranks
+        if int(stale.name[len("rank_"):]) >= ctx.world_size:
+            stale.unlink()
     agree, line = diagnose.diagnose(diagnose.load(folder))
     if agree and any(errors):  # nothing the recorder saw differs, and yet a rank waited
         waits = diagnose.by_value({rank: e for rank, e in enumerate(errors) if e})
@@ -136,6 +139,8 @@ def main() -> None:
                         help="where each rank writes its Flight Recorder record")
     args = parser.parse_args()
     config = launch.resolve(args)
+    if config.backend != "gloo":
+        parser.error("the plants send CPU tensors over Gloo: add --backend gloo --device cpu")
     if config.world_size < 4 or config.world_size % 2:
         parser.error("give an even --world-size of 4 or more (the pipeline's plant needs "
                      "micro-batches < stages - 1; the deadlock pairs ranks)")
