@@ -7,6 +7,7 @@ import pickle
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +34,18 @@ PLANTED = {
 }
 
 
+def demo_processes(dumps) -> list[int]:
+    """The live processes started with this run's arguments (the launcher and its ranks)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(dumps).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """One launch of the demo: all eight plants and their controls, on 4 ranks."""
@@ -40,6 +53,7 @@ def run(tmp_path_factory):
     start = time.monotonic()
     out = run_script(LESSON / "run_hangs.py", "--timeout", TIMEOUT_S, "--dumps", dumps,
                      timeout=180, env={"DIST_TIMEOUT_S": "60"})
+    assert not demo_processes(dumps), "the demo left processes running"
     lines = {}
     for line in out.stdout.splitlines():
         name, _, rest = line.partition(" ")
