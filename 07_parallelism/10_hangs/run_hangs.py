@@ -1,0 +1,152 @@
+"""Stage 07, lesson 10, runnable: eight planted failures (plants.py), each run under torch's
+Flight Recorder and named in one line (diagnose.py), each beside the same code without its
+plant (the control), which must raise no alarm.
+
+    python 07_parallelism/10_hangs/run_hangs.py                   # 4 ranks, gloo/cpu, all eight
+    python 07_parallelism/10_hangs/run_hangs.py --scenarios wrong_order --timeout 5
+    python 07_parallelism/10_hangs/diagnose.py /tmp/hangs/wrong_order   # the dumps it leaves
+
+Each run gets a process group of its own with a short timeout (``--timeout``): a rank stuck
+in a collective or a receive gives up then, with an error naming the op. Every rank then
+writes its Flight Recorder record to DUMPS/<scenario>/rank_<rank> (the control's to
+DUMPS/<scenario>_clean/), and rank 0 prints one line per run: diagnose.py's, or, where the
+recorder saw no difference but a rank gave up, where each rank waited (Gloo records no
+send/recv: the stack of the rank that waits names it). The run exits 1 if a plant goes
+unnamed or a control raises an alarm.
+"""
+
+import datetime
+import os
+import pickle
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch
+import torch._dynamo  # noqa: F401  (a rank's first recorder dump imports it: once, before the fork)
+import torch.distributed as dist
+
+import diagnose
+import plants
+
+# What each plant's line must say: the rank and op it names, the collective's number in its
+# group (a send/recv has none on Gloo). Rank 1 carries every plant.
+EXPECTED = {
+    "skip_collective": ["#3", "called gloo:all_reduce", "rank 1 never did"],
+    "wrong_order": ["#1", "op differs", "gloo:broadcast on rank 1"],
+    "dtype_mismatch": ["#1", "dtype differs", "['Long'] on rank 1"],
+    "divergent_branch": ["#3", "rank 1 called gloo:all_reduce", "split at #2", "rank 1 at"],
+    "send_recv_deadlock": ["ranks 0, 1, 2, 3 gave up waiting in send"],
+    "pipeline_fewer_micro_batches": ["rank 0 gave up waiting in recv",
+                                     "ranks 1, 2, 3 finished"],
+    "all_to_all_splits": ["#1", "split sizes disagree", "rank 1 sends 8, expects 9"],
+    "straggler": ["agree", "rank 1 calls each collective", "not a hang"],
+}
+ALARMS = ("disagree", "gave up", "straggler")  # none may appear in a control's line
+
+
+def _repo() -> None:
+    """The harness needs common/, the algorithm does not (the same in every runnable script,
+    on purpose: each lesson's folder runs from where it lies)."""
+    root = Path(__file__).resolve().parent
+    while not (root / "common" / "launch.py").exists():
+        if root == root.parent:
+            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
+                             "script needs the repository around it (common/)")
+        root = root.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+
+
+def waited_in(error: Exception) -> str:
+    """'gave up waiting in recv at plants.py:97 in backward': the op a rank was in when its
+    timeout fired (or a peer's: a peer that gives up closes its connections), from its stack."""
+    frames = traceback.extract_tb(error.__traceback__)
+    op = next((f.name for f in reversed(frames) if f.filename.endswith("distributed_c10d.py")),
+              "?")
+    mine = [f for f in frames if f.filename == plants.__file__] or frames
+    return f"gave up waiting in {op} at {Path(mine[-1].filename).name}:{mine[-1].lineno} in " \
+           f"{mine[-1].name}"
+
+
+def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
+    """One scenario on every rank, in a group of its own; rank 0 returns its line."""
+    label = name if plant else f"{name}_clean"
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s), group_desc=label)
+    error = ""
+    try:
+        plants.SCENARIOS[name](ctx.rank, ctx.world_size, group, plant)
+    except RuntimeError as e:  # Gloo's timeout, or a peer's (torch's DistBackendError)
+        error = waited_in(e)
+    record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    record["entries"] = [e for e in record["entries"] if e["process_group"][0] == group.group_name]
+    # Gloo leaves the groups' table empty; torch's analyzer (fr_trace) needs it to read a dump
+    record["pg_config"] = {group.group_name: {"name": group.group_name, "desc": label,
+                                              "ranks": str(dist.get_process_group_ranks(group))}}
+    folder = dumps / label
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"rank_{ctx.rank}").write_bytes(pickle.dumps(record))
+    errors = [None] * ctx.world_size
+    dist.all_gather_object(errors, error)  # the default group: DIST_TIMEOUT_S, long
+    if not ctx.is_main:
+        return ""
+    for stale in folder.glob("rank_*"):  # an earlier run's, on more ranks
+        if int(stale.name[len("rank_"):]) >= ctx.world_size:
+            stale.unlink()
+    agree, line = diagnose.diagnose(diagnose.load(folder))
+    if agree and any(errors):  # nothing the recorder saw differs, and yet a rank waited
+        waits = diagnose.by_value({rank: e for rank, e in enumerate(errors) if e})
+        finished = [rank for rank, e in enumerate(errors) if not e]
+        line = ("the recorder sees no difference (Gloo records no send/recv); " +
+                "; ".join(f"{diagnose.named(ranks)} {e}" for e, ranks in waits) +
+                (f"; {diagnose.named(finished)} finished" if finished else ""))
+    return line
+
+
+def demo(ctx, cfg: dict) -> None:
+    problems = []
+    for name in cfg["scenarios"]:
+        for plant in (True, False):
+            line = run_one(ctx, name, plant, cfg["timeout"], Path(cfg["dumps"]))
+            if not ctx.is_main:
+                continue
+            print(f"{name:<29} {'planted' if plant else 'control'}: {line}", flush=True)
+            if plant and not all(part in line for part in EXPECTED[name]):
+                problems.append(f"{name}: the plant is not named (expected {EXPECTED[name]})")
+            if not plant and any(alarm in line for alarm in ALARMS):
+                problems.append(f"{name}: a false alarm on the control")
+    if not ctx.is_main:
+        return
+    for problem in problems:
+        ctx.print(problem)
+    if problems:
+        raise SystemExit(1)
+    ctx.print(f"all {len(cfg['scenarios'])} plants named, no alarm on their controls "
+              f"({ctx.world_size} ranks, {ctx.backend}, timeout {cfg['timeout']:g} s); dumps "
+              f"in {cfg['dumps']}")
+
+
+def main() -> None:
+    _repo()
+    from common import launch
+    parser = launch.make_parser(__doc__, world_size=4)
+    parser.add_argument("--scenarios", type=launch.choice_list(list(plants.SCENARIOS)),
+                        default=list(plants.SCENARIOS), help="comma-separated, from plants.py")
+    parser.add_argument("--timeout", type=launch.positive_float, default=2.0,
+                        help="seconds a rank waits in a scenario's collective or receive")
+    parser.add_argument("--dumps", default=str(Path(tempfile.gettempdir()) / "hangs"),
+                        help="where each rank writes its Flight Recorder record")
+    args = parser.parse_args()
+    config = launch.resolve(args)
+    if config.backend != "gloo":
+        parser.error("the plants send CPU tensors over Gloo: add --backend gloo --device cpu")
+    if config.world_size < 4 or config.world_size % 2:
+        parser.error("give an even --world-size of 4 or more (the pipeline's plant needs "
+                     "micro-batches < stages - 1; the deadlock pairs ranks)")
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # before the process group starts
+    launch.launch(demo, config, vars(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Lesson 07/10 (hangs): every planted failure named in one line (the rank, the op and the
+collective's number that were planted), no alarm on the same code without its plant, the
+straggler called slow and not hung, each within a bounded time; and diagnose.py's contract on
+hand-made dump folders (agree: exit 0; disagree: exit 1; one line either way)."""
+
+import pickle
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO, run_script
+
+LESSON = REPO / "07_parallelism" / "10_hangs"
+sys.path.insert(0, str(LESSON))
+import diagnose  # noqa: E402  (the lesson's folder is not a package)
+
+TIMEOUT_S = 1.0  # each scenario's group: a stuck rank gives up after this
+
+# What was planted, said independently of run_hangs.py's own table: (rank, op, number).
+PLANTED = {
+    "skip_collective": ["#3", "gloo:all_reduce", "rank 1 never did"],
+    "wrong_order": ["#1", "op differs", "gloo:broadcast on rank 1"],
+    "dtype_mismatch": ["#1", "dtype differs", "['Long'] on rank 1", "plants.py"],
+    "divergent_branch": ["#3", "rank 1 called gloo:all_reduce", "split at #2",
+                         "rank 1 at plants.py"],
+    "send_recv_deadlock": ["ranks 0, 1, 2, 3 gave up waiting in send at plants.py"],
+    "pipeline_fewer_micro_batches": ["rank 0 gave up waiting in recv at plants.py",
+                                     "ranks 1, 2, 3 finished"],
+    "all_to_all_splits": ["#1", "split sizes disagree", "rank 1 sends 8, expects 9"],
+    "straggler": ["agree", "rank 1 calls each collective", "a straggler, slow, not a hang"],
+}
+
+
+def demo_processes(dumps) -> list[int]:
+    """The live processes started with this run's arguments (the launcher and its ranks)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(dumps).encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue  # gone meanwhile
+    return found
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """One launch of the demo: all eight plants and their controls, on 4 ranks."""
+    dumps = tmp_path_factory.mktemp("hangs")
+    start = time.monotonic()
+    out = run_script(LESSON / "run_hangs.py", "--timeout", TIMEOUT_S, "--dumps", dumps,
+                     timeout=180, env={"DIST_TIMEOUT_S": "60"})
+    assert not demo_processes(dumps), "the demo left processes running"
+    lines = {}
+    for line in out.stdout.splitlines():
+        name, _, rest = line.partition(" ")
+        kind, _, said = rest.strip().partition(": ")
+        lines[(name, kind)] = said
+    return out, lines, dumps, time.monotonic() - start
+
+
+def test_every_plant_named_and_no_false_alarm(run):
+    out, lines, _, elapsed = run
+    assert out.returncode == 0, out.stdout + out.stderr
+    for name, parts in PLANTED.items():
+        said = lines[(name, "planted")]
+        assert all(part in said for part in parts), (name, said)
+        control = lines[(name, "control")]
+        assert "agree" in control and "straggler" not in control, (name, control)
+        assert "gave up" not in control and "disagree" not in control, (name, control)
+    # bounded: 5 scenarios wait out their timeout, the rest finish at once (plus start-up)
+    assert elapsed < 5 * TIMEOUT_S + 30, elapsed
+
+
+def test_cli_on_the_demo_dumps(run):
+    """The files the ranks wrote, read back by diagnose.py: one line each, exit 1 and 0."""
+    _, _, dumps, _ = run
+    bad = run_script(LESSON / "diagnose.py", dumps / "wrong_order", timeout=60)
+    good = run_script(LESSON / "diagnose.py", dumps / "wrong_order_clean", timeout=60)
+    assert bad.returncode == 1 and len(bad.stdout.splitlines()) == 1, bad
+    assert "#1" in bad.stdout and "gloo:broadcast on rank 1" in bad.stdout
+    assert good.returncode == 0 and len(good.stdout.splitlines()) == 1, good
+
+
+# --------------------------------------------------------------------------- hand-made dumps
+def entry(seq, op="all_reduce", sizes=((4,),), dtype="Float", ms=0.0, line=10, out=None):
+    sizes = [list(s) for s in sizes]
+    return {"process_group": ("0", "default_pg"), "collective_seq_id": seq, "is_p2p": False,
+            "profiling_name": f"gloo:{op}", "input_sizes": sizes, "input_dtypes": [dtype],
+            "output_sizes": out or sizes, "state": "scheduled",
+            "time_created_ns": int(ms * 1e6),
+            "frames": [{"filename": "/x/torch/distributed/distributed_c10d.py", "line": 1,
+                        "name": op},
+                       {"filename": "/home/me/train.py", "line": line, "name": "step"}]}
+
+
+def write(folder, ranks: dict, prefix="rank_"):
+    folder.mkdir()
+    for rank, entries in ranks.items():
+        (folder / f"{prefix}{rank}").write_bytes(pickle.dumps({"entries": entries}))
+    return folder
+
+
+def test_cli_contract_on_hand_made_dumps(tmp_path):
+    """diagnose.py copied alone (the standard library only), on folders of hand-made dumps."""
+    (tmp_path / "alone").mkdir()
+    lone = tmp_path / "alone" / "diagnose.py"
+    shutil.copy(LESSON / "diagnose.py", lone)
+    same = [entry(1), entry(2, op="broadcast")]
+    agree = write(tmp_path / "agree", {0: same, 1: same}, prefix="trace_")
+    out = run_script(lone, agree, "--prefix", "trace_", timeout=60, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.count("\n") == 1, out
+    assert "ranks 0, 1 agree on all 2 collectives" in out.stdout
+    stopped = write(tmp_path / "stopped", {0: same, 1: same[:1]})
+    out = run_script(lone, stopped, timeout=60, cwd=tmp_path)
+    assert out.returncode == 1 and out.stdout.count("\n") == 1, out
+    assert "#2" in out.stdout and "rank 1 never did" in out.stdout
+    assert "train.py:10 in step" in out.stdout
+    out = run_script(lone, agree, timeout=60, cwd=tmp_path)  # no rank_* files there
+    assert out.returncode == 2 and "no files named rank_<rank>" in out.stderr
+
+
+@pytest.mark.parametrize("rank1, want", [
+    ([entry(1), entry(2, sizes=[(3,)])], "#2 of group 0 (default_pg): shape differs: "
+                                         "[[4]] on ranks 0, 2 at train.py:10 in step, "
+                                         "[[3]] on rank 1"),
+    ([entry(1), entry(2, dtype="Double")], "dtype differs"),
+    ([entry(1, line=11), entry(2), entry(3)], "rank 1 called gloo:all_reduce at train.py:10 "
+                                               "in step; ranks 0, 2 never did (stopped after "
+                                               "#2); the paths split at #1"),
+    ([entry(1), entry(2, op="all_to_all", sizes=[(4,)], out=[(5,)])],
+     "split sizes disagree: the ranks send 12 rows in all but expect 13"),
+])
+def test_each_difference_named(rank1, want):
+    others = [entry(1), entry(2)]
+    if "all_to_all" in rank1[1]["profiling_name"]:
+        others = [entry(1), entry(2, op="all_to_all")]
+    agree, line = diagnose.diagnose({0: {"entries": others}, 1: {"entries": rank1},
+                                     2: {"entries": others}})
+    assert not agree and want in line, line
+
+
+def test_straggler_is_slow_not_hung_and_ring_buffer_start():
+    fast = [entry(seq, ms=100 * seq) for seq in range(3, 8)]  # the ring dropped #1, #2
+    slow = [entry(seq, ms=100 * seq + 90) for seq in range(1, 8)]
+    agree, line = diagnose.diagnose({0: {"entries": fast}, 1: {"entries": slow}})
+    assert agree and "rank 1 calls each collective 90 ms after the first rank" in line, line
+    agree, line = diagnose.diagnose({0: {"entries": fast}, 1: {"entries": fast}})
+    assert agree and "straggler" not in line, line
+    agree, line = diagnose.diagnose({0: {"entries": fast}, 1: {"entries": slow[:2]}})
+    assert not agree and "#3" in line and "rank 1 never did (stopped after #2)" in line, line
