@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
 
 import grid_bench  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
-from common import import_stage, launch, timing  # noqa: E402
+from common import import_stage  # noqa: E402
+from bench import timing
+from bench import supervisor as launch
 
 
 def bench_step(ctx, spec: dict, sizes: dict, folder: str) -> None:
