@@ -36,11 +36,11 @@ import torch.multiprocessing
 
 from bench import results
 from common import usage_error
-from bench.supervisor import (Dist, LaunchConfig, Parser, choice_list, free_port, int_list,  # noqa: F401
+from common.launch import (Dist, LaunchConfig, Parser, choice_list, free_port, int_list,  # noqa: F401
                            list_of, non_negative_int, positive_float, positive_int,
                            rank_threads, ranks_on_this_node, under_torchrun)
-from bench.supervisor import make_parser as course_parser
-from bench.supervisor import resolve as course_resolve
+from common.launch import make_parser as course_parser
+from common.launch import resolve as course_resolve
 
 
 class Stopped(SystemExit):
