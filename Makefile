@@ -98,6 +98,7 @@ check:
 	$(PYTHON) 07_parallelism/07_together/train.py --backend gloo --device cpu --world-size 4 --dp 2 --tp 2 --steps 40 --log-every 20 --check
 	$(PYTHON) 07_parallelism/08_checkpoints/run_checkpoint.py --backend gloo --device cpu --world-size 4
 	$(PYTHON) 07_parallelism/09_planning/run_planning.py --model course --cluster 8xH100-nvlink --top 5
+	$(PYTHON) 07_parallelism/10_hangs/run_hangs.py --backend gloo --device cpu
 	$(PYTHON) 07_parallelism/11_muon/run_muon.py --backend gloo --device cpu --world-size 4
 
 # The capstone on real text: one process, then the same run on a 2 x 2 grid (data x tensor

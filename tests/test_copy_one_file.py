@@ -23,7 +23,7 @@ FILES = ["01_collectives/collectives.py", "02_allreduce_bench/allreduce_bench.py
 # 07's lessons whose algorithm file has no harness (their run_<lesson>.py has it)
 ALGORITHM_ONLY = ["07_parallelism/01_zero/zero.py", "07_parallelism/02_fsdp/fsdp.py",
                   "07_parallelism/06_expert_parallel/expert_parallel.py",
-                  "07_parallelism/11_muon/muon.py"]
+                  "07_parallelism/10_hangs/plants.py", "07_parallelism/11_muon/muon.py"]
 
 CHECK = r'''
 import importlib, io, os, socket, sys, tempfile, warnings
@@ -214,6 +214,12 @@ if __name__ == "__main__":
     (moe(x_ref).square().mean() + moe.aux_loss).backward()
     (layer(x_ep).square().mean() + layer.aux_loss).backward()
     assert layer.dropped == moe.dropped and torch.equal(layer.aux_loss, moe.aux_loss)
+
+    plants = load("10_hangs", "plants")  # 10's plants: torch alone, no main()
+    for name, scenario in plants.SCENARIOS.items():
+        if name != "send_recv_deadlock":  # pairs ranks: needs 2
+            scenario(0, 1, None, False)
+    assert "common" not in sys.modules, "10's plants imported the repository's common"
 
     muon = load("11_muon", "muon")  # on one rank every design is Muon, bitwise
     torch.manual_seed(0)
