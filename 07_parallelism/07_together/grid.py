@@ -104,11 +104,6 @@ class ProcessGrid:
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1):
         self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
-        for axis in (*AXES, "dp_shard"):
-            size = self.sizes[axis]
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"ProcessGrid: {axis}={size!r}; each degree must be a whole "
-                                 "number >= 1")
         if dp % dp_shard != 0:
             raise ValueError(f"ProcessGrid: dp_shard={dp_shard} does not divide dp={dp}; "
                              "dp = dp_replicate x dp_shard")
@@ -126,15 +121,24 @@ class ProcessGrid:
         self.coordinate["dp_shard"] = fine["dp_shard"]
         self.members = {}  # axis -> the global ranks of this rank's group along it
         self.groups = {}   # axis -> that process group
+        made = {}          # str(the groups of an axis) -> this rank's: alike axes share them
         axis_sets = {"pp": ("pp",), "dp": ("dp",), "cp": ("cp",), "tp": ("tp",),
                      "dp_cp": ("dp", "cp"), "dp_replicate": ("dp_replicate",),
                      "dp_shard": ("dp_shard",)}
         for name, axes in axis_sets.items():
-            for ranks in groups_along(axes, self.sizes):
-                group = dist.new_group(ranks)  # a collective: every rank makes every group
-                if self.global_rank in ranks:
-                    self.members[name] = ranks
-                    self.groups[name] = group
+            every = groups_along(axes, self.sizes)
+            if str(every) not in made:     # dp_cp is dp when cp = 1; all size-1 axes are alike
+                for ranks in every:
+                    group = dist.new_group(ranks)  # a collective: every rank makes every group
+                    if self.global_rank in ranks:
+                        made[str(every)] = group
+            self.groups[name] = made[str(every)]
+            self.members[name] = next(ranks for ranks in every if self.global_rank in ranks)
+
+    def destroy(self) -> None:
+        """Free this rank's groups (a communicator each under NCCL) when the grid is done."""
+        for group in set(self.groups.values()):
+            dist.destroy_process_group(group)
 
     def group(self, axis: str):
         return self.groups[axis]

@@ -3,56 +3,40 @@
 Each earlier lesson split one thing: the batch (data parallel, 03-06), the weights inside a
 layer (tensor parallel, lesson 3), the depth (pipeline, lesson 4), the sequence (context
 parallel, lesson 5). This file composes them on a grid of ranks (``grid.ProcessGrid``) and
-adds only what composing needs and no lesson had:
+adds only what composing needs:
 
-1. Who holds which tokens. A global batch [batch, seq] is cut three ways: its rows over the
-   data-parallel ranks (dp), its sequence over the context-parallel ranks (cp, zig-zag), and,
-   between the tensor-parallel regions, that piece of the sequence again over the tensor-
-   parallel ranks (tp, sequence parallelism). Rank (dp_i, cp_j, tp_k) holds rows dp_i of the
-   batch and the tp_k-th slice of cp shard j: [batch/dp, seq/(cp tp)] tokens, with their
+1. Who holds which tokens. A global batch [batch, seq]: its rows over dp, its sequence over
+   cp (zig-zag), and between the tensor-parallel regions that piece again over tp (sequence
+   parallelism). Rank (dp_i, cp_j, tp_k) holds [batch/dp, seq/(cp tp)] tokens, with their
    GLOBAL positions (the position embedding and the causal mask need them).
 
-2. Which piece of the model each rank holds. The pipeline rank's blocks (``chunk_layers``:
-   one contiguous share, or v chunks interleaved), each block as lesson 3's
-   ``TensorParallelBlock`` (its heads and MLP columns over tp, sequence parallel between)
-   whose attention is lesson 5's ring attention over cp. The first virtual stage also holds
-   the embeddings, the last the final norm and the vocabulary head (replicated over tp).
+2. Which piece of the model each rank holds. The pipeline rank's blocks (one contiguous
+   share, or v chunks interleaved), each lesson 3's ``TensorParallelBlock`` whose attention
+   is lesson 5's ring attention over cp; the first virtual stage also holds the embeddings,
+   the last the final norm and the head (both whole on every tp rank).
 
-3. Where the loss is averaged. Every rank computes the cross-entropy over its own tokens,
-   and R = dp x cp x tp ranks hold different tokens of the same batch (the pp ranks hold
-   different layers, not tokens). The mean over the batch is the mean of their means, so
-   each rank's loss is scaled by 1/R and then every gradient is a SUM:
+3. Where the loss is averaged. R = dp x cp x tp ranks hold different tokens of the batch, so
 
        loss = (1/R) sum_ranks mean_(my tokens) CE      (R = dp * cp * tp)
 
-   * inside a tensor-parallel region the sequence-parallel collectives already sum over the
-     tp ranks (the reduce-scatter's backward is an all-gather of every rank's dY);
-   * the parameters every tp rank holds whole (LayerNorms, row-parallel biases, embeddings,
-     the head) saw only this rank's tokens: their gradients are summed over tp;
-   * then every gradient is summed over dp and cp together ("dp_cp").
+   and every gradient is a SUM: the sequence-parallel collectives already sum over tp inside
+   a tensor-parallel region; the parameters every tp rank holds whole (LayerNorms, row-
+   parallel biases, embeddings, head) saw only this rank's tokens, so they are summed over
+   tp; then every gradient is summed over dp and cp together ("dp_cp"). Forget the cp part
+   and each context rank steps with its slice of the sequence alone; forget the 1/R and the
+   gradient is R times too big: the tests plant both and watch them fail.
 
-   Forget the cp part of the sum and each context rank steps with the gradient of its slice
-   of the sequence alone; forget the 1/R and the loss (and its gradient) is R times too big:
-   the tests plant both (replacing ``scaled_loss_fn`` or ``sum_gradients``) and watch
-   them fail.
+4. Where each parameter sits in the full model (``placements``), so the pieces can be put
+   back together (``full_state_dict``) and checkpointed (lesson 8).
 
-4. Where each parameter sits in the full model, so the pieces can be put back together
-   (``full_state_dict``) and checkpointed (lesson 8): ``placements()``.
+5. Hybrid sharding (HSDP, dp = dp_replicate x dp_shard; ``shard_chunks``): each chunk in
+   lesson 2's FSDP over its "dp_shard" group; after backward each gradient's row block is
+   summed over "dp_replicate" (the ranks holding the same block), 1/dp_shard of the model.
+   Summed over the whole data axis it would add other ranks' blocks into this one.
 
-5. Hybrid sharding (HSDP), when the grid's data axis is cut into dp_replicate x dp_shard
-   (``shard_chunks``): each chunk is wrapped in lesson 2's FSDP over its "dp_shard" group,
-   so a weight matrix is held in row blocks there and gathered unit by unit (a block, the
-   embeddings, the head) in forward and backward. After backward, FSDP's reduce-scatter has
-   summed each gradient block over dp_shard; the blocks are then summed over "dp_replicate"
-   (the ranks holding the same block in the other copies): one all-reduce of 1/dp_shard of
-   the model. Summing over the whole data axis again would add other ranks' blocks into
-   this one (the tests plant exactly that). The sum over tp comes first, as above: it
-   touches the same blocks on every tp rank.
-
-Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
-``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
-(lesson 4), ``context_parallel.py`` (lesson 5), and for HSDP only ``fsdp.py`` (lesson 2).
-``training.py`` beside it puts them on the path (``lessons()``).
+Torch alone, plus the lessons' files it composes (train.py puts them on the path):
+``tensor_parallel.py``, ``pipeline_parallel.py``, ``pipeline_schedules.py``,
+``context_parallel.py``, and for HSDP ``fsdp.py``.
 """
 
 from __future__ import annotations
@@ -64,16 +48,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:
-    import context_parallel
-    import pipeline_parallel
-    import pipeline_schedules
-    import tensor_parallel
-except ModuleNotFoundError as missing:
-    raise ModuleNotFoundError(
-        f"parallel_lm.py composes the 07 lessons' algorithm files and {missing.name}.py is not "
-        "on the path: put tensor_parallel.py, pipeline_parallel.py, pipeline_schedules.py and "
-        "context_parallel.py beside it (train.py does this inside the repository)") from None
+import context_parallel
+import pipeline_parallel
+import pipeline_schedules
+import tensor_parallel
 
 LAYOUT = "zigzag"  # the context-parallel layout: every cp rank does the same attention work
 
@@ -95,12 +73,8 @@ def local_tokens(tokens: torch.Tensor, grid) -> torch.Tensor:
 
 def local_positions(seq_len: int, grid) -> torch.Tensor:
     """The global positions (0 .. seq-1) of this rank's tokens, cut as ``local_tokens`` cuts."""
-    positions = torch.arange(seq_len).unsqueeze(0)      # [1, seq]: one row, every dp rank alike
-    cp_part = context_parallel.shard_sequence(positions, 1, grid.rank("cp"), grid.size("cp"),
-                                              LAYOUT)
-    per_tp_rank = cp_part.shape[1] // grid.size("tp")
-    first = grid.rank("tp") * per_tp_rank
-    return cp_part[0, first:first + per_tp_rank]
+    positions = torch.arange(seq_len).expand(grid.size("dp"), seq_len)   # [dp, seq]: a row each
+    return local_tokens(positions, grid)[0]
 
 
 # --------------------------------------------------------------------------- the model's pieces
@@ -192,22 +166,14 @@ def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 
 
 
 def shard_chunks(chunks: list, grid) -> None:
-    """HSDP: wrap each chunk in lesson 2's FSDP over the grid's "dp_shard" group (call after
-    the chunks are on their device, before the optimizer takes their parameters: they become
+    """HSDP: wrap each chunk in lesson 2's FSDP over the grid's "dp_shard" group (after the
+    chunks are on their device, before the optimizer takes their parameters: they become
     this rank's row blocks). The units gathered as one: the embeddings, each block, the head.
     ``average=False``: FSDP's reduce-scatter leaves the sum over dp_shard, as this file sums.
-    Lesson 2's fsdp.py is imported here, not above: only HSDP needs it, and the callers of
-    the rest of this file need not carry it."""
-    try:
-        import fsdp
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError("parallel_lm.shard_chunks (HSDP) wraps the chunks in lesson "
-                                  "2's FSDP: put fsdp.py beside parallel_lm.py (train.py does "
-                                  "this inside the repository)") from None
-    if grid.size("pp") > 1 or grid.size("cp") > 1:
-        raise ValueError("parallel_lm.shard_chunks: HSDP is built here for dp x tp grids; "
-                         f"pp={grid.size('pp')}, cp={grid.size('cp')} must be 1 (the blocks "
-                         "are summed over dp_replicate alone)")
+    Imported here: only HSDP needs lesson 2's fsdp.py."""
+    import fsdp
+    if grid.size("pp") > 1 or grid.size("cp") > 1:   # the blocks summed over dp_replicate alone
+        raise ValueError("parallel_lm.shard_chunks: HSDP is built for dp x tp grids only")
     for chunk in chunks:
         units = list(chunk.blocks)
         for module in (chunk.embedding, chunk.head):

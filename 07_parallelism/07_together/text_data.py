@@ -71,11 +71,18 @@ def load_text(data_file: str | None = None, max_bytes: int | None = None,
 
 
 def read_head(data_file: str, max_bytes: int | None = None) -> bytes:
-    """The first ``max_bytes`` bytes of a file (all of it when None)."""
+    """The first ``max_bytes`` bytes of a file (all of it when None), read in pieces of 1 MiB:
+    ``f.read(10**11)`` would set 100 GB aside before reading a byte."""
+    pieces = []
+    left = max_bytes if max_bytes is not None else math.inf
     with open(data_file, "rb") as f:
-        if max_bytes is None:
-            return f.read()
-        return f.read(max_bytes)
+        while left > 0:
+            piece = f.read(min(left, 2**20))
+            if not piece:
+                break
+            pieces.append(piece)
+            left -= len(piece)
+    return b"".join(pieces)
 
 
 def split_bytes(data: bytes, held_out_share: float = 0.05) -> tuple[bytes, bytes]:
@@ -120,7 +127,3 @@ def unigram_loss(train: torch.Tensor, held_out: torch.Tensor) -> float:
     counts = torch.bincount(train, minlength=VOCAB_SIZE).double() + 1.0
     log_probabilities = (counts / counts.sum()).log()
     return float(-log_probabilities[held_out].mean())
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss)
