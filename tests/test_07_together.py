@@ -100,8 +100,8 @@ swapped = ("pp", "dp_shard", "dp_replicate", "cp", "tp")
 problems = hsdp_differences(2, 2, 1, 1, 2, mesh_order=swapped)
 print("hsdp control: " + ("differs" if problems else "NO DIFFERENCE"))
 
-# one new_group per distinct set of groups (dp_cp is dp when cp = 1; every size-1 axis shares
-# one set of one-rank groups), and destroy() frees every group this rank holds
+# every size-1 axis shares one set of one-rank groups, and destroy() frees every group this
+# rank holds
 calls = []
 real_new_group = dist.new_group
 
@@ -132,7 +132,9 @@ def test_grid_groups_equal_init_device_mesh():
     lines = result.stdout.strip().splitlines()
     want = [f"{shape}: groups equal" for shape in SHAPES] + ["control: differs"]
     want += [f"hsdp {shape}: groups equal" for shape in HSDP_SHAPES] + ["hsdp control: differs"]
-    want += ["new_group 20, left 0"]    # pp, dp, tp: 4 groups each; 8 of one rank (36 before)
+    # 4 groups each on pp, dp, tp, dp_cp, dp_replicate; 8 of one rank for cp and dp_shard
+    # together (36 before: 8 for each size-1 axis)
+    want += ["new_group 28, left 0"]
     assert result.returncode == 0 and lines == want, result.stdout[-3000:] + result.stderr[-3000:]
 
 

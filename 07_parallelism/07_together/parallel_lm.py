@@ -1,4 +1,4 @@
-"""Stage 07, lesson 7: everything together. The course LM split four ways at once.
+"""Stage 07, lesson 7: everything together. The Transformer LM split four ways at once.
 
 Each earlier lesson split one thing: the batch (data parallel, 03-06), the weights inside a
 layer (tensor parallel, lesson 3), the depth (pipeline, lesson 4), the sequence (context
@@ -116,8 +116,7 @@ class StageChunk(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.layer_numbers = layer_numbers          # the blocks' places in the full model
         self.head = head                            # None except on the last virtual stage
-        # HSDP: [the FSDP wrapping this chunk] once shard_chunks ran, and what runs it. A list,
-        # not an attribute: the wrapper holds this chunk, and a module may not hold its parent.
+        # HSDP: [the FSDP wrapping this chunk] (a list: a module may not hold its parent)
         self.sharded_by = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -138,9 +137,8 @@ def ring_attention_over(group):
 
 
 def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 1) -> list:
-    """This rank's model chunks, sliced from ``full_lm`` (the same full model on every rank):
-    ``chunks_per_rank`` > 1 for the interleaved schedule, whose virtual stage c * pp + r is
-    chunk c of pipeline rank r."""
+    """This rank's model chunks, sliced from ``full_lm`` (the same on every rank); with
+    ``chunks_per_rank`` > 1 (interleaved) virtual stage c * pp + r is chunk c of rank r."""
     pp = grid.size("pp")
     num_layers = len(full_lm.blocks)
     ranges = pipeline_parallel.chunk_layers(num_layers, pp, grid.rank("pp"), chunks_per_rank)
@@ -192,8 +190,7 @@ def runner(chunk):
 
 
 def shard_layout(chunk) -> dict:
-    """HSDP: {id(parameter): (rows before sharding, rows per block k)} of the chunk's sharded
-    parameters, read off its FSDP units; {} for a chunk that is not sharded."""
+    """HSDP: {id(parameter): (rows before sharding, rows per block)}, off the FSDP units."""
     layout = {}
     for wrapper in chunk.sharded_by:
         for unit in wrapper.units:
@@ -217,10 +214,9 @@ def scaled_loss_fn(grid):
 
 
 def sum_gradients(chunks: list, grid) -> None:
-    """After backward: first the tp-replicated parameters over tp (they saw this rank's tokens
-    only), then every gradient over dp and cp together. One flat all-reduce per group. Under
-    HSDP (the chunks sharded): FSDP first finishes its reduce-scatters over dp_shard, and the
-    last sum runs over dp_replicate alone (``sum_over_replicas``)."""
+    """After backward: the tp-replicated parameters over tp (they saw this rank's tokens only),
+    then every gradient over dp and cp together, one flat all-reduce per group. Under HSDP:
+    FSDP's reduce-scatters over dp_shard first, the last sum over dp_replicate alone."""
     for chunk in chunks:
         if chunk.sharded_by:
             chunk.sharded_by[0].finish_gradient_synchronization()
@@ -244,9 +240,7 @@ def sum_gradients(chunks: list, grid) -> None:
 
 
 def sum_over_replicas(params: list[nn.Parameter], grid) -> None:
-    """HSDP: each rank holds its dp_shard block of the gradient, summed over dp_shard; the same
-    block sits on every rank of its "dp_replicate" group: sum it there (1/dp_shard of the
-    model per rank, the 1-D parameters whole)."""
+    """HSDP: this rank's gradient block sits on every rank of its "dp_replicate" group."""
     all_reduce_sum(params, grid.group("dp_replicate"))
 
 
@@ -264,10 +258,9 @@ def all_reduce_sum(params: list[nn.Parameter], group) -> None:
 
 def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, inputs, targets,
                device) -> dict:
-    """One forward and backward of the global batch (``inputs``, ``targets``: [batch, seq], the
-    same on every rank) through the pipeline, gradients summed; the optimizer step is the
-    caller's. Returns the executor's timings and ``loss``: the global batch's mean loss, the
-    same number on every rank."""
+    """Forward and backward of the global batch (``inputs``, ``targets``: [batch, seq], the same
+    on every rank) through the pipeline, gradients summed (the optimizer step is the caller's).
+    Returns the executor's result, ``loss`` the batch's mean loss on every rank."""
     loss_fn = scaled_loss_fn(grid)
     pp = grid.size("pp")
     pp_rank = grid.rank("pp")
@@ -300,9 +293,8 @@ def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, input
 
 def evaluate(chunks: list, grid, inputs, targets, device) -> float:
     """The mean loss of one global batch, forward only: each virtual stage in turn, its
-    activation sent on to the next stage's rank (no pipelining: it is only an evaluation).
-    NCCL sends the activation from GPU memory; Gloo's point-to-point takes CPU tensors only,
-    so on a Gloo group it crosses through host memory, as lesson 4's executor does."""
+    activation sent on to the next stage's rank (through host memory on Gloo, whose point-to-
+    point takes CPU tensors only, as lesson 4's executor does)."""
     pp = grid.size("pp")
     pp_group = grid.group("pp")
     wire = torch.device("cpu")
@@ -340,14 +332,10 @@ def evaluate(chunks: list, grid, inputs, targets, device) -> float:
 
 
 def placements(chunks: list, grid) -> list[dict]:
-    """Where each of this rank's parameters sits in the full model: per parameter, its full
-    name (``TransformerLM``'s), the full shape, and the boxes of the full tensor it holds,
-    each ``(local_slices, full_slices)``: a list of (start, stop) per dimension. A column-
-    parallel weight holds rows of each of its stacked blocks (q, k and v: three boxes), a
-    row-parallel weight a block of columns, a replicated parameter all of it; under HSDP only
-    the rows of this rank's FSDP block. ``replica`` is True on the one rank whose copy is the
-    one to save (dp_cp rank 0, or under HSDP for a sharded weight dp_replicate rank 0; for a
-    tp-replicated parameter also tp rank 0)."""
+    """Where each of this rank's parameters sits in the full model: its full name
+    (``TransformerLM``'s), the full shape, and the boxes of the full tensor it holds, each
+    ``(local_slices, full_slices)``, a (start, stop) per dimension; ``replica``: this rank's
+    copy is the one to save (``placement_of``)."""
     entries = []
     for chunk in chunks:
         sharded = shard_layout(chunk)
@@ -369,10 +357,11 @@ def placements(chunks: list, grid) -> list[dict]:
 
 
 def placement_of(full_name: str, p: torch.Tensor, module, grid, fsdp_rows=None) -> dict:
-    """One parameter's entry of ``placements``. ``fsdp_rows``: under HSDP, for a weight FSDP
-    cut into row blocks, (its rows before, rows per block k): ``p`` holds rows
-    [s k, (s+1) k) of the tensor that tensor parallelism left on this rank, s the dp_shard
-    rank."""
+    """One parameter's entry of ``placements``. A column-parallel weight holds rows of each of
+    its stacked blocks (q, k, v: three boxes), a row-parallel weight a block of columns, a
+    replicated parameter all of it. ``fsdp_rows`` (HSDP): (rows before FSDP, rows per block):
+    only the rows of this rank's block. The copy to save: dp_cp rank 0 (under HSDP dp_replicate
+    rank 0), and tp rank 0 for a parameter every tp rank holds whole."""
     tp = grid.size("tp")
     tp_rank = grid.rank("tp")
     local_shape = list(p.shape)
@@ -412,16 +401,13 @@ def placement_of(full_name: str, p: torch.Tensor, module, grid, fsdp_rows=None) 
 
 
 def rows_of_block(boxes: list, rows_per_block: int, block: int) -> list:
-    """The boxes cut to FSDP's row block ``block``: local rows [block k, (block+1) k), moved
-    to start at 0 (the block's own rows). A box's local and full rows run in step, so a cut
-    of one is the same cut of the other; a box outside the block drops out (the padding rows
-    past the end are in no box)."""
+    """The boxes cut to FSDP's row block ``block`` (local rows [block k, (block+1) k)), moved to
+    start at 0; local and full rows run in step, and a box outside the block drops out."""
     first = block * rows_per_block
     last = first + rows_per_block
     cut = []
     for local_box, full_box in boxes:
-        local_start = local_box[0][0]
-        local_stop = local_box[0][1]
+        local_start, local_stop = local_box[0]
         start = max(local_start, first)
         stop = min(local_stop, last)
         if start >= stop:
@@ -435,8 +421,7 @@ def rows_of_block(boxes: list, rows_per_block: int, block: int) -> list:
 
 def full_state_dict(chunks: list, grid, to: int = 0, gradients: bool = False) -> dict | None:
     """The full model's parameters (``TransformerLM``'s names, float32) on global rank ``to``
-    (None elsewhere): each rank sends the boxes it is the saving replica of. ``gradients``:
-    their gradients instead (zeros where a parameter has none)."""
+    (None elsewhere), from the saving replicas; ``gradients``: theirs (zeros where none)."""
     mine = []
     for entry in placements(chunks, grid):
         if not entry["replica"]:

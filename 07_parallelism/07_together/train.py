@@ -1,5 +1,6 @@
-"""Stage 07, lesson 7: train the course LM on real text over a grid of data, pipeline, context
-and tensor parallel ranks, and check it against one process.
+"""Stage 07, lesson 7: train a Transformer LM (``--model``, default the ``tiny`` preset) on real
+text over a grid of data, pipeline, context and tensor parallel ranks, and check it against one
+process.
 
     python 07_parallelism/07_together/train.py --dp 2 --tp 2                 # 4 ranks
     python 07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2 --steps 20 --check
@@ -7,18 +8,14 @@ and tensor parallel ranks, and check it against one process.
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
         07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2          # tp inside a node
 
-The text is the Python standard library's source on this machine (``--data FILE`` for any
-other), bytes as tokens. The global batch of step s depends on (seed, s) alone, whatever the
-grid, so every grid trains the same model: ``--check`` first trains one process beside the
-grid and compares the loss, every gradient and every weight after each step (exit 1 on a
-difference). A line every ``--log-every`` steps gives the loss and the held-out loss. At the
-end, on rank 0: the loss curve (results/train_curve.csv) and its picture (results/
-train_loss.png, one process's curve of the same seed under it when one was run), a sample of
-generated text, and with ``--save-full PATH`` the model as ``TransformerLM``'s state dict.
-
-The pieces: ``grid.py`` (which ranks form which group), ``parallel_lm.py`` (the LM split over
-the grid, one training step), ``text_data.py`` (the text and the batches). Here: the flags,
-the loop, the check against one process, the end. Lesson 8 runs this loop with checkpoints.
+The text: the standard library's source (``--data FILE`` for another), bytes as tokens. Batch s
+depends on (seed, s) alone, whatever the grid, so every grid trains the same model: ``--check``
+first trains one process beside the grid, comparing the loss, every gradient and every weight
+after each step (exit 1 on a difference). At the end, rank 0 writes the loss curve (results/
+train_curve.csv) and its picture (results/train_loss.png, over one process's curve of the same
+seed when one was run), prints a sample, and with ``--save-full`` saves ``TransformerLM``'s
+state dict. The pieces: ``grid.py``, ``parallel_lm.py``, ``text_data.py``; lesson 8 runs this
+loop with checkpoints.
 """
 
 from __future__ import annotations
@@ -221,8 +218,7 @@ def train_main(ctx, args, checkpoints_class=None) -> None:
 
 
 def stop_unless_finite(loss: float, step: int) -> None:
-    """A loss of NaN or infinity (a learning rate far too large) stops the run: one line from
-    rank 0 naming the step, exit status 2 on every rank (every rank has the same loss)."""
+    """A loss of NaN or infinity stops the run: one line from rank 0, exit 2 on every rank."""
     if math.isfinite(loss):
         return
     if dist.get_rank() == 0:
@@ -292,8 +288,7 @@ def plot(results: Path, rows: list[dict], unigram: float) -> None:
                          linewidth=width, alpha=alpha, label=f"training loss, {name}")
         held = [r for r in mine if r["held_out_loss"] not in ("", "nan")]
         axes.plot([int(r["step"]) for r in held], [float(r["held_out_loss"]) for r in held], "o",
-                  color=line[0].get_color(), alpha=alpha, markersize=4 + width,
-                  label=f"held-out loss, {name}")
+                  color=line[0].get_color(), alpha=alpha, label=f"held-out loss, {name}")
     axes.axhline(unigram, color="gray", linestyle=":", label="unigram baseline")
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats per byte)")
@@ -333,12 +328,11 @@ def check_main(ctx, args) -> None:
 
 
 def check_against_one_process(ctx, args, steps: int, more_checks=None) -> tuple[list, float]:
-    """The grid of ``args`` and one process side by side for ``steps`` steps on the same global
-    batches: first a held-out batch forward only; after each backward the loss and every
-    gradient (gathered whole on rank 0), after each step every weight, and ``more_checks(chunks,
-    grid)`` (the tests': replicas bitwise equal, each piece saved once). Returns the problems,
-    the same list on every rank (it stops at the first step with one), and the largest weight
-    difference."""
+    """The grid of ``args`` and one process side by side for ``steps`` steps on the same batches:
+    a held-out batch forward only, then after each step the loss, every gradient and weight
+    (gathered whole on rank 0), and ``more_checks(chunks, grid)`` (the tests'). Returns the
+    problems, the same list on every rank (it stops at the first step with one), and rank 0's
+    largest weight difference."""
     from common import models, verify
     _, parallel_lm, _ = lessons()
     grid, chunks, optimizer, _ = build(ctx, args)
@@ -381,14 +375,11 @@ def check_against_one_process(ctx, args, steps: int, more_checks=None) -> tuple[
         found, difference = differences(weights, reference.state_dict(), step, "weight", 0.0,
                                         1e-5)
         problems += found
-        worst = max(worst, difference)
+        worst = max(worst, difference)       # on rank 0, which compares the gathered weights
         if more_checks is not None:
             problems += more_checks(chunks, grid)
-    # rank 0 compared the gathered weights: its worst, on every rank (NCCL reduces GPU memory)
-    worst_everywhere = torch.tensor([worst], dtype=torch.float64, device=ctx.device)
-    dist.all_reduce(worst_everywhere, op=dist.ReduceOp.MAX)
     grid.destroy()
-    return verify.agree_on_problems(problems), worst_everywhere.item()
+    return verify.agree_on_problems(problems), worst
 
 
 def differences(state: dict | None, want: dict, step: int, what: str, relative_atol: float,

@@ -70,7 +70,7 @@ def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
             "chunks": chunks, "micro_batches": micro_batches, "dp_shard": dp_shard}
 
 
-# The grids of the bench, by world size. The course's tiny LM has 2 blocks (pp <= 2); on a GPU
+# The grids of the bench, by world size. The tiny LM has 2 blocks (pp <= 2); on a GPU
 # box the "small" LM has 12.
 GRIDS = {
     4: [grid_spec(dp=4),
@@ -623,7 +623,7 @@ def reference_loss(sizes: dict, lessons) -> float:
 
 
 class TorchLM(nn.Module):
-    """The course LM in the shape torch's tensor parallel plans expect: q, k and v as three
+    """The LM in the shape torch's tensor parallel plans expect: q, k and v as three
     Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
     and the fused projection would be cut across q, k and v). The same weights."""
 
