@@ -53,7 +53,7 @@ def differences(dp, pp, cp, tp, mesh_order):
         theirs["dp_cp"] = dist.get_process_group_ranks(flat.get_group())
         for axis, want in theirs.items():
             got = dist.get_process_group_ranks(ours.group(axis))
-            if got != want or ours.ranks(axis) != want or ours.rank(axis) != want.index(rank):
+            if got != want or ours.members[axis] != want or ours.rank(axis) != want.index(rank):
                 problems.append(f"rank {rank} axis {axis}: ours {got}, the mesh's {want}")
         dist.destroy_process_group()
     return problems
@@ -304,9 +304,7 @@ def test_bad_input_is_refused_before_any_worker_starts(tmp_path, capsys, monkeyp
     os.mkfifo(fifo)
     cases = [
         (["--world-size", "4", "--dp", "3", "--tp", "2"], "must equal the world size 4"),
-        (["--world-size", "4", "--dp", "4", "--dp-replicate", "3", "--dp-shard", "2"],
-         "--dp-replicate x --dp-shard must equal --dp 4"),
-        (["--world-size", "4", "--dp-shard", "3"], "must equal --dp 4"),
+        (["--world-size", "4", "--dp-shard", "3"], "--dp-shard must divide --dp 4"),
         (["--world-size", "4", "--dp", "2", "--pp", "2", "--dp-shard", "2"], "HSDP"),
         (["--world-size", "4", "--dp", "2", "--cp", "2", "--dp-shard", "2"], "HSDP"),
         (["--world-size", "4", "--dp-shard", "2", "--fsdp"], "HSDP"),
@@ -324,11 +322,9 @@ def test_bad_input_is_refused_before_any_worker_starts(tmp_path, capsys, monkeyp
     for argv, needle in cases:
         full = ["--world-size", "1", "--backend", "gloo", "--device", "cpu", *argv]
         assert_main_usage_error(train_py.parse, full, capsys, needle)
-    # HSDP: --dp is replicate x shard, given either way
-    args, _ = train_py.parse(["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "2"])
-    assert (args.dp, args.dp_replicate, args.dp_shard) == (4, 2, 2)
+    # HSDP: --dp is the whole data axis, --dp-shard its part
     args, _ = train_py.parse(["--world-size", "4", "--dp-shard", "2", "--tp", "2"])
-    assert (args.dp, args.dp_replicate, args.dp_shard) == (2, 1, 2)
+    assert (args.dp, args.dp_shard) == (2, 2)
     # nothing of the tries is left behind
     train_py.parse(["--world-size", "1", "--save-full", str(tmp_path / "model.pt")])
     assert sorted(path.name for path in tmp_path.iterdir()) == ["fifo"]
@@ -535,7 +531,7 @@ import torch.nn as nn  # noqa: E402
 import grid_bench  # noqa: E402
 from common import results  # noqa: E402
 
-# train.py --bench at test sizes: three grids that use every axis and ZeRO-1, torch's
+# grid_bench at test sizes: four grids that use every axis and ZeRO-1, torch's
 # composition beside ours, two pipeline schedules against torch's (1F1B, and ZB-V on the V
 # layout: 4 blocks, pieces r and 3-r), real and emulated
 BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "iters": 1,

@@ -150,27 +150,10 @@ class ProcessGrid:
     def size(self, axis: str) -> int:
         return len(self.members[axis])
 
-    def ranks(self, axis: str) -> list[int]:
-        """The global ranks of this rank's group along ``axis``, in group order."""
-        return list(self.members[axis])
-
-    def __repr__(self) -> str:
-        where = ", ".join(f"{axis}={self.coordinate[axis]}/{self.sizes[axis]}" for axis in AXES)
-        return f"ProcessGrid(rank {self.global_rank}: {where})"
-
 
 def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1) -> str:
-    """The grid as text: one line per (pp, dp) pair, the cp x tp ranks of it, e.g. for 8 ranks
-    (dp, pp, cp, tp) = (2, 2, 1, 2):
-
-        pp 0  dp 0 | cp 0: 0 1
-        pp 0  dp 1 | cp 0: 2 3
-        pp 1  dp 0 | cp 0: 4 5
-        pp 1  dp 1 | cp 0: 6 7
-
-    With ``dp_shard`` > 1 (HSDP) each data index also says its replica and shard:
-    "pp 0  dp 1 (replica 0, shard 1) | cp 0: 1".
-    """
+    """The grid as text, a line per (pp, dp) pair: "pp 1  dp 0 | cp 0: 4 5" (its cp x tp ranks;
+    under HSDP "pp 0  dp 1 (replica 0, shard 1) | cp 0: 1")."""
     sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     lines = []
     for pp_index in range(pp):

@@ -1,38 +1,30 @@
 """Stage 07, lesson 7: everything together. The Transformer LM split four ways at once.
 
-Each earlier lesson split one thing: the batch (data parallel, 03-06), the weights inside a
-layer (tensor parallel, lesson 3), the depth (pipeline, lesson 4), the sequence (context
-parallel, lesson 5). This file composes them on a grid of ranks (``grid.ProcessGrid``) and
-adds only what composing needs:
+Each earlier lesson split one thing: the batch (03-06), the weights inside a layer (lesson 3),
+the depth (lesson 4), the sequence (lesson 5). This file composes them on a grid of ranks
+(``grid.ProcessGrid``) and adds only what composing needs:
 
-1. Who holds which tokens. A global batch [batch, seq]: its rows over dp, its sequence over
-   cp (zig-zag), and between the tensor-parallel regions that piece again over tp (sequence
-   parallelism). Rank (dp_i, cp_j, tp_k) holds [batch/dp, seq/(cp tp)] tokens, with their
+1. Who holds which tokens: of a global batch [batch, seq], rank (dp_i, cp_j, tp_k) holds rows
+   dp_i, of the sequence the zig-zag shard cp_j, and between the tensor-parallel regions the
+   tp_k-th slice of that (sequence parallelism): [batch/dp, seq/(cp tp)] tokens, with their
    GLOBAL positions (the position embedding and the causal mask need them).
-
-2. Which piece of the model each rank holds. The pipeline rank's blocks (one contiguous
-   share, or v chunks interleaved), each lesson 3's ``TensorParallelBlock`` whose attention
-   is lesson 5's ring attention over cp; the first virtual stage also holds the embeddings,
-   the last the final norm and the head (both whole on every tp rank).
-
+2. Which piece of the model: the pipeline rank's blocks (one share, or v chunks interleaved),
+   each lesson 3's ``TensorParallelBlock`` with lesson 5's ring attention over cp; the first
+   virtual stage also holds the embeddings, the last the final norm and the head (both whole
+   on every tp rank).
 3. Where the loss is averaged. R = dp x cp x tp ranks hold different tokens of the batch, so
 
        loss = (1/R) sum_ranks mean_(my tokens) CE      (R = dp * cp * tp)
 
-   and every gradient is a SUM: the sequence-parallel collectives already sum over tp inside
-   a tensor-parallel region; the parameters every tp rank holds whole (LayerNorms, row-
-   parallel biases, embeddings, head) saw only this rank's tokens, so they are summed over
-   tp; then every gradient is summed over dp and cp together ("dp_cp"). Forget the cp part
-   and each context rank steps with its slice of the sequence alone; forget the 1/R and the
-   gradient is R times too big: the tests plant both and watch them fail.
-
-4. Where each parameter sits in the full model (``placements``), so the pieces can be put
-   back together (``full_state_dict``) and checkpointed (lesson 8).
-
-5. Hybrid sharding (HSDP, dp = dp_replicate x dp_shard; ``shard_chunks``): each chunk in
-   lesson 2's FSDP over its "dp_shard" group; after backward each gradient's row block is
-   summed over "dp_replicate" (the ranks holding the same block), 1/dp_shard of the model.
-   Summed over the whole data axis it would add other ranks' blocks into this one.
+   and every gradient is a SUM: over tp for the parameters every tp rank holds whole (inside
+   a tensor-parallel region the sequence-parallel collectives already sum), then everything
+   over dp and cp together ("dp_cp"). Forget the cp part or the 1/R and the model trains
+   wrong: the tests plant both and watch them fail.
+4. Where each parameter sits in the full model (``placements``): the pieces put back together
+   (``full_state_dict``) and checkpointed (lesson 8).
+5. HSDP (dp = dp_replicate x dp_shard, ``shard_chunks``): each chunk in lesson 2's FSDP over
+   "dp_shard"; each gradient block then summed over "dp_replicate" alone (over the whole
+   data axis it would add other ranks' blocks into this one).
 
 Torch alone, plus the lessons' files it composes (train.py puts them on the path):
 ``tensor_parallel.py``, ``pipeline_parallel.py``, ``pipeline_schedules.py``,
@@ -42,6 +34,7 @@ Torch alone, plus the lessons' files it composes (train.py puts them on the path
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
@@ -56,9 +49,6 @@ import tensor_parallel
 LAYOUT = "zigzag"  # the context-parallel layout: every cp rank does the same attention work
 
 
-# --------------------------------------------------------------------------- who holds which tokens
-
-
 def local_tokens(tokens: torch.Tensor, grid) -> torch.Tensor:
     """This rank's part of a global [batch, seq] tensor (inputs, targets or positions):
     rows over dp, the sequence over cp (zig-zag), then that over tp (contiguous slices)."""
@@ -69,15 +59,6 @@ def local_tokens(tokens: torch.Tensor, grid) -> torch.Tensor:
     per_tp_rank = mine.shape[1] // grid.size("tp")      # sequence parallelism: seq / (cp tp)
     first = grid.rank("tp") * per_tp_rank
     return mine[:, first:first + per_tp_rank]
-
-
-def local_positions(seq_len: int, grid) -> torch.Tensor:
-    """The global positions (0 .. seq-1) of this rank's tokens, cut as ``local_tokens`` cuts."""
-    positions = torch.arange(seq_len).expand(grid.size("dp"), seq_len)   # [dp, seq]: a row each
-    return local_tokens(positions, grid)[0]
-
-
-# --------------------------------------------------------------------------- the model's pieces
 
 
 class Embedding(nn.Module):
@@ -129,13 +110,6 @@ class StageChunk(nn.Module):
         return x
 
 
-def ring_attention_over(group):
-    """The ``attend`` function of a block whose sequence is split over ``group``."""
-    def attend(q, k, v):
-        return context_parallel.ring_attention(q, k, v, group=group, causal=True, layout=LAYOUT)
-    return attend
-
-
 def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 1) -> list:
     """This rank's model chunks, sliced from ``full_lm`` (the same on every rank); with
     ``chunks_per_rank`` > 1 (interleaved) virtual stage c * pp + r is chunk c of rank r."""
@@ -147,8 +121,9 @@ def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 
     for chunk_index, layer_numbers in enumerate(ranges):
         virtual_stage = chunk_index * pp + grid.rank("pp")
         embedding = None
-        if virtual_stage == 0:
-            embedding = Embedding(full_lm, local_positions(seq_len, grid))
+        if virtual_stage == 0:     # the global positions of this rank's tokens, cut the same
+            positions = torch.arange(seq_len).expand(grid.size("dp"), seq_len)   # [dp, seq]
+            embedding = Embedding(full_lm, local_tokens(positions, grid)[0])
         head = None
         if virtual_stage == last_virtual_stage:
             head = Head(full_lm)
@@ -156,8 +131,10 @@ def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 
         for layer in layer_numbers:
             block = tensor_parallel.TensorParallelBlock(full_lm.blocks[layer], grid.group("tp"),
                                                         sequence_parallel=True)
-            if grid.size("cp") > 1:
-                block.attn.attend = ring_attention_over(grid.group("cp"))
+            if grid.size("cp") > 1:        # the block's attention: ring attention over cp
+                block.attn.attend = functools.partial(context_parallel.ring_attention,
+                                                      group=grid.group("cp"), causal=True,
+                                                      layout=LAYOUT)
             blocks.append(block)
         chunks.append(StageChunk(embedding, blocks, layer_numbers, head))
     return chunks
@@ -199,9 +176,6 @@ def shard_layout(chunk) -> dict:
     return layout
 
 
-# --------------------------------------------------------------------------- one training step
-
-
 def scaled_loss_fn(grid):
     """Cross-entropy over this rank's tokens, scaled by 1/R: R ranks hold different tokens."""
     token_holders = grid.size("dp") * grid.size("cp") * grid.size("tp")
@@ -228,11 +202,7 @@ def sum_gradients(chunks: list, grid) -> None:
             if module is not None:
                 replicated.extend(module.parameters())
     all_reduce_sum([p for p in replicated if p.grad is not None], grid.group("tp"))
-    everything = []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.grad is not None:
-                everything.append(p)
+    everything = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
     if chunks[0].sharded_by:
         sum_over_replicas(everything, grid)
     else:
@@ -267,12 +237,8 @@ def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, input
     schedule = pipeline_schedules.all_ranks(schedule_name, pp, micro_batches, len(chunks))
     my_inputs = local_tokens(inputs, grid).to(device)
     my_targets = local_tokens(targets, grid).to(device)
-    micro_inputs = None
-    if pp_rank == 0:
-        micro_inputs = list(my_inputs.chunk(micro_batches))
-    micro_targets = None
-    if pp_rank == pp - 1:
-        micro_targets = list(my_targets.chunk(micro_batches))
+    micro_inputs = list(my_inputs.chunk(micro_batches)) if pp_rank == 0 else None
+    micro_targets = list(my_targets.chunk(micro_batches)) if pp_rank == pp - 1 else None
     d_model = chunks[0].blocks[0].norm1.normalized_shape[0]
     rows = my_inputs.shape[0] // micro_batches
     activation_shape = (rows, my_inputs.shape[1], d_model)   # [micro_batch, local_seq, d_model]
@@ -297,9 +263,7 @@ def evaluate(chunks: list, grid, inputs, targets, device) -> float:
     point takes CPU tensors only, as lesson 4's executor does)."""
     pp = grid.size("pp")
     pp_group = grid.group("pp")
-    wire = torch.device("cpu")
-    if dist.get_backend(pp_group) == "nccl":
-        wire = device
+    wire = device if dist.get_backend(pp_group) == "nccl" else torch.device("cpu")
     loss_fn = scaled_loss_fn(grid)
     x = local_tokens(inputs, grid).to(device)
     my_targets = local_tokens(targets, grid).to(device)
@@ -326,9 +290,6 @@ def evaluate(chunks: list, grid, inputs, targets, device) -> float:
             share[0] = loss_fn(x, my_targets)
     dist.all_reduce(share)                      # the shares of the R token holders, and zeros
     return share.item()
-
-
-# --------------------------------------------------------------------------- the full model again
 
 
 def placements(chunks: list, grid) -> list[dict]:

@@ -28,15 +28,9 @@ VOCAB_SIZE = 256  # one token per byte
 def stdlib_files() -> list[Path]:
     """The standard library's .py files, sorted, without installed packages and test suites."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if "site-packages" in parts or "dist-packages" in parts:
-            continue
-        if "test" in parts or "tests" in parts or "idle_test" in parts:
-            continue
-        files.append(path)
-    return files
+    skipped = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return [path for path in sorted(root.rglob("*.py"))
+            if not skipped & set(path.relative_to(root).parts)]
 
 
 def load_text(data_file: str | None = None, max_bytes: int | None = None,

@@ -4,7 +4,7 @@ process.
 
     python 07_parallelism/07_together/train.py --dp 2 --tp 2                 # 4 ranks
     python 07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2 --steps 20 --check
-    python 07_parallelism/07_together/train.py --dp-replicate 2 --dp-shard 2 --check   # HSDP
+    python 07_parallelism/07_together/train.py --dp 4 --dp-shard 2 --check   # HSDP: 2 x 2
     torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT \\
         07_parallelism/07_together/train.py --dp 2 --pp 2 --tp 2          # tp inside a node
 
@@ -46,8 +46,7 @@ def build_parser(doc: str | None = __doc__):
     add("--cp", type=launch.positive_int, default=1, help="context-parallel degree")
     add("--tp", type=launch.positive_int, default=1, help="tensor-parallel degree")
     add("--dp-shard", type=launch.positive_int, default=1,
-        help="HSDP: shard over this many neighbouring data ranks, replicate over the rest")
-    add("--dp-replicate", type=launch.positive_int, help="HSDP: copies (--dp / --dp-shard)")
+        help="HSDP: shard over this many neighbouring data ranks, replicate over --dp / that")
     add("--fsdp", action="store_true", help="shard AdamW's state over dp x cp (ZeRO-1)")
     add("--schedule", choices=("1f1b", "gpipe", "interleaved", "zbh1"), default="1f1b")
     add("--chunks", type=launch.positive_int, default=1, help="per pipeline rank (interleaved)")
@@ -75,15 +74,12 @@ def parse(argv=None, parser=None):
     parser = parser or build_parser()
     args = parser.parse_args(argv)
     config = launch.resolve(args)
-    if args.dp is None and args.dp_replicate is not None:
-        args.dp = args.dp_replicate * args.dp_shard
     if args.dp is None:
         args.dp = max(1, config.world_size // (args.pp * args.cp * args.tp))
     if args.dp * args.pp * args.cp * args.tp != config.world_size:
         parser.error(f"--dp x --pp x --cp x --tp must equal the world size {config.world_size}")
-    if (args.dp_replicate or args.dp // args.dp_shard) * args.dp_shard != args.dp:
-        parser.error(f"--dp-replicate x --dp-shard must equal --dp {args.dp}")
-    args.dp_replicate = args.dp // args.dp_shard
+    if args.dp % args.dp_shard != 0:
+        parser.error(f"--dp-shard must divide --dp {args.dp} (dp = copies x shards)")
     if args.dp_shard > 1 and (args.pp > 1 or args.cp > 1 or args.fsdp):
         parser.error("--dp-shard (HSDP) composes with --dp and --tp only (no --pp, --cp, --fsdp)")
     if args.batch_size % (args.dp * args.micro_batches) != 0:
@@ -113,9 +109,6 @@ def lessons():
     return (import_stage("07_parallelism/07_together/grid"),
             import_stage("07_parallelism/07_together/parallel_lm"),
             import_stage("07_parallelism/07_together/text_data"))
-
-
-# --------------------------------------------------------------------------- the model and data
 
 
 def build_full_lm(args):
@@ -162,15 +155,19 @@ def batch(tokens, step: int, args, held_out: bool = False):
     return text_data.batch_at(tokens, step, args.batch_size, args.seq_len, args.seed + held_out)
 
 
-# --------------------------------------------------------------------------- training
-
-
 def train_main(ctx, args, checkpoints_class=None) -> None:
     """The run: progress lines, then (rank 0) the curve, the picture, the sample, the model.
     ``checkpoints_class``: lesson 8's, whose ``resume()`` gives the first step and whose
     ``after_step(step)`` saves when a save is due."""
-    if args.check:
-        check_main(ctx, args)
+    if args.check:                 # --check-steps beside one process; exit 1 on a difference
+        problems, worst = check_against_one_process(ctx, args, args.check_steps)
+        if problems:
+            ctx.print("the grid differs from one process:\n  " + "\n  ".join(problems[:20]),
+                      all_ranks=False)
+            raise SystemExit(1)
+        ctx.print(f"check: {args.check_steps} steps on the grid equal {args.check_steps} steps "
+                  f"of one process (the loss, every gradient; weights allclose, largest "
+                  f"difference {worst:.2e})", all_ranks=False)
     grid_mod, parallel_lm, text_data = lessons()
     grid, chunks, optimizer, full_lm = build(ctx, args)
     train_tokens, held_out = load_text(args)
@@ -284,11 +281,8 @@ def plot(results: Path, rows: list[dict], unigram: float) -> None:
     for name in grids:
         mine = sorted((row for row in rows if row["grid"] == name), key=lambda r: int(r["step"]))
         width, alpha = (4, 0.35) if name == SINGLE_PROCESS else (1, 1.0)
-        line = axes.plot([int(r["step"]) for r in mine], [float(r["loss"]) for r in mine],
-                         linewidth=width, alpha=alpha, label=f"training loss, {name}")
-        held = [r for r in mine if r["held_out_loss"] not in ("", "nan")]
-        axes.plot([int(r["step"]) for r in held], [float(r["held_out_loss"]) for r in held], "o",
-                  color=line[0].get_color(), alpha=alpha, label=f"held-out loss, {name}")
+        axes.plot([int(r["step"]) for r in mine], [float(r["loss"]) for r in mine],
+                  linewidth=width, alpha=alpha, label=f"training loss, {name}")
     axes.axhline(unigram, color="gray", linestyle=":", label="unigram baseline")
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats per byte)")
@@ -310,21 +304,6 @@ def sample(lm, held_out, args, new_bytes: int = 200, temperature: float = 0.7) -
             next_token = torch.multinomial(probabilities, 1, generator=generator)
             tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
     return bytes(tokens[0].tolist()).decode("utf-8", errors="replace")
-
-
-# --------------------------------------------------------------------------- against one process
-
-
-def check_main(ctx, args) -> None:
-    """--check: ``--check-steps`` steps beside one process; every rank exits 1 on a difference."""
-    problems, worst = check_against_one_process(ctx, args, args.check_steps)
-    if problems:
-        ctx.print("the grid differs from one process:\n  " + "\n  ".join(problems[:20]),
-                  all_ranks=False)
-        raise SystemExit(1)
-    ctx.print(f"check: {args.check_steps} steps on the grid equal {args.check_steps} steps of one "
-              f"process (the loss, every gradient; weights allclose, largest difference "
-              f"{worst:.2e})", all_ranks=False)
 
 
 def check_against_one_process(ctx, args, steps: int, more_checks=None) -> tuple[list, float]:
@@ -391,11 +370,11 @@ def differences(state: dict | None, want: dict, step: int, what: str, relative_a
     problems = []
     worst = 0.0
     for name, expected in want.items():
-        difference = (state[name].to(expected.device) - expected).abs().max().item()
+        got = state[name].to(expected.device)
+        difference = (got - expected).abs().max().item()
         worst = max(worst, difference)
         largest = expected.abs().max().item()
-        if not torch.allclose(state[name].to(expected.device), expected, rtol=1e-4,
-                              atol=atol + relative_atol * largest):
+        if not torch.allclose(got, expected, rtol=1e-4, atol=atol + relative_atol * largest):
             problems.append(f"step {step + 1}: {name} {what} differs from one process by "
                             f"{difference:.3g} (largest value {largest:.3g})")
     return problems, worst
