@@ -883,10 +883,8 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     loss_rank = pipeline_schedules.loss_rank(schedule_name, stages, chunks_per_rank)
     micro_batches = setting["micro_batches"]
     schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
-    splits_backward = False       # W steps (ZB-V, DualPipeV): weight gradients after B
-    for step in schedule[pp_rank]:
-        if step.op == pipeline_schedules.WEIGHT:
-            splits_backward = True
+    # W steps (ZB-V, DualPipeV): weight gradients after B
+    splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
     rows = setting["rows"]
     torch.manual_seed(0)
     blocks = []
@@ -894,13 +892,10 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         blocks.append(models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device))
     generator = torch.Generator().manual_seed(1)
     activation_shape = (rows, setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
-    inputs = torch.randn((micro_batches * rows,) + activation_shape[1:], generator=generator)
-    targets = torch.randn((micro_batches * rows,) + activation_shape[1:], generator=generator)
-    inputs = inputs.to(ctx.device)
-    targets = targets.to(ctx.device)
-    emulate_s = 0.0
-    if compute == "emulated":
-        emulate_s = setting["emulate_ms"] / 1e3
+    shape_all = (micro_batches * rows,) + activation_shape[1:]
+    inputs = torch.randn(shape_all, generator=generator).to(ctx.device)
+    targets = torch.randn(shape_all, generator=generator).to(ctx.device)
+    emulate_s = setting["emulate_ms"] / 1e3 if compute == "emulated" else 0.0
     ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank,
                                             layout)
     our_chunks = []
@@ -921,12 +916,9 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
                                           ctx.device, group=group))
     theirs = torch_schedule(schedule_name, torch_stages, micro_batches)
-    micro_inputs = None
-    if pp_rank == 0:
-        micro_inputs = list(inputs.chunk(micro_batches))
-    micro_targets = None
-    if pp_rank == loss_rank:        # p-1, or 0 on the V
-        micro_targets = list(targets.chunk(micro_batches))
+    micro_inputs = list(inputs.chunk(micro_batches)) if pp_rank == 0 else None
+    # the loss on p-1, or 0 on the V
+    micro_targets = list(targets.chunk(micro_batches)) if pp_rank == loss_rank else None
 
     def ours_step():
         for chunk in our_chunks:
@@ -1104,30 +1096,21 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
           f"{sizes['seq_len']} tokens, on {ctx.world_size} ranks ({ctx.backend}/"
           f"{ctx.device.type}; {machine}). Step: the slowest rank's median of "
           f"{sizes['iters']} after {sizes['warmup']} warm-up.", flush=True)
-    memory = []
-    sent = []
+    ours = []
     for row in our_rows:
         line = {"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"]}
-        for kind in KINDS:
+        for kind in ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp", "sent_dp_cp"):
             line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
-        memory.append({**line, "worst difference": percent(row["worst_difference"])})
-        line = {"grid": row["grid"], "setting": row["setting"]}
-        for axis in AXES:
-            line[f"{axis} {unit_name}"] = counted_and_formula(row, f"sent_{axis}", unit)
-        sent.append(line)
-    results.print_table(memory, floatfmt=".0f", title="\nOur grids, per rank (the largest "
-                        "rank), counted (formula); activation: saved, one micro-batch:")
-    results.print_table(sent, title="\nBytes sent per step per rank, by axis (ring shares; the "
-                        "largest rank), counted (formula); other: a group no axis names:")
+        ours.append({**line, "worst difference": percent(row["worst_difference"])})
+    results.print_table(ours, floatfmt=".0f", title="\nOur grids, per rank (the largest rank), "
+                        "counted (formula); activation: saved, one micro-batch; sent: per step "
+                        "(every column in results/grid.csv):")
     beside = []
     for row in torch_rows:
         line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
                 "step ms": row["step_ms"]}
-        for kind in ("param", "grad", "optim", "activation", "sent_tp", "sent_dp_shard",
-                     "sent_dp_replicate"):
+        for kind in ("param", "optim", "activation", "sent_tp"):
             line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
-        data_axis = row.get("sent_dp_bytes", row["sent_dp_cp_bytes"])
-        line[f"sent_dp {unit_name}"] = f"{data_axis / unit:.1f}"
         beside.append(line)
     results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, the "
                         f"same LM and batch, each pair timed in {sizes['rounds']} alternating "
