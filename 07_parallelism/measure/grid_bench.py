@@ -702,17 +702,21 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss}
 
 
-def count_torch(ctx, built: dict, axes: dict) -> dict:
-    """torch's composition: the first step's loss (the mean over every rank), the second step
-    counted as ours is (FSDP2 sets its buffers up in the first; DTensor's collectives counted
-    at dispatch, fully_shard's as torch.distributed calls), and one forward's saved
-    activations (fully_shard gathers the weights into new storage: those are left out)."""
+def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
+    """torch's composition: a step counted as ours is (the ``second``: FSDP2's HSDP sets its
+    buffers up in the first; DTensor's collectives counted at dispatch, fully_shard's as
+    torch.distributed calls), the first step's loss (the mean over every rank), and one
+    forward's saved activations (fully_shard gathers the weights into new storage: those are
+    left out)."""
     lm = built["lm"]
-    first = built["step"]().detach().reshape(1) / ctx.world_size
-    dist.all_reduce(first)
+    first = None
+    if second:
+        first = built["step"]()
     with CommCounter(axes=axes) as comm:
         with FunctionalCommCounter(axes=axes) as functional:
-            built["step"]()
+            loss = built["step"]()
+    first = (loss if first is None else first).detach().reshape(1) / ctx.world_size
+    dist.all_reduce(first)
     counted = {"param": state_bytes(lm.parameters()),
                "grad": state_bytes(p.grad for p in lm.parameters()),
                "optim": optimizer_state_bytes(built["optimizer"])}
@@ -768,7 +772,7 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
             ours = build_grid(ctx, spec, sizes, lessons)
             ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
             theirs = build_torch(ctx, sizes, lessons, data_mesh, tp_mesh)
-            theirs_mine = count_torch(ctx, theirs, axes)
+            theirs_mine = count_torch(ctx, theirs, axes, second=pair == "hsdp")
             seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]},
                                           sizes)
             ours["grid"].destroy()
