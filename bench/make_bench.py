@@ -16,7 +16,7 @@ order: stage 02's sweep; stages 03-06 and torch DDP on the LM with 06's bucket s
 sequence-parallel bytes, pipeline schedules (real and emulated compute), the sharding ledger
 (DDP, ZeRO-1/2, FSDP, torch's), context parallelism (ring attention), expert parallelism on 2
 and 4 ranks, everything together (our grids beside torch's composition and pipelining; not in
-the quick run: ``train.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
+the quick run: ``measure/grid_bench.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
 and checkpoints beside ``torch.distributed.checkpoint``; last, ``bench/compute.py``: the LM at
 one rank's shapes on one device beside the matmul peak measured in the same run (MFU). On one
 GPU every collective crosses host memory, so its plan is cut to what that path carries in the
@@ -353,7 +353,6 @@ MEASURED_BY = {
         "07_parallelism/measure/bench_context_parallel.py",
     "07_parallelism/06_expert_parallel/run_expert_parallel.py":
         "07_parallelism/measure/bench_expert_parallel.py",
-    "07_parallelism/07_together/train.py": "07_parallelism/measure/grid_bench.py",
     "07_parallelism/08_checkpoints/run_checkpoint.py": "07_parallelism/measure/bench_checkpoint.py",
 }
 
@@ -429,14 +428,14 @@ def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str
 
 
 def together_argv(setup: Setup) -> list[str]:
-    """Lesson 7's ``train.py --bench``: its grids on 8 ranks with 8 GPUs, on 4 with 4-7 (NCCL,
+    """Lesson 7's grids (``measure/grid_bench.py --bench``): its grids on 8 ranks with 8 GPUs, on 4 with 4-7 (NCCL,
     its GPU sizes); with fewer GPUs its CPU sizes on 4 ranks of the host's cores (its bench
     sends CUDA tensors over NCCL only). It has one size per box, no quicker one."""
     if setup.gpus >= 4:
         world_size = 8 if setup.gpus >= 8 else 4
-        return ["07_parallelism/07_together/train.py", "--bench", "--world-size",
+        return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size",
                 str(world_size), "--backend", "nccl", "--device", "cuda", "--bench-sizes", "gpu"]
-    return ["07_parallelism/07_together/train.py", "--bench", "--world-size", "4", "--backend",
+    return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size", "4", "--backend",
             "gloo", "--device", "cpu", "--bench-sizes", "cpu"]
 
 

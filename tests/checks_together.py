@@ -1,5 +1,8 @@
 """Lesson 7's checks that need ranks: grids of four ranks trained beside one process, with
-planted bugs that each must be caught, run inside one launch (``grid_worker``).
+planted bugs that each must be caught, run inside one launch (``grid_worker``). Besides
+train.py's check (the loss, every gradient, every weight), after each step: every replica of a
+piece bitwise equal to its copies, and the pieces marked to be saved cover the full model
+exactly once (``placement_problems``).
 
 A planted bug replaces one function of ``parallel_lm`` inside the worker (a forked rank does
 not see the test's monkeypatch), for one case, and puts the original back after it.
@@ -15,8 +18,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-import training
+from common import import_stage, verify
+
+train = import_stage("07_parallelism/07_together/train")
 
 
 def small_args(data: str, **grid) -> argparse.Namespace:
@@ -29,7 +35,7 @@ def small_args(data: str, **grid) -> argparse.Namespace:
 
 
 def parallel_lm():
-    return training.lessons()[1]
+    return train.lessons()[1]
 
 
 def replicated_parameters(chunks) -> list:
@@ -151,7 +157,7 @@ def nan_stop(ctx) -> dict:
     sys.stderr = captured
     code = None
     try:
-        training.stop_unless_finite(float("nan"), 7)
+        train.stop_unless_finite(float("nan"), 7)
     except SystemExit as stop:
         code = stop.code
     finally:
@@ -163,9 +169,78 @@ def grid_worker(ctx, data: str, out: str) -> None:
     findings = {}
     for label, grid, bug in FOUR_RANK_CASES:
         with planted(bug):
-            problems, worst = training.check_against_one_process(ctx, small_args(data, **grid), 2)
+            problems, worst = train.check_against_one_process(ctx, small_args(data, **grid), 2,
+                                                              placement_problems)
         findings[label] = {"problems": problems, "worst": worst}
-    stops = training.agree([json.dumps(nan_stop(ctx))])    # every rank's outcome, on every rank
+    stops = verify.agree_on_problems([json.dumps(nan_stop(ctx))])  # every rank's, everywhere
     if ctx.is_main:
         findings["nan stop"] = [json.loads(line.split(": ", 1)[1]) for line in stops]
         Path(out).write_text(json.dumps(findings))
+
+
+def placement_problems(chunks, grid) -> list[str]:
+    """The tests' checks beside train.py's, after each step: replicas and saved pieces."""
+    return replica_differences(chunks, grid) + saved_once_problems(chunks, grid)
+
+
+def replica_differences(chunks, grid) -> list[str]:
+    """Copies of one piece held by several ranks must be bitwise equal: over dp and cp for
+    every piece (under HSDP a weight's row block over dp_replicate: the dp_shard ranks hold
+    different blocks), and over tp too for the pieces tensor parallelism does not split."""
+    problems = []
+    for entry in parallel_lm().placements(chunks, grid):
+        groups = ["dp_cp"]
+        if entry["dp_sharded"]:
+            groups = ["dp_replicate"]
+        if entry["tp_whole"]:
+            groups.append("tp")
+        for axis in groups:
+            if grid.size(axis) == 1:
+                continue
+            mine = entry["tensor"].detach().contiguous()
+            copies = [torch.empty_like(mine) for _ in range(grid.size(axis))]
+            dist.all_gather(copies, mine, group=grid.group(axis))
+            for index, copy in enumerate(copies):
+                if not torch.equal(copy, mine):
+                    problems.append(f"{entry['name']}: the copy on {axis} rank {index} differs "
+                                    f"from rank {grid.rank(axis)}'s")
+    return problems
+
+
+def saved_once_problems(chunks, grid) -> list[str]:
+    """The pieces marked ``replica`` (the copy to save, to gather, to checkpoint) must cover
+    every element of the full model exactly once: a piece marked on two ranks is written twice,
+    a piece marked on none is lost. Rank 0 counts, per element, how many ranks mark it (the
+    boxes travel as objects: bookkeeping, not tensors); the others return no problem."""
+    mine = []
+    for entry in parallel_lm().placements(chunks, grid):
+        if entry["replica"]:
+            full_boxes = [full_box for _, full_box in entry["boxes"]]
+            mine.append((entry["name"], entry["full_shape"], full_boxes))
+    gathered = None
+    if dist.get_rank() == 0:
+        gathered = [None] * dist.get_world_size()
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return []
+    counts = {}
+    for name, p in train.build_full_lm(SHAPE_ONLY).named_parameters():
+        counts[name] = torch.zeros(p.shape, dtype=torch.int32)
+    holders = {}
+    for rank, entries in enumerate(gathered):
+        for name, _, full_boxes in entries:
+            holders.setdefault(name, []).append(rank)
+            for full_box in full_boxes:
+                index = tuple(slice(start, stop) for start, stop in full_box)
+                counts[name][index] += 1
+    problems = []
+    for name, count in counts.items():
+        if not bool((count == 1).all()):
+            problems.append(f"{name}: marked to be saved by ranks {holders.get(name, [])}, "
+                            f"covering its elements {int(count.min())} to {int(count.max())} "
+                            "times; each must be saved exactly once")
+    return problems
+
+
+# the full model's names and shapes, as small_args builds it
+SHAPE_ONLY = argparse.Namespace(model="tiny", seq_len=32, seed=0)

@@ -1,12 +1,11 @@
 """Stage 07, everything together: the grid of ranks, the text, and training over the grid.
 
 The grid's groups are checked against torch's ``init_device_mesh`` without spawning: torch's
-fake process group lets one process play any rank of any world size, so every rank of every
-shape is checked in a few fresh interpreters (one per shape). Training over grids of four
-ranks, beside one process, with planted bugs, runs in one launch (``checks_together.py``);
-train.py itself runs as a subprocess (under torchrun on two "nodes"; the crash recipe of its
-help, as printed, is run by test_07_checkpoints.py beside a run that never stopped); its flags are checked in this process (``train_flags.parse``), and so
-is the training loop on a one-rank group (a NaN loss). Nothing here imports train.py.
+fake process group lets one process play any rank of any world size (and counts the groups a
+grid makes). Training over grids of four ranks, beside one process, with planted bugs, runs in
+one launch (``checks_together.py``); train.py itself runs as a subprocess (under torchrun on
+two "nodes"); its refusals and the training loop on a one-rank group (a NaN loss, a save that
+fails) run in this process.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ def differences(dp, pp, cp, tp, mesh_order):
         theirs["dp_cp"] = dist.get_process_group_ranks(flat.get_group())
         for axis, want in theirs.items():
             got = dist.get_process_group_ranks(ours.group(axis))
-            if got != want or ours.ranks(axis) != want or ours.rank(axis) != want.index(rank):
+            if got != want or ours.members[axis] != want or ours.rank(axis) != want.index(rank):
                 problems.append(f"rank {rank} axis {axis}: ours {got}, the mesh's {want}")
         dist.destroy_process_group()
     return problems
@@ -100,6 +99,26 @@ for shape in HSDP_SHAPES:
 swapped = ("pp", "dp_shard", "dp_replicate", "cp", "tp")
 problems = hsdp_differences(2, 2, 1, 1, 2, mesh_order=swapped)
 print("hsdp control: " + ("differs" if problems else "NO DIFFERENCE"))
+
+# every size-1 axis shares one set of one-rank groups, and destroy() frees every group this
+# rank holds
+calls = []
+real_new_group = dist.new_group
+
+
+def counting_new_group(*args, **kwargs):
+    calls.append(args)
+    return real_new_group(*args, **kwargs)
+
+
+dist.new_group = counting_new_group
+dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+live = len(dist.distributed_c10d._world.pg_map)
+ours = grid.ProcessGrid(dp=2, pp=2, cp=1, tp=2)
+made = len(calls)
+ours.destroy()
+print(f"new_group {made}, left {len(dist.distributed_c10d._world.pg_map) - live}")
+dist.destroy_process_group()
 '''
 
 
@@ -113,6 +132,9 @@ def test_grid_groups_equal_init_device_mesh():
     lines = result.stdout.strip().splitlines()
     want = [f"{shape}: groups equal" for shape in SHAPES] + ["control: differs"]
     want += [f"hsdp {shape}: groups equal" for shape in HSDP_SHAPES] + ["hsdp control: differs"]
+    # 4 groups each on pp, dp, tp, dp_cp, dp_replicate; 8 of one rank for cp and dp_shard
+    # together (36 before: 8 for each size-1 axis)
+    want += ["new_group 28, left 0"]
     assert result.returncode == 0 and lines == want, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -130,11 +152,13 @@ def test_grid_coordinates_without_processes():
     assert grid_mod.groups_along(("dp",), hsdp) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     drawn = grid_mod.draw_grid(dp=2, pp=2, cp=1, tp=2).splitlines()
     assert drawn[1] == "pp 0  dp 1 | cp 0: 2 3" and drawn[3] == "pp 1  dp 1 | cp 0: 6 7"
+    drawn = grid_mod.draw_grid(dp=6, dp_shard=3).splitlines()    # replica 0 holds shards 0-2
+    assert drawn[2] == "pp 0  dp 2 (replica 0, shard 2) | cp 0: 2", drawn
+    assert drawn[3] == "pp 0  dp 3 (replica 1, shard 0) | cp 0: 3", drawn
 
 
 # --------------------------------------------------------------------------- training over grids
 
-import argparse  # noqa: E402
 import datetime  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -145,8 +169,7 @@ import torch.distributed as dist  # noqa: E402
 
 import checks_together  # noqa: E402
 import text_data  # noqa: E402
-import train_flags  # noqa: E402
-import training  # noqa: E402
+import train as train_py  # noqa: E402
 from bench import supervisor as launch  # noqa: E402
 from helpers import assert_main_usage_error  # noqa: E402
 
@@ -221,7 +244,7 @@ def one_rank(args, checkpoints_class=None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        training.train_main(launch.Dist(0, 1, 0, "gloo", torch.device("cpu")), args)
+        train_py.train_main(launch.Dist(0, 1, 0, "gloo", torch.device("cpu")), args)
     finally:
         dist.destroy_process_group()
 
@@ -231,7 +254,7 @@ def test_a_nan_loss_stops_training_with_one_line_naming_the_step(tmp_path, capsy
     (in this process, on one rank: the loop itself, no worker to start)."""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
-    args, _ = train_flags.parse(["--world-size", "1", "--lr", "1e6", "--steps", "50",
+    args, _ = train_py.parse(["--world-size", "1", "--lr", "1e6", "--steps", "50",
                                  "--log-every", "50", "--batch-size", "8", "--seq-len", "32",
                                  "--data", str(data), "--backend", "gloo", "--device", "cpu"])
     with pytest.raises(SystemExit) as stopped:
@@ -243,114 +266,91 @@ def test_a_nan_loss_stops_training_with_one_line_naming_the_step(tmp_path, capsy
     assert 1 < step < 50, lines
 
 
-def write_bytes(path: Path, size: int) -> str:
-    path.write_bytes((TEXT.encode() * (1 + size // len(TEXT)))[:size])
-    return str(path)
+def test_a_save_that_fails_at_the_end_says_one_line_and_keeps_the_old_file(tmp_path, capsys,
+                                                                           monkeypatch):
+    """A disk that fills while the model is written: one line, exit 2, and the file that was
+    there before still whole (the model goes to a file beside it, renamed over it when done)."""
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    saved = tmp_path / "model.pt"
+    saved.write_bytes(b"the model of an earlier run")
+    args, _ = train_py.parse(["--world-size", "1", "--steps", "1", "--batch-size", "8",
+                              "--seq-len", "32", "--eval-batches", "1", "--data", str(data),
+                              "--save-full", str(saved)])
+    monkeypatch.setattr(train_py, "plot", lambda *args: None)        # not what this test is on
 
+    real_save = torch.save
 
-def bad_input_cases(tmp: Path) -> list:
-    """(argv, needle): every refusal of train.py's flags, before any worker starts."""
-    afile = tmp / "afile"
-    afile.write_text("x")
-    sparse = tmp / "three_gb.txt"          # 3 GB that take no disk: read at most --max-bytes
-    with open(sparse, "wb") as f:
-        f.truncate(3 * 2**30)
-    return [
-        (["--world-size", "4", "--dp", "3", "--tp", "2"], "= 6, but the world size is 4"),
-        (["--world-size", "3", "--dp", "1", "--tp", "3", "--seq-len", "36"], "must divide the tiny"),
-        (["--world-size", "2", "--dp", "1", "--tp", "2", "--seq-len", "30"], "divide by 2 x cp x tp"),
-        (["--world-size", "4", "--dp", "1", "--pp", "4"], "layers do not split"),
-        (["--world-size", "2", "--dp", "1", "--pp", "2", "--schedule", "interleaved",
-          "--micro-batches", "3", "--batch-size", "6", "--chunks", "1"], "multiple of --pp"),
-        (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
-         "must divide each data-parallel"),
-        (["--world-size", "4", "--dp-shard", "3"], "--dp-shard 3 must divide --dp 4"),
-        (["--world-size", "4", "--dp", "4", "--dp-replicate", "3", "--dp-shard", "2"],
-         "--dp-replicate 3 x --dp-shard 2 = 6, but --dp is 4"),
-        (["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "3"], "= 6, but the world"),
-        (["--world-size", "4", "--dp", "2", "--pp", "2", "--dp-shard", "2"],
-         "HSDP composes with --tp only"),
-        (["--world-size", "4", "--dp-shard", "2", "--fsdp"], "with --fsdp: HSDP shards"),
-        (["--data", "/no/such/file"], "cannot read it (No such file or directory)"),
-        (["--data", ""], "--data '': give a text file"),
-        (["--data", str(tmp)], "a folder; give a text file"),
-        (["--data", "/proc/self/mem"], "cannot read it"),
-        (["--data", write_bytes(tmp / "empty", 0)], "0 bytes read give 0 training and 0 held-out"),
-        (["--data", write_bytes(tmp / "one", 1)], "1 bytes read give"),
-        (["--data", write_bytes(tmp / "sixty", 60)], "60 bytes read give 57 training and 3"),
-        (["--data", write_bytes(tmp / "twelve_hundred", 1200)],
-         "1200 bytes read give 1140 training and 60 held-out bytes; each needs at least 66"),
-        (["--data", str(sparse), "--max-bytes", "1000"], "1000 bytes read give"),
-        (["--max-bytes", "10"], "--max-bytes 10: the training text needs at least 66 bytes"),
-        (["--checkpoint-every", "2"], "need --checkpoint-dir"),
-        (["--crash-at-step", "2"], "need --checkpoint-dir"),
-        (["--checkpoint-dir", ""], "--checkpoint-dir '': give a folder"),
-        (["--checkpoint-dir", str(afile)], "not a folder"),
-        (["--checkpoint-dir", str(afile / "sub")], "cannot write there"),
-        (["--checkpoint-dir", "/proc/self"], "--checkpoint-dir '/proc/self': cannot write there"),
-        (["--save-full", ""], "--save-full '': give a file name"),
-        (["--save-full", str(tmp)], "a folder; give a file name"),
-        (["--save-full", str(tmp / "missing" / "model.pt")], "no folder"),
-        (["--save-full", "/proc/self/model.pt"], "cannot write it"),
-        (["--seed", "10000000000000000"], "--seed 10000000000000000: at most 4294967295"),
-        (["--model", "2.7B"], "GiB of host memory"),
-        (["--batch-size", "100000", "--seq-len", "4096"], "GiB of host memory"),
-    ]
+    def disk_full(state, path, *args, **kwargs):
+        if not isinstance(path, str) or not path.startswith(str(saved)):
+            return real_save(state, path, *args, **kwargs)      # gather_object pickles so
+        Path(path).write_bytes(b"half a mod")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(SystemExit) as stopped:
+        one_rank(args)
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "No space left on device" in lines[0], lines
+    assert saved.read_bytes() == b"the model of an earlier run"
+    assert not (tmp_path / "model.pt.tmp").exists()
 
 
 def test_bad_input_is_refused_before_any_worker_starts(tmp_path, capsys, monkeypatch):
-    """Every case in this process (no launch): exit 2, one line on stderr naming the flag."""
+    """What would train a wrong model silently, hang, or lose the model at the end: one line,
+    exit 2, in this process (no launch)."""
     def no_launch(*args, **kwargs):
         raise AssertionError("bad input reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
-    for argv, needle in bad_input_cases(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    cases = [
+        (["--world-size", "4", "--dp", "3", "--tp", "2"], "must equal the world size 4"),
+        (["--world-size", "4", "--dp-shard", "3"], "--dp-shard must divide --dp 4"),
+        (["--world-size", "4", "--dp", "2", "--pp", "2", "--dp-shard", "2"], "HSDP"),
+        (["--world-size", "4", "--dp", "2", "--cp", "2", "--dp-shard", "2"], "HSDP"),
+        (["--world-size", "4", "--dp-shard", "2", "--fsdp"], "HSDP"),
+        (["--world-size", "2", "--dp", "2", "--batch-size", "8", "--micro-batches", "3"],
+         "--batch-size must divide by --dp x --micro-batches"),
+        (["--world-size", "2", "--dp", "1", "--tp", "2", "--seq-len", "30"], "2 x --cp x --tp"),
+        (["--data", str(fifo)], "not a regular file"),            # it hung, reading
+        (["--data", "x" * 5000], "not a regular file"),           # OSError: File name too long
+        (["--data", str(tmp_path)], "not a regular file"),
+        (["--save-full", str(fifo)], "not a regular file"),       # it hung, writing
+        (["--save-full", "/dev/full"], "not a regular file"),     # it trained, then lost it
+        (["--save-full", "x" * 5000], "File name too long"),
+        (["--save-full", str(tmp_path / "missing" / "model.pt")], "No such file or directory"),
+    ]
+    for argv, needle in cases:
         full = ["--world-size", "1", "--backend", "gloo", "--device", "cpu", *argv]
-        line = assert_main_usage_error(train_flags.parse, full, capsys, needle)
-        assert "train" in line or "pytest" in line or "error" in line, line
-    # the 3 GB file with a large enough --max-bytes is read in part and accepted
-    sparse = str(tmp_path / "three_gb.txt")
-    args, _ = train_flags.parse(["--world-size", "1", "--data", sparse, "--max-bytes", "100000"])
-    assert len(text_data.read_head(args.data, args.max_bytes)) == 100000
-    # HSDP: --dp is replicate x shard, given either way
-    args, _ = train_flags.parse(["--world-size", "4", "--dp-replicate", "2", "--dp-shard", "2"])
-    assert (args.dp, args.dp_replicate, args.dp_shard) == (4, 2, 2)
-    args, _ = train_flags.parse(["--world-size", "4", "--dp-shard", "2", "--tp", "2"])
-    assert (args.dp, args.dp_replicate, args.dp_shard) == (2, 1, 2)
-    # nothing of the tries is left behind: the --save-full file a check created is gone
-    assert not (tmp_path / "model.pt").exists()
-    args, _ = train_flags.parse(["--world-size", "1", "--save-full", str(tmp_path / "model.pt")])
-    assert not (tmp_path / "model.pt").exists()
+        assert_main_usage_error(train_py.parse, full, capsys, needle)
+    # HSDP: --dp is the whole data axis, --dp-shard its part
+    args, _ = train_py.parse(["--world-size", "4", "--dp-shard", "2", "--tp", "2"])
+    assert (args.dp, args.dp_shard) == (2, 2)
+    # nothing of the tries is left behind
+    train_py.parse(["--world-size", "1", "--save-full", str(tmp_path / "model.pt")])
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fifo"]
+
+
+def test_text_is_read_in_bounded_pieces(tmp_path):
+    """--max-bytes far past the file (1e11) reads the file, not 100 GB set aside first (a
+    MemoryError); a 3 GB sparse file is read only as far as --max-bytes."""
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    assert text_data.read_head(str(data), 10**11) == TEXT.encode()
+    sparse = tmp_path / "three_gb.txt"           # 3 GB that take no disk
+    with open(sparse, "wb") as f:
+        f.truncate(3 * 2**30)
+    assert len(text_data.read_head(str(sparse), 100_000)) == 100_000
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_folders_are_refused(tmp_path, capsys):
+def test_a_read_only_folder_is_refused(tmp_path, capsys):
     read_only = tmp_path / "read_only"
     read_only.mkdir()
     read_only.chmod(0o500)
-    for argv, needle in ((["--checkpoint-dir", str(read_only)], "cannot write there"),
-                         (["--save-full", str(read_only / "m.pt")], "cannot write it")):
-        assert_main_usage_error(train_flags.parse, ["--world-size", "1", *argv], capsys, needle)
-
-
-@pytest.mark.parametrize("backend, device, grid, refused", [
-    ("gloo", "cuda", dict(cp=2), "batch_isend_irecv"),       # ring attention: CPU tensors only
-    ("gloo", "cuda", dict(cp=2, tp=2), "batch_isend_irecv"),
-    ("nccl", "cuda", dict(cp=2), None),
-    ("gloo", "cpu", dict(cp=2), None),
-    ("gloo", "cuda", dict(pp=2), None),       # the pipeline's sends cross host memory on Gloo
-    ("gloo", "cuda", dict(tp=2, dp=2), None),  # all-gather, reduce-scatter, all-reduce: Gloo has CUDA
-])
-def test_backend_and_device_pairs_the_grid_cannot_carry_are_refused(backend, device, grid,
-                                                                     refused):
-    """The up-front decision, for pairs this CPU machine cannot launch: (backend, device) and
-    the grid's axes -> refused (naming the collective) or not."""
-    args = argparse.Namespace(**{"dp": 1, "pp": 1, "cp": 1, "tp": 1, **grid})
-    config = launch.LaunchConfig(4, backend, device)
-    problem = train_flags.device_problem(args, config)
-    if refused is None:
-        assert problem is None, problem
-    else:
-        assert refused in problem and f"--cp {args.cp}" in problem, problem
+    assert_main_usage_error(train_py.parse, ["--world-size", "1", "--save-full",
+                                             str(read_only / "m.pt")], capsys, "Permission denied")
 
 
 # --------------------------------------------------------------------------- the text
@@ -437,7 +437,7 @@ def test_each_piece_is_saved_by_exactly_one_rank_of_a_grid():
     """placement_of's ``replica``, on every rank of dp_cp 2 x tp 2 (no processes): a
     tp-replicated parameter (a LayerNorm) by one rank of all four, a tp-split weight by one
     rank per tp slice; a planted bug (replicas on every tp rank) is caught by the same count."""
-    parallel_lm = training.lessons()[1]
+    parallel_lm = train_py.lessons()[1]
     import tensor_parallel
     layer = torch.nn.Linear(8, 8)
     norm_weight = torch.nn.Parameter(torch.ones(8))
@@ -481,7 +481,7 @@ def test_hsdp_row_blocks_are_saved_once_each():
     saved cover every row of the full tensor exactly once, each inside its rank's block.
     Planted: the boxes not cut to the rank's block (every shard rank saves its whole tp half)
     is caught by the same count."""
-    parallel_lm = training.lessons()[1]
+    parallel_lm = train_py.lessons()[1]
     import tensor_parallel
 
     def column(stacked):
@@ -533,7 +533,7 @@ import torch.nn as nn  # noqa: E402
 import grid_bench  # noqa: E402
 from bench import results  # noqa: E402
 
-# train.py --bench at test sizes: three grids that use every axis and ZeRO-1, torch's
+# grid_bench at test sizes: four grids that use every axis and ZeRO-1, torch's
 # composition beside ours, two pipeline schedules against torch's (1F1B, and ZB-V on the V
 # layout: 4 blocks, pieces r and 3-r), real and emulated
 BENCH_SIZES = {"model": "tiny", "batch_size": 8, "seq_len": 32, "warmup": 0, "iters": 1,
@@ -662,10 +662,9 @@ def test_bench_pipeline_sizes_suit_every_schedule():
 
 
 def test_bench_refuses_a_world_size_without_grids(capsys, monkeypatch):
-    """train.py --bench hands over to grid_bench.py (an exec); here its main, in this process."""
+    """grid_bench.py's main, in this process: a world size it has no grids for, one line."""
     def no_launch(*args, **kwargs):
         raise AssertionError("a bad bench reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
     assert_main_usage_error(grid_bench.main, ["--bench", "--world-size", "3"], capsys,
                             "--bench runs its grids on 4 or 8 ranks, not 3")
-    assert tuple(grid_bench.SIZES) == train_flags.BENCH_SIZES

@@ -135,7 +135,7 @@ def _where(argv) -> tuple:
 def test_the_07_lessons_are_planned_for_what_each_box_can_run():
     """Context and expert parallel, everything together and checkpoints on each kind of box:
     NCCL where there is a GPU per rank; ring attention, which Gloo can send CPU tensors only
-    for, and train.py --bench, which refuses CUDA over Gloo, on the host's cores otherwise;
+    for, and measure/grid_bench.py --bench, which refuses CUDA over Gloo, on the host's cores otherwise;
     expert parallel and checkpoints share the GPUs over Gloo. Quick leaves out the two steps
     with no quicker size (expert parallel on 2 ranks, everything together)."""
     cases = {  # gpus: (cp, ep2, ep4, grid, checkpoint)

@@ -1,32 +1,29 @@
 """A grid of ranks: which ranks form which group when data, pipeline, context and tensor
 parallelism are combined.
 
-Every rank has a coordinate on four axes. The world is laid out as a 4-D array of ranks of
-shape (pp, dp, cp, tp), filled in order, tensor parallel innermost:
+The world is laid out as a 4-D array of ranks of shape (pp, dp, cp, tp), tensor parallel
+innermost:
 
     rank = ((pp_index * dp + dp_index) * cp + cp_index) * tp + tp_index
 
 so the tp ranks of one group are neighbours (one node, the fastest links: tensor parallelism
-communicates inside every layer), then context parallel (ring attention, every attention
-layer), then data parallel (once per step), and pipeline parallel outermost (one activation
-per micro-batch, point to point: it tolerates the slowest links, between nodes). This is the
-layout of ``torch.distributed.device_mesh.init_device_mesh(device, (pp, dp, cp, tp),
-mesh_dim_names=("pp", "dp", "cp", "tp"))``; the tests check that the groups are the same.
+communicates inside every layer), then context parallel (every attention layer), then data
+parallel (once per step), and pipeline parallel outermost (one activation per micro-batch,
+point to point: it tolerates the slowest links). The layout of ``init_device_mesh(device,
+(pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))``; the tests check the groups.
 
-A group along an axis holds the ranks that differ only in that coordinate. One more group,
-"dp_cp", holds the ranks that differ in the data or the context coordinate: they hold
-different tokens of the same model piece, so their gradients (and the loss) are summed there.
+A group along an axis holds the ranks that differ only in that coordinate. "dp_cp" holds the
+ranks that differ in the data or the context coordinate: they hold different tokens of the
+same model piece, so their gradients are summed there.
 
-The data axis has two sub-axes for hybrid sharding (HSDP): dp = dp_replicate x dp_shard, the
-shard index the faster-changing digit,
+For hybrid sharding (HSDP) the data axis has two parts, dp = dp_replicate x dp_shard,
 
     dp_index = replicate_index * dp_shard + shard_index
 
-so the ranks of one "dp_shard" group are neighbours (one node: FSDP all-gathers the weights
-there in every forward and backward) and a "dp_replicate" group holds the ranks with the same
-shard, one per node (a single all-reduce of the gradient shards per step crosses nodes). The
-layout of ``init_device_mesh(device, (pp, dp_replicate, dp_shard, cp, tp))``. With the default
-dp_shard = 1, "dp_replicate" holds the same ranks as "dp" and every "dp_shard" group one rank.
+so a "dp_shard" group's ranks are neighbours (FSDP gathers the weights there in every
+forward and backward) and a "dp_replicate" group holds one rank per shard group (one
+all-reduce per step crosses nodes): ``init_device_mesh(device, (pp, dp_replicate, dp_shard,
+cp, tp))``. With dp_shard = 1, "dp_replicate" is "dp" and every "dp_shard" group one rank.
 
     grid = ProcessGrid(dp=2, pp=1, cp=1, tp=2)     # after dist.init_process_group, 4 ranks
     grid.rank("tp"), grid.size("tp"), grid.group("tp")
@@ -104,11 +101,6 @@ class ProcessGrid:
 
     def __init__(self, dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1):
         self.sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "dp_shard": dp_shard}
-        for axis in (*AXES, "dp_shard"):
-            size = self.sizes[axis]
-            if not isinstance(size, int) or size < 1:
-                raise ValueError(f"ProcessGrid: {axis}={size!r}; each degree must be a whole "
-                                 "number >= 1")
         if dp % dp_shard != 0:
             raise ValueError(f"ProcessGrid: dp_shard={dp_shard} does not divide dp={dp}; "
                              "dp = dp_replicate x dp_shard")
@@ -126,15 +118,27 @@ class ProcessGrid:
         self.coordinate["dp_shard"] = fine["dp_shard"]
         self.members = {}  # axis -> the global ranks of this rank's group along it
         self.groups = {}   # axis -> that process group
+        made = {}          # axis -> this rank's group; "alone": its group of one rank
         axis_sets = {"pp": ("pp",), "dp": ("dp",), "cp": ("cp",), "tp": ("tp",),
                      "dp_cp": ("dp", "cp"), "dp_replicate": ("dp_replicate",),
                      "dp_shard": ("dp_shard",)}
         for name, axes in axis_sets.items():
-            for ranks in groups_along(axes, self.sizes):
-                group = dist.new_group(ranks)  # a collective: every rank makes every group
-                if self.global_rank in ranks:
-                    self.members[name] = ranks
-                    self.groups[name] = group
+            every = groups_along(axes, self.sizes)
+            key = name
+            if len(every[0]) == 1:         # a size-1 axis: one set of one-rank groups for all
+                key = "alone"
+            if key not in made:
+                for ranks in every:
+                    group = dist.new_group(ranks)  # a collective: every rank makes every group
+                    if self.global_rank in ranks:
+                        made[key] = group
+            self.groups[name] = made[key]
+            self.members[name] = next(ranks for ranks in every if self.global_rank in ranks)
+
+    def destroy(self) -> None:
+        """Free this rank's groups (a communicator each under NCCL) when the grid is done."""
+        for group in set(self.groups.values()):
+            dist.destroy_process_group(group)
 
     def group(self, axis: str):
         return self.groups[axis]
@@ -146,27 +150,10 @@ class ProcessGrid:
     def size(self, axis: str) -> int:
         return len(self.members[axis])
 
-    def ranks(self, axis: str) -> list[int]:
-        """The global ranks of this rank's group along ``axis``, in group order."""
-        return list(self.members[axis])
-
-    def __repr__(self) -> str:
-        where = ", ".join(f"{axis}={self.coordinate[axis]}/{self.sizes[axis]}" for axis in AXES)
-        return f"ProcessGrid(rank {self.global_rank}: {where})"
-
 
 def draw_grid(dp: int = 1, pp: int = 1, cp: int = 1, tp: int = 1, dp_shard: int = 1) -> str:
-    """The grid as text: one line per (pp, dp) pair, the cp x tp ranks of it, e.g. for 8 ranks
-    (dp, pp, cp, tp) = (2, 2, 1, 2):
-
-        pp 0  dp 0 | cp 0: 0 1
-        pp 0  dp 1 | cp 0: 2 3
-        pp 1  dp 0 | cp 0: 4 5
-        pp 1  dp 1 | cp 0: 6 7
-
-    With ``dp_shard`` > 1 (HSDP) each data index also says its replica and shard:
-    "pp 0  dp 1 (replica 0, shard 1) | cp 0: 1".
-    """
+    """The grid as text, a line per (pp, dp) pair: "pp 1  dp 0 | cp 0: 4 5" (its cp x tp ranks;
+    under HSDP "pp 0  dp 1 (replica 0, shard 1) | cp 0: 1")."""
     sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     lines = []
     for pp_index in range(pp):

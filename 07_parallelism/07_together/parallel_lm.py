@@ -1,84 +1,52 @@
-"""Stage 07, lesson 7: everything together. The course LM split four ways at once.
+"""Stage 07, lesson 7: everything together. The Transformer LM split four ways at once.
 
-Each earlier lesson split one thing: the batch (data parallel, 03-06), the weights inside a
-layer (tensor parallel, lesson 3), the depth (pipeline, lesson 4), the sequence (context
-parallel, lesson 5). This file composes them on a grid of ranks (``grid.ProcessGrid``) and
-adds only what composing needs and no lesson had:
+Each earlier lesson split one thing: the batch (03-06), the weights inside a layer (lesson 3),
+the depth (lesson 4), the sequence (lesson 5). This file composes them on a grid of ranks
+(``grid.ProcessGrid``) and adds only what composing needs:
 
-1. Who holds which tokens. A global batch [batch, seq] is cut three ways: its rows over the
-   data-parallel ranks (dp), its sequence over the context-parallel ranks (cp, zig-zag), and,
-   between the tensor-parallel regions, that piece of the sequence again over the tensor-
-   parallel ranks (tp, sequence parallelism). Rank (dp_i, cp_j, tp_k) holds rows dp_i of the
-   batch and the tp_k-th slice of cp shard j: [batch/dp, seq/(cp tp)] tokens, with their
+1. Who holds which tokens: of a global batch [batch, seq], rank (dp_i, cp_j, tp_k) holds rows
+   dp_i, of the sequence the zig-zag shard cp_j, and between the tensor-parallel regions the
+   tp_k-th slice of that (sequence parallelism): [batch/dp, seq/(cp tp)] tokens, with their
    GLOBAL positions (the position embedding and the causal mask need them).
-
-2. Which piece of the model each rank holds. The pipeline rank's blocks (``chunk_layers``:
-   one contiguous share, or v chunks interleaved), each block as lesson 3's
-   ``TensorParallelBlock`` (its heads and MLP columns over tp, sequence parallel between)
-   whose attention is lesson 5's ring attention over cp. The first virtual stage also holds
-   the embeddings, the last the final norm and the vocabulary head (replicated over tp).
-
-3. Where the loss is averaged. Every rank computes the cross-entropy over its own tokens,
-   and R = dp x cp x tp ranks hold different tokens of the same batch (the pp ranks hold
-   different layers, not tokens). The mean over the batch is the mean of their means, so
-   each rank's loss is scaled by 1/R and then every gradient is a SUM:
+2. Which piece of the model: the pipeline rank's blocks (one share, or v chunks interleaved),
+   each lesson 3's ``TensorParallelBlock`` with lesson 5's ring attention over cp; the first
+   virtual stage also holds the embeddings, the last the final norm and the head (both whole
+   on every tp rank).
+3. Where the loss is averaged. R = dp x cp x tp ranks hold different tokens of the batch, so
 
        loss = (1/R) sum_ranks mean_(my tokens) CE      (R = dp * cp * tp)
 
-   * inside a tensor-parallel region the sequence-parallel collectives already sum over the
-     tp ranks (the reduce-scatter's backward is an all-gather of every rank's dY);
-   * the parameters every tp rank holds whole (LayerNorms, row-parallel biases, embeddings,
-     the head) saw only this rank's tokens: their gradients are summed over tp;
-   * then every gradient is summed over dp and cp together ("dp_cp").
+   and every gradient is a SUM: over tp for the parameters every tp rank holds whole (inside
+   a tensor-parallel region the sequence-parallel collectives already sum), then everything
+   over dp and cp together ("dp_cp"). Forget the cp part or the 1/R and the model trains
+   wrong: the tests plant both and watch them fail.
+4. Where each parameter sits in the full model (``placements``): the pieces put back together
+   (``full_state_dict``) and checkpointed (lesson 8).
+5. HSDP (dp = dp_replicate x dp_shard, ``shard_chunks``): each chunk in lesson 2's FSDP over
+   "dp_shard"; each gradient block then summed over "dp_replicate" alone (over the whole
+   data axis it would add other ranks' blocks into this one).
 
-   Forget the cp part of the sum and each context rank steps with the gradient of its slice
-   of the sequence alone; forget the 1/R and the loss (and its gradient) is R times too big:
-   the tests plant both (replacing ``scaled_loss_fn`` or ``sum_gradients``) and watch
-   them fail.
-
-4. Where each parameter sits in the full model, so the pieces can be put back together
-   (``full_state_dict``) and checkpointed (lesson 8): ``placements()``.
-
-5. Hybrid sharding (HSDP), when the grid's data axis is cut into dp_replicate x dp_shard
-   (``shard_chunks``): each chunk is wrapped in lesson 2's FSDP over its "dp_shard" group,
-   so a weight matrix is held in row blocks there and gathered unit by unit (a block, the
-   embeddings, the head) in forward and backward. After backward, FSDP's reduce-scatter has
-   summed each gradient block over dp_shard; the blocks are then summed over "dp_replicate"
-   (the ranks holding the same block in the other copies): one all-reduce of 1/dp_shard of
-   the model. Summing over the whole data axis again would add other ranks' blocks into
-   this one (the tests plant exactly that). The sum over tp comes first, as above: it
-   touches the same blocks on every tp rank.
-
-Torch alone, plus the lessons' algorithm files it composes: ``grid.py`` beside this file,
-``tensor_parallel.py`` (lesson 3), ``pipeline_parallel.py`` and ``pipeline_schedules.py``
-(lesson 4), ``context_parallel.py`` (lesson 5), and for HSDP only ``fsdp.py`` (lesson 2).
-``training.py`` beside it puts them on the path (``lessons()``).
+Torch alone, plus the lessons' files it composes (train.py puts them on the path):
+``tensor_parallel.py``, ``pipeline_parallel.py``, ``pipeline_schedules.py``,
+``context_parallel.py``, and for HSDP ``fsdp.py``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:
-    import context_parallel
-    import pipeline_parallel
-    import pipeline_schedules
-    import tensor_parallel
-except ModuleNotFoundError as missing:
-    raise ModuleNotFoundError(
-        f"parallel_lm.py composes the 07 lessons' algorithm files and {missing.name}.py is not "
-        "on the path: put tensor_parallel.py, pipeline_parallel.py, pipeline_schedules.py and "
-        "context_parallel.py beside it (train.py does this inside the repository)") from None
+import context_parallel
+import pipeline_parallel
+import pipeline_schedules
+import tensor_parallel
 
 LAYOUT = "zigzag"  # the context-parallel layout: every cp rank does the same attention work
-
-
-# --------------------------------------------------------------------------- who holds which tokens
 
 
 def local_tokens(tokens: torch.Tensor, grid) -> torch.Tensor:
@@ -91,19 +59,6 @@ def local_tokens(tokens: torch.Tensor, grid) -> torch.Tensor:
     per_tp_rank = mine.shape[1] // grid.size("tp")      # sequence parallelism: seq / (cp tp)
     first = grid.rank("tp") * per_tp_rank
     return mine[:, first:first + per_tp_rank]
-
-
-def local_positions(seq_len: int, grid) -> torch.Tensor:
-    """The global positions (0 .. seq-1) of this rank's tokens, cut as ``local_tokens`` cuts."""
-    positions = torch.arange(seq_len).unsqueeze(0)      # [1, seq]: one row, every dp rank alike
-    cp_part = context_parallel.shard_sequence(positions, 1, grid.rank("cp"), grid.size("cp"),
-                                              LAYOUT)
-    per_tp_rank = cp_part.shape[1] // grid.size("tp")
-    first = grid.rank("tp") * per_tp_rank
-    return cp_part[0, first:first + per_tp_rank]
-
-
-# --------------------------------------------------------------------------- the model's pieces
 
 
 class Embedding(nn.Module):
@@ -142,8 +97,7 @@ class StageChunk(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         self.layer_numbers = layer_numbers          # the blocks' places in the full model
         self.head = head                            # None except on the last virtual stage
-        # HSDP: [the FSDP wrapping this chunk] once shard_chunks ran, and what runs it. A list,
-        # not an attribute: the wrapper holds this chunk, and a module may not hold its parent.
+        # HSDP: [the FSDP wrapping this chunk] (a list: a module may not hold its parent)
         self.sharded_by = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -156,17 +110,9 @@ class StageChunk(nn.Module):
         return x
 
 
-def ring_attention_over(group):
-    """The ``attend`` function of a block whose sequence is split over ``group``."""
-    def attend(q, k, v):
-        return context_parallel.ring_attention(q, k, v, group=group, causal=True, layout=LAYOUT)
-    return attend
-
-
 def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 1) -> list:
-    """This rank's model chunks, sliced from ``full_lm`` (the same full model on every rank):
-    ``chunks_per_rank`` > 1 for the interleaved schedule, whose virtual stage c * pp + r is
-    chunk c of pipeline rank r."""
+    """This rank's model chunks, sliced from ``full_lm`` (the same on every rank); with
+    ``chunks_per_rank`` > 1 (interleaved) virtual stage c * pp + r is chunk c of rank r."""
     pp = grid.size("pp")
     num_layers = len(full_lm.blocks)
     ranges = pipeline_parallel.chunk_layers(num_layers, pp, grid.rank("pp"), chunks_per_rank)
@@ -175,8 +121,9 @@ def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 
     for chunk_index, layer_numbers in enumerate(ranges):
         virtual_stage = chunk_index * pp + grid.rank("pp")
         embedding = None
-        if virtual_stage == 0:
-            embedding = Embedding(full_lm, local_positions(seq_len, grid))
+        if virtual_stage == 0:     # the global positions of this rank's tokens, cut the same
+            positions = torch.arange(seq_len).expand(grid.size("dp"), seq_len)   # [dp, seq]
+            embedding = Embedding(full_lm, local_tokens(positions, grid)[0])
         head = None
         if virtual_stage == last_virtual_stage:
             head = Head(full_lm)
@@ -184,30 +131,24 @@ def build_chunks(full_lm: nn.Module, grid, seq_len: int, chunks_per_rank: int = 
         for layer in layer_numbers:
             block = tensor_parallel.TensorParallelBlock(full_lm.blocks[layer], grid.group("tp"),
                                                         sequence_parallel=True)
-            if grid.size("cp") > 1:
-                block.attn.attend = ring_attention_over(grid.group("cp"))
+            if grid.size("cp") > 1:        # the block's attention: ring attention over cp
+                block.attn.attend = functools.partial(context_parallel.ring_attention,
+                                                      group=grid.group("cp"), causal=True,
+                                                      layout=LAYOUT)
             blocks.append(block)
         chunks.append(StageChunk(embedding, blocks, layer_numbers, head))
     return chunks
 
 
 def shard_chunks(chunks: list, grid) -> None:
-    """HSDP: wrap each chunk in lesson 2's FSDP over the grid's "dp_shard" group (call after
-    the chunks are on their device, before the optimizer takes their parameters: they become
+    """HSDP: wrap each chunk in lesson 2's FSDP over the grid's "dp_shard" group (after the
+    chunks are on their device, before the optimizer takes their parameters: they become
     this rank's row blocks). The units gathered as one: the embeddings, each block, the head.
     ``average=False``: FSDP's reduce-scatter leaves the sum over dp_shard, as this file sums.
-    Lesson 2's fsdp.py is imported here, not above: only HSDP needs it, and the callers of
-    the rest of this file need not carry it."""
-    try:
-        import fsdp
-    except ModuleNotFoundError:
-        raise ModuleNotFoundError("parallel_lm.shard_chunks (HSDP) wraps the chunks in lesson "
-                                  "2's FSDP: put fsdp.py beside parallel_lm.py (train.py does "
-                                  "this inside the repository)") from None
-    if grid.size("pp") > 1 or grid.size("cp") > 1:
-        raise ValueError("parallel_lm.shard_chunks: HSDP is built here for dp x tp grids; "
-                         f"pp={grid.size('pp')}, cp={grid.size('cp')} must be 1 (the blocks "
-                         "are summed over dp_replicate alone)")
+    Imported here: only HSDP needs lesson 2's fsdp.py."""
+    import fsdp
+    if grid.size("pp") > 1 or grid.size("cp") > 1:   # the blocks summed over dp_replicate alone
+        raise ValueError("parallel_lm.shard_chunks: HSDP is built for dp x tp grids only")
     for chunk in chunks:
         units = list(chunk.blocks)
         for module in (chunk.embedding, chunk.head):
@@ -226,17 +167,13 @@ def runner(chunk):
 
 
 def shard_layout(chunk) -> dict:
-    """HSDP: {id(parameter): (rows before sharding, rows per block k)} of the chunk's sharded
-    parameters, read off its FSDP units; {} for a chunk that is not sharded."""
+    """HSDP: {id(parameter): (rows before sharding, rows per block)}, off the FSDP units."""
     layout = {}
     for wrapper in chunk.sharded_by:
         for unit in wrapper.units:
             for param, full in zip(unit.params, unit.full):
                 layout[id(param)] = (full.shape[0], param.shape[0])
     return layout
-
-
-# --------------------------------------------------------------------------- one training step
 
 
 def scaled_loss_fn(grid):
@@ -251,10 +188,9 @@ def scaled_loss_fn(grid):
 
 
 def sum_gradients(chunks: list, grid) -> None:
-    """After backward: first the tp-replicated parameters over tp (they saw this rank's tokens
-    only), then every gradient over dp and cp together. One flat all-reduce per group. Under
-    HSDP (the chunks sharded): FSDP first finishes its reduce-scatters over dp_shard, and the
-    last sum runs over dp_replicate alone (``sum_over_replicas``)."""
+    """After backward: the tp-replicated parameters over tp (they saw this rank's tokens only),
+    then every gradient over dp and cp together, one flat all-reduce per group. Under HSDP:
+    FSDP's reduce-scatters over dp_shard first, the last sum over dp_replicate alone."""
     for chunk in chunks:
         if chunk.sharded_by:
             chunk.sharded_by[0].finish_gradient_synchronization()
@@ -266,11 +202,7 @@ def sum_gradients(chunks: list, grid) -> None:
             if module is not None:
                 replicated.extend(module.parameters())
     all_reduce_sum([p for p in replicated if p.grad is not None], grid.group("tp"))
-    everything = []
-    for chunk in chunks:
-        for p in chunk.parameters():
-            if p.grad is not None:
-                everything.append(p)
+    everything = [p for chunk in chunks for p in chunk.parameters() if p.grad is not None]
     if chunks[0].sharded_by:
         sum_over_replicas(everything, grid)
     else:
@@ -278,9 +210,7 @@ def sum_gradients(chunks: list, grid) -> None:
 
 
 def sum_over_replicas(params: list[nn.Parameter], grid) -> None:
-    """HSDP: each rank holds its dp_shard block of the gradient, summed over dp_shard; the same
-    block sits on every rank of its "dp_replicate" group: sum it there (1/dp_shard of the
-    model per rank, the 1-D parameters whole)."""
+    """HSDP: this rank's gradient block sits on every rank of its "dp_replicate" group."""
     all_reduce_sum(params, grid.group("dp_replicate"))
 
 
@@ -298,22 +228,17 @@ def all_reduce_sum(params: list[nn.Parameter], group) -> None:
 
 def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, inputs, targets,
                device) -> dict:
-    """One forward and backward of the global batch (``inputs``, ``targets``: [batch, seq], the
-    same on every rank) through the pipeline, gradients summed; the optimizer step is the
-    caller's. Returns the executor's timings and ``loss``: the global batch's mean loss, the
-    same number on every rank."""
+    """Forward and backward of the global batch (``inputs``, ``targets``: [batch, seq], the same
+    on every rank) through the pipeline, gradients summed (the optimizer step is the caller's).
+    Returns the executor's result, ``loss`` the batch's mean loss on every rank."""
     loss_fn = scaled_loss_fn(grid)
     pp = grid.size("pp")
     pp_rank = grid.rank("pp")
     schedule = pipeline_schedules.all_ranks(schedule_name, pp, micro_batches, len(chunks))
     my_inputs = local_tokens(inputs, grid).to(device)
     my_targets = local_tokens(targets, grid).to(device)
-    micro_inputs = None
-    if pp_rank == 0:
-        micro_inputs = list(my_inputs.chunk(micro_batches))
-    micro_targets = None
-    if pp_rank == pp - 1:
-        micro_targets = list(my_targets.chunk(micro_batches))
+    micro_inputs = list(my_inputs.chunk(micro_batches)) if pp_rank == 0 else None
+    micro_targets = list(my_targets.chunk(micro_batches)) if pp_rank == pp - 1 else None
     d_model = chunks[0].blocks[0].norm1.normalized_shape[0]
     rows = my_inputs.shape[0] // micro_batches
     activation_shape = (rows, my_inputs.shape[1], d_model)   # [micro_batch, local_seq, d_model]
@@ -334,14 +259,11 @@ def train_step(chunks: list, grid, schedule_name: str, micro_batches: int, input
 
 def evaluate(chunks: list, grid, inputs, targets, device) -> float:
     """The mean loss of one global batch, forward only: each virtual stage in turn, its
-    activation sent on to the next stage's rank (no pipelining: it is only an evaluation).
-    NCCL sends the activation from GPU memory; Gloo's point-to-point takes CPU tensors only,
-    so on a Gloo group it crosses through host memory, as lesson 4's executor does."""
+    activation sent on to the next stage's rank (through host memory on Gloo, whose point-to-
+    point takes CPU tensors only, as lesson 4's executor does)."""
     pp = grid.size("pp")
     pp_group = grid.group("pp")
-    wire = torch.device("cpu")
-    if dist.get_backend(pp_group) == "nccl":
-        wire = device
+    wire = device if dist.get_backend(pp_group) == "nccl" else torch.device("cpu")
     loss_fn = scaled_loss_fn(grid)
     x = local_tokens(inputs, grid).to(device)
     my_targets = local_tokens(targets, grid).to(device)
@@ -370,18 +292,11 @@ def evaluate(chunks: list, grid, inputs, targets, device) -> float:
     return share.item()
 
 
-# --------------------------------------------------------------------------- the full model again
-
-
 def placements(chunks: list, grid) -> list[dict]:
-    """Where each of this rank's parameters sits in the full model: per parameter, its full
-    name (``TransformerLM``'s), the full shape, and the boxes of the full tensor it holds,
-    each ``(local_slices, full_slices)``: a list of (start, stop) per dimension. A column-
-    parallel weight holds rows of each of its stacked blocks (q, k and v: three boxes), a
-    row-parallel weight a block of columns, a replicated parameter all of it; under HSDP only
-    the rows of this rank's FSDP block. ``replica`` is True on the one rank whose copy is the
-    one to save (dp_cp rank 0, or under HSDP for a sharded weight dp_replicate rank 0; for a
-    tp-replicated parameter also tp rank 0)."""
+    """Where each of this rank's parameters sits in the full model: its full name
+    (``TransformerLM``'s), the full shape, and the boxes of the full tensor it holds, each
+    ``(local_slices, full_slices)``, a (start, stop) per dimension; ``replica``: this rank's
+    copy is the one to save (``placement_of``)."""
     entries = []
     for chunk in chunks:
         sharded = shard_layout(chunk)
@@ -403,10 +318,11 @@ def placements(chunks: list, grid) -> list[dict]:
 
 
 def placement_of(full_name: str, p: torch.Tensor, module, grid, fsdp_rows=None) -> dict:
-    """One parameter's entry of ``placements``. ``fsdp_rows``: under HSDP, for a weight FSDP
-    cut into row blocks, (its rows before, rows per block k): ``p`` holds rows
-    [s k, (s+1) k) of the tensor that tensor parallelism left on this rank, s the dp_shard
-    rank."""
+    """One parameter's entry of ``placements``. A column-parallel weight holds rows of each of
+    its stacked blocks (q, k, v: three boxes), a row-parallel weight a block of columns, a
+    replicated parameter all of it. ``fsdp_rows`` (HSDP): (rows before FSDP, rows per block):
+    only the rows of this rank's block. The copy to save: dp_cp rank 0 (under HSDP dp_replicate
+    rank 0), and tp rank 0 for a parameter every tp rank holds whole."""
     tp = grid.size("tp")
     tp_rank = grid.rank("tp")
     local_shape = list(p.shape)
@@ -446,16 +362,13 @@ def placement_of(full_name: str, p: torch.Tensor, module, grid, fsdp_rows=None) 
 
 
 def rows_of_block(boxes: list, rows_per_block: int, block: int) -> list:
-    """The boxes cut to FSDP's row block ``block``: local rows [block k, (block+1) k), moved
-    to start at 0 (the block's own rows). A box's local and full rows run in step, so a cut
-    of one is the same cut of the other; a box outside the block drops out (the padding rows
-    past the end are in no box)."""
+    """The boxes cut to FSDP's row block ``block`` (local rows [block k, (block+1) k)), moved to
+    start at 0; local and full rows run in step, and a box outside the block drops out."""
     first = block * rows_per_block
     last = first + rows_per_block
     cut = []
     for local_box, full_box in boxes:
-        local_start = local_box[0][0]
-        local_stop = local_box[0][1]
+        local_start, local_stop = local_box[0]
         start = max(local_start, first)
         stop = min(local_stop, last)
         if start >= stop:
@@ -469,8 +382,7 @@ def rows_of_block(boxes: list, rows_per_block: int, block: int) -> list:
 
 def full_state_dict(chunks: list, grid, to: int = 0, gradients: bool = False) -> dict | None:
     """The full model's parameters (``TransformerLM``'s names, float32) on global rank ``to``
-    (None elsewhere): each rank sends the boxes it is the saving replica of. ``gradients``:
-    their gradients instead (zeros where a parameter has none)."""
+    (None elsewhere), from the saving replicas; ``gradients``: theirs (zeros where none)."""
     mine = []
     for entry in placements(chunks, grid):
         if not entry["replica"]:

@@ -1,16 +1,11 @@
 """Real text without a download: the Python standard library's own source, as bytes.
 
-Every machine that runs Python has megabytes of carefully written text on its disk: the
-standard library. Tokens are bytes (vocabulary 256), so there is no tokenizer to train or
-ship. The files are split into training and held-out text by a seeded shuffle of their names,
-so the split is the same on every run and every rank; a file of your own is cut in two, its
-start for training and its end held out. Either way the two parts share nothing: a held-out
-loss measured on text the model trained on would say nothing.
-
-The batches are what makes every grid train the same model: batch ``step`` is drawn from a
-generator seeded with (seed, step) alone, the same global batch on every rank and for every
-grid; each rank then takes its own part of it (its rows for data parallelism, its positions
-for context and sequence parallelism).
+Tokens are bytes (vocabulary 256): no tokenizer. The standard library's files are split into
+training and held-out text by a seeded shuffle of their names (the same split on every run
+and rank); a file of your own is cut in two, its start for training, its end held out. The
+two parts share nothing: a held-out loss on text the model trained on would say nothing.
+Batch ``step`` is drawn from a generator seeded with (seed, step) alone: the same global
+batch on every rank and for every grid, which is what makes every grid train the same model.
 
     train, held_out = load_text()          # or load_text("some_file.txt", max_bytes=10**6)
     x, y = batch_at(train, step=0, batch_size=8, seq_len=64)   # [8, 64] inputs, next bytes
@@ -33,49 +28,41 @@ VOCAB_SIZE = 256  # one token per byte
 def stdlib_files() -> list[Path]:
     """The standard library's .py files, sorted, without installed packages and test suites."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        parts = path.relative_to(root).parts
-        if "site-packages" in parts or "dist-packages" in parts:
-            continue
-        if "test" in parts or "tests" in parts or "idle_test" in parts:
-            continue
-        files.append(path)
-    return files
+    skipped = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
+    return [path for path in sorted(root.rglob("*.py"))
+            if not skipped & set(path.relative_to(root).parts)]
 
 
 def load_text(data_file: str | None = None, max_bytes: int | None = None,
               held_out_share: float = 0.05, seed: int = 0) -> tuple[bytes, bytes]:
-    """(training bytes, held-out bytes): two parts that share no byte of the text and together
-    are all of it (what was read).
-
-    ``data_file``: any file, at most its first ``max_bytes`` read (a 3 GB file is not read
-    whole for a short run); the first 1 - ``held_out_share`` of that for training, the rest
-    held out. Without it, the standard library's source: its files shuffled by ``seed``, every
-    file wholly in one of the two parts, the training files read until ``max_bytes``.
-    """
+    """(training bytes, held-out bytes), together all the text read. ``data_file``: its first
+    ``max_bytes``, cut at 1 - ``held_out_share``. Else the standard library's files shuffled
+    by ``seed``, each wholly in one part, the training files read until ``max_bytes``."""
     if data_file is not None:
         return split_bytes(read_head(data_file, max_bytes), held_out_share)
     train_files, held_out_files = split_files(stdlib_files(), held_out_share, seed)
     held_out = b"".join(path.read_bytes() for path in held_out_files)
-    train_parts = []
-    train_bytes = 0
+    train = bytearray()
     for path in train_files:
-        if max_bytes is not None and train_bytes >= max_bytes:
+        if max_bytes is not None and len(train) >= max_bytes:
             break
-        data = path.read_bytes()
-        train_parts.append(data)
-        train_bytes += len(data)
-    train = b"".join(train_parts)
-    return train[:max_bytes], held_out
+        train += path.read_bytes()
+    return bytes(train[:max_bytes]), held_out
 
 
 def read_head(data_file: str, max_bytes: int | None = None) -> bytes:
-    """The first ``max_bytes`` bytes of a file (all of it when None)."""
+    """The first ``max_bytes`` bytes of a file (all of it when None), read in pieces of 1 MiB:
+    ``f.read(10**11)`` would set 100 GB aside before reading a byte."""
+    pieces = []
+    left = max_bytes if max_bytes is not None else math.inf
     with open(data_file, "rb") as f:
-        if max_bytes is None:
-            return f.read()
-        return f.read(max_bytes)
+        while left > 0:
+            piece = f.read(min(left, 2**20))
+            if not piece:
+                break
+            pieces.append(piece)
+            left -= len(piece)
+    return b"".join(pieces)
 
 
 def split_bytes(data: bytes, held_out_share: float = 0.05) -> tuple[bytes, bytes]:
@@ -120,7 +107,3 @@ def unigram_loss(train: torch.Tensor, held_out: torch.Tensor) -> float:
     counts = torch.bincount(train, minlength=VOCAB_SIZE).double() + 1.0
     log_probabilities = (counts / counts.sum()).log()
     return float(-log_probabilities[held_out].mean())
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(loss)

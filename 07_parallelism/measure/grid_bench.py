@@ -1,119 +1,30 @@
-"""Not a lesson: the measurements of lesson 7 (everything together), ``train.py --bench``.
+"""Not a lesson: the measurements of lesson 7 (everything together), for make bench.
 
-    python 07_parallelism/07_together/train.py --bench                    # 4 ranks, CPU sizes
-    python 07_parallelism/07_together/train.py --bench --bench-sizes gpu --world-size 8
-    torchrun --nproc-per-node=8 07_parallelism/07_together/train.py --bench --bench-sizes gpu
-    python 07_parallelism/measure/grid_bench.py --bench                   # the same, directly
+    python 07_parallelism/measure/grid_bench.py --bench                   # 4 ranks, CPU sizes
+    python 07_parallelism/measure/grid_bench.py --bench --bench-sizes gpu --world-size 8
 
-``train.py --bench`` hands its arguments over to this file (the process becomes it), which
-parses them with the lesson's own flags (``train_flags.py``) and ignores the training ones.
+What it measures, in one launch, into results/grid.csv:
 
-What it measures, in one run:
+1. Our grids (``GRIDS``): one training step as train.py takes it, timed in rounds spread over
+   the launch (the slowest rank's median of the steps pooled over the rounds), and per rank
+   the bytes of parameters, gradients, AdamW state and saved activations, and the bytes sent
+   per step on each axis, COUNTED (``counters.py``) beside ``combined_formula``, which
+   combines the lessons' formulas (its comments give each term). Random tokens.
+2. torch's own composition as the control, on dp x tp (``parallelize_module`` on tp, as
+   torch's tensor-parallel tutorial does, then ``fully_shard``), in pairs that do the same job
+   on the data axis (the ``pair`` column): ``replicated_tp`` (ours replicated, torch's
+   fully_shard on a (dp, 1) mesh), ``fsdp_tp`` (ours with ZeRO-1, torch's fully_shard over
+   dp) and ``hsdp`` (ours: lesson 2's FSDP over dp_shard inside the grid; torch's: fully_shard
+   on a (replicate, shard) mesh). Step times in alternating rounds, and bytes.
+3. The pipeline axis against ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved, and
+   on the V layout ZB-V and DualPipeV): the same blocks and micro-batches on pp = 2 and 4,
+   real compute (gradients compared) and emulated compute (a fixed wait per F, B and W, in
+   both), the unit-time simulation's ideal beside it.
 
-1. Our grids (``GRIDS``: a small set on 4 ranks, another on 8): the course LM over each grid,
-   one training step as ``train.py`` takes it (``parallel_lm.train_step``, then AdamW or
-   ZeRO-1), timed in rounds spread over the launch (warm-up, then the slowest rank's median of
-   the steps pooled over the rounds), tokens per second, and per
-   rank the bytes of parameters, gradients, optimizer state and saved activations, and the
-   bytes sent per step on each axis, COUNTED (``counters.py``: storages, saved-tensor hooks,
-   the collectives and the group each ran on) beside the FORMULA below, which combines the
-   lessons' formulas. Random tokens: the step does not depend on the text.
-2. torch's own composition as the control: the same LM (the same weights) with
-   ``init_device_mesh``, ``parallelize_module`` (ColwiseParallel, RowwiseParallel,
-   SequenceParallel, as torch's tensor-parallel tutorial does for a Transformer) on tp, on
-   dp x tp = 2 x 2 (4 x 2 on 8 ranks), in two pairs that each do one job on the data axis
-   (the ``pair`` column of results/grid.csv): ``replicated_tp``, ours replicated beside
-   torch's replicated (``fully_shard`` on a (dp, 1) mesh: shards of one rank, gradients
-   all-reduced over dp; ``build_torch_composition`` says why not ``replicate``), and
-   ``fsdp_tp``, ours with ZeRO-1 (--fsdp) beside torch's ``fully_shard`` over dp; step times
-   and bytes of all four, timed in alternating rounds. A ratio is printed only within a pair.
-   A third pair, ``hsdp``: our HSDP (2 copies of W/2 shards, lesson 2's FSDP inside lesson 7's
-   grid) beside torch's ``fully_shard`` on a 2-D (replicate, shard) ``init_device_mesh``,
-   torch's HSDP, on the same LM, batch and ranks: bytes on each axis and step time.
-3. The pipeline axis alone against ``torch.distributed.pipelining`` (``PipelineStage``,
-   ``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and on the V layout
-   ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``: two ``PipelineStage``s a rank, pieces
-   r and 2p-1-r, the loss on rank 0): the same blocks and micro-batches on pp = 2 and 4
-   (pipelines side by side on the other ranks), real compute (the same weights; on the V
-   ours defers the weight gradients to W through lesson 4's ``DeferredLinear``, torch splits
-   them off in its autograd graph), and emulated compute (every forward and backward of a
-   stage, and on the V every W too, replaced by a fixed wait, in both: the pipeline bench's
-   ``EmulatedChunk`` and ``TorchEmulatedChunk``; the messages stay real), with the unit-time
-   simulation's ideal beside it.
-
-Torch's own context parallelism has no row: in torch 2.13 it works by replacing the CUDA
-attention kernels (flash, memory-efficient, cuDNN: torch/distributed/tensor/experimental/
-_context_parallel/_attention.py) and has no CPU path; lesson 5 checks our ring attention
-against one process instead.
-
-The combined formula, per rank, float32 (4 bytes a value). The LM: L blocks of width h, MLP
-width f, a heads, vocabulary V, context s (= the sequence length); the global batch B
-sequences; the grid (dp, pp, cp, tp) = (d, p, c, t), v chunks per pipeline rank, m
-micro-batches. One micro-batch on one rank: b = B / (d m) rows, S = s / c tokens of its
-context shard (ring attention's queries), S / t of them between the tensor-parallel regions
-(sequence parallelism). This pipeline rank holds n = L / p blocks in all.
-
-    parameters (values)   n (5h + (4h^2 + 2hf + f) / t)        LayerNorms and fc2's bias whole
-                                                               on every tp rank (lesson 3);
-                                                               qkv, out, fc1 (+ bias), fc2 split
-                          + (V + s) h   on the first virtual stage's rank (the embeddings)
-                          + 2h + V h    on the last's (final LayerNorm, head): both whole on
-                                        every tp rank, as parallel_lm.py holds them
-    gradients             the same
-    AdamW state           2 x the parameters + one float32 step count per parameter tensor
-                          (10 a block, 2 for the embeddings, 3 for the head); ZeRO-1 (--fsdp,
-                          lesson 1): each tensor's state on one rank of the d x c data-and-
-                          context group, 1/(d c) of it per rank on average; dealt by whole
-                          tensors, largest first to the least-loaded rank (zero1_dealt_state:
-                          a rank may hold up to one tensor's state above the mean)
-    saved activations     per block (lesson 3's table, sequence parallel, with S tokens):
-      (one micro-batch)     (2 b S h + 4 b S) / t      two LayerNorms' inputs, mean, 1/std
-                          + 2 b S h                    qkv's and fc1's gathered inputs
-                          + 4 b S h / t                q, k, v, attention's output
-                          + a b S / t                  the log-sum-exp per head and query
-                          + 2 b S f / t                fc1's output, GELU's
-                          + b S h / t  if c > 1        ring attention's output is laid out
-                                                       [b, heads, S, head_dim] (lesson 5): the
-                                                       out projection keeps a transposed copy
-                          first virtual stage: the token ids and positions, int64: 8 (b + 1) S/t
-                          last: the final LayerNorm 4 b S/t (h + 2), the head's input
-                          4 b S/t h, log-softmax 4 b S/t V, the targets 8 b S/t, 4 (the weight
-                          sum of the cross-entropy)
-    sent per step         a ring share: all-reduce 2 (n-1)/n N, all-gather, reduce-scatter and
-                          broadcast (n-1)/n N, of payload N over n ranks
-      tp                  m n 8 (t-1)/t 4 b S h        (lesson 3: per block, forward and
-                                                       backward, two all-gathers and two
-                                                       reduce-scatters of [b, S, h])
-                          + 2 (t-1)/t 4 R              (R: the tp-replicated parameters here,
-                                                       their gradients summed over tp)
-      cp                  m n (4 (c-1) + 2c) 4 b S h / t   (lesson 5: K and V c-1 hops forward
-                                                       and c-1 backward, dK and dV c hops)
-      pp                  4 b (S/t) h per activation or gradient sent: m forward from every
-                          virtual stage but the last, m backward from every one but the first
-      dp_cp               2 (n-1)/n 4 P, n = d c       every gradient, one all-reduce
-                          + (n-1)/n 4 P with ZeRO-1    (the owners broadcast the new weights)
-      world               2 (W-1)/W 8                  the loss, float64, over all W ranks
-
-HSDP (dp = r x s, ``dp_shard`` s > 1; pp = cp = 1): lesson 2's FSDP over the s ranks of a
-dp_shard group, the row blocks summed over the r ranks of a dp_replicate group. A weight of
-[rows, cols] (tensor parallelism's piece) is held as a block of ceil(rows/s) cols values,
-padded; U: the values of one unit (a block, the embeddings, the head) so held, P_s their sum,
-P_1 the 1-D parameters (whole):
-
-    parameters, gradients P_s + P_1;  AdamW state 2 x that + the step counts
-      dp_shard            m (2 P_s - U_head + P_s) (s-1) 4   per micro-batch every unit
-                                                       gathered twice (forward, backward) but
-                                                       the head once (still gathered when its
-                                                       backward starts), every unit's gradient
-                                                       reduce-scattered: payload s U, a share
-                                                       (s-1)/s of it
-                          + 2 (s-1)/s 4 P_1            the 1-D gradients, one all-reduce
-      dp_replicate        2 (r-1)/r 4 (P_s + P_1)      1/s of the model, one all-reduce
-      tp                  as above, R with the embeddings' and head's blocks in place of them
-      dp_cp               0
-
-Each rank compares its own counts with its own formula; a row holds the largest rank's
-count and formula, and the worst relative difference of any rank in any column.
+Torch's own context parallelism has no row: in torch 2.13 it replaces the CUDA attention
+kernels and has no CPU path; lesson 5 checks our ring attention against one process instead.
+Each rank compares its own counts with its own formula; a row holds the largest rank's count
+and formula, and the worst relative difference of any rank in any column.
 """
 
 from __future__ import annotations
@@ -145,6 +56,7 @@ VOCAB = 256         # bytes as tokens, as train.py trains
 AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world",
         "other")                                          # "other": a group no axis names
 KINDS = ("param", "grad", "optim", "activation")
+ALL_KINDS = [*KINDS, *(f"sent_{axis}" for axis in AXES)]
 TARGET_BYTES = 0.05          # counted within 5% of the formula
 TARGET_TORCH_TP = 1.25       # ours at most 1.25x torch's composition, in each pair
 TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipelining
@@ -158,7 +70,7 @@ def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
             "chunks": chunks, "micro_batches": micro_batches, "dp_shard": dp_shard}
 
 
-# The grids of the bench, by world size. The course's tiny LM has 2 blocks (pp <= 2); on a GPU
+# The grids of the bench, by world size. The tiny LM has 2 blocks (pp <= 2); on a GPU
 # box the "small" LM has 12.
 GRIDS = {
     4: [grid_spec(dp=4),
@@ -233,14 +145,14 @@ def setting_label(spec: dict) -> str:
 
 
 def load_lessons() -> types.SimpleNamespace:
-    """``training`` (lesson 7's model and optimizer), the files it composes (``grid``,
+    """lesson 7's ``train`` (its model and optimizer) and the files it composes (``grid``,
     ``parallel_lm``), lesson 3's torch plan (``torch_tp``), and lesson 4's executor and
     schedules (``pipeline``, ``schedules``)."""
     from common import import_stage
-    training = import_stage("07_parallelism/07_together/training")
-    grid_module, parallel_lm, _ = training.lessons()
+    train = import_stage("07_parallelism/07_together/train")
+    grid_module, parallel_lm, _ = train.lessons()
     return types.SimpleNamespace(
-        train=training, grid=grid_module, parallel_lm=parallel_lm,
+        train=train, grid=grid_module, parallel_lm=parallel_lm,
         torch_tp=import_stage("07_parallelism/03_tensor_parallel/torch_tensor_parallel"),
         pipeline=import_stage("07_parallelism/04_pipeline_parallel/pipeline_parallel"),
         schedules=import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules"))
@@ -515,10 +427,11 @@ def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
 
 def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
-    """What training.py's build_full_lm and make_optimizer read."""
+    """What train.py's build reads."""
     return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
-                              lr=sizes["lr"], fsdp=spec["fsdp"], chunks=spec["chunks"],
-                              dp_shard=spec.get("dp_shard", 1))
+                              lr=sizes["lr"], **{key: spec.get(key, 1) for key in (
+                                  "dp", "pp", "cp", "tp", "dp_shard", "chunks")},
+                              fsdp=spec["fsdp"])
 
 
 def grid_axes(grid) -> dict:
@@ -576,15 +489,9 @@ def count_step(step, axes: dict) -> tuple[dict, dict]:
 
 def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
     """This rank's part of the LM on grid ``spec``, its optimizer, and a training step."""
-    train = lessons.train
     parallel_lm = lessons.parallel_lm
-    grid = lessons.grid.ProcessGrid(dp=spec["dp"], pp=spec["pp"], cp=spec["cp"], tp=spec["tp"],
-                                    dp_shard=spec.get("dp_shard", 1))
-    args = train_args(sizes, spec)
-    full_lm = train.build_full_lm(args)
-    chunks = train.build_chunks(args, grid, parallel_lm, full_lm, ctx.device)   # HSDP: sharded
+    grid, chunks, optimizer, _ = lessons.train.build(ctx, train_args(sizes, spec))
     params = [p for chunk in chunks for p in chunk.parameters()]
-    optimizer = train.make_optimizer(params, args, grid)
     inputs, targets = random_batch(sizes)
 
     def step():
@@ -672,15 +579,15 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict],
                     spec["micro_batches"])
     row["first_loss"] = mine["loss"]
     row["peak_held"] = max(rank["peak_held"] for rank in per_rank)
-    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
-    row.update(byte_columns(per_rank, kinds))
+    row.update(byte_columns(per_rank, ALL_KINDS))
     row["zero1_deal_bound"] = ""
     if spec["fsdp"]:             # the bound of the rank whose optimizer state is the most off
         most_off = max(per_rank, key=lambda rank: relative_difference(rank["counted"]["optim"],
                                                                       rank["formula"]["optim"]))
         row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
                                                    most_off["coordinate"]["pp"])
-    timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row}
+    timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
+             "grid": built["grid"]}
     return row, per_rank, timed
 
 
@@ -716,7 +623,7 @@ def reference_loss(sizes: dict, lessons) -> float:
 
 
 class TorchLM(nn.Module):
-    """The course LM in the shape torch's tensor parallel plans expect: q, k and v as three
+    """The LM in the shape torch's tensor parallel plans expect: q, k and v as three
     Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
     and the fused projection would be cut across q, k and v). The same weights."""
 
@@ -752,49 +659,37 @@ def torch_model_plan() -> dict:
     }
 
 
-def torch_mesh(ctx, dp: int, tp: int):
-    """torch's (dp, 1, tp) mesh, one for both compositions (a second mesh of the same ranks
-    would reuse the first one's groups under other names, and the counter matches by name)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
-
-
-def build_torch_composition(ctx, sizes: dict, mesh, lessons,
-                            data_axis: str = "fully_shard") -> dict:
-    """The LM with torch's own parts: parallelize_module over tp, then fully_shard over dp
-    (each block a unit, and the root), in one of two layouts: ``fully_shard`` shards the
-    parameters, gradients and AdamW state over the data ranks; ``replicate`` keeps them whole
-    on every data rank and all-reduces the gradients: fully_shard on a (dp, 1) mesh, FSDP2's
-    hybrid sharding with shards of one rank (torch's composable ``replicate(model,
-    device_mesh=mesh["dp"])`` after parallelize_module runs, but here trained nothing: its
+def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
+    """The LM with torch's own parts: parallelize_module over ``tp_mesh`` (if any), then
+    fully_shard over ``data_mesh``, each block a unit and the root; AdamW as ours. A (dp, 1)
+    data mesh is torch's replicated data axis: FSDP2's hybrid sharding with shards of one
+    rank (torch's composable ``replicate`` after parallelize_module trained nothing here: its
     parameters are swapped for local copies at the first forward, after the optimizer took
-    them, and the loss stayed the same over three steps). AdamW as ours."""
+    them). Each rank takes the rows of its place on the data mesh, as our grid's ranks do."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
-    train = lessons.train
-    dp = mesh["dp"].size()
-    data_mesh = mesh["dp", "dp_shard"]           # replicated over dp, shards of one rank
-    if data_axis == "fully_shard":
-        data_mesh = mesh["dp"]                   # sharded over dp
     args = train_args(sizes, grid_spec())
-    lm = TorchLM(train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock).to(ctx.device)
-    parallelize_module(lm, mesh["tp"], torch_model_plan())
-    for block in lm.blocks:                      # a plan's objects serve one module
-        parallelize_module(block, mesh["tp"], lessons.torch_tp.block_plan())
+    lm = TorchLM(lessons.train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock)
+    lm = lm.to(ctx.device)
+    if tp_mesh is not None:
+        parallelize_module(lm, tp_mesh, torch_model_plan())
+    for block in lm.blocks:
+        if tp_mesh is not None:                  # a plan's objects serve one module
+            parallelize_module(block, tp_mesh, lessons.torch_tp.block_plan())
         fully_shard(block, mesh=data_mesh)
     fully_shard(lm, mesh=data_mesh)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
-                                  eps=train.ADAM_EPS)
+                                  eps=lessons.train.ADAM_EPS)
     inputs, targets = random_batch(sizes)
-    rows = sizes["batch_size"] // dp
-    first = mesh["dp"].get_local_rank() * rows
-    my_inputs = inputs[first:first + rows].to(ctx.device)       # every tp rank: all the tokens
-    my_targets = targets[first:first + rows].to(ctx.device)
-    dp_group = mesh["dp"].get_group()
-    tp_group = mesh["tp"].get_group()            # the group parallelize_module's collectives name
+    data_rank = 0
+    for dim in range(data_mesh.ndim):            # row-major over the data mesh's dims
+        data_rank = data_rank * data_mesh.size(dim) + data_mesh.get_local_rank(dim)
+    rows = sizes["batch_size"] // data_mesh.size()
+    my_inputs = inputs[data_rank * rows:(data_rank + 1) * rows].to(ctx.device)
+    my_targets = targets[data_rank * rows:(data_rank + 1) * rows].to(ctx.device)
 
     def forward_loss():
-        logits = lm(my_inputs)
+        logits = lm(my_inputs)                   # every tp rank: all the tokens, all logits
         return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
 
     def step():
@@ -804,177 +699,32 @@ def build_torch_composition(ctx, sizes: dict, mesh, lessons,
         optimizer.step()
         return loss
 
-    return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss,
-            "axes": {"dp": dp_group, "tp": tp_group}, "dp_group": dp_group}
+    return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss}
 
 
-def count_torch_composition(ctx, built: dict) -> dict:
-    """The first step of torch's composition, counted as ours is (its tensor-parallel
-    collectives are DTensor's functional ones, counted at dispatch; fully_shard's are
-    torch.distributed calls), and its saved activations: fully_shard gathers the weights into
-    new storage each time, so the weights in the modules at the moment are left out."""
+def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
+    """torch's composition: a step counted as ours is (the ``second``: FSDP2's HSDP sets its
+    buffers up in the first; DTensor's collectives counted at dispatch, fully_shard's as
+    torch.distributed calls), the first step's loss (the mean over every rank), and one
+    forward's saved activations (fully_shard gathers the weights into new storage: those are
+    left out)."""
     lm = built["lm"]
-    with CommCounter(axes=built["axes"]) as comm:
-        with FunctionalCommCounter(axes=built["axes"]) as functional:
+    first = None
+    if second:
+        first = built["step"]()
+    with CommCounter(axes=axes) as comm:
+        with FunctionalCommCounter(axes=axes) as functional:
             loss = built["step"]()
+    first = (loss if first is None else first).detach().reshape(1) / ctx.world_size
+    dist.all_reduce(first)
     counted = {"param": state_bytes(lm.parameters()),
                "grad": state_bytes(p.grad for p in lm.parameters()),
                "optim": optimizer_state_bytes(built["optimizer"])}
-    sent = {}
-    for axis in ("tp", "dp", "world", "other"):
-        sent[axis] = 0.0
+    for axis in [*AXES, "dp"]:
+        counted[f"sent_{axis}"] = 0.0
     for counter in (comm, functional):
         for axis, entry in counter.by_axis.items():
-            sent[axis] += entry["sent_bytes"]
-    for axis, value in sent.items():
-        counted[f"sent_{axis}"] = value
-
-    def weights_now():
-        return set(storage_key(p) for p in lm.parameters())
-
-    with SavedActivations(lm, exclude_now=weights_now) as saved:
-        built["forward_loss"]()
-    counted["activation"] = saved.bytes
-    reported = loss.detach().clone()
-    dist.all_reduce(reported, group=built["dp_group"])         # the mean over the data ranks
-    return {"counted": counted, "loss": reported.item() / dist.get_world_size(built["dp_group"])}
-
-
-# Each torch control beside the one of ours that does the same job on the same dp x tp grid,
-# named by the CSV's ``pair`` column: our replicated data axis (AdamW whole on every data rank)
-# beside torch's replicated one, and our ZeRO-1 data axis (--fsdp: AdamW state sharded over the data
-# ranks) beside torch's fully_shard (which also shards the parameters and gradients, gathering
-# them for every forward and backward: the nearest torch control, not the same memory).
-PAIRS = (("replicated_tp", False, "replicate"), ("fsdp_tp", True, "fully_shard"))
-TORCH_DATA_AXIS = {"replicate": "fully_shard on (dp, 1): replicated",
-                   "fully_shard": "fully_shard"}
-
-
-def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Ours and torch's on the same dp x tp grid, two pairs (``PAIRS``), all four timed in
-    alternating rounds (background load hits them alike): four rows, each with its bytes
-    (ours beside our formula, torch's beside the formula of torch's layout), ours first in
-    each pair."""
-    tp = 2
-    dp = ctx.world_size // tp
-    shape = lm_shape(sizes)
-    built = {}
-    steps = {}
-    for pair, fsdp, data_axis in PAIRS:
-        spec = grid_spec(dp=dp, tp=tp, fsdp=fsdp)
-        ours = build_grid(ctx, spec, sizes, lessons)
-        built[("ours", pair)] = (spec, ours, count_grid(ctx, spec, sizes, ours, lessons))
-        steps[f"ours {pair}"] = ours["step"]
-    with warnings.catch_warnings():
-        # fully_shard warns that the root returns a view (the logits DTensor's local part);
-        # nothing here changes the logits in place, which is what the warning is about
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        mesh = torch_mesh(ctx, dp, tp)
-        for pair, fsdp, data_axis in PAIRS:
-            theirs = build_torch_composition(ctx, sizes, mesh, lessons, data_axis)
-            built[("torch", pair)] = (data_axis, theirs, count_torch_composition(ctx, theirs))
-            steps[f"torch {pair}"] = theirs["step"]
-        seconds = measure_alternating(ctx, steps, sizes)
-    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
-    torch_kinds = list(KINDS) + ["sent_tp", "sent_dp", "sent_world", "sent_other"]
-    rows = []
-    for pair, fsdp, data_axis in PAIRS:
-        spec, ours, ours_mine = built[("ours", pair)]
-        grid = grid_label(spec)
-        row_ours = timed_row(ctx, sizes, "ours", grid,
-                             f"{setting_label(spec)}, timed beside torch's",
-                             seconds[f"ours {pair}"], 1)
-        row_ours["pair"] = pair
-        row_ours["first_loss"] = ours_mine["loss"]
-        row_ours.update(byte_columns(everyone(ours_mine), kinds))
-        row_ours["zero1_deal_bound"] = ""
-        if fsdp:
-            row_ours["zero1_deal_bound"] = zero1_deal_bound(shape, spec, 0)
-        rows.append(row_ours)
-        data_axis, theirs, theirs_mine = built[("torch", pair)]
-        row_torch = timed_row(ctx, sizes, "torch", grid,
-                              f"parallelize_module + {TORCH_DATA_AXIS[data_axis]}, AdamW",
-                              seconds[f"torch {pair}"], 1)
-        row_torch["pair"] = pair
-        row_torch["first_loss"] = theirs_mine["loss"]
-        formula = torch_formula(shape, dp, tp, sharded=data_axis == "fully_shard")
-        worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
-        torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
-                      "worst": worst, "worst_kind": worst_kind}
-        row_torch.update(byte_columns(everyone(torch_mine), torch_kinds))
-        rows.append(row_torch)
-    return rows
-
-
-# HSDP beside torch's: ours (lesson 2's FSDP over dp_shard inside lesson 7's grid, the blocks
-# summed over dp_replicate) and torch's fully_shard on a 2-D (replicate, shard) mesh, which is
-# torch's HSDP; the same LM, batch and ranks: 2 replicas of W/2 shards.
-HSDP_PAIR = "hsdp"
-
-
-def hsdp_degrees(world_size: int) -> tuple[int, int]:
-    """(replicate, shard): 2 copies, each sharded over half the ranks (a node each)."""
-    return 2, world_size // 2
-
-
-def build_torch_hsdp(ctx, sizes: dict, lessons) -> dict:
-    """The LM (q, k, v as three Linears, as torch's tensor-parallel plan wants them; no tensor
-    parallelism here) with ``fully_shard`` per block and on the root, over a 2-D mesh
-    ("replicate", "shard"): parameters sharded over a shard group, gradients reduce-scattered
-    there and all-reduced over the replicate group. Each rank takes the rows of its place in
-    the data axis, replicate index x shard + shard index, as our grid's ranks do."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    train = lessons.train
-    replicate, shard = hsdp_degrees(ctx.world_size)
-    mesh = init_device_mesh(ctx.device.type, (replicate, shard),
-                            mesh_dim_names=("replicate", "shard"))
-    args = train_args(sizes, grid_spec())
-    lm = TorchLM(train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock).to(ctx.device)
-    for block in lm.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(lm, mesh=mesh)
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
-                                  eps=train.ADAM_EPS)
-    inputs, targets = random_batch(sizes)
-    rows = sizes["batch_size"] // ctx.world_size
-    data_rank = mesh["replicate"].get_local_rank() * shard + mesh["shard"].get_local_rank()
-    first = data_rank * rows
-    my_inputs = inputs[first:first + rows].to(ctx.device)
-    my_targets = targets[first:first + rows].to(ctx.device)
-
-    def forward_loss():
-        logits = lm(my_inputs)
-        return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
-
-    def step():
-        optimizer.zero_grad(set_to_none=True)
-        loss = forward_loss()
-        loss.backward()
-        optimizer.step()
-        return loss
-
-    axes = {"dp_replicate": mesh["replicate"].get_group(), "dp_shard": mesh["shard"].get_group()}
-    return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss,
-            "axes": axes}
-
-
-def count_torch_hsdp(ctx, built: dict) -> dict:
-    """torch's HSDP: the first step's loss (the mean over every rank), then the second step
-    counted (FSDP2 sets its buffers up in the first), and one forward's saved activations
-    (fully_shard's gathered weights left out, as in ``count_torch_composition``)."""
-    lm = built["lm"]
-    first = built["step"]().detach().reshape(1) / ctx.world_size
-    dist.all_reduce(first)
-    with CommCounter(axes=built["axes"]) as comm:
-        built["step"]()
-    counted = {"param": state_bytes(lm.parameters()),
-               "grad": state_bytes(p.grad for p in lm.parameters()),
-               "optim": optimizer_state_bytes(built["optimizer"])}
-    for axis in AXES:
-        counted[f"sent_{axis}"] = 0.0
-    for axis, entry in comm.by_axis.items():
-        counted[f"sent_{axis}"] += entry["sent_bytes"]
+            counted[f"sent_{axis}"] += entry["sent_bytes"]
 
     def weights_now():
         return set(storage_key(p) for p in lm.parameters())
@@ -985,38 +735,65 @@ def count_torch_hsdp(ctx, built: dict) -> dict:
     return {"counted": counted, "loss": first.item()}
 
 
-def compare_hsdp_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Our HSDP grid and torch's on the same ranks, timed in alternating rounds: two rows
-    (ours, then torch's), each with its bytes; ours beside our formula, torch's parameters,
-    gradients and AdamW state beside its layout's (``torch_formula`` over the shard ranks:
-    fully_shard cuts the 1-D parameters too)."""
-    replicate, shard = hsdp_degrees(ctx.world_size)
-    spec = grid_spec(dp=replicate * shard, dp_shard=shard)
-    ours = build_grid(ctx, spec, sizes, lessons)
-    ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
+    """Ours and torch's in three pairs, each pair timed in alternating rounds (background load
+    hits both alike): ``replicated_tp`` and ``fsdp_tp`` on dp x tp (ZeRO-1 beside fully_shard,
+    which also shards the parameters and gradients: the nearest control, not the same
+    memory), ``hsdp`` on 2 copies of W/2 shards. Two rows a pair, ours first, each with its
+    bytes: ours beside our formula, torch's beside the formula of torch's layout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    tp = 2
+    dp = ctx.world_size // tp
+    shard = ctx.world_size // 2
+    shape = lm_shape(sizes)
+    rows = []
     with warnings.catch_warnings():
+        # fully_shard warns that the root returns a view (the logits DTensor's local part);
+        # nothing here changes the logits in place, which is what the warning is about
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        theirs = build_torch_hsdp(ctx, sizes, lessons)
-        theirs_mine = count_torch_hsdp(ctx, theirs)
-        seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]}, sizes)
-    kinds = list(KINDS) + [f"sent_{axis}" for axis in AXES]
-    row_ours = timed_row(ctx, sizes, "ours", grid_label(spec),
-                         f"{setting_label(spec)}, timed beside torch's", seconds["ours"], 1)
-    row_ours["pair"] = HSDP_PAIR
-    row_ours["first_loss"] = ours_mine["loss"]
-    row_ours.update(byte_columns(everyone(ours_mine), kinds))
-    row_ours["zero1_deal_bound"] = ""
-    row_torch = timed_row(ctx, sizes, "torch", grid_label(spec),
-                          "fully_shard on a (replicate, shard) mesh: HSDP, AdamW",
-                          seconds["torch"], 1)
-    row_torch["pair"] = HSDP_PAIR
-    row_torch["first_loss"] = theirs_mine["loss"]
-    formula = torch_formula(lm_shape(sizes), shard, 1, sharded=True)
-    worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
-    torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
-                  "worst": worst, "worst_kind": worst_kind}
-    row_torch.update(byte_columns(everyone(torch_mine), kinds))
-    return [row_ours, row_torch]
+        # one (dp, 1, tp) mesh for both tp pairs: a second mesh of the same ranks would reuse
+        # the first one's groups under other names, and the counter matches by name
+        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard",
+                                                                               "tp"))
+        hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard),
+                                     mesh_dim_names=("replicate", "shard"))
+        tp_axes = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
+        hsdp_axes = {"dp_replicate": hsdp_mesh["replicate"].get_group(),
+                     "dp_shard": hsdp_mesh["shard"].get_group()}
+        pairs = [("replicated_tp", grid_spec(dp=dp, tp=tp), mesh["dp", "dp_shard"], mesh["tp"],
+                  tp_axes, "parallelize_module + fully_shard on (dp, 1): replicated",
+                  torch_formula(shape, dp, tp, sharded=False)),
+                 ("fsdp_tp", grid_spec(dp=dp, tp=tp, fsdp=True), mesh["dp"], mesh["tp"],
+                  tp_axes, "parallelize_module + fully_shard", torch_formula(shape, dp, tp)),
+                 ("hsdp", grid_spec(dp=ctx.world_size, dp_shard=shard), hsdp_mesh, None,
+                  hsdp_axes, "fully_shard on a (replicate, shard) mesh: HSDP",
+                  torch_formula(shape, shard, 1))]
+        for pair, spec, data_mesh, tp_mesh, axes, torch_setting, formula in pairs:
+            ours = build_grid(ctx, spec, sizes, lessons)
+            ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
+            theirs = build_torch(ctx, sizes, lessons, data_mesh, tp_mesh)
+            theirs_mine = count_torch(ctx, theirs, axes, second=pair == "hsdp")
+            seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]},
+                                          sizes)
+            ours["grid"].destroy()
+            row = timed_row(ctx, sizes, "ours", grid_label(spec),
+                            f"{setting_label(spec)}, timed beside torch's", seconds["ours"], 1)
+            row.update(byte_columns(everyone(ours_mine), ALL_KINDS))
+            row.update(pair=pair, first_loss=ours_mine["loss"], zero1_deal_bound="")
+            if spec["fsdp"]:
+                row["zero1_deal_bound"] = zero1_deal_bound(shape, spec, 0)
+            rows.append(row)
+            row = timed_row(ctx, sizes, "torch", grid_label(spec), f"{torch_setting}, AdamW",
+                            seconds["torch"], 1)
+            worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
+            torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
+                          "worst": worst, "worst_kind": worst_kind}
+            row.update(byte_columns(everyone(torch_mine), [*ALL_KINDS, "sent_dp"]))
+            row.update(pair=pair, first_loss=theirs_mine["loss"])
+            rows.append(row)
+    for group in {*tp_axes.values(), *hsdp_axes.values()}:
+        dist.destroy_process_group(group)
+    return rows
 
 
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
@@ -1110,10 +887,8 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     loss_rank = pipeline_schedules.loss_rank(schedule_name, stages, chunks_per_rank)
     micro_batches = setting["micro_batches"]
     schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
-    splits_backward = False       # W steps (ZB-V, DualPipeV): weight gradients after B
-    for step in schedule[pp_rank]:
-        if step.op == pipeline_schedules.WEIGHT:
-            splits_backward = True
+    # W steps (ZB-V, DualPipeV): weight gradients after B
+    splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
     rows = setting["rows"]
     torch.manual_seed(0)
     blocks = []
@@ -1121,13 +896,10 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         blocks.append(models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device))
     generator = torch.Generator().manual_seed(1)
     activation_shape = (rows, setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
-    inputs = torch.randn((micro_batches * rows,) + activation_shape[1:], generator=generator)
-    targets = torch.randn((micro_batches * rows,) + activation_shape[1:], generator=generator)
-    inputs = inputs.to(ctx.device)
-    targets = targets.to(ctx.device)
-    emulate_s = 0.0
-    if compute == "emulated":
-        emulate_s = setting["emulate_ms"] / 1e3
+    shape_all = (micro_batches * rows,) + activation_shape[1:]
+    inputs = torch.randn(shape_all, generator=generator).to(ctx.device)
+    targets = torch.randn(shape_all, generator=generator).to(ctx.device)
+    emulate_s = setting["emulate_ms"] / 1e3 if compute == "emulated" else 0.0
     ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank,
                                             layout)
     our_chunks = []
@@ -1148,12 +920,9 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
                                           ctx.device, group=group))
     theirs = torch_schedule(schedule_name, torch_stages, micro_batches)
-    micro_inputs = None
-    if pp_rank == 0:
-        micro_inputs = list(inputs.chunk(micro_batches))
-    micro_targets = None
-    if pp_rank == loss_rank:        # p-1, or 0 on the V
-        micro_targets = list(targets.chunk(micro_batches))
+    micro_inputs = list(inputs.chunk(micro_batches)) if pp_rank == 0 else None
+    # the loss on p-1, or 0 on the V
+    micro_targets = list(targets.chunk(micro_batches)) if pp_rank == loss_rank else None
 
     def ours_step():
         for chunk in our_chunks:
@@ -1200,38 +969,48 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
         if ctx.world_size % stages != 0:
             continue
         grid = lessons.grid.ProcessGrid(dp=ctx.world_size // stages, pp=stages)
-        for schedule_name in setting["schedules"]:
-            if not has_torch_schedule(schedule_name):
-                ctx.print(f"  torch {torch.__version__} has no class for {schedule_name}: no "
-                          "pipeline row for it", all_ranks=False)
-                continue
-            for compute in setting["compute"]:
-                built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
-                seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]},
-                                              sizes)
-                difference = float("nan")
-                if compute == "real":
-                    worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
-                                         device=ctx.device)      # NCCL reduces GPU tensors
-                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                    difference = worst.item()
-                label = f"pp{stages}"
-                if ctx.world_size > stages:
-                    label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
-                compute_words = compute
-                if compute == "emulated":
-                    compute_words = f"emulated {setting['emulate_ms']:g} ms"
-                for impl, name in (("ours", "our executor"),
-                                   ("torch", "torch.distributed.pipelining")):
-                    row = pipeline_row(ctx, sizes, impl, label,
-                                       f"{schedule_name}, {compute_words}", seconds[impl])
-                    row["schedule"] = schedule_name
-                    row["compute"] = compute
-                    row["stages"] = stages
-                    row["implementation"] = name
-                    row["ideal_ms"] = built["ideal_s"] * 1e3
-                    row["gradient_max_difference"] = difference
-                    rows.append(row)
+        rows += compare_schedules(ctx, sizes, lessons, grid)
+        grid.destroy()
+    return rows
+
+
+def compare_schedules(ctx, sizes: dict, lessons, grid) -> list[dict]:
+    """Every (schedule, compute) of ``sizes["pipeline"]`` on ``grid``'s pipelines."""
+    setting = sizes["pipeline"]
+    stages = grid.size("pp")
+    rows = []
+    for schedule_name in setting["schedules"]:
+        if not has_torch_schedule(schedule_name):
+            ctx.print(f"  torch {torch.__version__} has no class for {schedule_name}: no "
+                      "pipeline row for it", all_ranks=False)
+            continue
+        for compute in setting["compute"]:
+            built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
+            seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]},
+                                          sizes)
+            difference = float("nan")
+            if compute == "real":
+                worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
+                                     device=ctx.device)      # NCCL reduces GPU tensors
+                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                difference = worst.item()
+            label = f"pp{stages}"
+            if ctx.world_size > stages:
+                label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
+            compute_words = compute
+            if compute == "emulated":
+                compute_words = f"emulated {setting['emulate_ms']:g} ms"
+            for impl, name in (("ours", "our executor"),
+                               ("torch", "torch.distributed.pipelining")):
+                row = pipeline_row(ctx, sizes, impl, label,
+                                   f"{schedule_name}, {compute_words}", seconds[impl])
+                row["schedule"] = schedule_name
+                row["compute"] = compute
+                row["stages"] = stages
+                row["implementation"] = name
+                row["ideal_ms"] = built["ideal_s"] * 1e3
+                row["gradient_max_difference"] = difference
+                rows.append(row)
     return rows
 
 
@@ -1272,18 +1051,11 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     for _ in range(1, sizes["rounds"]):   # more rounds, every grid in turn, pooled
         for timed in timed_grids:
             time_again(ctx, sizes, timed)
-        if ctx.is_main:
-            results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
-    for row in grid_rows:
-        ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step over "
-                  f"{row['steps_timed']} steps in {sizes['rounds']} rounds", all_ranks=False)
+    for timed in timed_grids:             # each grid's groups (communicators) freed
+        timed["grid"].destroy()
     torch_rows = compare_with_torch(ctx, sizes, lessons)
-    torch_rows += compare_hsdp_with_torch(ctx, sizes, lessons)
     if ctx.is_main:
         results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-    for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
-        ctx.print(f"  {ours['pair']}: ours {ours['step_ms']:.1f}, torch's {theirs['step_ms']:.1f} "
-                  "ms/step", all_ranks=False)
     pipeline_rows = compare_pipelines(ctx, sizes, lessons)
     reference = reference_loss(sizes, lessons)
     if not ctx.is_main:
@@ -1306,15 +1078,11 @@ def percent(share: float) -> str:
     return f"{100 * share:.3g}%"
 
 
-def in_units(value: float, unit: int) -> str:
-    return f"{value / unit:.1f}"
-
-
 def counted_and_formula(row: dict, kind: str, unit: int) -> str:
     """'counted (formula)', in ``unit``s; just the count where there is no formula."""
-    text = in_units(row[f"{kind}_bytes"], unit)
+    text = f"{row[f'{kind}_bytes'] / unit:.1f}"
     if f"{kind}_bytes_formula" in row:
-        text += f" ({in_units(row[f'{kind}_bytes_formula'], unit)})"
+        text += f" ({row[f'{kind}_bytes_formula'] / unit:.1f})"
     return text
 
 
@@ -1323,131 +1091,68 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
     """Rank 0: the tables, then the targets measured beside the targets."""
     from bench import results
     machine = results.machine_name()
-    unit = 1024
-    unit_name = "KiB"
+    unit, unit_name = 1024, "KiB"
     if max(row["param_bytes"] for row in our_rows) > 64 * 2**20:
-        unit = 2**20
-        unit_name = "MiB"
+        unit, unit_name = 2**20, "MiB"
     shape = lm_shape(sizes)
     print(f"\nThe {sizes['model']} LM (h {shape['h']}, f {shape['f']}, {shape['heads']} heads, "
           f"{shape['layers']} blocks, vocabulary {VOCAB}), global batch {sizes['batch_size']} x "
           f"{sizes['seq_len']} tokens, on {ctx.world_size} ranks ({ctx.backend}/"
           f"{ctx.device.type}; {machine}). Step: the slowest rank's median of "
           f"{sizes['iters']} after {sizes['warmup']} warm-up.", flush=True)
-    memory = []
+    ours = []
     for row in our_rows:
-        memory.append({"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"],
-                       "tokens/s": row["tokens_per_s"],
-                       f"params {unit_name}": counted_and_formula(row, "param", unit),
-                       f"grads {unit_name}": counted_and_formula(row, "grad", unit),
-                       f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
-                       f"saved, 1 micro-batch {unit_name}": counted_and_formula(row, "activation",
-                                                                                unit),
-                       "worst difference": percent(row["worst_difference"])})
-    results.print_table(memory, floatfmt=".0f",
-                        title="\nOur grids, per rank (the largest rank), counted (formula):")
-    sent = []
-    for row in our_rows:
-        line = {"grid": row["grid"], "setting": row["setting"]}
-        for axis in ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world"):
-            line[f"{axis} {unit_name}"] = counted_and_formula(row, f"sent_{axis}", unit)
-        line["on no axis"] = in_units(row["sent_other_bytes"], unit)
-        sent.append(line)
-    results.print_table(sent, title="\nBytes sent per step per rank, by axis (ring shares; "
-                                    "the largest rank), counted (formula):")
+        line = {"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"]}
+        for kind in ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp", "sent_dp_cp"):
+            line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
+        ours.append({**line, "worst difference": percent(row["worst_difference"])})
+    results.print_table(ours, floatfmt=".0f", title="\nOur grids, per rank (the largest rank), "
+                        "counted (formula); activation: saved, one micro-batch; sent: per step "
+                        "(every column in results/grid.csv):")
     beside = []
-    hsdp = []
     for row in torch_rows:
-        if row["pair"] == HSDP_PAIR:
-            hsdp.append({"impl": row["impl"], "setting": row["setting"], "step ms": row["step_ms"],
-                         f"params {unit_name}": counted_and_formula(row, "param", unit),
-                         f"grads {unit_name}": counted_and_formula(row, "grad", unit),
-                         f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
-                         f"saved {unit_name}": in_units(row["activation_bytes"], unit),
-                         f"sent dp_shard {unit_name}": counted_and_formula(row, "sent_dp_shard",
-                                                                           unit),
-                         f"sent dp_replicate {unit_name}": counted_and_formula(
-                             row, "sent_dp_replicate", unit)})
-            continue
         line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
-                "step ms": row["step_ms"],
-                "tokens/s": row["tokens_per_s"],
-                f"params {unit_name}": counted_and_formula(row, "param", unit),
-                f"grads {unit_name}": counted_and_formula(row, "grad", unit),
-                f"AdamW state {unit_name}": counted_and_formula(row, "optim", unit),
-                f"saved {unit_name}": in_units(row["activation_bytes"], unit),
-                f"sent tp {unit_name}": in_units(row["sent_tp_bytes"], unit)}
-        data_axis = row.get("sent_dp_bytes", row.get("sent_dp_cp_bytes"))
-        line[f"sent dp {unit_name}"] = in_units(data_axis, unit)
+                "step ms": row["step_ms"]}
+        for kind in ("param", "optim", "activation", "sent_tp"):
+            line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
         beside.append(line)
-    results.print_table(beside, floatfmt=".1f",
-                        title=f"\ntorch's composition beside ours, {torch_rows[0]['grid']}, the "
-                              f"same LM and batch, timed in {sizes['rounds']} alternating rounds; "
-                              "each pair does the same job on the data axis (replicated_tp: "
-                              "everything whole on every data rank; fsdp_tp: ours shards the "
-                              "AdamW state, torch's fully_shard also the parameters and "
-                              "gradients):")
-    if hsdp:
-        results.print_table(hsdp, floatfmt=".1f",
-                            title=f"\nHSDP beside torch's, {hsdp_label(torch_rows)}: ours (lesson "
-                                  "2's FSDP over dp_shard, the blocks summed over dp_replicate) "
-                                  "and torch's fully_shard on a 2-D (replicate, shard) mesh, "
-                                  "timed in alternating rounds; ours counted (formula), torch's "
-                                  "memory counted (its layout's formula: it shards the 1-D "
-                                  "parameters too), its bytes counted only:")
+    results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, the "
+                        f"same LM and batch, each pair timed in {sizes['rounds']} alternating "
+                        "rounds; torch's memory beside its layout's formula:")
     pairs = pipeline_pairs(pipeline_rows)
-    pipeline_table = []
+    table = []
     for (stages, schedule, compute), pair in pairs.items():
-        pipeline_table.append({"stages": pair["ours"]["grid"], "schedule": schedule,
-                               "compute": pair["ours"]["setting"].split(", ", 1)[1],
-                               "ours ms": pair["ours"]["step_ms"],
-                               "torch ms": pair["torch"]["step_ms"],
-                               "ours / torch": pair["ours"]["step_ms"] / pair["torch"]["step_ms"],
-                               "ideal ms": pair["ours"]["ideal_ms"] or "-",
-                               "max |grad diff|": "-"})
-        if pair["ours"]["compute"] == "real":
-            pipeline_table[-1]["max |grad diff|"] = pair["ours"]["gradient_max_difference"]
+        table.append({"stages": pair["ours"]["grid"], "schedule": schedule,
+                      "compute": pair["ours"]["setting"].split(", ", 1)[1],
+                      "ours ms": pair["ours"]["step_ms"], "torch ms": pair["torch"]["step_ms"],
+                      "ours / torch": pair["ours"]["step_ms"] / pair["torch"]["step_ms"],
+                      "ideal ms": pair["ours"]["ideal_ms"] or "-",
+                      "max |grad diff|": pair["ours"]["gradient_max_difference"]})
     pipeline = sizes["pipeline"]
-    results.print_table(pipeline_table, floatfmt=".3g",
-                        title=f"\nThe pipeline axis, our executor beside torch.distributed."
-                              f"pipelining: {pipeline['layers']} {sizes['model']} blocks, "
-                              f"{pipeline['micro_batches']} micro-batches of "
-                              f"{pipeline['rows']} x {pipeline['seq_len']}, forward + backward "
-                              "(interleaved: 2 chunks a rank; zbv, dualpipev: 2 chunks a rank "
-                              "in a V, r and 2p-1-r, split backward, emulated F, B and W each "
-                              "wait; ideal: the unit-time simulation x the emulated wait; grad "
-                              "diff: ours against torch's, real compute):")
+    results.print_table(table, floatfmt=".3g", title=f"\nThe pipeline axis, our executor beside "
+                        f"torch.distributed.pipelining: {pipeline['layers']} {sizes['model']} "
+                        f"blocks, {pipeline['micro_batches']} micro-batches of {pipeline['rows']} "
+                        f"x {pipeline['seq_len']} (interleaved, zbv, dualpipev: 2 chunks a rank; "
+                        "ideal: the unit-time simulation x the emulated wait):")
     print("\n" + "\n".join(target_lines(our_rows, torch_rows, pairs, reference, machine)),
           flush=True)
-
-
-def hsdp_label(torch_rows: list[dict]) -> str:
-    for row in torch_rows:
-        if row["pair"] == HSDP_PAIR:
-            return row["grid"]
-    return ""
 
 
 def pipeline_pairs(pipeline_rows: list[dict]) -> dict:
     """{(stages, schedule, compute): {"ours": row, "torch": row}}, in the order they ran."""
     pairs = {}
     for row in pipeline_rows:
-        key = (row["stages"], row["schedule"], row["compute"])
-        if key not in pairs:
-            pairs[key] = {}
-        pairs[key][row["impl"]] = row
+        pairs.setdefault((row["stages"], row["schedule"], row["compute"]), {})[row["impl"]] = row
     return pairs
 
 
 def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, reference: float,
                  machine: str) -> list[str]:
-    """The issue's targets, read off this run's rows: measured beside the target."""
+    """The targets, read off this run's rows: measured beside the target."""
     lines = [f"Targets, measured in this run ({machine}; times: the slowest rank's median, "
              "ratios within this run):"]
     worst = max(our_rows, key=lambda row: row["worst_difference"])
-    verdict = "met"
-    if worst["worst_difference"] > TARGET_BYTES:
-        verdict = "NOT met"
+    verdict = "met" if worst["worst_difference"] <= TARGET_BYTES else "NOT met"
     lines.append(f"  counted bytes per rank / the combined formula, every grid, every rank, every "
                  f"column: worst {100 * worst['worst_difference']:.2f}% ({worst['grid']}, "
                  f"{worst['setting']}, {worst['worst_where']}) (target within "
@@ -1462,36 +1167,22 @@ def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, refe
             text += (f" (ZeRO-1 deals whole tensors: at most one tensor's state above the mean, "
                      f"{100 * row['zero1_deal_bound']:.1f}% here)")
         inexact.append(text)
-    if inexact:
-        lines.append("    every other count equals its formula exactly; not equal: "
-                     + "; ".join(inexact))
-    else:
-        lines.append("    every count equals its formula exactly")
+    lines.append("    every count equals its formula exactly" + (
+        "" if not inexact else " but: " + "; ".join(inexact)))
     for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
         ratio = ours["step_ms"] / theirs["step_ms"]
-        verdict = "met"
-        if ratio > TARGET_TORCH_TP:
-            verdict = "NOT met"
-        ours_setting = ours["setting"].split(", timed")[0]
-        torch_setting = theirs["setting"].rsplit(", AdamW", 1)[0]
-        lines.append(f"  {ours['pair']}: our {ours['grid']} step ({ours_setting}) / torch's "
-                     f"{torch_setting}: {ours['step_ms']:.1f} / "
-                     f"{theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= {TARGET_TORCH_TP}x: "
-                     f"{verdict})")
+        verdict = "met" if ratio <= TARGET_TORCH_TP else "NOT met"
+        lines.append(f"  {ours['pair']}: our {ours['grid']} step / torch's: {ours['step_ms']:.1f}"
+                     f" / {theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= "
+                     f"{TARGET_TORCH_TP}x: {verdict})")
     for (stages, schedule, compute), pair in pairs.items():
-        if compute != "emulated" or stages != 4:
-            continue
-        ratio = pair["ours"]["step_ms"] / pair["torch"]["step_ms"]
-        lines.append(f"  our pipeline executor / torch.distributed.pipelining, {schedule}, pp 4, "
-                     f"{pair['ours']['setting'].split(', ', 1)[1]}: {ratio:.2f}x "
-                     f"(target <= {TARGET_PIPELINE}x)")
-    losses = [row["first_loss"] for row in our_rows + torch_rows]
-    difference = max(abs(loss - reference) for loss in losses)
+        if compute == "emulated" and stages == 4:
+            ratio = pair["ours"]["step_ms"] / pair["torch"]["step_ms"]
+            lines.append(f"  our pipeline executor / torch.distributed.pipelining, {schedule}, "
+                         f"pp 4, emulated: {ratio:.2f}x (target <= {TARGET_PIPELINE}x)")
+    difference = max(abs(row["first_loss"] - reference) for row in our_rows + torch_rows)
     lines.append(f"  first-step loss of every grid and of torch's composition against one "
                  f"process ({reference:.6f}): largest difference {difference:.1e}")
-    version = torch.__version__.split("+")[0]
-    lines.append("  torch's own context parallelism: no row, it needs CUDA attention kernels in "
-                 f"torch {version} (lesson 5 checks ours against one process)")
     return lines
 
 
@@ -1499,30 +1190,18 @@ def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, refe
 
 
 def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
-    """What ``sizes`` cannot run: the first problem of each kind, one line each."""
+    """What ``sizes`` cannot run: one line each."""
     shape = lm_shape(sizes)
     problems = []
     for spec in grids:
-        label = grid_label(spec)
         rows = sizes["batch_size"] // spec["dp"]
-        if shape["heads"] % spec["tp"] or shape["f"] % spec["tp"]:
-            problems.append(f"grid {label}: tp {spec['tp']} does not divide {shape['heads']} heads "
-                            f"and d_ff {shape['f']}")
-        if shape["seq"] % (2 * spec["cp"] * spec["tp"]):
-            problems.append(f"grid {label}: seq_len {shape['seq']} does not divide by 2 x cp x tp")
-        if shape["layers"] % (spec["pp"] * spec["chunks"]):
-            problems.append(f"grid {label}: {shape['layers']} blocks do not split over pp x chunks")
-        if sizes["batch_size"] % spec["dp"] or rows % spec["micro_batches"]:
-            problems.append(f"grid {label}: batch {sizes['batch_size']} does not split over dp "
-                            f"and {spec['micro_batches']} micro-batches")
+        if (shape["heads"] % spec["tp"] or shape["f"] % spec["tp"]
+                or shape["seq"] % (2 * spec["cp"] * spec["tp"])
+                or shape["layers"] % (spec["pp"] * spec["chunks"])
+                or sizes["batch_size"] % spec["dp"] or rows % spec["micro_batches"]):
+            problems.append(f"grid {grid_label(spec)}: the LM or the batch does not split over it")
     pipeline = sizes["pipeline"]
     for stages in pipeline["stages"]:
-        if world_size % stages == 0 and pipeline["layers"] % (2 * stages):
-            problems.append(f"pipeline: {pipeline['layers']} blocks do not split into 2 x {stages} "
-                            "chunks (interleaved)")
-        if pipeline["micro_batches"] % stages:
-            problems.append(f"pipeline: {pipeline['micro_batches']} micro-batches are not a "
-                            f"multiple of {stages} stages (interleaved)")
         if world_size % stages == 0:
             problems += pipeline_schedule_problems(pipeline, stages)
     return problems
@@ -1533,50 +1212,41 @@ def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
     stages (lesson 4's own rule: DualPipeV needs m >= 2p, for one), in one line each."""
     from common import import_stage
     schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
+    check = import_stage("07_parallelism/measure/schedule_check")
     problems = []
     for name in pipeline["schedules"]:
         chunks = schedules.chunks_per_rank(name, 2)
         try:
-            schedules.check_setting(name, stages, pipeline["micro_batches"], chunks,
-                                    pipeline["layers"])
+            check.check_setting(name, stages, pipeline["micro_batches"], chunks,
+                                pipeline["layers"])
         except ValueError as error:
             problems.append(f"pipeline: {name} on {stages} stages, {pipeline['micro_batches']} "
                             f"micro-batches, {pipeline['layers']} blocks: {error}")
     return problems
 
 
-def run(args, config) -> None:
-    """``train.py --bench``: check everything, then launch the measurements."""
+def main(argv=None) -> None:
+    """The measurements on the grids of ``GRIDS`` for the world size."""
     from bench import results
     from bench import supervisor as launch
+    parser = launch.make_parser(__doc__, world_size=4)
+    parser.add_argument("--bench", action="store_true", help="(what this script does)")
+    parser.add_argument("--bench-sizes", choices=tuple(SIZES), default=None,
+                        help="default: gpu with a GPU per rank, else cpu")
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
     if config.world_size not in GRIDS:
-        launch.usage_error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, "
-                           f"not {config.world_size}: use --world-size 4 (or 8 with a GPU per "
-                           "rank)")
+        parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
+                     f"{config.world_size}")
     if config.device == "cuda" and config.backend != "nccl":
-        launch.usage_error("--bench with --device cuda needs NCCL, a GPU per rank; use --device "
-                           "cpu")
-    name = args.bench_sizes
-    if name is None:
-        name = "cpu"
-        if config.device == "cuda":
-            name = "gpu"
-    sizes = SIZES[name]
-    problems = size_problems(sizes, GRIDS[config.world_size], config.world_size)
+        parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
+    name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
+    problems = size_problems(SIZES[name], GRIDS[config.world_size], config.world_size)
     if problems:
-        launch.usage_error(f"--bench-sizes {name}: " + problems[0])
+        parser.error(f"--bench-sizes {name}: " + problems[0])
     results.check_writable()
     load_lessons()                  # the lessons' folders on the path, for every worker
-    launch.launch(bench_worker, config, sizes, GRIDS[config.world_size])
-
-
-def main(argv=None) -> None:
-    """train.py's flags (the training ones unused): the measurements on the grids of
-    ``GRIDS`` for the world size."""
-    from common import import_stage
-    train_flags = import_stage("07_parallelism/07_together/train_flags")
-    args, config = train_flags.parse(argv, __doc__, bench=True)
-    run(args, config)
+    launch.launch(bench_worker, config, SIZES[name], GRIDS[config.world_size])
 
 
 if __name__ == "__main__":
