@@ -53,7 +53,7 @@ def skip_reason(ctx, impl: str, nbytes: int, previous: dict | None, args) -> str
     broadcast), or memory short (agreed)."""
     decision = [None]
     if ctx.is_main and previous is not None:
-        estimate = previous["time_ms_median"] / 1e3 * nbytes / previous["bytes"] * (args.warmup + 2 + args.iters)
+        estimate = previous["time_ms_median"] / 1e3 * nbytes / previous["bytes"] * (1 + args.warmup + args.iters)
         deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
         left = deadline - time.time() if deadline else math.inf
         if estimate > args.budget_s:
