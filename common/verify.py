@@ -1,11 +1,9 @@
 """The claim of stages 03-06, checked: data-parallel training equals training on one process.
 
-The gradient of a mean loss over the batch is the mean over ranks of each rank's gradient on
-its equal slice. So ranks that start equal (the broadcast), average their gradients (the
-all-reduce) and take the same step stay equal to one process trained on the whole batch: up to
-float32 rounding (the sums run in another order), and bitwise across ranks. Tolerance: each
-reordered addition rounds by up to 1.2e-7 relative, so rtol 1e-5 (atol 1e-6 near zero) leaves
-10-100x room; a gradient 0.1% off fails.
+Ranks that start equal (the broadcast), average their gradients on equal slices (the
+all-reduce: the mean of slice means is the batch mean) and take the same step stay equal to one
+process trained on the whole batch: up to float32 rounding, as the sums run in another order
+(1.2e-7 relative an addition: rtol 1e-5 leaves 10-100x room), and bitwise across ranks.
 """
 
 import torch
@@ -14,7 +12,7 @@ import torch.nn.functional as F
 
 from common import models
 
-TOLERANCE = (1e-5, 1e-6)  # (rtol, atol)
+TOLERANCE = (1e-5, 1e-6)  # (rtol, atol): a gradient 0.1% off fails
 
 
 def agree_on_problems(problems: list[str], group=None) -> list[str]:
@@ -25,48 +23,10 @@ def agree_on_problems(problems: list[str], group=None) -> list[str]:
     return [f"rank {rank}: {p}" for rank, theirs in enumerate(everyone) for p in theirs]
 
 
-def check_ddp(ctx, wrap, build, make_optimizer, steps: int) -> dict:
-    """Train ``wrap(build())`` and a one-process copy side by side on global batches split in
-    equal slices. Returns ``close`` (gradients and weights allclose to one process after every
-    step), ``same`` (weights bitwise equal across ranks) and the largest differences."""
-    torch.manual_seed(1000 + ctx.rank)   # every rank starts somewhere else ...
-    model = build().to(ctx.device)
-    ddp = wrap(model)                     # ... until the wrapper broadcasts rank 0's weights
-    torch.manual_seed(1000)               # the reference starts where rank 0 started
-    reference = build().to(ctx.device)
-    optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
-    found = {"close": True, "same": True, "grad_diff": 0.0, "weight_diff": 0.0, "rank_diff": 0.0}
-    for step in range(steps):
-        x, y = (t.to(ctx.device) for t in models.random_regression_data(4 * ctx.world_size, seed=step))
-        mine = slice(ctx.rank * 4, ctx.rank * 4 + 4)
-        optimizer.zero_grad(set_to_none=True)          # data parallel: my slice,
-        F.mse_loss(ddp(x[mine]), y[mine]).backward()
-        ddp.finish_gradient_synchronization()          # the averaged gradient
-        ref_optimizer.zero_grad(set_to_none=True)      # one process: the whole batch
-        F.mse_loss(reference(x), y).backward()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            found["close"] &= (p.grad is None) == (q.grad is None)
-            if p.grad is not None and q.grad is not None:
-                found["grad_diff"] = max(found["grad_diff"], (p.grad - q.grad).abs().max().item())
-                found["close"] &= torch.allclose(p.grad, q.grad, *TOLERANCE)
-        optimizer.step()
-        ref_optimizer.step()
-        for p, q in zip(model.parameters(), reference.parameters()):
-            found["weight_diff"] = max(found["weight_diff"], (p - q).abs().max().item())
-            found["close"] &= torch.allclose(p, q, *TOLERANCE)
-        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-        everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
-        dist.all_gather(everyone, flat)
-        for e in everyone:
-            found["same"] &= torch.equal(e, everyone[0])
-            found["rank_diff"] = max(found["rank_diff"], (e - everyone[0]).abs().max().item())
-    return found
-
-
 def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
-    """``check_ddp`` on ToyModel + SGD (a frozen parameter, a bias that does not train) and
-    TiedModel + AdamW (a weight used twice): a line each on rank 0 (on every rank where a
-    check failed anywhere). True when every check passed everywhere, on every rank."""
+    """Train ``wrap(model)`` beside a one-process copy on ToyModel + SGD (a frozen parameter, a
+    bias that does not train) and TiedModel + AdamW (a weight used twice); a line each on rank 0
+    (on every rank where a check failed). True when every check passed on every rank."""
     cases = [("ToyModel + SGD", models.ToyModel, lambda m: torch.optim.SGD(
                  [p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)),
              ("TiedModel + AdamW", models.TiedModel, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))]
@@ -74,14 +34,44 @@ def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
               "process on the whole batch:", all_ranks=False)
     all_ok = True
     for label, build, make_optimizer in cases:
-        found = check_ddp(ctx, wrap, build, make_optimizer, steps)
-        ok = not agree_on_problems([] if found["close"] and found["same"] else [label])
+        torch.manual_seed(1000 + ctx.rank)   # every rank starts somewhere else ...
+        model = build().to(ctx.device)
+        ddp = wrap(model)                     # ... until the wrapper broadcasts rank 0's weights
+        torch.manual_seed(1000)               # the reference starts where rank 0 started
+        reference = build().to(ctx.device)
+        optimizer, ref_optimizer = make_optimizer(model), make_optimizer(reference)
+        close, same, grad_diff, weight_diff, rank_diff = True, True, 0.0, 0.0, 0.0
+        for step in range(steps):
+            x, y = (t.to(ctx.device) for t in models.random_regression_data(4 * ctx.world_size, seed=step))
+            mine = slice(ctx.rank * 4, ctx.rank * 4 + 4)
+            optimizer.zero_grad(set_to_none=True)      # data parallel: my slice,
+            F.mse_loss(ddp(x[mine]), y[mine]).backward()
+            ddp.finish_gradient_synchronization()      # the averaged gradient
+            ref_optimizer.zero_grad(set_to_none=True)  # one process: the whole batch
+            F.mse_loss(reference(x), y).backward()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                close &= (p.grad is None) == (q.grad is None)
+                if p.grad is not None and q.grad is not None:
+                    grad_diff = max(grad_diff, (p.grad - q.grad).abs().max().item())
+                    close &= torch.allclose(p.grad, q.grad, *TOLERANCE)
+            optimizer.step()
+            ref_optimizer.step()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                weight_diff = max(weight_diff, (p - q).abs().max().item())
+                close &= torch.allclose(p, q, *TOLERANCE)
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            everyone = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+            dist.all_gather(everyone, flat)
+            for e in everyone:
+                same &= torch.equal(e, everyone[0])
+                rank_diff = max(rank_diff, (e - everyone[0]).abs().max().item())
+        ok = not agree_on_problems([] if close and same else [label])
         all_ok &= ok
-        across = f"bitwise equal across ranks: {found['same']}"
-        if not found["same"]:
-            across += f" (max |weight - rank 0's| {found['rank_diff']:.1e})"
-        ctx.print(f"  [{'ok' if ok else 'FAIL'}] {label:<18} {steps} steps: max |grad - one "
-                  f"process| {found['grad_diff']:.1e}, |weight - one process| "
-                  f"{found['weight_diff']:.1e} (allclose rtol={TOLERANCE[0]:g} "
-                  f"atol={TOLERANCE[1]:g}: {found['close']}); {across}", all_ranks=not ok)
+        across = f"bitwise equal across ranks: {same}"
+        if not same:
+            across += f" (max |weight - rank 0's| {rank_diff:.1e})"
+        ctx.print(f"  [{'ok' if ok else 'FAIL'}] {label:<18} {steps} steps: max |grad - one process| "
+                  f"{grad_diff:.1e}, |weight - one process| {weight_diff:.1e} (allclose "
+                  f"rtol={TOLERANCE[0]:g} atol={TOLERANCE[1]:g}: {close}); {across}",
+                  all_ranks=not ok)
     return all_ok
