@@ -276,8 +276,17 @@ def configurations(args) -> list:
     return configs
 
 
+def _repo() -> None:
+    """The harness needs the repository around this file (common/); the algorithm does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common").is_dir():
+        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
+                         "needs the repository around it (common/)")
+    sys.path.insert(0, str(root))
+
+
 def main(argv=None) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: common/
+    _repo()
     from common import launch
     args = make_parser().parse_args(argv)
     for config in configurations(args):
