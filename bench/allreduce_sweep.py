@@ -48,23 +48,42 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int) -> str | None:
     return (why or "memory is short on another rank") if flag.item() else None
 
 
-def skip_reason(ctx, impl: str, nbytes: int, previous: dict | None, args) -> str | None:
-    """Why not to run this configuration: over the budget or the deadline (rank 0's clock,
-    broadcast), or memory short (agreed)."""
+def over_budget(ctx, nbytes: int, previous: dict, args) -> str | None:
+    """Rank 0's verdict, broadcast: this size's estimate (``previous`` scaled, every call of
+    the measurement) against ``--budget-s`` and make bench's deadline for the step."""
     decision = [None]
-    if ctx.is_main and previous is not None:
-        estimate = previous["time_ms_median"] / 1e3 * nbytes / previous["bytes"] * (1 + args.warmup + args.iters)
+    if ctx.is_main:
+        per_call = previous["time_ms_median"] / 1e3 * nbytes / previous["bytes"]
+        estimate = per_call * (1 + args.warmup + args.iters)
         deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
         left = deadline - time.time() if deadline else math.inf
+        start = f"estimated {estimate:.0f} s from {stage02.format_size(previous['bytes'])}: "
         if estimate > args.budget_s:
-            decision[0] = (f"estimated {estimate:.0f} s from {stage02.format_size(previous['bytes'])}: "
-                           f"over the {args.budget_s:g} s budget")
+            decision[0] = start + f"over the {args.budget_s:g} s budget"
         elif estimate > left:
-            decision[0] = (f"estimated {estimate:.0f} s from {stage02.format_size(previous['bytes'])}: "
-                           f"{left:.0f} s is left before make bench stops this step")
+            decision[0] = start + f"{left:.0f} s is left before make bench stops this step"
     dist.broadcast_object_list(decision, src=0)
+    return decision[0]
+
+
+def skip_reason(ctx, impl: str, nbytes: int, previous: dict | None, args) -> str | None:
+    """Why not to run this configuration, the same on every rank: over the budget or the
+    deadline, scaled from the size before (the first size: from one call, timed here), or
+    memory short."""
+    if previous is not None and (why := over_budget(ctx, nbytes, previous, args)):
+        return why
     cuda = ctx.device.type == "cuda"  # the buffer, the backend's and a ring's scratch per rank
-    return decision[0] or memory_shortfall(ctx, (2 if cuda else 4) * nbytes, 3 * nbytes)
+    why = memory_shortfall(ctx, (2 if cuda else 4) * nbytes, 3 * nbytes)
+    if why or previous is not None:
+        return why
+    buf = torch.zeros(nbytes // 4, device=ctx.device)
+    start = time.perf_counter()
+    stage02.all_reduces(ctx, args.no_ring)[impl](buf)
+    if cuda:
+        torch.cuda.synchronize(ctx.device)
+    took = torch.tensor([time.perf_counter() - start], device=buf.device if ctx.backend == "nccl" else "cpu")
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the slowest rank's
+    return over_budget(ctx, nbytes, {"bytes": nbytes, "time_ms_median": took.item() * 1e3}, args)
 
 
 def sweep_worker(ctx, args) -> None:
