@@ -156,6 +156,7 @@ def test_torchrun_two_nodes_on_loopback():
     (["--world-size", "0"], "'0' is not a whole number >= 1"),
     (["--backend", "mpi"], "invalid choice: 'mpi'"),
     (["--backend", "nccl"], "--backend nccl needs"),
+    (["--world-size", "100000"], "100000 ranks need about"),
 ])
 def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     if argv == ["--backend", "nccl"] and torch.cuda.device_count() >= 4:
