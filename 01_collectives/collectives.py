@@ -243,32 +243,22 @@ def _show(rank, world_size, name, before, after, memory, problem):
     _agree(world_size, name, problem)
 
 
-# Gloo has a CUDA path for broadcast, all_reduce, all_gather (a list) and all_to_all only;
-# over Gloo with --device cuda the collectives below run on the host's memory instead.
-GLOO_HOST_ONLY = ("reduce", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
-                  "send/recv", "ring_all_reduce")
-
-
-def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cpu") -> None:
+def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cpu",
+                     sends_on_device: bool = True) -> None:
     n = world_size
     r = rank
-    # NCCL moves GPU tensors only; Gloo moves CPU tensors, and GPU tensors for a few collectives.
+    # NCCL moves GPU tensors only; Gloo moves CPU tensors, and GPU tensors for every collective
+    # here, but its sends and receives read host memory only (``sends_on_device`` False:
+    # common/launch.py's carries_point_to_point), so there they go through the host.
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else \
         torch.device("cpu")
-    host = torch.device("cpu")
-
-    def on(collective: str) -> torch.device:  # where this collective's tensors live here
-        if backend == "gloo" and collective in GLOO_HOST_ONLY:
-            return host
-        return dev
+    p2p = dev if sends_on_device else torch.device("cpu")
 
     def floats(*values, where=dev):  # a float32 tensor of these values, on ``where``
         return torch.tensor(values, dtype=torch.float32, device=where)
 
     if r == 0:
-        hosted = ""
-        if dev.type == "cuda" and backend == "gloo":
-            hosted = f" (on the host: {', '.join(GLOO_HOST_ONLY)}: Gloo has no CUDA path for them)"
+        hosted = "" if p2p == dev else " (sends and receives on the host: Gloo cannot send GPU memory)"
         print(f"{n} ranks, {backend}, tensors on {dev}{hosted}\n{'collective':<25} "
               f"{'memory':<46} every rank's tensor before -> after", flush=True)
 
@@ -277,7 +267,7 @@ def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cp
     dist.broadcast(t, src=0)
     _show(r, n, "broadcast(src=0)", before, t, "in place", _wrong(t.tolist(), [0.0]))
 
-    t = floats(r + 1.0, where=on("reduce"))
+    t = floats(r + 1.0)
     before = t.clone()
     dist.reduce(t, dst=0)
     problem = _wrong(t.tolist(), [n * (n + 1) / 2]) if r == 0 else None  # only dst is promised
@@ -297,31 +287,30 @@ def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cp
     dist.all_gather(parts, t)
     _show(r, n, "all_gather", t, parts, "output: world_size x input, everywhere",
           _wrong([p.item() for p in parts], list(range(n))))
-    t = floats(r, where=on("all_gather_into_tensor"))
+    t = floats(r)
     flat = torch.empty(n, device=t.device)
     getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(flat, t)  # 2.13's name
     _show(r, n, "all_gather (one tensor)", t, flat, "same, one contiguous output",
           _wrong(flat.tolist(), list(range(n))))
 
-    t = floats(r * 2.0, where=on("gather"))
+    t = floats(r * 2.0)
     parts = [torch.empty_like(t) for _ in range(n)] if r == 0 else None
     dist.gather(t, gather_list=parts, dst=0)
     problem = _wrong([p.item() for p in parts], [2.0 * q for q in range(n)]) if r == 0 else None
     _show(r, n, "gather(dst=0)", t, parts, "world_size x input on dst only", problem)
 
-    pieces = [floats(100.0 * q, where=on("scatter")) for q in range(n)] if r == 0 else None
-    t = torch.empty(1, device=on("scatter"))
+    pieces = [floats(100.0 * q) for q in range(n)] if r == 0 else None
+    t = torch.empty(1, device=dev)
     dist.scatter(t, scatter_list=pieces, src=0)
     _show(r, n, "scatter(src=0)", pieces, t, "world_size x output on src only",
           _wrong(t.tolist(), [100.0 * r]))
 
-    t = floats(*[10.0 * r + j for j in range(n)], where=on("reduce_scatter"))
+    t = floats(*[10.0 * r + j for j in range(n)])
     out = torch.empty(1, device=t.device)
     getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, t)  # (older too)
     _show(r, n, "reduce_scatter", t, out, "input world_size x output; half an all-reduce",
           _wrong(out.tolist(), [10.0 * n * (n - 1) / 2 + n * r]))  # sum over q of 10q + r
 
-    t = t.to(on("all_to_all"))
     out = torch.empty(n, device=t.device)
     dist.all_to_all_single(out, t)
     _show(r, n, "all_to_all", t, out, "a transpose across ranks; in and out same size",
@@ -332,7 +321,6 @@ def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cp
     if n > 1:
         right = (r + 1) % n
         left = (r - 1) % n
-        p2p = on("send/recv")
         got = torch.empty(1, device=p2p)
         if r % 2 == 0:  # blocking calls round a ring: half send first, half receive first
             dist.send(floats(r, where=p2p), right)
@@ -378,7 +366,7 @@ def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cp
     problems = []
     for ring in (ring_all_reduce, pipelined_ring_all_reduce):
         for numel, dtype in [(1, torch.float32), (7, torch.float64), (12345, torch.int64)]:
-            where = on(ring.__name__)
+            where = p2p if ring is ring_all_reduce else dev  # the pipelined ring hosts itself
             x = torch.randint(-1000, 1000, (numel,), generator=g).to(dtype=dtype, device=where)
             ours = ring(x.clone())
             theirs = x.clone()
@@ -396,16 +384,12 @@ def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cp
 
 
 def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    """The harness needs the repository around this file (common/); the algorithm does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common").is_dir():
+        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
+                         "needs the repository around it (common/)")
+    sys.path.insert(0, str(root))
 
 
 def main(argv=None) -> None:
@@ -414,11 +398,12 @@ def main(argv=None) -> None:
 
     args = launch.make_parser(__doc__, world_size=4).parse_args(argv)
     config = launch.resolve(args)
+    sends_on_device = launch.carries_point_to_point(config.backend, config.device)
     if launch.under_torchrun():  # torchrun started this process as one rank
         init_process(int(os.environ["RANK"]), config.world_size, config.backend,
-                     collectives_demo, config.device)
+                     collectives_demo, config.device, sends_on_device)
     else:
-        spawn(collectives_demo, config.world_size, config.backend, config.device)
+        spawn(collectives_demo, config.world_size, config.backend, config.device, sends_on_device)
 
 
 if __name__ == "__main__":

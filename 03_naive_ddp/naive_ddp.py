@@ -19,12 +19,8 @@ slices of size b = B / world_size,
 a model with P parameter tensors pays P call latencies, and the network idles while
 backward runs. Stage 04 makes one call; stages 05 and 06 overlap it with backward.
 
-Run it:
-    python 03_naive_ddp/naive_ddp.py                      # verify vs single process, 2 ranks
+Run it (trains two toy models under NaiveDDP beside one process; exit 1 on a difference):
     python 03_naive_ddp/naive_ddp.py --world-size 3
-    python 03_naive_ddp/naive_ddp.py --bench              # time a training step (tiny LM)
-    python 03_naive_ddp/naive_ddp.py --bench --model small --batch-size 8 --context-length 256
-    python 03_naive_ddp/naive_ddp.py --profile            # trace per rank + timeline picture
     torchrun --nproc-per-node=2 03_naive_ddp/naive_ddp.py
 
 Use it in your own loop (this file needs only torch; copy it anywhere):
@@ -72,15 +68,11 @@ class NaiveDDP(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("NaiveDDP needs an initialised process group: call "
-                               "torch.distributed.init_process_group(...) first")
         self.module = module
         # parameters() yields a tied (shared) weight once, so it is reduced once, not twice.
         self._trainable = [p for p in module.parameters() if p.requires_grad]
         if not self._trainable:
-            raise ValueError("NaiveDDP: the module has no parameters that require grad, so "
-                             "there is nothing to synchronise; wrap a trainable model")
+            raise ValueError("NaiveDDP: no parameters require grad: nothing to synchronise")
         broadcast_module_state(module)
 
     def forward(self, *args, **kwargs):
@@ -108,54 +100,27 @@ class NaiveDDP(nn.Module):
 # --------------------------------------------------------------------------- harness
 
 
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
 def verify_main(ctx) -> None:
-    """Plain run: train three models under NaiveDDP beside one process (common/verify.py)."""
+    """Train beside one process (common/verify.py); exit 1 on a difference."""
     from common import verify
     if not verify.verify_ddp(ctx, NaiveDDP, "NaiveDDP"):
         raise SystemExit(1)
 
 
-def bench_main(ctx, args) -> None:
-    """--bench: the LM's step time, with no communication and torch DDP beside it."""
-    from bench import step_bench
-    step_bench.run_step_bench(ctx, [("naive", None, NaiveDDP)], args)
-
-
-def profile_main(ctx, args) -> None:
-    """--profile: a trace per rank and a timeline: all communication after backward."""
-    from bench import profiling
-    profiling.profile_ddp(ctx, [("naive (03)", NaiveDDP)], args, name="03_naive_ddp")
+def _repo() -> None:
+    """The harness needs the repository around this file (common/); the algorithm does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common").is_dir():
+        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
+                         "needs the repository around it (common/)")
+    sys.path.insert(0, str(root))
 
 
 def main(argv=None) -> None:
     _repo()
     from common import launch
-    from bench import profiling, step_bench
-    parser = launch.make_parser(__doc__)
-    parser.add_argument("--bench", action="store_true",
-                        help="time a training step of the Transformer LM instead of verifying")
-    step_bench.add_step_bench_args(parser)
-    profiling.add_profile_args(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    if args.bench or args.profile:
-        step_bench.check_step_bench_args(args, config)
-        launch.launch(bench_main if args.bench else profile_main, config, args)
-    else:
-        launch.launch(verify_main, config)
+    config = launch.resolve(launch.make_parser(__doc__).parse_args(argv))
+    launch.launch(verify_main, config)
 
 
 if __name__ == "__main__":

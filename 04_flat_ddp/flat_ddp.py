@@ -16,10 +16,8 @@ divide by ``world_size``, and copy the slices back (``_unflatten_dense_tensors``
 
 Still after backward: the network idles while backward runs (stages 05 and 06 fix that).
 
-Run it:
-    python 04_flat_ddp/flat_ddp.py                        # verify vs single process, 2 ranks
-    python 04_flat_ddp/flat_ddp.py --bench                # time a training step (tiny LM)
-    python 04_flat_ddp/flat_ddp.py --bench --model small --batch-size 8 --context-length 256
+Run it (trains two toy models under FlatDDP beside one process; exit 1 on a difference):
+    python 04_flat_ddp/flat_ddp.py --world-size 3
     torchrun --nproc-per-node=2 04_flat_ddp/flat_ddp.py
 
 Use it in your own loop (this file needs only torch; copy it anywhere):
@@ -72,9 +70,6 @@ class FlatDDP(nn.Module):
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("FlatDDP needs an initialised process group: call "
-                               "torch.distributed.init_process_group(...) first")
         self.module = module
         # parameters() yields a tied (shared) weight once, so it is reduced once, not twice.
         groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
@@ -82,8 +77,7 @@ class FlatDDP(nn.Module):
             if p.requires_grad:
                 groups[(p.device, p.dtype)].append(p)
         if not groups:
-            raise ValueError("FlatDDP: the module has no parameters that require grad, so "
-                             "there is nothing to synchronise; wrap a trainable model")
+            raise ValueError("FlatDDP: no parameters require grad: nothing to synchronise")
         self._groups = list(groups.values())
         # One flat buffer per group, allocated at the first step and reused: a fresh buffer
         # of every gradient's bytes each step costs page faults and zeroing (see the README).
@@ -102,10 +96,6 @@ class FlatDDP(nn.Module):
             # had that gradient: one 0/1 flag per parameter rides at the end of the same
             # buffer, so agreeing on it costs no extra call.
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            for g in grads:
-                if g.is_sparse:
-                    raise TypeError("FlatDDP flattens dense gradients only; got a sparse one "
-                                    "(nn.Embedding(sparse=True)?)")
             has_grad = torch.tensor([p.grad is not None for p in params],
                                     dtype=grads[0].dtype, device=grads[0].device)
             # One copy in (s bytes). This is _flatten_dense_tensors(grads + [has_grad]),
@@ -128,49 +118,27 @@ class FlatDDP(nn.Module):
 # --------------------------------------------------------------------------- harness
 
 
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
 def verify_main(ctx) -> None:
-    """Plain run: train three models under FlatDDP beside one process (common/verify.py)."""
+    """Train beside one process (common/verify.py); exit 1 on a difference."""
     from common import verify
     if not verify.verify_ddp(ctx, FlatDDP, "FlatDDP"):
         raise SystemExit(1)
 
 
-def bench_main(ctx, args) -> None:
-    """--bench: flat beside naive (stage 03), no communication and torch DDP, in one run."""
-    from common import import_stage
-    from bench import step_bench
-    naive = import_stage("03_naive_ddp/naive_ddp").NaiveDDP
-    step_bench.run_step_bench(ctx, [("naive", None, naive), ("flat", None, FlatDDP)], args)
+def _repo() -> None:
+    """The harness needs the repository around this file (common/); the algorithm does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common").is_dir():
+        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
+                         "needs the repository around it (common/)")
+    sys.path.insert(0, str(root))
 
 
 def main(argv=None) -> None:
     _repo()
     from common import launch
-    from bench import step_bench
-    parser = launch.make_parser(__doc__)
-    parser.add_argument("--bench", action="store_true",
-                        help="time a training step of the Transformer LM instead of verifying")
-    step_bench.add_step_bench_args(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    if args.bench:
-        step_bench.check_step_bench_args(args, config)
-        launch.launch(bench_main, config, args)
-    else:
-        launch.launch(verify_main, config)
+    config = launch.resolve(launch.make_parser(__doc__).parse_args(argv))
+    launch.launch(verify_main, config)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,8 @@ The class is a drop-in for ``NaiveDDP`` (stage 03): ``.module``, forward delegat
 parameters and buffers broadcast at construction, ``finish_gradient_synchronization()``
 between ``backward()`` and ``optimizer.step()``, and ``no_sync()`` for gradient accumulation.
 
-Run it (verify against single-process training, then a short demo):
-
-    python 05_overlap_ddp/overlap_ddp.py --world-size 2
-    python 05_overlap_ddp/overlap_ddp.py --bench              # step time vs stages 03 and 04
-    python 05_overlap_ddp/overlap_ddp.py --profile            # torch.profiler traces + timeline
+Run it (trains two toy models under OverlapDDP beside one process; exit 1 on a difference):
+    python 05_overlap_ddp/overlap_ddp.py --world-size 3
     torchrun --nproc-per-node=2 05_overlap_ddp/overlap_ddp.py
 
 The class below needs only torch: copy this file into another project and
@@ -93,12 +90,8 @@ class OverlapDDP(nn.Module):
 
     def __init__(self, module: nn.Module, process_group=None):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("OverlapDDP needs an initialised process group: call "
-                               "torch.distributed.init_process_group(...) first")
         if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError("OverlapDDP: the module has no parameters that require grad, so "
-                             "there is nothing to synchronise; wrap a trainable model")
+            raise ValueError("OverlapDDP: no parameters require grad: nothing to synchronise")
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -205,74 +198,27 @@ class OverlapDDP(nn.Module):
 # --------------------------------------------------------------------------- harness
 
 
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
-def earlier_stages():
-    """Stages 03 and 04's classes, for the side-by-side benchmark and profile."""
-    from common import import_stage
-    return (import_stage("03_naive_ddp/naive_ddp").NaiveDDP,
-            import_stage("04_flat_ddp/flat_ddp").FlatDDP)
-
-
-def verify_main(ctx, args) -> None:
-    """Plain run: verify against one process, then a quick step benchmark beside 03 and 04."""
+def verify_main(ctx) -> None:
+    """Train beside one process (common/verify.py); exit 1 on a difference."""
     from common import verify
-    from bench import step_bench
     if not verify.verify_ddp(ctx, OverlapDDP, "OverlapDDP"):
         raise SystemExit(1)
-    if args.check:
-        return
-    ctx.print("quick demo (tiny LM; --bench for the real benchmark):", all_ranks=False)
-    bench_main(ctx, args, csv_name=step_bench.DEMO_CSV_NAME)  # never replaces a real --bench
 
 
-def bench_main(ctx, args, csv_name: str = "ddp_step.csv") -> None:
-    """--bench: step time of 05 against 03 and 04 (and no communication, and torch DDP)."""
-    from bench import step_bench
-    naive, flat = earlier_stages()
-    step_bench.run_step_bench(ctx, [("naive", None, naive), ("flat", None, flat),
-                                    ("overlap", None, OverlapDDP)], args, csv_name=csv_name)
-
-
-def profile_main(ctx, args) -> None:
-    """--profile: traces per rank and a timeline, NaiveDDP (03) above OverlapDDP (05)."""
-    from bench import profiling
-    profiling.profile_ddp(ctx, [("naive (03)", earlier_stages()[0]), ("overlap (05)", OverlapDDP)],
-                          args, name="05_overlap_ddp")
+def _repo() -> None:
+    """The harness needs the repository around this file (common/); the algorithm does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common").is_dir():
+        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
+                         "needs the repository around it (common/)")
+    sys.path.insert(0, str(root))
 
 
 def main(argv=None) -> None:
     _repo()
     from common import launch
-    from bench import profiling, step_bench
-    parser = launch.make_parser(__doc__)
-    parser.add_argument("--bench", action="store_true",
-                        help="time a training step of the Transformer LM: 05 vs 03 and 04")
-    step_bench.add_step_bench_args(parser)
-    profiling.add_profile_args(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    if not (args.bench or args.profile):  # the plain run's demo: a batch every world size splits
-        args.batch_size = config.world_size * max(1, args.batch_size // config.world_size)
-    step_bench.check_step_bench_args(args, config)
-    if args.bench:
-        launch.launch(bench_main, config, args)
-    elif args.profile:
-        launch.launch(profile_main, config, args)
-    else:  # the plain run's demo is a short one
-        args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 2)
-        launch.launch(verify_main, config, args)
+    config = launch.resolve(launch.make_parser(__doc__).parse_args(argv))
+    launch.launch(verify_main, config)
 
 
 if __name__ == "__main__":

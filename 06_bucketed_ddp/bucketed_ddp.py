@@ -7,12 +7,11 @@ are grouped, in reverse registration order (roughly the order backward produces 
 gradients), into buckets of at most ``bucket_size_mb`` MiB, each one flat buffer all-reduced
 asynchronously the moment its last gradient arrives. Small buckets overlap well but pay the
 overhead often; big ones leave a big last bucket after backward. ``bucket_model.py`` predicts
-the best size from stage 02's latency and bandwidth; ``--bench`` sets it beside a sweep.
+the best size from stage 02's latency and bandwidth.
 
-Run it:
-    python 06_bucketed_ddp/bucketed_ddp.py --world-size 2     # verify + model + small sweep
-    python 06_bucketed_ddp/bucketed_ddp.py --bench --model small --bucket-sizes 1,10,100,1000
-    python 06_bucketed_ddp/bucketed_ddp.py --profile          # torch.profiler traces + timeline
+Run it (trains two toy models under BucketedDDP, 1 KiB buckets, beside one process; exit 1 on
+a difference):
+    python 06_bucketed_ddp/bucketed_ddp.py --world-size 3
     torchrun --nproc-per-node=2 06_bucketed_ddp/bucketed_ddp.py
 
 The class needs only torch: copy this file anywhere and ``from bucketed_ddp import BucketedDDP``.
@@ -23,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
 import sys
 import weakref
 from pathlib import Path
@@ -61,16 +59,6 @@ def weak_hook(ddp: nn.Module, *args):
             live._on_grad_ready(*args, param)
 
     return hook
-
-
-def check_bucket_size_mb(bucket_size_mb) -> float | None:
-    """``None`` (one bucket) or a finite number of MiB > 0; anything else is a clear error."""
-    if bucket_size_mb is not None and (
-            isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, numbers.Real)
-            or not 0 < bucket_size_mb < math.inf):
-        raise ValueError(f"bucket_size_mb must be a finite number of MiB > 0, or None for one "
-                         f"bucket; got {bucket_size_mb!r}")
-    return None if bucket_size_mb is None else float(bucket_size_mb)
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_size_mb: float | None) -> list[list[int]]:
@@ -142,13 +130,9 @@ class BucketedDDP(nn.Module):
     def __init__(self, module: nn.Module, bucket_size_mb: float | None = 25.0,
                  process_group=None):
         super().__init__()
-        self.bucket_size_mb = check_bucket_size_mb(bucket_size_mb)  # before any collective
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("BucketedDDP needs an initialised process group: call "
-                               "torch.distributed.init_process_group(...) first")
+        self.bucket_size_mb = bucket_size_mb
         if not any(p.requires_grad for p in module.parameters()):
-            raise ValueError("BucketedDDP: the module has no parameters that require grad, so "
-                             "there is nothing to synchronise; wrap a trainable model")
+            raise ValueError("BucketedDDP: no parameters require grad: nothing to synchronise")
         self.module = module
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
@@ -251,109 +235,29 @@ class BucketedDDP(nn.Module):
 # --------------------------------------------------------------------------- harness
 
 
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
-def sweep_and_model(ctx, args, with_earlier_stages: bool, demo: bool = False) -> None:
-    """BucketedDDP and torch DDP at every size (stages 03-05 beside them for --bench), and the
-    model's prediction beside the sweep. The plain run's quick sweep (``demo``) writes its own
-    files, so a ``make run`` never replaces the rows of a real --bench."""
-    from common import import_stage
-    from bench import step_bench
-    model = import_stage("06_bucketed_ddp/bucket_model")
-    fit = model.latency_bandwidth(ctx)
-    cases = [("naive", None, import_stage("03_naive_ddp/naive_ddp").NaiveDDP),
-             ("flat", None, import_stage("04_flat_ddp/flat_ddp").FlatDDP),
-             ("overlap", None, import_stage("05_overlap_ddp/overlap_ddp").OverlapDDP)
-             ] if with_earlier_stages else []
-    cases += [("bucketed", size, functools.partial(BucketedDDP, bucket_size_mb=size))
-              for size in args.bucket_sizes]
-    cases += [("torch_ddp", size, step_bench.torch_ddp_factory(size)) for size in args.bucket_sizes
-              if size != step_bench.TORCH_DDP_DEFAULT_BUCKET_MB]
-    json_name = "bucket_model_demo.json" if demo else "bucket_model.json"
-
-    def model_so_far(rows):  # the model beside the sizes swept so far, written as each lands
-        bucketed = [r for r in rows if r["impl"] == "bucketed"]
-        if bucketed:
-            model.model_vs_sweep(ctx, args, bucketed, fit, json_name, assign_buckets, show=False)
-    rows = step_bench.run_step_bench(ctx, cases, args, csv_name=step_bench.DEMO_CSV_NAME
-                                     if demo else step_bench.CSV_NAME, after_case=model_so_far)
-    model.model_vs_sweep(ctx, args, [r for r in rows if r["impl"] == "bucketed"], fit,
-                         json_name, assign_buckets)
-    if ctx.is_main:
-        best = min((r for r in rows if r["impl"] == "bucketed"), key=lambda r: r["step_ms"])
-        print(f"BucketedDDP at its best size ({best['bucket_mb']} MB): {best['step_ms']:.1f} ms/"
-              f"step = {best['ratio_vs_torch_ddp']:.2f}x torch DDP at its default 25 MB; torch "
-              f"DDP's best: {min(r['step_ms'] for r in rows if r['impl'] == 'torch_ddp'):.1f} ms")
-
-
-def verify_main(ctx, args) -> None:
-    """Plain run: verify against one process (1 KiB buckets: several per toy model), then
-    the model and a quick sweep on the tiny LM."""
+def verify_main(ctx) -> None:
+    """Train beside one process (common/verify.py) with 1 KiB buckets, several per toy model;
+    exit 1 on a difference."""
     from common import verify
     if not verify.verify_ddp(ctx, functools.partial(BucketedDDP, bucket_size_mb=1 / 1024),
                              "BucketedDDP (1 KiB buckets)"):
         raise SystemExit(1)
-    if args.check:
-        return
-    ctx.print(f"quick sweep on the {args.model} LM (--bench for the real one):", all_ranks=False)
-    sweep_and_model(ctx, args, with_earlier_stages=False, demo=True)
 
 
-def bench_main(ctx, args) -> None:
-    sweep_and_model(ctx, args, with_earlier_stages=True)
-
-
-def profile_main(ctx, args) -> None:
-    """--profile: traces per rank and a timeline, NaiveDDP (03) above BucketedDDP (06)."""
-    from common import import_stage
-    from bench import profiling
-    profiling.profile_ddp(ctx, [
-        ("naive (03)", import_stage("03_naive_ddp/naive_ddp").NaiveDDP),
-        (f"bucketed (06, {args.bucket_size_mb:g} MB)",
-         functools.partial(BucketedDDP, bucket_size_mb=args.bucket_size_mb))], args,
-        name="06_bucketed_ddp")
+def _repo() -> None:
+    """The harness needs the repository around this file (common/); the algorithm does not."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "common").is_dir():
+        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
+                         "needs the repository around it (common/)")
+    sys.path.insert(0, str(root))
 
 
 def main(argv=None) -> None:
     _repo()
     from common import launch
-    from bench import profiling, step_bench
-    parser = launch.make_parser(__doc__)
-    parser.add_argument("--bench", action="store_true",
-                        help="BucketedDDP swept over --bucket-sizes, torch DDP at the same sizes "
-                             "and at its default, stages 03-05, all in one run")
-    parser.add_argument("--bucket-sizes", type=launch.list_of(launch.positive_float), default=None,
-                        help="comma-separated bucket caps in MiB; default 1,10,100,1000 with "
-                             "--bench, 0.25,1,4 for the plain run's quick sweep")
-    parser.add_argument("--bucket-size-mb", type=launch.positive_float, default=25.0,
-                        help="bucket cap for --profile")
-    step_bench.add_step_bench_args(parser)
-    profiling.add_profile_args(parser)
-    args = parser.parse_args(argv)
-    args.bucket_sizes = args.bucket_sizes or ([1.0, 10.0, 100.0, 1000.0] if args.bench
-                                               else [0.25, 1.0, 4.0])
-    config = launch.resolve(args)
-    if not (args.bench or args.profile):  # the plain run's demo: a batch every world size splits
-        args.batch_size = config.world_size * max(1, args.batch_size // config.world_size)
-    step_bench.check_step_bench_args(args, config)
-    if args.bench:
-        launch.launch(bench_main, config, args)
-    elif args.profile:
-        launch.launch(profile_main, config, args)
-    else:  # the plain run's sweep is a short one
-        args.steps, args.warmup = min(args.steps, 5), min(args.warmup, 2)
-        launch.launch(verify_main, config, args)
+    config = launch.resolve(launch.make_parser(__doc__).parse_args(argv))
+    launch.launch(verify_main, config)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """Proof of overlap: profile a few training steps, draw compute and communication on one axis.
 
-``profile_ddp(ctx, [(label, factory), ...], args, name)`` (the ``--profile`` of 03, 05, 06 and
-07's FSDP): every rank profiles two LM training steps per case with ``torch.profiler`` into
-``<trace-dir>/<name>/<label>_rank<r>.json`` (open in https://ui.perfetto.dev), each step cut
-into ``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and ``ddp:optimizer`` ranges. Gloo runs
-a collective on a worker thread (``gloo:all_reduce``, all_gather, reduce_scatter), NCCL as a
-kernel (``ncclDevKernel_...``). Rank 0 prints how much communication ran during backward and
-after it (also to ``results/ddp_profile.csv``) with a text timeline, and draws it as a PNG.
+``profile_ddp(ctx, [(label, factory), ...], args, name)`` (bench/profile_ddp.py, 07's FSDP):
+every rank profiles two LM steps per case into ``<trace-dir>/<name>/<label>_rank<r>.json``
+(https://ui.perfetto.dev), cut into ``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and
+``ddp:optimizer`` ranges. Gloo runs a collective on a worker thread (``gloo:all_reduce``...),
+NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints how much communication ran during and
+after backward (also results/ddp_profile.csv), a text timeline, and draws it as a PNG.
 """
 
 import argparse
@@ -19,11 +18,10 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench import results, step_bench
 from common import models
 
 # range name: (legend, colour, mark in the text timeline)
-
-from bench import results, step_bench, timing
 PHASES = {"ddp:forward": ("forward", "#9ecae1", "f"), "ddp:backward": ("backward", "#3182bd", "B"),
           "ddp:finish": ("wait for comm", "#fdae6b", "w"),
           "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
@@ -36,19 +34,17 @@ SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms",
 
 
 def add_profile_args(parser):
-    g = parser.add_argument_group("profiling (--profile)")
+    g = parser.add_argument_group("profiling")
     g.add_argument("--profile", action="store_true",
-                   help="write a torch.profiler trace per rank of a few training steps of the "
-                        "LM (--model etc.) and a timeline of compute and communication")
+                   help="profile a few LM training steps per rank (bench/profile_ddp.py: always)")
     # a Path, not a str: argparse checks a given --trace-dir with the type, never the default
     g.add_argument("--trace-dir", type=writable_folder, default=results.REPO_ROOT / "traces",
                    help="where the traces and the timeline picture go")
 
 
 def writable_folder(text: str) -> Path:
-    """A flag type: a folder that can be written, or made (its nearest existing parent is a
-    folder that can be written), checked when the flag is parsed and made only when used, so a
-    bad one is one line before any worker starts, not a traceback after the profiled steps."""
+    """A flag type: a folder that can be written or made, checked when parsed (one line before
+    any worker starts, not a traceback after the profiled steps), made only when used."""
     existing = Path(text).absolute()
     while not existing.exists():
         existing = existing.parent  # ends at the root, which exists
@@ -62,16 +58,16 @@ def writable_folder(text: str) -> Path:
 def profile_case(ctx, factory, args, trace_path: Path) -> None:
     _, wrapper, finish, optimizer, x, y = step_bench.setup_case(ctx, factory, args)
 
-    def step():  # synchronize inside each range, so that on a GPU it covers its kernels
+    def step():  # each range waits for its kernels: the compute stream's, all at the end
         with record_function("ddp:forward"):
             optimizer.zero_grad(set_to_none=True)
             loss = models.lm_loss(wrapper(x), y)
-            timing.synchronize(ctx.device)
+            step_bench.wait_for(ctx.device, compute_only=True)
         for name, work in (("ddp:backward", loss.backward), ("ddp:finish", finish),
                            ("ddp:optimizer", optimizer.step)):
             with record_function(name):
                 work()
-                timing.synchronize(ctx.device)
+                step_bench.wait_for(ctx.device, compute_only=name != "ddp:optimizer")
 
     for _ in range(3):
         step()

@@ -1,15 +1,13 @@
-"""Timing a data-parallel training step: the ``--bench`` of stages 03-06.
+"""Timing a data-parallel training step: bench/ddp_step.py's table (stages 03-06).
 
 A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM the way a stage
-does. Beside the cases: ``none`` (no wrapper, no communication) and ``torch_ddp`` at its default
-25 MB buckets, the denominator of ``ratio_vs_torch_ddp``. Each step is split into forward +
-backward, the communication left after backward (``finish_gradient_synchronization()``) and
-the optimizer; what overlaps backward hides in the first. ``--rounds`` repeats the whole list
-and pools each case's steps, so background load hits every case alike. Slowest rank's medians;
-rank 0 prints the table and upserts ``results/ddp_step.csv``. Beside ``none`` in each round, a
-burst of small all-reduces is timed too (``call_ms`` on its row: one call's cost in a burst),
-so the run has both inputs of lesson 9's prediction measured beside its rows: the compute and
-what a call costs.
+does; ``none`` (no wrapper) and ``torch_ddp`` at its default 25 MB (the denominator of
+``ratio_vs_torch_ddp``) run beside them. Each step is split into forward + backward, the
+communication left after backward (``finish_gradient_synchronization()``) and the optimizer;
+what overlaps backward hides in the first, so the clock after backward waits for the compute
+stream only. ``--rounds`` repeats the list and pools each case's steps. Slowest rank's medians;
+rank 0 prints the table and upserts results/ddp_step.csv. Beside ``none``, a burst of small
+all-reduces is timed (``call_ms``): lesson 9's prediction needs what a call costs.
 """
 
 import gc
@@ -28,16 +26,11 @@ from bench import results, timing
 from bench import supervisor as launch
 
 CSV_NAME = "ddp_step.csv"
-# The plain runs of 05/06 (``make run``) end with a quick demo on small defaults; its rows go
-# to their own file, so a demo never replaces the rows of a real --bench.
-DEMO_CSV_NAME = "ddp_step_demo.csv"
 CSV_KEY = ["backend", "device", "world_size", "model", "impl", "bucket_mb"]
-IMPLS = ("none", "naive", "flat", "overlap", "bucketed", "torch_ddp")
 TORCH_DDP_DEFAULT_BUCKET_MB = 25  # DistributedDataParallel's bucket_cap_mb
 
 
 def torch_ddp_factory(bucket_mb=None):
-    """A wrapper factory: torch's DistributedDataParallel, at ``bucket_mb`` if given."""
     def wrap(module):
         device = next(module.parameters()).device
         return torch.nn.parallel.DistributedDataParallel(
@@ -47,10 +40,7 @@ def torch_ddp_factory(bucket_mb=None):
 
 
 def add_step_bench_args(parser):
-    parser.add_argument("--check", action="store_true",
-                        help="verify against one process and stop, without the plain run's "
-                             "quick demo (what `make check` runs)")
-    g = parser.add_argument_group("training-step benchmark (--bench)")
+    g = parser.add_argument_group("training-step benchmark")
     g.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="LM preset")
     g.add_argument("--batch-size", type=launch.positive_int, default=8,
                    help="GLOBAL batch (sequences per step), split evenly across ranks")
@@ -65,15 +55,14 @@ def add_step_bench_args(parser):
 
 
 def check_step_bench_args(args, config) -> None:
-    """Refuse, before any worker starts, a batch that does not split evenly and a model that
-    would not fit: one line, exit 2. Also checks that results can be written."""
+    """One line and exit 2, before any worker starts: a batch that does not split evenly, a
+    model that would not fit, a results folder that cannot be written."""
     ws = config.world_size
     if args.batch_size % ws:
         launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size "
                            f"{ws}: each rank needs an equal slice (try "
                            f"{ws * max(1, args.batch_size // ws)})")
-    # A rank's rough peak: 20 bytes per parameter (fp32 weight, gradient, AdamW's two moments,
-    # a bucket copy) plus the fp32 activations kept for backward.
+    # a rank's peak: 20 B a parameter (weight, gradient, AdamW's two, a bucket) + activations
     shape = models.PRESETS[args.model]
     context = args.context_length
     acts = 4 * (args.batch_size // ws) * context * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
@@ -93,9 +82,8 @@ def check_step_bench_args(args, config) -> None:
 
 
 def setup_case(ctx, factory, args):
-    """One case, as the benchmark and the profiler run it: the LM of ``--model`` (the same on
-    every rank, as after a broadcast), ``factory(model)`` (None: no wrapper), its finish call
-    (a no-op for torch DDP or no wrapper), AdamW, and this rank's slice of the global batch."""
+    """The LM of ``--model`` (the same on every rank), ``factory(model)`` (None: no wrapper),
+    its finish call (a no-op for torch DDP), AdamW, and this rank's slice of the batch."""
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length).to(ctx.device)
     wrapper = factory(model) if factory is not None else model
@@ -107,23 +95,35 @@ def setup_case(ctx, factory, args):
     return model, wrapper, finish, optimizer, x[first:first + rows], y[first:first + rows]
 
 
+def wait_for(device: torch.device, compute_only: bool) -> None:
+    """On a GPU, wait for the work queued so far: the compute stream's (``compute_only``: NCCL's
+    own streams may still be reducing, as they do when they overlap backward), or all of it.
+    (torch.cuda.synchronize would count the overlapped communication as backward.)"""
+    if device.type != "cuda":
+        return
+    if compute_only:
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        torch.cuda.synchronize(device)
+
+
 def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
     """This rank's (fwd_bwd, comm, optimizer, step) seconds for the timed steps of one case:
-    as many as fit in ``case_budget_s / rounds`` at the slowest rank's last warm-up step (ranks
-    timing different numbers of steps would wait on each other's collectives forever)."""
+    as many as fit in ``case_budget_s / rounds`` at the slowest rank's last warm-up step (every
+    rank times the same number, or their collectives would never pair up)."""
     model, wrapper, finish, optimizer, x, y = setup_case(ctx, factory, args)
 
-    def clock() -> float:
-        timing.synchronize(ctx.device)  # on a GPU: the work queued so far has finished
+    def clock(compute_only: bool = False) -> float:
+        wait_for(ctx.device, compute_only)
         return time.perf_counter()
 
     def one_step() -> tuple[float, float, float, float]:
         t0 = clock()
         optimizer.zero_grad(set_to_none=True)
         models.lm_loss(wrapper(x), y).backward()
-        t1 = clock()
-        finish()  # the gradient communication left after backward
-        t2 = clock()
+        t1 = clock(compute_only=True)
+        finish()  # the communication left after backward; the compute stream waits for it
+        t2 = clock(compute_only=True)
         optimizer.step()
         t3 = clock()
         return t1 - t0, t2 - t1, t3 - t2, t3 - t0
@@ -173,14 +173,12 @@ def time_left_for(ctx, seconds: float) -> bool:
     return verdict[0]
 
 
-def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) -> list[dict]:
-    """Time every case plus the ``none`` and ``torch_ddp`` (25 MB) references in one run;
-    print the table (rank 0), upsert ``results/<csv_name>`` after every case, return rows.
-    ``after_case(rows)``, if given, runs on every rank after each case with the rows so far
-    (stage 06 writes its bucket model from them: a sweep stopped later keeps it)."""
+def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
+    """Time every case and the ``none`` and ``torch_ddp`` (25 MB) references; rank 0 upserts
+    results/ddp_step.csv after every case and prints the table; returns the rows.
+    ``after_case(rows)`` runs on every rank after each case with the rows so far."""
     refs = [("none", None, None), ("torch_ddp", TORCH_DDP_DEFAULT_BUCKET_MB, torch_ddp_factory())]
     cases = [r for r in refs if r[:2] not in {c[:2] for c in cases}] + list(cases)
-    assert all(impl in IMPLS for impl, _, _ in cases), "impl outside the ddp_step.csv contract"
     params = models.lm_parameter_count(args.model, context_length=args.context_length)
     ctx.print(f"step benchmark: LM {args.model} ({params / 1e6:.1f}M params), global batch "
               f"{args.batch_size}, context {args.context_length}, {args.warmup} warm-up + "
@@ -213,7 +211,7 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
             for r in rows:  # none until torch DDP's case has run
                 r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
             if ctx.is_main:  # after every case: a run stopped later keeps what it measured
-                results.upsert_csv(csv_name, rows, key=CSV_KEY)
+                results.upsert_csv(CSV_NAME, rows, key=CSV_KEY)
             if after_case is not None:
                 after_case(rows)
         round_s = time.perf_counter() - round_start
@@ -224,5 +222,5 @@ def run_step_bench(ctx, cases, args, csv_name: str = CSV_NAME, after_case=None) 
             "optimizer_ms": r["optimizer_ms"], "comm_share": f"{r['comm_share']:.0%}",
             "vs_torch_ddp": f"{r['ratio_vs_torch_ddp']:.2f}x"} for r in rows],
             title=f"\nTraining step, slowest rank's median ({results.machine_name()}):")
-        print(f"rows in {results.results_dir() / csv_name}", flush=True)
+        print(f"rows in {results.results_dir() / CSV_NAME}", flush=True)
     return rows

@@ -1,6 +1,6 @@
-"""Models and data shared by the stages: toy models with the corners a data-parallel wrapper
-must get right (a frozen parameter, a bias that does not train, a weight used twice), and a
-plain pre-norm GPT-style Transformer LM with size presets, the workload of the benchmarks."""
+"""Models and data the lessons share: toy models with the corners a data-parallel wrapper must
+get right (a frozen parameter, a bias that does not train, a weight used twice), and a
+pre-norm GPT-style Transformer LM with size presets."""
 
 import math
 
@@ -11,17 +11,16 @@ import torch.utils.checkpoint
 
 
 class ToyModel(nn.Module):
-    """x -> fc1 -> ReLU -> (* frozen scale) -> fc2. ``fc2.bias`` requires no grad."""
+    """x -> fc1 -> ReLU -> (* frozen scale) -> fc2; ``fc2.bias`` does not train."""
 
     def __init__(self, in_features: int = 10, hidden: int = 16, out_features: int = 5):
         super().__init__()
         self.fc1 = nn.Linear(in_features, hidden)
         self.fc2 = nn.Linear(hidden, out_features)
-        self.fc2.bias.requires_grad_(False)  # a bias that does not train
-        # A frozen parameter: part of the model's state, never updated.
+        self.fc2.bias.requires_grad_(False)
         self.frozen_scale = nn.Parameter(torch.linspace(0.5, 1.5, hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         return self.fc2(F.relu(self.fc1(x)) * self.frozen_scale)
 
 
@@ -31,27 +30,22 @@ class TiedModel(nn.Module):
     def __init__(self, in_features: int = 10, hidden: int = 12, out_features: int = 5):
         super().__init__()
         self.fc_in = nn.Linear(in_features, hidden)
-        self.shared = nn.Linear(hidden, hidden)  # used twice per forward
+        self.shared = nn.Linear(hidden, hidden)
         self.fc_out = nn.Linear(hidden, out_features)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.relu(self.fc_in(x))
-        h = F.relu(self.shared(h))
-        h = torch.tanh(self.shared(h))  # the same weight again
-        return self.fc_out(h)
+    def forward(self, x):
+        h = F.relu(self.shared(F.relu(self.fc_in(x))))
+        return self.fc_out(torch.tanh(self.shared(h)))
 
 
-def random_regression_data(n: int, in_features: int = 10, out_features: int = 5,
-                           seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` random (input, target) pairs for the toy models, the same for a given seed."""
+def random_regression_data(n: int, in_features: int = 10, out_features: int = 5, seed: int = 0):
+    """``n`` random (input, target) rows for the toy models, the same for a given seed."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, in_features, generator=g), torch.randn(n, out_features, generator=g)
 
 
-# --------------------------------------------------------------------------- Transformer LM
-# d_model / d_ff / layers / heads: GPT-2's small ... xl and a 2.7B configuration; "course" is
-# the shape whose reference figures the READMEs quote; "tiny" is for tests.
-PRESETS: dict[str, dict[str, int]] = {
+# d_model, d_ff, layers, heads: GPT-2 small ... xl and 2.7B; "tiny" for tests, "course" between.
+PRESETS = {
     "tiny":   dict(d_model=64,   d_ff=256,   num_layers=2,  num_heads=4),
     "course": dict(d_model=512,  d_ff=1344,  num_layers=4,  num_heads=16),
     "small":  dict(d_model=768,  d_ff=3072,  num_layers=12, num_heads=12),
@@ -65,46 +59,39 @@ CONTEXT_LENGTH = 256
 
 
 def lm_parameter_count(preset: str, context_length: int = CONTEXT_LENGTH) -> int:
-    """Parameters of ``TransformerLM(preset)``, built on the meta device: no memory used."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in TransformerLM(preset, context_length=context_length)
-                   .parameters())
+    with torch.device("meta"):  # no memory used
+        return sum(p.numel() for p in TransformerLM(preset, context_length=context_length).parameters())
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(head_dim) + causal mask) v, on [batch, heads, seq, head_dim]."""
+def causal_attention(q, k, v):
+    """softmax(q k^T / sqrt(head_dim) + causal mask) v on [batch, heads, seq, head_dim]."""
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head self-attention. ``attend(q, k, v)`` is the attention itself, an attribute so
-    that a lesson can swap it (context parallelism puts ring attention there)."""
+    """Multi-head self-attention; ``attend`` is an attribute so a lesson can swap it (ring attention)."""
 
     def __init__(self, d_model: int, num_heads: int):
-        super().__init__()  # every preset's d_model divides by its num_heads
+        super().__init__()
         self.num_heads = num_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.out = nn.Linear(d_model, d_model, bias=False)
         self.attend = causal_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=-1)
         # (b, t, d) -> (b, heads, t, d / heads)
         q, k, v = (z.view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2)
-                   for z in (q, k, v))
-        y = self.attend(q, k, v)
-        return self.out(y.transpose(1, 2).reshape(b, t, d))
+                   for z in self.qkv(x).split(d, dim=-1))
+        return self.out(self.attend(q, k, v).transpose(1, 2).reshape(b, t, d))
 
 
 def dense_mlp(d_model: int, d_ff: int) -> nn.Module:
-    """The block's MLP: d_model -> d_ff -> GELU -> d_model."""
     return nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
 
 
 class Block(nn.Module):
-    """Pre-norm Transformer block: x + attn(norm1(x)), then + mlp(norm2(x)). ``make_mlp(d_model,
-    d_ff)`` builds the MLP (a mixture of experts, for example; default ``dense_mlp``)."""
+    """x + attn(norm1(x)), then + mlp(norm2(x)); ``make_mlp(d_model, d_ff)`` builds the MLP."""
 
     def __init__(self, d_model: int, d_ff: int, num_heads: int, make_mlp=dense_mlp):
         super().__init__()
@@ -113,26 +100,20 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(d_model)
         self.mlp = make_mlp(d_model, d_ff)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
 class TransformerLM(nn.Module):
-    """Decoder-only LM: token + position embeddings, pre-norm blocks, final norm, vocab head.
-
-    ``checkpoint_activations``: run each block under ``torch.utils.checkpoint`` (non-reentrant):
-    backward keeps only each block's input and recomputes the block's forward to get the rest,
-    trading one more forward of compute for most of the activation memory. ``make_mlp``: every
-    block's MLP (see ``Block``).
-    """
+    """Token + position embeddings, pre-norm blocks, final norm, vocabulary head.
+    ``checkpoint_activations``: backward recomputes each block's forward from its input
+    (torch.utils.checkpoint, non-reentrant) instead of keeping its activations."""
 
     def __init__(self, preset: str = "tiny", vocab_size: int = VOCAB_SIZE,
                  context_length: int = CONTEXT_LENGTH, checkpoint_activations: bool = False,
                  make_mlp=dense_mlp):
         super().__init__()
-        if preset not in PRESETS:
-            raise ValueError(f"unknown model preset {preset!r}; choose from {', '.join(PRESETS)}")
         p = PRESETS[preset]
         self.checkpoint_activations = checkpoint_activations
         self.token_embedding = nn.Embedding(vocab_size, p["d_model"])
@@ -142,35 +123,30 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(p["d_model"])
         self.lm_head = nn.Linear(p["d_model"], vocab_size, bias=False)
         for name, param in self.named_parameters():
-            if param.dim() >= 2:  # GPT-2 style init; residual projections scaled by depth
+            if param.dim() >= 2:  # GPT-2's init; residual projections scaled by depth
                 residual = name.endswith(("out.weight", "mlp.2.weight"))
-                std = 0.02 / math.sqrt(2 * p["num_layers"]) if residual else 0.02
-                nn.init.normal_(param, std=std)
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * p["num_layers"]) if residual else 0.02)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``tokens`` [batch, seq] -> logits [batch, seq, vocab]. ``positions`` [seq]: each
-        token's place in the whole sequence (default 0 .. seq-1; a rank holding a shard of the
-        sequence passes its tokens' global positions)."""
+    def forward(self, tokens, positions=None):
+        """tokens [batch, seq] -> logits [batch, seq, vocab]; ``positions`` [seq] default 0..seq-1."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.token_embedding(tokens) + self.position_embedding(positions)
         for block in self.blocks:
             if self.checkpoint_activations and torch.is_grad_enabled():
-                # looked up at call time, so a counter can wrap it (stage 07's ledger counts
-                # the inputs a checkpoint keeps alive)
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.norm(x))  # logits: (batch, time, vocab)
+        return self.lm_head(self.norm(x))
 
 
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH, seed: int = 0,
-                  device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Random token ids (inputs, next-token targets), the same for a given seed."""
+                  device="cpu"):
+    """Random (inputs, next-token targets) [batch, context], the same for a given seed."""
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(VOCAB_SIZE, (batch_size, context_length + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]

@@ -54,8 +54,15 @@ def ring_missing_last_step(tensor, group=None):
     return tensor
 
 
+def agree(problem: str | None) -> None:
+    """One verdict for a check each rank made: every rank raises together, or none."""
+    problems = verify.agree_on_problems([problem] if problem else [])
+    if problems:
+        raise AssertionError("; ".join(problems))
+
+
 def rings_match_all_reduce(ctx):
-    """Every check is agreed (common.verify.agree): every rank raises together, or none."""
+    """Every check is agreed: every rank raises together, or none."""
     for ring in (collectives.ring_all_reduce, collectives.pipelined_ring_all_reduce):
         for numel in (1, 2, 7, 1000, 100_003):  # fewer elements than ranks, and not divisible
             for dtype in (torch.float32, torch.float64, torch.int64):
@@ -75,16 +82,16 @@ def rings_match_all_reduce(ctx):
                 else:
                     ok = torch.equal(ours, reference)
                     problem = None if ok else f"{where}: off by {max_diff(ours, reference):g}"
-                verify.agree(problem)
+                agree(problem)
                 everyone = [torch.empty_like(ours) for _ in range(ctx.world_size)]
                 dist.all_gather(everyone, ours)
                 differ = [r for r, e in enumerate(everyone) if not torch.equal(e, ours)]
-                verify.agree(f"{where}: ranks {differ} differ bitwise" if differ else None)
+                agree(f"{where}: ranks {differ} differ bitwise" if differ else None)
         # a non-contiguous tensor is reduced in place too
         base = torch.arange(24, dtype=torch.float64).reshape(4, 6) * (ctx.rank + 1)
         ring(base.t())
         want = torch.arange(24, dtype=torch.float64).reshape(4, 6) * (ctx.world_size * (ctx.world_size + 1) / 2)
-        verify.agree(None if torch.equal(base, want) else
+        agree(None if torch.equal(base, want) else
                      f"{ring.__name__} transposed: off by {max_diff(base, want):g}")
         # within a sub-group (global ranks 1..n-1): group ranks map to global ones
         members = list(range(1, ctx.world_size))
@@ -95,7 +102,7 @@ def rings_match_all_reduce(ctx):
             ring(t, group=group)
             if not torch.equal(t, torch.full((5,), float(sum(members)))):
                 problem = f"{ring.__name__} in group {members}: got {t.tolist()}, want {sum(members)}"
-        verify.agree(problem)
+        agree(problem)
     # the pipelined ring with many segments per chunk, the last one shorter
     for numel, segment_numel in ((1000, 7), (100_003, 4096)):
         x = torch.randn(numel, generator=torch.Generator().manual_seed(ctx.rank), dtype=torch.float64)
@@ -103,14 +110,14 @@ def rings_match_all_reduce(ctx):
         dist.all_reduce(reference)
         collectives.pipelined_ring_all_reduce(x, segment_numel=segment_numel)
         ok = torch.allclose(x, reference, rtol=1e-12, atol=1e-12)
-        verify.agree(None if ok else f"segments of {segment_numel}: off by {max_diff(x, reference):.3g}")
+        agree(None if ok else f"segments of {segment_numel}: off by {max_diff(x, reference):.3g}")
     # the softmax over ranks against torch.softmax
     logits = torch.randn(ctx.world_size, generator=torch.Generator().manual_seed(5),
                          dtype=torch.float64) * 30
     p = collectives.distributed_softmax(logits[ctx.rank:ctx.rank + 1])
     want = torch.softmax(logits, 0)[ctx.rank:ctx.rank + 1]
     ok = torch.allclose(p, want, rtol=1e-12, atol=1e-15)
-    verify.agree(None if ok else f"softmax: off by {max_diff(p, want):.3g}")
+    agree(None if ok else f"softmax: off by {max_diff(p, want):.3g}")
     # Negative control: the script's own check catches a ring one all-gather step short, on
     # every rank at once, naming the ring, how many elements differ and by how much.
     saved = collectives.ring_all_reduce
@@ -155,3 +162,15 @@ def test_bad_flags_exit_2_with_one_line(argv, needle, capsys):
     if argv == ["--backend", "nccl"] and torch.cuda.device_count() >= 4:
         pytest.skip("this box can run nccl")
     assert_main_usage_error(collectives.main, argv, capsys, needle)
+
+
+@pytest.mark.parametrize("device, on_device", [("cpu", True), ("cuda", False)])
+def test_gloo_sends_go_through_the_host_only_for_gpu_tensors(monkeypatch, device, on_device):
+    """Issue 45: Gloo carries every collective of the demo on GPU tensors; only its sends and
+    receives (and the textbook ring built on them) go through the host, by the one shared rule
+    (common.launch.carries_point_to_point). Faked: a GPU, the launch recorded, nothing run."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(collectives, "spawn", lambda *a: calls.append(a))
+    collectives.main(["--world-size", "2", "--backend", "gloo", "--device", device])
+    assert calls == [(collectives.collectives_demo, 2, "gloo", device, on_device)]

@@ -18,8 +18,9 @@ Overlap and bucketed, further: tied weights, unused branches on some ranks or al
 the launch has a timeout), rank-dependent gradient arrival order, no_sync() accumulation,
 steps with and without set_to_none, float64 beside float32, every all-reduce launched inside
 backward (before finish_gradient_synchronization()) and none inside no_sync(), a dropped
-wrapper freed, and rank 0 alone deciding whether stage 06 reads stage 02's fit or measures.
-Pure checks (bucket assignment, the overhead model, bad bucket sizes) need no process group.
+wrapper freed, and rank 0 alone deciding whether the lab's bucket model (bench/ddp_step.py)
+reads stage 02's fit or measures. Pure checks (bucket assignment, the overhead model) need no
+process group.
 
 A failing check never hangs the launch: the equivalence checks record failures without
 changing what the ranks do next; the overlap checks are agreed (every rank raises together);
@@ -50,10 +51,10 @@ import bucketed_ddp
 import flat_ddp
 import naive_ddp
 import overlap_ddp
-from bucketed_ddp import BucketedDDP, assign_buckets, check_bucket_size_mb
-from common import verify
+from bench import ddp_step
 from bench import supervisor as launch
-from common.verify import agree
+from bucketed_ddp import BucketedDDP, assign_buckets
+from common import verify
 from common.models import TiedModel, ToyModel, random_regression_data
 from helpers import BranchModel
 from overlap_ddp import OverlapDDP
@@ -357,8 +358,18 @@ class MixedDtypeModel(nn.Module):
 
 
 # --------------------------------------------------------------------------- helpers
-# Every check below is made by each rank on its own and then agreed (common.verify.agree):
-# every rank raises together, naming the ranks where it failed and by how much, or none does.
+# Every check below is made by each rank on its own and then agreed: every rank raises
+# together, naming the ranks where it failed and by how much, or none does.
+
+
+class CheckFailed(AssertionError):
+    """A check failed somewhere: raised by ``agree`` on every rank at once."""
+
+
+def agree(problem: str | None) -> None:
+    problems = verify.agree_on_problems([problem] if problem else [])
+    if problems:
+        raise CheckFailed("; ".join(problems))
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -589,15 +600,15 @@ def check_launched_during_backward(ctx, name, wrap, make_model):
 
 
 def check_latency_bandwidth_decided_by_rank0(ctx):
-    """Stage 06's harness: only rank 0's results/ decides between stage 02's fit and measuring
+    """The lab's bucket model (bench/ddp_step.py): only rank 0's results/ decides between stage 02's fit and measuring
     (multi-node: each node has its own results/; a split decision would hang)."""
     import os
     import tempfile
 
     from bench import results
     saved = os.environ.get("RESULTS_DIR")
-    saved_sizes = bucket_model.FIT_SIZES
-    bucket_model.FIT_SIZES = [2**12, 2**16]  # the decision is under test, not the fit: small
+    saved_sizes = ddp_step.FIT_SIZES
+    ddp_step.FIT_SIZES = [2**12, 2**16]  # the decision is under test, not the fit: small
     key = f"{ctx.backend}/{ctx.device.type}/{ctx.world_size}"
     fit = {key: {"a_s": 1e-4, "w_bytes_per_s": 2e9}}
     made_dirs = []
@@ -608,7 +619,7 @@ def check_latency_bandwidth_decided_by_rank0(ctx):
             made_dirs.append(made)
             if ctx.is_main == rank0_has_fit:
                 results.write_json("allreduce_fit.json", fit)
-            got = bucket_model.latency_bandwidth(ctx)
+            got = ddp_step.latency_bandwidth(ctx)
             everyone = [None] * ctx.world_size
             dist.all_gather_object(everyone, got["source"])
             agree(None if len(set(everyone)) == 1 else f"ranks decided differently: {everyone}")
@@ -623,12 +634,12 @@ def check_latency_bandwidth_decided_by_rank0(ctx):
             results.write_json("allreduce_fit.json", {key: {**fit[key], "run_id": "old"}})
         os.environ["RESULTS_RUN_ID"] = "new"
         try:
-            got = bucket_model.latency_bandwidth(ctx)
+            got = ddp_step.latency_bandwidth(ctx)
         finally:
             os.environ.pop("RESULTS_RUN_ID")
         agree(None if got["source"] == "measured in this run" else f"another run's fit used: {got}")
     finally:
-        bucket_model.FIT_SIZES = saved_sizes
+        ddp_step.FIT_SIZES = saved_sizes
         for made in made_dirs:
             shutil.rmtree(made, ignore_errors=True)
         if saved is None:
@@ -727,7 +738,7 @@ def ddp_worker(ctx, case_names: list[str], out_dir: str) -> None:
     try:
         checks = overlap_and_bucket_checks(ctx)
         findings["overlap_and_bucketed"] = dict(failures=[], checks=checks)
-    except verify.CheckFailed as e:  # the same message on every rank: kept once
+    except CheckFailed as e:  # the same message on every rank: kept once
         failures = [str(e)] if ctx.is_main else []
         findings["overlap_and_bucketed"] = dict(failures=failures, checks=0)
     with open(os.path.join(out_dir, f"rank{ctx.rank}.json"), "w") as f:
@@ -780,7 +791,7 @@ def test_ddp_matches_single_process(case, world_size, findings_dir):
 def test_the_scripts_proof_passes(world_size, findings_dir):
     found = findings_for(world_size, findings_dir)["verify_ddp"]
     assert not found["failures"], "\n".join(found["failures"])
-    assert found["checks"] == 3, "rank 0 did not prove the three models"  # toy, tied, LM
+    assert found["checks"] == 2, "rank 0 did not prove the two models"  # toy, tied
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
@@ -791,13 +802,6 @@ def test_overlap_and_bucketed_under_real_training(world_size, findings_dir):
 
 
 # --------------------------------------------------------------------------- no process group
-
-
-def test_bucket_size_validation():
-    for bad in (0, -1, -0.5, float("nan"), float("inf"), "25", True, [25]):
-        with pytest.raises(ValueError, match="bucket_size_mb must be a finite number of MiB > 0"):
-            BucketedDDP(ToyModel(), bucket_size_mb=bad)
-    assert check_bucket_size_mb(None) is None and check_bucket_size_mb(25) == 25.0
 
 
 def test_bucket_assignment_counts_mib_and_order():
