@@ -286,14 +286,14 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
          "--steps", "5", "--warmup", "2"]
     planned = [
         step("allreduce", "02 all-reduce sweep",
-             ["02_allreduce_bench/allreduce_bench.py", *ar, "--budget-s", "120"],
+             ["bench/allreduce_sweep.py", *ar, "--budget-s", "120"],
              budget_flag="--budget-s", cases=len(_flag(ar, "--world-sizes").split(","))),
         step("ddp", f"03-06 DDP step times, bucket sweep and model (LM {model})",
-             ["06_bucketed_ddp/bucketed_ddp.py", "--bench", "--world-size", str(ws), *where, *lm,
+             ["bench/ddp_step.py", "--world-size", str(ws), *where, *lm,
               *steps, "--bucket-sizes", buckets, "--case-budget-s", "120"],
              budget_flag="--case-budget-s", cases=ddp_cases),
         step("profile", f"05 profile: naive vs overlapped DDP (LM {model})",
-             ["05_overlap_ddp/overlap_ddp.py", "--profile", "--world-size", str(ws), *where,
+             ["bench/profile_ddp.py", "--world-size", str(ws), *where,
               *lm, "--trace-dir", trace_dir]),
         step("tp", "07 tensor and sequence parallel, 2 ranks",
              ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", "--world-size", "2",

@@ -15,11 +15,11 @@ LM = ["--model", "tiny", "--batch-size", "4", "--context-length", "16"]
 
 def tiny_plan(setup, quick, model, trace_dir):
     return [make_bench.Step(key, key, argv, share_s=140, min_s=10) for key, argv in [
-        ("allreduce", ["02_allreduce_bench/allreduce_bench.py", *WHERE, "--sizes", "4100B,256KB",
+        ("allreduce", ["bench/allreduce_sweep.py", *WHERE, "--sizes", "4100B,256KB",
                        "--world-sizes", "2", "--iters", "3", "--warmup", "1"]),
-        ("ddp", ["06_bucketed_ddp/bucketed_ddp.py", "--bench", *WHERE, *LM, "--bucket-sizes",
+        ("ddp", ["bench/ddp_step.py", *WHERE, *LM, "--bucket-sizes",
                  "0.01,1", "--steps", "4", "--warmup", "1", "--case-budget-s", "1e-6"]),
-        ("profile", ["05_overlap_ddp/overlap_ddp.py", "--profile", *WHERE, *LM,
+        ("profile", ["bench/profile_ddp.py", *WHERE, *LM,
                      "--trace-dir", trace_dir]),
         ("tp", ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", *WHERE, "--d-model", "32",
                 "--d-ff", "64"]),

@@ -407,8 +407,8 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
     from bench import profiling, step_bench
 
     from bench import supervisor as launch
-    bucketed = import_stage("06_bucketed_ddp/bucketed_ddp")
-    monkeypatch.setattr(import_stage("06_bucketed_ddp/bucket_model"), "latency_bandwidth",
+    from bench import ddp_step as bucketed
+    monkeypatch.setattr(bucketed, "latency_bandwidth",
                         lambda ctx: {"a_s": 1e-4, "w_bytes_per_s": 1e9, "source": "test"})
     args = argparse.Namespace(model="tiny", batch_size=2, context_length=8, steps=2, warmup=1,
                               rounds=1, case_budget_s=120.0, bucket_sizes=[0.25, 1.0, 4.0],
@@ -1238,7 +1238,7 @@ def test_make_check_covers_every_stage_and_lesson_and_reads_a_refusal():
     from bench import check
     scripts = [argv[0] for _, argv in check.CHECKS]
     stages = sorted(str(p.relative_to(REPO)) for p in REPO.glob("0[1-6]_*/*.py")
-                    if p.name not in ("sweep_extras.py", "bucket_model.py"))
+                    if p.name not in ("bucket_model.py",))
     for stage_script in stages:
         assert stage_script in scripts, f"make check does not run {stage_script}"
     lessons = sorted(p for p in (REPO / "07_parallelism").glob("[0-9][0-9]_*") if p.is_dir())

@@ -27,12 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import allreduce_bench
-import bucketed_ddp
 import naive_ddp
-import overlap_ddp
 import fault_worker
-from bench import results
+from bench import allreduce_sweep, ddp_step, profile_ddp, results
 from bench import supervisor as launch
 from helpers import REPO, alive, assert_main_usage_error, children, start_script, wait_for_line
 
@@ -187,7 +184,7 @@ def test_a_rank_that_cannot_start_shows_why(monkeypatch):
 
 def test_ctrl_c_to_the_parent_alone_ends_every_rank_and_keeps_finished_rows(tmp_path):
     results_dir = tmp_path / "results"
-    proc = start_script([REPO / "02_allreduce_bench" / "allreduce_bench.py", "--backend", "gloo",
+    proc = start_script([REPO / "bench" / "allreduce_sweep.py", "--backend", "gloo",
                    "--device", "cpu", "--sizes", "4KB,64KB,1MB,4MB,16MB,64MB,256MB",
                    "--world-sizes", "2", "--warmup", "1", "--iters", "3"], tmp_path / "tmp",
                   env={"RESULTS_DIR": str(results_dir)})
@@ -216,7 +213,7 @@ def test_ctrl_c_to_the_parent_alone_ends_every_rank_and_keeps_finished_rows(tmp_
 
 
 def fit_file_worker(ctx, folder: str):
-    import bucket_model
+    from bench import ddp_step as bucket_model  # the fit from the sweep lives in the lab
     os.environ["RESULTS_DIR"] = folder  # rank 0's folder decides for everyone
     for text in ("{", '{"gloo/cpu/2": {"a_s": 1e-4, "w_bytes_per_s": "fast"}}', "[1, 2]"):
         if ctx.is_main:
@@ -253,8 +250,7 @@ def test_a_results_folder_that_cannot_be_written_is_refused_up_front(tmp_path, m
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     monkeypatch.setenv("RESULTS_DIR", str(blocker / "results"))
-    for main, argv in [(allreduce_bench.main, ["--sizes", "4KB"]),
-                       (bucketed_ddp.main, ["--bench"])]:
+    for main, argv in [(allreduce_sweep.main, ["--sizes", "4KB"]), (ddp_step.main, [])]:
         with pytest.raises(SystemExit) as e:
             main(["--backend", "gloo", "--device", "cpu", *argv])
         err = capsys.readouterr().err
@@ -264,14 +260,14 @@ def test_a_results_folder_that_cannot_be_written_is_refused_up_front(tmp_path, m
 
 @pytest.mark.parametrize("main, argv, needle", [
     (naive_ddp.main, ["--world-size", "1000"], "1000 ranks need about"),
-    (bucketed_ddp.main, ["--bench", "--world-size", "96", "--batch-size", "96"], "96 ranks need"),
-    (bucketed_ddp.main, ["--bench", "--model", "2.7B", "--batch-size", "2"],  # the model's share
+    (ddp_step.main, ["--world-size", "96", "--batch-size", "96"], "96 ranks need"),
+    (ddp_step.main, ["--model", "2.7B", "--batch-size", "2"],  # the model's share
      "GiB each for --model 2.7B"),
-    (overlap_ddp.main, ["--case-budget-s", "nan"], "'nan' is not a finite number > 0"),
-    (bucketed_ddp.main, ["--bucket-size-mb", "inf", "--profile"], "'inf' is not a finite"),
-    (bucketed_ddp.main, ["--bucket-sizes", ""], "empty list"),
-    (allreduce_bench.main, ["--budget-s", "nan"], "'nan' is not a finite number > 0"),
-    (allreduce_bench.main, ["--world-sizes", ""], "empty list"),
+    (ddp_step.main, ["--case-budget-s", "nan"], "'nan' is not a finite number > 0"),
+    (profile_ddp.main, ["--bucket-size-mb", "inf", "--stage", "06"], "'inf' is not a finite"),
+    (ddp_step.main, ["--bucket-sizes", ""], "empty list"),
+    (allreduce_sweep.main, ["--budget-s", "nan"], "'nan' is not a finite number > 0"),
+    (allreduce_sweep.main, ["--world-sizes", ""], "empty list"),
 ])
 def test_limits_nan_and_empty_lists_are_refused(main, argv, needle, capsys, monkeypatch):
     from bench import supervisor as launch
@@ -332,20 +328,18 @@ def test_a_lock_or_trace_folder_that_cannot_work_is_refused_up_front(tmp_path, m
     A trace folder that cannot be made: the profiled steps, then a traceback."""
     monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
     (tmp_path / ".ddp_profile.csv.lock").mkdir()
-    for argv, needle in [([], f"{tmp_path / '.ddp_profile.csv.lock'} is a folder: results locks "
-                              "go there"),
-                         (["--bench"], ".ddp_profile.csv.lock is a folder")]:
-        assert_main_usage_error(overlap_ddp.main, ["--backend", "gloo", "--device", "cpu", *argv],
-                                capsys, needle)
+    assert_main_usage_error(profile_ddp.main, ["--backend", "gloo", "--device", "cpu"], capsys,
+                            f"{tmp_path / '.ddp_profile.csv.lock'} is a folder: results locks "
+                            "go there")
     (tmp_path / ".ddp_profile.csv.lock").rmdir()
-    assert_main_usage_error(overlap_ddp.main, ["--profile", "--trace-dir", "/dev/null/x"], capsys,
+    assert_main_usage_error(profile_ddp.main, ["--trace-dir", "/dev/null/x"], capsys,
                             "argument --trace-dir: '/dev/null/x': /dev/null is not a folder")
 
 
 def test_a_sweep_with_nothing_measured_ends_with_a_reason(capfd):
     """A sweep that skipped everything exits non-zero, with the reasons."""
     with pytest.raises(SystemExit) as e:  # 4 KB over a 1 ns budget: every configuration skipped
-        allreduce_bench.main(["--backend", "gloo", "--device", "cpu", "--sizes", "4KB",
+        allreduce_sweep.main(["--backend", "gloo", "--device", "cpu", "--sizes", "4KB",
                               "--world-sizes", "2", "--budget-s", "1e-9"])
     out, err = capfd.readouterr()
     assert e.value.code == 1 and "over the 1e-09 s budget" in out, out
