@@ -798,31 +798,37 @@ def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
 
 BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
 RESUME = REPO / "07_parallelism" / "08_checkpoints" / "resume.py"
-BAD_FLAGS = [   # script, flags, the words of its one line
-    (TRAIN, ["--checkpoint-every", "2"], "need --checkpoint-dir"),
-    (TRAIN, ["--crash-at-step", "2"], "need --checkpoint-dir"),
-    (RESUME, ["--checkpoint-dir", "README.md"], "not a folder"),   # train.py hands it here
-    (DEMO, [], "give 2 ranks or more"),
-    (DEMO, ["--world-size", "3"], "give an even number of ranks"),
-    (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more"),
-    (DEMO, ["--iters", "0"], "is not a whole number >= 1"),
-    (DEMO, ["--world-size", "2", "--dir", "README.md"], "not a folder"),
-    (DEMO, ["--world-size", "2", "--dir", "/dev/null"], "not a folder"),
-    (DEMO, ["--world-size", "2", "--dir", "/proc/self/fdinfo"], "already used"),
-    (DEMO, ["--world-size", "2", "--dir", "/proc/sys/new"], "cannot be made"),
-    (DEMO, ["--world-size", "2", "--dir", "07_parallelism"], "already used"),
+SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+BAD_FLAGS = [   # script, flags, the words of its one line, environment
+    (TRAIN, ["--checkpoint-every", "2"], "need --checkpoint-dir", {}),
+    (TRAIN, ["--crash-at-step", "2"], "need --checkpoint-dir", {}),
+    (RESUME, ["--checkpoint-dir", "README.md"], "not a folder", {}),
+    (DEMO, [], "give an even number of ranks, 2 or more", {}),
+    (DEMO, ["--world-size", "3"], "give an even number of ranks", {}),
+    (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more", {}),
+    (BENCH, ["--iters", "0"], "is not a whole number >= 1", {}),
+    (DEMO, ["--world-size", "2", "--dir", "README.md"], "not a folder", {}),
+    (DEMO, ["--world-size", "2", "--dir", "/dev/null"], "not a folder", {}),
+    (DEMO, ["--world-size", "2", "--dir", "/proc/self/fdinfo"], "already used", {}),
+    (DEMO, ["--world-size", "2", "--dir", "/proc/sys/new"], "cannot be made", {}),
+    (DEMO, ["--world-size", "2", "--dir", "07_parallelism"], "already used", {}),
+    # issue 45 item 11: rank 0's temporary folder is not on another node
+    (DEMO, [], "spans nodes", SPANS_NODES),
+    (BENCH, [], "spans nodes", SPANS_NODES),
 ]
 
 
-@pytest.mark.parametrize("script, argv, needle", BAD_FLAGS)
-def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, capsys,
-                                                         monkeypatch):
+@pytest.mark.parametrize("script, argv, needle, environment", BAD_FLAGS)
+def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, environment,
+                                                         capsys, monkeypatch):
     """The script run as __main__ in this process (runpy: run, not imported as a library; a
     subprocess each would cost a torch start-up): exit 2, one line, no launch."""
     def no_launch(*args, **kwargs):
         raise AssertionError("bad flags reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
     monkeypatch.chdir(REPO)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [str(script), "--world-size", "1", *argv])
     with pytest.raises(SystemExit) as refused:
         runpy.run_path(str(script), run_name="__main__")
@@ -858,9 +864,9 @@ def test_what_a_save_copies_to_the_host_is_counted(tmp_path):
     for item in layout:
         on_device.append({**item, "tensor": item["tensor"].to("meta")})
     counted = checkpoint.staging_counts(on_device)
-    assert counted == {"bytes_staged": layouts.layout_bytes(layout, written_only=True),
+    assert counted == {"bytes_staged": checks.layout_bytes(layout, written_only=True),
                        "copies": written_boxes}, counted
     stats = checkpoint.save(tmp_path, layout, 1, "one process")
-    assert stats["bytes_written"] == layouts.layout_bytes(layout, written_only=True)
+    assert stats["bytes_written"] == checks.layout_bytes(layout, written_only=True)
     state = checkpoint.consolidate(checkpoint.latest_checkpoint(tmp_path))
     assert torch.equal(state["model"]["columns"], columns["tensor"])

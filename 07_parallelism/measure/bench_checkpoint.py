@@ -4,13 +4,13 @@ lesson's checkpoint.py and by ``torch.distributed.checkpoint`` on the same state
 Shard(0) made from the same shards), alternately in the same run: time (the slowest rank's
 median) and bytes per rank. Rows go to results/checkpoint.csv.
 
-    python 07_parallelism/measure/bench_checkpoint.py --model course --world-size 4
-    python 07_parallelism/08_checkpoints/run_checkpoint.py --bench --model course   # the same
+    python 07_parallelism/measure/bench_checkpoint.py --bench --model course --world-size 4
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -297,8 +297,7 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
 def main(argv=None) -> None:
     from common import launch, models, results
     parser = launch.make_parser(__doc__, world_size=4)
-    parser.add_argument("--bench", action="store_true",
-                        help="accepted (the lesson's run_checkpoint.py --bench hands over here)")
+    parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",
                         help="the LM preset")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=1,
@@ -312,6 +311,10 @@ def main(argv=None) -> None:
     if config.world_size < 3:
         parser.error(f"--bench --world-size {config.world_size}: it saves at 2 ranks and loads "
                      "at the world size, and back: give 3 ranks or more")
+    if args.dir is None and launch.under_torchrun() and (os.environ.get("LOCAL_WORLD_SIZE")
+                                                         != os.environ["WORLD_SIZE"]):
+        parser.error("the job spans nodes (WORLD_SIZE > LOCAL_WORLD_SIZE): rank 0's temporary "
+                     "folder is not on the others; give --dir, a folder every node sees")
     if args.dir is not None:
         try:
             checkpoint.check_directory(args.dir)
