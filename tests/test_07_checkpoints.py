@@ -17,15 +17,18 @@ mid-training and restarted, beside one that never stopped, and a run under ``tor
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import datetime
 import json
 import os
+import resource
 import runpy
 import shutil
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,7 @@ import checkpoint
 import checks_checkpoint as checks
 import layouts
 import resume
+import safety
 from common import import_stage, launch
 from helpers import REPO
 
@@ -429,6 +433,9 @@ DAMAGED_MANIFESTS = {   # label: (change, words in the message)
     "meta a list": (set_key(("meta",), []), "meta"),
     "files sizes a string": (set_key(("files", "rank_00000.bin"), "1"), "size"),
     "world_size 0": (set_key(("world_size",), 0), "world_size"),
+    "a dtype that is a list": (set_key((*FIRST, "dtype"), []), "dtype"),
+    "two boxes sharing bytes": (set_key(("tensors", "model.0.bias", "slices", 0, "offset"), 0),
+                                "share bytes"),
 }
 
 
@@ -494,6 +501,100 @@ def test_one_run_per_checkpoint_directory(tmp_path):
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert (root / checkpoint.LOCK).read_text().strip() == str(child)    # left behind
     checkpoint.unlock(checkpoint.lock(root))
+
+
+def test_the_lock_file_is_never_a_pipe_or_a_hard_link(tmp_path):
+    """Issue 44: a FIFO in the lock file's place crashed with a traceback; a hard link in its
+    place was truncated and overwritten with the PID. Both refused in one line, untouched."""
+    fifo = checkpoint.check_directory(tmp_path / "fifo")
+    os.mkfifo(fifo / checkpoint.LOCK)
+    with pytest.raises(checkpoint.CheckpointError, match="not a plain file of its own"):
+        within(10, checkpoint.lock, fifo)
+    linked = checkpoint.check_directory(tmp_path / "linked")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    os.link(victim, linked / checkpoint.LOCK)
+    with pytest.raises(checkpoint.CheckpointError, match="hard link"):
+        checkpoint.lock(linked)
+    assert victim.read_text() == "the user's"
+
+
+def within(seconds: int, function, *args):
+    """``function(*args)``, stopped with TimeoutError after ``seconds`` (SIGALRM)."""
+    def stop(signum, frame):
+        raise TimeoutError(f"{function.__name__} took more than {seconds} s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        return function(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def by_hand(folder: Path, shard: bytes, tensors: dict, shard_size: int | None = None) -> Path:
+    """A checkpoint written without save(): ``shard`` as rank_00000.bin (or an empty sparse
+    file of ``shard_size`` bytes), and a manifest holding ``tensors``."""
+    folder.mkdir(parents=True)
+    (folder / checkpoint.MARKER).write_text(checkpoint.FORMAT)
+    (folder / "rank_00000.bin").write_bytes(shard)
+    if shard_size is not None:
+        os.truncate(folder / "rank_00000.bin", shard_size)
+    manifest = {"format": checkpoint.FORMAT, "step": 1, "layout": "by hand", "world_size": 1,
+                "meta": {}, "files": {"rank_00000.bin": shard_size or len(shard)},
+                "tensors": tensors}
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def crc32s(*units: bytes) -> str:
+    return base64.b64encode(b"".join(zlib.crc32(u).to_bytes(4, "little") for u in units)).decode()
+
+
+def refused(folder: Path, *needles) -> None:
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        within(20, checkpoint.consolidate, folder)
+    message = str(error.value)
+    assert "\n" not in message and all(needle in message for needle in needles), message
+
+
+def test_an_untrusted_manifest_cannot_stall_a_load_or_exhaust_memory(tmp_path, monkeypatch):
+    """Issue 44, each case under a time limit. 20,000 one-byte slices load (their tiling was
+    checked pair by pair: 221 s), and a cap on slices x 2^dims is refused; a manifest larger
+    than MAX_MANIFEST_BYTES, or nested 200,000 deep (RecursionError), is refused in one line;
+    a 64 GiB tensor claimed by a small manifest and an empty sparse shard is refused before
+    anything is allocated (consolidate allocated 64 GiB)."""
+    count = 20_000
+    data = bytes(range(256)) * (count // 256) + bytes(count % 256)
+    slices = [{"file": "rank_00000.bin", "offset": i, "box": [[i, i + 1]],
+               "crc32": crc32s(data[i:i + 1])} for i in range(count)]
+    folder = by_hand(tmp_path / "slices" / "step_000000001", data, {
+        "bytes": {"shape": [count], "dtype": "uint8", "block_columns": 1, "slices": slices}})
+    state = within(20, checkpoint.consolidate, folder)
+    assert bytes(state["extra"]["bytes"].tolist()) == data
+    with monkeypatch.context() as capped:
+        capped.setattr(safety, "MAX_CORNERS", 2 * count - 1)
+        refused(folder, "too many slices")
+    folder, model = small_checkpoint(tmp_path / "big")
+    text = (folder / checkpoint.MANIFEST).read_text()
+    (folder / checkpoint.MANIFEST).write_text(text.ljust(safety.MAX_MANIFEST_BYTES + 1))
+    refused_everywhere(folder, model, "more than the", str(safety.MAX_MANIFEST_BYTES))
+    folder, model = small_checkpoint(tmp_path / "deep")
+    (folder / checkpoint.MANIFEST).write_text("[" * 200_000 + "]" * 200_000)
+    refused_everywhere(folder, model, "nested too deep")
+    numel = 2**34                                               # float32: 64 GiB
+    folder = by_hand(tmp_path / "sparse" / "step_000000001", b"", {
+        "huge": {"shape": [numel], "dtype": "float32", "block_columns": numel,
+                 "slices": [{"file": "rank_00000.bin", "offset": 0, "box": [[0, numel]],
+                             "crc32": crc32s(b"")}]}}, shard_size=4 * numel)
+    with open("/proc/self/status") as f:        # 1 GiB more address space than now, at most
+        now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (now + (1 << 30), limits[1]))
+    try:
+        refused(folder, "rank_00000.bin: sparse")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
 
 
 # --------------------------------------------------------------------------- an atomic manifest

@@ -320,9 +320,10 @@ class Reader:
         last_unit = min(i for i, cut in enumerate(cuts) if cut >= last)
         left, right = cuts[first_unit], cuts[last_unit]     # the columns read of each row
         whole_rows = left == 0 and right == cuts[-1]
-        rows = torch.arange(math.prod(box_shape(box[:-1]))).reshape(box_shape(box[:-1]))
-        inside = [[a - start, b - start] for (a, b), (start, _) in zip(overlap, box)]
-        rows = rows[as_index(inside[:-1])].flatten().tolist()   # the saved rows it touches
+        rows = [0]                                          # the saved rows it touches
+        for (start, stop), (saved_start, saved_stop) in zip(overlap[:-1], box[:-1]):
+            rows = [row * (saved_stop - saved_start) + index - saved_start
+                    for row in rows for index in range(start, stop)]
         straight = whole_rows and region.is_contiguous()
         buffer = region
         if not straight:
@@ -392,14 +393,14 @@ def place(staging: torch.Tensor, local_box, full_box, overlap) -> torch.Tensor:
                              for local, full, (start, stop) in zip(local_box, full_box, overlap)])]
 
 
-def read_checked(folder: Path, layout: list[dict]) -> tuple[list, dict, str | None, dict]:
+def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
     """This rank's part of a load, alone: the manifest, the layout checked against it, every
     overlap read and checked into buffers (zeros where no box is: FSDP's padding). Returns
     (buffers, counts, the first problem or None, the manifest)."""
     stats = {"bytes_read": 0, "bytes_needed": 0, "reads": 0, "manifest_bytes": 0, "step": None}
     staged = []
     try:
-        manifest = read_manifest(folder)
+        manifest = manifest or read_manifest(folder)
         stats["step"] = manifest["step"]
         stats["manifest_bytes"] = (folder / MANIFEST).stat().st_size
         reader = Reader(folder, manifest)
@@ -491,7 +492,7 @@ def consolidate(folder) -> dict:
         tensor = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
         layout.append({"name": name, "tensor": tensor, "full_shape": info["shape"],
                        "boxes": [(whole, whole)], "write": True})
-    staged, _, problem, _ = read_checked(folder, layout)
+    staged, _, problem, _ = read_checked(folder, layout, manifest)
     if problem is not None:
         raise CheckpointError(problem, found_by=[0])
     tensors = {entry["name"]: tensor for entry, tensor in zip(layout, staged)}

@@ -129,7 +129,7 @@ def read_manifest(folder) -> dict:
         raise CheckpointError(f"{path}: missing: {folder} is not a complete checkpoint")
     f, size = open_inside(folder, MANIFEST)
     with f:
-        text = f.read(MAX_MANIFEST_BYTES + 1)
+        text = f.read(MAX_MANIFEST_BYTES + 1) if size <= MAX_MANIFEST_BYTES else b""
     if max(size, len(text)) > MAX_MANIFEST_BYTES:
         raise CheckpointError(f"{path}: {max(size, len(text))} bytes, more than the "
                               f"{MAX_MANIFEST_BYTES} a manifest may have")
