@@ -72,6 +72,7 @@ def no_checksum_check(self, *args):
 
 
 ORIGINAL_FSDP_LAYOUT = layouts.fsdp_layout
+ORIGINAL_AGREE = checkpoint.agree
 
 
 def fsdp_layout_every_rank_writes(*args, **kwargs):
@@ -103,7 +104,7 @@ def save_manifest_first(root, layout, step, rank_that_dies):
     for piece in pieces:
         size += piece.numel() * piece.element_size()
     file_name = f"rank_{rank:05d}.bin"
-    everyone = checkpoint.gather_to_rank_0((file_name, size, records), None)
+    everyone = checkpoint.agree(None, None, (file_name, size, records))
     if rank == 0:
         manifest, _ = checkpoint.build_manifest(step, "fsdp", dist.get_world_size(), {},
                                                 everyone)
@@ -187,10 +188,14 @@ def save_verdicts(ctx, root: Path, fsdp, optimizer, full_shapes: dict) -> tuple:
     return refused_on, message
 
 
-def agree_on_rank_0_only(problem, group):
-    """Planted: the save's verdict raised on rank 0 alone; every other rank returns."""
+def agree_on_rank_0_only(problem, group, mine=None):
+    """Planted: a verdict raised on rank 0 alone; every other rank returns (a gather of
+    ``mine`` still gathers)."""
+    if mine is not None:
+        return ORIGINAL_AGREE(problem, group, mine)
     if problem is not None and dist.get_rank() == 0:
         raise checkpoint.CheckpointError(problem, found_by=[0])
+    return []
 
 
 def crash_worker(ctx, root_text: str) -> None:

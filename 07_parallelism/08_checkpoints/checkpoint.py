@@ -1,38 +1,24 @@
 """Stage 07, lesson 8: sharded checkpoints that survive a crash and a change of layout.
 
-A run of lessons 1-7 holds its state in pieces (FSDP's row blocks, tensor parallel slices, a
-pipeline's layers, ZeRO's optimizer shards). Gathering it on one rank to save it needs one
-rank's memory for all of it, and a run that comes back on other ranks needs it cut another way:
-
-* **Save sharded.** Each rank writes what it holds to a file of its own and describes each
-  piece by its place in the full tensor: a *box*, one ``[start, stop)`` per dimension. A
-  piece several ranks hold (a replica) is written by one of them.
-* **A manifest, written last.** Once every rank's file is on disk, rank 0 writes
-  ``manifest.json`` (shapes, dtypes, which file holds which box at which offset, checksums,
-  the step) under a temporary name and renames it: a rename is atomic, so a checkpoint has
-  its whole manifest or none, and one without a manifest does not exist.
+* **Save sharded.** Each rank writes what it holds to a file of its own, and describes each
+  piece by its place in the full tensor: a *box*, one ``[start, stop)`` per dimension. A piece
+  several ranks hold (a replica) is written by one of them.
+* **A manifest, written last.** Once every file is on disk, rank 0 writes ``manifest.json``
+  (shapes, dtypes, which file holds which box at which offset, the checksums, the step) under
+  a temporary name and renames it: atomic, so a checkpoint without a manifest does not exist.
 * **Load resharded: overlapping boxes.** A rank that will hold box ``T`` of a tensor reads,
   from each saved box ``S``, only ``S n T`` (per dimension ``[max(starts), min(stops))``).
+* **Checksums as fine as the cuts.** A CRC32 per *unit*: a row of a saved box (all indices but
+  the last fixed), cut at multiples of ``block_columns`` where a layout cuts columns (tensor
+  parallelism). Every layout reads whole units, exactly its overlap, and checks each one.
 
-Checksums: a CRC32 per *unit*, one row of a saved box (every index but the last fixed), cut
-further at multiples of ``block_columns`` where a layout cuts columns (tensor parallelism):
-every layout reads whole units, exactly its overlap, and checks each unit it reads.
-
-    root/step_000000200/rank_00000.bin   rank 0's boxes back to back, raw, row-major
-                        manifest.json    {"step": 200, "files": {name: bytes}, "tensors":
-                          {"model.lm_head.weight": {"shape": [256, 64], "dtype": "float32",
-                           "block_columns": 64, "slices": [{"file": "rank_00001.bin",
-                           "offset": 0, "box": [[128, 256], [0, 64]], "crc32": "..."}]}}}
-
-A *layout* is what one rank holds: entries ``{"name", "tensor", "full_shape", "boxes":
-[(local_box, full_box)], "write"}`` (``layouts.py`` builds them for DDP, ZeRO, FSDP, the grid).
+A *layout* is what one rank holds, ``[{"name", "tensor", "full_shape", "boxes": [(local_box,
+full_box)], "write"}]``; ``layouts.py`` builds them. The rules for untrusted folders are in
+``safety.py``. Torch alone: copy both files anywhere.
 
     save("ckpt", layout, step=200, layout_name="fsdp at 4 ranks")   # every rank
-    load(latest_checkpoint("ckpt"), other_layout)                   # every rank of another layout
-    state = consolidate(folder)            # one process: {"model", "optimizer", "step", ...}
-
-A damaged checkpoint raises CheckpointError on every rank, one line, and nothing is loaded.
-The rules for untrusted folders are in ``safety.py``. Torch alone: copy both files anywhere.
+    load(latest_checkpoint("ckpt"), other_layout)         # every rank of another layout
+    state = consolidate(folder)          # one process: {"model", "optimizer", "step", ...}
 """
 
 from __future__ import annotations
@@ -245,9 +231,8 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
             write_file(folder / file_name, pieces)
     except OSError as error:
         problem = f"{folder / file_name}: not saved: {error.strerror}"
-    agree(problem, group)
     # 3. each rank's records reach rank 0 after its file is on disk; then, LAST, the manifest
-    everyone = gather_to_rank_0((file_name, size, records), group)
+    everyone = agree(problem, group, (file_name, size, records))
     manifest_bytes = 0
     if rank == 0:
         manifest, problem = build_manifest(step, layout_name, world_size, meta or {}, everyone)
@@ -262,25 +247,17 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
     return {"folder": folder, "bytes_written": size, "manifest_bytes": manifest_bytes}
 
 
-def gather_to_rank_0(mine, group) -> list | None:
-    rank, world_size = rank_and_size(group)
-    if world_size == 1:
-        return [mine]
-    everyone = [None] * world_size if rank == 0 else None
-    dist.gather_object(mine, everyone, dst=dist.get_global_rank(group or dist.group.WORLD, 0),
-                       group=group)
-    return everyone
-
-
-def agree(problem: str | None, group) -> None:
-    """Every rank's verdict on every rank: if any has a problem, every rank raises the first."""
-    everyone = [problem]
+def agree(problem: str | None, group, mine=None) -> list:
+    """Every rank's verdict, and its ``mine``, on every rank: if any rank has a problem, every
+    rank raises the first (naming the ranks that found it); else everyone's ``mine``."""
+    everyone = [(problem, mine)]
     if rank_and_size(group)[1] > 1:
         everyone = [None] * rank_and_size(group)[1]
-        dist.all_gather_object(everyone, problem, group=group)
-    found_by = [rank for rank, theirs in enumerate(everyone) if theirs is not None]
+        dist.all_gather_object(everyone, (problem, mine), group=group)
+    found_by = [rank for rank, (theirs, _) in enumerate(everyone) if theirs is not None]
     if found_by:
-        raise CheckpointError(everyone[found_by[0]], found_by=found_by)
+        raise CheckpointError(everyone[found_by[0]][0], found_by=found_by)
+    return [theirs for _, theirs in everyone]
 
 
 # --------------------------------------------------------------------------- load
@@ -297,15 +274,10 @@ class Reader:
         self.bytes_needed = 0       # of the overlaps themselves
         self.reads = 0
 
-    def open(self, file_name: str):
+    def open(self, file_name: str) -> int:
         if file_name not in self.files:
-            f, size = open_inside(self.folder, file_name)
-            self.files[file_name] = f
-            expected = self.manifest["files"][file_name]
-            if size != expected:
-                raise CheckpointError(f"{self.folder / file_name}: truncated or overwritten: "
-                                      f"{size} bytes, the manifest says {expected}")
-        return self.files[file_name]
+            self.files[file_name] = open_checked(self.folder, file_name, self.manifest)
+        return self.files[file_name].fileno()
 
     def read_overlap(self, name: str, saved: dict, overlap, region: torch.Tensor) -> None:
         """Fill ``region`` with ``overlap`` (a box inside the saved box): the rows it touches,
@@ -334,7 +306,7 @@ class Reader:
         for first_row, count in row_runs(rows, whole_rows):
             start = saved["offset"] + (first_row * cuts[-1] + left) * element_size
             size = count * (right - left) * element_size
-            if read_into(self.open(saved["file"]), start, view[position:position + size]) != size:
+            if os.preadv(self.open(saved["file"]), [view[position:position + size]], start) != size:
                 raise CheckpointError(f"{self.folder / saved['file']}: ends before byte "
                                       f"{start + size}")
             position += size
@@ -361,18 +333,6 @@ class Reader:
                         f"{self.folder / saved['file']}: corrupted: {name}, box {saved['box']}, "
                         f"row {row}, columns {cuts[unit]}..{cuts[unit + 1]} fail their CRC32 "
                         "check")
-
-
-def read_into(f, start: int, view: memoryview) -> int:
-    """Read ``len(view)`` bytes from ``start``; returns how many there were."""
-    f.seek(start)
-    got = 0
-    while got < len(view):
-        count = f.readinto(view[got:])
-        if not count:
-            break
-        got += count
-    return got
 
 
 def row_runs(rows: list[int], whole_rows: bool) -> list[tuple[int, int]]:
@@ -442,29 +402,19 @@ def layout_problem(entry: dict, info: dict) -> str | None:
     return None
 
 
-def load(folder, layout: list[dict], group=None, strict: bool = True) -> dict:
+def load(folder, layout: list[dict], group=None) -> dict:
     """Fill ``layout`` (every rank of ``group`` calls it) from the checkpoint in ``folder``,
-    each rank reading only the saved bytes that overlap its boxes. ``strict``: every saved
-    tensor must be held by some rank. All or nothing: any rank's problem, every rank raises
-    and no tensor changes. Returns {"bytes_read", "bytes_needed", "reads", "manifest_bytes",
-    "step"}."""
+    each rank reading only the saved bytes that overlap its boxes; every saved tensor must be
+    held by some rank. All or nothing: any rank's problem, every rank raises and no tensor
+    changes. Returns {"bytes_read", "bytes_needed", "reads", "manifest_bytes", "step"}."""
     folder = Path(folder)
-    world_size = rank_and_size(group)[1]
     staged, stats, problem, manifest = read_checked(folder, layout)
-    mine = (problem, [entry["name"] for entry in layout])
-    everyone = [mine]
-    if world_size > 1:                  # one verdict: every rank's problem and what it holds
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, mine, group=group)
-    found_by = [rank for rank, (theirs, _) in enumerate(everyone) if theirs is not None]
-    if found_by:
-        raise CheckpointError(everyone[found_by[0]][0], found_by=found_by)
-    held = {name for _, names in everyone for name in names}
-    missing = [name for name in manifest["tensors"] if name not in held]
-    if strict and missing:
+    everyone = agree(problem, group, [entry["name"] for entry in layout])
+    missing = set(manifest["tensors"]).difference(*everyone)
+    if missing:
         raise CheckpointError(f"{folder / MANIFEST}: {len(missing)} saved tensor(s) that no rank "
-                              f"of this layout holds, e.g. {missing[0]} (a layout that cannot "
-                              "hold this checkpoint)", found_by=list(range(world_size)))
+                              f"of this layout holds, e.g. {min(missing)} (a layout that cannot "
+                              "hold this checkpoint)", found_by=list(range(len(everyone))))
     with torch.no_grad():               # every rank has everything: now, and only now, copy
         for entry, staging in zip(layout, staged):
             entry["tensor"].copy_(staging)
@@ -474,22 +424,29 @@ def load(folder, layout: list[dict], group=None, strict: bool = True) -> dict:
 # --------------------------------------------------------------------------- one process
 
 
+def open_checked(folder: Path, file_name: str, manifest: dict):
+    """A shard opened (``safety.open_inside``), its size the manifest's: else not the file
+    that was saved (truncated, or overwritten)."""
+    f, size = open_inside(folder, file_name)
+    if size != manifest["files"][file_name]:
+        f.close()
+        raise CheckpointError(f"{folder / file_name}: truncated or overwritten: {size} bytes, "
+                              f"the manifest says {manifest['files'][file_name]}")
+    return f
+
+
 def consolidate(folder) -> dict:
     """The whole checkpoint in one process, every unit checked: {"model": a plain
     state_dict, "optimizer": a plain AdamW's state_dict or None, "extra", "step", "meta"}.
     The optimizer's parameter order: ``meta["parameter_order"]``, else the model's names."""
     folder = Path(folder)
     manifest = read_manifest(folder)
-    for file_name, expected in manifest["files"].items():   # before allocating what it says
-        f, size = open_inside(folder, file_name)
-        f.close()
-        if size != expected:
-            raise CheckpointError(f"{folder / file_name}: truncated or overwritten: {size} "
-                                  f"bytes, the manifest says {expected}", found_by=[0])
+    for file_name in manifest["files"]:             # before allocating what it says
+        open_checked(folder, file_name, manifest).close()
     layout = []
     for name, info in manifest["tensors"].items():
         whole = [[0, size] for size in info["shape"]]
-        tensor = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]])
+        tensor = torch.empty(info["shape"], dtype=DTYPES[info["dtype"]], device="meta")
         layout.append({"name": name, "tensor": tensor, "full_shape": info["shape"],
                        "boxes": [(whole, whole)], "write": True})
     staged, _, problem, _ = read_checked(folder, layout, manifest)
