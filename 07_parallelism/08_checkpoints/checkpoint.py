@@ -156,16 +156,12 @@ def unit_checksums(data: memoryview, box, block_columns: int, element_size: int)
     return checksums
 
 
-def create(path: Path):
-    """A new file for writing: never one already there, never through a symbolic link."""
-    return open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW, 0o644), "wb")
-
-
 def write_file(path: Path, pieces: list) -> None:
-    """The pieces back to back, fsynced: on disk before the manifest can name them."""
-    with create(path) as f:
+    """The pieces (tensors or bytes) back to back in a new file (never one already there,
+    never through a symbolic link), fsynced: on disk before a manifest can name it."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW, 0o644), "wb") as f:
         for piece in pieces:
-            f.write(memory_of(piece))
+            f.write(memory_of(piece) if torch.is_tensor(piece) else piece)
         f.flush()
         os.fsync(f.fileno())
 
@@ -174,17 +170,11 @@ def commit_manifest(folder: Path, manifest: dict) -> int:
     """Write the manifest under a temporary name, fsync, rename into place (atomic), fsync the
     folder (the rename on disk too). Returns its size."""
     text = json.dumps(manifest, indent=1).encode()
-    temporary = folder / (MANIFEST + ".tmp")
-    with create(temporary) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, folder / MANIFEST)
+    write_file(folder / (MANIFEST + ".tmp"), [text])
+    os.replace(folder / (MANIFEST + ".tmp"), folder / MANIFEST)
     directory = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    os.fsync(directory)
+    os.close(directory)
     return len(text)
 
 
@@ -270,9 +260,8 @@ class Reader:
         self.folder = folder
         self.manifest = manifest
         self.files = {}
-        self.bytes_read = 0         # from the files
-        self.bytes_needed = 0       # of the overlaps themselves
-        self.reads = 0
+        self.stats = {"bytes_read": 0, "bytes_needed": 0, "step": manifest["step"],
+                      "manifest_bytes": (folder / MANIFEST).stat().st_size}
 
     def open(self, file_name: str) -> int:
         if file_name not in self.files:
@@ -310,10 +299,9 @@ class Reader:
                 raise CheckpointError(f"{self.folder / saved['file']}: ends before byte "
                                       f"{start + size}")
             position += size
-            self.bytes_read += size
-            self.reads += 1
+            self.stats["bytes_read"] += size
         self.check_units(name, saved, view, rows, cuts, first_unit, last_unit, element_size)
-        self.bytes_needed += math.prod(box_shape(overlap)) * element_size
+        self.stats["bytes_needed"] += math.prod(box_shape(overlap)) * element_size
         if not straight:
             values = buffer.view(len(rows), right - left)[:, first - left:last - left]
             region.copy_(values.reshape(box_shape(overlap)))
@@ -357,21 +345,16 @@ def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
     """This rank's part of a load, alone: the manifest, the layout checked against it, every
     overlap read and checked into buffers (zeros where no box is: FSDP's padding). Returns
     (buffers, counts, the first problem or None, the manifest)."""
-    stats = {"bytes_read": 0, "bytes_needed": 0, "reads": 0, "manifest_bytes": 0, "step": None}
     staged = []
     try:
-        manifest = manifest or read_manifest(folder)
-        stats["step"] = manifest["step"]
-        stats["manifest_bytes"] = (folder / MANIFEST).stat().st_size
-        reader = Reader(folder, manifest)
+        reader = Reader(folder, manifest or read_manifest(folder))
         try:
             for entry in layout:
-                tensor = entry["tensor"]
-                info = manifest["tensors"].get(entry["name"], {})
+                info = reader.manifest["tensors"].get(entry["name"], {})
                 problem = layout_problem(entry, info)
                 if problem is not None:
                     raise CheckpointError(f"{folder / MANIFEST}: {problem}")
-                staging = torch.zeros(tensor.shape, dtype=tensor.dtype)
+                staging = torch.zeros(entry["tensor"].shape, dtype=entry["tensor"].dtype)
                 for local_box, full_box in entry["boxes"]:
                     for saved in info["slices"]:
                         overlap = intersect(saved["box"], full_box)
@@ -383,9 +366,8 @@ def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
             for f in reader.files.values():
                 f.close()
     except CheckpointError as error:
-        return [], stats, str(error), None
-    stats.update(bytes_read=reader.bytes_read, bytes_needed=reader.bytes_needed, reads=reader.reads)
-    return staged, stats, None, manifest
+        return [], {}, str(error), None
+    return staged, reader.stats, None, reader.manifest
 
 
 def layout_problem(entry: dict, info: dict) -> str | None:
@@ -406,7 +388,7 @@ def load(folder, layout: list[dict], group=None) -> dict:
     """Fill ``layout`` (every rank of ``group`` calls it) from the checkpoint in ``folder``,
     each rank reading only the saved bytes that overlap its boxes; every saved tensor must be
     held by some rank. All or nothing: any rank's problem, every rank raises and no tensor
-    changes. Returns {"bytes_read", "bytes_needed", "reads", "manifest_bytes", "step"}."""
+    changes. Returns {"bytes_read", "bytes_needed", "manifest_bytes", "step"}."""
     folder = Path(folder)
     staged, stats, problem, manifest = read_checked(folder, layout)
     everyone = agree(problem, group, [entry["name"] for entry in layout])

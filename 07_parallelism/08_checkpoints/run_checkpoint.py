@@ -120,7 +120,7 @@ def demo(ctx, args) -> None:
     target = grid_mod.ProcessGrid(dp=W)
     target_chunks, target_optimizer, target_layout = build(grid_mod, parallel_lm, target, 2,
                                                            ctx.device)
-    folder = checkpoint.latest_checkpoint(root)
+    folder = stats["folder"]
     loaded = checkpoint.load(folder, target_layout, group=host)
     state = whole_state(target_layout, host)
     losses = train(parallel_lm, target_chunks, target, target_optimizer, (2, 3), ctx.device)
@@ -166,8 +166,7 @@ def main(argv=None) -> None:
     from common import launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--dir", default=None,
-                        help="where checkpoints go (kept; a new or empty folder); default: a "
-                             "temporary folder, removed")
+                        help="where the checkpoint goes (kept); default: a temporary folder")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     if config.world_size < 2 or config.world_size % 2 != 0:
@@ -177,13 +176,6 @@ def main(argv=None) -> None:
                                                          != os.environ["WORLD_SIZE"]):
         parser.error("the job spans nodes (WORLD_SIZE > LOCAL_WORLD_SIZE): rank 0's temporary "
                      "folder is not on the others; give --dir, a folder every node sees")
-    if args.dir is not None and Path(args.dir).is_dir() and any(Path(args.dir).iterdir()):
-        parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty folder")
-    try:
-        if args.dir is not None:
-            checkpoint.check_directory(args.dir)
-    except checkpoint.CheckpointError as error:
-        parser.error(f"--dir {error}")
     launch.launch(demo, config, args)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fcntl
 import itertools
 import json
 import math
@@ -32,11 +33,6 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-try:
-    import fcntl                # flock (not on Windows: there the lock does nothing)
-except ImportError:
-    fcntl = None
-
 import torch
 
 FORMAT = "distributed-training-from-scratch/checkpoint/1"
@@ -46,7 +42,6 @@ LOCK = "checkpoint.lock"            # in the checkpoint directory, held by one r
 FOLDER = re.compile(r"step_(\d+)")                 # a checkpoint's folder: step_000000200
 SHARD = re.compile(r"rank_\d{5,}\.bin")            # the only files a manifest may name
 MAX_MANIFEST_BYTES = 64 << 20
-MAX_DIMS = 8
 MAX_CORNERS = 1 << 24               # slices x 2^dims: the tiling check's work, a few seconds
 # The dtypes a manifest may name (looked up in this table, never in torch itself).
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -75,11 +70,6 @@ def is_box(value) -> bool:
         and pair[0] < pair[1] for pair in value)
 
 
-def short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
 # What each field must be: (test, in words), checked in this order.
 MANIFEST_FIELDS = {
     "format": (lambda v: v == FORMAT, f"this format ({FORMAT})"),
@@ -92,8 +82,7 @@ MANIFEST_FIELDS = {
     "tensors": (lambda v: isinstance(v, dict) and len(v) > 0, "an object naming a tensor"),
 }
 TENSOR_FIELDS = {
-    "shape": (lambda v: isinstance(v, list) and len(v) <= MAX_DIMS and all(map(is_count, v)),
-              f"a list of at most {MAX_DIMS} whole numbers >= 0"),
+    "shape": (lambda v: isinstance(v, list) and all(map(is_count, v)), "a list of whole numbers"),
     "dtype": (lambda v: isinstance(v, str) and v in DTYPES, "one of " + ", ".join(DTYPES)),
     "block_columns": (lambda v: is_count(v) and v >= 1, "a whole number >= 1"),
     "slices": (lambda v: isinstance(v, list) and len(v) > 0, "a list of at least one slice"),
@@ -108,10 +97,10 @@ SLICE_FIELDS = {
 
 def fields_problem(where: str, value, fields: dict) -> str | None:
     if not isinstance(value, dict):
-        return f"{where}{short(value)}: not an object"
+        return f"{where}{value!r:.80}: not an object"
     for key, (test, words) in fields.items():
         if not test(value.get(key)):
-            return f"{where}{key} {short(value.get(key))}: not {words}"
+            return f"{where}{key} {value.get(key)!r:.80}: not {words}"
     return None
 
 
@@ -125,8 +114,6 @@ def read_manifest(folder) -> dict:
     match = FOLDER.fullmatch(folder.name)
     if match is None:
         raise CheckpointError(f"{folder}: not a checkpoint's folder (step_<digits>)")
-    if not path.exists() and not path.is_symlink():
-        raise CheckpointError(f"{path}: missing: {folder} is not a complete checkpoint")
     f, size = open_inside(folder, MANIFEST)
     with f:
         text = f.read(MAX_MANIFEST_BYTES + 1) if size <= MAX_MANIFEST_BYTES else b""
@@ -170,7 +157,7 @@ def manifest_problem(manifest, folder_step: int) -> str | None:
                        or slice_problem(name, saved, info, manifest["files"]))
             if problem is not None:
                 return problem
-            size = math.prod(box_shape(saved["box"])) * DTYPES[info["dtype"]].itemsize
+            size = numel(saved["box"]) * DTYPES[info["dtype"]].itemsize
             extents.append((saved["file"], saved["offset"], saved["offset"] + size, name))
         problem = tiling_problem(name, info["shape"], [saved["box"] for saved in info["slices"]])
         if problem is not None:
@@ -194,7 +181,7 @@ def slice_problem(name: str, saved: dict, info: dict, files: dict) -> str | None
         return f"{name}: the box {box} is not one [start, stop) per dimension of {shape}"
     if any(stop > size for (_, stop), size in zip(box, shape)):
         return f"{name}: the box {box} is not inside its shape {shape}"
-    end = saved["offset"] + math.prod(box_shape(box)) * DTYPES[info["dtype"]].itemsize
+    end = saved["offset"] + numel(box) * DTYPES[info["dtype"]].itemsize
     if end > files[file_name]:
         return (f"{name}: the box {box} at offset {saved['offset']} ends at byte {end}, past "
                 f"the {files[file_name]} bytes of {file_name}")
@@ -204,14 +191,14 @@ def slice_problem(name: str, saved: dict, info: dict, files: dict) -> str | None
         return f"{name}: crc32 in {file_name} is not base64"
     start, stop = box[-1] if box else (0, 1)
     per_row = (stop - 1) // info["block_columns"] - start // info["block_columns"] + 1
-    units = math.prod(box_shape(box[:-1])) * per_row
+    units = numel(box[:-1]) * per_row
     if len(packed) != 4 * units:
         return f"{name}: {len(packed) // 4} CRC32s in {file_name} for the {units} units of {box}"
     return None
 
 
-def box_shape(box) -> list[int]:
-    return [stop - start for start, stop in box]
+def numel(box) -> int:
+    return math.prod(stop - start for start, stop in box)
 
 
 def tiling_problem(name: str, shape, boxes) -> str | None:
@@ -220,13 +207,12 @@ def tiling_problem(name: str, shape, boxes) -> str | None:
     element once exactly when its corners add up to the whole tensor's (a function on a grid
     is recovered from those signs by summing along each dimension)."""
     whole = [[0, size] for size in shape]
-    numel = math.prod(shape)
-    covered = sum(math.prod(box_shape(box)) for box in boxes)
-    if covered > numel:
-        return (f"{name}: its boxes cover {covered} elements of {numel}: boxes overlap (a "
-                "replica written twice)")
-    if covered < numel:
-        return f"{name}: its saved boxes cover {covered} of its {numel} elements"
+    covered = sum(numel(box) for box in boxes)
+    if covered > numel(whole):
+        return (f"{name}: its boxes cover {covered} elements of {numel(whole)}: boxes overlap "
+                "(a replica written twice)")
+    if covered < numel(whole):
+        return f"{name}: its saved boxes cover {covered} of its {numel(whole)} elements"
     if signed_corners(boxes) != signed_corners([whole]):
         return f"{name}: its boxes overlap and leave elements out"
     return None
@@ -265,7 +251,7 @@ def open_inside(folder: Path, file_name: str):
         os.close(handle)
         raise CheckpointError(f"{path}: not a plain file; a checkpoint's files are read only "
                               "as plain files inside its folder")
-    if getattr(status, "st_blocks", None) is not None and status.st_blocks * 512 < status.st_size:
+    if status.st_blocks * 512 < status.st_size:
         os.close(handle)
         raise CheckpointError(f"{path}: sparse: {status.st_size} bytes with "
                               f"{status.st_blocks * 512} on disk; save() writes every byte")
@@ -365,8 +351,6 @@ def lock(root):
         raise CheckpointError(f"{path}: not a plain file of its own (a pipe, a device or a "
                               "hard link); remove it")
     held = open(handle, "r+b", buffering=0)
-    if fcntl is None:
-        return held
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
