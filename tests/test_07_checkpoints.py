@@ -8,10 +8,11 @@ and read counted against formulas, damaged checkpoints refused), then, for each 
 (negative controls), the check that must catch it, run with the bug in place, then a save
 during which rank 1 is killed. In one process: manifests that point outside their folder,
 damaged manifests, pruning beside a user's folders, the lock, a save stopped inside its
-manifest, and resume.py's TrainingCheckpoints directly (random state, data order, refusals).
-train.py and the demo run as subprocesses (nothing here imports a run script): a run killed
-mid-training and restarted, beside one that never stopped, and a run under ``torchrun
---max-restarts=1`` that restarts itself. Bad flags are refused before any worker starts.
+manifest, manifests and lock files made to stall or exhaust a load (issue 44), and resume.py's
+TrainingCheckpoints directly (random state, data order, refusals). resume.py and the demo run
+as subprocesses (nothing here imports a run script): a run killed mid-training and restarted,
+beside lesson 7's train.py that never stopped, and a run under ``torchrun --max-restarts=1``
+that restarts itself. Bad flags are refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -777,6 +778,7 @@ TEXT = (REPO / "README.md").read_text() * 3
 STEPS = 6
 TRAIN = REPO / "07_parallelism" / "07_together" / "train.py"
 DEMO = REPO / "07_parallelism" / "08_checkpoints" / "run_checkpoint.py"
+RESUME = REPO / "07_parallelism" / "08_checkpoints" / "resume.py"
 # Weights of a pipeline (pp 2) against one process after STEPS AdamW steps: they sum a few
 # gradients in another order (measured: 1.2e-7, float32 rounding); a resume that restarts the
 # data order moves them by about the learning rate times the steps (3e-3).
@@ -826,24 +828,16 @@ def one_line(err: str, *needles) -> None:
     assert len(lines) == 1 and all(needle in lines[0] for needle in needles), err[-2000:]
 
 
-def crash_recipe() -> str:
-    """The torchrun recipe, exactly as ``train.py --help`` prints it (in --crash-at-step's help)."""
-    parser = import_stage("07_parallelism/07_together/train_flags").build_parser("train.py")
-    for action in parser._actions:
-        if "--crash-at-step" in action.option_strings:
-            help_text = " ".join(action.help.split())
-    start_at = help_text.index("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun")
-    end = help_text.index(" (without the variable")
-    return help_text[start_at:end]
+RECIPE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 --max-restarts=1 "
+          "07_parallelism/08_checkpoints/resume.py --dp 2 --checkpoint-every 2 --crash-at-step 3")
 
 
 def start_recipe(tmp_path: Path, name: str, extra: list) -> subprocess.Popen:
-    """The printed recipe run as printed (a shell, torchrun on the PATH, the repository's
-    07_parallelism/ under the current folder), the test's own flags appended (argparse takes
-    the last of a repeated flag: data, sizes, where to save)."""
-    recipe = crash_recipe()
-    assert recipe.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 "
-                             "--max-restarts=1 07_parallelism/07_together/train.py"), recipe
+    """resume.py's torchrun recipe (its docstring's, on 2 ranks) run in a shell, torchrun on
+    the PATH, the repository's 07_parallelism/ under the current folder, the test's own flags
+    appended (argparse takes the last of a repeated flag)."""
+    assert RECIPE.split(" --nproc")[0] in resume.__doc__
+    recipe = RECIPE
     (tmp_path / "07_parallelism").symlink_to(REPO / "07_parallelism")
     bin_folder = tmp_path / "bin"
     bin_folder.mkdir()
@@ -857,25 +851,24 @@ def start_recipe(tmp_path: Path, name: str, extra: list) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
 
 
-def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
-    """train.py as a user runs it: killed mid-training and restarted, beside a run that never
-    stopped (bitwise: losses and weights); under torchrun --max-restarts=1 with the recipe as
-    train.py's help prints it, run as printed (against the run that never stopped, at float32
-    tolerance: another grid); the lesson's demo, run_checkpoint.py, beside.
-    (The refusals train.py makes through resume.py are tested on resume itself, above.)"""
+def test_resume_py_resumes_after_a_crash_as_the_same_run(tmp_path):
+    """resume.py as a user runs it: killed mid-training and restarted, beside lesson 7's
+    train.py that never stopped (bitwise: losses and weights); under torchrun --max-restarts=1
+    (against the run that never stopped, at float32 tolerance: another grid); the lesson's
+    demo, run_checkpoint.py, beside. (Its refusals are tested on TrainingCheckpoints, above.)"""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     torchrun = start_recipe(tmp_path, "torchrun_results", train_argv(
         data, "--checkpoint-dir", tmp_path / "torchrun", "--save-full", tmp_path / "torchrun.pt"))
     crashed = tmp_path / "crashed"
     # 1. the worker killed after step 5 (checkpoints at steps 2 and 4): the run ends
-    finish(start(tmp_path, "crashed_results", [TRAIN, *train_argv(
+    finish(start(tmp_path, "crashed_results", [RESUME, *train_argv(
         data, "--world-size", "1", "--checkpoint-dir", crashed, "--checkpoint-every", "2",
         "--crash-at-step", "5")]), 1)
     assert [step for step, _ in checkpoint.list_checkpoints(crashed)] == [2, 4]
     # 2. restarted beside the run that never stopped, and the demo
     shutil.copytree(crashed, tmp_path / "resumed")
-    resumed = start(tmp_path, "resumed_results", [TRAIN, *train_argv(
+    resumed = start(tmp_path, "resumed_results", [RESUME, *train_argv(
         data, "--world-size", "1", "--checkpoint-dir", tmp_path / "resumed", "--save-full",
         tmp_path / "resumed.pt")])
     never = start(tmp_path, "never_results", [TRAIN, *train_argv(
@@ -903,11 +896,9 @@ def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
 
 
 BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
-RESUME = REPO / "07_parallelism" / "08_checkpoints" / "resume.py"
 SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
 BAD_FLAGS = [   # script, flags, the words of its one line, environment
-    (TRAIN, ["--checkpoint-every", "2"], "need --checkpoint-dir", {}),
-    (TRAIN, ["--crash-at-step", "2"], "need --checkpoint-dir", {}),
+    (RESUME, [], "checkpoint-dir", {}),
     (RESUME, ["--checkpoint-dir", "README.md"], "not a folder", {}),
     (DEMO, [], "give an even number of ranks, 2 or more", {}),
     (DEMO, ["--world-size", "3"], "give an even number of ranks", {}),

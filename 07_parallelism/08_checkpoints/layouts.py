@@ -3,19 +3,9 @@
 Every way of training in this course is, for a checkpoint, the same thing: each rank holds
 boxes of full tensors, and one rank per box writes it. A layout is that list, one entry per
 local tensor: ``{"name", "tensor", "full_shape", "boxes": [(local_box, full_box)], "write"}``.
-
-* DDP (stages 03-06), one process: every rank holds everything; rank 0 writes it.
-* ZeRO-1 (lesson 1): the weights everywhere, a parameter's AdamW state on its owner, who
-  writes both.
-* FSDP (lesson 2) at N ranks: rank r holds rows [r k, (r+1) k) of each 2+-D weight, k =
-  ceil(rows / N), the padding in no box; 1-D parameters whole everywhere, written by rank 0.
-* Lesson 7's grid: ``parallel_lm.placements`` says where each local piece sits in the full
-  model (tensor parallel rows or columns, a pipeline stage's layers); ``replica`` picks the
-  writer.
-
-AdamW's moments have their parameter's boxes (AdamW is elementwise: AdamW on a slice is AdamW
-on the whole); its ``step``, a scalar, is written by the rank writing the first element.
-Torch alone: copy this file (with ``checkpoint.py``) anywhere.
+DDP, ZeRO-1, FSDP and lesson 7's grid are a few lines each. AdamW's moments have their
+parameter's boxes (AdamW is elementwise: on a slice it is AdamW on the whole); its ``step``, a
+scalar, is written by the rank writing the parameter's first element. Torch alone.
 """
 
 from __future__ import annotations
@@ -33,13 +23,12 @@ def whole(shape) -> list[list[int]]:
 
 
 def entry(name: str, tensor: torch.Tensor, full_shape, boxes, write: bool) -> dict:
-    return {"name": name, "tensor": tensor, "full_shape": list(full_shape), "boxes": boxes,
-            "write": write}
+    return dict(name=name, tensor=tensor, full_shape=list(full_shape), boxes=boxes, write=write)
 
 
 def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
-    """AdamW makes its state at its first step; a layout to load into needs it now: zeros and
-    step 0, what that first step would make (and then finds and uses)."""
+    """AdamW makes its state at its first step; a layout to load into needs it now (zeros and
+    step 0: what that step would make)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state[p]
@@ -55,8 +44,7 @@ def init_adamw_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def adamw_entries(parameter: str, boxes, full_shape, state: dict, write: bool) -> list[dict]:
-    """One parameter's AdamW state: the moments in its boxes, the step count written by the
-    rank that writes the parameter's first element."""
+    """One parameter's AdamW state: the moments in its boxes, and its step."""
     entries = [entry(f"optimizer.{parameter}.{key}", state[key], full_shape, boxes, write)
                for key in ADAMW_MOMENTS if key in state]
     first = any(all(start == 0 for start, _ in full_box) for _, full_box in boxes)
@@ -66,8 +54,7 @@ def adamw_entries(parameter: str, boxes, full_shape, state: dict, write: bool) -
 
 
 def optimizer_options(optimizer: torch.optim.Optimizer) -> dict:
-    """The (one) parameter group's settings, for the manifest: ``consolidate`` rebuilds a
-    plain AdamW state_dict from them."""
+    """The parameter group's settings: ``consolidate`` rebuilds an AdamW state_dict from them."""
     if len(optimizer.param_groups) != 1:        # consolidate would rebuild the others wrong
         raise ValueError("optimizer_options: one parameter group only")
     options = {}
@@ -94,8 +81,7 @@ def replicated_layout(model: torch.nn.Module, optimizer=None, rank: int = 0) -> 
 
 
 def zero1_layout(model: torch.nn.Module, optimizer, group=None) -> list[dict]:
-    """ZeRO-1 (lesson 1's ShardedOptimizer over ``group``): a parameter's owner writes it and
-    its AdamW state (``optimizer.optim`` holds it)."""
+    """ZeRO-1 (lesson 1's ShardedOptimizer): a parameter's owner writes it and its state."""
     init_adamw_state(optimizer.optim)
     layout = []
     for name, p in model.named_parameters():
@@ -108,8 +94,8 @@ def zero1_layout(model: torch.nn.Module, optimizer, group=None) -> list[dict]:
 
 
 def padded_row_block(full_shape, rank: int, world_size: int) -> list:
-    """FSDP's box of a weight on ``rank``: rows [r k, (r+1) k) of the zero-padded tensor, k =
-    ceil(rows / world_size), cut at the real rows (none left: no box)."""
+    """FSDP's box of a weight on ``rank``: rows [r k, (r+1) k), k = ceil(rows / world_size),
+    cut at the last real row (the padding is in no box)."""
     rows_per_rank = math.ceil(full_shape[0] / world_size)               # k
     first = min(rank * rows_per_rank, full_shape[0])
     last = min(first + rows_per_rank, full_shape[0])
@@ -119,8 +105,8 @@ def padded_row_block(full_shape, rank: int, world_size: int) -> list:
 
 
 def fsdp_layout(fsdp: torch.nn.Module, optimizer, full_shapes: dict, group=None) -> list[dict]:
-    """FSDP (lesson 2) over ``group``: ``fsdp.module``'s parameters are this rank's shards,
-    ``full_shapes`` {name: shape} the model's before it was wrapped."""
+    """FSDP (lesson 2): ``fsdp.module``'s parameters are this rank's row blocks of the 2+-D
+    weights (1-D ones whole, written by rank 0); ``full_shapes``: {name: shape} unwrapped."""
     rank = dist.get_rank(group)
     world_size = dist.get_world_size(group)
     init_adamw_state(optimizer)

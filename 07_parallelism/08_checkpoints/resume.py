@@ -1,21 +1,19 @@
 """Stage 07, lesson 8: lesson 7's training run, checkpointed and resumed as the same run.
 
-A resumed run must restore the model (the grid's pieces), AdamW's moments and step counts
-(without them the first steps after a resume are bias-corrected from zero) and the random
-state. The data order needs nothing saved: the batch of step s is a pure function of (seed, s)
-(``text_data.batch_at``). Saves go to a new folder each (the newest two kept); a resume takes
-the newest complete one, on whatever grid the run was started with.
+A resume restores the model (the grid's pieces), AdamW's moments and step counts (without them
+the first steps would be bias-corrected from zero) and the random state. The data order needs
+nothing: the batch of step s is a function of (seed, s) (``text_data.batch_at``). Each save is
+a new folder (the newest two are kept); a resume loads the newest complete one, on any grid.
 
-    python 07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --steps 300 \\
+    python 07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --steps 300 \
         --checkpoint-dir ckpt --checkpoint-every 50         # lesson 7's flags, and these
     python 07_parallelism/08_checkpoints/resume.py --pp 2 --steps 300 --checkpoint-dir ckpt
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=4 --max-restarts=1 \\
-        07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --checkpoint-dir ckpt \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=4 --max-restarts=1 \
+        07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --checkpoint-dir ckpt \
         --checkpoint-every 50 --crash-at-step 120   # a worker dies; torchrun restarts all
 
-(Without the variable, torch 2.13's restarted workers wait for the store of the attempt
-before.) A damaged checkpoint, another run's, or a directory another run holds (rank 0 holds
-its lock from the resume to the last save): one line, exit status 2.
+(Without the variable, torch 2.13's restarted workers wait for the last attempt's store.) A
+damaged checkpoint, another run's, or a directory another run holds: one line, exit 2.
 """
 
 from __future__ import annotations
