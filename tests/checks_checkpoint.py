@@ -107,6 +107,14 @@ def count_problem(label: str, what: str, got: int, want: int) -> list[str]:
     return []
 
 
+def staging_counts(layout: list[dict]) -> dict:
+    """What a save of ``layout`` copies to the host (checkpoint.staging_plan's choice):
+    {"bytes_staged", "copies"}."""
+    copied = [view for _, _, view, copy in checkpoint.staging_plan(layout) if copy]
+    return {"bytes_staged": sum(v.numel() * v.element_size() for v in copied),
+            "copies": len(copied)}
+
+
 def layout_bytes(layout: list[dict], written_only: bool = False) -> int:
     """Bytes of the boxes of a layout (what it holds, padding excluded), or of those it writes."""
     total = 0

@@ -482,19 +482,17 @@ def test_pruning_touches_only_the_folders_this_format_made(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="not made by this format"):
         checkpoint.save(root, layouts.replicated_layout(model), 1, "one process")
     assert (user / "notes.txt").read_text() == "mine"
-    # the directory itself: named, a folder, writable (tried)
-    for given, words in (("", "''"), ("/dev/null", "not a folder"),
-                         (str(tmp_path / "a_file" / "sub"), "cannot be made"),
-                         ("/proc/self", "not writable")):
-        (tmp_path / "a_file").write_text("x")
-        with pytest.raises(checkpoint.CheckpointError, match=words):
-            checkpoint.check_directory(given)
+
+
+def made(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    return folder
 
 
 def test_one_run_per_checkpoint_directory(tmp_path):
     """The lock: a second holder refused in one line naming the first; a killed holder's lock
     file left behind is taken again (flock dies with its process)."""
-    root = checkpoint.check_directory(tmp_path / "ckpt")
+    root = made(tmp_path / "ckpt")
     held = checkpoint.lock(root)
     with pytest.raises(checkpoint.CheckpointError, match=f"held by process {os.getpid()}"):
         checkpoint.lock(root)
@@ -507,16 +505,19 @@ def test_one_run_per_checkpoint_directory(tmp_path):
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert (root / checkpoint.LOCK).read_text().strip() == str(child)    # left behind
     checkpoint.unlock(checkpoint.lock(root))
+    (tmp_path / "a_file").write_text("x")                  # not a folder: one line
+    with pytest.raises(checkpoint.CheckpointError, match="a_file/checkpoint.lock: cannot be"):
+        checkpoint.lock(tmp_path / "a_file")
 
 
 def test_the_lock_file_is_never_a_pipe_or_a_hard_link(tmp_path):
     """Issue 44: a FIFO in the lock file's place crashed with a traceback; a hard link in its
     place was truncated and overwritten with the PID. Both refused in one line, untouched."""
-    fifo = checkpoint.check_directory(tmp_path / "fifo")
+    fifo = made(tmp_path / "fifo")
     os.mkfifo(fifo / checkpoint.LOCK)
     with pytest.raises(checkpoint.CheckpointError, match="not a plain file of its own"):
         within(10, checkpoint.lock, fifo)
-    linked = checkpoint.check_directory(tmp_path / "linked")
+    linked = made(tmp_path / "linked")
     victim = tmp_path / "victim.txt"
     victim.write_text("the user's")
     os.link(victim, linked / checkpoint.LOCK)
@@ -749,7 +750,7 @@ def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_
     assert any("batch after the resume" in problem for problem in found), found
     # refused in one line, exit 2, as train.py's run would be: a directory another run holds,
     # a damaged checkpoint, another run's (--seed 1)
-    held = checkpoint.lock(checkpoint.check_directory(tmp_path / "held"))
+    held = checkpoint.lock(made(tmp_path / "held"))
     try:
         resume_refused(tmp_path, "held", capfd, "held by process", str(os.getpid()))
     finally:
@@ -899,7 +900,7 @@ BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
 SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
 BAD_FLAGS = [   # script, flags, the words of its one line, environment
     (RESUME, [], "checkpoint-dir", {}),
-    (RESUME, ["--checkpoint-dir", "README.md"], "not a folder", {}),
+    (RESUME, ["--checkpoint-dir", "README.md"], "README.md", {}),
     (DEMO, [], "give an even number of ranks, 2 or more", {}),
     (DEMO, ["--world-size", "3"], "give an even number of ranks", {}),
     (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more", {}),
@@ -952,12 +953,12 @@ def test_what_a_save_copies_to_the_host_is_counted(tmp_path):
     for item in layout:
         if item["write"]:
             written_boxes += len(item["boxes"])
-    on_cpu = checkpoint.staging_counts(layout)
+    on_cpu = checks.staging_counts(layout)
     assert on_cpu == {"bytes_staged": 2 * 6 * 4 * 4, "copies": 2}, on_cpu
     on_device = []
     for item in layout:
         on_device.append({**item, "tensor": item["tensor"].to("meta")})
-    counted = checkpoint.staging_counts(on_device)
+    counted = checks.staging_counts(on_device)
     assert counted == {"bytes_staged": checks.layout_bytes(layout, written_only=True),
                        "copies": written_boxes}, counted
     stats = checkpoint.save(tmp_path, layout, 1, "one process")

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from safety import (DTYPES, FORMAT, LOCK, MANIFEST, MARKER, NO_FOLLOW,  # noqa: F401
-                    CheckpointError, check_directory, lock, open_inside, our_folders,
+                    CheckpointError, lock, open_inside, our_folders,
                     prepare_folder, prune, read_manifest, tiling_problem, unlock)
 
 # --------------------------------------------------------------------------- boxes
@@ -108,13 +108,6 @@ def staging_plan(layout: list[dict]) -> list[tuple]:
             copy = view.device.type != "cpu" or not view.is_contiguous()
             plan.append((entry, full_box, view, copy))
     return plan
-
-
-def staging_counts(layout: list[dict]) -> dict:
-    """What a save copies to the host: {"bytes_staged", "copies"}."""
-    copied = [view for _, _, view, copy in staging_plan(layout) if copy]
-    staged = sum(view.numel() * view.element_size() for view in copied)
-    return {"bytes_staged": staged, "copies": len(copied)}
 
 
 def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:

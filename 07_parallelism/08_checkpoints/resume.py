@@ -66,12 +66,11 @@ class TrainingCheckpoints:
         return layout
 
     def resume(self) -> int:
-        """Rank 0 takes the directory (usable, locked); then the newest complete checkpoint,
-        if any, is loaded: its step, else 0."""
+        """Rank 0 takes (locks) the directory; then the newest complete checkpoint, if any,
+        is loaded: its step, else 0."""
         problem = None
         try:
             if dist.get_rank() == 0:
-                checkpoint.check_directory(self.args.checkpoint_dir)
                 self.held = checkpoint.lock(self.args.checkpoint_dir)
         except checkpoint.CheckpointError as error:
             problem = str(error)

@@ -29,7 +29,6 @@ import os
 import re
 import shutil
 import stat
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -314,34 +313,13 @@ def prune(root, keep: int) -> None:
 # --------------------------------------------------------------------------- the directory
 
 
-def check_directory(root) -> Path:
-    """A checkpoint directory that can be used: named, a folder (made if missing), writable
-    (tried by writing a file, not guessed from permissions). Returns it."""
-    if root is None or str(root) == "":
-        raise CheckpointError("the checkpoint directory is '': give a folder of its own")
-    folder = Path(root)
-    if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a folder (a checkpoint directory is a folder)")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CheckpointError(f"{folder}: cannot be made ({error.strerror})") from None
-    try:
-        with tempfile.TemporaryFile(dir=folder) as f:
-            f.write(b"checkpoint")
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as error:
-        raise CheckpointError(f"{folder}: not writable ({error.strerror})") from None
-    return folder
-
-
 def lock(root):
-    """Take the checkpoint directory for this run: an exclusive flock on ``LOCK``, held while
+    """Take the checkpoint directory (made if missing) for this run: a flock on ``LOCK``, held while
     the returned file is open (the kernel drops it when the process dies, however it dies). A
     link, a pipe or a device in its place is refused before anything is written to it."""
     path = Path(root) / LOCK
     try:
+        Path(root).mkdir(parents=True, exist_ok=True)
         handle = os.open(path, os.O_RDWR | os.O_CREAT | NO_FOLLOW | NO_BLOCK, 0o644)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be opened ({error.strerror})") from None

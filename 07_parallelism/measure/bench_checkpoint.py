@@ -316,10 +316,9 @@ def main(argv=None) -> None:
         parser.error("the job spans nodes (WORLD_SIZE > LOCAL_WORLD_SIZE): rank 0's temporary "
                      "folder is not on the others; give --dir, a folder every node sees")
     if args.dir is not None:
-        try:
-            checkpoint.check_directory(args.dir)
-        except checkpoint.CheckpointError as error:
-            parser.error(f"--dir {error}")
+        if Path(args.dir).exists() and not Path(args.dir).is_dir():
+            parser.error(f"--dir {args.dir}: not a folder")
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
         if any(Path(args.dir).iterdir()):
             parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty "
                          "folder")
