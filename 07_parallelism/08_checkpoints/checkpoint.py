@@ -1,24 +1,23 @@
 """Stage 07, lesson 8: sharded checkpoints that survive a crash and a change of layout.
 
-* **Save sharded.** Each rank writes what it holds to a file of its own, and describes each
+* **Save sharded.** Each rank writes what it holds to a file of its own and describes each
   piece by its place in the full tensor: a *box*, one ``[start, stop)`` per dimension. A piece
   several ranks hold (a replica) is written by one of them.
 * **A manifest, written last.** Once every file is on disk, rank 0 writes ``manifest.json``
-  (shapes, dtypes, which file holds which box at which offset, the checksums, the step) under
-  a temporary name and renames it: atomic, so a checkpoint without a manifest does not exist.
+  (shapes, dtypes, which file holds which box at which offset, checksums, the step) under a
+  temporary name and renames it: atomic, so a checkpoint without a manifest does not exist.
 * **Load resharded: overlapping boxes.** A rank that will hold box ``T`` of a tensor reads,
   from each saved box ``S``, only ``S n T`` (per dimension ``[max(starts), min(stops))``).
 * **Checksums as fine as the cuts.** A CRC32 per *unit*: a row of a saved box (all indices but
   the last fixed), cut at multiples of ``block_columns`` where a layout cuts columns (tensor
   parallelism). Every layout reads whole units, exactly its overlap, and checks each one.
 
-A *layout* is what one rank holds, ``[{"name", "tensor", "full_shape", "boxes": [(local_box,
-full_box)], "write"}]``; ``layouts.py`` builds them. The rules for untrusted folders are in
-``safety.py``. Torch alone: copy both files anywhere.
+A layout (``layouts.py``) is what one rank holds: ``[{"name", "tensor", "full_shape", "boxes":
+[(local_box, full_box)], "write"}]``. Untrusted folders: ``safety.py``. Torch alone.
 
     save("ckpt", layout, step=200, layout_name="fsdp at 4 ranks")   # every rank
-    load(latest_checkpoint("ckpt"), other_layout)         # every rank of another layout
-    state = consolidate(folder)          # one process: {"model", "optimizer", "step", ...}
+    load(latest_checkpoint("ckpt"), other_layout)          # every rank of another layout
+    state = consolidate(folder)           # one process: {"model", "optimizer", "step", ...}
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import ctypes
 import json
 import math
 import os
-import struct
 import zlib
 from pathlib import Path
 
@@ -36,10 +34,8 @@ import torch
 import torch.distributed as dist
 
 from safety import (DTYPES, FORMAT, LOCK, MANIFEST, MARKER, NO_FOLLOW,  # noqa: F401
-                    CheckpointError, lock, open_inside, our_folders,
-                    prepare_folder, prune, read_manifest, tiling_problem, unlock)
-
-# --------------------------------------------------------------------------- boxes
+                    CheckpointError, lock, open_inside, our_folders, prepare_folder, prune,
+                    read_manifest, tiling_problem, unlock)
 
 
 def box_shape(box) -> list[int]:
@@ -49,9 +45,7 @@ def box_shape(box) -> list[int]:
 def intersect(box_a, box_b):
     """The box both hold, or None."""
     overlap = [[max(a[0], b[0]), min(a[1], b[1])] for a, b in zip(box_a, box_b)]
-    if any(start >= stop for start, stop in overlap):
-        return None
-    return overlap
+    return None if any(start >= stop for start, stop in overlap) else overlap
 
 
 def as_index(box) -> tuple:
@@ -75,15 +69,6 @@ def memory_of(tensor: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * size).from_address(tensor.data_ptr())).cast("B")
 
 
-def rank_and_size(group) -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-# --------------------------------------------------------------------------- save
-
-
 def checkpoint_folder(root, step: int) -> Path:
     return Path(root) / f"step_{step:09d}"
 
@@ -98,9 +83,12 @@ def latest_checkpoint(root) -> Path | None:
     return found[-1][1] if found else None
 
 
+# --------------------------------------------------------------------------- save
+
+
 def staging_plan(layout: list[dict]) -> list[tuple]:
-    """(entry, full box, view, copy?) of each box this rank writes: a box not contiguous in
-    CPU memory (a GPU's, a block of columns) is copied to the host first."""
+    """(entry, full box, view, copy?) of each box this rank writes: one not contiguous in CPU
+    memory (a GPU's, a block of columns) is copied to the host first."""
     plan = []
     for entry in layout:
         for local_box, full_box in entry["boxes"] if entry["write"] else []:
@@ -115,13 +103,11 @@ def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
     dtype, box, offset, CRC32s). A GPU's box goes to pinned memory, non_blocking: the copies
     overlap, then one synchronize before anything reads them."""
     plan = staging_plan(layout)
-    pieces = []
-    for _, _, view, copy in plan:
-        host = view
+    pieces = [view for _, _, view, _ in plan]
+    for index, (_, _, view, copy) in enumerate(plan):
         if copy:
-            host = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
-            host.copy_(view, non_blocking=view.is_cuda)
-        pieces.append(host)
+            pieces[index] = torch.empty(view.shape, dtype=view.dtype, pin_memory=view.is_cuda)
+            pieces[index].copy_(view, non_blocking=view.is_cuda)
     if any(view.is_cuda for _, _, view, _ in plan):
         torch.cuda.synchronize()
     records = []
@@ -129,24 +115,19 @@ def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
     for (entry, full_box, _, _), piece in zip(plan, pieces):
         shape = list(entry["full_shape"])
         blocks = block_columns.get(entry["name"], max(1, shape[-1] if shape else 1))
-        crcs = unit_checksums(memory_of(piece), full_box, blocks, piece.element_size())
-        records.append({"name": entry["name"], "shape": shape,
-                        "dtype": str(piece.dtype).removeprefix("torch."), "block_columns": blocks,
-                        "box": [list(pair) for pair in full_box], "offset": offset,
-                        "crc32": base64.b64encode(struct.pack(f"<{len(crcs)}I", *crcs)).decode()})
-        offset += piece.numel() * piece.element_size()
+        cuts = unit_cuts(full_box, blocks)
+        data = memory_of(piece)
+        size = piece.element_size()
+        crcs = [zlib.crc32(data[row + left * size:row + right * size])     # row by row
+                for row in range(0, len(data), cuts[-1] * size)
+                for left, right in zip(cuts, cuts[1:])]
+        packed = b"".join(crc.to_bytes(4, "little") for crc in crcs)
+        records.append({"name": entry["name"], "shape": shape, "block_columns": blocks,
+                        "dtype": str(piece.dtype).removeprefix("torch."), "offset": offset,
+                        "box": [list(pair) for pair in full_box],
+                        "crc32": base64.b64encode(packed).decode()})
+        offset += len(data)
     return pieces, records
-
-
-def unit_checksums(data: memoryview, box, block_columns: int, element_size: int) -> list[int]:
-    """The CRC32 of every unit of a saved box (its bytes ``data``, row-major), row by row."""
-    cuts = unit_cuts(box, block_columns)
-    checksums = []
-    for row_start in range(0, len(data), cuts[-1] * element_size):
-        for left, right in zip(cuts, cuts[1:]):
-            unit = data[row_start + left * element_size:row_start + right * element_size]
-            checksums.append(zlib.crc32(unit))
-    return checksums
 
 
 def write_file(path: Path, pieces: list) -> None:
@@ -160,7 +141,7 @@ def write_file(path: Path, pieces: list) -> None:
 
 
 def commit_manifest(folder: Path, manifest: dict) -> int:
-    """Write the manifest under a temporary name, fsync, rename into place (atomic), fsync the
+    """Write the manifest under a temporary name, rename it into place (atomic), fsync the
     folder (the rename on disk too). Returns its size."""
     text = json.dumps(manifest, indent=1).encode()
     write_file(folder / (MANIFEST + ".tmp"), [text])
@@ -175,19 +156,15 @@ def build_manifest(step: int, layout_name: str, world_size: int, meta: dict,
                    everyone: list) -> tuple[dict, str | None]:
     """Rank 0: every rank's (file, size, records) -> the manifest, and the first problem
     (ranks disagreeing on a tensor, or boxes that do not tile it)."""
-    files = {}
+    files = {name: size for name, size, _ in everyone if name is not None}
     tensors = {}
     problem = None
-    for file_name, file_size, records in everyone:
-        if file_name is not None:
-            files[file_name] = file_size
+    for file_name, _, records in everyone:
         for record in records:
             described = {key: record[key] for key in ("shape", "dtype", "block_columns")}
             info = tensors.setdefault(record["name"], {**described, "slices": []})
-            for key, value in described.items():
-                if info[key] != value and problem is None:
-                    problem = (f"{record['name']}: {file_name} says {key} {value}, another "
-                               f"file {info[key]}")
+            if {key: info[key] for key in described} != described and problem is None:
+                problem = f"{record['name']}: ranks disagree on its shape, dtype or units"
             info["slices"].append({"file": file_name, "offset": record["offset"],
                                    "box": record["box"], "crc32": record["crc32"]})
     for name, info in tensors.items():
@@ -202,7 +179,7 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
     of ``step`` under ``root``, keeping the ``keep`` newest. ``meta``: JSON the caller wants
     back; ``block_columns``: {name: width} for tensors a layout may cut by columns. Returns
     {"folder", "bytes_written", "manifest_bytes"}; on any rank's problem every rank raises."""
-    rank, world_size = rank_and_size(group)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
     folder = checkpoint_folder(root, step)
     agree(prepare_folder(folder) if rank == 0 else None, group)     # 1. rank 0: the folder
     pieces, records = pack(layout, block_columns or {})             # 2. every rank: its file
@@ -218,7 +195,7 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
     everyone = agree(problem, group, (file_name, size, records))
     manifest_bytes = 0
     if rank == 0:
-        manifest, problem = build_manifest(step, layout_name, world_size, meta or {}, everyone)
+        manifest, problem = build_manifest(step, layout_name, len(everyone), meta or {}, everyone)
         try:
             if problem is None:
                 manifest_bytes = commit_manifest(folder, manifest)
@@ -234,8 +211,8 @@ def agree(problem: str | None, group, mine=None) -> list:
     """Every rank's verdict, and its ``mine``, on every rank: if any rank has a problem, every
     rank raises the first (naming the ranks that found it); else everyone's ``mine``."""
     everyone = [(problem, mine)]
-    if rank_and_size(group)[1] > 1:
-        everyone = [None] * rank_and_size(group)[1]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (problem, mine), group=group)
     found_by = [rank for rank, (theirs, _) in enumerate(everyone) if theirs is not None]
     if found_by:
@@ -256,11 +233,6 @@ class Reader:
         self.stats = {"bytes_read": 0, "bytes_needed": 0, "step": manifest["step"],
                       "manifest_bytes": (folder / MANIFEST).stat().st_size}
 
-    def open(self, file_name: str) -> int:
-        if file_name not in self.files:
-            self.files[file_name] = open_checked(self.folder, file_name, self.manifest)
-        return self.files[file_name].fileno()
-
     def read_overlap(self, name: str, saved: dict, overlap, region: torch.Tensor) -> None:
         """Fill ``region`` with ``overlap`` (a box inside the saved box): the rows it touches,
         each only the units holding its columns; whole rows into a contiguous region are read
@@ -273,41 +245,43 @@ class Reader:
         first_unit = max(i for i, cut in enumerate(cuts) if cut <= first)
         last_unit = min(i for i, cut in enumerate(cuts) if cut >= last)
         left, right = cuts[first_unit], cuts[last_unit]     # the columns read of each row
-        whole_rows = left == 0 and right == cuts[-1]
         rows = [0]                                          # the saved rows it touches
         for (start, stop), (saved_start, saved_stop) in zip(overlap[:-1], box[:-1]):
             rows = [row * (saved_stop - saved_start) + index - saved_start
                     for row in rows for index in range(start, stop)]
+        whole_rows = left == 0 and right == cuts[-1]
         straight = whole_rows and region.is_contiguous()
         buffer = region
         if not straight:
             buffer = torch.empty(len(rows) * (right - left), dtype=region.dtype)
         view = memory_of(buffer)
-        element_size = buffer.element_size()
+        size = buffer.element_size()
+        if saved["file"] not in self.files:
+            self.files[saved["file"]] = open_checked(self.folder, saved["file"], self.manifest)
         position = 0
         for first_row, count in row_runs(rows, whole_rows):
-            start = saved["offset"] + (first_row * cuts[-1] + left) * element_size
-            size = count * (right - left) * element_size
-            if os.preadv(self.open(saved["file"]), [view[position:position + size]], start) != size:
+            start = saved["offset"] + (first_row * cuts[-1] + left) * size
+            length = count * (right - left) * size
+            chunk = view[position:position + length]
+            if os.preadv(self.files[saved["file"]].fileno(), [chunk], start) != length:
                 raise CheckpointError(f"{self.folder / saved['file']}: ends before byte "
-                                      f"{start + size}")
-            position += size
-            self.stats["bytes_read"] += size
-        self.check_units(name, saved, view, rows, cuts, first_unit, last_unit, element_size)
-        self.stats["bytes_needed"] += math.prod(box_shape(overlap)) * element_size
+                                      f"{start + length}")
+            position += length
+        self.stats["bytes_read"] += position
+        self.check_units(name, saved, view, rows, cuts, first_unit, last_unit, size)
+        self.stats["bytes_needed"] += math.prod(box_shape(overlap)) * size
         if not straight:
             values = buffer.view(len(rows), right - left)[:, first - left:last - left]
             region.copy_(values.reshape(box_shape(overlap)))
 
-    def check_units(self, name, saved, view, rows, cuts, first_unit, last_unit,
-                    element_size) -> None:
+    def check_units(self, name, saved, view, rows, cuts, first_unit, last_unit, size) -> None:
         """Every unit read against its CRC32 in the manifest."""
         checksums = base64.b64decode(saved["crc32"])
-        width = (cuts[last_unit] - cuts[first_unit]) * element_size
+        width = (cuts[last_unit] - cuts[first_unit]) * size
         for index, row in enumerate(rows):
             for unit in range(first_unit, last_unit):
-                start = index * width + (cuts[unit] - cuts[first_unit]) * element_size
-                stop = start + (cuts[unit + 1] - cuts[unit]) * element_size
+                start = index * width + (cuts[unit] - cuts[first_unit]) * size
+                stop = start + (cuts[unit + 1] - cuts[unit]) * size
                 at = 4 * (row * (len(cuts) - 1) + unit)
                 if zlib.crc32(view[start:stop]) != int.from_bytes(checksums[at:at + 4], "little"):
                     raise CheckpointError(
@@ -316,14 +290,14 @@ class Reader:
                         "check")
 
 
-def row_runs(rows: list[int], whole_rows: bool) -> list[tuple[int, int]]:
-    """(first row, count) per read: consecutive whole rows are consecutive bytes, one read."""
+def row_runs(rows: list[int], whole_rows: bool) -> list[list[int]]:
+    """[first row, count] per read: consecutive whole rows are consecutive bytes, one read."""
     runs = []
     for row in rows:
         if whole_rows and runs and sum(runs[-1]) == row:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            runs[-1][1] += 1
         else:
-            runs.append((row, 1))
+            runs.append([row, 1])
     return runs
 
 
@@ -332,6 +306,16 @@ def place(staging: torch.Tensor, local_box, full_box, overlap) -> torch.Tensor:
     local box (a view of ``staging``)."""
     return staging[as_index([[start - full[0] + local[0], stop - full[0] + local[0]]
                              for local, full, (start, stop) in zip(local_box, full_box, overlap)])]
+
+
+def open_checked(folder: Path, file_name: str, manifest: dict):
+    """A shard (``safety.open_inside``) of the manifest's size: else truncated, or overwritten."""
+    f, size = open_inside(folder, file_name)
+    if size != manifest["files"][file_name]:
+        f.close()
+        raise CheckpointError(f"{folder / file_name}: truncated or overwritten: {size} bytes, "
+                              f"the manifest says {manifest['files'][file_name]}")
+    return f
 
 
 def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
@@ -396,20 +380,6 @@ def load(folder, layout: list[dict], group=None) -> dict:
     return stats
 
 
-# --------------------------------------------------------------------------- one process
-
-
-def open_checked(folder: Path, file_name: str, manifest: dict):
-    """A shard opened (``safety.open_inside``), its size the manifest's: else not the file
-    that was saved (truncated, or overwritten)."""
-    f, size = open_inside(folder, file_name)
-    if size != manifest["files"][file_name]:
-        f.close()
-        raise CheckpointError(f"{folder / file_name}: truncated or overwritten: {size} bytes, "
-                              f"the manifest says {manifest['files'][file_name]}")
-    return f
-
-
 def consolidate(folder) -> dict:
     """The whole checkpoint in one process, every unit checked: {"model": a plain
     state_dict, "optimizer": a plain AdamW's state_dict or None, "extra", "step", "meta"}.
@@ -429,20 +399,15 @@ def consolidate(folder) -> dict:
         raise CheckpointError(problem, found_by=[0])
     tensors = {entry["name"]: tensor for entry, tensor in zip(layout, staged)}
     model = {name[6:]: t for name, t in tensors.items() if name.startswith("model.")}
-    meta = manifest["meta"]
-    order = meta.get("parameter_order", list(model))
-    optimizer_state = {}
+    order = manifest["meta"].get("parameter_order", list(model))
+    state = {}
     for index, parameter in enumerate(order):
-        state = {key: tensors[f"optimizer.{parameter}.{key}"]
-                 for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-                 if f"optimizer.{parameter}.{key}" in tensors}
-        if state:
-            optimizer_state[index] = state
-    optimizer = None
-    if optimizer_state:
-        group = dict(meta.get("optimizer", {}), params=list(range(len(order))))
-        optimizer = {"state": optimizer_state, "param_groups": [group]}
+        state[index] = {key: tensors[f"optimizer.{parameter}.{key}"]
+                        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                        if f"optimizer.{parameter}.{key}" in tensors}
+    group = dict(manifest["meta"].get("optimizer", {}), params=list(range(len(order))))
+    optimizer = {"state": {i: s for i, s in state.items() if s}, "param_groups": [group]}
     extra = {name: t for name, t in tensors.items()
              if not name.startswith(("model.", "optimizer."))}
-    return {"model": model, "optimizer": optimizer, "extra": extra, "step": manifest["step"],
-            "meta": meta}
+    return {"model": model, "optimizer": optimizer if any(state.values()) else None,
+            "extra": extra, "step": manifest["step"], "meta": manifest["meta"]}
