@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from safety import (DTYPES, FORMAT, LOCK, MANIFEST, MARKER, NO_FOLLOW,  # noqa: F401
+from safety import (DTYPES, FORMAT, LOCK, MANIFEST, MARKER,  # noqa: F401
                     CheckpointError, lock, open_inside, our_folders, prepare_folder, prune,
                     read_manifest, tiling_problem, unlock)
 
@@ -133,7 +133,8 @@ def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
 def write_file(path: Path, pieces: list) -> None:
     """The pieces (tensors or bytes) back to back in a new file (never one already there,
     never through a symbolic link), fsynced: on disk before a manifest can name it."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW, 0o644), "wb") as f:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with open(os.open(path, flags, 0o644), "wb") as f:
         for piece in pieces:
             f.write(memory_of(piece) if torch.is_tensor(piece) else piece)
         f.flush()

@@ -3,16 +3,14 @@
 People download and share checkpoints: a folder is untrusted input. Each rule is said once,
 here, and holds before anything a manifest names is read or allocated:
 
-* Nothing outside the folder is read: a manifest names only ``rank_<digits>.bin`` files, each
-  opened inside the folder without following a symbolic link, and only if it is a plain file
-  with its bytes on disk (a sparse file would let a small download claim gigabytes).
-* The manifest is bounded before it is believed: at most ``MAX_MANIFEST_BYTES`` read, no
-  deeper nesting than the parser's stack, every field against the tables below, at most
-  ``MAX_CORNERS`` box corners, each tensor's boxes tiling it (a linear check), and no byte
-  of a file in two boxes: so what a load allocates is at most what is on disk.
-* Nothing of the user's is deleted: a folder save() makes holds ``MARKER``; pruning and the
-  clean-up of a crashed save touch only such folders, never through a link.
-* One run per checkpoint directory: ``lock`` (a flock on a plain file of its own).
+* Nothing outside the folder is read: only ``rank_<digits>.bin`` files in it, never through a
+  symbolic link, only plain files with their bytes on disk (a sparse file is refused).
+* The manifest is bounded before it is believed: at most ``MAX_MANIFEST_BYTES``, no deeper
+  nesting than the parser's stack, each field as the tables below say, at most ``MAX_CORNERS``
+  box corners, each tensor's boxes tiling it (a linear check), no byte of a file in two boxes:
+  so a load allocates at most what is on disk.
+* Nothing of the user's is deleted: only folders holding ``MARKER``, never through a link.
+* One run per checkpoint directory: a flock on ``LOCK``, a plain file of its own.
 
 A broken rule: ``CheckpointError``, one line naming the file and what is wrong.
 """
@@ -42,12 +40,9 @@ FOLDER = re.compile(r"step_(\d+)")                 # a checkpoint's folder: step
 SHARD = re.compile(r"rank_\d{5,}\.bin")            # the only files a manifest may name
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_CORNERS = 1 << 24               # slices x 2^dims: the tiling check's work, a few seconds
-# The dtypes a manifest may name (looked up in this table, never in torch itself).
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int64": torch.int64, "int32": torch.int32,
           "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool}
-NO_FOLLOW = getattr(os, "O_NOFOLLOW", 0)
-NO_BLOCK = getattr(os, "O_NONBLOCK", 0)             # a pipe must not block the open
 
 
 class CheckpointError(Exception):
@@ -103,11 +98,8 @@ def fields_problem(where: str, value, fields: dict) -> str | None:
     return None
 
 
-# --------------------------------------------------------------------------- the manifest
-
-
 def read_manifest(folder) -> dict:
-    """The manifest of the checkpoint in ``folder``, bounded and validated, or CheckpointError."""
+    """The manifest of the checkpoint in ``folder``, bounded and validated."""
     folder = Path(folder)
     path = folder / MANIFEST
     match = FOLDER.fullmatch(folder.name)
@@ -156,8 +148,8 @@ def manifest_problem(manifest, folder_step: int) -> str | None:
                        or slice_problem(name, saved, info, manifest["files"]))
             if problem is not None:
                 return problem
-            size = numel(saved["box"]) * DTYPES[info["dtype"]].itemsize
-            extents.append((saved["file"], saved["offset"], saved["offset"] + size, name))
+            end = saved["offset"] + numel(saved["box"]) * DTYPES[info["dtype"]].itemsize
+            extents.append((saved["file"], saved["offset"], end, name))
         problem = tiling_problem(name, info["shape"], [saved["box"] for saved in info["slices"]])
         if problem is not None:
             return problem
@@ -169,30 +161,27 @@ def manifest_problem(manifest, folder_step: int) -> str | None:
 
 
 def slice_problem(name: str, saved: dict, info: dict, files: dict) -> str | None:
-    """One saved box: in a listed file and inside it, inside its tensor, one CRC32 per unit
-    (a row of the box, cut at multiples of block_columns: checkpoint.unit_cuts)."""
-    shape = info["shape"]
+    """One saved box: inside its tensor, inside a listed file, one CRC32 per unit (a row of
+    the box, cut at multiples of block_columns: checkpoint.unit_cuts)."""
     box = saved["box"]
     file_name = saved["file"]
     if file_name not in files:
         return f"{name}: a slice is in {file_name!r}, which is not in the manifest's files"
-    if len(box) != len(shape):
-        return f"{name}: the box {box} is not one [start, stop) per dimension of {shape}"
-    if any(stop > size for (_, stop), size in zip(box, shape)):
-        return f"{name}: the box {box} is not inside its shape {shape}"
+    if len(box) != len(info["shape"]):
+        return f"{name}: the box {box} is not one [start, stop) per dimension of {info['shape']}"
+    if any(stop > size for (_, stop), size in zip(box, info["shape"])):
+        return f"{name}: the box {box} is not inside its shape {info['shape']}"
     end = saved["offset"] + numel(box) * DTYPES[info["dtype"]].itemsize
     if end > files[file_name]:
-        return (f"{name}: the box {box} at offset {saved['offset']} ends at byte {end}, past "
-                f"the {files[file_name]} bytes of {file_name}")
+        return f"{name}: the box {box} ends at byte {end}, past the end of {file_name}"
     try:
         packed = base64.b64decode(saved["crc32"], validate=True)
     except (ValueError, binascii.Error):
         return f"{name}: crc32 in {file_name} is not base64"
     start, stop = box[-1] if box else (0, 1)
     per_row = (stop - 1) // info["block_columns"] - start // info["block_columns"] + 1
-    units = numel(box[:-1]) * per_row
-    if len(packed) != 4 * units:
-        return f"{name}: {len(packed) // 4} CRC32s in {file_name} for the {units} units of {box}"
+    if len(packed) != 4 * numel(box[:-1]) * per_row:
+        return f"{name}: {len(packed) // 4} CRC32s for {numel(box[:-1]) * per_row} units of {box}"
     return None
 
 
@@ -201,10 +190,10 @@ def numel(box) -> int:
 
 
 def tiling_problem(name: str, shape, boxes) -> str | None:
-    """The boxes must tile the tensor: each element in exactly one. Linear, and exact: give
-    each of a box's 2^dims corners the sign (-1)^(stops in it); a set of boxes covers each
-    element once exactly when its corners add up to the whole tensor's (a function on a grid
-    is recovered from those signs by summing along each dimension)."""
+    """The boxes must tile the tensor: each element in exactly one. Linear and exact: give
+    each of a box's 2^dims corners the sign (-1)^(stops in it); boxes cover each element once
+    exactly when their corners add up to the whole tensor's (a function on a grid is recovered
+    from those signs by summing along each dimension)."""
     whole = [[0, size] for size in shape]
     covered = sum(numel(box) for box in boxes)
     if covered > numel(whole):
@@ -225,35 +214,33 @@ def signed_corners(boxes) -> dict:
     return {point: count for point, count in total.items() if count != 0}
 
 
-# --------------------------------------------------------------------------- files
+# --------------------------------------------------------------------------- files and folders
 
 
 def open_inside(folder: Path, file_name: str):
-    """Open a file the checkpoint names, for reading: a ``rank_<digits>.bin`` (or the
-    manifest) directly inside ``folder``, not a symbolic link, a plain file whose bytes are on
-    disk (its blocks cover its size). Returns (the file, unbuffered, its size)."""
+    """Open a file the checkpoint names, for reading: a shard (or the manifest) directly inside
+    ``folder``, not a link, a plain file whose blocks cover its size. Returns (file, size)."""
     path = Path(folder) / file_name
     if file_name != MANIFEST and SHARD.fullmatch(file_name) is None:
         raise CheckpointError(f"{Path(folder) / MANIFEST}: names the file {file_name!r}; a "
                               "shard is rank_<digits>.bin inside the checkpoint's folder")
     try:
-        handle = os.open(path, os.O_RDONLY | NO_FOLLOW | NO_BLOCK)
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as error:
         if path.is_symlink():
             raise CheckpointError(f"{path}: a symbolic link; a checkpoint's files are read "
                                   "only as plain files inside its folder") from None
-        if not path.exists():
-            raise CheckpointError(f"{path}: missing") from None
-        raise CheckpointError(f"{path}: unreadable ({error.strerror})") from None
+        raise CheckpointError(f"{path}: {'unreadable' if path.exists() else 'missing'} "
+                              f"({error.strerror})") from None
     status = os.fstat(handle)
+    problem = None
     if not stat.S_ISREG(status.st_mode):
+        problem = "not a plain file; a checkpoint's files are read only as plain files"
+    elif status.st_blocks * 512 < status.st_size:
+        problem = f"sparse: {status.st_size} bytes, {status.st_blocks * 512} on disk"
+    if problem is not None:
         os.close(handle)
-        raise CheckpointError(f"{path}: not a plain file; a checkpoint's files are read only "
-                              "as plain files inside its folder")
-    if status.st_blocks * 512 < status.st_size:
-        os.close(handle)
-        raise CheckpointError(f"{path}: sparse: {status.st_size} bytes with "
-                              f"{status.st_blocks * 512} on disk; save() writes every byte")
+        raise CheckpointError(f"{path}: {problem}")
     return open(handle, "rb", buffering=0), status.st_size
 
 
@@ -269,11 +256,10 @@ def is_ours(folder: Path) -> bool:
 def our_folders(root) -> list[tuple[int, Path]]:
     """(step, folder) of every folder under ``root`` this format made, oldest first."""
     found = []
-    if Path(root).is_dir():
-        for folder in Path(root).iterdir():
-            match = FOLDER.fullmatch(folder.name)
-            if match is not None and is_ours(folder):
-                found.append((int(match.group(1)), folder))
+    for folder in Path(root).iterdir() if Path(root).is_dir() else []:
+        match = FOLDER.fullmatch(folder.name)
+        if match is not None and is_ours(folder):
+            found.append((int(match.group(1)), folder))
     return sorted(found)
 
 
@@ -281,16 +267,14 @@ def prepare_folder(folder: Path) -> str | None:
     """Rank 0, before a save: a fresh folder with our marker. What a crashed save of ours left
     is removed; a complete checkpoint, or a folder not ours, is never touched."""
     if (folder / MANIFEST).exists():
-        return (f"{folder}: already holds a complete checkpoint; a checkpoint is never "
-                "overwritten (move it away, or save to another directory)")
-    if folder.exists() or folder.is_symlink():
-        if not is_ours(folder):
-            return (f"{folder}: is there and was not made by this format (no {MARKER} in it); "
-                    "it is left alone: move it, or save to another directory")
-        shutil.rmtree(folder)
+        return f"{folder}: already holds a complete checkpoint; a checkpoint is never overwritten"
+    if (folder.exists() or folder.is_symlink()) and not is_ours(folder):
+        return (f"{folder}: is there and was not made by this format (no {MARKER} in it); it "
+                "is left alone: move it, or save to another directory")
+    shutil.rmtree(folder, ignore_errors=True)
     try:
         folder.mkdir(parents=True)
-        handle = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NO_FOLLOW)
+        handle = os.open(folder / MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW)
         with open(handle, "wb") as f:
             f.write(f"{FORMAT}\n".encode())
     except OSError as error:
@@ -301,8 +285,7 @@ def prepare_folder(folder: Path) -> str | None:
 def prune(root, keep: int) -> None:
     """Remove all but the ``keep`` newest complete checkpoints, and our folders without a
     manifest older than the newest (crashed saves): only folders this format made."""
-    ours = our_folders(root)
-    complete = [(step, folder) for step, folder in ours if (folder / MANIFEST).is_file()]
+    complete = [(step, f) for step, f in our_folders(root) if (f / MANIFEST).is_file()]
     for _, folder in complete[:-keep]:
         shutil.rmtree(folder)
     for step, folder in our_folders(root):
@@ -310,17 +293,14 @@ def prune(root, keep: int) -> None:
             shutil.rmtree(folder)
 
 
-# --------------------------------------------------------------------------- the directory
-
-
 def lock(root):
-    """Take the checkpoint directory (made if missing) for this run: a flock on ``LOCK``, held while
-    the returned file is open (the kernel drops it when the process dies, however it dies). A
-    link, a pipe or a device in its place is refused before anything is written to it."""
+    """Take the checkpoint directory (made if missing) for this run: a flock on ``LOCK``, held
+    while the returned file is open (the kernel drops it when the process dies, however it
+    dies). A link, a pipe or a device in its place is refused before anything is written."""
     path = Path(root) / LOCK
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
-        handle = os.open(path, os.O_RDWR | os.O_CREAT | NO_FOLLOW | NO_BLOCK, 0o644)
+        handle = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as error:
         raise CheckpointError(f"{path}: cannot be opened ({error.strerror})") from None
     status = os.fstat(handle)
