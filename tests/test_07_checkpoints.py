@@ -190,13 +190,12 @@ def save_verdicts(ctx, root: Path, fsdp, optimizer, full_shapes: dict) -> tuple:
 
 
 def agree_on_rank_0_only(problem, group, mine=None):
-    """Planted: a verdict raised on rank 0 alone; every other rank returns (a gather of
-    ``mine`` still gathers)."""
-    if mine is not None:
-        return ORIGINAL_AGREE(problem, group, mine)
+    """Planted: a verdict raised on rank 0 alone; every other rank returns (the collective
+    still runs: the ranks stay in step, only the verdict is not shared)."""
+    everyone = ORIGINAL_AGREE(None, group, mine)
     if problem is not None and dist.get_rank() == 0:
         raise checkpoint.CheckpointError(problem, found_by=[0])
-    return []
+    return everyone
 
 
 def crash_worker(ctx, root_text: str) -> None:

@@ -42,12 +42,6 @@ def box_shape(box) -> list[int]:
     return [stop - start for start, stop in box]
 
 
-def intersect(box_a, box_b):
-    """The box both hold, or None."""
-    overlap = [[max(a[0], b[0]), min(a[1], b[1])] for a, b in zip(box_a, box_b)]
-    return None if any(start >= stop for start, stop in overlap) else overlap
-
-
 def as_index(box) -> tuple:
     return tuple(slice(start, stop) for start, stop in box)
 
@@ -260,7 +254,13 @@ class Reader:
         if saved["file"] not in self.files:
             self.files[saved["file"]] = open_checked(self.folder, saved["file"], self.manifest)
         position = 0
-        for first_row, count in row_runs(rows, whole_rows):
+        runs = []                   # [first row, count]: whole rows in a row are one read
+        for row in rows:
+            if whole_rows and runs and sum(runs[-1]) == row:
+                runs[-1][1] += 1
+            else:
+                runs.append([row, 1])
+        for first_row, count in runs:
             start = saved["offset"] + (first_row * cuts[-1] + left) * size
             length = count * (right - left) * size
             chunk = view[position:position + length]
@@ -289,17 +289,6 @@ class Reader:
                         f"{self.folder / saved['file']}: corrupted: {name}, box {saved['box']}, "
                         f"row {row}, columns {cuts[unit]}..{cuts[unit + 1]} fail their CRC32 "
                         "check")
-
-
-def row_runs(rows: list[int], whole_rows: bool) -> list[list[int]]:
-    """[first row, count] per read: consecutive whole rows are consecutive bytes, one read."""
-    runs = []
-    for row in rows:
-        if whole_rows and runs and sum(runs[-1]) == row:
-            runs[-1][1] += 1
-        else:
-            runs.append([row, 1])
-    return runs
 
 
 def place(staging: torch.Tensor, local_box, full_box, overlap) -> torch.Tensor:
@@ -334,9 +323,10 @@ def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
                     raise CheckpointError(f"{folder / MANIFEST}: {problem}")
                 staging = torch.zeros(entry["tensor"].shape, dtype=entry["tensor"].dtype)
                 for local_box, full_box in entry["boxes"]:
-                    for saved in info["slices"]:
-                        overlap = intersect(saved["box"], full_box)
-                        if overlap is not None:
+                    for saved in info["slices"]:            # the overlap: per dimension
+                        overlap = [[max(a, c), min(b, d)]   # [max(starts), min(stops))
+                                   for (a, b), (c, d) in zip(saved["box"], full_box)]
+                        if all(start < stop for start, stop in overlap):
                             region = place(staging, local_box, full_box, overlap)
                             reader.read_overlap(entry["name"], saved, overlap, region)
                 staged.append(staging)

@@ -112,9 +112,12 @@ class TrainingCheckpoints:
                 refuse(error)
         if step == self.args.steps:
             self.give_back_directory()
-        if step == self.args.crash_at_step and os.environ.get("TORCHELASTIC_RESTART_COUNT",
-                                                              "0") == "0":
-            crash(step)
+        last_rank = dist.get_rank() == dist.get_world_size() - 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"   # torchrun's
+        if step == self.args.crash_at_step and first_attempt and last_rank:
+            print(f"[rank {dist.get_rank()}] --crash-at-step {step}: killing this worker (SIGKILL)",
+                  flush=True)      # as the out-of-memory killer would: no clean-up, no message
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def give_back_directory(self) -> None:
         if self.held is not None:
@@ -130,23 +133,9 @@ def refuse(error: checkpoint.CheckpointError) -> None:
     raise SystemExit(2)
 
 
-def crash(step: int) -> None:
-    """--crash-at-step, on torchrun's first attempt: the last rank dies by SIGKILL (as under
-    the out-of-memory killer: no clean-up, no message from it)."""
-    if dist.get_rank() == dist.get_world_size() - 1:
-        print(f"[rank {dist.get_rank()}] --crash-at-step {step}: killing this worker (SIGKILL)",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def main(argv=None) -> None:
     """Lesson 7's training loop (``training.train_main``) with these checkpoints."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common").is_dir():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: needs the repository around it (common/)")
-        root = root.parent
-    sys.path.insert(0, str(root))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository: common/
     from common import import_stage, launch, usage_error
     train_flags = import_stage("07_parallelism/07_together/train_flags")
     training = import_stage("07_parallelism/07_together/training")

@@ -58,12 +58,6 @@ def is_count(value) -> bool:
     return type(value) is int and value >= 0
 
 
-def is_box(value) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(pair, list) and len(pair) == 2 and is_count(pair[0]) and is_count(pair[1])
-        and pair[0] < pair[1] for pair in value)
-
-
 # What each field must be: (test, in words), checked in this order.
 MANIFEST_FIELDS = {
     "format": (lambda v: v == FORMAT, f"this format ({FORMAT})"),
@@ -84,7 +78,10 @@ TENSOR_FIELDS = {
 SLICE_FIELDS = {
     "file": (lambda v: isinstance(v, str), "a file name"),
     "offset": (is_count, "a whole number >= 0"),
-    "box": (is_box, "a list of [start, stop) with start < stop"),
+    "box": (lambda v: isinstance(v, list) and all(isinstance(pair, list) and len(pair) == 2
+                                                  and is_count(pair[0]) and is_count(pair[1])
+                                                  and pair[0] < pair[1] for pair in v),
+            "a list of [start, stop) with start < stop"),
     "crc32": (lambda v: isinstance(v, str), "a string"),
 }
 
