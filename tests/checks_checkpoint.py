@@ -507,8 +507,7 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     rows = []
     preset = models.PRESETS["tiny"]
     names = parameter_names()
-    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
-                                             preset["d_ff"])
+    block_columns = layouts.lm_block_columns(names, preset)
     grid = grid_mod.ProcessGrid(dp=2, tp=tp)
     chunks = [chunk.to(ctx.device) for chunk in parallel_lm.build_chunks(tiny_lm(seed=1), grid,
                                                                          SEQ)]

@@ -391,11 +391,10 @@ def consolidate(folder) -> dict:
     tensors = {entry["name"]: tensor for entry, tensor in zip(layout, staged)}
     model = {name[6:]: t for name, t in tensors.items() if name.startswith("model.")}
     order = manifest["meta"].get("parameter_order", list(model))
-    state = {}
-    for index, parameter in enumerate(order):
-        state[index] = {key: tensors[f"optimizer.{parameter}.{key}"]
-                        for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-                        if f"optimizer.{parameter}.{key}" in tensors}
+    state = {index: {key: tensors[f"optimizer.{parameter}.{key}"]
+                     for key in ("step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+                     if f"optimizer.{parameter}.{key}" in tensors}
+             for index, parameter in enumerate(order)}
     group = dict(manifest["meta"].get("optimizer", {}), params=list(range(len(order))))
     optimizer = {"state": {i: s for i, s in state.items() if s}, "param_groups": [group]}
     extra = {name: t for name, t in tensors.items()

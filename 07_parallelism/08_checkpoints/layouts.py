@@ -57,11 +57,9 @@ def optimizer_options(optimizer: torch.optim.Optimizer) -> dict:
     """The parameter group's settings: ``consolidate`` rebuilds an AdamW state_dict from them."""
     if len(optimizer.param_groups) != 1:        # consolidate would rebuild the others wrong
         raise ValueError("optimizer_options: one parameter group only")
-    options = {}
-    for key, value in optimizer.param_groups[0].items():
-        if key not in ("params", "param_names"):
-            options[key] = value.item() if torch.is_tensor(value) else value
-    return options
+    group = optimizer.param_groups[0]
+    return {key: value.item() if torch.is_tensor(value) else value
+            for key, value in group.items() if key not in ("params", "param_names")}
 
 
 # --------------------------------------------------------------------------- the layouts
@@ -154,18 +152,18 @@ def grid_layout(placements: list[dict], grid, optimizer) -> list[dict]:
     return layout
 
 
-def lm_block_columns(parameter_names, num_heads: int, d_model: int, d_ff: int) -> dict:
-    """``checkpoint.save``'s ``block_columns`` for the course LM: the tensors tensor
-    parallelism cuts along their last dimension (attn.out and mlp.2 weights, the mlp.0 bias)
-    at multiples of in / tp, cut in units that narrow for the largest tp the model allows."""
-    finest = math.gcd(num_heads, d_ff)
+def lm_block_columns(parameter_names, preset: dict) -> dict:
+    """``checkpoint.save``'s ``block_columns`` for the course LM (a ``models.PRESETS`` entry):
+    tensor parallelism cuts attn.out and mlp.2 weights and the mlp.0 bias along their last
+    dimension at multiples of in / tp; units that narrow suit the largest tp the model allows."""
+    finest = math.gcd(preset["num_heads"], preset["d_ff"])
     widths = {}
     for name in parameter_names:
         width = None
         if name.endswith("attn.out.weight"):
-            width = d_model // finest
+            width = preset["d_model"] // finest
         if name.endswith(("mlp.2.weight", "mlp.0.bias")):
-            width = d_ff // finest
+            width = preset["d_ff"] // finest
         if width is not None:
             widths[f"model.{name}"] = width
             widths.update({f"optimizer.{name}.{key}": width for key in ADAMW_MOMENTS})

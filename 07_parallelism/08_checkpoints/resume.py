@@ -1,9 +1,8 @@
 """Stage 07, lesson 8: lesson 7's training run, checkpointed and resumed as the same run.
 
-A resume restores the model (the grid's pieces), AdamW's moments and step counts (without them
-the first steps would be bias-corrected from zero) and the random state. The data order needs
-nothing: the batch of step s is a function of (seed, s) (``text_data.batch_at``). Each save is
-a new folder (the newest two are kept); a resume loads the newest complete one, on any grid.
+It restores the model, AdamW's moments and step counts (else the first steps are
+bias-corrected from zero) and the random state; the data order needs nothing (the batch of
+step s is a function of the seed and s). A resume loads the newest checkpoint, on any grid.
 
     python 07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --steps 300 \
         --checkpoint-dir ckpt --checkpoint-every 50         # lesson 7's flags, and these
@@ -47,9 +46,7 @@ class TrainingCheckpoints:
         self.held = None            # rank 0: the directory's lock
         self.run = {flag: getattr(args, flag) for flag in RUN_FLAGS}
         names = [name for name, _ in full_lm.named_parameters()]
-        preset = models.PRESETS[args.model]
-        self.block_columns = layouts.lm_block_columns(names, preset["num_heads"],
-                                                      preset["d_model"], preset["d_ff"])
+        self.block_columns = layouts.lm_block_columns(names, models.PRESETS[args.model])
         self.meta = {"run": self.run, "parameter_order": names,
                      "optimizer": layouts.optimizer_options(optimizer)}
         self.layout_name = (f"grid dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp}, "

@@ -102,15 +102,13 @@ def demo(ctx, args) -> None:
     root = Path(shared[0])
     W = ctx.world_size
     names = [name for name, _ in models.TransformerLM("tiny", 256, SEQ).named_parameters()]
-    preset = models.PRESETS["tiny"]
     # 1. two steps at (dp, tp) = (W/2, 2), a save, two more steps: the run that never stops
     source = grid_mod.ProcessGrid(dp=W // 2, tp=2)
     chunks, optimizer, layout = build(grid_mod, parallel_lm, source, 1, ctx.device)
     train(parallel_lm, chunks, source, optimizer, (0, 1), ctx.device)
     saved = whole_state(layout, host)
     meta = {"parameter_order": names, "optimizer": layouts.optimizer_options(optimizer)}
-    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
-                                             preset["d_ff"])
+    block_columns = layouts.lm_block_columns(names, models.PRESETS["tiny"])
     stats = checkpoint.save(root, layout, 2, f"grid dp {W // 2} x tp 2", meta, block_columns,
                             group=host)
     never_stopped_losses = train(parallel_lm, chunks, source, optimizer, (2, 3), ctx.device)

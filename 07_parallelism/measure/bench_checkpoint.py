@@ -119,8 +119,7 @@ def bench_main(ctx, args) -> None:
     full_lm = models.TransformerLM(args.model, vocab_size=VOCAB, context_length=256)
     preset = models.PRESETS[args.model]
     names = [name for name, _ in full_lm.named_parameters()]
-    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
-                                             preset["d_ff"])
+    block_columns = layouts.lm_block_columns(names, preset)
     world_size = ctx.world_size
     groups = {2: dist.new_group([0, 1]), world_size: dist.group.WORLD}
     meshes = {}
