@@ -309,18 +309,22 @@ def open_checked(folder: Path, file_name: str, manifest: dict):
 
 
 def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
-    """This rank's part of a load, alone: the manifest, the layout checked against it, every
-    overlap read and checked into buffers (zeros where no box is: FSDP's padding). Returns
-    (buffers, counts, the first problem or None, the manifest)."""
+    """This rank's part of a load, alone: every overlap read and checked into buffers (zeros
+    where no box is: FSDP's padding). Returns (buffers, counts, problem or None, manifest)."""
     staged = []
     try:
         reader = Reader(folder, manifest or read_manifest(folder))
         try:
             for entry in layout:
-                info = reader.manifest["tensors"].get(entry["name"], {})
-                problem = layout_problem(entry, info)
-                if problem is not None:
-                    raise CheckpointError(f"{folder / MANIFEST}: {problem}")
+                info = reader.manifest["tensors"].get(entry["name"])
+                dtype = str(entry["tensor"].dtype).removeprefix("torch.")
+                if info is None:
+                    raise CheckpointError(f"{folder / MANIFEST}: has no {entry['name']}, "
+                                          "which this layout holds (it cannot fill this layout)")
+                if (info["shape"], info["dtype"]) != (list(entry["full_shape"]), dtype):
+                    raise CheckpointError(f"{folder / MANIFEST}: {entry['name']} is "
+                                          f"{info['dtype']} {info['shape']} there and {dtype} "
+                                          f"{list(entry['full_shape'])} here (another model's?)")
                 staging = torch.zeros(entry["tensor"].shape, dtype=entry["tensor"].dtype)
                 for local_box, full_box in entry["boxes"]:
                     for saved in info["slices"]:            # the overlap: per dimension
@@ -336,20 +340,6 @@ def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
     except CheckpointError as error:
         return [], {}, str(error), None
     return staged, reader.stats, None, reader.manifest
-
-
-def layout_problem(entry: dict, info: dict) -> str | None:
-    """A tensor this rank holds must be in the checkpoint, of the same shape and dtype."""
-    name = entry["name"]
-    dtype = str(entry["tensor"].dtype).removeprefix("torch.")
-    if not info:
-        return f"has no {name}, which this layout holds (a layout this checkpoint cannot fill)"
-    if info["shape"] != list(entry["full_shape"]):
-        return (f"{name} is {info['shape']} there and {list(entry['full_shape'])} here (a "
-                "checkpoint of another model?)")
-    if info["dtype"] != dtype:
-        return f"{name} was saved as {info['dtype']}; this layout holds {dtype}"
-    return None
 
 
 def load(folder, layout: list[dict], group=None) -> dict:
