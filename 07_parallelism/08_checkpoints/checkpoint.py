@@ -77,9 +77,6 @@ def latest_checkpoint(root) -> Path | None:
     return found[-1][1] if found else None
 
 
-# --------------------------------------------------------------------------- save
-
-
 def staging_plan(layout: list[dict]) -> list[tuple]:
     """(entry, full box, view, copy?) of each box this rank writes: one not contiguous in CPU
     memory (a GPU's, a block of columns) is copied to the host first."""
@@ -213,9 +210,6 @@ def agree(problem: str | None, group, mine=None) -> list:
     if found_by:
         raise CheckpointError(everyone[found_by[0]][0], found_by=found_by)
     return [theirs for _, theirs in everyone]
-
-
-# --------------------------------------------------------------------------- load
 
 
 class Reader:

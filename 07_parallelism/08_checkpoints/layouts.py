@@ -62,9 +62,6 @@ def optimizer_options(optimizer: torch.optim.Optimizer) -> dict:
             for key, value in group.items() if key not in ("params", "param_names")}
 
 
-# --------------------------------------------------------------------------- the layouts
-
-
 def replicated_layout(model: torch.nn.Module, optimizer=None, rank: int = 0) -> list[dict]:
     """DDP, and one process: every rank holds everything, rank 0 writes."""
     if optimizer is not None:

@@ -29,9 +29,8 @@ import layouts
 LR = 1e-3
 ADAM_EPS = 1e-6     # as lesson 7's train.py: keeps rounding noise below float32 tolerance
 SEQ = 16
-# Another layout sums the gradients in another order: weights agree to float32 rounding
-# carried through two AdamW steps (below 1e-6). A bug (a moment lost, a box moved) moves them
-# by about LR.
+# Another layout sums gradients in another order: float32 rounding, carried through two AdamW
+# steps (below 1e-6). A bug (a moment lost, a box moved) moves weights by about LR.
 WEIGHT_ATOL = 1e-5
 WEIGHT_RTOL = 1e-4
 LOSS_RTOL = 1e-5

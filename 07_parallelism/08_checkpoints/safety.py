@@ -1,18 +1,13 @@
 """Stage 07, lesson 8: the rules that make a checkpoint safe to load when someone else made it.
 
-People download and share checkpoints: a folder is untrusted input. Each rule is said once,
-here, and holds before anything a manifest names is read or allocated:
-
-* Nothing outside the folder is read: only ``rank_<digits>.bin`` files in it, never through a
-  symbolic link, only plain files with their bytes on disk (a sparse file is refused).
-* The manifest is bounded before it is believed: at most ``MAX_MANIFEST_BYTES``, no deeper
-  nesting than the parser's stack, each field as the tables below say, at most ``MAX_CORNERS``
-  box corners, each tensor's boxes tiling it (a linear check), no byte of a file in two boxes:
-  so a load allocates at most what is on disk.
-* Nothing of the user's is deleted: only folders holding ``MARKER``, never through a link.
-* One run per checkpoint directory: a flock on ``LOCK``, a plain file of its own.
-
-A broken rule: ``CheckpointError``, one line naming the file and what is wrong.
+A folder someone else made is untrusted input. Each rule holds before anything a manifest
+names is read or allocated; a broken one is a ``CheckpointError``, one line naming the file:
+only ``rank_<digits>.bin`` files inside the folder are read, never through a link, only plain
+files with their bytes on disk; a manifest is at most ``MAX_MANIFEST_BYTES``, not nested past
+the parser's stack, its fields as the tables say, at most ``MAX_CORNERS`` box corners, each
+tensor's boxes tiling it (a linear check), no byte of a file in two boxes (so a load allocates
+at most what is on disk); only folders holding ``MARKER`` are ever deleted; one run per
+directory holds ``LOCK``, a plain file of its own.
 """
 
 from __future__ import annotations
@@ -209,9 +204,6 @@ def signed_corners(boxes) -> dict:
         for corner in itertools.product(*[((start, 1), (stop, -1)) for start, stop in box]):
             total[tuple(at for at, _ in corner)] += math.prod(sign for _, sign in corner)
     return {point: count for point, count in total.items() if count != 0}
-
-
-# --------------------------------------------------------------------------- files and folders
 
 
 def open_inside(folder: Path, file_name: str):
