@@ -107,6 +107,25 @@ def count_problem(label: str, what: str, got: int, want: int) -> list[str]:
     return []
 
 
+def staging_counts(layout: list[dict]) -> dict:
+    """What a save of ``layout`` copies to the host (checkpoint.staging_plan's choice):
+    {"bytes_staged", "copies"}."""
+    copied = [view for _, _, view, copy in checkpoint.staging_plan(layout) if copy]
+    return {"bytes_staged": sum(v.numel() * v.element_size() for v in copied),
+            "copies": len(copied)}
+
+
+def layout_bytes(layout: list[dict], written_only: bool = False) -> int:
+    """Bytes of the boxes of a layout (what it holds, padding excluded), or of those it writes."""
+    total = 0
+    for item in layout:
+        if written_only and not item["write"]:
+            continue
+        for _, full_box in item["boxes"]:
+            total += math.prod(checkpoint.box_shape(full_box)) * item["tensor"].element_size()
+    return total
+
+
 # --------------------------------------------------------------------------- the model, the data
 
 
@@ -488,8 +507,7 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     rows = []
     preset = models.PRESETS["tiny"]
     names = parameter_names()
-    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
-                                             preset["d_ff"])
+    block_columns = layouts.lm_block_columns(names, preset)
     grid = grid_mod.ProcessGrid(dp=2, tp=tp)
     chunks = [chunk.to(ctx.device) for chunk in parallel_lm.build_chunks(tiny_lm(seed=1), grid,
                                                                          SEQ)]
@@ -500,7 +518,7 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
     stats = checkpoint.save(root / "grid", layout, 2, f"grid dp 2 x tp {tp}",
                             meta_for(names, optimizer), block_columns)
-    want = layouts.layout_bytes(layout, written_only=True)
+    want = layout_bytes(layout, written_only=True)
     problems += count_problem(label, "written", stats["bytes_written"], want)
     total = torch.tensor([stats["bytes_written"]], dtype=torch.int64)
     dist.all_reduce(total)
@@ -519,7 +537,7 @@ def grid_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     target_layout = layouts.grid_layout(parallel_lm.placements(target_chunks, target_grid),
                                         target_grid, target_optimizer)
     stats = checkpoint.load(folder, target_layout)
-    want = layouts.layout_bytes(target_layout)
+    want = layout_bytes(target_layout)
     problems += count_problem(label, "read", stats["bytes_read"], want)
     problems += count_problem(label, "needed", stats["bytes_needed"], want)
     rows.append({"case": f"load pp 2 x dp {tp}", "rank": ctx.rank,
@@ -582,7 +600,7 @@ def hsdp_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
     stats = checkpoint.save(root / "hsdp", layout, 2, "hsdp replicate 2 x shard 2",
                             meta_for(names, optimizer))
-    want = layouts.layout_bytes(layout, written_only=True)
+    want = layout_bytes(layout, written_only=True)
     problems += count_problem(label, "written", stats["bytes_written"], want)
     rows.append({"case": "save HSDP 2 x 2", "rank": ctx.rank, "bytes": stats["bytes_written"],
                  "expected": want})

@@ -8,24 +8,28 @@ and read counted against formulas, damaged checkpoints refused), then, for each 
 (negative controls), the check that must catch it, run with the bug in place, then a save
 during which rank 1 is killed. In one process: manifests that point outside their folder,
 damaged manifests, pruning beside a user's folders, the lock, a save stopped inside its
-manifest, and resume.py's TrainingCheckpoints directly (random state, data order, refusals).
-train.py and the demo run as subprocesses (nothing here imports a run script): a run killed
-mid-training and restarted, beside one that never stopped, and a run under ``torchrun
---max-restarts=1`` that restarts itself. Bad flags are refused before any worker starts.
+manifest, manifests and lock files made to stall or exhaust a load (issue 44), and resume.py's
+TrainingCheckpoints directly (random state, data order, refusals). resume.py and the demo run
+as subprocesses (nothing here imports a run script): a run killed mid-training and restarted,
+beside lesson 7's train.py that never stopped, and a run under ``torchrun --max-restarts=1``
+that restarts itself. Bad flags are refused before any worker starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import csv
 import datetime
 import json
 import os
+import resource
 import runpy
 import shutil
 import signal
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,7 @@ import checkpoint
 import checks_checkpoint as checks
 import layouts
 import resume
+import safety
 from common import import_stage
 from bench import supervisor as launch
 from helpers import REPO
@@ -69,6 +74,7 @@ def no_checksum_check(self, *args):
 
 
 ORIGINAL_FSDP_LAYOUT = layouts.fsdp_layout
+ORIGINAL_AGREE = checkpoint.agree
 
 
 def fsdp_layout_every_rank_writes(*args, **kwargs):
@@ -100,7 +106,7 @@ def save_manifest_first(root, layout, step, rank_that_dies):
     for piece in pieces:
         size += piece.numel() * piece.element_size()
     file_name = f"rank_{rank:05d}.bin"
-    everyone = checkpoint.gather_to_rank_0((file_name, size, records), None)
+    everyone = checkpoint.agree(None, None, (file_name, size, records))
     if rank == 0:
         manifest, _ = checkpoint.build_manifest(step, "fsdp", dist.get_world_size(), {},
                                                 everyone)
@@ -184,10 +190,13 @@ def save_verdicts(ctx, root: Path, fsdp, optimizer, full_shapes: dict) -> tuple:
     return refused_on, message
 
 
-def agree_on_rank_0_only(problem, group):
-    """Planted: the save's verdict raised on rank 0 alone; every other rank returns."""
+def agree_on_rank_0_only(problem, group, mine=None):
+    """Planted: a verdict raised on rank 0 alone; every other rank returns (the collective
+    still runs: the ranks stay in step, only the verdict is not shared)."""
+    everyone = ORIGINAL_AGREE(None, group, mine)
     if problem is not None and dist.get_rank() == 0:
         raise checkpoint.CheckpointError(problem, found_by=[0])
+    return everyone
 
 
 def crash_worker(ctx, root_text: str) -> None:
@@ -430,6 +439,9 @@ DAMAGED_MANIFESTS = {   # label: (change, words in the message)
     "meta a list": (set_key(("meta",), []), "meta"),
     "files sizes a string": (set_key(("files", "rank_00000.bin"), "1"), "size"),
     "world_size 0": (set_key(("world_size",), 0), "world_size"),
+    "a dtype that is a list": (set_key((*FIRST, "dtype"), []), "dtype"),
+    "two boxes sharing bytes": (set_key(("tensors", "model.0.bias", "slices", 0, "offset"), 0),
+                                "share bytes"),
 }
 
 
@@ -470,19 +482,17 @@ def test_pruning_touches_only_the_folders_this_format_made(tmp_path):
     with pytest.raises(checkpoint.CheckpointError, match="not made by this format"):
         checkpoint.save(root, layouts.replicated_layout(model), 1, "one process")
     assert (user / "notes.txt").read_text() == "mine"
-    # the directory itself: named, a folder, writable (tried)
-    for given, words in (("", "''"), ("/dev/null", "not a folder"),
-                         (str(tmp_path / "a_file" / "sub"), "cannot be made"),
-                         ("/proc/self", "not writable")):
-        (tmp_path / "a_file").write_text("x")
-        with pytest.raises(checkpoint.CheckpointError, match=words):
-            checkpoint.check_directory(given)
+
+
+def made(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    return folder
 
 
 def test_one_run_per_checkpoint_directory(tmp_path):
     """The lock: a second holder refused in one line naming the first; a killed holder's lock
     file left behind is taken again (flock dies with its process)."""
-    root = checkpoint.check_directory(tmp_path / "ckpt")
+    root = made(tmp_path / "ckpt")
     held = checkpoint.lock(root)
     with pytest.raises(checkpoint.CheckpointError, match=f"held by process {os.getpid()}"):
         checkpoint.lock(root)
@@ -495,6 +505,103 @@ def test_one_run_per_checkpoint_directory(tmp_path):
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
     assert (root / checkpoint.LOCK).read_text().strip() == str(child)    # left behind
     checkpoint.unlock(checkpoint.lock(root))
+    (tmp_path / "a_file").write_text("x")                  # not a folder: one line
+    with pytest.raises(checkpoint.CheckpointError, match="a_file/checkpoint.lock: cannot be"):
+        checkpoint.lock(tmp_path / "a_file")
+
+
+def test_the_lock_file_is_never_a_pipe_or_a_hard_link(tmp_path):
+    """Issue 44: a FIFO in the lock file's place crashed with a traceback; a hard link in its
+    place was truncated and overwritten with the PID. Both refused in one line, untouched."""
+    fifo = made(tmp_path / "fifo")
+    os.mkfifo(fifo / checkpoint.LOCK)
+    with pytest.raises(checkpoint.CheckpointError, match="not a plain file of its own"):
+        within(10, checkpoint.lock, fifo)
+    linked = made(tmp_path / "linked")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("the user's")
+    os.link(victim, linked / checkpoint.LOCK)
+    with pytest.raises(checkpoint.CheckpointError, match="hard link"):
+        checkpoint.lock(linked)
+    assert victim.read_text() == "the user's"
+
+
+def within(seconds: int, function, *args):
+    """``function(*args)``, stopped with TimeoutError after ``seconds`` (SIGALRM)."""
+    def stop(signum, frame):
+        raise TimeoutError(f"{function.__name__} took more than {seconds} s")
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        return function(*args)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def by_hand(folder: Path, shard: bytes, tensors: dict, shard_size: int | None = None) -> Path:
+    """A checkpoint written without save(): ``shard`` as rank_00000.bin (or an empty sparse
+    file of ``shard_size`` bytes), and a manifest holding ``tensors``."""
+    folder.mkdir(parents=True)
+    (folder / checkpoint.MARKER).write_text(checkpoint.FORMAT)
+    (folder / "rank_00000.bin").write_bytes(shard)
+    if shard_size is not None:
+        os.truncate(folder / "rank_00000.bin", shard_size)
+    manifest = {"format": checkpoint.FORMAT, "step": 1, "layout": "by hand", "world_size": 1,
+                "meta": {}, "files": {"rank_00000.bin": shard_size or len(shard)},
+                "tensors": tensors}
+    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    return folder
+
+
+def crc32s(*units: bytes) -> str:
+    return base64.b64encode(b"".join(zlib.crc32(u).to_bytes(4, "little") for u in units)).decode()
+
+
+def refused(folder: Path, *needles) -> None:
+    with pytest.raises(checkpoint.CheckpointError) as error:
+        within(20, checkpoint.consolidate, folder)
+    message = str(error.value)
+    assert "\n" not in message and all(needle in message for needle in needles), message
+
+
+def test_an_untrusted_manifest_cannot_stall_a_load_or_exhaust_memory(tmp_path, monkeypatch):
+    """Issue 44, each case under a time limit. A manifest of 20,000 one-byte slices is checked
+    (their tiling was checked pair by pair: 221 s), and a cap on slices x 2^dims is refused; a manifest larger
+    than MAX_MANIFEST_BYTES, or nested 200,000 deep (RecursionError), is refused in one line;
+    a 64 GiB tensor claimed by a small manifest and an empty sparse shard is refused before
+    anything is allocated (consolidate allocated 64 GiB)."""
+    count = 20_000
+    data = bytes(range(256)) * (count // 256) + bytes(count % 256)
+    slices = [{"file": "rank_00000.bin", "offset": i, "box": [[i, i + 1]],
+               "crc32": crc32s(data[i:i + 1])} for i in range(count)]
+    folder = by_hand(tmp_path / "slices" / "step_000000001", data, {
+        "bytes": {"shape": [count], "dtype": "uint8", "block_columns": 1, "slices": slices}})
+    manifest = within(20, checkpoint.read_manifest, folder)     # checked, and in linear time
+    assert len(manifest["tensors"]["bytes"]["slices"]) == count
+    with monkeypatch.context() as capped:
+        capped.setattr(safety, "MAX_CORNERS", 2 * count - 1)
+        refused(folder, "too many slices")
+    folder, model = small_checkpoint(tmp_path / "big")
+    text = (folder / checkpoint.MANIFEST).read_text()
+    (folder / checkpoint.MANIFEST).write_text(text.ljust(safety.MAX_MANIFEST_BYTES + 1))
+    refused_everywhere(folder, model, "more than the", str(safety.MAX_MANIFEST_BYTES))
+    folder, model = small_checkpoint(tmp_path / "deep")
+    (folder / checkpoint.MANIFEST).write_text("[" * 200_000 + "]" * 200_000)
+    refused_everywhere(folder, model, "nested too deep")
+    numel = 2**34                                               # float32: 64 GiB
+    folder = by_hand(tmp_path / "sparse" / "step_000000001", b"", {
+        "huge": {"shape": [numel], "dtype": "float32", "block_columns": numel,
+                 "slices": [{"file": "rank_00000.bin", "offset": 0, "box": [[0, numel]],
+                             "crc32": crc32s(b"")}]}}, shard_size=4 * numel)
+    with open("/proc/self/status") as f:        # 1 GiB more address space than now, at most
+        now = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (now + (1 << 30), limits[1]))
+    try:
+        refused(folder, "rank_00000.bin: sparse")
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
 
 
 # --------------------------------------------------------------------------- an atomic manifest
@@ -643,7 +750,7 @@ def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_
     assert any("batch after the resume" in problem for problem in found), found
     # refused in one line, exit 2, as train.py's run would be: a directory another run holds,
     # a damaged checkpoint, another run's (--seed 1)
-    held = checkpoint.lock(checkpoint.check_directory(tmp_path / "held"))
+    held = checkpoint.lock(made(tmp_path / "held"))
     try:
         resume_refused(tmp_path, "held", capfd, "held by process", str(os.getpid()))
     finally:
@@ -672,6 +779,7 @@ TEXT = (REPO / "README.md").read_text() * 3
 STEPS = 6
 TRAIN = REPO / "07_parallelism" / "07_together" / "train.py"
 DEMO = REPO / "07_parallelism" / "08_checkpoints" / "run_checkpoint.py"
+RESUME = REPO / "07_parallelism" / "08_checkpoints" / "resume.py"
 # Weights of a pipeline (pp 2) against one process after STEPS AdamW steps: they sum a few
 # gradients in another order (measured: 1.2e-7, float32 rounding); a resume that restarts the
 # data order moves them by about the learning rate times the steps (3e-3).
@@ -721,24 +829,16 @@ def one_line(err: str, *needles) -> None:
     assert len(lines) == 1 and all(needle in lines[0] for needle in needles), err[-2000:]
 
 
-def crash_recipe() -> str:
-    """The torchrun recipe, exactly as ``train.py --help`` prints it (in --crash-at-step's help)."""
-    parser = import_stage("07_parallelism/07_together/train_flags").build_parser("train.py")
-    for action in parser._actions:
-        if "--crash-at-step" in action.option_strings:
-            help_text = " ".join(action.help.split())
-    start_at = help_text.index("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun")
-    end = help_text.index(" (without the variable")
-    return help_text[start_at:end]
+RECIPE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 --max-restarts=1 "
+          "07_parallelism/08_checkpoints/resume.py --dp 2 --checkpoint-every 2 --crash-at-step 3")
 
 
 def start_recipe(tmp_path: Path, name: str, extra: list) -> subprocess.Popen:
-    """The printed recipe run as printed (a shell, torchrun on the PATH, the repository's
-    07_parallelism/ under the current folder), the test's own flags appended (argparse takes
-    the last of a repeated flag: data, sizes, where to save)."""
-    recipe = crash_recipe()
-    assert recipe.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=2 "
-                             "--max-restarts=1 07_parallelism/07_together/train.py"), recipe
+    """resume.py's torchrun recipe (its docstring's, on 2 ranks) run in a shell, torchrun on
+    the PATH, the repository's 07_parallelism/ under the current folder, the test's own flags
+    appended (argparse takes the last of a repeated flag)."""
+    assert RECIPE.split(" --nproc")[0] in resume.__doc__
+    recipe = RECIPE
     (tmp_path / "07_parallelism").symlink_to(REPO / "07_parallelism")
     bin_folder = tmp_path / "bin"
     bin_folder.mkdir()
@@ -752,25 +852,24 @@ def start_recipe(tmp_path: Path, name: str, extra: list) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
 
 
-def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
-    """train.py as a user runs it: killed mid-training and restarted, beside a run that never
-    stopped (bitwise: losses and weights); under torchrun --max-restarts=1 with the recipe as
-    train.py's help prints it, run as printed (against the run that never stopped, at float32
-    tolerance: another grid); the lesson's demo, run_checkpoint.py, beside.
-    (The refusals train.py makes through resume.py are tested on resume itself, above.)"""
+def test_resume_py_resumes_after_a_crash_as_the_same_run(tmp_path):
+    """resume.py as a user runs it: killed mid-training and restarted, beside lesson 7's
+    train.py that never stopped (bitwise: losses and weights); under torchrun --max-restarts=1
+    (against the run that never stopped, at float32 tolerance: another grid); the lesson's
+    demo, run_checkpoint.py, beside. (Its refusals are tested on TrainingCheckpoints, above.)"""
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     torchrun = start_recipe(tmp_path, "torchrun_results", train_argv(
         data, "--checkpoint-dir", tmp_path / "torchrun", "--save-full", tmp_path / "torchrun.pt"))
     crashed = tmp_path / "crashed"
     # 1. the worker killed after step 5 (checkpoints at steps 2 and 4): the run ends
-    finish(start(tmp_path, "crashed_results", [TRAIN, *train_argv(
+    finish(start(tmp_path, "crashed_results", [RESUME, *train_argv(
         data, "--world-size", "1", "--checkpoint-dir", crashed, "--checkpoint-every", "2",
         "--crash-at-step", "5")]), 1)
     assert [step for step, _ in checkpoint.list_checkpoints(crashed)] == [2, 4]
     # 2. restarted beside the run that never stopped, and the demo
     shutil.copytree(crashed, tmp_path / "resumed")
-    resumed = start(tmp_path, "resumed_results", [TRAIN, *train_argv(
+    resumed = start(tmp_path, "resumed_results", [RESUME, *train_argv(
         data, "--world-size", "1", "--checkpoint-dir", tmp_path / "resumed", "--save-full",
         tmp_path / "resumed.pt")])
     never = start(tmp_path, "never_results", [TRAIN, *train_argv(
@@ -798,32 +897,33 @@ def test_train_py_resumes_after_a_crash_as_the_same_run(tmp_path):
 
 
 BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
-RESUME = REPO / "07_parallelism" / "08_checkpoints" / "resume.py"
-BAD_FLAGS = [   # script, flags, the words of its one line
-    (TRAIN, ["--checkpoint-every", "2"], "need --checkpoint-dir"),
-    (TRAIN, ["--crash-at-step", "2"], "need --checkpoint-dir"),
-    (RESUME, ["--checkpoint-dir", "README.md"], "not a folder"),   # train.py hands it here
-    (DEMO, [], "give 2 ranks or more"),
-    (DEMO, ["--world-size", "3"], "give an even number of ranks"),
-    (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more"),
-    (DEMO, ["--iters", "0"], "is not a whole number >= 1"),
-    (DEMO, ["--world-size", "2", "--dir", "README.md"], "not a folder"),
-    (DEMO, ["--world-size", "2", "--dir", "/dev/null"], "not a folder"),
-    (DEMO, ["--world-size", "2", "--dir", "/proc/self/fdinfo"], "already used"),
-    (DEMO, ["--world-size", "2", "--dir", "/proc/sys/new"], "cannot be made"),
-    (DEMO, ["--world-size", "2", "--dir", "07_parallelism"], "already used"),
+SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+BAD_FLAGS = [   # script, flags, the words of its one line, environment
+    (RESUME, [], "checkpoint-dir", {}),
+    (RESUME, ["--checkpoint-dir", "README.md"], "README.md", {}),
+    (DEMO, [], "give an even number of ranks, 2 or more", {}),
+    (DEMO, ["--world-size", "3"], "give an even number of ranks", {}),
+    (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more", {}),
+    (BENCH, ["--iters", "0"], "is not a whole number >= 1", {}),
+    (BENCH, ["--world-size", "4", "--dir", "README.md"], "not a folder", {}),
+    (BENCH, ["--world-size", "4", "--dir", "07_parallelism"], "already used", {}),
+    # issue 45 item 11: rank 0's temporary folder is not on another node
+    (DEMO, [], "spans nodes", SPANS_NODES),
+    (BENCH, [], "spans nodes", SPANS_NODES),
 ]
 
 
-@pytest.mark.parametrize("script, argv, needle", BAD_FLAGS)
-def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, capsys,
-                                                         monkeypatch):
+@pytest.mark.parametrize("script, argv, needle, environment", BAD_FLAGS)
+def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, environment,
+                                                         capsys, monkeypatch):
     """The script run as __main__ in this process (runpy: run, not imported as a library; a
     subprocess each would cost a torch start-up): exit 2, one line, no launch."""
     def no_launch(*args, **kwargs):
         raise AssertionError("bad flags reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
     monkeypatch.chdir(REPO)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
     monkeypatch.setattr(sys, "argv", [str(script), "--world-size", "1", *argv])
     with pytest.raises(SystemExit) as refused:
         runpy.run_path(str(script), run_name="__main__")
@@ -853,15 +953,15 @@ def test_what_a_save_copies_to_the_host_is_counted(tmp_path):
     for item in layout:
         if item["write"]:
             written_boxes += len(item["boxes"])
-    on_cpu = checkpoint.staging_counts(layout)
+    on_cpu = checks.staging_counts(layout)
     assert on_cpu == {"bytes_staged": 2 * 6 * 4 * 4, "copies": 2}, on_cpu
     on_device = []
     for item in layout:
         on_device.append({**item, "tensor": item["tensor"].to("meta")})
-    counted = checkpoint.staging_counts(on_device)
-    assert counted == {"bytes_staged": layouts.layout_bytes(layout, written_only=True),
+    counted = checks.staging_counts(on_device)
+    assert counted == {"bytes_staged": checks.layout_bytes(layout, written_only=True),
                        "copies": written_boxes}, counted
     stats = checkpoint.save(tmp_path, layout, 1, "one process")
-    assert stats["bytes_written"] == layouts.layout_bytes(layout, written_only=True)
+    assert stats["bytes_written"] == checks.layout_bytes(layout, written_only=True)
     state = checkpoint.consolidate(checkpoint.latest_checkpoint(tmp_path))
     assert torch.equal(state["model"]["columns"], columns["tensor"])

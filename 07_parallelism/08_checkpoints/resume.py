@@ -1,29 +1,18 @@
-"""Stage 07, lesson 8: lesson 7's train.py, checkpointed and resumed.
+"""Stage 07, lesson 8: lesson 7's training run, checkpointed and resumed as the same run.
 
-What a training run must save to be resumed as the same run: the model (the grid's pieces),
-AdamW's state (moments and step counts: without them the first steps after a resume would be
-bias-corrected from zero), the random state, and the step. What it need not save: the data
-order, because the batch of step s is a pure function of (seed, s) (``text_data.batch_at``):
-a run resumed at step s draws batches s, s + 1, ... exactly as the run that never stopped.
+It restores the model, AdamW's moments and step counts (else the first steps are
+bias-corrected from zero) and the random state; the data order needs nothing (the batch of
+step s is a function of the seed and s). A resume loads the newest checkpoint, on any grid.
 
-    python 07_parallelism/07_together/train.py --dp 2 --tp 2 --steps 300 \\
-        --checkpoint-dir ckpt --checkpoint-every 50        # saves at 50, 100, ..., and 300
-    python 07_parallelism/07_together/train.py --pp 2 --steps 300 --checkpoint-dir ckpt
-                                                          # resumes at 300's newest, on pp 2
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=4 --max-restarts=1 \\
-        07_parallelism/07_together/train.py \\
-        --dp 2 --tp 2 --checkpoint-dir ckpt --checkpoint-every 50 --crash-at-step 120
-                                                          # a worker dies; the group restarts
-                                                          # and resumes from step 100
-(The variable: without it, torch's restarted workers look for the rendezvous store of the
-attempt before and wait for it until they time out.)
+    python 07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --steps 300 \
+        --checkpoint-dir ckpt --checkpoint-every 50         # lesson 7's flags, and these
+    python 07_parallelism/08_checkpoints/resume.py --pp 2 --steps 300 --checkpoint-dir ckpt
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=4 --max-restarts=1 \
+        07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --checkpoint-dir ckpt \
+        --checkpoint-every 50 --crash-at-step 120   # a worker dies; torchrun restarts all
 
-Each save goes to a new folder under the checkpoint directory, the newest two are kept; a
-resume takes the newest complete one (with its manifest) on whatever grid the run was
-started with. A damaged checkpoint, or one of another run (another model, seed, batch...)
-stops the run before it trains: one line, exit status 2. So does a directory another run is
-using: rank 0 holds the directory's lock (``checkpoint.lock``) from the resume to the last
-save; the kernel drops it when the process ends, however it ends.
+(Without the variable, torch 2.13's restarted workers wait for the last attempt's store.) A
+damaged checkpoint, another run's, or a directory another run holds: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -44,8 +33,8 @@ RUN_FLAGS = ("model", "seed", "batch_size", "seq_len", "lr", "data", "max_bytes"
 
 
 class TrainingCheckpoints:
-    """train.py's checkpoints: ``resume()`` once, before the first step; ``after_step(step)``
-    after each optimizer step (it saves when a save is due, and plays --crash-at-step)."""
+    """Lesson 7's loop calls ``resume()`` once, before the first step (it returns the first
+    step to train), and ``after_step(step)`` after each optimizer step."""
 
     def __init__(self, args, chunks, grid, optimizer, parallel_lm, full_lm):
         from common import models
@@ -54,25 +43,18 @@ class TrainingCheckpoints:
         self.grid = grid
         self.optimizer = optimizer
         self.parallel_lm = parallel_lm
-        self.held = None            # rank 0: the directory's lock, from resume() to the end
-        self.run = {}
-        for flag in RUN_FLAGS:
-            self.run[flag] = getattr(args, flag)
+        self.held = None            # rank 0: the directory's lock
+        self.run = {flag: getattr(args, flag) for flag in RUN_FLAGS}
         names = [name for name, _ in full_lm.named_parameters()]
-        preset = models.PRESETS[args.model]
-        self.block_columns = layouts.lm_block_columns(names, preset["num_heads"],
-                                                      preset["d_model"], preset["d_ff"])
+        self.block_columns = layouts.lm_block_columns(names, models.PRESETS[args.model])
         self.meta = {"run": self.run, "parameter_order": names,
                      "optimizer": layouts.optimizer_options(optimizer)}
         self.layout_name = (f"grid dp {args.dp} x pp {args.pp} x cp {args.cp} x tp {args.tp}, "
                             f"{dist.get_world_size()} ranks")
-        if args.fsdp:
-            self.layout_name += ", ZeRO-1 over dp x cp"
 
     def layout(self, rng_state: torch.Tensor) -> list[dict]:
         """This rank's pieces of the model and of AdamW's state, and the random state (the
-        same on every rank here: train.py draws no random numbers of its own after building
-        the model, each rank the same ones; written by rank 0)."""
+        same on every rank: train.py draws none of its own after building the model)."""
         placements = self.parallel_lm.placements(self.chunks, self.grid)
         layout = layouts.grid_layout(placements, self.grid, self.optimizer)
         box = layouts.whole(rng_state.shape)
@@ -80,46 +62,30 @@ class TrainingCheckpoints:
                                     dist.get_rank() == 0))
         return layout
 
-    def take_directory(self) -> None:
-        """Rank 0: the checkpoint directory usable (a folder, writable: tried) and locked for
-        this run; every rank hears the verdict."""
+    def resume(self) -> int:
+        """Rank 0 takes (locks) the directory; then the newest complete checkpoint, if any,
+        is loaded: its step, else 0."""
         problem = None
-        if dist.get_rank() == 0:
-            try:
-                checkpoint.check_directory(self.args.checkpoint_dir)
+        try:
+            if dist.get_rank() == 0:
                 self.held = checkpoint.lock(self.args.checkpoint_dir)
-            except checkpoint.CheckpointError as error:
-                problem = str(error)
+        except checkpoint.CheckpointError as error:
+            problem = str(error)
+        folder = checkpoint.latest_checkpoint(self.args.checkpoint_dir)
+        rng_state = torch.get_rng_state()                   # a buffer of the right size
         try:
             checkpoint.agree(problem, None)
-        except checkpoint.CheckpointError as error:
-            refuse(error)
-
-    def give_back_directory(self) -> None:
-        if self.held is not None:
-            checkpoint.unlock(self.held)
-            self.held = None
-
-    def resume(self) -> int:
-        """Take the directory (``take_directory``), load its newest complete checkpoint, if
-        any; return its step (the first step to train), 0 without one. A bad one: one line,
-        exit 2, on every rank."""
-        self.take_directory()
-        folder = checkpoint.latest_checkpoint(self.args.checkpoint_dir)
-        if folder is None:
-            return 0
-        try:
+            if folder is None:
+                return 0
             manifest = checkpoint.read_manifest(folder)
-            saved_run = manifest["meta"].get("run")
-            if not isinstance(saved_run, dict):
-                saved_run = {}
+            saved_run = manifest["meta"].get("run", {})
             for flag in RUN_FLAGS:
-                if saved_run.get(flag) != self.run[flag]:
+                if not isinstance(saved_run, dict) or saved_run.get(flag) != self.run[flag]:
+                    theirs = saved_run.get(flag) if isinstance(saved_run, dict) else None
                     raise checkpoint.CheckpointError(
                         f"{folder / checkpoint.MANIFEST}: saved by a run with --"
-                        f"{flag.replace('_', '-')} {saved_run.get(flag)}, this one has "
-                        f"{self.run[flag]}; a resumed run must be the same run")
-            rng_state = torch.get_rng_state()           # a buffer of the right size
+                        f"{flag.replace('_', '-')} {theirs}, this one has {self.run[flag]}; a "
+                        "resumed run must be the same run")
             checkpoint.load(folder, self.layout(rng_state))
         except checkpoint.CheckpointError as error:
             refuse(error)
@@ -127,78 +93,55 @@ class TrainingCheckpoints:
         if dist.get_rank() == 0:
             print(f"[rank 0] resumed from {folder} (step {manifest['step']}, saved from "
                   f"{manifest['layout']})", flush=True)
-        if manifest["step"] >= self.args.steps:         # nothing left to train: done with it
+        if manifest["step"] >= self.args.steps:             # nothing left to train
             self.give_back_directory()
         return manifest["step"]
 
     def after_step(self, step: int) -> None:
-        """After optimizer step ``step`` (counted from 1): save every --checkpoint-every steps
-        and at the last step; then --crash-at-step."""
+        """After optimizer step ``step`` (from 1): a save every --checkpoint-every steps and at
+        the last; then --crash-at-step."""
         every = self.args.checkpoint_every
-        last = step == self.args.steps
-        if last or (every is not None and step % every == 0):
-            self.save(step)
-        if last:
+        if step == self.args.steps or (every is not None and step % every == 0):
+            try:
+                checkpoint.save(self.args.checkpoint_dir, self.layout(torch.get_rng_state()),
+                                step, self.layout_name, self.meta, self.block_columns)
+            except checkpoint.CheckpointError as error:
+                refuse(error)
+        if step == self.args.steps:
             self.give_back_directory()
-        if step == self.args.crash_at_step:
-            crash_once(step)
+        last_rank = dist.get_rank() == dist.get_world_size() - 1
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"   # torchrun's
+        if step == self.args.crash_at_step and first_attempt and last_rank:
+            print(f"[rank {dist.get_rank()}] --crash-at-step {step}: killing this worker (SIGKILL)",
+                  flush=True)      # as the out-of-memory killer would: no clean-up, no message
+            os.kill(os.getpid(), signal.SIGKILL)
 
-    def save(self, step: int) -> None:
-        try:
-            checkpoint.save(self.args.checkpoint_dir, self.layout(torch.get_rng_state()), step,
-                            self.layout_name, self.meta, self.block_columns)
-        except checkpoint.CheckpointError as error:
-            refuse(error)
+    def give_back_directory(self) -> None:
+        if self.held is not None:
+            checkpoint.unlock(self.held)
+            self.held = None
 
 
 def refuse(error: checkpoint.CheckpointError) -> None:
-    """Every rank has the same error (checkpoint.py agrees on it): rank 0 says it in one line,
-    like a bad flag, and every rank exits with status 2 (so does the run: common/launch.py)."""
+    """Every rank has the same error: rank 0 says it in one line, every rank exits 2."""
     if dist.get_rank() == 0:
         print(f"{os.path.basename(sys.argv[0])}: error: {error}", file=sys.stderr, flush=True)
     dist.barrier()                  # the line is out before any rank exits
     raise SystemExit(2)
 
 
-def crash_once(step: int) -> None:
-    """--crash-at-step: the last rank dies by SIGKILL (as under the out-of-memory killer or a
-    lost node: no clean-up, no message from it) right after ``step``, on torchrun's first
-    attempt only (``TORCHELASTIC_RESTART_COUNT``), so that the restarted group trains on."""
-    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if dist.get_rank() == dist.get_world_size() - 1:
-        print(f"[rank {dist.get_rank()}] --crash-at-step {step}: killing this worker (SIGKILL)",
-              flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-
-
 def main(argv=None) -> None:
-    """``train.py --checkpoint-dir`` hands its run over here, with the same arguments: lesson
-    7's training loop (``training.train_main``) with these checkpoints. Lesson 8 builds on
-    lesson 7; lesson 7 imports nothing of lesson 8."""
-    from common import import_stage, launch
+    """Lesson 7's training loop (``training.train_main``) with these checkpoints."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository: common/
+    from common import import_stage, launch, usage_error
     train_flags = import_stage("07_parallelism/07_together/train_flags")
     training = import_stage("07_parallelism/07_together/training")
     args, config = train_flags.parse(argv, __doc__)
     if args.checkpoint_dir is None:
-        launch.usage_error("resume.py trains with checkpoints: give --checkpoint-dir")
+        usage_error("resume.py trains with checkpoints: give --checkpoint-dir")
     training.lessons()
     launch.launch(training.train_main, config, args, TrainingCheckpoints)
 
 
 if __name__ == "__main__":
-    _repo()
     main()

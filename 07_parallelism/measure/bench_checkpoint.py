@@ -4,13 +4,13 @@ lesson's checkpoint.py and by ``torch.distributed.checkpoint`` on the same state
 Shard(0) made from the same shards), alternately in the same run: time (the slowest rank's
 median) and bytes per rank. Rows go to results/checkpoint.csv.
 
-    python 07_parallelism/measure/bench_checkpoint.py --model course --world-size 4
-    python 07_parallelism/08_checkpoints/run_checkpoint.py --bench --model course   # the same
+    python 07_parallelism/measure/bench_checkpoint.py --bench --model course --world-size 4
 """
 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import statistics
 import sys
@@ -119,8 +119,7 @@ def bench_main(ctx, args) -> None:
     full_lm = models.TransformerLM(args.model, vocab_size=VOCAB, context_length=256)
     preset = models.PRESETS[args.model]
     names = [name for name, _ in full_lm.named_parameters()]
-    block_columns = layouts.lm_block_columns(names, preset["num_heads"], preset["d_model"],
-                                             preset["d_ff"])
+    block_columns = layouts.lm_block_columns(names, preset)
     world_size = ctx.world_size
     groups = {2: dist.new_group([0, 1]), world_size: dist.group.WORLD}
     meshes = {}
@@ -299,8 +298,7 @@ def main(argv=None) -> None:
     from bench import results
     from bench import supervisor as launch
     parser = launch.make_parser(__doc__, world_size=4)
-    parser.add_argument("--bench", action="store_true",
-                        help="accepted (the lesson's run_checkpoint.py --bench hands over here)")
+    parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",
                         help="the LM preset")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=1,
@@ -314,11 +312,14 @@ def main(argv=None) -> None:
     if config.world_size < 3:
         parser.error(f"--bench --world-size {config.world_size}: it saves at 2 ranks and loads "
                      "at the world size, and back: give 3 ranks or more")
+    if args.dir is None and launch.under_torchrun() and (os.environ.get("LOCAL_WORLD_SIZE")
+                                                         != os.environ["WORLD_SIZE"]):
+        parser.error("the job spans nodes (WORLD_SIZE > LOCAL_WORLD_SIZE): rank 0's temporary "
+                     "folder is not on the others; give --dir, a folder every node sees")
     if args.dir is not None:
-        try:
-            checkpoint.check_directory(args.dir)
-        except checkpoint.CheckpointError as error:
-            parser.error(f"--dir {error}")
+        if Path(args.dir).exists() and not Path(args.dir).is_dir():
+            parser.error(f"--dir {args.dir}: not a folder")
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
         if any(Path(args.dir).iterdir()):
             parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty "
                          "folder")
