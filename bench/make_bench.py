@@ -353,7 +353,6 @@ MEASURED_BY = {
         "07_parallelism/measure/bench_context_parallel.py",
     "07_parallelism/06_expert_parallel/run_expert_parallel.py":
         "07_parallelism/measure/bench_expert_parallel.py",
-    "07_parallelism/08_checkpoints/run_checkpoint.py": "07_parallelism/measure/bench_checkpoint.py",
 }
 
 
@@ -462,7 +461,7 @@ def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
         sizes = ["--model", "course", "--iters", "2"]
     if setup.gpus == 1 and not quick:  # 400 MB of state through host memory missed its cap
         sizes = ["--model", "course"]
-    return ["07_parallelism/08_checkpoints/run_checkpoint.py", "--bench", "--world-size",
+    return ["07_parallelism/measure/bench_checkpoint.py", "--bench", "--world-size",
             str(world_size), *where, *sizes]
 
 

@@ -299,6 +299,8 @@ def test_every_stage_file_works_copied_alone(tmp_path):
         (tmp_path / folder).mkdir(parents=True)
         shutil.copy(REPO / path, tmp_path / folder)
         modules.append((folder, name[:-3]))
+    shutil.copy(REPO / "07_parallelism" / "08_checkpoints" / "safety.py",
+                tmp_path / "07_parallelism" / "08_checkpoints")  # checkpoint.py's rules, beside it
     (tmp_path / "measure").mkdir()
     shutil.copy(REPO / "07_parallelism" / "measure" / "counters.py", tmp_path / "measure")  # no main()
     for path in ALGORITHM_ONLY:  # 07's algorithm files beside their scripts: no main() either

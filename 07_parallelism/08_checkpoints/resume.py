@@ -131,16 +131,22 @@ def refuse(error: checkpoint.CheckpointError) -> None:
 
 
 def main(argv=None) -> None:
-    """Lesson 7's training loop (``training.train_main``) with these checkpoints."""
+    """Lesson 7's training loop (``train.train_main``) with these checkpoints."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository: common/
-    from common import import_stage, launch, usage_error
-    train_flags = import_stage("07_parallelism/07_together/train_flags")
-    training = import_stage("07_parallelism/07_together/training")
-    args, config = train_flags.parse(argv, __doc__)
-    if args.checkpoint_dir is None:
-        usage_error("resume.py trains with checkpoints: give --checkpoint-dir")
-    training.lessons()
-    launch.launch(training.train_main, config, args, TrainingCheckpoints)
+    from common import import_stage, launch
+    train = import_stage("07_parallelism/07_together/train")
+    parser = train.build_parser(__doc__)
+    parser.add_argument("--checkpoint-dir", required=True,
+                        help="resume from the newest complete checkpoint in this folder (on any "
+                             "grid), save into it at the end and every --checkpoint-every steps")
+    parser.add_argument("--checkpoint-every", type=launch.positive_int, default=None,
+                        help="save every this many steps")
+    parser.add_argument("--crash-at-step", type=launch.positive_int, default=None,
+                        help="to watch a resume under torchrun --max-restarts: the last rank "
+                             "kills itself (SIGKILL) right after this step, on the first attempt")
+    args, config = train.parse(argv, parser)
+    train.lessons()
+    launch.launch(train.train_main, config, args, TrainingCheckpoints)
 
 
 if __name__ == "__main__":
