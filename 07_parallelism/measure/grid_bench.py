@@ -1053,10 +1053,17 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
             time_again(ctx, sizes, timed)
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
-    torch_rows = compare_with_torch(ctx, sizes, lessons)
-    if ctx.is_main:
-        results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-    pipeline_rows = compare_pipelines(ctx, sizes, lessons)
+    from common.launch import carries_point_to_point
+    torch_rows = []
+    pipeline_rows = []
+    if carries_point_to_point(ctx.backend, ctx.device.type):  # torch's parts send and coalesce
+        torch_rows = compare_with_torch(ctx, sizes, lessons)
+        if ctx.is_main:
+            results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
+        pipeline_rows = compare_pipelines(ctx, sizes, lessons)
+    else:
+        ctx.print(f"torch's composition and pipelining: skipped ({ctx.backend} cannot carry "
+                  f"{ctx.device.type} tensors point to point)", all_ranks=False)
     reference = reference_loss(sizes, lessons)
     if not ctx.is_main:
         return
@@ -1238,7 +1245,8 @@ def main(argv=None) -> None:
     if config.world_size not in GRIDS:
         parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
                      f"{config.world_size}")
-    if config.device == "cuda" and config.backend != "nccl":
+    from common.launch import carries_point_to_point
+    if not carries_point_to_point(config.backend, config.device):
         parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
     name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
     problems = size_problems(SIZES[name], GRIDS[config.world_size], config.world_size)
