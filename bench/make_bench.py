@@ -626,10 +626,10 @@ def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, str]]:
 
 def take_the_lock(out: Path):
     """One make bench at a time on one results folder: two would mix their rows (each measured
-    while the other took half the cores) under one run id. The second is refused in one line."""
+    while the other took half the cores) under one run id. The second is refused in one line.
+    The lock is the folder's own (flock on it): nothing is left behind, however this ends."""
     import fcntl
-    path = out / ".make_bench.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

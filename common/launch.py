@@ -197,10 +197,12 @@ def run_rank(worker, rank, world_size, local_rank, backend, device, args):
         dist.destroy_process_group()
 
 
-def _rank(rank, worker, config, args):
-    """A rank started here: torchrun's variables, its share of the cores, then ``run_rank``."""
+def _rank(rank, worker, config, args, environ):
+    """A rank started here: the launcher's environment (the fork server kept the one it started
+    with) and torchrun's variables, its share of the cores, then ``run_rank``."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent's death (torch asks Linux) ends it
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.clear()
+    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.seed()  # ranks forked from one server would share its generator's state
     torch.set_num_threads(rank_threads(config.world_size))
     run_rank(worker, rank, config.world_size, rank, config.backend, config.device, args)
@@ -224,7 +226,7 @@ def launch(worker, config: LaunchConfig, *args) -> None:
     os.environ["MASTER_PORT"] = os.environ.get("MASTER_PORT") or str(free_port())
     os.environ["WORLD_SIZE"] = os.environ["LOCAL_WORLD_SIZE"] = str(config.world_size)
     try:
-        torch.multiprocessing.start_processes(_rank, (worker, config, args),
+        torch.multiprocessing.start_processes(_rank, (worker, config, args, dict(os.environ)),
                                               nprocs=config.world_size, start_method="forkserver")
     except torch.multiprocessing.ProcessRaisedException as e:
         print(f"error: rank {e.error_index} failed:{e}", file=sys.stderr, flush=True)

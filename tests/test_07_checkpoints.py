@@ -43,6 +43,7 @@ import resume
 import safety
 from common import import_stage
 from bench import supervisor as launch
+from common import launch as course_launch
 from helpers import REPO
 
 # --------------------------------------------------------------------------- planted bugs
@@ -897,7 +898,8 @@ def test_resume_py_resumes_after_a_crash_as_the_same_run(tmp_path):
 
 
 BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
-SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 BAD_FLAGS = [   # script, flags, the words of its one line, environment
     (RESUME, [], "checkpoint-dir", {}),
     (RESUME, ["--checkpoint-dir", "README.md"], "README.md", {}),
@@ -921,6 +923,7 @@ def test_bad_flags_are_refused_before_any_worker_starts(script, argv, needle, en
     def no_launch(*args, **kwargs):
         raise AssertionError("bad flags reached the launch")
     monkeypatch.setattr(launch, "launch", no_launch)
+    monkeypatch.setattr(course_launch, "launch", no_launch)
     monkeypatch.chdir(REPO)
     for name, value in environment.items():
         monkeypatch.setenv(name, value)

@@ -211,7 +211,9 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
                 args = importlib.import_module("check_prediction").parse_args(step.argv[1:])
                 assert args.device == ("cuda" if gpus else "cpu")
                 continue
-            module = importlib.import_module(step.argv[0].split("/")[-1][:-3])
+            name = step.argv[0].split("/")[-1][:-3]
+            lab = step.argv[0].startswith("bench/")
+            module = importlib.import_module(f"bench.{name}" if lab else name)
             launched.clear()
             try:
                 module.main(step.argv[1:])

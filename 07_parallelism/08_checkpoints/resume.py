@@ -145,6 +145,8 @@ def main(argv=None) -> None:
                         help="to watch a resume under torchrun --max-restarts: the last rank "
                              "kills itself (SIGKILL) right after this step, on the first attempt")
     args, config = train.parse(argv, parser)
+    if Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
+        parser.error(f"--checkpoint-dir {args.checkpoint_dir}: not a folder")
     train.lessons()
     launch.launch(train.train_main, config, args, TrainingCheckpoints)
 
