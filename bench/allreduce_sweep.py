@@ -173,7 +173,8 @@ def main(argv=None) -> None:
             launch.launch(stage02.check_worker, config, args, timeout_s=120 + 30 * len(args.sizes))
         return
     results.check_writable()
-    os.environ.setdefault("RESULTS_RUN_ID", results.run_id())  # the ranks' rows name this run
+    given = os.environ.get("RESULTS_RUN_ID")
+    os.environ["RESULTS_RUN_ID"] = given or results.run_id()  # the ranks' rows name this run
     stopped = None
     try:
         for config in configs:
@@ -181,6 +182,9 @@ def main(argv=None) -> None:
                           timeout_s=args.budget_s * len(args.sizes) * 3 + 120)
     except launch.Stopped as e:  # Ctrl-C or SIGTERM: report what finished, then stop
         stopped = e
+    finally:
+        if given is None:  # as it was: a caller in this process (a test) sees no run id
+            del os.environ["RESULTS_RUN_ID"]
     if not launch.under_torchrun() or os.environ["RANK"] == "0":
         rows = [r for r in results.read_csv("allreduce.csv") if r.get("run_id") == results.run_id()]
         if not rows:
