@@ -73,7 +73,7 @@ def no_checksum_check(self, *args):
     """Planted: the bytes read are not checked against their CRC32."""
 
 
-ORIGINAL_FSDP_LAYOUT = layouts.fsdp_layout
+ORIGINAL_FSDP_LAYOUT = checks.fsdp_layout
 ORIGINAL_AGREE = checkpoint.agree
 
 
@@ -89,7 +89,7 @@ PLANTS = {  # label: (module or class, attribute, the planted function)
     "load ignores offsets": (checkpoint, "place", place_ignoring_offsets),
     "reads whole saved boxes": (checkpoint.Reader, "read_overlap", read_whole_saved_boxes),
     "checksums unchecked": (checkpoint.Reader, "check_units", no_checksum_check),
-    "replicas written by every rank": (layouts, "fsdp_layout", fsdp_layout_every_rank_writes),
+    "replicas written by every rank": (checks, "fsdp_layout", fsdp_layout_every_rank_writes),
 }
 
 
@@ -178,7 +178,7 @@ def save_verdicts(ctx, root: Path, fsdp, optimizer, full_shapes: dict) -> tuple:
     """Save a layout that writes every replica on every rank (checkpoint.save must refuse it):
     the ranks on which save raised, gathered from every rank, and this rank's message (a
     verdict raised on rank 0 alone, the others returning "saved", is a bug: they train on)."""
-    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
+    layout = checks.fsdp_layout(fsdp, optimizer, full_shapes)
     message = None
     try:
         checkpoint.save(root, layout, 1, "fsdp")
@@ -211,7 +211,7 @@ def crash_worker(ctx, root_text: str) -> None:
     checks.fsdp_step(fsdp, optimizer, 0, 2 * ctx.world_size, None)
     truth = checks.fsdp_full_state(fsdp, optimizer, full_shapes, None)
     meta = checks.meta_for(list(full_shapes), optimizer)
-    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
+    layout = checks.fsdp_layout(fsdp, optimizer, full_shapes)
     for name in ("base", "manifest_first", "crash"):
         checkpoint.save(root / name, layout, 1, "fsdp", meta)
     base = checkpoint.latest_checkpoint(root / "base")
