@@ -749,7 +749,9 @@ def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_
         found = resume_problems(tmp_path, "data_restarted")
     assert any("batch after the resume" in problem for problem in found), found
     # refused in one line, exit 2, as train.py's run would be: a directory another run holds,
-    # a damaged checkpoint, another run's (--seed 1)
+    # a damaged checkpoint, another run's (--seed 1), a file given as the directory
+    (tmp_path / "a_file").write_text("not a directory")
+    resume_refused(tmp_path, "a_file", capfd, "a_file", "cannot be opened")
     held = checkpoint.lock(made(tmp_path / "held"))
     try:
         resume_refused(tmp_path, "held", capfd, "held by process", str(os.getpid()))
@@ -897,10 +899,10 @@ def test_resume_py_resumes_after_a_crash_as_the_same_run(tmp_path):
 
 
 BENCH = REPO / "07_parallelism" / "measure" / "bench_checkpoint.py"
-SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 BAD_FLAGS = [   # script, flags, the words of its one line, environment
     (RESUME, [], "checkpoint-dir", {}),
-    (RESUME, ["--checkpoint-dir", "README.md"], "README.md", {}),
     (DEMO, [], "give an even number of ranks, 2 or more", {}),
     (DEMO, ["--world-size", "3"], "give an even number of ranks", {}),
     (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more", {}),
