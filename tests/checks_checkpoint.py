@@ -48,6 +48,43 @@ WEIGHT_RTOL = 1e-4
 LOSS_RTOL = 1e-5
 
 
+def zero1_layout(model: torch.nn.Module, optimizer, group=None) -> list[dict]:
+    """ZeRO-1 (lesson 1's ShardedOptimizer): a parameter's owner writes it and its state."""
+    layouts.init_adamw_state(optimizer.optim)
+    layout = []
+    for name, p in model.named_parameters():
+        boxes = [(layouts.whole(p.shape), layouts.whole(p.shape))]
+        owns = optimizer.owner[p] == dist.get_rank(group)
+        layout.append(layouts.entry(f"model.{name}", p, p.shape, boxes, owns))
+        if owns:
+            layout += layouts.adamw_entries(name, boxes, p.shape, optimizer.optim.state[p], True)
+    return layout
+
+
+def fsdp_layout(fsdp: torch.nn.Module, optimizer, full_shapes: dict, group=None) -> list[dict]:
+    """FSDP (lesson 2): row blocks of the 2+-D weights, 1-D ones whole (rank 0 writes them);
+    ``full_shapes``: {name: shape} unwrapped."""
+    rank = dist.get_rank(group)
+    world_size = dist.get_world_size(group)
+    layouts.init_adamw_state(optimizer)
+    layout = []
+    for name, p in fsdp.module.named_parameters():
+        full_shape = list(full_shapes[name])
+        boxes = [(layouts.whole(full_shape), layouts.whole(full_shape))]
+        write = rank == 0
+        if len(full_shape) >= 2:
+            rows = math.ceil(full_shape[0] / world_size)
+            if p.shape[0] != rows:       # another sharding: its boxes would be wrong, silently
+                raise ValueError(f"fsdp_layout: {name} holds {p.shape[0]} rows; FSDP at "
+                                 f"{world_size} ranks holds ceil({full_shape[0]} / "
+                                 f"{world_size}) = {rows}")
+            boxes = layouts.padded_row_block(full_shape, rank, world_size)
+            write = True
+        layout.append(layouts.entry(f"model.{name}", p, full_shape, boxes, write))
+        layout += layouts.adamw_entries(name, boxes, full_shape, optimizer.state[p], write)
+    return layout
+
+
 def lessons():
     """The lessons whose layouts are checkpointed: ZeRO, FSDP, and lesson 7's grid."""
     zero = import_stage("07_parallelism/01_zero/zero")
@@ -305,7 +342,7 @@ def fsdp_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
     for step in (0, 1):
         fsdp_step(fsdp, optimizer, step, batch_size, None)
     saved = fsdp_full_state(fsdp, optimizer, full_shapes, None)
-    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
+    layout = fsdp_layout(fsdp, optimizer, full_shapes)
     stats = checkpoint.save(root / "fsdp", layout, 2, f"fsdp at {world_size} ranks",
                             meta_for(list(full_shapes), optimizer))
     want = fsdp_bytes(full_shapes, ctx.rank, world_size, written=True)
@@ -346,7 +383,7 @@ def fsdp_smaller_problems(ctx, folder, saved: dict, full_shapes: dict, never_sto
         return problems, rows, worst
     target = fsdp_mod.FSDP(tiny_lm(seed=2), process_group=group)
     target_optimizer = torch.optim.AdamW(target.parameters(), lr=LR, eps=ADAM_EPS)
-    target_layout = layouts.fsdp_layout(target, target_optimizer, full_shapes, group)
+    target_layout = fsdp_layout(target, target_optimizer, full_shapes, group)
     stats = checkpoint.load(folder, target_layout, group=group)
     want = fsdp_bytes(full_shapes, ctx.rank, smaller, written=False)
     problems += count_problem(label, "read", stats["bytes_read"], want)
@@ -426,7 +463,7 @@ def zero_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
         for step in (0, 1):
             zero_step(model, optimizer, step, batch_size, group)
         saved = zero_full_state(model, optimizer, group)
-        layout = layouts.zero1_layout(model, optimizer, group)
+        layout = zero1_layout(model, optimizer, group)
         stats = checkpoint.save(root / "zero", layout, 2, f"zero-1 at {ranks} ranks",
                                 meta_for(parameter_names(), optimizer), group=group)
         want = 0            # the owner's parameters, each with two moments and a step
@@ -610,12 +647,12 @@ def hsdp_case(ctx, root: Path) -> tuple[list[str], list[dict], float]:
         full_shapes[name] = list(p.shape)
     fsdp = fsdp_mod.FSDP(model)
     fsdp_optimizer = torch.optim.AdamW(fsdp.parameters(), lr=LR, eps=ADAM_EPS)
-    fsdp_layout = layouts.fsdp_layout(fsdp, fsdp_optimizer, full_shapes)
-    checkpoint.load(checkpoint.latest_checkpoint(root / "hsdp"), fsdp_layout)
+    fsdp_4_layout = fsdp_layout(fsdp, fsdp_optimizer, full_shapes)
+    checkpoint.load(checkpoint.latest_checkpoint(root / "hsdp"), fsdp_4_layout)
     loaded = fsdp_full_state(fsdp, fsdp_optimizer, full_shapes, None)
     if ctx.rank == 0:
         problems += bitwise_problems("HSDP 2 x 2 -> FSDP 4", loaded, saved)
-    checkpoint.save(root / "hsdp_fsdp", fsdp_layout, 2, "fsdp at 4 ranks",
+    checkpoint.save(root / "hsdp_fsdp", fsdp_4_layout, 2, "fsdp at 4 ranks",
                     meta_for(names, fsdp_optimizer))
     grid, chunks, optimizer = hsdp_grid(3, ctx.device)
     back_layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
@@ -731,7 +768,7 @@ def damaged_case(ctx, folder: Path, root: Path) -> tuple[list[str], dict]:
         full_shapes[name] = list(p.shape)
     target = fsdp_mod.FSDP(model)
     optimizer = torch.optim.AdamW(target.parameters(), lr=LR, eps=ADAM_EPS)
-    layout = layouts.fsdp_layout(target, optimizer, full_shapes)
+    layout = fsdp_layout(target, optimizer, full_shapes)
     findings = {}
     problems = []
     for label, (damaged, words, path, finders) in cases.items():

@@ -74,7 +74,7 @@ def no_checksum_check(self, *args):
     """Planted: the bytes read are not checked against their CRC32."""
 
 
-ORIGINAL_FSDP_LAYOUT = layouts.fsdp_layout
+ORIGINAL_FSDP_LAYOUT = checks.fsdp_layout
 ORIGINAL_AGREE = checkpoint.agree
 
 
@@ -90,7 +90,7 @@ PLANTS = {  # label: (module or class, attribute, the planted function)
     "load ignores offsets": (checkpoint, "place", place_ignoring_offsets),
     "reads whole saved boxes": (checkpoint.Reader, "read_overlap", read_whole_saved_boxes),
     "checksums unchecked": (checkpoint.Reader, "check_units", no_checksum_check),
-    "replicas written by every rank": (layouts, "fsdp_layout", fsdp_layout_every_rank_writes),
+    "replicas written by every rank": (checks, "fsdp_layout", fsdp_layout_every_rank_writes),
 }
 
 
@@ -179,7 +179,7 @@ def save_verdicts(ctx, root: Path, fsdp, optimizer, full_shapes: dict) -> tuple:
     """Save a layout that writes every replica on every rank (checkpoint.save must refuse it):
     the ranks on which save raised, gathered from every rank, and this rank's message (a
     verdict raised on rank 0 alone, the others returning "saved", is a bug: they train on)."""
-    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
+    layout = checks.fsdp_layout(fsdp, optimizer, full_shapes)
     message = None
     try:
         checkpoint.save(root, layout, 1, "fsdp")
@@ -212,7 +212,7 @@ def crash_worker(ctx, root_text: str) -> None:
     checks.fsdp_step(fsdp, optimizer, 0, 2 * ctx.world_size, None)
     truth = checks.fsdp_full_state(fsdp, optimizer, full_shapes, None)
     meta = checks.meta_for(list(full_shapes), optimizer)
-    layout = layouts.fsdp_layout(fsdp, optimizer, full_shapes)
+    layout = checks.fsdp_layout(fsdp, optimizer, full_shapes)
     for name in ("base", "manifest_first", "crash"):
         checkpoint.save(root / name, layout, 1, "fsdp", meta)
     base = checkpoint.latest_checkpoint(root / "base")
@@ -750,7 +750,9 @@ def test_resume_restores_the_random_state_and_the_data_order(tmp_path, one_rank_
         found = resume_problems(tmp_path, "data_restarted")
     assert any("batch after the resume" in problem for problem in found), found
     # refused in one line, exit 2, as train.py's run would be: a directory another run holds,
-    # a damaged checkpoint, another run's (--seed 1)
+    # a damaged checkpoint, another run's (--seed 1), a file given as the directory
+    (tmp_path / "a_file").write_text("not a directory")
+    resume_refused(tmp_path, "a_file", capfd, "a_file", "cannot be opened")
     held = checkpoint.lock(made(tmp_path / "held"))
     try:
         resume_refused(tmp_path, "held", capfd, "held by process", str(os.getpid()))
@@ -902,7 +904,6 @@ SPANS_NODES = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_S
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 BAD_FLAGS = [   # script, flags, the words of its one line, environment
     (RESUME, [], "checkpoint-dir", {}),
-    (RESUME, ["--checkpoint-dir", "README.md"], "README.md", {}),
     (DEMO, [], "give an even number of ranks, 2 or more", {}),
     (DEMO, ["--world-size", "3"], "give an even number of ranks", {}),
     (BENCH, ["--bench", "--world-size", "2"], "give 3 ranks or more", {}),

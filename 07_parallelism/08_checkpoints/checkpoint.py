@@ -1,19 +1,10 @@
 """Stage 07, lesson 8: sharded checkpoints that survive a crash and a change of layout.
 
-* **Save sharded.** Each rank writes what it holds to a file of its own and describes each
-  piece by its place in the full tensor: a *box*, one ``[start, stop)`` per dimension. A piece
-  several ranks hold (a replica) is written by one of them.
-* **A manifest, written last.** Once every file is on disk, rank 0 writes ``manifest.json``
-  (shapes, dtypes, which file holds which box at which offset, checksums, the step) under a
-  temporary name and renames it: atomic, so a checkpoint without a manifest does not exist.
-* **Load resharded: overlapping boxes.** A rank that will hold box ``T`` of a tensor reads,
-  from each saved box ``S``, only ``S n T`` (per dimension ``[max(starts), min(stops))``).
-* **Checksums as fine as the cuts.** A CRC32 per *unit*: a row of a saved box (all indices but
-  the last fixed), cut at multiples of ``block_columns`` where a layout cuts columns (tensor
-  parallelism). Every layout reads whole units, exactly its overlap, and checks each one.
-
-A layout (``layouts.py``) is what one rank holds: ``[{"name", "tensor", "full_shape", "boxes":
-[(local_box, full_box)], "write"}]``. Untrusted folders: ``safety.py``. Torch alone.
+Each rank writes what it holds to a file of its own, each piece described by a *box*: one
+``[start, stop)`` per dimension of the full tensor (a replica: by one rank). Rank 0 then
+renames ``manifest.json`` into place, last and atomic: no manifest, no checkpoint. A rank
+loading box ``T`` reads from each saved box ``S`` only ``S n T``, checking a CRC32 per *unit*
+(a row of a box, cut at multiples of ``block_columns``). See layouts.py, safety.py. Torch alone.
 
     save("ckpt", layout, step=200, layout_name="fsdp at 4 ranks")   # every rank
     load(latest_checkpoint("ckpt"), other_layout)          # every rank of another layout
@@ -47,9 +38,8 @@ def as_index(box) -> tuple:
 
 
 def unit_cuts(box, block_columns: int) -> list[int]:
-    """Where each row of a saved box is cut into units, in the box's own columns: 0, every
-    multiple of ``block_columns`` inside it, its width. Columns [20, 70), blocks of 32 ->
-    [0, 12, 44, 50]. (A scalar is one row of one column.)"""
+    """Where a row of a saved box is cut into units, in its own columns: columns [20, 70),
+    blocks of 32 -> [0, 12, 44, 50]. (A scalar is one row of one column.)"""
     start, stop = box[-1] if box else (0, 1)
     inside = range((start // block_columns + 1) * block_columns, stop, block_columns)
     return [0] + [cut - start for cut in inside] + [stop - start]
@@ -78,8 +68,7 @@ def latest_checkpoint(root) -> Path | None:
 
 
 def staging_plan(layout: list[dict]) -> list[tuple]:
-    """(entry, full box, view, copy?) of each box this rank writes: one not contiguous in CPU
-    memory (a GPU's, a block of columns) is copied to the host first."""
+    """(entry, full box, view, copy?) of each box this rank writes; copy: not contiguous on CPU."""
     plan = []
     for entry in layout:
         for local_box, full_box in entry["boxes"] if entry["write"] else []:
@@ -91,8 +80,7 @@ def staging_plan(layout: list[dict]) -> list[tuple]:
 
 def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
     """This rank's pieces on the host, in file order, and a record of each (name, shape,
-    dtype, box, offset, CRC32s). A GPU's box goes to pinned memory, non_blocking: the copies
-    overlap, then one synchronize before anything reads them."""
+    dtype, box, offset, CRC32s). A GPU's box: pinned memory, non_blocking, one synchronize."""
     plan = staging_plan(layout)
     pieces = [view for _, _, view, _ in plan]
     for index, (_, _, view, copy) in enumerate(plan):
@@ -122,8 +110,7 @@ def pack(layout: list[dict], block_columns: dict) -> tuple[list, list[dict]]:
 
 
 def write_file(path: Path, pieces: list) -> None:
-    """The pieces (tensors or bytes) back to back in a new file (never one already there,
-    never through a symbolic link), fsynced: on disk before a manifest can name it."""
+    """The pieces (tensors or bytes) in a new file, no link followed, fsynced."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     with open(os.open(path, flags, 0o644), "wb") as f:
         for piece in pieces:
@@ -133,8 +120,7 @@ def write_file(path: Path, pieces: list) -> None:
 
 
 def commit_manifest(folder: Path, manifest: dict) -> int:
-    """Write the manifest under a temporary name, rename it into place (atomic), fsync the
-    folder (the rename on disk too). Returns its size."""
+    """The manifest under a temporary name, renamed (atomic), the folder fsynced: its size."""
     text = json.dumps(manifest, indent=1).encode()
     write_file(folder / (MANIFEST + ".tmp"), [text])
     os.replace(folder / (MANIFEST + ".tmp"), folder / MANIFEST)
@@ -167,10 +153,8 @@ def build_manifest(step: int, layout_name: str, world_size: int, meta: dict,
 
 def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | None = None,
          block_columns: dict | None = None, keep: int = 2, group=None) -> dict:
-    """Save ``layout`` (this rank's entries; every rank of ``group`` calls it) as the checkpoint
-    of ``step`` under ``root``, keeping the ``keep`` newest. ``meta``: JSON the caller wants
-    back; ``block_columns``: {name: width} for tensors a layout may cut by columns. Returns
-    {"folder", "bytes_written", "manifest_bytes"}; on any rank's problem every rank raises."""
+    """Every rank of ``group``: save its ``layout`` as ``step`` under ``root``, keeping the
+    ``keep`` newest; ``meta``: JSON given back. On any rank's problem every rank raises."""
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     folder = checkpoint_folder(root, step)
     agree(prepare_folder(folder) if rank == 0 else None, group)     # 1. rank 0: the folder
@@ -200,8 +184,7 @@ def save(root, layout: list[dict], step: int, layout_name: str, meta: dict | Non
 
 
 def agree(problem: str | None, group, mine=None) -> list:
-    """Every rank's verdict, and its ``mine``, on every rank: if any rank has a problem, every
-    rank raises the first (naming the ranks that found it); else everyone's ``mine``."""
+    """Any rank's problem is raised on every rank (naming who found it); else everyone's mine."""
     everyone = [(problem, mine)]
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         everyone = [None] * dist.get_world_size(group)
@@ -223,9 +206,8 @@ class Reader:
                       "manifest_bytes": (folder / MANIFEST).stat().st_size}
 
     def read_overlap(self, name: str, saved: dict, overlap, region: torch.Tensor) -> None:
-        """Fill ``region`` with ``overlap`` (a box inside the saved box): the rows it touches,
-        each only the units holding its columns; whole rows into a contiguous region are read
-        straight into it, anything else through a buffer."""
+        """Fill ``region`` with ``overlap``: of the rows it touches, the units holding its
+        columns; whole rows into a contiguous region are read straight into it."""
         box = saved["box"]
         cuts = unit_cuts(box, self.manifest["tensors"][name]["block_columns"])
         first, last = 0, 1                                  # the overlap's columns in the box
@@ -279,21 +261,19 @@ class Reader:
                 stop = start + (cuts[unit + 1] - cuts[unit]) * size
                 at = 4 * (row * (len(cuts) - 1) + unit)
                 if zlib.crc32(view[start:stop]) != int.from_bytes(checksums[at:at + 4], "little"):
-                    raise CheckpointError(
-                        f"{self.folder / saved['file']}: corrupted: {name}, box {saved['box']}, "
-                        f"row {row}, columns {cuts[unit]}..{cuts[unit + 1]} fail their CRC32 "
-                        "check")
+                    raise CheckpointError(f"{self.folder / saved['file']}: corrupted: {name}, "
+                                          f"box {saved['box']}, row {row}, columns {cuts[unit]}.."
+                                          f"{cuts[unit + 1]} fail their CRC32 check")
 
 
 def place(staging: torch.Tensor, local_box, full_box, overlap) -> torch.Tensor:
-    """Where the overlap sits in this rank's tensor: its offset in the full box, moved to the
-    local box (a view of ``staging``)."""
+    """The overlap's place in this rank's tensor (a view of ``staging``)."""
     return staging[as_index([[start - full[0] + local[0], stop - full[0] + local[0]]
                              for local, full, (start, stop) in zip(local_box, full_box, overlap)])]
 
 
 def open_checked(folder: Path, file_name: str, manifest: dict):
-    """A shard (``safety.open_inside``) of the manifest's size: else truncated, or overwritten."""
+    """A shard (``safety.open_inside``) of the size the manifest says."""
     f, size = open_inside(folder, file_name)
     if size != manifest["files"][file_name]:
         f.close()
@@ -303,8 +283,7 @@ def open_checked(folder: Path, file_name: str, manifest: dict):
 
 
 def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
-    """This rank's part of a load, alone: every overlap read and checked into buffers (zeros
-    where no box is: FSDP's padding). Returns (buffers, counts, problem or None, manifest)."""
+    """This rank's load into zeroed buffers: (buffers, counts, problem or None, manifest)."""
     staged = []
     try:
         reader = Reader(folder, manifest or read_manifest(folder))
@@ -312,13 +291,12 @@ def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
             for entry in layout:
                 info = reader.manifest["tensors"].get(entry["name"])
                 dtype = str(entry["tensor"].dtype).removeprefix("torch.")
-                if info is None:
-                    raise CheckpointError(f"{folder / MANIFEST}: has no {entry['name']}, "
-                                          "which this layout holds (it cannot fill this layout)")
-                if (info["shape"], info["dtype"]) != (list(entry["full_shape"]), dtype):
-                    raise CheckpointError(f"{folder / MANIFEST}: {entry['name']} is "
-                                          f"{info['dtype']} {info['shape']} there and {dtype} "
-                                          f"{list(entry['full_shape'])} here (another model's?)")
+                want = (list(entry["full_shape"]), dtype)
+                if info is None or (info["shape"], info["dtype"]) != want:
+                    there = "missing" if info is None else f"{info['dtype']} {info['shape']}"
+                    raise CheckpointError(f"{folder / MANIFEST}: {entry['name']} is {there} there, "
+                                          f"{dtype} {entry['full_shape']} here: it cannot fill "
+                                          "this layout (another model's?)")
                 staging = torch.zeros(entry["tensor"].shape, dtype=entry["tensor"].dtype)
                 for local_box, full_box in entry["boxes"]:
                     for saved in info["slices"]:            # the overlap: per dimension
@@ -337,10 +315,8 @@ def read_checked(folder: Path, layout: list[dict], manifest=None) -> tuple:
 
 
 def load(folder, layout: list[dict], group=None) -> dict:
-    """Fill ``layout`` (every rank of ``group`` calls it) from the checkpoint in ``folder``,
-    each rank reading only the saved bytes that overlap its boxes; every saved tensor must be
-    held by some rank. All or nothing: any rank's problem, every rank raises and no tensor
-    changes. Returns {"bytes_read", "bytes_needed", "manifest_bytes", "step"}."""
+    """Every rank of ``group``: fill its ``layout`` from ``folder``, every saved tensor held by
+    some rank. All or nothing: on any rank's problem every rank raises, no tensor changed."""
     folder = Path(folder)
     staged, stats, problem, manifest = read_checked(folder, layout)
     everyone = agree(problem, group, [entry["name"] for entry in layout])
@@ -356,9 +332,8 @@ def load(folder, layout: list[dict], group=None) -> dict:
 
 
 def consolidate(folder) -> dict:
-    """The whole checkpoint in one process, every unit checked: {"model": a plain
-    state_dict, "optimizer": a plain AdamW's state_dict or None, "extra", "step", "meta"}.
-    The optimizer's parameter order: ``meta["parameter_order"]``, else the model's names."""
+    """The whole checkpoint in one process: plain state_dicts of the model and of AdamW (in
+    ``meta["parameter_order"]``, else the model's), "extra", "step", "meta"."""
     folder = Path(folder)
     manifest = read_manifest(folder)
     for file_name in manifest["files"]:             # before allocating what it says

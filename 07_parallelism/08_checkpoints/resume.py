@@ -1,18 +1,16 @@
 """Stage 07, lesson 8: lesson 7's training run, checkpointed and resumed as the same run.
 
-It restores the model, AdamW's moments and step counts (else the first steps are
-bias-corrected from zero) and the random state; the data order needs nothing (the batch of
-step s is a function of the seed and s). A resume loads the newest checkpoint, on any grid.
+A resume loads the newest checkpoint, on any grid: the model, AdamW's moments and step counts
+(else the first steps are bias-corrected from zero) and the random state; the data order needs
+nothing (the batch of step s is a function of the seed and s). A damaged checkpoint, another
+run's, or a directory another run holds: one line, exit 2.
 
     python 07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --steps 300 \
         --checkpoint-dir ckpt --checkpoint-every 50         # lesson 7's flags, and these
-    python 07_parallelism/08_checkpoints/resume.py --pp 2 --steps 300 --checkpoint-dir ckpt
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node=4 --max-restarts=1 \
         07_parallelism/08_checkpoints/resume.py --dp 2 --tp 2 --checkpoint-dir ckpt \
         --checkpoint-every 50 --crash-at-step 120   # a worker dies; torchrun restarts all
-
-(Without the variable, torch 2.13's restarted workers wait for the last attempt's store.) A
-damaged checkpoint, another run's, or a directory another run holds: one line, exit 2.
+(without the variable, torch 2.13's restarted workers wait for the last attempt's store)
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ RUN_FLAGS = ("model", "seed", "batch_size", "seq_len", "lr", "data", "max_bytes"
 
 
 class TrainingCheckpoints:
-    """Lesson 7's loop calls ``resume()`` once, before the first step (it returns the first
-    step to train), and ``after_step(step)`` after each optimizer step."""
+    """Lesson 7's loop calls ``resume()`` (the first step to train) and ``after_step(step)``."""
 
     def __init__(self, args, chunks, grid, optimizer, parallel_lm, full_lm):
         from common import models
@@ -53,8 +50,7 @@ class TrainingCheckpoints:
                             f"{dist.get_world_size()} ranks")
 
     def layout(self, rng_state: torch.Tensor) -> list[dict]:
-        """This rank's pieces of the model and of AdamW's state, and the random state (the
-        same on every rank: train.py draws none of its own after building the model)."""
+        """This rank's pieces of the model and AdamW, and the random state (the same on all)."""
         placements = self.parallel_lm.placements(self.chunks, self.grid)
         layout = layouts.grid_layout(placements, self.grid, self.optimizer)
         box = layouts.whole(rng_state.shape)
@@ -63,8 +59,7 @@ class TrainingCheckpoints:
         return layout
 
     def resume(self) -> int:
-        """Rank 0 takes (locks) the directory; then the newest complete checkpoint, if any,
-        is loaded: its step, else 0."""
+        """Rank 0 locks the directory; the newest checkpoint is loaded: its step, else 0."""
         problem = None
         try:
             if dist.get_rank() == 0:
@@ -78,14 +73,14 @@ class TrainingCheckpoints:
             if folder is None:
                 return 0
             manifest = checkpoint.read_manifest(folder)
-            saved_run = manifest["meta"].get("run", {})
+            saved_run = manifest["meta"].get("run")
+            saved_run = saved_run if isinstance(saved_run, dict) else {}
             for flag in RUN_FLAGS:
-                if not isinstance(saved_run, dict) or saved_run.get(flag) != self.run[flag]:
-                    theirs = saved_run.get(flag) if isinstance(saved_run, dict) else None
+                if saved_run.get(flag) != self.run[flag]:
                     raise checkpoint.CheckpointError(
                         f"{folder / checkpoint.MANIFEST}: saved by a run with --"
-                        f"{flag.replace('_', '-')} {theirs}, this one has {self.run[flag]}; a "
-                        "resumed run must be the same run")
+                        f"{flag.replace('_', '-')} {saved_run.get(flag)}, this one has "
+                        f"{self.run[flag]}; a resumed run must be the same run")
             checkpoint.load(folder, self.layout(rng_state))
         except checkpoint.CheckpointError as error:
             refuse(error)
@@ -98,8 +93,7 @@ class TrainingCheckpoints:
         return manifest["step"]
 
     def after_step(self, step: int) -> None:
-        """After optimizer step ``step`` (from 1): a save every --checkpoint-every steps and at
-        the last; then --crash-at-step."""
+        """After step ``step`` (from 1): a save every --checkpoint-every steps and at the last."""
         every = self.args.checkpoint_every
         if step == self.args.steps or (every is not None and step % every == 0):
             try:
@@ -136,14 +130,10 @@ def main(argv=None) -> None:
     from common import import_stage, launch
     train = import_stage("07_parallelism/07_together/train")
     parser = train.build_parser(__doc__)
-    parser.add_argument("--checkpoint-dir", required=True,
-                        help="resume from the newest complete checkpoint in this folder (on any "
-                             "grid), save into it at the end and every --checkpoint-every steps")
-    parser.add_argument("--checkpoint-every", type=launch.positive_int, default=None,
-                        help="save every this many steps")
+    parser.add_argument("--checkpoint-dir", required=True, help="resume from, and save to, here")
+    parser.add_argument("--checkpoint-every", type=launch.positive_int, help="save every K steps")
     parser.add_argument("--crash-at-step", type=launch.positive_int, default=None,
-                        help="to watch a resume under torchrun --max-restarts: the last rank "
-                             "kills itself (SIGKILL) right after this step, on the first attempt")
+                        help="the last rank kills itself after this step (first attempt only)")
     args, config = train.parse(argv, parser)
     if Path(args.checkpoint_dir).exists() and not Path(args.checkpoint_dir).is_dir():
         parser.error(f"--checkpoint-dir {args.checkpoint_dir}: not a folder")

@@ -1,10 +1,7 @@
-"""Stage 07, lesson 8: checkpoints, run. The tiny LM and its AdamW state trained two steps on
-lesson 7's grid at (dp, tp) = (W/2, 2), saved sharded, loaded into (dp, tp) = (W, 1) (each
-rank pieces whole weights together from the tensor-parallel slices) and into one process
-(``consolidate``), then trained two more steps from the loaded state. It prints what matched:
-each load bitwise equal to what was saved (weights, AdamW's moments and steps), the resumed
-steps equal to the run that never stopped (float32 tolerance: the layouts sum gradients in
-another order); exit 1 on a difference. The checkpoint's bookkeeping runs on a Gloo group.
+"""Stage 07, lesson 8: checkpoints, run. The tiny LM trained two steps on lesson 7's grid at
+(dp, tp) = (W/2, 2), saved sharded, loaded into (dp, tp) = (W, 1) and into one process
+(``consolidate``), each bitwise equal to what was saved, then trained two more steps equal to
+the run that never stopped (float32 tolerance); exit 1 on a difference.
 
     python 07_parallelism/08_checkpoints/run_checkpoint.py                  # 4 ranks
     python 07_parallelism/08_checkpoints/run_checkpoint.py --world-size 2 --dir ckpt
@@ -29,27 +26,25 @@ import layouts
 LR = 1e-3
 ADAM_EPS = 1e-6     # as lesson 7's train.py: keeps rounding noise below float32 tolerance
 SEQ = 16
-# Another layout sums gradients in another order: float32 rounding, carried through two AdamW
-# steps (below 1e-6). A bug (a moment lost, a box moved) moves weights by about LR.
+# Another layout sums gradients in another order (below 1e-6); a bug moves weights by ~LR.
 WEIGHT_ATOL = 1e-5
 WEIGHT_RTOL = 1e-4
 LOSS_RTOL = 1e-5
 
 
-def build(grid_mod, parallel_lm, grid, seed: int, device):
+def build(parallel_lm, grid, seed: int, device):
     """The tiny LM cut for ``grid``, its AdamW, and its checkpoint layout."""
     from common import models
     torch.manual_seed(seed)
     lm = models.TransformerLM("tiny", vocab_size=256, context_length=SEQ)
     chunks = [chunk.to(device) for chunk in parallel_lm.build_chunks(lm, grid, SEQ)]
-    optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=LR,
-                                  eps=ADAM_EPS)
+    optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=LR, eps=ADAM_EPS)
     layout = layouts.grid_layout(parallel_lm.placements(chunks, grid), grid, optimizer)
     return chunks, optimizer, layout
 
 
 def train(parallel_lm, chunks, grid, optimizer, steps, device) -> list[float]:
-    """Steps ``steps``, the batch of a step the same in every layout: 2 rows per rank."""
+    """Steps ``steps``, a step's batch the same in every layout: 2 rows per rank."""
     losses = []
     for step in steps:
         generator = torch.Generator().manual_seed(step)
@@ -79,9 +74,8 @@ def whole_state(layout: list[dict], host) -> dict | None:
 def differences(label: str, got: dict, want: dict, exact: bool) -> list[str]:
     problems = []
     for name, expected in want.items():
-        same = torch.allclose(got[name], expected, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL)
-        if exact:
-            same = torch.equal(got[name], expected)
+        same = (torch.equal(got[name], expected) if exact
+                else torch.allclose(got[name], expected, rtol=WEIGHT_RTOL, atol=WEIGHT_ATOL))
         if not same:
             difference = (got[name].double() - expected.double()).abs().max().item()
             problems.append(f"{label}: {name} differs by {difference:.3g}")
@@ -90,11 +84,7 @@ def differences(label: str, got: dict, want: dict, exact: bool) -> list[str]:
 
 def demo(ctx, args) -> None:
     from common import import_stage, models
-    for lesson in ("03_tensor_parallel/tensor_parallel", "04_pipeline_parallel/pipeline_parallel",
-                   "05_context_parallel/context_parallel"):
-        import_stage(f"07_parallelism/{lesson}")
-    grid_mod = import_stage("07_parallelism/07_together/grid")
-    parallel_lm = import_stage("07_parallelism/07_together/parallel_lm")
+    grid_mod, parallel_lm, _ = import_stage("07_parallelism/07_together/train").lessons()
     host = dist.new_group(backend="gloo")
     shared = [args.dir or (tempfile.mkdtemp(prefix="checkpoints-") if ctx.is_main else None)]
     dist.broadcast_object_list(shared, src=0, group=host)
@@ -103,7 +93,7 @@ def demo(ctx, args) -> None:
     names = [name for name, _ in models.TransformerLM("tiny", 256, SEQ).named_parameters()]
     # 1. two steps at (dp, tp) = (W/2, 2), a save, two more steps: the run that never stops
     source = grid_mod.ProcessGrid(dp=W // 2, tp=2)
-    chunks, optimizer, layout = build(grid_mod, parallel_lm, source, 1, ctx.device)
+    chunks, optimizer, layout = build(parallel_lm, source, 1, ctx.device)
     train(parallel_lm, chunks, source, optimizer, (0, 1), ctx.device)
     saved = whole_state(layout, host)
     meta = {"parameter_order": names, "optimizer": layouts.optimizer_options(optimizer)}
@@ -114,8 +104,7 @@ def demo(ctx, args) -> None:
     never_stopped = whole_state(layout, host)
     # 2. loaded into (dp, tp) = (W, 1); 3. two more steps from there
     target = grid_mod.ProcessGrid(dp=W)
-    target_chunks, target_optimizer, target_layout = build(grid_mod, parallel_lm, target, 2,
-                                                           ctx.device)
+    target_chunks, target_optimizer, target_layout = build(parallel_lm, target, 2, ctx.device)
     loaded = checkpoint.load(stats["folder"], target_layout, group=host)
     state = whole_state(target_layout, host)
     losses = train(parallel_lm, target_chunks, target, target_optimizer, (2, 3), ctx.device)
@@ -149,8 +138,7 @@ def main(argv=None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository: common/
     from common import launch
     parser = launch.make_parser(__doc__, world_size=4)
-    parser.add_argument("--dir", default=None,
-                        help="where the checkpoint goes (kept); default: a temporary folder")
+    parser.add_argument("--dir", help="where the checkpoint goes (kept); default: a temp folder")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     if config.world_size < 2 or config.world_size % 2 != 0:

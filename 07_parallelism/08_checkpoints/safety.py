@@ -1,13 +1,10 @@
 """Stage 07, lesson 8: the rules that make a checkpoint safe to load when someone else made it.
 
 A folder someone else made is untrusted input. Each rule holds before anything a manifest
-names is read or allocated; a broken one is a ``CheckpointError``, one line naming the file:
-only ``rank_<digits>.bin`` files inside the folder are read, never through a link, only plain
-files with their bytes on disk; a manifest is at most ``MAX_MANIFEST_BYTES``, not nested past
-the parser's stack, its fields as the tables say, at most ``MAX_CORNERS`` box corners, each
-tensor's boxes tiling it (a linear check), no byte of a file in two boxes (so a load allocates
-at most what is on disk); only folders holding ``MARKER`` are ever deleted; one run per
-directory holds ``LOCK``, a plain file of its own.
+names is read or allocated, and a broken one is a one-line ``CheckpointError`` naming the file:
+only plain ``rank_<digits>.bin`` files inside the folder, no link, no sparse file; a bounded
+manifest whose fields are as the tables say, whose boxes tile each tensor and share no byte of
+a file; only folders holding ``MARKER`` deleted; one run per directory holding ``LOCK``.
 """
 
 from __future__ import annotations
@@ -153,8 +150,7 @@ def manifest_problem(manifest, folder_step: int) -> str | None:
 
 
 def slice_problem(name: str, saved: dict, info: dict, files: dict) -> str | None:
-    """One saved box: inside its tensor, inside a listed file, one CRC32 per unit (a row of
-    the box, cut at multiples of block_columns: checkpoint.unit_cuts)."""
+    """One saved box: inside its tensor and a listed file, one CRC32 per unit (unit_cuts)."""
     box = saved["box"]
     file_name = saved["file"]
     if file_name not in files:
@@ -182,10 +178,8 @@ def numel(box) -> int:
 
 
 def tiling_problem(name: str, shape, boxes) -> str | None:
-    """The boxes must tile the tensor: each element in exactly one. Linear and exact: give
-    each of a box's 2^dims corners the sign (-1)^(stops in it); boxes cover each element once
-    exactly when their corners add up to the whole tensor's (a function on a grid is recovered
-    from those signs by summing along each dimension)."""
+    """Each element in exactly one box, in linear time: with each box corner signed (-1)^(stops
+    in it), boxes tile the tensor exactly when their signed corners add up to the whole's."""
     whole = [[0, size] for size in shape]
     covered = sum(numel(box) for box in boxes)
     if covered > numel(whole):
@@ -207,8 +201,7 @@ def signed_corners(boxes) -> dict:
 
 
 def open_inside(folder: Path, file_name: str):
-    """Open a file the checkpoint names, for reading: a shard (or the manifest) directly inside
-    ``folder``, not a link, a plain file whose blocks cover its size. Returns (file, size)."""
+    """(file, size) of a shard or the manifest in ``folder``: a plain file, all on disk."""
     path = Path(folder) / file_name
     if file_name != MANIFEST and SHARD.fullmatch(file_name) is None:
         raise CheckpointError(f"{Path(folder) / MANIFEST}: names the file {file_name!r}; a "
@@ -253,8 +246,7 @@ def our_folders(root) -> list[tuple[int, Path]]:
 
 
 def prepare_folder(folder: Path) -> str | None:
-    """Rank 0, before a save: a fresh folder with our marker. What a crashed save of ours left
-    is removed; a complete checkpoint, or a folder not ours, is never touched."""
+    """Rank 0: a fresh folder with our marker; a complete checkpoint, or not ours, untouched."""
     if (folder / MANIFEST).exists():
         return f"{folder}: already holds a complete checkpoint; a checkpoint is never overwritten"
     if (folder.exists() or folder.is_symlink()) and not is_ours(folder):
@@ -272,8 +264,7 @@ def prepare_folder(folder: Path) -> str | None:
 
 
 def prune(root, keep: int) -> None:
-    """Remove all but the ``keep`` newest complete checkpoints, and our folders without a
-    manifest older than the newest (crashed saves): only folders this format made."""
+    """Remove all but the ``keep`` newest complete checkpoints, and older crashed saves."""
     complete = [(step, f) for step, f in our_folders(root) if (f / MANIFEST).is_file()]
     for _, folder in complete[:-keep]:
         shutil.rmtree(folder)
@@ -283,9 +274,8 @@ def prune(root, keep: int) -> None:
 
 
 def lock(root):
-    """Take the checkpoint directory (made if missing) for this run: a flock on ``LOCK``, held
-    while the returned file is open (the kernel drops it when the process dies, however it
-    dies). A link, a pipe or a device in its place is refused before anything is written."""
+    """This run takes the directory: a flock on ``LOCK`` held while the returned file is open
+    (the kernel drops it when the process dies). A link, pipe or device there is refused."""
     path = Path(root) / LOCK
     try:
         Path(root).mkdir(parents=True, exist_ok=True)
