@@ -1,13 +1,9 @@
-"""Write ``results/README.md``, the report of one ``make bench`` run: the machine, every section's
-table and plots, and a short reading of each computed from the same numbers as its table.
+"""Write ``results/README.md``, the report of a ``make bench`` run: the machine, each section's tables
+and plots, and a short reading computed from the same numbers, from the rows of the run that
+``results/bench_run.json`` names (without it, each file's last run, named). A section this run did
+not fill keeps the old report's, marked with its run and machine; the new report is swapped in whole.
 
     python bench/report.py            # rebuild the report of the last run from results/
-
-Reads ``results/bench_run.json`` (what ran, on what) and, from each stage's CSV/JSON file, the rows
-of that run's ``run_id``; without that record each section shows the last run that wrote its file,
-and names it. One section that fails costs that section. The report is built in a temporary folder
-beside the old one and swapped in; a section this run did not fill keeps the old report's, marked
-with its run and machine.
 """
 
 from __future__ import annotations
@@ -60,8 +56,7 @@ class Where:
 
 
 def one_run(rows: list[dict], run_id: str | None) -> list[dict]:
-    """The rows of ``run_id``; with none named, those of the last run that wrote them (an upsert puts
-    its rows last)."""
+    """The rows of ``run_id``; with none named, those of the last run that wrote them (written last)."""
     if run_id is None and rows:
         run_id = rows[-1].get("run_id")
     return [r for r in rows if r.get("run_id") == run_id]
@@ -77,8 +72,7 @@ def entries_of(where: Where, name: str, run_id: str) -> list[dict]:
 
 
 def section(title: str, csv: str | None = None, steps: tuple = (), optional: bool = False):
-    """Register a section under ``title``, fed by make bench's ``steps``. With ``csv`` it is called
-    as fn(where, rows) with that file's rows of the run, and not at all without them (None)."""
+    """Register a section under ``title``, fed by make bench's ``steps``; with ``csv``: fn(where, rows)."""
     def register(fn):
         def read(where):
             rows = rows_of(where, csv)
@@ -129,15 +123,13 @@ def host_path_note(rows: list[dict], claim: str) -> str:
 
 
 def measured_peak(where: Where, run_id: str | None, device: str) -> dict | None:
-    """The matmul peak and copy bandwidth ``bench/compute.py`` measured on ``device`` in the run
-    ``run_id`` (None: in no run of these rows, so no MFU is shown)."""
+    """The peaks ``bench/compute.py`` measured on ``device`` in the run ``run_id``, else None."""
     entry = results.read_json("matmul_peak.json", where.out).get(device)
     return entry if isinstance(entry, dict) and run_id is not None and entry.get("run_id") == run_id else None
 
 
 def model_flops_utilisation(row: dict, peak: dict) -> tuple[float, float]:
-    """(tokens/s, MFU) of a DDP row: all ranks' tokens per second, over the devices doing the work
-    (one GPU per rank under NCCL; one device shared by every rank otherwise)."""
+    """(tokens/s, MFU) of a DDP row, over the devices doing the work (NCCL: one a rank; else one)."""
     tokens_per_s = num(row, "batch_size") * num(row, "context_length") / (num(row, "step_ms") / 1e3)
     devices = int(row["world_size"]) if row.get("backend") == "nccl" else 1
     per_token = flops_per_token(row["model"], int(row["context_length"]))
@@ -593,8 +585,7 @@ def expert_parallel_section(where: Where, rows: list[dict]):
 @section("Everything together: grids, torch's composition and pipelining (stage 07)", "grid.csv", ("grid",))
 def together_section(where: Where, rows: list[dict]):
     pipelines = [r for r in rows if r.get("schedule")]
-    beside = [r for r in rows if not r.get("schedule") and (r["impl"] == "torch" or r.get("pair")
-                                                            or "timed beside" in r["setting"])]
+    beside = [r for r in rows if not r.get("schedule") and (r["impl"] == "torch" or r.get("pair") or "timed beside" in r["setting"])]
     grids = [r for r in rows if not r.get("schedule") and r not in beside]
     words, headline, text = [], [], ""
     if grids:
@@ -604,18 +595,16 @@ def together_section(where: Where, rows: list[dict]):
         def amount(r, kind):
             formula = r.get(kind + "_bytes_formula", "")
             return f"{num(r, kind + '_bytes') / scale:.1f}" + (f" ({float(formula) / scale:.1f})" if formula != "" else "")
-        axes = ("sent_tp", "sent_cp", "sent_pp", "sent_dp_cp", "sent_world")
-        text += (f"The {r0['model']} LM, global batch {r0['batch_size']} x {r0['seq_len']} tokens, AdamW, on "
-                 f"{r0['world_size']} ranks ({on(r0)}), one training step per grid; per rank (the largest), in {unit}, "
-                 "counted (the lessons' formulas combined):\n\n"
+        text += (f"The {r0['model']} LM, batch {r0['batch_size']} x {r0['seq_len']}, AdamW, {r0['world_size']} ranks "
+                 f"({on(r0)}), a step per grid; per rank (the largest), {unit}, counted (the formulas combined):\n\n"
                  + md_table(["grid", "setting", "step ms", "tokens/s", "params", "grads", "AdamW state",
                              "saved, 1 micro-batch", "worst difference"],
                             [[r["grid"], r["setting"], num(r, "step_ms"), num(r, "tokens_per_s"),
                               *[amount(r, k) for k in ("param", "grad", "optim", "activation")],
                               f"{100 * num(r, 'worst_difference'):.2f}%"] for r in grids])
                  + f"\nBytes sent per step per rank by axis, {unit} (ring shares), counted (formula):\n\n"
-                 + md_table(["grid", "setting", "tp", "cp", "pp", "dp x cp", "world"],
-                            [[r["grid"], r["setting"], *[amount(r, k) for k in axes]] for r in grids]))
+                 + md_table(["grid", "setting", "tp", "cp", "pp", "dp x cp", "world"], [[r["grid"], r["setting"], *[
+                     amount(r, k) for k in ("sent_tp", "sent_cp", "sent_pp", "sent_dp_cp", "sent_world")]] for r in grids]))
         worst = max(grids, key=lambda r: num(r, "worst_difference"))
         share = num(worst, "worst_difference")
         at = f"{worst['grid']}, {worst['setting']}, {worst['worst_where']}; " if share else "every count exact; "
@@ -626,11 +615,9 @@ def together_section(where: Where, rows: list[dict]):
     sides = [{r["impl"]: r for r in rs} for rs in group([r for r in beside if r.get("pair")], lambda r: r["pair"]).values()]
     pairs = [(s["ours"]["pair"], s["ours"], s["torch"]) for s in sides if {"ours", "torch"} <= set(s)]
     if pairs:
-        text += ("\nTorch's own composition beside ours on the same LM, batch and grid, each pair (`pair`) timed in "
-                 "alternating rounds: `replicated_tp`, whole replicas over dp beside `parallelize_module` + "
-                 "`fully_shard` on a (dp, 1) mesh; `fsdp_tp`, ZeRO-1 over dp beside `parallelize_module` + "
-                 "`fully_shard` over dp (which also shards parameters and gradients); `hsdp`, lesson 2's FSDP summed "
-                 "over dp_replicate beside `fully_shard` on a 2-D mesh:\n\n"
+        text += ("\nTorch's composition beside ours, each `pair` timed in alternating rounds (`replicated_tp`: "
+                 "replicas; `fsdp_tp`: ZeRO-1 beside `fully_shard`, which also shards parameters and gradients; "
+                 "`hsdp`: on a 2-D mesh):\n\n"
                  + md_table(["pair", "impl", "setting", "step ms", "params", "grads", "AdamW state", "saved", "first loss"],
                             [[pair, r["impl"], r["setting"], num(r, "step_ms"),
                               *[with_formula(r[k], r.get(f"{k}_formula")) for k in ("param_bytes", "grad_bytes", "optim_bytes")],
@@ -643,8 +630,7 @@ def together_section(where: Where, rows: list[dict]):
         headline.append([f"{pair}: our {ours['grid']} step vs torch's composition", f"{times(ratio)} (target <= 1.25x)"])
     losses = [num(r, "first_loss") for r in grids + beside if r.get("first_loss", "") != ""]
     if len(losses) > 1:
-        words.append(f"First-step losses of every grid and of torch's composition differ by at most "
-                     f"{max(losses) - min(losses):.1e}.")
+        words.append(f"First-step losses of every grid and of torch's differ by at most {max(losses) - min(losses):.1e}.")
     table, pp4 = [], []
     for (stages, schedule, compute), rs in group(pipelines, lambda r: (int(r["stages"]), r["schedule"],
                                                                        r["setting"].split(", ", 1)[-1])).items():
@@ -655,15 +641,13 @@ def together_section(where: Where, rows: list[dict]):
                           num(ours, "ideal_ms") if ours.get("ideal_ms") else "-"])
             pp4 += [(ratio, schedule, compute)] if stages == 4 and compute.startswith("emulated") else []
     if table:
-        text += (f"\nThe pipeline axis alone, our executor (lesson 4) beside `torch.distributed.pipelining`: "
-                 f"{pipelines[0]['model']}, {pipelines[0]['micro_batches']} micro-batches, forward + backward; ideal: "
-                 "the unit-time simulation x the emulated wait:\n\n"
+        text += (f"\nThe pipeline axis alone, our executor (lesson 4) beside `torch.distributed.pipelining`, "
+                 f"{pipelines[0]['micro_batches']} micro-batches; ideal: the unit-time simulation x the wait:\n\n"
                  + md_table(["stages", "schedule", "compute", "ours ms", "torch ms", "ours / torch", "ideal ms"], table))
     if pp4:
         worst = max(pp4)
         words.append(f"Our pipeline executor against torch.distributed.pipelining, pp 4, {worst[2]} compute: "
-                     + ", ".join(f"{s} {times(ratio)}" for ratio, s, _ in pp4)
-                     + f" (target <= 1.10x: {verdict(worst[0] <= 1.10)}).")
+                     + ", ".join(f"{s} {times(ratio)}" for ratio, s, _ in pp4) + f" (target <= 1.10x: {verdict(worst[0] <= 1.10)}).")
         headline.append(["our pipeline executor vs torch.distributed.pipelining, pp 4, emulated",
                          f"{times(worst[0])} at worst ({worst[1]}; target <= 1.10x)"])
     return reading(text, words, headline, rows)
