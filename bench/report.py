@@ -736,7 +736,7 @@ def muon_section(where: Where, rows: list[dict]):
             + md_table(["impl", "ranks", "LM", "step ms", "bytes (formula)", "NS GFLOP, busiest rank", "NS imbalance"],
                        [[r["impl"], r["world_size"], r["model"], num(r, "step_ms"),
                          with_formula(r["bytes_counted"], r["bytes_formula"]), num(r, "ns_gflop_max"),
-                         num(r, "ns_imbalance") if r.get("ns_imbalance") else "-"] for r in rows]))
+                         f"{num(r, 'ns_imbalance'):.2f}" if r.get("ns_imbalance") else "-"] for r in rows]))
     exact = sum(abs(num(r, "bytes_counted") - num(r, "bytes_formula")) <= 1e-6 * num(r, "bytes_formula") for r in rows)
     words, headline = [f"Counted bytes equal the formula in {exact} of {len(rows)} rows."], []
     for ranks, rs in group(rows, lambda r: int(r["world_size"])).items():
