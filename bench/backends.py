@@ -1,18 +1,10 @@
-"""Which collectives each backend/device pair on this box carries: tried, not believed.
-
-    python bench/backends.py             # every op on every pair here; results/backends.csv
-
-Pairs: Gloo/CPU; with a GPU, Gloo/CUDA; with two or more, NCCL/CUDA. Each op is its own 2-rank
-job, forked from a server that imported torch once, all jobs at once, so an op that segfaults
-or hangs is a row, not the end of the run. Outcome: ok (the right answer), error: its first
-line, crashed: the signal, or timeout. The report sets the table beside the course's rule,
-``common.launch.carries_point_to_point``.
+"""Which collectives each backend/device pair on this box carries (Gloo/CPU; with a GPU Gloo/CUDA;
+with two, NCCL), tried: each op a 2-rank job of its own, all started at once, so a segfault or a
+hang is a row. Writes results/backends.csv: ok (the right answer), error: its first line, crashed:
+the signal, or timeout (60 s for all). The report sets it beside ``common.launch.carries_point_to_point``.
+Run: ``python bench/backends.py``
 """
 
-from __future__ import annotations
-
-import argparse
-import datetime
 import multiprocessing
 import os
 import signal
@@ -30,16 +22,14 @@ import torch.distributed as dist  # noqa: E402
 from bench import results  # noqa: E402
 
 WORLD_SIZE = 2
-OPS = ("broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter",
-       "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single",
-       "send/recv", "isend/irecv", "batch_isend_irecv")
+OPS = ("broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "all_gather_into_tensor",
+       "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "send/recv", "isend/irecv", "batch_isend_irecv")
 
 
 def try_op(op: str, r: int, n: int, dev: torch.device) -> tuple[list, list]:
     """Run ``op`` on rank r of n; return what it gave and what it should have given."""
     mine = torch.tensor([r + 1.0], device=dev)                     # rank r holds r + 1
-    one = torch.zeros(1, device=dev)
-    row = torch.zeros(n, device=dev)
+    one, row = torch.zeros(1, device=dev), torch.zeros(n, device=dev)
     parts = list(torch.arange(1.0, n + 1, device=dev).split(1))  # 1, 2, ..., n
     if op == "broadcast":
         dist.broadcast(mine, src=0)
@@ -92,17 +82,14 @@ def try_op(op: str, r: int, n: int, dev: torch.device) -> tuple[list, list]:
     return one.tolist(), [left + 1]
 
 
-def rank_main(run, op, backend, device, rank, folder, timeout_s):
-    """One rank of one op's job: exit 0 on the right answer, else 1 with the first line of the
-    error in ``folder/error.<rank>``."""
+def rank_main(run, op, backend, device, rank, folder):
+    """One rank of one op's job: exit 0 on the right answer, else 1, the error's first line in a file."""
     warnings.simplefilter("ignore")  # torch's deprecation notes, once per rank
-    dev = torch.device("cpu")
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
     if device == "cuda":
-        dev = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     try:
-        dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank,
-                                world_size=WORLD_SIZE, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=WORLD_SIZE)
         got, want = run(op, rank, WORLD_SIZE, dev)
         if got != want:
             raise AssertionError(f"wrong result: {got}, expected {want}")
@@ -113,15 +100,14 @@ def rank_main(run, op, backend, device, rank, folder, timeout_s):
 
 
 def outcome(codes: list, folder: str) -> str:
-    """A job's outcome from its ranks' exit codes (None: running at the deadline): a crash
-    first, then an error (its peer may hang), then a timeout."""
+    """A job's outcome from its ranks' exit codes (None: running at the deadline): a crash, the first error,
+    a timeout."""
     for code in codes:
         if code is not None and code < 0:
             return f"crashed: {signal.Signals(-code).name}"
-    for rank, code in enumerate(codes):
-        if code:
-            path = Path(folder, f"error.{rank}")
-            return "error: " + (path.read_text() if path.exists() else f"exit {code}")
+    errors = sorted(Path(folder).glob("error.*"), key=lambda path: path.stat().st_mtime_ns)  # the first: the cause
+    if errors or any(codes):
+        return "error: " + (errors[0].read_text() if errors else f"exit {max(c or 0 for c in codes)}")
     return "timeout" if None in codes else "ok"
 
 
@@ -134,8 +120,7 @@ def try_all(pairs, ops=OPS, run=try_op, timeout_s=60.0) -> list[dict]:
         for backend, device in pairs:
             for op in ops:
                 folder = tempfile.mkdtemp(dir=tmp)
-                ranks = [context.Process(target=rank_main, args=(run, op, backend, device, rank,
-                                                                 folder, timeout_s))
+                ranks = [context.Process(target=rank_main, args=(run, op, backend, device, rank, folder))
                          for rank in range(WORLD_SIZE)]
                 for p in ranks:
                     p.start()
@@ -149,19 +134,14 @@ def try_all(pairs, ops=OPS, run=try_op, timeout_s=60.0) -> list[dict]:
             for p in ranks:
                 p.kill()
                 p.join()
-            rows.append({"backend": backend, "device": device, "op": op,
-                         "outcome": outcome(codes, folder)})
+            rows.append({"backend": backend, "device": device, "op": op, "outcome": outcome(codes, folder)})
     return rows
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds for all jobs together")
-    args = parser.parse_args(argv)
-    gpus = torch.cuda.device_count()
+def main() -> None:
+    gpus = torch.cuda.device_count()  # no CUDA context here: the jobs fork from a server
     pairs = [("gloo", "cpu")] + [("gloo", "cuda")] * (gpus >= 1) + [("nccl", "cuda")] * (gpus >= 2)
-    rows = try_all(pairs, timeout_s=args.timeout)
-    rows = [{**row, "machine": results.machine_name(), "run_id": results.run_id()} for row in rows]
+    rows = [{**row, "machine": results.machine_name(), "run_id": results.run_id()} for row in try_all(pairs)]
     results.print_table(rows, title=f"{WORLD_SIZE} ranks per op:")
     results.upsert_csv("backends.csv", rows, key=["backend", "device", "op"])
 

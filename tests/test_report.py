@@ -24,10 +24,12 @@ def test_every_op_is_carried_by_gloo_on_cpu_and_a_crash_or_an_error_is_a_row():
     assert outcome == {op: "ok" for op in backends.OPS}
 
 
-def test_an_outcome_names_a_crash_before_an_error_and_an_error_before_a_timeout(tmp_path):
+def test_an_outcome_names_a_crash_before_the_first_error_and_an_error_before_a_timeout(tmp_path):
     (tmp_path / "error.1").write_text("RuntimeError: Connection closed by peer")
     assert backends.outcome([-11, 1], str(tmp_path)) == "crashed: SIGSEGV"
     assert backends.outcome([None, 1], str(tmp_path)) == "error: RuntimeError: Connection closed by peer"
+    (tmp_path / "error.1").unlink()
+    assert backends.outcome([1, 0], str(tmp_path)) == "error: exit 1"
     assert backends.outcome([0, None], str(tmp_path)) == "timeout"
     assert backends.outcome([0, 0], str(tmp_path)) == "ok"
 
