@@ -187,40 +187,35 @@ def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, lis
 # Each returns None where it has no rows, else (its text, its headline rows, the rows it read).
 
 
-@section("Compute on one device: the measured peak, forward, backward, optimizer, memory, MFU",
-         "compute.csv", ("compute",))
+@section("Compute on one device: the measured peak, forward, backward, optimizer, memory, MFU", "compute.csv",
+         ("compute",))
 def compute_section(where: Where, rows: list[dict]):
     """bench/compute.py: the device alone at one rank's shapes, beside the peaks it measured."""
     r0 = rows[0]
     peak = measured_peak(where, r0.get("run_id"), r0["device"])
-    text = (f"One process on the {'GPU' if r0['device'] == 'cuda' else 'CPU'} ({machine_of(where, rows)}) at one "
-            "rank's shapes of stages 03-06, nothing communicated: forward, backward and AdamW timed apart; "
-            "MFU = (6 N + 12 L H Q T) FLOPs per token x tokens/s / the peak it names (N: parameters outside "
-            "the embeddings, PaLM's convention); AdamW beside the copy bandwidth, as it streams its state.\n\n")
+    text = (f"One process ({machine_of(where, rows)}) at one rank's shapes of stages 03-06, nothing communicated; "
+            "MFU = (6 N + 12 L H Q T) FLOPs per token x tokens/s / the peak it names (N: non-embedding "
+            "parameters); AdamW, which streams its state, beside the copy bandwidth.\n\n")
     if peak:
         text += (f"Peak, measured: a {peak['matmul_n']}^3 float32 matmul at {peak['matmul_flops_per_s'] / 1e12:.2f} "
-                 f"TFLOP/s; a large copy at {peak['copy_bytes_per_s'] / 1e9:.1f} GB/s (bytes read + written).\n\n")
+                 f"TFLOP/s; a large copy at {peak['copy_bytes_per_s'] / 1e9:.1f} GB/s (read + written).\n\n")
 
     def mfu(r):
         sheet = f"; {num(r, 'mfu_of_datasheet'):.1%} of {r['datasheet']}" if r.get("datasheet") else ""
         return f"{num(r, 'mfu'):.1%}" + (f" of {r['mfu_of']}" if r.get("mfu_of") else "") + sheet
 
     def memory(r):
-        total = r.get("memory_total_bytes")
-        return size_text(num(r, "max_memory_allocated_bytes")) + (
-            f" of {size_text(float(total))}" if total not in ("", None) else "")
+        used, total = r.get("max_memory_allocated_bytes"), r.get("memory_total_bytes")
+        return "-" if used in ("", None) else size_text(float(used)) + (f" of {size_text(float(total))}" if total else "")
     text += md_table(["LM", "params", "batch x context", "forward ms", "backward ms", "AdamW ms", "tokens/s",
                       "TFLOP/s (of peak)", "MFU", "AdamW GB/s (of copy)", "max memory allocated"],
                      [[r["model"] + ("" if r.get("dtype", "float32") == "float32" else f" {r['dtype']}"),
-                       f"{num(r, 'params') / 1e6:.1f}M", f"{r['batch_size']} x {r['context_length']}",
-                       num(r, "fwd_ms"), num(r, "bwd_ms"), num(r, "optimizer_ms"), f"{num(r, 'tokens_per_s'):.0f}",
+                       f"{num(r, 'params') / 1e6:.1f}M", f"{r['batch_size']} x {r['context_length']}", num(r, "fwd_ms"),
+                       num(r, "bwd_ms"), num(r, "optimizer_ms"), f"{num(r, 'tokens_per_s'):.0f}",
                        f"{num(r, 'achieved_tflops'):.3g} of {num(r, 'peak_tflops'):.3g}", mfu(r),
-                       f"{num(r, 'optimizer_gbps'):.3g} of {num(r, 'copy_gbps'):.3g}",
-                       memory(r) if r.get("max_memory_allocated_bytes") not in ("", None) else "-"] for r in rows])
+                       f"{num(r, 'optimizer_gbps'):.3g} of {num(r, 'copy_gbps'):.3g}", memory(r)] for r in rows])
     best = max(rows, key=lambda r: num(r, "mfu"))
-    return text, [[f"compute at one rank's shapes: MFU of {best.get('mfu_of') or 'the float32 matmul peak'}",
-                   f"{num(best, 'mfu'):.1%} (LM {best['model']}, {num(best, 'achieved_tflops'):.3g} of "
-                   f"{num(best, 'peak_tflops'):.3g} TFLOP/s, {r0['device']})"]], rows
+    return text, [["compute at one rank's shapes: MFU", f"{mfu(best)} (LM {best['model']}, {r0['device']})"]], rows
 
 
 @section("All-reduce: time and bus bandwidth (stage 02)", "allreduce.csv", ("allreduce",))
@@ -237,24 +232,19 @@ def allreduce_section(where: Where, rows: list[dict]):
                key=lambda r: num(r, "busbw_gbps"), default=None)
     words, headline = [], []
     if best:
-        busbw = f"{num(best, 'busbw_gbps'):.2f} GB/s"
-        words.append(f"At {size_text(largest)} the best bus bandwidth is {busbw} ({on(best)}, {best['world_size']} "
-                     "ranks); busbw = algbw x 2(n-1)/n, nccl-tests' convention.")
+        busbw = f"{num(best, 'busbw_gbps'):.2f} GB/s ({on(best)}, {best['world_size']} ranks"
+        words.append(f"At {size_text(largest)} the best bus bandwidth (algbw x 2(n-1)/n) is {busbw}).")
         path = "; Gloo's host path, not an interconnect" if on(best) == "gloo/cuda" else ""
-        headline.append([f"all-reduce bus bandwidth, {size_text(largest)}",
-                         f"{busbw} ({on(best)}, {best['world_size']} ranks{path})"])
+        headline.append([f"all-reduce bus bandwidth, {size_text(largest)}", f"{busbw}{path})"])
     ratios = {i: [num(c[i], "busbw_gbps") / num(c["backend"], "busbw_gbps") for k, c in cells.items()
                   if k[3] >= 10 * MB and i in c and "backend" in c] for i in ("ring", "ring_pipelined")}
     if ratios["ring"] and ratios["ring_pipelined"]:
         span = {i: f"{min(v):.2f}-{max(v):.2f}x" for i, v in ratios.items()}
-        words.append(f"Stage 01's rings at 10 MB and above: textbook {span['ring']} the backend's busbw, "
-                     f"pipelined {span['ring_pipelined']}.")
-    fits = entries_of(where, "allreduce_fit.json", rows[0]["run_id"])
-    if fits:
-        text += "\nFitted `t = a + N / w` (stage 06 takes its o = a and w from these):\n\n" + md_table(
-            ["backend/device", "ranks", "a (us)", "w (GB/s)", "worst point error"],
-            [[on(f), f["world_size"], f["a_s"] * 1e6, f["w_bytes_per_s"] / 1e9,
-              f"{max(abs(p['rel_error']) for p in f['points']):.0%}"] for f in fits])
+        words.append(f"Stage 01's rings at 10 MB and above: textbook {span['ring']} the backend's busbw, pipelined "
+                     f"{span['ring_pipelined']}.")
+    fits = [f"{on(f)} x {f['world_size']}: a = {f['a_s'] * 1e6:.0f} us, w = {f['w_bytes_per_s'] / 1e9:.2f} GB/s"
+            for f in entries_of(where, "allreduce_fit.json", rows[0]["run_id"])]
+    words += [f"Fitted t = a + N / w (stage 06's o and w): {'; '.join(fits)}."] if fits else []
     words.append("\n\n" + picture(where, "bench_allreduce_busbw.png", "all-reduce bus bandwidth"))
     return reading(text, words, headline, rows)
 
@@ -269,35 +259,31 @@ def ddp_section(where: Where, rows: list[dict]):
              for r in [picked.get(impl, next((c for c in rows if c["impl"] == impl), None))] if r is not None]
     peak = measured_peak(where, r0.get("run_id"), r0["device"])
 
-    def mfu_cells(r):
+    def mfu(r):
         if not r.get("batch_size") or not r.get("context_length"):
             return ["-", "-"]
         tokens_per_s, mfu = model_flops_utilisation(r, peak)
         return [f"{tokens_per_s:.0f}", f"{mfu:.1%}"]
-    text = (host_path_note(rows, "the step times below say how the implementations compare on that path, "
-                                 "not what each costs on NCCL.")
-            + f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch {r0['batch_size']}, "
-            f"context {r0['context_length']}, AdamW, {r0['world_size']} ranks on {on(r0)}"
-            + ("; MFU as in the first section, over the devices doing the work" if peak else "") + ".\n\n"
-            + md_table(["implementation", "step ms", "fwd+bwd ms", "comm after backward ms", "optimizer ms",
-                        "vs torch DDP", *(["tokens/s", "MFU"] if peak else [])],
-                       [[label, num(r, "step_ms"), num(r, "fwd_bwd_ms"), num(r, "comm_after_backward_ms"),
-                         num(r, "optimizer_ms"), times(num(r, "ratio_vs_torch_ddp")) if r.get("ratio_vs_torch_ddp")
-                         else "-", *(mfu_cells(r) if peak else [])] for label, r in shown]))
+    text = (host_path_note(rows, "the step times say how the implementations compare on it, not what each costs on NCCL.")
+            + f"LM `{r0['model']}` ({int(r0['params']) / 1e6:.1f}M parameters), global batch {r0['batch_size']}, context "
+            f"{r0['context_length']}, AdamW, {r0['world_size']} ranks on {on(r0)}.\n\n"
+            + md_table(["implementation", "step ms", "fwd+bwd ms", "comm after backward ms", "optimizer ms", "vs torch DDP",
+                        *(["tokens/s", "MFU"] if peak else [])],
+                       [[label, *[num(r, k) for k in ("step_ms", "fwd_bwd_ms", "comm_after_backward_ms", "optimizer_ms")],
+                         times(num(r, "ratio_vs_torch_ddp")) if r.get("ratio_vs_torch_ddp") else "-",
+                         *(mfu(r) if peak else [])] for label, r in shown]))
     best, torch_ddp = picked["bucketed"], picked["torch_ddp"]
     words, headline = [], []
     if best and torch_ddp:
-        ratio = num(best, "step_ms") / num(torch_ddp, "step_ms")
-        words.append(f"BucketedDDP at its best bucket size ({best['bucket_mb']} MB) takes {times(ratio)} torch "
-                     "DDP's step time; communication that runs during backward shows up in the fwd+bwd column.")
-        headline.append(["BucketedDDP (best bucket) vs torch DDP, step time", f"{times(ratio)} ("
-                         f"{num(best, 'step_ms'):.1f} vs {num(torch_ddp, 'step_ms'):.1f} ms, LM {r0['model']})"])
+        ratio = times(num(best, "step_ms") / num(torch_ddp, "step_ms"))
+        words.append(f"BucketedDDP at its best bucket size ({best['bucket_mb']} MB) takes {ratio} torch DDP's step time.")
+        headline.append(["BucketedDDP (best bucket) vs torch DDP, step time", f"{ratio} ({num(best, 'step_ms'):.1f} vs "
+                         f"{num(torch_ddp, 'step_ms'):.1f} ms, LM {r0['model']})"])
     words.append("\n\n" + bars(where, "bench_ddp_step.png", [label for label, _ in shown], [
         (part, [num(r, key) for _, r in shown]) for part, key in (
             ("forward + backward (overlapped communication hides here)", "fwd_bwd_ms"),
             ("communication left after backward", "comm_after_backward_ms"), ("optimizer", "optimizer_ms"))],
-        "ms per training step", f"DDP step time, LM {r0['model']}, {r0['world_size']} ranks {on(r0)}\n"
-        f"{machine_of(where, rows)}"))
+        "ms per training step", f"DDP step time, LM {r0['model']}, {r0['world_size']} ranks {on(r0)}\n{machine_of(where, rows)}"))
     return reading(text, words, headline, rows)
 
 
@@ -309,59 +295,51 @@ def bucket_section(where: Where):
         return None
     m = entries[0]
     lo, hi = m["neighbour_range_mb"]
-    text = md_table(["bucket cap MB", "buckets", "BucketedDDP step ms", "comm after backward ms, measured",
-                     "model ms"], [[float(s["bucket_mb"]), s["buckets"], float(s["measured_step_ms"]),
-                                    float(s["measured_comm_after_bwd_ms"]), float(s["model_comm_after_bwd_ms"])]
-                                   for s in m["sweep"]])
-    inside = "within" if m["prediction_within_neighbours"] else "outside"
-    best = f"{m['predicted_best_bucket_mb']:.3g} MiB"
-    words = [f"With s = {m['gradient_bytes'] / MB:.1f} MiB of gradients, o = {m['o_s'] * 1e6:.0f} us and w = "
-             f"{m['w_bytes_per_s'] / 1e9:.2f} GB/s ({m['fit_source']}), n_b o + s/(n_b w) is smallest at {best}; "
-             f"the measured best was {m['measured_best_bucket_mb']:g} MB, so the prediction lies {inside} the "
-             f"best and its neighbours [{lo:g}, {hi:g}] MB."]
-    return reading(text, words, [["bucket size: model's best vs measured best", f"{best} vs "
-                                  f"{m['measured_best_bucket_mb']:g} MB ({inside} [{lo:g}, {hi:g}])"]], entries)
+    text = md_table(["bucket cap MB", "buckets", "BucketedDDP step ms", "comm after backward ms, measured", "model ms"],
+                    [[float(s["bucket_mb"]), s["buckets"], float(s["measured_step_ms"]),
+                      float(s["measured_comm_after_bwd_ms"]), float(s["model_comm_after_bwd_ms"])] for s in m["sweep"]])
+    inside = f"{'within' if m['prediction_within_neighbours'] else 'outside'} the best and its neighbours [{lo:g}, {hi:g}] MB"
+    best = f"{m['predicted_best_bucket_mb']:.3g} MiB vs {m['measured_best_bucket_mb']:g} MB"
+    return reading(text, [f"With s = {m['gradient_bytes'] / MB:.1f} MiB of gradients, o = {m['o_s'] * 1e6:.0f} us and "
+                          f"w = {m['w_bytes_per_s'] / 1e9:.2f} GB/s ({m['fit_source']}), n_b o + s/(n_b w) is smallest "
+                          f"at the model's best, measured best: {best}; the prediction lies {inside}."],
+                   [["bucket size: model's best vs measured best", f"{best} ({inside.split()[0]} [{lo:g}, {hi:g}])"]], entries)
 
 
 @section("Overlap, seen in a profile (stage 05 `--profile`)", steps=("profile",))
 def overlap_section(where: Where):
-    rows = one_run([r for r in results.read_csv("ddp_profile.csv", where.out)
-                    if r.get("stage") == "05_overlap_ddp"], where.run_id)
+    rows = one_run([r for r in results.read_csv("ddp_profile.csv", where.out) if r.get("stage") == "05_overlap_ddp"],
+                   where.run_id)
     if not rows:
         return None
     keys = ["step_ms", "backward_ms", "collectives", "comm_during_backward_ms", "comm_after_backward_ms"]
     text = md_table(["case", *[k.replace("_ms", " ms").replace("_", " ") for k in keys]],
                     [[r["case"], *[float(r[k]) if k.endswith("_ms") else r[k] for k in keys]] for r in rows])
     shares = [f"{r['case']} {num(r, keys[3]) / max(1e-9, num(r, keys[3]) + num(r, keys[4])):.0%}" for r in rows]
-    return reading(text, [f"Share of the communication that ran while backward computed (rank 0, one profiled "
-                          f"step): {', '.join(shares)}.\n\n"
-                          + picture(where, "bench_overlap_timeline.png", "timeline of naive vs overlapped DDP")],
+    return reading(text, [f"Share of the communication that ran while backward computed (rank 0, one profiled step): "
+                          f"{', '.join(shares)}.\n\n" + picture(where, "bench_overlap_timeline.png", "overlap timeline")],
                    [], rows)
 
 
 @section("Tensor parallelism: bytes per MLP (stage 07)", "tensor_parallel.csv", ("tp",))
 def tensor_parallel_section(where: Where, rows: list[dict]):
-    sums: dict[tuple, dict] = {}
-    for r in rows:
-        d = sums.setdefault((int(r["world_size"]), r["variant"]), {"forward": 0, "backward": 0})
-        d[r["phase"]] += int(r["bytes_counted"])
+    sums = {k: {p: sum(int(r["bytes_counted"]) for r in rs if r["phase"] == p) for p in ("forward", "backward")}
+            for k, rs in group(rows, lambda r: (int(r["world_size"]), r["variant"])).items()}
     r0 = rows[0]
-    text = (f"MLP {r0['d_model']} -> {r0['d_ff']} -> {r0['d_model']} over {r0['tokens']} tokens, float32: the "
-            "collectives' payloads per forward and backward, counted (the script checks the prediction).\n\n"
-            + md_table(["ranks", "variant", "forward", "backward"], [[ws, v, size_text(d["forward"]),
-                                                                      size_text(d["backward"])]
-                                                                     for (ws, v), d in sorted(sums.items())]))
+    text = (f"MLP {r0['d_model']} -> {r0['d_ff']} -> {r0['d_model']} over {r0['tokens']} tokens, float32: the collectives' "
+            "payloads, counted (the script checks the prediction).\n\n"
+            + md_table(["ranks", "variant", "forward", "backward"],
+                       [[ws, v, size_text(d["forward"]), size_text(d["backward"])] for (ws, v), d in sorted(sums.items())]))
     total = {v: d["forward"] + d["backward"] for (_, v), d in sums.items()}
     if not {"megatron", "allgather"} <= set(total):
         return text, [], rows
-    return reading(text, [f"All-gathering after every layer moves {total['allgather'] / total['megatron']:.1f}x "
-                          "Megatron's bytes: it also ships the d_ff-wide activation."],
+    return reading(text, [f"All-gathering after every layer moves {total['allgather'] / total['megatron']:.1f}x Megatron's "
+                          "bytes: it also ships the d_ff-wide activation."],
                    [["tensor parallel MLP: bytes per forward+backward, Megatron vs all-gather",
                      f"{size_text(total['megatron'])} vs {size_text(total['allgather'])}"]], rows)
 
 
-@section("Sequence parallelism: bytes and saved activations per block (stage 07)", "sequence_parallel.csv",
-         ("tp",))
+@section("Sequence parallelism: bytes and saved activations per block (stage 07)", "sequence_parallel.csv", ("tp",))
 def sequence_parallel_section(where: Where, rows: list[dict]):
     r0 = rows[0]
     blocks: dict[tuple, dict] = {}  # (ranks, block): what it sent and what it saved
@@ -373,10 +351,9 @@ def sequence_parallel_section(where: Where, rows: list[dict]):
         else:  # "saved layernorms", "saved rest": counted, and the formula
             cell[r["what"]] = (num(r, "bytes"), num(r, "formula"))
     order = ["one process", "TP", "TP + SP", "torch TP + SP"]
-    text = (f"A Transformer block of the course LM's shape (d_model {r0['d_model']}, d_ff {r0['d_ff']}, "
-            f"{r0['heads']} heads, {r0['tokens']} tokens), float32, on {on(r0)}: its collectives' payloads, what "
-            "a ring sends per rank for them, and the bytes autograd saves for backward per rank (formula in "
-            "brackets).\n\n"
+    text = (f"A Transformer block (d_model {r0['d_model']}, d_ff {r0['d_ff']}, {r0['heads']} heads, {r0['tokens']} tokens), "
+            f"float32, on {on(r0)}: its collectives' payloads, a ring's bytes per rank for them, and the bytes autograd "
+            "saves for backward per rank (formula in brackets).\n\n"
             + md_table(["ranks", "block", "payload forward", "payload backward", "ring sends per rank",
                         "saved in LayerNorms", "saved elsewhere", "saved in all"],
                        [[ranks, block, *([size_text(c[k]) for k in ("forward", "backward", "ring")] if "forward" in c
@@ -391,18 +368,15 @@ def sequence_parallel_section(where: Where, rows: list[dict]):
         payload = (sequence["forward"] + sequence["backward"]) / (plain["forward"] + plain["backward"])
         layernorms = sequence["saved layernorms"][0] / plain["saved layernorms"][0]
         same_ring = sequence["ring"] == plain["ring"]
-        words.append(f"On {ranks} ranks, sequence parallelism's all-gathers and reduce-scatters carry {payload:.1f}x "
-                     f"the payload of plain TP's all-reduces, and a ring sends {'the same' if same_ring else 'other'} "
-                     f"bytes per rank for them ({size_text(sequence['ring'])} vs {size_text(plain['ring'])}). The "
-                     f"LayerNorms keep {layernorms:.2f}x plain TP's activations per rank (target 1/t = {1 / ranks:.2f}: "
-                     f"{verdict(abs(layernorms - 1 / ranks) < 1e-9)}); the rest "
-                     f"{sequence['saved rest'][0] / plain['saved rest'][0]:.2f}x.")
+        words.append(f"On {ranks} ranks, sequence parallelism's all-gathers and reduce-scatters carry {payload:.1f}x the "
+                     f"payload of plain TP's all-reduces, and a ring sends {'the same' if same_ring else 'other'} bytes per "
+                     f"rank for them ({size_text(sequence['ring'])} vs {size_text(plain['ring'])}). The LayerNorms keep "
+                     f"{layernorms:.2f}x plain TP's activations per rank (target 1/t = {1 / ranks:.2f}: "
+                     f"{verdict(abs(layernorms - 1 / ranks) < 1e-9)}).")
         headline.append([f"sequence parallel, {ranks} ranks: LayerNorm activations saved per rank, TP + SP vs TP",
-                         f"{layernorms:.2f}x (1/t = {1 / ranks:.2f}); ring bytes per rank "
-                         f"{'equal' if same_ring else 'NOT equal'}"])
+                         f"{layernorms:.2f}x (1/t = {1 / ranks:.2f}); ring bytes per rank {'equal' if same_ring else 'NOT equal'}"])
     exact = all(c[k][0] == c[k][1] for c in blocks.values() for k in ("saved layernorms", "saved rest"))
-    words.append("Every saved count equals its formula." if exact else "Not every saved count equals its formula "
-                 "(on a GPU the attention kernel may save other tensors than the CPU's, which it describes).")
+    words.append(f"{'Every' if exact else 'Not every'} saved count equals its formula.")
     return reading(text, words, headline, rows)
 
 
@@ -419,13 +393,11 @@ def pipeline_section(where: Where, rows: list[dict]):
                       num(rs[0], "idle_share_simulated"), num(rs[0], "idle_share_formula"), gap,
                       " ".join(r["peak_held"] for r in sorted(rs, key=lambda r: int(r["rank"])))])
     r0 = rows[0]
-    text = (host_path_note(rows, "with real compute the stages' sends cross it too; with emulated compute the "
-                                 "idle shares are the schedules' own.")
-            + f"{r0['world_size']} stages, batch {r0['batch']}, {on(r0)}. Idle share = 1 - busy / pass (mean over "
-            "stages); emulated compute makes every F, B and W a fixed wait, so the measured idle checks the "
-            "executor against the unit-time simulation.\n\n"
-            + md_table(["schedule", "v", "m", "compute", "idle, measured", "simulated", "formula",
-                        "max gap to simulated", "held per stage"], table))
+    text = (host_path_note(rows, "with real compute the sends cross it too; emulated, the idle shares are the schedules' own.")
+            + f"{r0['world_size']} stages, batch {r0['batch']}, {on(r0)}. Idle share = 1 - busy / pass, mean over stages; "
+            "emulated compute (every F, B and W a fixed wait) checks the executor against the simulation.\n\n"
+            + md_table(["schedule", "v", "m", "compute", "idle, measured", "simulated", "formula", "max gap to simulated",
+                        "held per stage"], table))
     if not gaps:
         return text, [], rows
     return reading(text, [f"With emulated compute every schedule's measured idle is within {max(gaps):.3f} of its "
@@ -440,20 +412,19 @@ def sharding_section(where: Where, rows: list[dict]):
     order = ["none", "ddp", "zero1", "zero2", "fsdp", "torch_zero1", "torch_fsdp"]
     rows = sorted(rows, key=lambda r: (r["checkpointing"], order.index(r["impl"]) if r["impl"] in order else 9))
     kinds = ("param_bytes", "grad_bytes", "optim_bytes", "peak_bytes", "activation_bytes", "sent_bytes")
-    text = (host_path_note(rows, "Gloo's reduce-scatter is an all-reduce underneath, so ZeRO-2's and FSDP's step "
-                                 "times here are not a comparison of strategies; the bytes per rank are.")
-            + f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {on(r0)}: bytes per rank counted from the "
-            "tensors (formula in brackets); `none`, the control, trains each rank's share and sends nothing.\n\n"
-            + md_table(["impl", "checkpointing", "step ms", "params", "grads", "optimizer state", "peak",
-                        "activations", "sent per step"],
-                       [[r["impl"], r["checkpointing"], num(r, "step_ms"),
-                         *[with_formula(r.get(k), r.get(f"{k}_predicted")) for k in kinds]] for r in rows]))
+    text = (host_path_note(rows, "Gloo's reduce-scatter is an all-reduce underneath, so the step times here are not a "
+                                 "comparison of strategies; the bytes per rank are.")
+            + f"LM `{r0['model']}`, AdamW, {r0['world_size']} ranks on {on(r0)}: bytes per rank counted from the tensors "
+            "(formula in brackets); `none` trains each rank's share and sends nothing.\n\n"
+            + md_table(["impl", "checkpointing", "step ms", "params", "grads", "optimizer state", "peak", "activations",
+                        "sent per step"], [[r["impl"], r["checkpointing"], num(r, "step_ms"), *[
+                            with_formula(r.get(k), r.get(f"{k}_predicted")) for k in kinds]] for r in rows]))
     plain = [r for r in rows if r["checkpointing"] in ("off", "False", "0", "")] or rows
     return reading(text, [bars(where, "bench_sharding_bytes.png", [r["impl"] for r in plain],
                                [(part, [num(r, key) / MB for r in plain]) for part, key in zip(
-                                   ("parameters", "gradients", "optimizer state"), kinds)],
-                               "MiB per rank, held between steps", f"Bytes per rank by strategy, LM {r0['model']}, "
-                               f"{r0['world_size']} ranks\n{machine_of(where, rows)}")], [], rows)
+                                   ("parameters", "gradients", "optimizer state"), kinds)], "MiB per rank, held between "
+                               f"steps", f"Bytes per rank, LM {r0['model']}, {r0['world_size']} ranks\n{machine_of(where, rows)}")],
+                   [], rows)
 
 
 @section("Context parallelism: ring attention, contiguous and zig-zag (stage 07)", "context_parallel.csv", ("cp",))
@@ -465,26 +436,22 @@ def context_parallel_section(where: Where, rows: list[dict]):
     def label(r):
         return {"ring": f"W={r['W']} {r['layout']}", "ulysses": f"W={r['W']} Ulysses"}.get(r["impl"], r["impl"])
     order = {"ring": 1, "ulysses": 2}                    # one rank's kernels, rings, Ulysses
-    columns = list(dict.fromkeys(label(r) for r in sorted(real, key=lambda r: (order.get(r["impl"], 0), int(r["W"]),
-                                                                                 r["layout"]))))
+    columns = list(dict.fromkeys(label(r) for r in sorted(real, key=lambda r: (order.get(r["impl"], 0), int(r["W"]), r["layout"]))))
     steps = {seq: {label(r): num(r, "step_ms") for r in rs} for seq, rs in group(real, lambda r: int(r["seq"])).items()}
-    text = (f"One causal attention layer, forward + backward, float32, batch {r0['batch']}, {r0['heads']} heads of "
-            f"{r0['head_dim']}, on {on(r0)}: one rank's kernels (the whole sequence) and ring attention on rings "
-            "of W ranks in both layouts. Step ms, real compute:\n\n"
+    text = (f"Causal attention, forward + backward, float32, batch {r0['batch']}, {r0['heads']} heads of {r0['head_dim']}, "
+            f"on {on(r0)}: one rank's kernels, and ring attention on W ranks in both layouts. Step ms, real compute:\n\n"
             + md_table(["seq", *columns], [[seq, *[c.get(k, "") for k in columns]] for seq, c in sorted(steps.items())]))
     longest = max(int(r["seq"]) for r in rows)
     at_longest = sorted((r for r in real if int(r["seq"]) == longest and r["impl"] == "ring"),
                         key=lambda r: (int(r["W"]), r["layout"]))
-    gpu = r0["device"] == "cuda"
-    text += (f"\nAt sequence length {longest}, per rank: bytes sent (formula: K and V W-1 hops forward and "
-             "backward, dK and dV W hops), the work's imbalance (max / mean of the scores computed; formula "
-             "2 - 1/W contiguous, 1 zig-zag), bytes saved for backward:\n\n"
-             + md_table(["W", "layout", "sent per rank", "FLOP imbalance", "saved per rank",
-                         *(["peak GPU memory"] if gpu else [])],
+    gpu = ["peak GPU memory"] if r0["device"] == "cuda" else []
+    text += (f"\nAt sequence length {longest}, per rank: bytes sent, the imbalance (max / mean scores computed; formula "
+             "2 - 1/W contiguous, 1 zig-zag), bytes saved for backward (formulas in brackets):\n\n"
+             + md_table(["W", "layout", "sent per rank", "FLOP imbalance", "saved per rank", *gpu],
                         [[r["W"], r["layout"], with_formula(r["sent_bytes"], r["bytes_formula"]),
                           f"{num(r, 'imbalance'):.3f} ({num(r, 'imbalance_formula'):.3f})",
                           with_formula(r["saved_bytes"], r["saved_formula"]),
-                          *([size_text(num(r, "peak_bytes"))] if gpu else [])] for r in at_longest]))
+                          *[size_text(num(r, "peak_bytes")) for _ in gpu]] for r in at_longest]))
     emulation = sorted({r["compute"] for r in emulated})  # one wait, "emulated 400 ms"
     computes = ["real", *emulation]
     ratios = {}  # W: {compute: zig-zag / contiguous at the longest sequence}
@@ -493,8 +460,8 @@ def context_parallel_section(where: Where, rows: list[dict]):
                 if r["impl"] == "ring" and int(r["W"]) == w and int(r["seq"]) == longest}
         ratios[w] = {c: step[(c, "zigzag")] / step[(c, "contiguous")] for c in computes
                      if (c, "zigzag") in step and (c, "contiguous") in step}
-    text += (f"\nZig-zag / contiguous step time at sequence length {longest} (emulated: each block of scores "
-             "waits in proportion to its FLOPs; ideal W/(2W-1)):\n\n"
+    text += (f"\nZig-zag / contiguous step time at sequence length {longest} (emulated: each block of scores waits in "
+             "proportion to its FLOPs; ideal W/(2W-1)):\n\n"
              + md_table(["W", *[f"{c} compute" for c in computes], "ideal"],
                         [[w, *[by.get(c, "") for c in computes], w / (2 * w - 1)] for w, by in ratios.items()]))
     exact = all(num(r, "sent_bytes") == num(r, "bytes_formula") for r in rows)
@@ -505,9 +472,9 @@ def context_parallel_section(where: Where, rows: list[dict]):
     if {"zigzag", "contiguous"} <= set(imbalance):
         formula = 2 - 1 / w
         off = abs(imbalance["contiguous"] / formula - 1)
-        words.append(f"At W={w} zig-zag balances the causal work (imbalance {imbalance['zigzag']:.3f}, target "
-                     f"1.00) and contiguous is {imbalance['contiguous']:.3f}, {100 * off:.1f}% from 2 - 1/W = "
-                     f"{formula:.3f} (target within 2%: {verdict(off <= 0.02)}).")
+        words.append(f"At W={w} zig-zag balances the causal work (imbalance {imbalance['zigzag']:.3f}, target 1.00) and "
+                     f"contiguous is {imbalance['contiguous']:.3f}, {100 * off:.1f}% from 2 - 1/W = {formula:.3f} (target "
+                     f"within 2%: {verdict(off <= 0.02)}).")
         headline.append([f"context parallel, FLOP imbalance at W={w}: zig-zag, contiguous",
                          f"{imbalance['zigzag']:.3f}, {imbalance['contiguous']:.3f} (targets 1.00 and {formula:.3f})"])
     measured = ratios.get(w, {})
@@ -515,22 +482,20 @@ def context_parallel_section(where: Where, rows: list[dict]):
         ratio = measured[emulation[0]]
         target = f"target <= 0.75 at W=4: {verdict(ratio <= 0.75)}" if w == 4 else "the 0.75 target is set at W=4"
         cpu = ", which on a CPU box measures the ranks sharing its cores more than the balance"
-        words.append(f"With {emulation[0]} compute, zig-zag's step takes {ratio:.2f}x contiguous's at W={w} "
-                     f"({target}; ideal {w / (2 * w - 1):.2f}); with real compute {measured['real']:.2f}x"
+        words.append(f"With {emulation[0]} compute, zig-zag's step takes {ratio:.2f}x contiguous's at W={w} ({target}; "
+                     f"ideal {w / (2 * w - 1):.2f}); with real compute {measured['real']:.2f}x"
                      + (cpu if r0["device"] == "cpu" else "") + ".")
         headline.append([f"context parallel, zig-zag / contiguous causal step, W={w}",
                          f"{ratio:.2f}x emulated compute ({target.split(':')[0]}), {measured['real']:.2f}x real"])
     ulysses = [[r["seq"], r["W"], r["compute"], with_formula(ring["sent_bytes"], ring["bytes_formula"]),
                 with_formula(r["sent_bytes"], r["bytes_formula"]), num(ring, "step_ms"), num(r, "step_ms"),
-                times(num(r, "step_ms") / num(ring, "step_ms"))]
-               for r in rows if r["impl"] == "ulysses" for ring in rows
+                times(num(r, "step_ms") / num(ring, "step_ms"))] for r in rows if r["impl"] == "ulysses" for ring in rows
                if ring["impl"] == "ring" and ring["layout"] == "zigzag" and all(ring[k] == r[k] for k in ("seq", "W", "compute"))]
     if ulysses:
-        text += ("\nUlysses (all-to-alls around plain attention over the heads) beside the zig-zag ring: bytes "
-                 "each rank sends per layer, counted (formula: ring 2(W-1)B forward + 2(W-1)B + 2WB backward; "
-                 "Ulysses 4(W-1)/W B each way, B one shard of q), and step time:\n\n"
-                 + md_table(["seq", "W", "compute", "ring bytes", "Ulysses bytes", "ring ms", "Ulysses ms",
-                             "Ulysses / ring"], ulysses))
+        text += ("\nUlysses (all-to-alls around attention over the heads) beside the zig-zag ring: bytes a rank sends "
+                 "per layer, counted (formula), and step time:\n\n"
+                 + md_table(["seq", "W", "compute", "ring bytes", "Ulysses bytes", "ring ms", "Ulysses ms", "Ulysses / ring"],
+                            ulysses))
     return reading(text, words, headline, rows)
 
 
@@ -539,34 +504,27 @@ def expert_parallel_section(where: Where, rows: list[dict]):
     steps = sorted((r for r in rows if r["measure"] == "step"), key=lambda r: (int(r["world_size"]), int(r["tokens_per_rank"])))
     loads = [r for r in rows if r["measure"] == "load"]
     r0 = rows[0]
-    text = (host_path_note(rows, "the expert-parallel times include its all-to-alls over that path; the bytes, "
-                                 "memory and load are the device's own.")
-            + f"A mixture-of-experts layer, d_model {r0['d_model']}, d_ff {r0['d_ff']}, {r0['num_experts']} experts, "
-            f"top-{r0['top_k']}, on {on(r0)}: replicated against expert parallel (E/W experts a rank, tokens there "
-            "and back all-to-all), forward + backward, random routing, dropless; bytes rank 0 sends per step, "
-            "counted (formula); dispatch: the first forward exchange (uniform formula).\n\n"
+    text = (host_path_note(rows, "the times include its all-to-alls over that path; the bytes, memory and load do not.")
+            + f"A mixture-of-experts layer (d_model {r0['d_model']}, d_ff {r0['d_ff']}, {r0['num_experts']} experts, top-"
+            f"{r0['top_k']}) on {on(r0)}, replicated against expert parallel, forward + backward, random routing; bytes "
+            "rank 0 sends per step and in the first dispatch, counted (formula; the dispatch's uniform):\n\n"
             + md_table(["ranks", "tokens per rank", "replicated ms", "expert parallel ms", "EP / replicated",
                         "sent per step", "dispatch (uniform)"],
                        [[r["world_size"], r["tokens_per_rank"], num(r, "replicated_ms"), num(r, "expert_parallel_ms"),
                          times(num(r, "ep_over_replicated")), with_formula(r["bytes_sent_counted"], r["bytes_sent_formula"]),
                          with_formula(r["dispatch_bytes"], r["uniform_bytes_per_exchange"])] for r in steps]))
-    memory = sorted({int(r["world_size"]): r for r in steps}.items())
-    text += "\nExpert parameters per rank (float32; the router is replicated):\n\n" + md_table(
-        ["ranks", "experts, whole layer", "per rank", "share", "1/W", "router"],
-        [[w, size_text(num(r, "expert_bytes_replicated")), size_text(num(r, "expert_bytes_per_rank")), num(r, "share"),
-          1 / w, size_text(num(r, "router_bytes"))] for w, r in memory])
     exact = sum(num(r, "bytes_sent_counted") == num(r, "bytes_sent_formula") for r in steps)
-    shares = [f"{num(r, 'share'):.4g} at W={w} ("
-              f"{'exactly' if num(r, 'expert_bytes_per_rank') * w == num(r, 'expert_bytes_replicated') else 'NOT'} 1/W)"
-              for w, r in memory]
-    words = [f"Counted all-to-all bytes equal the formula in {exact} of {len(steps)} rows.",
-             "Expert bytes per rank: " + ", ".join(shares) + "."]
+    shares = [f"{num(r, 'share'):.4g} at W={w} ({'exactly' if num(r, 'expert_bytes_per_rank') * w == num(r, 'expert_bytes_replicated') else 'NOT'}"
+              " 1/W)" for w, r in sorted({int(r["world_size"]): r for r in steps}.items())]
+    words = [f"Counted all-to-all bytes equal the formula in {exact} of {len(steps)} rows."]
+    if steps:
+        words.append(f"Expert bytes per rank, of {size_text(num(steps[0], 'expert_bytes_replicated'))} for the layer (the "
+                     f"router's {size_text(num(steps[0], 'router_bytes'))} replicated): " + ", ".join(shares) + ".")
     if loads:
         biggest = max(int(r["world_size"]) for r in loads)
         shown = [r for r in loads if int(r["world_size"]) == biggest]
-        text += (f"\nLoad on {biggest} ranks, {shown[0]['tokens_per_rank']} tokens per rank: tokens per expert, max / "
-                 "mean, and the share of assignments dropped, per capacity factor (skewed: inputs shifted so the "
-                 "router favours a few experts):\n\n"
+        text += (f"\nLoad on {biggest} ranks, {shown[0]['tokens_per_rank']} tokens per rank, per capacity factor (skewed: "
+                 "inputs shifted so the router favours a few experts):\n\n"
                  + md_table(["routing", "capacity factor", "max / mean", "dropped", "tokens per expert"],
                             [[r["routing"], r["capacity_factor"], num(r, "max_over_mean"),
                               f"{100 * num(r, 'dropped_share'):.1f}%", r["tokens_per_expert"]] for r in shown])
@@ -575,9 +533,9 @@ def expert_parallel_section(where: Where, rows: list[dict]):
         tight, dropless = case.get(("skewed", "1.0")), case.get(("skewed", "dropless"))
         if tight is not None and dropless is not None:
             dropped = num(dropless, "dropped_share")
+            kept = f"drops {100 * dropped:.1f}% (it should drop none)" if dropped else "keeps them all"
             words.append(f"Skewed routing at capacity factor 1.0 drops {100 * num(tight, 'dropped_share'):.1f}% of the "
-                         f"assignments; dropless {f'drops {100 * dropped:.1f}% (it should drop none)' if dropped else 'keeps them all'}"
-                         f", at {num(dropless, 'max_over_mean'):.2f}x the mean load on the busiest expert.")
+                         f"assignments; dropless {kept}, at {num(dropless, 'max_over_mean'):.2f}x the mean load.")
     return reading(text, words, [["expert parallel: all-to-all bytes counted = formula; expert bytes per rank",
                                   f"{exact} of {len(steps)} rows; " + ", ".join(shares)]], rows)
 
@@ -615,9 +573,8 @@ def together_section(where: Where, rows: list[dict]):
     sides = [{r["impl"]: r for r in rs} for rs in group([r for r in beside if r.get("pair")], lambda r: r["pair"]).values()]
     pairs = [(s["ours"]["pair"], s["ours"], s["torch"]) for s in sides if {"ours", "torch"} <= set(s)]
     if pairs:
-        text += ("\nTorch's composition beside ours, each `pair` timed in alternating rounds (`replicated_tp`: "
-                 "replicas; `fsdp_tp`: ZeRO-1 beside `fully_shard`, which also shards parameters and gradients; "
-                 "`hsdp`: on a 2-D mesh):\n\n"
+        text += ("\nTorch's composition (`parallelize_module`, `fully_shard`) beside ours, each `pair` timed in "
+                 "alternating rounds:\n\n"
                  + md_table(["pair", "impl", "setting", "step ms", "params", "grads", "AdamW state", "saved", "first loss"],
                             [[pair, r["impl"], r["setting"], num(r, "step_ms"),
                               *[with_formula(r[k], r.get(f"{k}_formula")) for k in ("param_bytes", "grad_bytes", "optim_bytes")],
@@ -668,10 +625,8 @@ def checkpoint_section(where: Where, rows: list[dict]):
                           *[size_text(num(ours, k)) for k in ("data_bytes_max", "data_bytes_total", "manifest_bytes",
                                                               "kernel_bytes_max")],
                           size_text(num(theirs, "kernel_bytes_max"))])
-    text = (f"The {r0['model']} LM and its AdamW state in FSDP's row blocks, saved at one number of ranks and loaded "
-            f"at another, by this lesson and by `torch.distributed.checkpoint`, alternately, on {on(r0)}: time, the "
-            "data bytes this lesson wrote or read, its manifest, and the bytes the kernel counted (/proc/self/io, "
-            "the largest rank).\n\n"
+    text = (f"The {r0['model']} LM and its AdamW state saved at one number of ranks and loaded at another, by the lesson "
+            f"and by `torch.distributed.checkpoint`, on {on(r0)}; kernel bytes: /proc/self/io, the largest rank.\n\n"
             + md_table(["saved at -> loaded at", "op", "ranks doing it", "ours ms", "torch ms", "ours / torch",
                         "data per rank", "data, all ranks", "manifest", "kernel bytes per rank, ours", "torch's"], table))
     words, headline = [], []
@@ -690,15 +645,13 @@ def checkpoint_section(where: Where, rows: list[dict]):
 
 
 def projection_text(where: Where) -> str:
-    """Lesson 9's projection: the cluster presets PREDICTED with the compute this run measured
-    (check_prediction.py --project, on by default on a GPU box); "" without rows."""
+    """Lesson 9's projection: the cluster presets predicted with the compute measured here; "" without rows."""
     rows = rows_of(where, "projection.csv")
     if not rows:
         return ""
     r0 = rows[0]
-    return (f"\n**Predicted, not measured**: the planner on each cluster preset, its links the preset's spec sheet, "
-            f"its compute measured here ({r0['compute_from']}); LM `{r0['model']}`, {r0['seq_len']} tokens a sequence, "
-            f"{int(num(r0, 'batch_size')) // int(num(r0, 'ranks'))} sequences a GPU; the fastest grids that fit:\n\n"
+    return (f"\n**Predicted, not measured**: each cluster preset's fastest grids that fit, its links from the spec "
+            f"sheet, its compute measured here ({r0['compute_from']}); LM `{r0['model']}`, {r0['seq_len']} tokens:\n\n"
             + md_table(["preset", "grid", "predicted step ms", "predicted tokens/s a GPU", "predicted GiB a GPU",
                         "of the measured rate"],
                        [[r["cluster"], r["grid"], num(r, "predicted_ms"), f"{num(r, 'tokens_per_s_per_gpu'):,.0f}",
@@ -715,10 +668,8 @@ def prediction_section(where: Where):
     within = sum(abs(num(r, "ratio") - 1) <= 0.25 for r in rows)
     far = max(rows, key=lambda r: abs(num(r, "ratio") - 1))
     worst, config = times(num(far, "ratio")), far["config"]
-    text = ("Lesson 9's planner fed with this box's measured compute (each configuration's forward, backward and "
-            "AdamW timed at one rank's shapes), stage 02's all-reduce fit and a ring hop timed after a slice of "
-            f"compute, predicting the step times measured above ({machine_of(where, rows)}; "
-            "`results/prediction.csv` holds every term):\n\n"
+    text = ("Lesson 9's planner, fed with this box's measured compute and links, beside the step times measured "
+            f"above ({machine_of(where, rows)}; `results/prediction.csv` holds every term):\n\n"
             + md_table(["configuration", "predicted ms", "measured ms", "predicted / measured"],
                        [[r["config"], num(r, "predicted_ms"), num(r, "measured_ms"), times(num(r, "ratio"))] for r in rows]))
     return reading(text, [f"Within 25%: {within} of {len(rows)}. The worst: {config}, predicted {worst} the measured "
@@ -730,9 +681,8 @@ def prediction_section(where: Where):
 @section("Muon: four designs beside AdamW + ZeRO-1", "muon.csv", ("muon",), optional=True)
 def muon_section(where: Where, rows: list[dict]):
     """07_parallelism/measure/bench_muon.py: the optimizer step alone, on the same gradients."""
-    text = ("The optimizer step alone on the same gradients: each Muon design (AdamW on the rest), FSDPMuon, and "
-            "AdamW + ZeRO-1; bytes counted over all ranks (formula); Newton-Schulz GFLOP on the busiest rank and "
-            "that over the ideal 1/N.\n\n"
+    text = ("The optimizer step alone on the same gradients; bytes counted over all ranks (formula); Newton-Schulz "
+            "GFLOP on the busiest rank, and that over the ideal 1/N.\n\n"
             + md_table(["impl", "ranks", "LM", "step ms", "bytes (formula)", "NS GFLOP, busiest rank", "NS imbalance"],
                        [[r["impl"], r["world_size"], r["model"], num(r, "step_ms"),
                          with_formula(r["bytes_counted"], r["bytes_formula"]), num(r, "ns_gflop_max"),
@@ -763,8 +713,7 @@ def backends_section(where: Where, rows: list[dict]):
         agree = (r["outcome"] == "ok") == says
         table.append([on(r), r["op"], r["outcome"], "carried" if says else "not carried", "yes" if agree else "**no**"])
         differ += [] if agree else [f"{r['op']} on {on(r)}"]
-    text = ("Each op as its own 2-rank job, so a crash or hang is a row (`ok`: the right answer), beside the "
-            "course's rule, `carries_point_to_point`:\n\n"
+    text = ("Each op a 2-rank job of its own (`ok`: the right answer) beside `carries_point_to_point`:\n\n"
             + md_table(["backend/device", "op", "outcome here", "the course says", "agree"], table))
     agree = f"{len(rows) - len(differ)} of {len(rows)}"
     return reading(text, [f"The course's rule matches {agree} tries" + (f"; not: {', '.join(differ)}." if differ else ".")],
