@@ -724,13 +724,10 @@ def backends_section(where: Where, rows: list[dict]):
 
 
 def previous_sections(out: Path) -> dict[str, str]:
-    """The filled sections of the report now in ``out``, by title, each opening with a line that names
-    the run and machine it came from (one carried before keeps the line it has)."""
-    path = out / "README.md"
-    text = path.read_text(errors="replace") if path.is_file() else ""
+    """The filled sections of the report now in ``out``, by title, each marked with its run and machine."""
+    text = (out / "README.md").read_text(errors="replace") if (out / "README.md").is_file() else ""
     found = re.search(r"Machine: \*\*(.+?)\*\*\. Run `([^`]+)`", text)
-    mark = CARRIED.format(run=found.group(2), machine=found.group(1)) if found else \
-        CARRIED.format(run="unknown", machine="an unknown machine")
+    mark = CARRIED.format(run=found.group(2) if found else "unknown", machine=found.group(1) if found else "an unknown machine")
     titles = [title for title, _ in SECTIONS + OPTIONAL]
     sections = {}
     for chunk in text.split("\n## ")[1:]:
@@ -761,23 +758,18 @@ def load_run(out: Path) -> dict | None:
 
 def header(info: dict | None) -> list[str]:
     """The report's top: the machine and the run, or, without a run record, a word on that."""
-    units = ("Times are the slowest rank's median after warm-up; bandwidths in GB/s = 10^9 bytes/s; sizes in "
-             "binary units (1 MB = 2^20 bytes).\n")
+    units = "Times: the slowest rank's median after warm-up; GB/s = 10^9 bytes/s; 1 MB = 2^20 bytes.\n"
     if info is None:
-        return ["# Benchmark report (`make bench`)\n", f"No run record (`results/{RUN_FILE}` is missing or "
-                "unreadable, as on a fresh clone): each section shows the last run that wrote its results file, "
-                "named under its title.\n", units]
+        return ["# Benchmark report (`make bench`)\n", f"No run record (`results/{RUN_FILE}` is missing or unreadable, "
+                "as on a fresh clone): each section shows the last run that wrote its file, named under its title.\n", units]
     gpus = info["setup"]["gpus"]
-    kind = ["> A CPU-only run: every figure measures this machine's cores through Gloo's loopback, not a GPU "
-            "interconnect.\n", "> A one-GPU run, read as such: compute, memory and MFU describe the GPU; the ranks' "
-            "collectives cross Gloo's path through host memory (labelled where they appear), not an interconnect, "
-            "and no section compares strategies by it; steps whose command says `--device cpu` ran on the host's "
-            "cores.\n", "> A GPU per rank over NCCL: communication timings describe this box's interconnect.\n"]
+    kind = ["> A CPU-only run: every figure measures this machine's cores through Gloo's loopback.\n",
+            "> A one-GPU run, read as such: compute, memory and MFU describe the GPU; the ranks' collectives cross "
+            "Gloo's host path (labelled where they appear), not an interconnect.\n",
+            "> A GPU per rank over NCCL: communication timings describe this box's interconnect.\n"]
     allocator = ", ".join(f"`{name}={value}`" for name, value in info.get("allocator", {}).items())
-    memory = ("" if not allocator else f"Host memory: glibc as the user set it ({allocator}).\n"
-              if not info.get("keeps_freed_memory") else f"Host memory: every step's processes kept the blocks "
-              f"they freed ({allocator}), as CUDA's caching allocator does, so no step time includes zeroing "
-              "fresh pages.\n")
+    kept = "every step's processes kept the blocks they freed" if info.get("keeps_freed_memory") else "glibc as the user set it"
+    memory = f"Host memory: {kept} ({allocator}).\n" if allocator else ""
     return ["# Benchmark report (`make bench`)\n",
             f"Machine: **{info['machine']}**. Run `{info['run_id']}`, started {info['started_utc']}, "
             f"{info['total_s']:.0f} s in all ({'quick' if info['quick'] else 'full'}); GPU: "
@@ -787,11 +779,9 @@ def header(info: dict | None) -> list[str]:
 
 def write_report(out: Path, info: dict | None = None,
                  pictures: list[tuple[Path, str]] = ()) -> tuple[Path | None, list[str]]:
-    """Rewrite ``out/README.md`` from the rows of the run ``info`` names: ``make bench`` passes its run
-    record (written beside the report) and the stage pictures to copy in as ``(source, name)``; alone,
-    the record is read from ``out`` and the run's pictures there are kept. Returns the report's path,
-    or None when no section had data (the old report is left as it was), and the titles of the
-    sections without data."""
+    """Rewrite ``out/README.md`` from the rows of the run ``info`` (make bench's record; None: read it from
+    ``out``), copying in ``pictures`` as (source, name). Returns the report's path, or None when no
+    section had data (the old report kept), and the titles of the sections without data."""
     from_make_bench = info is not None
     if not from_make_bench:
         info = load_run(out)
