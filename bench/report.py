@@ -610,20 +610,17 @@ def together_section(where: Where, rows: list[dict]):
     return reading(text, words, headline, rows)
 
 
-@section("Checkpoints: save and load beside torch.distributed.checkpoint (stage 07)", "checkpoint.csv",
-         ("checkpoint",))
+@section("Checkpoints: save and load beside torch.distributed.checkpoint (stage 07)", "checkpoint.csv", ("checkpoint",))
 def checkpoint_section(where: Where, rows: list[dict]):
     r0 = rows[0]
     table, ratios = [], []
     for (saved_at, loaded_at, op), rs in group(rows, lambda r: (int(r["saved_at"]), int(r["loaded_at"]), r["op"])).items():
         ours, theirs = next((r for r in rs if r["impl"] == "ours"), None), next((r for r in rs if r["impl"] == "torch_dcp"), None)
         if ours and theirs:
-            ratio = num(ours, "time_ms_median") / num(theirs, "time_ms_median")
-            ratios.append((ratio, op, saved_at, loaded_at))
+            ratios.append((num(ours, "time_ms_median") / num(theirs, "time_ms_median"), op, saved_at, loaded_at))
             table.append([f"{saved_at} -> {loaded_at}", op, ours["ranks"], num(ours, "time_ms_median"),
-                          num(theirs, "time_ms_median"), times(ratio),
-                          *[size_text(num(ours, k)) for k in ("data_bytes_max", "data_bytes_total", "manifest_bytes",
-                                                              "kernel_bytes_max")],
+                          num(theirs, "time_ms_median"), times(ratios[-1][0]), *[size_text(num(ours, k)) for k in (
+                              "data_bytes_max", "data_bytes_total", "manifest_bytes", "kernel_bytes_max")],
                           size_text(num(theirs, "kernel_bytes_max"))])
     text = (f"The {r0['model']} LM and its AdamW state saved at one number of ranks and loaded at another, by the lesson "
             f"and by `torch.distributed.checkpoint`, on {on(r0)}; kernel bytes: /proc/self/io, the largest rank.\n\n"
@@ -636,11 +633,9 @@ def checkpoint_section(where: Where, rows: list[dict]):
                      f"{sum(ratio <= 1.5 for ratio, *_ in ratios)} of {len(ratios)}).")
         headline.append(["checkpoints: save and load time vs torch.distributed.checkpoint", f"{times(worst[0])} at "
                          f"worst ({worst[1]} {worst[2]} -> {worst[3]} ranks; target <= 1.5x; LM {r0['model']})"])
-    written = {int(float(r["data_bytes_total"])) for r in rows
-               if r["impl"] == "ours" and r["op"] == "save" and r["data_bytes_total"] != ""}
-    if len(written) == 1:
-        words.append(f"Saved at either number of ranks, all ranks together wrote the same {size_text(written.pop())} "
-                     "of data.")
+    written = {r["data_bytes_total"] for r in rows if r["impl"] == "ours" and r["op"] == "save" and r["data_bytes_total"]}
+    words += [f"Saved at either number of ranks, all ranks together wrote the same {size_text(float(written.pop()))} of "
+              "data."] if len(written) == 1 else []
     return reading(text, words, headline, rows)
 
 
@@ -684,22 +679,18 @@ def muon_section(where: Where, rows: list[dict]):
     text = ("The optimizer step alone on the same gradients; bytes counted over all ranks (formula); Newton-Schulz "
             "GFLOP on the busiest rank, and that over the ideal 1/N.\n\n"
             + md_table(["impl", "ranks", "LM", "step ms", "bytes (formula)", "NS GFLOP, busiest rank", "NS imbalance"],
-                       [[r["impl"], r["world_size"], r["model"], num(r, "step_ms"),
-                         with_formula(r["bytes_counted"], r["bytes_formula"]), num(r, "ns_gflop_max"),
-                         f"{num(r, 'ns_imbalance'):.2f}" if r.get("ns_imbalance") else "-"] for r in rows]))
+                       [[r["impl"], r["world_size"], r["model"], num(r, "step_ms"), with_formula(r["bytes_counted"], r["bytes_formula"]),
+                         num(r, "ns_gflop_max"), f"{num(r, 'ns_imbalance'):.2f}" if r.get("ns_imbalance") else "-"] for r in rows]))
     exact = sum(abs(num(r, "bytes_counted") - num(r, "bytes_formula")) <= 1e-6 * num(r, "bytes_formula") for r in rows)
     words, headline = [f"Counted bytes equal the formula in {exact} of {len(rows)} rows."], []
     for ranks, rs in group(rows, lambda r: int(r["world_size"])).items():
-        adamw = next((r for r in rs if r["impl"] == "adamw+zero1"), None)
+        adamw = [r for r in rs if r["impl"] == "adamw+zero1"]
         fastest = min((r for r in rs if r["impl"] != "adamw+zero1"), key=lambda r: num(r, "step_ms"), default=None)
         if adamw and fastest:
-            ratio = times(num(fastest, "step_ms") / num(adamw, "step_ms"))
-            words.append(f"On {ranks} ranks the fastest Muon step ({fastest['impl']}) takes {ratio} AdamW + ZeRO-1's.")
-            headline.append([f"Muon, {ranks} ranks: fastest design vs AdamW + ZeRO-1, step time", f"{ratio} ({fastest['impl']})"])
+            ratio = f"{times(num(fastest, 'step_ms') / num(adamw[0], 'step_ms'))} AdamW + ZeRO-1's"
+            words.append(f"On {ranks} ranks the fastest Muon step ({fastest['impl']}) takes {ratio}.")
+            headline.append([f"Muon, {ranks} ranks: the fastest design's step", f"{ratio} ({fastest['impl']})"])
     return reading(text, words, headline, rows)
-
-
-# The ops the course's rule (common.launch.carries_point_to_point) says Gloo with CUDA tensors does not carry.
 POINT_TO_POINT_OR_COALESCED = ("reduce_scatter", "send/recv", "isend/irecv", "batch_isend_irecv")
 
 
