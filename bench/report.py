@@ -6,8 +6,6 @@ not fill keeps the old report's, marked with its run and machine; the new report
     python bench/report.py            # rebuild the report of the last run from results/
 """
 
-from __future__ import annotations
-
 import json
 import os
 import re
@@ -784,8 +782,7 @@ def write_report(out: Path, info: dict | None = None,
             if source.exists():
                 shutil.copyfile(source, draw / name)
         where = Where(out, draw, info["run_id"] if info else None, info["machine"] if info else "")
-        body, headline, empty, carried = [], [], [], []
-        measured = 0
+        body, headline, empty, carried, measured = [], [], [], [], 0
         for title, fn in SECTIONS + OPTIONAL:
             try:
                 found = fn(where)
@@ -793,11 +790,10 @@ def write_report(out: Path, info: dict | None = None,
                 found = (f"_This section failed: {type(e).__name__}: {e}_\n", [], None)
             measured += found is not None
             optional = (title, fn) in OPTIONAL
-            if found is None:
-                empty += [] if optional else [title]
-                carried += [title] if title in earlier else []  # the better run's section stays, marked
-                if optional and title not in earlier:
-                    continue
+            empty += [title] if found is None and not optional else []
+            carried += [title] if found is None and title in earlier else []  # the better run's section stays, marked
+            if found is None and optional and title not in earlier:
+                continue
             text, head, rows = found or (earlier.get(title) or no_rows_text(info, title), [], None)
             if info is None and rows:  # no run record: name the run and machine shown
                 text = f"_Run `{rows[0].get('run_id')}`, {machine_of(where, rows)}._\n\n{text}"
@@ -805,15 +801,12 @@ def write_report(out: Path, info: dict | None = None,
             headline += head
         if not measured:
             return None, empty  # nothing measured: the old report is better than an empty one
-        runs = [] if info is None else ["## Runs\n\n" + md_table(
-            ["step", "outcome", "seconds", "command"],
-            [[s["title"], s["status"], f"{s['seconds']:.0f}", "`python " + " ".join(s["argv"]) + "`"] for s in info["steps"]])]
+        runs = [] if info is None else ["## Runs\n\n" + md_table(["step", "outcome", "seconds", "command"], [
+            [s["title"], s["status"], f"{s['seconds']:.0f}", "`python " + " ".join(s["argv"]) + "`"] for s in info["steps"]])]
         kept = [f"Sections this run did not fill, kept from the report before it (each names its run and machine): "
                 f"{'; '.join(carried)}.\n"] if carried else []
-        parts = [*header(info), *kept, "## Headline\n\n" + (md_table(["what", "measured"], headline) if headline else
-                                                            "_Nothing to headline: see the sections below._\n"),
-                 *runs, *body, FOOTER.lstrip("\n") + " from the rows in `results/*.csv` and `results/*.json`. "
-                 "Regenerate: `make bench`, or `python bench/report.py` alone.\n"]
+        parts = [*header(info), *kept, "## Headline\n\n" + md_table(["what", "measured"], headline), *runs, *body,
+                 FOOTER.lstrip("\n") + " from `results/`. Regenerate: `make bench`, or `python bench/report.py`.\n"]
         (draw / "README.md").write_text("\n".join(p for p in parts if p))
         if from_make_bench:
             (draw / RUN_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
