@@ -372,7 +372,8 @@ def sequence_parallel_section(where: Where, rows: list[dict]):
                      f"{layernorms:.2f}x plain TP's activations per rank (target 1/t = {1 / ranks:.2f}: "
                      f"{verdict(abs(layernorms - 1 / ranks) < 1e-9)}).")
         headline.append([f"sequence parallel, {ranks} ranks: LayerNorm activations saved per rank, TP + SP vs TP",
-                         f"{layernorms:.2f}x (1/t = {1 / ranks:.2f}); ring bytes per rank {'equal' if same_ring else 'NOT equal'}"])
+                         f"{layernorms:.2f}x (1/t = {1 / ranks:.2f}); ring bytes per rank "
+                         f"{'equal' if same_ring else 'NOT equal'}"])
     exact = all(c[k][0] == c[k][1] for c in blocks.values() for k in ("saved layernorms", "saved rest"))
     words.append(f"{'Every' if exact else 'Not every'} saved count equals its formula.")
     return reading(text, words, headline, rows)
@@ -421,7 +422,8 @@ def sharding_section(where: Where, rows: list[dict]):
     return reading(text, [bars(where, "bench_sharding_bytes.png", [r["impl"] for r in plain],
                                [(part, [num(r, key) / MB for r in plain]) for part, key in zip(
                                    ("parameters", "gradients", "optimizer state"), kinds)], "MiB per rank, held between "
-                               f"steps", f"Bytes per rank, LM {r0['model']}, {r0['world_size']} ranks\n{machine_of(where, rows)}")],
+                               "steps", f"Bytes per rank, LM {r0['model']}, {r0['world_size']} ranks\n"
+                               f"{machine_of(where, rows)}")],
                    [], rows)
 
 
@@ -434,7 +436,8 @@ def context_parallel_section(where: Where, rows: list[dict]):
     def label(r):
         return {"ring": f"W={r['W']} {r['layout']}", "ulysses": f"W={r['W']} Ulysses"}.get(r["impl"], r["impl"])
     order = {"ring": 1, "ulysses": 2}                    # one rank's kernels, rings, Ulysses
-    columns = list(dict.fromkeys(label(r) for r in sorted(real, key=lambda r: (order.get(r["impl"], 0), int(r["W"]), r["layout"]))))
+    columns = list(dict.fromkeys(label(r) for r in sorted(real, key=lambda r: (order.get(r["impl"], 0), int(r["W"]),
+                                                                                 r["layout"]))))
     steps = {seq: {label(r): num(r, "step_ms") for r in rs} for seq, rs in group(real, lambda r: int(r["seq"])).items()}
     text = (f"Causal attention, forward + backward, float32, batch {r0['batch']}, {r0['heads']} heads of {r0['head_dim']}, "
             f"on {on(r0)}: one rank's kernels, and ring attention on W ranks in both layouts. Step ms, real compute:\n\n"
@@ -512,7 +515,8 @@ def expert_parallel_section(where: Where, rows: list[dict]):
                          times(num(r, "ep_over_replicated")), with_formula(r["bytes_sent_counted"], r["bytes_sent_formula"]),
                          with_formula(r["dispatch_bytes"], r["uniform_bytes_per_exchange"])] for r in steps]))
     exact = sum(num(r, "bytes_sent_counted") == num(r, "bytes_sent_formula") for r in steps)
-    shares = [f"{num(r, 'share'):.4g} at W={w} ({'exactly' if num(r, 'expert_bytes_per_rank') * w == num(r, 'expert_bytes_replicated') else 'NOT'}"
+    exactly = {True: "exactly", False: "NOT"}
+    shares = [f"{num(r, 'share'):.4g} at W={w} ({exactly[num(r, 'expert_bytes_per_rank') * w == num(r, 'expert_bytes_replicated')]}"
               " 1/W)" for w, r in sorted({int(r["world_size"]): r for r in steps}.items())]
     words = [f"Counted all-to-all bytes equal the formula in {exact} of {len(steps)} rows."]
     if steps:
@@ -541,7 +545,8 @@ def expert_parallel_section(where: Where, rows: list[dict]):
 @section("Everything together: grids, torch's composition and pipelining (stage 07)", "grid.csv", ("grid",))
 def together_section(where: Where, rows: list[dict]):
     pipelines = [r for r in rows if r.get("schedule")]
-    beside = [r for r in rows if not r.get("schedule") and (r["impl"] == "torch" or r.get("pair") or "timed beside" in r["setting"])]
+    beside = [r for r in rows if not r.get("schedule") and (r["impl"] == "torch" or r.get("pair")
+                                                            or "timed beside" in r["setting"])]
     grids = [r for r in rows if not r.get("schedule") and r not in beside]
     words, headline, text = [], [], ""
     if grids:
@@ -602,7 +607,8 @@ def together_section(where: Where, rows: list[dict]):
     if pp4:
         worst = max(pp4)
         words.append(f"Our pipeline executor against torch.distributed.pipelining, pp 4, {worst[2]} compute: "
-                     + ", ".join(f"{s} {times(ratio)}" for ratio, s, _ in pp4) + f" (target <= 1.10x: {verdict(worst[0] <= 1.10)}).")
+                     + ", ".join(f"{s} {times(ratio)}" for ratio, s, _ in pp4)
+                     + f" (target <= 1.10x: {verdict(worst[0] <= 1.10)}).")
         headline.append(["our pipeline executor vs torch.distributed.pipelining, pp 4, emulated",
                          f"{times(worst[0])} at worst ({worst[1]}; target <= 1.10x)"])
     return reading(text, words, headline, rows)
@@ -677,8 +683,9 @@ def muon_section(where: Where, rows: list[dict]):
     text = ("The optimizer step alone on the same gradients; bytes counted over all ranks (formula); Newton-Schulz "
             "GFLOP on the busiest rank, and that over the ideal 1/N.\n\n"
             + md_table(["impl", "ranks", "LM", "step ms", "bytes (formula)", "NS GFLOP, busiest rank", "NS imbalance"],
-                       [[r["impl"], r["world_size"], r["model"], num(r, "step_ms"), with_formula(r["bytes_counted"], r["bytes_formula"]),
-                         num(r, "ns_gflop_max"), f"{num(r, 'ns_imbalance'):.2f}" if r.get("ns_imbalance") else "-"] for r in rows]))
+                       [[r["impl"], r["world_size"], r["model"], num(r, "step_ms"),
+                         with_formula(r["bytes_counted"], r["bytes_formula"]), num(r, "ns_gflop_max"),
+                         f"{num(r, 'ns_imbalance'):.2f}" if r.get("ns_imbalance") else "-"] for r in rows]))
     exact = sum(abs(num(r, "bytes_counted") - num(r, "bytes_formula")) <= 1e-6 * num(r, "bytes_formula") for r in rows)
     words, headline = [f"Counted bytes equal the formula in {exact} of {len(rows)} rows."], []
     for ranks, rs in group(rows, lambda r: int(r["world_size"])).items():
