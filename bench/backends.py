@@ -1,0 +1,150 @@
+"""Which collectives each backend/device pair on this box carries (Gloo/CPU; with a GPU Gloo/CUDA;
+with two, NCCL), tried: each op a 2-rank job of its own, all started at once, so a segfault or a
+hang is a row. Writes results/backends.csv: ok (the right answer), error: its first line, crashed:
+the signal, or timeout (60 s for all). The report sets it beside ``common.launch.carries_point_to_point``.
+Run: ``python bench/backends.py``
+"""
+
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from bench import results  # noqa: E402
+
+WORLD_SIZE = 2
+OPS = ("broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "all_gather_into_tensor",
+       "reduce_scatter_tensor", "reduce_scatter", "all_to_all_single", "send/recv", "isend/irecv", "batch_isend_irecv")
+
+
+def try_op(op: str, r: int, n: int, dev: torch.device) -> tuple[list, list]:
+    """Run ``op`` on rank r of n; return what it gave and what it should have given."""
+    mine = torch.tensor([r + 1.0], device=dev)                     # rank r holds r + 1
+    one, row = torch.zeros(1, device=dev), torch.zeros(n, device=dev)
+    parts = list(torch.arange(1.0, n + 1, device=dev).split(1))  # 1, 2, ..., n
+    if op == "broadcast":
+        dist.broadcast(mine, src=0)
+        return mine.tolist(), [1]
+    if op == "all_reduce":
+        dist.all_reduce(mine)
+        return mine.tolist(), [n * (n + 1) / 2]
+    if op == "reduce":
+        dist.reduce(mine, dst=0)
+        return mine.tolist(), [n * (n + 1) / 2] if r == 0 else mine.tolist()
+    if op == "all_gather":
+        dist.all_gather(list(row.split(1)), mine)
+        return row.tolist(), list(range(1, n + 1))
+    if op == "gather":
+        dist.gather(mine, list(row.split(1)) if r == 0 else None, dst=0)
+        return row.tolist(), list(range(1, n + 1)) if r == 0 else [0] * n
+    if op == "scatter":
+        dist.scatter(one, parts if r == 0 else None, src=0)
+        return one.tolist(), [r + 1]
+    if op == "all_gather_into_tensor":
+        dist.all_gather_into_tensor(row, mine)
+        return row.tolist(), list(range(1, n + 1))
+    if op == "reduce_scatter_tensor":
+        dist.reduce_scatter_tensor(one, torch.cat(parts))
+        return one.tolist(), [n * (r + 1)]
+    if op == "reduce_scatter":
+        dist.reduce_scatter(one, parts)
+        return one.tolist(), [n * (r + 1)]
+    if op == "all_to_all_single":  # uneven: rank r sends r + j + 1 copies of 10 r + j to rank j
+        send = torch.tensor([10.0 * r + j for j in range(n) for _ in range(r + j + 1)], device=dev)
+        out = torch.zeros(sum(i + r + 1 for i in range(n)), device=dev)
+        dist.all_to_all_single(out, send, [i + r + 1 for i in range(n)], [r + j + 1 for j in range(n)])
+        return out.tolist(), [10 * i + r for i in range(n) for _ in range(i + r + 1)]
+    if op == "send/recv":  # rank 0 to rank 1
+        if r == 0:
+            dist.send(mine, dst=1)
+        else:
+            dist.recv(one, src=0)
+        return one.tolist(), [0 if r == 0 else 1]
+    right, left = (r + 1) % n, (r - 1) % n  # a ring: send right, receive from the left
+    if op == "isend/irecv":
+        requests = [dist.isend(mine, right), dist.irecv(one, left)]
+    elif op == "batch_isend_irecv":
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, right),
+                                           dist.P2POp(dist.irecv, one, left)])
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    for request in requests:
+        request.wait()
+    return one.tolist(), [left + 1]
+
+
+def rank_main(run, op, backend, device, rank, folder):
+    """One rank of one op's job: exit 0 on the right answer, else 1, the error's first line in a file."""
+    warnings.simplefilter("ignore")  # torch's deprecation notes, once per rank
+    dev = torch.device("cuda", rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    if device == "cuda":
+        torch.cuda.set_device(dev)
+    try:
+        dist.init_process_group(backend, init_method=f"file://{folder}/store", rank=rank, world_size=WORLD_SIZE)
+        got, want = run(op, rank, WORLD_SIZE, dev)
+        if got != want:
+            raise AssertionError(f"wrong result: {got}, expected {want}")
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001 - the error is the row
+        Path(folder, f"error.{rank}").write_text(f"{type(e).__name__}: {e}".splitlines()[0][:200])
+        os._exit(1)
+
+
+def outcome(codes: list, folder: str) -> str:
+    """A job's outcome from its ranks' exit codes (None: running at the deadline): a crash, the first error,
+    a timeout."""
+    for code in codes:
+        if code is not None and code < 0:
+            return f"crashed: {signal.Signals(-code).name}"
+    errors = sorted(Path(folder).glob("error.*"), key=lambda path: path.stat().st_mtime_ns)  # the first: the cause
+    if errors or any(codes):
+        return "error: " + (errors[0].read_text() if errors else f"exit {max(c or 0 for c in codes)}")
+    return "timeout" if None in codes else "ok"
+
+
+def try_all(pairs, ops=OPS, run=try_op, timeout_s=60.0) -> list[dict]:
+    """Start every (pair, op) job at once, wait for all or the deadline, classify each."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch.distributed"])
+    jobs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for backend, device in pairs:
+            for op in ops:
+                folder = tempfile.mkdtemp(dir=tmp)
+                ranks = [context.Process(target=rank_main, args=(run, op, backend, device, rank, folder))
+                         for rank in range(WORLD_SIZE)]
+                for p in ranks:
+                    p.start()
+                jobs.append((backend, device, op, folder, ranks))
+        deadline = time.monotonic() + timeout_s
+        rows = []
+        for backend, device, op, folder, ranks in jobs:
+            for p in ranks:
+                p.join(max(0.0, deadline - time.monotonic()))
+            codes = [p.exitcode for p in ranks]
+            for p in ranks:
+                p.kill()
+                p.join()
+            rows.append({"backend": backend, "device": device, "op": op, "outcome": outcome(codes, folder)})
+    return rows
+
+
+def main() -> None:
+    gpus = torch.cuda.device_count()  # no CUDA context here: the jobs fork from a server
+    pairs = [("gloo", "cpu")] + [("gloo", "cuda")] * (gpus >= 1) + [("nccl", "cuda")] * (gpus >= 2)
+    rows = [{**row, "machine": results.machine_name(), "run_id": results.run_id()} for row in try_all(pairs)]
+    results.print_table(rows, title=f"{WORLD_SIZE} ranks per op:")
+    results.upsert_csv("backends.csv", rows, key=["backend", "device", "op"])
+
+
+if __name__ == "__main__":
+    main()
