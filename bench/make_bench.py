@@ -65,7 +65,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models  # noqa: E402
 from bench import results
-from bench.supervisor import usage_error  # noqa: E402
+from common import usage_error  # noqa: E402
 
 # The whole run, every stop included: quick and full, on a CPU box and on a GPU box. A GPU
 # box's quick run is longer than a CPU's: each of its steps pays a CUDA start-up.
@@ -98,19 +98,21 @@ CPU_STARTUP_S = 3
 # (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL ones are estimates
 # until a multi-GPU box has run them.
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
-    "compute": dict(cpu=(7, 7, 5), one_gpu=(16, 25, 15), nccl=(16, 22, 15)),
-    "allreduce": dict(cpu=(10, 23, 8), one_gpu=(18, 32, 15), nccl=(18, 47, 15)),
-    "ddp": dict(cpu=(21, 40, 15), one_gpu=(21, 55, 20), nccl=(21, 55, 20)),
-    "profile": dict(cpu=(12, 11, 10), one_gpu=(16, 24, 15), nccl=(16, 22, 15)),
-    "tp": dict(cpu=(10, 7, 6), one_gpu=(16, 18, 15), nccl=(16, 18, 15)),
-    "pp": dict(cpu=(16, 81, 12), one_gpu=(17, 40, 15), nccl=(17, 32, 15)),
-    "ledger": dict(cpu=(17, 46, 15), one_gpu=(17, 34, 15), nccl=(17, 40, 15)),
-    "cp": dict(cpu=(14, 34, 8), one_gpu=(16, 32, 15), nccl=(16, 36, 15)),
-    "ep2": dict(cpu=(0, 9, 6), one_gpu=(0, 22, 15), nccl=(0, 22, 15)),  # quick: 4 ranks only
-    "ep4": dict(cpu=(13, 12, 8), one_gpu=(17, 25, 15), nccl=(17, 25, 15)),
-    "grid": dict(cpu=(0, 115, 45), one_gpu=(0, 62, 45), nccl=(0, 55, 45)),  # no smaller size
-    "checkpoint": dict(cpu=(14, 17, 6), one_gpu=(16, 29, 15), nccl=(16, 25, 15)),
-    "prediction": dict(cpu=(6, 15, 5), one_gpu=(0, 18, 15), nccl=(0, 18, 15)),  # quick: CPU
+    "compute": dict(cpu=(7, 6, 5), one_gpu=(16, 22, 15), nccl=(16, 20, 15)),
+    "allreduce": dict(cpu=(10, 21, 8), one_gpu=(18, 27, 15), nccl=(18, 39, 15)),
+    "ddp": dict(cpu=(21, 37, 15), one_gpu=(21, 46, 20), nccl=(21, 46, 20)),
+    "profile": dict(cpu=(12, 11, 10), one_gpu=(16, 21, 15), nccl=(16, 20, 15)),
+    "tp": dict(cpu=(10, 7, 6), one_gpu=(16, 17, 15), nccl=(16, 17, 15)),
+    "pp": dict(cpu=(16, 74, 12), one_gpu=(17, 33, 15), nccl=(17, 27, 15)),
+    "ledger": dict(cpu=(17, 43, 15), one_gpu=(17, 29, 15), nccl=(17, 33, 15)),
+    "cp": dict(cpu=(14, 31, 8), one_gpu=(16, 27, 15), nccl=(16, 30, 15)),
+    "ep2": dict(cpu=(0, 8, 6), one_gpu=(0, 20, 15), nccl=(0, 20, 15)),  # quick: 4 ranks only
+    "ep4": dict(cpu=(13, 11, 8), one_gpu=(17, 22, 15), nccl=(17, 22, 15)),
+    "grid": dict(cpu=(0, 108, 45), one_gpu=(0, 57, 45), nccl=(0, 52, 45)),  # no smaller size
+    "checkpoint": dict(cpu=(14, 15, 6), one_gpu=(16, 25, 15), nccl=(16, 22, 15)),
+    "backends": dict(cpu=(0, 11, 8), one_gpu=(0, 26, 15), nccl=(0, 26, 15)),
+    "muon": dict(cpu=(0, 19, 12), one_gpu=(0, 26, 15), nccl=(0, 26, 15)),
+    "prediction": dict(cpu=(6, 14, 5), one_gpu=(0, 17, 15), nccl=(0, 17, 15)),  # quick: CPU
 }
 
 
@@ -322,6 +324,13 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       f"{_flag(checkpoint, '--world-size')}, and back, beside "
                                       "torch.distributed.checkpoint (LM "
                                       f"{_flag(checkpoint, '--model')})", checkpoint))
+    planned.append(step("backends", "which collective each backend/device pair of this box "
+                                    "carries, each op in a process of its own",
+                        ["bench/backends.py"]))
+    planned.append(step("muon", "11 Muon: four designs beside AdamW + ZeRO-1, 2 and 4 ranks "
+                                f"({setup.backend}/{setup.device})",
+                        ["07_parallelism/measure/bench_muon.py", *where, "--world-sizes",
+                         "2" if gpus == 1 else "2,4"]))
     # Last: lesson 9's planner beside the step times measured above (it reads their rows).
     planned.append(step("prediction", "07 planning: the planner's step times beside the ones "
                                       "measured above", ["07_parallelism/measure/check_prediction.py",

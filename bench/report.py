@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.compute import flops_per_token  # noqa: E402
 from bench import results  # noqa: E402
-from bench.supervisor import carries_point_to_point  # noqa: E402
+from common.launch import carries_point_to_point  # noqa: E402
 
 RUN_FILE = "bench_run.json"
 RUN_KEYS = ("run_id", "quick", "model", "setup", "machine", "started_utc", "total_s", "steps")

@@ -128,7 +128,7 @@ def bench_main(ctx, args) -> None:
         if ctx.rank < size:
             meshes[size] = DeviceMesh.from_group(group, ctx.device.type)
             states[size] = bench_state(full_lm, dist.get_rank(group), size, ctx.device)
-    from bench.supervisor import carries_point_to_point
+    from common.launch import carries_point_to_point
     torch_too = carries_point_to_point(ctx.backend, ctx.device.type)  # DTensor: coalesced ops
     rows = []
     for saved_at, loaded_at in ((2, world_size), (world_size, 2)):

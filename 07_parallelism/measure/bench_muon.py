@@ -97,12 +97,12 @@ def bench_one(ctx, impl: str, args) -> dict:
         formula = run_muon.step_bytes(impl, shapes, n, element_size=4)
         ns_flops = run_muon.flops_per_rank(shapes, n)[impl]
     busiest = max(ns_flops)
-    return {"impl": impl, "world_size": n, "model": args.model,
+    return {"impl": impl, "world_size": n, "model": args.model, "device": ctx.device.type,
             "step_ms": timing.gather_times(seconds).median * 1e3,
             "bytes_counted": total.item(), "bytes_formula": float(formula),
             "ns_gflop_max": busiest / 1e9,
             "ns_imbalance": busiest / (sum(ns_flops) / n) if busiest and impl != "replicated" else None,
-            "machine": results.machine_name()}
+            "machine": results.machine_name(), "run_id": results.run_id()}
 
 
 def bench_main(ctx, args) -> None:
@@ -112,7 +112,7 @@ def bench_main(ctx, args) -> None:
     if ctx.is_main:
         results.print_table(rows, floatfmt=".3g", title=f"{ctx.world_size} ranks, {args.model} LM, "
                             f"optimizer step ({ctx.backend}/{ctx.device.type}):")
-        results.upsert_csv("muon.csv", rows, key=["impl", "world_size", "model"])
+        results.upsert_csv("muon.csv", rows, key=["impl", "world_size", "model", "device"])
     wrong = [row["impl"] for row in rows if abs(row["bytes_counted"] - row["bytes_formula"]) > 1e-6 * row["bytes_formula"]]
     if wrong:
         ctx.print(f"bytes counted differ from the formula: {', '.join(wrong)}", all_ranks=False)

@@ -341,7 +341,7 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
     stages = ctx.world_size
     torch_model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"],
                                                 linear=nn.Linear).to(ctx.device)
-    from bench.supervisor import carries_point_to_point
+    from common.launch import carries_point_to_point
     rows = []
     if not carries_point_to_point(ctx.backend, ctx.device.type):
         if ctx.is_main:

@@ -1053,7 +1053,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
             time_again(ctx, sizes, timed)
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
-    from bench.supervisor import carries_point_to_point
+    from common.launch import carries_point_to_point
     torch_rows = []
     pipeline_rows = []
     if carries_point_to_point(ctx.backend, ctx.device.type):  # torch's parts send and coalesce
@@ -1245,7 +1245,7 @@ def main(argv=None) -> None:
     if config.world_size not in GRIDS:
         parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
                      f"{config.world_size}")
-    from bench.supervisor import carries_point_to_point
+    from common.launch import carries_point_to_point
     if not carries_point_to_point(config.backend, config.device):
         parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
     name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
