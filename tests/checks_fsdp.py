@@ -552,7 +552,8 @@ def ledger_checks(ctx, record):
     timed_alone = [impl for (impl, ck), r in by.items() if r["optimizer_ms"] != ""]
     control = by["none", "off"]
     record("ledger_control_optimizer_timed",
-           timed_alone == ["none"] and 0 < control["optimizer_ms"] < control["step_ms"]
+           timed_alone == ["none"] and control["optimizer_ms"] > 0  # (two timings never compared:
+           # under load the optimizer timed alone can take longer than a whole step timed apart)
            and control["sent_bytes"] == 0, (timed_alone, control["optimizer_ms"], control["step_ms"]))
     f = by["fsdp", "off"]  # the shards, the step counters, and the kept units gathered at once
     record("ledger_fsdp_peak", f["peak_bytes"] - f["peak_bytes_predicted"] == 4 * tensors, f)

@@ -85,11 +85,7 @@ def assign_owners(params, loads: list[int]) -> dict:
 
 def group_options(group: dict) -> dict:
     """A param group's options (lr, betas, weight_decay, ...) without its parameters."""
-    options = {}
-    for key, value in group.items():
-        if key not in ("params", "param_names"):
-            options[key] = value
-    return options
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}
 
 
 # --------------------------------------------------------------------------- ZeRO-1
@@ -116,10 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None            # the gathered state dict, on the rank it went to
 
         super().__init__(params, dict(kwargs))  # calls add_param_group for each group
-        owned_groups = []
-        for group in self.param_groups:
-            owned_groups.append(self._owned(group))
-        self.optim = optimizer_cls(owned_groups, **kwargs)
+        self.optim = optimizer_cls([self._owned(group) for group in self.param_groups], **kwargs)
         self.defaults = self.optim.defaults
         self.state = self.optim.state  # this rank's shard of the state
         for group in self.param_groups:  # every option filled in, as in a plain optimizer's groups
@@ -128,10 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _owned(self, group: dict) -> dict:
         """The same group, with only the parameters this rank owns (possibly none)."""
-        owned = []
-        for param in group["params"]:
-            if self.owner[param] == self.rank:
-                owned.append(param)
+        owned = [param for param in group["params"] if self.owner[param] == self.rank]
         return {**group_options(group), "params": owned}
 
     def add_param_group(self, param_group: dict) -> None:
@@ -155,9 +145,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat buffer, one broadcast per owner (per dtype and device: a buffer holds one dtype,
         on one device), and the others unpack it. Every rank walks the owners in the same
         order, so the broadcasts pair up."""
-        by_owner = []  # by_owner[rank]: (dtype, device) -> that rank's parameters, in group order
-        for _ in range(self.world_size):
-            by_owner.append({})
+        by_owner = [{} for _ in range(self.world_size)]  # rank -> (dtype, device) -> its parameters
         for group in self.param_groups:
             for param in group["params"]:
                 if param.requires_grad:
@@ -191,26 +179,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index = self._parameter_index()
         mine = {}  # parameter number -> a CPU copy of its state (AdamW: step, exp_avg, exp_avg_sq)
         for param, state in self.optim.state.items():
-            copied = {}
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    copied[key] = value.to("cpu", copy=True)
-                else:
-                    copied[key] = value
-            mine[index[param]] = copied
-        shards = None
-        if self.rank == to:
-            shards = [None] * self.world_size
+            mine[index[param]] = {key: value.to("cpu", copy=True) if torch.is_tensor(value) else value
+                                  for key, value in state.items()}
+        shards = [None] * self.world_size if self.rank == to else None
         dist.gather_object(mine, shards, global_rank(self.process_group, to), self.process_group)
         if self.rank != to:
             return
         gathered = {}
         for shard in shards:
             gathered.update(shard)
-        groups = []
-        for group in self.param_groups:
-            numbers = [index[param] for param in group["params"]]
-            groups.append({**group, "params": numbers})
+        groups = [{**group, "params": [index[param] for param in group["params"]]}
+                  for group in self.param_groups]
         self._consolidated = {"state": dict(sorted(gathered.items())), "param_groups": groups}
 
     def state_dict(self) -> dict:
@@ -313,10 +292,7 @@ def owner_buckets(params: list[torch.Tensor], owner: dict, bucket_size_mb: float
     bucket closed when the next parameter would take it past ``bucket_size_mb`` MiB. Buckets
     are sorted by the position of their last parameter: the order they complete in, so
     every rank launches them in that same order."""
-    if bucket_size_mb is None:
-        cap_bytes = math.inf
-    else:
-        cap_bytes = bucket_size_mb * 2**20
+    cap_bytes = math.inf if bucket_size_mb is None else bucket_size_mb * 2**20
     filling = {}  # (owner, dtype, device) -> the bucket being filled for it
     closed = []
     for position, param in enumerate(reversed(params)):
