@@ -138,10 +138,27 @@ def rank_threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
+RANK_BYTES = 400 * 2**20  # a rank with torch imported, before any model: about 300-400 MiB
+
+
+def check_ranks_fit(ranks: int) -> None:
+    """Refuse, in one line, more ranks than this machine's memory can start (Linux only)."""
+    try:
+        with open("/proc/meminfo") as f:
+            have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return
+    if ranks * RANK_BYTES > have:
+        usage_error(f"{ranks} ranks need about {ranks * RANK_BYTES / 2**30:.1f} GiB of host memory "
+                    f"but {have / 2**30:.1f} GiB is available; use a smaller --world-size")
+
+
 def resolve(args: argparse.Namespace) -> LaunchConfig:
     """The common flags with the machine's defaults filled in (see the module's docstring)."""
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
     ranks_here = ranks_on_this_node(world_size)
+    if not under_torchrun():
+        check_ranks_fit(world_size)
     n_gpus = torch.cuda.device_count()
     device = args.device or ("cuda" if n_gpus > 0 else "cpu")
     backend = args.backend or ("nccl" if device == "cuda" and n_gpus >= ranks_here else "gloo")
