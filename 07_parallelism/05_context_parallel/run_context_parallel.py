@@ -9,18 +9,12 @@ trained a few SGD steps on --dp data x W context ranks with each (--kinds) besid
 on one process: the weights and the loss equal, and the weights bitwise equal on every rank.
 It prints what matched and exits 1 on any difference (every rank reaches the same verdict).
 
+On a backend and device pair that cannot carry point-to-point sends (Gloo with CUDA tensors)
+the ring is left out, in one line; Ulysses' all-to-alls run there.
+
 Run:  python 07_parallelism/05_context_parallel/run_context_parallel.py          # 4 ranks (make 07)
       python 07_parallelism/05_context_parallel/run_context_parallel.py --dp 2   # 2 data x 2 context
       torchrun --nproc-per-node=4 07_parallelism/05_context_parallel/run_context_parallel.py
-
-On GPUs it runs with NCCL, a GPU per rank. Gloo runs batch_isend_irecv, the ring's only
-message, on CPU tensors alone, so --device cuda over Gloo is refused up front.
-
-The measurements (step time, bytes and work per rank beside their formulas, memory, a
-timeline of the transfers under the compute) are in
-``07_parallelism/measure/bench_context_parallel.py``: ``--bench`` and ``--profile`` (with
-``--seqs``, ``--ring-sizes``, ``--emulate-ms``, ``--warmup``, ``--iters``, ``--trace-dir``)
-hand this command over to it.
 """
 
 from __future__ import annotations
@@ -35,6 +29,9 @@ import torch.nn.functional as F
 
 import context_parallel as cp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import launch, models, verify  # noqa: E402
+
 # (rtol, atol). float64: the ring adds the same terms as one process in another order, so
 # only rounding at 1e-16 separates them. float32 rounds at 6e-8 relative; an element sums up
 # to seq x head_dim products of size about 1, rescaled by exp(lse - lse_new) before adding: a
@@ -44,22 +41,6 @@ LM_STEPS = 3
 LM_VOCAB = 256
 LM_TOLERANCE = (1e-5, 1e-6)  # SGD: a difference in the gradient is not amplified (AdamW's is)
 KINDS = ("ring", "ulysses")
-LM_HEADS = 4                 # the course's tiny LM: Ulysses needs them to divide by W
-MEASUREMENT_FLAGS = ("--bench", "--profile", "--seqs", "--ring-sizes", "--emulate-ms",
-                     "--warmup", "--iters", "--trace-dir")
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def make_groups(ctx, dp: int):
@@ -125,7 +106,6 @@ def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
     """The course LM, LM_STEPS SGD steps, on dp x cp ranks (ring attention or Ulysses over the
     context ranks, each rank its tokens with their global positions, gradients averaged over
     the data AND context ranks) beside the same LM on one process: (lines to print, problems)."""
-    from common import models
     context_group, data_rank, context_rank = make_groups(ctx, args.dp)
     cp_size = ctx.world_size // args.dp
     torch.manual_seed(0)
@@ -187,7 +167,6 @@ def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
 
 
 def context_parallel_main(ctx, args) -> None:
-    from common import verify
     cp_size = ctx.world_size // args.dp
     context_group = make_groups(ctx, args.dp)[0]
     problems = []
@@ -222,26 +201,11 @@ def context_parallel_main(ctx, args) -> None:
 
 def kinds_and_layouts(args) -> list[tuple[str, str]]:
     """The ring in every layout asked for; Ulysses on contiguous shards (its only layout)."""
-    cases = []
-    for kind in args.kinds:
-        if kind == "ulysses":
-            cases.append((kind, "contiguous"))
-            continue
-        for layout in args.layouts:
-            cases.append((kind, layout))
-    return cases
+    return [(kind, layout) for kind in args.kinds
+            for layout in (["contiguous"] if kind == "ulysses" else args.layouts)]
 
 
 def main(argv=None) -> None:
-    _repo()
-    from bench import launch  # TODO(lab)
-    from common import hand_over
-    if argv is None:
-        argv = sys.argv[1:]
-    for flag in MEASUREMENT_FLAGS:
-        for given in argv:
-            if given == flag or given.startswith(flag + "="):
-                hand_over("07_parallelism/measure/bench_context_parallel.py")
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--batch", type=launch.positive_int, default=4,
                         help="sequences per batch (the LM's global batch: divides by --dp)")
@@ -256,43 +220,15 @@ def main(argv=None) -> None:
                         default=list(cp.LAYOUTS), help="subset of " + ",".join(cp.LAYOUTS))
     parser.add_argument("--dp", type=launch.positive_int, default=1,
                         help="data-parallel degree of the LM check; context ranks = world / dp")
-    parser.epilog = ("Measurement flags (" + ", ".join(MEASUREMENT_FLAGS) + ") hand over to "
-                     "07_parallelism/measure/bench_context_parallel.py: see its --help.")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
-    check_flags(args, config)
+    if config.world_size % args.dp or args.batch % args.dp:  # ranks or rows left out of the check
+        parser.error(f"--dp {args.dp} must divide the world size {config.world_size} and --batch")
+    if "ring" in args.kinds and not launch.carries_point_to_point(config.backend, config.device):
+        print(f"ring attention: left out on {config.backend}/{config.device}, which cannot carry "
+              "its point-to-point sends; Ulysses runs", flush=True)
+        args.kinds = [kind for kind in args.kinds if kind != "ring"] or ["ulysses"]
     launch.launch(context_parallel_main, config, args)
-
-
-def check_flags(args, config) -> None:
-    """Every setting refused in one line (exit 2) before any worker starts."""
-    from bench import launch  # TODO(lab): memory checks move to the lab
-    if config.backend == "gloo" and config.device == "cuda":
-        launch.usage_error("ring attention sends with batch_isend_irecv, which Gloo runs on CPU "
-                           "tensors only: use --device cpu (a rank per CPU core), or NCCL with a "
-                           "GPU per rank")
-    if config.world_size % args.dp != 0:
-        launch.usage_error(f"--dp {args.dp} does not divide the world size {config.world_size}")
-    if args.batch % args.dp != 0:
-        launch.usage_error(f"--batch {args.batch} does not divide into --dp {args.dp} equal parts")
-    cp_size = config.world_size // args.dp
-    if "ulysses" in args.kinds:
-        for what, heads in (("--heads", args.heads), ("the LM's heads", LM_HEADS)):
-            if heads % cp_size != 0:
-                launch.usage_error(f"Ulysses splits the heads over the {cp_size} context ranks: "
-                                   f"{what} {heads} do not divide by {cp_size} (use --kinds ring, "
-                                   "or another --dp)")
-    for layout in args.layouts:
-        chunks = cp_size * cp.chunks_per_rank(layout)
-        if args.seq % chunks != 0:
-            launch.usage_error(f"--seq {args.seq} does not divide into {chunks} equal chunks "
-                               f"({layout} layout over {cp_size} ranks)")
-    # A rank's rough peak, float64: the full tensors and the scores of a pair of chunks.
-    batch_heads = args.batch * args.heads
-    chunk = args.seq // cp_size
-    need = 8 * batch_heads * (6 * chunk * chunk + 24 * args.seq * args.head_dim)
-    what = f"{need / 2**30:.2f} GiB each for sequence length {args.seq}"
-    launch.check_fits(config, need, what)
 
 
 if __name__ == "__main__":
