@@ -45,8 +45,8 @@ Use it (after dist.init_process_group; every rank builds the same MoE from the s
     loss.backward()                         # expert gradients: already the mean over ranks
     # average replicated_parameters(model) over the ranks (a DDP of 03-06), then step
 
-Run it beside one process with run_expert_parallel.py next to this file (its --bench measures
-it). This file needs torch alone: copy it into another project and
+Run it beside one process with run_expert_parallel.py next to this file. This file needs torch
+alone: copy it into another project and
 ``from expert_parallel import MoE, ExpertParallelMoE``.
 """
 
@@ -67,19 +67,6 @@ import torch.nn.functional as F
 def expert_mlp(d_model: int, d_ff: int) -> nn.Module:
     """One expert: d_model -> d_ff -> GELU -> d_model, the course LM's dense MLP."""
     return nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
-
-
-def check_moe_arguments(num_experts: int, top_k: int, capacity_factor: float | None) -> None:
-    """One-line ValueError for a layer that cannot route."""
-    if num_experts < 1:
-        raise ValueError(f"MoE: num_experts={num_experts}; it must be at least 1")
-    if top_k < 1 or top_k > num_experts:
-        raise ValueError(f"MoE: top_k={top_k}; it must be between 1 and num_experts={num_experts}")
-    if capacity_factor is None:
-        return
-    if not math.isfinite(capacity_factor) or capacity_factor <= 0:  # NaN fails isfinite too
-        raise ValueError(f"MoE: capacity_factor={capacity_factor}; it must be a finite number > 0, "
-                         "or None for dropless routing")
 
 
 def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
@@ -196,7 +183,9 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
                  capacity_factor: float | None = None):
         super().__init__()
-        check_moe_arguments(num_experts, top_k, capacity_factor)
+        if capacity_factor is not None and not capacity_factor > 0:  # (NaN too) it would drop
+            raise ValueError(f"MoE: capacity_factor={capacity_factor}; a number > 0, or None "
+                             "for dropless routing")                 # every token, silently
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
