@@ -41,14 +41,12 @@ ATOL = 1e-5
 
 
 def compare(checks: dict, model: str, what: str, got: torch.Tensor, want: torch.Tensor) -> None:
-    """checks[model]: (what was compared, max |got - want|, allclose) for each comparison."""
     checks.setdefault(model, []).append(
         (what, (got - want).abs().max().item(), torch.allclose(got, want, rtol=RTOL, atol=ATOL)))
 
 
 def my_tokens(x: torch.Tensor, ctx) -> torch.Tensor:
-    """This rank's seq/t tokens of [batch, seq, hidden]: the sequence-parallel layout."""
-    return x.chunk(ctx.world_size, dim=1)[ctx.rank]
+    return x.chunk(ctx.world_size, dim=1)[ctx.rank]  # [b, s, h] -> this rank's [b, s/t, h]
 
 
 def check_mlp(ctx, args, variant: str, checks: dict) -> None:

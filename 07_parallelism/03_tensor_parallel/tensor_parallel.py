@@ -73,9 +73,7 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Clone: autograd may hand the same gradient tensor to other consumers, and
-        # all_reduce works in place.
-        grad = grad.contiguous().clone()
+        grad = grad.contiguous().clone()  # all_reduce works in place; autograd may share grad
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -101,12 +99,9 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 class GatherFromTensorParallel(torch.autograd.Function):
     """All-gather the last dimension forward; take this rank's slice of the gradient backward.
 
-    Slicing, not summing: every rank runs the *same* downstream computation on the *same*
-    gathered tensor (the next layer has an ``f`` in front, the loss is replicated), so the
-    gradient arriving here is already the full dL/dY on every rank. Had the downstream left
-    per-rank partial gradients, backward would need a reduce-scatter instead (what torch's
-    ``torch.distributed.nn.functional.all_gather`` does); summing a complete one multiplies it by t.
-    """
+    Slicing, not summing: every rank runs the *same* computation downstream on the *same*
+    gathered tensor, so the gradient arriving here is already the full dL/dY on every rank
+    (summing it over ranks would multiply it by t)."""
 
     @staticmethod
     def forward(ctx, local, group):
@@ -336,25 +331,19 @@ class TensorParallelAttention(nn.Module):
         batch, seq, width = qkv.shape
         local_width = width // 3             # this rank's heads x head_dim
         head_dim = local_width // self.num_heads
-        q, k, v = qkv.split(local_width, dim=-1)
-        q = q.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+        # each of q, k, v: [batch, seq, local_width] -> [batch, local heads, seq, head_dim]
+        q, k, v = [part.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+                   for part in qkv.split(local_width, dim=-1)]
         y = self.attend(q, k, v)             # [batch, local heads, seq, head_dim]
         y = y.transpose(1, 2).reshape(batch, seq, local_width)
         return self.out(y)                   # summed over ranks (g, or the reduce-scatter)
 
 
 class TensorParallelBlock(nn.Module):
-    """A pre-norm Transformer block, x + attn(norm1(x)), then + mlp(norm2(x)), in tensor
-    parallel (heads and MLP columns split over the group) and, with ``sequence_parallel``,
-    sequence parallel between the parallel regions: its input and output are then this rank's
-    [batch, seq/t, d_model] (rank r: tokens r*seq/t .. (r+1)*seq/t - 1), otherwise the full
-    [batch, seq, d_model] on every rank.
-
-    Built from a full block (see the module docstring), whose parameters it slices; its
-    parameters keep the full block's names (``attn.qkv.weight``, ``mlp.0.bias``, ...).
-    """
+    """A pre-norm Transformer block, x + attn(norm1(x)), then + mlp(norm2(x)), heads and MLP
+    columns split over the group. With ``sequence_parallel`` its input and output are this
+    rank's [batch, seq/t, d_model] (rank r: tokens r*seq/t .. (r+1)*seq/t - 1), else the full
+    [batch, seq, d_model]. Its parameters are the full block's slices, under the same names."""
 
     def __init__(self, full: nn.Module, group=None, sequence_parallel: bool = True):
         super().__init__()
@@ -374,11 +363,8 @@ class TensorParallelBlock(nn.Module):
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every rank holds whole: the LayerNorms' and the row-parallel biases."""
-        params = list(self.norm1.parameters()) + list(self.norm2.parameters())
-        for layer in (self.attn.out, self.mlp[2]):
-            if layer.bias is not None:
-                params.append(layer.bias)
-        return params
+        biases = [layer.bias for layer in (self.attn.out, self.mlp[2]) if layer.bias is not None]
+        return [*self.norm1.parameters(), *self.norm2.parameters(), *biases]
 
     def all_reduce_replicated_grads(self) -> None:
         """Call after backward. With sequence parallelism each rank ran the LayerNorms and

@@ -3,14 +3,11 @@ process.
 
 Ring attention (context_parallel.py) on W = world size / --dp ranks beside torch's
 scaled_dot_product_attention on the whole sequence: the output and the gradients of q, k and
-v, in float64 and float32, causal and not, both layouts; then Ulysses (its all-to-alls swap
-the sequence split for a head split) the same way, on contiguous shards. Then the course LM
-trained a few SGD steps on --dp data x W context ranks with each (--kinds) beside the same LM
-on one process: the weights and the loss equal, and the weights bitwise equal on every rank.
-It prints what matched and exits 1 on any difference (every rank reaches the same verdict).
-
-On a backend and device pair that cannot carry point-to-point sends (Gloo with CUDA tensors)
-the ring is left out, in one line; Ulysses' all-to-alls run there.
+v, float64 and float32, causal and not, both layouts; then Ulysses the same way, on contiguous
+shards. Then the course LM trained a few SGD steps on --dp data x W context ranks with each
+(--kinds) beside the same LM on one process: the weights and the loss equal, and bitwise equal
+across ranks. One verdict on every rank; exit 1 on a difference. Where the pair cannot carry
+point-to-point sends (Gloo with CUDA tensors) the ring is left out, in one line.
 
 Run:  python 07_parallelism/05_context_parallel/run_context_parallel.py          # 4 ranks (make 07)
       python 07_parallelism/05_context_parallel/run_context_parallel.py --dp 2   # 2 data x 2 context
@@ -65,10 +62,8 @@ def check_attention(ctx, group, args, dtype, kind: str, layout: str,
     rank = dist.get_rank(group)
     shape = (args.batch, args.heads, args.seq, args.head_dim)   # [batch, heads, seq, head_dim]
     generator = torch.Generator().manual_seed(0)
-    full = []
-    for _ in range(4):                                          # q, k, v, the output gradient
-        full.append(torch.randn(shape, generator=generator, dtype=dtype).to(ctx.device))
-    q_full, k_full, v_full, grad_full = full
+    q_full, k_full, v_full, grad_full = [    # q, k, v, the output gradient: the same everywhere
+        torch.randn(shape, generator=generator, dtype=dtype).to(ctx.device) for _ in range(4)]
     for tensor in (q_full, k_full, v_full):
         tensor.requires_grad_(True)
     out_full = F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=causal)
@@ -77,9 +72,7 @@ def check_attention(ctx, group, args, dtype, kind: str, layout: str,
     def mine(tensor):
         return cp.shard_sequence(tensor.detach(), 2, rank, world_size, layout)
 
-    q = mine(q_full).requires_grad_(True)
-    k = mine(k_full).requires_grad_(True)
-    v = mine(v_full).requires_grad_(True)
+    q, k, v = [mine(tensor).requires_grad_(True) for tensor in (q_full, k_full, v_full)]
     if kind == "ulysses":
         out = cp.ulysses_attention(q, k, v, group=group, causal=causal)
     else:
@@ -146,12 +139,9 @@ def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
         ref_optimizer.step()
 
         case = f"LM dp={args.dp} cp={cp_size} {kind} {layout} step {step}"
-        worst = 0.0
-        close = True
-        for param, ref_param in zip(model.parameters(), reference.parameters()):
-            worst = max(worst, (param - ref_param).abs().max().item())
-            close = close and torch.allclose(param, ref_param, rtol=rtol, atol=atol)
-        if not close:
+        pairs = list(zip(model.parameters(), reference.parameters()))
+        worst = max((param - ref_param).abs().max().item() for param, ref_param in pairs)
+        if not all(torch.allclose(param, ref, rtol=rtol, atol=atol) for param, ref in pairs):
             problems.append(f"{case}: weights differ from one process by up to {worst:.3g}")
         if abs(reported - ref_loss.item()) > rtol * abs(ref_loss.item()):
             problems.append(f"{case}: loss {reported:.6f}, one process {ref_loss.item():.6f}")

@@ -86,20 +86,17 @@ def compare_layer(ctx, cfg: dict, routing: str, top_k: int, capacity_factor):
     out = layer(x_ep)
     (F.mse_loss(out, target) + AUX_WEIGHT * layer.aux_loss).backward()
 
-    expert_diff = 0.0
-    for index, expert in layer.experts.items():     # experts["3"] is a copy of moe.experts[3]
-        for name, param in expert.named_parameters():
-            want = moe.experts[int(index)].get_parameter(name).grad
-            expert_diff = max(expert_diff, relative_diff(param.grad, want))
+    expert_diff = max(relative_diff(param.grad, moe.experts[int(index)].get_parameter(name).grad)
+                      for index, expert in layer.experts.items()  # experts["3"]: moe.experts[3]
+                      for name, param in expert.named_parameters())
     capacity = "dropless" if capacity_factor is None else f"{capacity_factor:g}"
     row = {"routing": routing, "top_k": top_k, "capacity": capacity, "dropped": layer.dropped,
            "output": relative_diff(out, out_ref), "input grad": relative_diff(x_ep.grad, x_ref.grad),
            "router grad": relative_diff(layer.router.weight.grad, moe.router.weight.grad),
            "expert grads": expert_diff}
-    differed = []
-    for what in ("output", "input grad", "router grad", "expert grads"):
-        if row[what] > RTOL:
-            differed.append(f"{routing} top-{top_k} {capacity}: {what} differs by {row[what]:.1e}")
+    compared = ("output", "input grad", "router grad", "expert grads")
+    differed = [f"{routing} top-{top_k} {capacity}: {what} differs by {row[what]:.1e}"
+                for what in compared if row[what] > RTOL]
     if layer.dropped != moe.dropped or not torch.equal(layer.aux_loss, moe.aux_loss):
         differed.append(f"{routing} top-{top_k} {capacity}: drops or load-balancing loss differ")
     return row, differed
