@@ -359,7 +359,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     (as ``shard_sequence(..., dim=2, ...)`` cuts them); the result has q's shape and layout.
     Differentiable. Tensors of float32 or float64: the running sums are kept in the inputs'
     dtype."""
-    _check_shards(q, k, v, layout)
+    chunks = chunks_per_rank(layout)  # raises on an unknown layout
+    if q.shape[2] % chunks:  # the last rows would be in no pair of chunks: silently zero
+        raise ValueError(f"a {layout} shard holds {chunks} equal chunks; local sequence length "
+                         f"{q.shape[2]} does not divide by {chunks}")
     return RingAttention.apply(q, k, v, group, causal, layout)
 
 
@@ -465,14 +468,12 @@ def use_ulysses_attention(model: torch.nn.Module, group=None) -> int:
 
 
 def swap_attention(model: torch.nn.Module, attend) -> int:
-    swapped = 0
-    for module in model.modules():
-        if hasattr(module, "attend"):
-            module.attend = attend
-            swapped += 1
-    if swapped == 0:
+    modules = [module for module in model.modules() if hasattr(module, "attend")]
+    if not modules:  # each shard would attend to itself alone: silently wrong
         raise ValueError("no module of the model has an 'attend' attribute to swap")
-    return swapped
+    for module in modules:
+        module.attend = attend
+    return len(modules)
 
 
 def average_gradients(model: torch.nn.Module, group=None) -> None:
@@ -488,17 +489,3 @@ def average_gradients(model: torch.nn.Module, group=None) -> None:
             continue
         dist.all_reduce(param.grad, group=group)
         param.grad /= world_size
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _check_shards(q, k, v, layout: str) -> None:
-    """One line before any message is sent, instead of a shape error inside the ring."""
-    chunks = chunks_per_rank(layout)  # raises on an unknown layout
-    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
-        raise ValueError(f"q, k, v must share one shape [batch, heads, local_seq, head_dim]; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[2] % chunks != 0:
-        raise ValueError(f"a {layout} shard holds {chunks} equal chunks; local sequence length "
-                         f"{q.shape[2]} does not divide by {chunks}")
