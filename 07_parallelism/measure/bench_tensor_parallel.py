@@ -1,4 +1,4 @@
-"""Not a lesson: lesson 3's measurements, what ``run_tensor_parallel.py --bench`` hands over to.
+"""Not a lesson: lesson 3's (tensor and sequence parallelism) measurements.
 
 What tensor and sequence parallelism send and keep, counted and set beside the formulas
 derived in ``07_parallelism/03_tensor_parallel/README.md`` (the formulas live here, with the

@@ -1,6 +1,5 @@
 """Not a lesson: stage 07's memory and communication ledger, the table of
-``python 07_parallelism/02_fsdp/run_fsdp.py --bench`` (its ZeRO rows: ``run_zero.py --bench``);
-the demos hand those flags to ``bench_fsdp.py`` and ``bench_zero.py``, which run it.
+``python 07_parallelism/measure/bench_fsdp.py --bench`` (its ZeRO rows: ``bench_zero.py``).
 
 Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOptimizer), ZeRO-2
 (Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard);
