@@ -1,19 +1,14 @@
 """Stage 07, lesson 3, runnable: tensor and sequence parallelism (tensor_parallel.py) beside one
 process.
 
-Every rank builds the same full layers (same seed), keeps its slices of them, and runs one
-forward and backward on the same data as the full layer does on one process:
-
-1. the MLP, split both ways: Megatron's column-then-row pair (``f`` and ``g``) and the
-   all-gather after every layer;
-2. a Transformer block of the course LM, in plain tensor parallel (TP) and with sequence
-   parallelism (TP + SP), and torch's own ``parallelize_module`` on the same block as the
-   control (torch_tensor_parallel.py; left out, in one line, on a backend and device pair
-   that cannot carry torch's coalesced collectives: Gloo with CUDA tensors).
-
-Each rank compares its part of the output, of the input's gradient and of every parameter's
-gradient with the one-process ones (allclose at float32 tolerance); one verdict on every rank,
-exit 1 on a difference. --d-ff, --heads and --seq divide by the world size, --d-model by --heads.
+Every rank builds the same full layers (same seed), keeps its slices, and runs one forward and
+backward on the same data as one process: the MLP split both ways (Megatron's ``f`` and ``g``;
+an all-gather after every layer), then a block of the course LM in plain tensor parallel (TP),
+with sequence parallelism (TP + SP), and torch's ``parallelize_module`` as the control
+(torch_tensor_parallel.py; left out, in one line, where the pair cannot carry torch's
+coalesced collectives: Gloo with CUDA tensors). Each rank compares its part of the output and
+of every gradient with one process's; one verdict on every rank, exit 1 on a difference.
+--d-ff, --heads and --seq divide by the world size, --d-model by --heads.
 
     python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py           # 2 ranks
     python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
