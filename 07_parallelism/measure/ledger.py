@@ -29,6 +29,7 @@ import torch.nn as nn
 from common import import_stage, models
 
 from bench import launch, results, timing
+from common.launch import carries_point_to_point
 from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
                       optimizer_state_bytes, state_bytes, storage_key)
 
@@ -339,6 +340,10 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>``
     as each case finishes (a run stopped at make bench's cap keeps what it measured), then
     prints them and the targets."""
+    if not carries_point_to_point(ctx.backend, ctx.device.type):  # fully_shard runs on DTensor
+        ctx.print(f"torch_fsdp: left out on {ctx.backend}/{ctx.device.type}, which cannot carry "
+                  "DTensor's coalesced collectives", all_ranks=False)
+        strategies = [strategy for strategy in strategies if strategy[0] != "torch_fsdp"]
     cases = []
     for impl, build in strategies:
         for checkpointing in args.checkpointing:
