@@ -6,8 +6,8 @@ tests/test_07_fsdp.py and tests/test_07_zero.py.
 are errors there, and torch.use_deterministic_algorithms(True) is on), recorded on every rank;
 at the end the ranks merge their records, so a check passes only if it passed on every rank,
 and rank 0 returns the findings. World size 3 pads every odd-sized weight. At world size 2 the
-launch also runs a small ledger (``measure/ledger.py``, what ``run_fsdp.py --bench`` hands over
-to) and checks its counted bytes against the formulas, exactly, and its CSV rows.
+launch also runs a small ledger (``measure/ledger.py``, what ``measure/bench_fsdp.py --bench``
+runs) and checks its counted bytes against the formulas, exactly, and its CSV rows.
 
 Negative controls, run in the same launch: an FSDP that reduce-scatters in the compute dtype,
 one whose backward prefetches two units ahead, and one that forgets to average the reduced
@@ -553,7 +553,8 @@ def ledger_checks(ctx, record):
     timed_alone = [impl for (impl, ck), r in by.items() if r["optimizer_ms"] != ""]
     control = by["none", "off"]
     record("ledger_control_optimizer_timed",
-           timed_alone == ["none"] and 0 < control["optimizer_ms"] < control["step_ms"]
+           timed_alone == ["none"] and control["optimizer_ms"] > 0  # (two timings never compared:
+           # under load the optimizer timed alone can take longer than a whole step timed apart)
            and control["sent_bytes"] == 0, (timed_alone, control["optimizer_ms"], control["step_ms"]))
     f = by["fsdp", "off"]  # the shards, the step counters, and the kept units gathered at once
     record("ledger_fsdp_peak", f["peak_bytes"] - f["peak_bytes_predicted"] == 4 * tensors, f)

@@ -293,21 +293,15 @@ def zero_checks(ctx, record, smaller_group) -> None:
         problems = train_and_compare(ctx, *case, smaller_group=smaller_group)
         record(case_name(case), not problems, problems)
 
-    # Zero2DDP refuses a module parameter its optimizer does not own, and a bad bucket size;
-    # the state dict needs consolidating first; a checkpoint of other groups is refused
+    # the state dict needs consolidating first; a checkpoint of other groups is refused (a
+    # zip over them would drop the difference silently)
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
     opt = zero.ShardedOptimizer(net[0].parameters(), torch.optim.AdamW)
-    with pytest.raises(ValueError, match=r"1\.weight, 1\.bias require grad"):
-        zero.Zero2DDP(net, opt)
-    with pytest.raises(ValueError, match="bucket_size_mb"):
-        zero.Zero2DDP(net[0], opt, bucket_size_mb=0)
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         opt.state_dict()
     other = torch.optim.AdamW(net.parameters()).state_dict()
-    with pytest.raises(ValueError, match="param group 0 has 4 parameters in the state dict, 2 here"):
+    with pytest.raises(ValueError, match=r"param groups of \[4\] parameters in the state dict, \[2\] here"):
         opt.load_state_dict(other)
     other["param_groups"].append(other["param_groups"][0])
-    with pytest.raises(ValueError, match="2 param groups, this optimizer 1"):
+    with pytest.raises(ValueError, match=r"\[4, 4\] parameters in the state dict, \[2\] here"):
         opt.load_state_dict(other)
-
-

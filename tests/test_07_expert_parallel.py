@@ -8,7 +8,7 @@ every check of tests/checks_expert_parallel.py, with 6 and 8 experts so that W a
 both sizes; then the negative controls: each planted bug must fail the check that is there to
 catch it, with the same verdict on every rank (at W = 2, and the EP x DP one at W = 4). The
 W = 2 launch also runs a small --bench (stopped once half way: the rows measured stay; once with
-a budget that leaves out the larger token count), a --profile, and the demo's own worker (once
+a budget that leaves out the larger token count) and the demo's own worker (once
 with a planted bug: it prints what differed and exits 1).
 """
 
@@ -26,7 +26,7 @@ import checks_expert_parallel as checks
 import expert_parallel as ep
 from bench import results
 from bench import supervisor as launch
-from helpers import REPO, assert_main_usage_error, run_script
+from helpers import REPO, assert_main_usage_error
 
 DEMO = REPO / "07_parallelism" / "06_expert_parallel" / "run_expert_parallel.py"
 # Experts per world size such that W and E/W differ (a gradient divided by E/W instead of W
@@ -190,13 +190,10 @@ def test_moe_deep_copies_after_a_forward():
     assert moe.router.weight.grad is not None
 
 
-@pytest.mark.parametrize("kwargs, needle", [
-    ({"num_experts": 4, "top_k": 5}, "top_k=5"),
-    ({"num_experts": 4, "top_k": 0}, "top_k=0"),
+@pytest.mark.parametrize("kwargs, needle", [   # each would drop every token, silently
     ({"num_experts": 4, "capacity_factor": 0.0}, "capacity_factor=0.0"),
     ({"num_experts": 4, "capacity_factor": -1.0}, "capacity_factor=-1.0"),
     ({"num_experts": 4, "capacity_factor": float("nan")}, "capacity_factor=nan"),
-    ({"num_experts": 4, "capacity_factor": float("inf")}, "capacity_factor=inf"),
 ])
 def test_bad_arguments_value_error(kwargs, needle):
     with pytest.raises(ValueError) as error:
@@ -216,15 +213,10 @@ CPU = ["--backend", "gloo", "--device", "cpu"]
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--world-size", "4", "--num-experts", "6"], "--num-experts 6 is not divisible"),
-    (["--num-experts", "4", "--top-k", "5"], "--top-k 5 is more than --num-experts 4"),
     (["--capacity-factor", "0"], "'0' is not a finite number > 0"),
     (["--capacity-factor", "-1"], "'-1' is not a finite number > 0"),
     (["--capacity-factor", "nan"], "'nan' is not a finite number > 0"),
-    (["--d-model", "4", "--num-experts", "8"], "--d-model 4 is less than --num-experts 8"),
-    (["--num-experts", "100000"], "--num-experts 100000"),             # memory, before anything
-    (["--lm", "2.7B"], "--lm 2.7B"),
-    (["--tokens", "16"], "unrecognized arguments: --tokens 16 (the measurement's flags go"),
+    (["--tokens", "16"], "unrecognized arguments: --tokens 16"),   # the measurement's flag
 ])
 def test_demo_bad_input_one_line_exit_2(argv, needle, capsys):
     assert_main_usage_error(demo_main, [*argv, *CPU], capsys, needle)
@@ -236,19 +228,10 @@ def test_demo_bad_input_one_line_exit_2(argv, needle, capsys):
     (["--num-experts", "100000"], "--num-experts 100000"),
     (["--capacity-factors", "1.0,0"], "'0' is not a capacity factor"),
     (["--capacity-factors", "1e300,none", "--budget-s", "nan"], "'nan' is not a finite number"),
-    (["--profile", "--trace-dir", ""], "'' is not a folder"),
-    (["--profile", "--trace-dir", "/dev/null/x"], "/dev/null is not a folder"),
     (["--world-size", "4", "--num-experts", "6"], "--num-experts 6 is not divisible"),
 ])
 def test_bench_bad_input_one_line_exit_2(argv, needle, capsys):
     assert_main_usage_error(bench.main, [*argv, *CPU], capsys, needle)
-
-
-def test_demo_hands_bench_over_to_the_measurement():
-    # the measurement's own refusal proves the hand-over (an exec with the same flags)
-    done = run_script(DEMO, "--bench", "--tokens", "100000000", *CPU, timeout=120)
-    assert done.returncode == 2 and "--tokens 100000000" in done.stderr, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1 and "bench_expert_parallel" in done.stderr
 
 
 # --------------------------------------------------------------------------- the launches
@@ -302,7 +285,6 @@ def worker(ctx):
         assert [int(r["tokens_per_rank"]) for r in rows if r["measure"] == "step"] == [16]
         assert {int(r["tokens_per_rank"]) for r in rows if r["measure"] == "load"} == {16}
     bench.bench_main(ctx, small)
-    bench.profile_main(ctx, {**small, "trace_dir": str(results.results_dir() / "traces")})
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -326,5 +308,3 @@ def test_expert_parallel_checks_and_negative_controls(world_size):
         assert sum(counts) + dropped == assigned, r           # every assignment accounted
         if r["capacity_factor"] == "dropless":
             assert dropped == 0
-    traces = sorted(p.name for p in (results.results_dir() / "traces" / "expert_parallel").iterdir())
-    assert traces == ["rank0.json", "rank1.json"]

@@ -2,19 +2,15 @@
 tests/checks_tensor_parallel.py beside the planted bugs it must catch (both MLP variants and
 the block at t = 4 and t = 2 against one process, bytes and saved activations beside their
 formulas, torch's parallelize_module, the rows written as each configuration lands). Then the
-formulas on their own, the demo as a learner runs it (a subprocess) and its hand-over to the
-measurement, torch's control refused on Gloo with CUDA tensors, and bad input."""
-
-import runpy
-import sys
+formulas on their own, the demo as a learner runs it (a subprocess), torch's control left out
+on Gloo with CUDA tensors, and the measurement's bad input."""
 
 import pytest
 
 import bench_tensor_parallel as bench
 import checks_tensor_parallel as checks
-import torch_tensor_parallel as torch_tp
-import common
 from bench import supervisor as launch
+from common.launch import carries_point_to_point
 from helpers import REPO, assert_main_usage_error, run_script
 
 DEMO = REPO / "07_parallelism/03_tensor_parallel/run_tensor_parallel.py"
@@ -54,11 +50,10 @@ def test_formula_of_saved_activations():
     assert sequence[0] * 4 == plain[0] and sequence[1] == plain[1]
 
 
-def test_torch_control_refused_on_gloo_with_cuda_tensors():
-    why = torch_tp.unsupported("gloo", "cuda")
-    assert "all_gather_into_tensor" in why and "allgather_coalesced" in why and "\n" not in why
-    assert torch_tp.unsupported("gloo", "cpu") is None
-    assert torch_tp.unsupported("nccl", "cuda") is None
+def test_torch_control_left_out_where_the_pair_cannot_carry_it():
+    """DTensor's coalesced collectives: never on Gloo with CUDA tensors (the one shared rule)."""
+    assert not carries_point_to_point("gloo", "cuda")
+    assert carries_point_to_point("gloo", "cpu") and carries_point_to_point("nccl", "cuda")
 
 
 def test_demo_passes_as_make_07_runs_it():
@@ -66,39 +61,9 @@ def test_demo_passes_as_make_07_runs_it():
                         "--d-ff", "64", "--batch", "2", "--seq", "8")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "all 38 checks passed on every rank" in result.stdout, result.stdout
-    assert "| block, torch TP + SP | input.grad" in result.stdout
-    assert "False" not in result.stdout
+    assert "block, torch TP + SP: 2/2 allclose" in result.stdout
 
 
-def run_demo(argv):
-    """The demo script's main, run as `python run_tensor_parallel.py ARGV` runs it, in this
-    process (every case here ends before a worker starts)."""
-    old_argv = sys.argv
-    sys.argv = [str(DEMO), *argv]
-    try:
-        runpy.run_path(str(DEMO), run_name="__main__")
-    finally:
-        sys.argv = old_argv
-
-
-class HandedOver(Exception):
-    pass
-
-
-def test_demo_hands_bench_over(monkeypatch):
-    """--bench: the demo hands its flags over to the measurement script (an exec, see
-    common.hand_over) before its own refusals, which the measurement script repeats."""
-    def hand_over(script):
-        raise HandedOver(script)
-    monkeypatch.setattr(common, "hand_over", hand_over)
-    with pytest.raises(HandedOver) as handed:
-        run_demo(["--bench", "--world-size", "4", "--d-ff", "250"])
-    script = str(handed.value)
-    assert script == "07_parallelism/measure/bench_tensor_parallel.py"
-    assert (REPO / script).is_file()
-
-
-@pytest.mark.parametrize("script", ["demo", "bench"])
 @pytest.mark.parametrize("argv, needle", [
     (["--world-size", "4", "--d-ff", "250"], "--d-ff 250 is not divisible"),
     (["--world-size", "4", "--d-model", "30"], "--d-model 30 is not divisible"),
@@ -110,8 +75,5 @@ def test_demo_hands_bench_over(monkeypatch):
     (["--world-size", "4", "--seq", "10"], "--seq 10 is not divisible by the world size 4"),
     (["--d-model", "1000000", "--d-ff", "1000000"], "host memory"),
 ])
-def test_bad_input_one_line_exit_2(script, argv, needle, capsys):
-    main = bench.main
-    if script == "demo":
-        main = run_demo
-    assert_main_usage_error(main, [*argv, "--backend", "gloo", "--device", "cpu"], capsys, needle)
+def test_bad_input_one_line_exit_2(argv, needle, capsys):
+    assert_main_usage_error(bench.main, [*argv, "--backend", "gloo", "--device", "cpu"], capsys, needle)

@@ -38,7 +38,7 @@ Checkpoints: ``optimizer.consolidate_state_dict(to=0)`` on every rank, then
 same parameters would save. ``optimizer.load_state_dict(saved)`` on every rank loads such a
 dict (or a plain optimizer's) back, at any world size.
 
-Run it against one process with the demo beside this file (the ledger: ``--bench``):
+Run it against one process with the demo beside this file:
     python 07_parallelism/01_zero/run_zero.py --world-size 3
 """
 
@@ -85,11 +85,7 @@ def assign_owners(params, loads: list[int]) -> dict:
 
 def group_options(group: dict) -> dict:
     """A param group's options (lr, betas, weight_decay, ...) without its parameters."""
-    options = {}
-    for key, value in group.items():
-        if key not in ("params", "param_names"):
-            options[key] = value
-    return options
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}
 
 
 # --------------------------------------------------------------------------- ZeRO-1
@@ -107,7 +103,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, optimizer_cls, process_group=None, **kwargs):
-        params = check_sharded_optimizer_args(params, optimizer_cls)  # (at the end of the file)
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -117,10 +112,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._consolidated = None            # the gathered state dict, on the rank it went to
 
         super().__init__(params, dict(kwargs))  # calls add_param_group for each group
-        owned_groups = []
-        for group in self.param_groups:
-            owned_groups.append(self._owned(group))
-        self.optim = optimizer_cls(owned_groups, **kwargs)
+        self.optim = optimizer_cls([self._owned(group) for group in self.param_groups], **kwargs)
         self.defaults = self.optim.defaults
         self.state = self.optim.state  # this rank's shard of the state
         for group in self.param_groups:  # every option filled in, as in a plain optimizer's groups
@@ -129,10 +121,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _owned(self, group: dict) -> dict:
         """The same group, with only the parameters this rank owns (possibly none)."""
-        owned = []
-        for param in group["params"]:
-            if self.owner[param] == self.rank:
-                owned.append(param)
+        owned = [param for param in group["params"] if self.owner[param] == self.rank]
         return {**group_options(group), "params": owned}
 
     def add_param_group(self, param_group: dict) -> None:
@@ -156,9 +145,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         flat buffer, one broadcast per owner (per dtype and device: a buffer holds one dtype,
         on one device), and the others unpack it. Every rank walks the owners in the same
         order, so the broadcasts pair up."""
-        by_owner = []  # by_owner[rank]: (dtype, device) -> that rank's parameters, in group order
-        for _ in range(self.world_size):
-            by_owner.append({})
+        by_owner = [{} for _ in range(self.world_size)]  # rank -> (dtype, device) -> its parameters
         for group in self.param_groups:
             for param in group["params"]:
                 if param.requires_grad:
@@ -192,26 +179,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         index = self._parameter_index()
         mine = {}  # parameter number -> a CPU copy of its state (AdamW: step, exp_avg, exp_avg_sq)
         for param, state in self.optim.state.items():
-            copied = {}
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    copied[key] = value.to("cpu", copy=True)
-                else:
-                    copied[key] = value
-            mine[index[param]] = copied
-        shards = None
-        if self.rank == to:
-            shards = [None] * self.world_size
+            mine[index[param]] = {key: value.to("cpu", copy=True) if torch.is_tensor(value) else value
+                                  for key, value in state.items()}
+        shards = [None] * self.world_size if self.rank == to else None
         dist.gather_object(mine, shards, global_rank(self.process_group, to), self.process_group)
         if self.rank != to:
             return
         gathered = {}
         for shard in shards:
             gathered.update(shard)
-        groups = []
-        for group in self.param_groups:
-            numbers = [index[param] for param in group["params"]]
-            groups.append({**group, "params": numbers})
+        groups = [{**group, "params": [index[param] for param in group["params"]]}
+                  for group in self.param_groups]
         self._consolidated = {"state": dict(sorted(gathered.items())), "param_groups": groups}
 
     def state_dict(self) -> dict:
@@ -228,14 +206,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (lr, betas, ...). Training then resumes exactly where it stopped."""
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"ShardedOptimizer.load_state_dict: the state dict has {len(saved_groups)} "
-                             f"param groups, this optimizer {len(self.param_groups)}")
-        for number, (group, saved_group) in enumerate(zip(self.param_groups, saved_groups)):
-            if len(saved_group["params"]) != len(group["params"]):
-                raise ValueError(f"ShardedOptimizer.load_state_dict: param group {number} has "
-                                 f"{len(saved_group['params'])} parameters in the state dict, "
-                                 f"{len(group['params'])} here")
+        saved_sizes = [len(group["params"]) for group in saved_groups]
+        sizes = [len(group["params"]) for group in self.param_groups]
+        if saved_sizes != sizes:  # zip() below would silently drop the difference
+            raise ValueError(f"ShardedOptimizer.load_state_dict: param groups of {saved_sizes} "
+                             f"parameters in the state dict, {sizes} here")
         # The inner optimizer numbers only the owned parameters, group by group: renumber.
         inner_state = {}
         inner_groups = []
@@ -317,10 +292,7 @@ def owner_buckets(params: list[torch.Tensor], owner: dict, bucket_size_mb: float
     bucket closed when the next parameter would take it past ``bucket_size_mb`` MiB. Buckets
     are sorted by the position of their last parameter: the order they complete in, so
     every rank launches them in that same order."""
-    if bucket_size_mb is None:
-        cap_bytes = math.inf
-    else:
-        cap_bytes = bucket_size_mb * 2**20
+    cap_bytes = math.inf if bucket_size_mb is None else bucket_size_mb * 2**20
     filling = {}  # (owner, dtype, device) -> the bucket being filled for it
     closed = []
     for position, param in enumerate(reversed(params)):
@@ -353,7 +325,6 @@ class Zero2DDP(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: ShardedOptimizer, bucket_size_mb: float | None = 25.0):
         super().__init__()
-        check_zero2_args(module, optimizer, bucket_size_mb)  # (at the end of the file)
         params = [param for param in module.parameters() if param.requires_grad]
         self.module = module
         self.process_group = optimizer.process_group
@@ -474,46 +445,3 @@ class Zero2DDP(nn.Module):
                 position += 1
             bucket.reset()  # the buffer is dropped here; the owner's lives on as .grad
         self._next = 0
-
-
-# --------------------------------------------------------------------------- argument checks
-# Kept apart from the algorithm: each says in one line what was wrong and what is allowed.
-
-
-def check_sharded_optimizer_args(params, optimizer_cls) -> list:
-    """ShardedOptimizer's arguments, checked; returns ``params`` as a list."""
-    is_optimizer = isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
-    if not is_optimizer:
-        first_line = str(optimizer_cls).splitlines()[0]
-        raise TypeError(f"ShardedOptimizer: optimizer_cls must be a torch.optim.Optimizer subclass "
-                        f"such as torch.optim.AdamW, got {first_line!r}")
-    if torch.is_tensor(params):
-        raise TypeError("ShardedOptimizer: params must be an iterable of tensors or param groups, "
-                        "got one tensor; pass [tensor]")
-    params = list(params)
-    if not params:
-        raise ValueError("ShardedOptimizer: got an empty parameter list; pass the model's "
-                         "parameters (or param groups)")
-    return params
-
-
-def check_zero2_args(module: nn.Module, optimizer, bucket_size_mb) -> None:
-    """Zero2DDP's arguments, checked: a ShardedOptimizer that owns every trainable parameter
-    of the module, and a positive bucket size (or None)."""
-    if not isinstance(optimizer, ShardedOptimizer):
-        raise TypeError(f"Zero2DDP: optimizer must be the ShardedOptimizer over the module's "
-                        f"parameters, got {type(optimizer).__name__}")
-    if bucket_size_mb is not None:
-        is_number = type(bucket_size_mb) in (int, float)  # not a bool, not a string
-        if not is_number or not 0 < bucket_size_mb < math.inf:
-            raise ValueError(f"Zero2DDP: bucket_size_mb must be a positive number of MiB or None "
-                             f"(one bucket per owner), got {bucket_size_mb!r}")
-    if not any(param.requires_grad for param in module.parameters()):
-        raise ValueError("Zero2DDP: the module has no parameters that require grad")
-    unowned = []
-    for name, param in module.named_parameters():
-        if param.requires_grad and param not in optimizer.owner:
-            unowned.append(name)
-    if unowned:
-        raise ValueError(f"Zero2DDP: {', '.join(unowned)} require grad but are in no group of the "
-                         f"ShardedOptimizer: add them there, or freeze them")

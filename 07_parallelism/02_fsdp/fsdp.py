@@ -48,8 +48,7 @@ Use it in your own loop (this file needs only torch; copy it anywhere):
 Every rank must run the same units in the same order (collectives pair up by order).
 Gradient accumulation: k times backward() + finish_gradient_synchronization(), then step().
 
-Run it against one process with the demo beside this file (the ledger: ``--bench``; the
-timeline: ``--profile``):
+Run it against one process with the demo beside this file:
     python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2
 """
 
@@ -182,9 +181,7 @@ class Unit:
         # The layout: weight i's shard is k_i rows, numels[i] = k_i x (elements per row); this
         # rank's shards of every weight, one after the other, form flat_shard.
         rows = [rows_per_rank(param.shape[0], world_size) for param in self.params]
-        self.numels = []
-        for k, param in zip(rows, self.params):
-            self.numels.append(k * param[0].numel())
+        self.numels = [k * param[0].numel() for k, param in zip(rows, self.params)]
         self.flat_shard = self.params[0].new_zeros(sum(self.numels))  # zeros: the padding
         self.full = []  # the full weights the modules compute with, in compute_dtype
         for param in self.params:
@@ -255,16 +252,13 @@ class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype=None, reduce_dtype=torch.float32,
                  units=(), process_group=None, average: bool = True):
         super().__init__()
-        check_fsdp_args(module, compute_dtype, reduce_dtype, units)  # (at the end of the file)
         self.module = module
         self.group = process_group
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else torch.float32
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        self.divisor = 1            # average=False: the sum over the ranks
-        if average:
-            self.divisor = self.world_size
+        self.divisor = self.world_size if average else 1  # average=False: the sum over ranks
         # Every rank starts from rank 0's parameters and buffers (as 03-06 do).
         source = 0 if process_group is None else dist.get_global_rank(process_group, 0)
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -333,23 +327,15 @@ class FSDP(nn.Module):
     def _swap(self, unit: Unit, to_full: bool) -> None:
         """Put the full weights (and the cast biases) into the modules, or the shards back."""
         for owner, name, index in unit.slots:
-            if to_full:
-                owner._parameters[name] = unit.full[index]
-            else:
-                owner._parameters[name] = unit.params[index]
-        for owner, name, param in unit.casts:
-            if to_full:
-                owner._parameters[name] = param.to(self.compute_dtype)  # autograd casts the gradient back
-            else:
-                owner._parameters[name] = param
+            owner._parameters[name] = unit.full[index] if to_full else unit.params[index]
+        for owner, name, param in unit.casts:  # (autograd casts the gradient back)
+            owner._parameters[name] = param.to(self.compute_dtype) if to_full else param
 
     # -- the hooks, in the order they fire ---------------------------------------------
 
     def _cast_inputs(self, module, args, kwargs):
         cast_args = tuple(cast_floating(arg, self.compute_dtype) for arg in args)
-        cast_kwargs = {}
-        for key, value in kwargs.items():
-            cast_kwargs[key] = cast_floating(value, self.compute_dtype)
+        cast_kwargs = {key: cast_floating(value, self.compute_dtype) for key, value in kwargs.items()}
         return cast_args, cast_kwargs
 
     def _pre_forward(self, unit: Unit, module, args) -> None:
@@ -376,11 +362,7 @@ class FSDP(nn.Module):
         last_began = not self._recording and self._position == len(self._forward_order)
         if not (last_began and torch.is_grad_enabled()):
             self._reshard(unit)
-        if isinstance(output, (tuple, list)):
-            outputs = output
-        else:
-            outputs = [output]
-        for tensor in outputs:
+        for tensor in output if isinstance(output, (tuple, list)) else [output]:
             if torch.is_tensor(tensor) and tensor.requires_grad:  # fires when backward reaches the unit
                 tensor.register_hook(weak_method_hook(self, "_pre_backward", unit))
 
@@ -463,22 +445,3 @@ class FSDP(nn.Module):
             else:
                 gathered[name] = param.detach().clone()  # replicated: whole already
         return gathered
-
-
-# --------------------------------------------------------------------------- argument checks
-# Kept apart from the algorithm: each says in one line what was wrong and what is allowed.
-
-
-def check_fsdp_args(module: nn.Module, compute_dtype, reduce_dtype, units) -> None:
-    """FSDP's arguments, checked: floating dtypes (or None), a weight to shard, and units that
-    are submodules of the wrapped module."""
-    for what, dtype in (("compute_dtype", compute_dtype), ("reduce_dtype", reduce_dtype)):
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"FSDP: {what} must be torch.float16, bfloat16, float32 or None, got {dtype!r}")
-    if not any(param.dim() >= 2 for param in module.parameters()):
-        raise ValueError(f"FSDP: {type(module).__name__} has no 2+ dimensional weight to shard; "
-                         f"use a DDP (03-06)")
-    submodules = list(module.modules())
-    for unit in units:
-        if not any(unit is submodule for submodule in submodules):
-            raise ValueError("FSDP: every unit must be a submodule of the wrapped module")

@@ -6,12 +6,8 @@ with the whole batch, 3 AdamW steps, on the device the run names (--device): the
 allclose at float32 tolerance after every step, and bitwise equal across ranks. Every rank
 reaches the same verdict; a failure names what differed and by how much, and exits 1.
 
-    python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2    # the checks
+    python 07_parallelism/02_fsdp/run_fsdp.py --world-size 2
     torchrun --nproc-per-node=2 07_parallelism/02_fsdp/run_fsdp.py
-    python 07_parallelism/02_fsdp/run_fsdp.py --bench           # the ledger: DDP, ZeRO-1/2, FSDP, torch's, a control
-    python 07_parallelism/02_fsdp/run_fsdp.py --profile         # timeline: all-gathers during compute
-
---bench and --profile hand the command line over to 07_parallelism/measure/bench_fsdp.py.
 """
 
 from __future__ import annotations
@@ -24,25 +20,14 @@ import torch.distributed as dist
 
 from fsdp import FSDP
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import launch, models, verify  # noqa: E402
+
 STEPS = 3
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def tied_tiny_lm(seed: int, device):
     """The tiny LM with activation checkpointing, its output layer tied to the embedding."""
-    from common import models
     torch.manual_seed(seed)
     lm = models.TransformerLM("tiny", context_length=32, checkpoint_activations=True)
     lm.lm_head.weight = lm.token_embedding.weight  # one matrix in two layers: one unit
@@ -52,8 +37,6 @@ def tied_tiny_lm(seed: int, device):
 def check_against_one_process(ctx) -> list[str]:
     """The plain run. Prints the summary; returns the problems every rank agreed on (empty:
     all passed)."""
-    from common import models, verify
-    from bench import results
     model = tied_tiny_lm(1 + ctx.rank, ctx.device)  # ranks start apart: FSDP broadcasts rank 0's
     reference = tied_tiny_lm(1, ctx.device)
     fsdp = FSDP(model, units=list(model.blocks))  # a unit per block, one for the tied embedding
@@ -89,18 +72,12 @@ def check_against_one_process(ctx) -> list[str]:
                 problems.append(f"step {step}: weights differ from rank {rank}'s by "
                                 f"{(other - flat).abs().max().item():.2e}")
     problems = verify.agree_on_problems(problems)  # every rank's problems, on every rank
-    ok = not problems
-    if ok:
-        verdict = "allclose, and bitwise equal across ranks"
-    else:
-        verdict = "NOT allclose, or ranks differ"
-    shards = list(fsdp.parameters())
-    shard_kb = sum(param.nbytes for param in shards) / 1e3
+    verdict = "allclose, and bitwise equal across ranks" if not problems else "DIFFERENT"
+    shard_kb = sum(param.nbytes for param in fsdp.parameters()) / 1e3
     ctx.print(f"FSDP vs one process, tiny LM in {len(fsdp.units)} units, {ctx.world_size} ranks "
-              f"({ctx.backend}, tensors on {shards[0].device}), {STEPS} AdamW steps "
-              f"({results.machine_name()}):\n"
-              f"  max |diff| {max_diff:.1e}: {verdict}; per rank {shard_kb:.0f} kB of shards",
-              all_ranks=not ok)
+              f"({ctx.backend}, tensors on {ctx.device}), {STEPS} AdamW steps:", all_ranks=False)
+    ctx.print(f"  max |diff| {max_diff:.1e}: {verdict}; per rank {shard_kb:.0f} kB of shards",
+              all_ranks=False)
     for problem in problems:
         ctx.print(problem, all_ranks=False)
     return problems
@@ -115,21 +92,8 @@ def check_main(ctx) -> None:
 
 
 def main(argv=None) -> None:
-    _repo()
-    from common import hand_over, launch
     parser = launch.make_parser(__doc__)
-    parser.add_argument("--bench", action="store_true", help="the sharding ledger: hands this command "
-                        "line to 07_parallelism/measure/bench_fsdp.py (its --help lists its flags)")
-    parser.add_argument("--profile", action="store_true", help="a profiled step and its timeline: "
-                        "hands this command line to 07_parallelism/measure/bench_fsdp.py")
-    args, measure_flags = parser.parse_known_args(argv)
-    if args.bench or args.profile:
-        hand_over("07_parallelism/measure/bench_fsdp.py")
-    if measure_flags:
-        parser.error(f"unrecognized arguments: {' '.join(measure_flags)} (flags of --bench and "
-                     f"--profile only)")
-    config = launch.resolve(args)  # a backend/device pair nothing can carry: one line, exit 2
-    launch.launch(check_main, config)
+    launch.launch(check_main, launch.resolve(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

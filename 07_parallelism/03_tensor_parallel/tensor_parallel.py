@@ -2,7 +2,7 @@
 
 Data parallelism copies the whole model onto every rank and splits the batch; tensor
 parallelism splits the *layers*: each of t ranks holds a slice of every weight matrix and
-computes a slice of every layer's output. The price is communication inside every forward and
+computes a slice of every layer's output, paying with communication inside every forward and
 backward. Two ways to split ``y = fc2(gelu(fc1(x)))`` over t ranks:
 
 * **Megatron-LM** (Shoeybi et al., 2019, section 3): fc1 *column-parallel* (rank r holds d_ff/t
@@ -14,21 +14,18 @@ backward. Two ways to split ``y = fc2(gelu(fc1(x)))`` over t ranks:
   column-parallel, its output gathered whole; it also moves the d_ff-wide activation.
 
 A Transformer block splits the same way: attention's heads are independent, so the fused
-q/k/v projection is column-parallel by heads (rank r holds heads r*a/t .. (r+1)*a/t - 1 of
-each of q, k and v), attention runs on the local heads, and the output projection is
-row-parallel; then the MLP as above. Everything between the two parallel regions, the
-LayerNorms and the residual adds, is *replicated*: every rank runs it on every token.
+q/k/v projection is column-parallel by heads, attention runs on the local heads, and the
+output projection is row-parallel; then the MLP as above. The LayerNorms and residual adds
+between the two parallel regions are *replicated*: every rank runs them on every token.
 
-**Sequence parallelism** (Korthikanti et al., 2022, "Reducing Activation Recomputation in
-Large Transformer Models", section 4.2.2) splits those replicated parts along the sequence:
-between the regions each rank holds [batch, seq/t, hidden], so the LayerNorms run on 1/t of
-the tokens and their activations take 1/t of the memory. Two more conjugate operators replace
-``f`` and ``g``: entering a column-parallel layer, an all-gather along the sequence (its
-backward a reduce-scatter); leaving a row-parallel layer, a reduce-scatter along the sequence
-instead of the all-reduce (its backward an all-gather). A ring all-reduce is a reduce-scatter
-followed by an all-gather, so the bytes sent are the same as plain tensor parallelism's. One
-thing is new: a replicated parameter (a LayerNorm's weight and bias, fc2's bias) now sees only
-this rank's tokens, so its gradient is a partial sum that must be all-reduced over the group
+**Sequence parallelism** (Korthikanti et al., 2022, section 4.2.2) splits those replicated
+parts along the sequence: between the regions each rank holds [batch, seq/t, hidden], so the
+LayerNorms run on 1/t of the tokens and keep 1/t of the activations. Entering a column-parallel
+layer, an all-gather along the sequence replaces ``f`` (its backward a reduce-scatter); leaving
+a row-parallel layer, a reduce-scatter replaces ``g`` (its backward an all-gather). A ring
+all-reduce is a reduce-scatter then an all-gather: the same bytes as plain tensor parallelism.
+New: a replicated parameter (a LayerNorm's weight and bias, fc2's bias) sees only this rank's
+tokens, so its gradient is a partial sum to all-reduce over the group
 (``TensorParallelBlock.all_reduce_replicated_grads``).
 
 Use it: every rank builds the same full layer (same seed), then keeps its slices:
@@ -39,12 +36,10 @@ Use it: every rank builds the same full layer (same seed), then keeps its slices
     loss.backward()
     block.all_reduce_replicated_grads()
 
-``full_block`` is any module shaped like the course LM's block (common/models.py ``Block``):
-``norm1``, ``attn`` (``qkv``, ``out``, ``num_heads``, ``attend``), ``norm2``, and ``mlp`` a
-Sequential of Linear, activation, Linear. See it run beside one process with
-``python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py`` (see its --help; the bytes
-each layer sends: ``--bench``). This file needs torch alone: copy it into another project and
-``from tensor_parallel import ColumnParallelLinear, RowParallelLinear``.
+``full_block`` is shaped like the course LM's block (common/models.py ``Block``): ``norm1``,
+``attn`` (``qkv``, ``out``, ``num_heads``, ``attend``), ``norm2``, and ``mlp`` a Sequential of
+Linear, activation, Linear. The demo beside this file runs it against one process. This file
+needs torch alone: copy it anywhere.
 """
 
 from __future__ import annotations
@@ -78,9 +73,7 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # Clone: autograd may hand the same gradient tensor to other consumers, and
-        # all_reduce works in place.
-        grad = grad.contiguous().clone()
+        grad = grad.contiguous().clone()  # all_reduce works in place; autograd may share grad
         dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -106,46 +99,34 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 class GatherFromTensorParallel(torch.autograd.Function):
     """All-gather the last dimension forward; take this rank's slice of the gradient backward.
 
-    Slicing, not summing: every rank runs the *same* downstream computation on the *same*
-    gathered tensor (the next layer has an ``f`` in front, the loss is replicated), so the
-    gradient arriving here is already the full dL/dY on every rank. Had the downstream left
-    per-rank partial gradients, backward would need a reduce-scatter instead (what torch's
-    ``torch.distributed.nn.functional.all_gather`` does); summing a complete one multiplies it by t.
-    """
+    Slicing, not summing: every rank runs the *same* computation downstream on the *same*
+    gathered tensor, so the gradient arriving here is already the full dL/dY on every rank
+    (summing it over ranks would multiply it by t)."""
 
     @staticmethod
     def forward(ctx, local, group):
         ctx.rank = dist.get_rank(group)
         ctx.world_size = dist.get_world_size(group)
-        local = local.contiguous()
-        parts = []
-        for _ in range(ctx.world_size):
-            parts.append(torch.empty_like(local))
-        dist.all_gather(parts, local, group=group)
-        return torch.cat(parts, dim=-1)
+        return all_gather_along(local, -1, group)
 
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(ctx.world_size, dim=-1)[ctx.rank].contiguous(), None
 
 
-def all_gather_sequence(local: torch.Tensor, group=None) -> torch.Tensor:
-    """[batch, seq/t, hidden] on each rank -> [batch, seq, hidden], rank 0's tokens first."""
+def all_gather_along(local: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """Every rank's ``local``, concatenated along ``dim`` in rank order (e.g. the sequence:
+    [batch, seq/t, hidden] on each rank -> [batch, seq, hidden], rank 0's tokens first)."""
     local = local.contiguous()
-    parts = []
-    for _ in range(dist.get_world_size(group)):
-        parts.append(torch.empty_like(local))
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
-    return torch.cat(parts, dim=SEQUENCE_DIM)
+    return torch.cat(parts, dim=dim)
 
 
 def reduce_scatter_sequence(full: torch.Tensor, group=None) -> torch.Tensor:
     """[batch, seq, hidden] partial sums on each rank -> this rank's [batch, seq/t, hidden] of
     their sum over ranks."""
-    world_size = dist.get_world_size(group)
-    parts = []
-    for part in full.chunk(world_size, dim=SEQUENCE_DIM):
-        parts.append(part.contiguous())
+    parts = [part.contiguous() for part in full.chunk(dist.get_world_size(group), dim=SEQUENCE_DIM)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
     return out
@@ -163,7 +144,7 @@ class GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, group):
         ctx.group = group
-        return all_gather_sequence(local, group)
+        return all_gather_along(local, SEQUENCE_DIM, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -186,7 +167,7 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_sequence(grad, ctx.group), None
+        return all_gather_along(grad, SEQUENCE_DIM, ctx.group), None
 
 
 # --------------------------------------------------------------------------- the layers
@@ -200,9 +181,7 @@ def shard(tensor: torch.Tensor, dim: int, rank: int, world_size: int,
     if tensor.shape[dim] % (stacked * world_size) != 0:
         raise ValueError(f"size {tensor.shape[dim]} is not divisible into {stacked} x world size "
                          f"{world_size} equal parts")
-    slices = []
-    for block in tensor.detach().chunk(stacked, dim=dim):
-        slices.append(block.chunk(world_size, dim=dim)[rank])
+    slices = [block.chunk(world_size, dim=dim)[rank] for block in tensor.detach().chunk(stacked, dim=dim)]
     return torch.cat(slices, dim=dim).clone()
 
 
@@ -226,9 +205,7 @@ class ColumnParallelLinear(nn.Module):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.weight = nn.Parameter(self.local_part(full.weight))
-        self.bias = None
-        if full.bias is not None:
-            self.bias = nn.Parameter(self.local_part(full.bias))
+        self.bias = None if full.bias is None else nn.Parameter(self.local_part(full.bias))
 
     def local_part(self, full_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full layer's weight or bias (or of its gradient)."""
@@ -262,11 +239,9 @@ class RowParallelLinear(nn.Module):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.weight = nn.Parameter(self.local_part(full.weight))
-        self.bias = None
-        if full.bias is not None:
-            # Replicated. Its gradient sum_tokens dY is the same on every rank when every rank
-            # sees every token (plain tensor parallel); with sequence parallelism it is not.
-            self.bias = nn.Parameter(full.bias.detach().clone())
+        # The bias is replicated. Its gradient sum_tokens dY is the same on every rank when
+        # every rank sees every token (plain tensor parallel); with sequence parallelism not.
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
 
     def local_part(self, full_tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the full layer's weight (columns) or bias (all of it)."""
@@ -343,7 +318,7 @@ class TensorParallelAttention(nn.Module):
     def __init__(self, full: nn.Module, group=None, sequence_parallel: bool = False):
         super().__init__()
         world_size = dist.get_world_size(group)
-        if full.num_heads % world_size != 0:
+        if full.num_heads % world_size != 0:  # (the slices would cut heads in two, silently)
             raise ValueError(f"{full.num_heads} heads do not divide over {world_size} ranks")
         self.num_heads = full.num_heads // world_size  # heads on this rank
         self.qkv = ColumnParallelLinear(full.qkv, group, sequence_parallel=sequence_parallel,
@@ -356,30 +331,22 @@ class TensorParallelAttention(nn.Module):
         batch, seq, width = qkv.shape
         local_width = width // 3             # this rank's heads x head_dim
         head_dim = local_width // self.num_heads
-        q, k, v = qkv.split(local_width, dim=-1)
-        q = q.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
-        k = k.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
-        v = v.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+        # each of q, k, v: [batch, seq, local_width] -> [batch, local heads, seq, head_dim]
+        q, k, v = [part.view(batch, seq, self.num_heads, head_dim).transpose(1, 2)
+                   for part in qkv.split(local_width, dim=-1)]
         y = self.attend(q, k, v)             # [batch, local heads, seq, head_dim]
         y = y.transpose(1, 2).reshape(batch, seq, local_width)
         return self.out(y)                   # summed over ranks (g, or the reduce-scatter)
 
 
 class TensorParallelBlock(nn.Module):
-    """A pre-norm Transformer block, x + attn(norm1(x)), then + mlp(norm2(x)), in tensor
-    parallel (heads and MLP columns split over the group) and, with ``sequence_parallel``,
-    sequence parallel between the parallel regions: its input and output are then this rank's
-    [batch, seq/t, d_model] (rank r: tokens r*seq/t .. (r+1)*seq/t - 1), otherwise the full
-    [batch, seq, d_model] on every rank.
-
-    Built from a full block (see the module docstring), whose parameters it slices; its
-    parameters keep the full block's names (``attn.qkv.weight``, ``mlp.0.bias``, ...).
-    """
+    """A pre-norm Transformer block, x + attn(norm1(x)), then + mlp(norm2(x)), heads and MLP
+    columns split over the group. With ``sequence_parallel`` its input and output are this
+    rank's [batch, seq/t, d_model] (rank r: tokens r*seq/t .. (r+1)*seq/t - 1), else the full
+    [batch, seq, d_model]. Its parameters are the full block's slices, under the same names."""
 
     def __init__(self, full: nn.Module, group=None, sequence_parallel: bool = True):
         super().__init__()
-        if not (isinstance(full.mlp, nn.Sequential) and len(full.mlp) == 3):
-            raise ValueError("the block's mlp must be a Sequential of Linear, activation, Linear")
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.norm1 = copy.deepcopy(full.norm1)  # replicated
@@ -396,11 +363,8 @@ class TensorParallelBlock(nn.Module):
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every rank holds whole: the LayerNorms' and the row-parallel biases."""
-        params = list(self.norm1.parameters()) + list(self.norm2.parameters())
-        for layer in (self.attn.out, self.mlp[2]):
-            if layer.bias is not None:
-                params.append(layer.bias)
-        return params
+        biases = [layer.bias for layer in (self.attn.out, self.mlp[2]) if layer.bias is not None]
+        return [*self.norm1.parameters(), *self.norm2.parameters(), *biases]
 
     def all_reduce_replicated_grads(self) -> None:
         """Call after backward. With sequence parallelism each rank ran the LayerNorms and

@@ -1,16 +1,9 @@
 """Stage 07, lesson 3, the control: torch's own tensor and sequence parallelism on the same block.
 
 ``tensor_parallel.py`` writes the split by hand; torch spells it as a *plan*, a parallel style
-per submodule, that ``parallelize_module`` applies to a plain module, turning its weights into
-DTensors and inserting the collectives itself (DTensor's functional collectives). The plan for
-the course LM's block, sequence parallel like ours:
-
-| submodule | torch's style | ours |
-|---|---|---|
-| norm1, norm2 | ``SequenceParallel`` (runs on this rank's tokens) | the LayerNorm on [batch, seq/t, h] |
-| attn, mlp | ``PrepareModuleInput``: Shard(1) -> Replicate(), an all-gather along the sequence | ``GatherFromSequenceParallel`` |
-| attn.q, attn.k, attn.v, mlp.0 | ``ColwiseParallel`` | ``ColumnParallelLinear`` |
-| attn.out, mlp.2 | ``RowwiseParallel(output_layouts=Shard(1))``, a reduce-scatter | ``RowParallelLinear`` + ``ReduceScatterToSequenceParallel`` |
+per submodule (``block_plan``, each line beside the piece of ours it stands for), that
+``parallelize_module`` applies to a plain module, turning its weights into DTensors and
+inserting the collectives itself (DTensor's functional collectives).
 
 One difference in shape: ``ColwiseParallel`` cuts one Linear's outputs into t contiguous
 slices, so on the fused q/k/v projection rank 0 would get all of q and rank 1 all of v. Ours
@@ -19,8 +12,9 @@ Linears: ``SplitQKVBlock`` is the course block so rebuilt, with the same weights
 
     block = parallelize_block(full_block, group, "cpu")   # then block(x_local), as ours
 
-torch alone; the demo (``run_tensor_parallel.py``) and the byte counts
-(``07_parallelism/measure/bench_tensor_parallel.py``) set it beside ours.
+torch alone; the demo (``run_tensor_parallel.py``) sets it beside ours. DTensor runs torch's
+coalesced collectives, which Gloo cannot carry for CUDA tensors: guard a call with
+``common.launch.carries_point_to_point(backend, device)``.
 """
 
 from __future__ import annotations
@@ -30,21 +24,6 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-
-def unsupported(backend: str, device: str) -> str | None:
-    """Why torch's tensor parallel cannot run on this backend and device, or None.
-
-    On Gloo with CUDA tensors it crashes the process (SIGSEGV): entering a column-parallel
-    region, DTensor all-gathers along the sequence with the functional
-    ``all_gather_into_tensor``; Gloo runs that as ``allgather_coalesced``, which has no CUDA
-    path and reads the GPU pointers as host memory. Our operators use ``dist.all_gather`` and
-    ``dist.reduce_scatter`` with a list of tensors, which Gloo carries for CUDA tensors."""
-    if backend == "gloo" and device == "cuda":
-        return ("torch's DTensor all-gathers with the functional all_gather_into_tensor, which "
-                "Gloo runs as allgather_coalesced, with no CUDA path (the process crashes); it "
-                "runs on gloo/cpu and nccl/cuda")
-    return None
 
 
 class SplitQKVAttention(nn.Module):
@@ -57,13 +36,9 @@ class SplitQKVAttention(nn.Module):
         width = full_attn.out.in_features
         self.head_dim = width // full_attn.num_heads
         self.attend = full_attn.attend
-        self.q = nn.Linear(width, width, bias=False)
-        self.k = nn.Linear(width, width, bias=False)
-        self.v = nn.Linear(width, width, bias=False)
-        q_weight, k_weight, v_weight = full_attn.qkv.weight.detach().chunk(3, dim=0)
-        self.q.weight = nn.Parameter(q_weight.clone())
-        self.k.weight = nn.Parameter(k_weight.clone())
-        self.v.weight = nn.Parameter(v_weight.clone())
+        self.q, self.k, self.v = [nn.Linear(width, width, bias=False) for _ in range(3)]
+        for linear, weight in zip((self.q, self.k, self.v), full_attn.qkv.weight.detach().chunk(3)):
+            linear.weight = nn.Parameter(weight.clone())
         self.out = copy.deepcopy(full_attn.out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,15 +73,18 @@ def block_plan() -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
                                                    RowwiseParallel, SequenceParallel)
+    def gather_sequence():  # GatherFromSequenceParallel
+        return PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+
     return {
-        "norm1": SequenceParallel(),
-        "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        "attn.q": ColwiseParallel(),
+        "norm1": SequenceParallel(),                             # a LayerNorm on [b, s/t, h]
+        "attn": gather_sequence(),
+        "attn.q": ColwiseParallel(),                             # ColumnParallelLinear
         "attn.k": ColwiseParallel(),
         "attn.v": ColwiseParallel(),
-        "attn.out": RowwiseParallel(output_layouts=Shard(1)),
-        "norm2": SequenceParallel(),
-        "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attn.out": RowwiseParallel(output_layouts=Shard(1)),    # RowParallelLinear + its
+        "norm2": SequenceParallel(),                             # reduce-scatter (SP's g)
+        "mlp": gather_sequence(),
         "mlp.0": ColwiseParallel(),
         "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
     }

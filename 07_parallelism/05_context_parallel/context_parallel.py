@@ -55,11 +55,8 @@ one all-to-all gives each rank every token of H/W heads, plain attention runs on
 all-to-all gives the tokens back. The same contract on contiguous shards; for the LM
 ``use_ulysses_attention(model, group)``.
 
-Run the check against one process with
-``python 07_parallelism/05_context_parallel/run_context_parallel.py`` (see its --help); the
-benchmark and the timeline are in ``07_parallelism/measure/bench_context_parallel.py``.
-This file needs torch alone: copy it into another project and ``from context_parallel import
-ring_attention, ulysses_attention, shard_sequence, unshard_sequence``.
+The demo beside this file runs both against one process. This file needs torch alone: copy it
+anywhere.
 """
 
 from __future__ import annotations
@@ -105,10 +102,7 @@ def shard_sequence(x: torch.Tensor, dim: int, rank: int, world_size: int,
         raise ValueError(f"sequence length {seq_len} does not divide into {num_chunks} equal "
                          f"chunks ({layout} layout over {world_size} ranks)")
     chunks = x.chunk(num_chunks, dim=dim)
-    mine = []
-    for index in chunks_of_rank(rank, world_size, layout):
-        mine.append(chunks[index])
-    return torch.cat(mine, dim=dim)
+    return torch.cat([chunks[index] for index in chunks_of_rank(rank, world_size, layout)], dim=dim)
 
 
 def unshard_sequence(x_local: torch.Tensor, dim: int, group=None,
@@ -121,9 +115,7 @@ def unshard_sequence(x_local: torch.Tensor, dim: int, group=None,
         raise ValueError(f"a {layout} shard holds {per_rank} equal chunks; its length "
                          f"{x_local.shape[dim]} does not divide by {per_rank}")
     x_local = x_local.contiguous()
-    shards = []
-    for _ in range(world_size):
-        shards.append(torch.empty_like(x_local))
+    shards = [torch.empty_like(x_local) for _ in range(world_size)]
     dist.all_gather(shards, x_local, group=group)
     chunks = [None] * (world_size * per_rank)
     for rank, shard in enumerate(shards):
@@ -235,11 +227,8 @@ def post_exchange(send: list, receive: list, group=None) -> list:
     world_size = dist.get_world_size(group)
     next_rank = global_rank(group, (rank + 1) % world_size)
     previous_rank = global_rank(group, (rank - 1) % world_size)
-    operations = []
-    for tensor in send:
-        operations.append(dist.P2POp(dist.isend, tensor, next_rank, group))
-    for tensor in receive:
-        operations.append(dist.P2POp(dist.irecv, tensor, previous_rank, group))
+    operations = [dist.P2POp(dist.isend, tensor, next_rank, group) for tensor in send]
+    operations += [dist.P2POp(dist.irecv, tensor, previous_rank, group) for tensor in receive]
     return dist.batch_isend_irecv(operations)
 
 
@@ -370,7 +359,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     (as ``shard_sequence(..., dim=2, ...)`` cuts them); the result has q's shape and layout.
     Differentiable. Tensors of float32 or float64: the running sums are kept in the inputs'
     dtype."""
-    _check_shards(q, k, v, layout)
+    chunks = chunks_per_rank(layout)  # raises on an unknown layout
+    if q.shape[2] % chunks:  # the last rows would be in no pair of chunks: silently zero
+        raise ValueError(f"a {layout} shard holds {chunks} equal chunks; local sequence length "
+                         f"{q.shape[2]} does not divide by {chunks}")
     return RingAttention.apply(q, k, v, group, causal, layout)
 
 
@@ -476,14 +468,12 @@ def use_ulysses_attention(model: torch.nn.Module, group=None) -> int:
 
 
 def swap_attention(model: torch.nn.Module, attend) -> int:
-    swapped = 0
-    for module in model.modules():
-        if hasattr(module, "attend"):
-            module.attend = attend
-            swapped += 1
-    if swapped == 0:
+    modules = [module for module in model.modules() if hasattr(module, "attend")]
+    if not modules:  # each shard would attend to itself alone: silently wrong
         raise ValueError("no module of the model has an 'attend' attribute to swap")
-    return swapped
+    for module in modules:
+        module.attend = attend
+    return len(modules)
 
 
 def average_gradients(model: torch.nn.Module, group=None) -> None:
@@ -499,17 +489,3 @@ def average_gradients(model: torch.nn.Module, group=None) -> None:
             continue
         dist.all_reduce(param.grad, group=group)
         param.grad /= world_size
-
-
-# --------------------------------------------------------------------------- argument checks
-
-
-def _check_shards(q, k, v, layout: str) -> None:
-    """One line before any message is sent, instead of a shape error inside the ring."""
-    chunks = chunks_per_rank(layout)  # raises on an unknown layout
-    if not (q.shape == k.shape == v.shape) or q.dim() != 4:
-        raise ValueError(f"q, k, v must share one shape [batch, heads, local_seq, head_dim]; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.shape[2] % chunks != 0:
-        raise ValueError(f"a {layout} shard holds {chunks} equal chunks; local sequence length "
-                         f"{q.shape[2]} does not divide by {chunks}")

@@ -3,24 +3,15 @@ process.
 
 Ring attention (context_parallel.py) on W = world size / --dp ranks beside torch's
 scaled_dot_product_attention on the whole sequence: the output and the gradients of q, k and
-v, in float64 and float32, causal and not, both layouts; then Ulysses (its all-to-alls swap
-the sequence split for a head split) the same way, on contiguous shards. Then the course LM
-trained a few SGD steps on --dp data x W context ranks with each (--kinds) beside the same LM
-on one process: the weights and the loss equal, and the weights bitwise equal on every rank.
-It prints what matched and exits 1 on any difference (every rank reaches the same verdict).
+v, float64 and float32, causal and not, both layouts; then Ulysses the same way, on contiguous
+shards. Then the course LM trained a few SGD steps on --dp data x W context ranks with each
+(--kinds) beside the same LM on one process: the weights and the loss equal, and bitwise equal
+across ranks. One verdict on every rank; exit 1 on a difference. Where the pair cannot carry
+point-to-point sends (Gloo with CUDA tensors) the ring is left out, in one line.
 
 Run:  python 07_parallelism/05_context_parallel/run_context_parallel.py          # 4 ranks (make 07)
       python 07_parallelism/05_context_parallel/run_context_parallel.py --dp 2   # 2 data x 2 context
       torchrun --nproc-per-node=4 07_parallelism/05_context_parallel/run_context_parallel.py
-
-On GPUs it runs with NCCL, a GPU per rank. Gloo runs batch_isend_irecv, the ring's only
-message, on CPU tensors alone, so --device cuda over Gloo is refused up front.
-
-The measurements (step time, bytes and work per rank beside their formulas, memory, a
-timeline of the transfers under the compute) are in
-``07_parallelism/measure/bench_context_parallel.py``: ``--bench`` and ``--profile`` (with
-``--seqs``, ``--ring-sizes``, ``--emulate-ms``, ``--warmup``, ``--iters``, ``--trace-dir``)
-hand this command over to it.
 """
 
 from __future__ import annotations
@@ -35,6 +26,9 @@ import torch.nn.functional as F
 
 import context_parallel as cp
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import launch, models, verify  # noqa: E402
+
 # (rtol, atol). float64: the ring adds the same terms as one process in another order, so
 # only rounding at 1e-16 separates them. float32 rounds at 6e-8 relative; an element sums up
 # to seq x head_dim products of size about 1, rescaled by exp(lse - lse_new) before adding: a
@@ -44,22 +38,6 @@ LM_STEPS = 3
 LM_VOCAB = 256
 LM_TOLERANCE = (1e-5, 1e-6)  # SGD: a difference in the gradient is not amplified (AdamW's is)
 KINDS = ("ring", "ulysses")
-LM_HEADS = 4                 # the course's tiny LM: Ulysses needs them to divide by W
-MEASUREMENT_FLAGS = ("--bench", "--profile", "--seqs", "--ring-sizes", "--emulate-ms",
-                     "--warmup", "--iters", "--trace-dir")
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def make_groups(ctx, dp: int):
@@ -84,10 +62,8 @@ def check_attention(ctx, group, args, dtype, kind: str, layout: str,
     rank = dist.get_rank(group)
     shape = (args.batch, args.heads, args.seq, args.head_dim)   # [batch, heads, seq, head_dim]
     generator = torch.Generator().manual_seed(0)
-    full = []
-    for _ in range(4):                                          # q, k, v, the output gradient
-        full.append(torch.randn(shape, generator=generator, dtype=dtype).to(ctx.device))
-    q_full, k_full, v_full, grad_full = full
+    q_full, k_full, v_full, grad_full = [    # q, k, v, the output gradient: the same everywhere
+        torch.randn(shape, generator=generator, dtype=dtype).to(ctx.device) for _ in range(4)]
     for tensor in (q_full, k_full, v_full):
         tensor.requires_grad_(True)
     out_full = F.scaled_dot_product_attention(q_full, k_full, v_full, is_causal=causal)
@@ -96,9 +72,7 @@ def check_attention(ctx, group, args, dtype, kind: str, layout: str,
     def mine(tensor):
         return cp.shard_sequence(tensor.detach(), 2, rank, world_size, layout)
 
-    q = mine(q_full).requires_grad_(True)
-    k = mine(k_full).requires_grad_(True)
-    v = mine(v_full).requires_grad_(True)
+    q, k, v = [mine(tensor).requires_grad_(True) for tensor in (q_full, k_full, v_full)]
     if kind == "ulysses":
         out = cp.ulysses_attention(q, k, v, group=group, causal=causal)
     else:
@@ -125,7 +99,6 @@ def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
     """The course LM, LM_STEPS SGD steps, on dp x cp ranks (ring attention or Ulysses over the
     context ranks, each rank its tokens with their global positions, gradients averaged over
     the data AND context ranks) beside the same LM on one process: (lines to print, problems)."""
-    from common import models
     context_group, data_rank, context_rank = make_groups(ctx, args.dp)
     cp_size = ctx.world_size // args.dp
     torch.manual_seed(0)
@@ -166,12 +139,9 @@ def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
         ref_optimizer.step()
 
         case = f"LM dp={args.dp} cp={cp_size} {kind} {layout} step {step}"
-        worst = 0.0
-        close = True
-        for param, ref_param in zip(model.parameters(), reference.parameters()):
-            worst = max(worst, (param - ref_param).abs().max().item())
-            close = close and torch.allclose(param, ref_param, rtol=rtol, atol=atol)
-        if not close:
+        pairs = list(zip(model.parameters(), reference.parameters()))
+        worst = max((param - ref_param).abs().max().item() for param, ref_param in pairs)
+        if not all(torch.allclose(param, ref, rtol=rtol, atol=atol) for param, ref in pairs):
             problems.append(f"{case}: weights differ from one process by up to {worst:.3g}")
         if abs(reported - ref_loss.item()) > rtol * abs(ref_loss.item()):
             problems.append(f"{case}: loss {reported:.6f}, one process {ref_loss.item():.6f}")
@@ -187,7 +157,6 @@ def check_lm(ctx, args, kind: str, layout: str) -> tuple[list[str], list[str]]:
 
 
 def context_parallel_main(ctx, args) -> None:
-    from common import verify
     cp_size = ctx.world_size // args.dp
     context_group = make_groups(ctx, args.dp)[0]
     problems = []
@@ -222,26 +191,11 @@ def context_parallel_main(ctx, args) -> None:
 
 def kinds_and_layouts(args) -> list[tuple[str, str]]:
     """The ring in every layout asked for; Ulysses on contiguous shards (its only layout)."""
-    cases = []
-    for kind in args.kinds:
-        if kind == "ulysses":
-            cases.append((kind, "contiguous"))
-            continue
-        for layout in args.layouts:
-            cases.append((kind, layout))
-    return cases
+    return [(kind, layout) for kind in args.kinds
+            for layout in (["contiguous"] if kind == "ulysses" else args.layouts)]
 
 
 def main(argv=None) -> None:
-    _repo()
-    from bench import supervisor as launch  # TODO(lab)
-    from common import hand_over
-    if argv is None:
-        argv = sys.argv[1:]
-    for flag in MEASUREMENT_FLAGS:
-        for given in argv:
-            if given == flag or given.startswith(flag + "="):
-                hand_over("07_parallelism/measure/bench_context_parallel.py")
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--batch", type=launch.positive_int, default=4,
                         help="sequences per batch (the LM's global batch: divides by --dp)")
@@ -256,43 +210,15 @@ def main(argv=None) -> None:
                         default=list(cp.LAYOUTS), help="subset of " + ",".join(cp.LAYOUTS))
     parser.add_argument("--dp", type=launch.positive_int, default=1,
                         help="data-parallel degree of the LM check; context ranks = world / dp")
-    parser.epilog = ("Measurement flags (" + ", ".join(MEASUREMENT_FLAGS) + ") hand over to "
-                     "07_parallelism/measure/bench_context_parallel.py: see its --help.")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
-    check_flags(args, config)
+    if config.world_size % args.dp or args.batch % args.dp:  # ranks or rows left out of the check
+        parser.error(f"--dp {args.dp} must divide the world size {config.world_size} and --batch")
+    if "ring" in args.kinds and not launch.carries_point_to_point(config.backend, config.device):
+        print(f"ring attention: left out on {config.backend}/{config.device}, which cannot carry "
+              "its point-to-point sends; Ulysses runs", flush=True)
+        args.kinds = [kind for kind in args.kinds if kind != "ring"] or ["ulysses"]
     launch.launch(context_parallel_main, config, args)
-
-
-def check_flags(args, config) -> None:
-    """Every setting refused in one line (exit 2) before any worker starts."""
-    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
-    if config.backend == "gloo" and config.device == "cuda":
-        launch.usage_error("ring attention sends with batch_isend_irecv, which Gloo runs on CPU "
-                           "tensors only: use --device cpu (a rank per CPU core), or NCCL with a "
-                           "GPU per rank")
-    if config.world_size % args.dp != 0:
-        launch.usage_error(f"--dp {args.dp} does not divide the world size {config.world_size}")
-    if args.batch % args.dp != 0:
-        launch.usage_error(f"--batch {args.batch} does not divide into --dp {args.dp} equal parts")
-    cp_size = config.world_size // args.dp
-    if "ulysses" in args.kinds:
-        for what, heads in (("--heads", args.heads), ("the LM's heads", LM_HEADS)):
-            if heads % cp_size != 0:
-                launch.usage_error(f"Ulysses splits the heads over the {cp_size} context ranks: "
-                                   f"{what} {heads} do not divide by {cp_size} (use --kinds ring, "
-                                   "or another --dp)")
-    for layout in args.layouts:
-        chunks = cp_size * cp.chunks_per_rank(layout)
-        if args.seq % chunks != 0:
-            launch.usage_error(f"--seq {args.seq} does not divide into {chunks} equal chunks "
-                               f"({layout} layout over {cp_size} ranks)")
-    # A rank's rough peak, float64: the full tensors and the scores of a pair of chunks.
-    batch_heads = args.batch * args.heads
-    chunk = args.seq // cp_size
-    need = 8 * batch_heads * (6 * chunk * chunk + 24 * args.seq * args.head_dim)
-    what = f"{need / 2**30:.2f} GiB each for sequence length {args.seq}"
-    launch.check_fits(config, need, what)
 
 
 if __name__ == "__main__":

@@ -9,32 +9,21 @@ of rows to every other rank: an ``all_to_all`` with uneven splits, the collectiv
 demonstrates and no lesson before this one needed.
 
 Two layers, one contract: ``ExpertParallelMoE(moe)(x_local)`` returns exactly what
-``moe(x_local)`` returns, the gradients included.
+``moe(x_local)`` returns, the gradients included. ``MoE`` is the reference on one process: a
+router picks each token's top_k experts (gates renormalised to sum to 1), with an optional
+capacity per expert (``expert_capacity``, ``keep_within_capacity``). ``ExpertParallelMoE``,
+built on every rank from the same full ``MoE``, keeps rank r's experts r*E/W .. (r+1)*E/W - 1
+and a copy of the router; its forward routes this rank's tokens, sorts them by destination,
+exchanges the counts, sends the rows, runs each local expert once, sends the results back and
+combines them with the gates. Each exchange is an autograd function whose backward is the
+reverse exchange.
 
-* ``MoE(d_model, d_ff, num_experts, top_k=2, capacity_factor=None)``: the reference, on one
-  process. Routing: p = softmax(router(x)) over all E experts; each token takes its top_k most
-  probable experts, with gates g = those p renormalised to sum to 1; out = sum_k g_k expert_k(x).
-  Capacity (``capacity_factor`` not None): an expert takes at most
-  C = ceil(capacity_factor * tokens * top_k / E) assignments (token, choice), never more than
-  tokens (an expert takes each token once at most: C = tokens is dropless); every token's first
-  choice comes before any token's second choice, and within a choice the lower token index
-  first. A dropped assignment contributes nothing; the kept gates are not renormalised.
-* ``ExpertParallelMoE(moe, group=None)``: built on every rank from the same full ``MoE``; rank r
-  keeps experts r*E/W ... (r+1)*E/W - 1, the router is replicated. Forward, on this rank's own
-  tokens: route them (the capacity rule applies to them, as GShard's per-group capacity);
-  sort the kept assignments by destination rank; exchange the counts (one all-to-all); send
-  the rows (one all-to-all, uneven splits); run each local expert once over the rows it got
-  from every rank; send the results back (the same exchange reversed); combine with the gates.
-  Each exchange is an autograd function whose backward is the reverse exchange.
-
-Gradients and data parallelism. Like stages 03-06, every rank's loss is the mean over its own
-tokens, and the model's gradient is the mean over ranks of the ranks' gradients. An expert sees
-rows from every rank: the reverse exchange in backward brings each rank's gradient rows home to
-the expert's owner, and its weight gradient is their SUM over ranks. Divided by W (a hook on
-each expert parameter), it is the MEAN a data-parallel average would give, already, with no
-collective. So the data-parallel average of the replicated parameters (router, attention,
-embeddings) must skip the experts: ``expert_parameters(model)`` and
-``replicated_parameters(model)`` split a model's parameters for that.
+Gradients and data parallelism. As in stages 03-06, every rank's loss is the mean over its own
+tokens. An expert sees rows from every rank, and backward brings every rank's gradient rows
+home to it: its weight gradient is their SUM over ranks; divided by W (a hook), it is already
+the MEAN a data-parallel average would give. So the data-parallel average of the replicated
+parameters must skip the experts: ``expert_parameters`` and ``replicated_parameters`` split a
+model's parameters for that.
 
 Use it (after dist.init_process_group; every rank builds the same MoE from the same seed):
     torch.manual_seed(0)
@@ -45,9 +34,8 @@ Use it (after dist.init_process_group; every rank builds the same MoE from the s
     loss.backward()                         # expert gradients: already the mean over ranks
     # average replicated_parameters(model) over the ranks (a DDP of 03-06), then step
 
-Run it beside one process with run_expert_parallel.py next to this file (its --bench measures
-it). This file needs torch alone: copy it into another project and
-``from expert_parallel import MoE, ExpertParallelMoE``.
+The demo beside this file runs it against one process. This file needs torch alone: copy it
+anywhere.
 """
 
 from __future__ import annotations
@@ -67,19 +55,6 @@ import torch.nn.functional as F
 def expert_mlp(d_model: int, d_ff: int) -> nn.Module:
     """One expert: d_model -> d_ff -> GELU -> d_model, the course LM's dense MLP."""
     return nn.Sequential(nn.Linear(d_model, d_ff), nn.GELU(), nn.Linear(d_ff, d_model))
-
-
-def check_moe_arguments(num_experts: int, top_k: int, capacity_factor: float | None) -> None:
-    """One-line ValueError for a layer that cannot route."""
-    if num_experts < 1:
-        raise ValueError(f"MoE: num_experts={num_experts}; it must be at least 1")
-    if top_k < 1 or top_k > num_experts:
-        raise ValueError(f"MoE: top_k={top_k}; it must be between 1 and num_experts={num_experts}")
-    if capacity_factor is None:
-        return
-    if not math.isfinite(capacity_factor) or capacity_factor <= 0:  # NaN fails isfinite too
-        raise ValueError(f"MoE: capacity_factor={capacity_factor}; it must be a finite number > 0, "
-                         "or None for dropless routing")
 
 
 def expert_capacity(capacity_factor: float | None, tokens: int, top_k: int,
@@ -196,7 +171,9 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 2,
                  capacity_factor: float | None = None):
         super().__init__()
-        check_moe_arguments(num_experts, top_k, capacity_factor)
+        if capacity_factor is not None and not capacity_factor > 0:  # (NaN too) it would drop
+            raise ValueError(f"MoE: capacity_factor={capacity_factor}; a number > 0, or None "
+                             "for dropless routing")                 # every token, silently
         self.num_experts = num_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor

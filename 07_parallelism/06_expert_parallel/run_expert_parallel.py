@@ -5,14 +5,12 @@ the same MoE whole and with its experts spread over the ranks: random, skewed (o
 overflows) and balanced routings, top-1 and top-2, dropless and with a capacity. Then the tiny
 LM with an MoE per block trains a few SGD steps with expert parallelism (on 4+ ranks also EP 2 x
 DP W/2) beside one process. It prints how far apart outputs, gradients and weights are; every
-rank reaches one verdict, and a difference is named and exits 1. The bugs these comparisons
-catch are planted in tests/checks_expert_parallel.py; --bench and --profile hand over to
-07_parallelism/measure/bench_expert_parallel.py.
+rank reaches one verdict, and a difference is named and exits 1. --num-experts divides by the
+world size, and --d-model is at least --num-experts (the balanced routing's directions).
 
     python 07_parallelism/06_expert_parallel/run_expert_parallel.py                  # 2 ranks
     python 07_parallelism/06_expert_parallel/run_expert_parallel.py --world-size 4   # + EP 2 x DP 2
     torchrun --nproc-per-node=4 07_parallelism/06_expert_parallel/run_expert_parallel.py
-    python 07_parallelism/06_expert_parallel/run_expert_parallel.py --bench --world-size 4 --num-experts 8
 """
 
 from __future__ import annotations
@@ -26,23 +24,13 @@ import torch.nn.functional as F
 
 from expert_parallel import ExpertParallelMoE, MoE, expert_parameters, replicated_parameters
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import launch, models, verify  # noqa: E402
+
 AUX_WEIGHT = 0.01  # the load-balancing loss's weight, Switch Transformer's alpha = 10^-2
 RTOL = 1e-5        # float32, relative to the largest value compared (the README says why)
 LM_LR = 0.1        # plain SGD: its step is linear in the gradient, so weights differ as little
 LM_STEPS = 3
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -98,20 +86,17 @@ def compare_layer(ctx, cfg: dict, routing: str, top_k: int, capacity_factor):
     out = layer(x_ep)
     (F.mse_loss(out, target) + AUX_WEIGHT * layer.aux_loss).backward()
 
-    expert_diff = 0.0
-    for index, expert in layer.experts.items():     # experts["3"] is a copy of moe.experts[3]
-        for name, param in expert.named_parameters():
-            want = moe.experts[int(index)].get_parameter(name).grad
-            expert_diff = max(expert_diff, relative_diff(param.grad, want))
+    expert_diff = max(relative_diff(param.grad, moe.experts[int(index)].get_parameter(name).grad)
+                      for index, expert in layer.experts.items()  # experts["3"]: moe.experts[3]
+                      for name, param in expert.named_parameters())
     capacity = "dropless" if capacity_factor is None else f"{capacity_factor:g}"
     row = {"routing": routing, "top_k": top_k, "capacity": capacity, "dropped": layer.dropped,
            "output": relative_diff(out, out_ref), "input grad": relative_diff(x_ep.grad, x_ref.grad),
            "router grad": relative_diff(layer.router.weight.grad, moe.router.weight.grad),
            "expert grads": expert_diff}
-    differed = []
-    for what in ("output", "input grad", "router grad", "expert grads"):
-        if row[what] > RTOL:
-            differed.append(f"{routing} top-{top_k} {capacity}: {what} differs by {row[what]:.1e}")
+    compared = ("output", "input grad", "router grad", "expert grads")
+    differed = [f"{routing} top-{top_k} {capacity}: {what} differs by {row[what]:.1e}"
+                for what in compared if row[what] > RTOL]
     if layer.dropped != moe.dropped or not torch.equal(layer.aux_loss, moe.aux_loss):
         differed.append(f"{routing} top-{top_k} {capacity}: drops or load-balancing loss differ")
     return row, differed
@@ -121,7 +106,6 @@ def compare_lm(ctx, cfg: dict, ep_size: int):
     """The tiny LM, an MoE per block, LM_STEPS SGD steps: experts over EP groups of ``ep_size``
     neighbouring ranks, data parallel over the ranks holding the same experts; beside one
     process running the same global batch as the same W routing groups."""
-    from common import models
     world_size = ctx.world_size
     # Expert-parallel groups of neighbouring ranks (the all-to-alls are the heavy traffic: keep
     # them inside a node); data-parallel groups of the ranks holding the same experts.
@@ -183,93 +167,51 @@ def compare_lm(ctx, cfg: dict, ep_size: int):
     return row, differed
 
 
+def as_line(row: dict) -> str:
+    return "  " + ", ".join(f"{key} {value:.1e}" if isinstance(value, float) else f"{key} {value}"
+                            for key, value in row.items())
+
+
 def demo(ctx, cfg: dict) -> None:
-    from common import verify
-    from bench import results
-    layer_rows = []
-    differed = []
     cases = [(routing, top_k, capacity_factor) for routing in ("random", "skewed")
              for top_k in (1, 2) for capacity_factor in (None, 1.0, 1.25)]
     cases.append(("balanced", 2, None))
+    ctx.print(f"Expert parallel MoE on {ctx.world_size} ranks: d_model {cfg['d_model']}, d_ff "
+              f"{cfg['d_ff']}, {cfg['num_experts']} experts, {ctx.backend}/{ctx.device.type}; "
+              "max relative diff from the one-process MoE (rank 0; expert grads against the "
+              "data-parallel mean):", all_ranks=False)
+    differed = []
     for routing, top_k, capacity_factor in cases:
         row, problems = compare_layer(ctx, cfg, routing, top_k, capacity_factor)
-        layer_rows.append(row)
         differed += problems
-    lm_rows = []
+        ctx.print(as_line(row), all_ranks=False)
     ep_sizes = [ctx.world_size]
     if ctx.world_size > 2 and ctx.world_size % 2 == 0:
         ep_sizes.append(2)
+    ctx.print("The LM with MoE blocks against one process (max relative diff):", all_ranks=False)
     for ep_size in ep_sizes:
         row, problems = compare_lm(ctx, cfg, ep_size)
-        lm_rows.append(row)
         differed += problems
+        ctx.print(as_line(row), all_ranks=False)
     differed = verify.agree_on_problems(differed)           # one verdict on every rank
-    if ctx.is_main:
-        print(f"Expert parallel MoE on {ctx.world_size} ranks: d_model {cfg['d_model']}, d_ff "
-              f"{cfg['d_ff']}, {cfg['num_experts']} experts, {ctx.backend}/{ctx.device.type} "
-              f"({results.machine_name()})")
-        results.print_table(layer_rows, "\nAgainst the one-process MoE (rank 0; max relative "
-                                        "diff; expert grads against the data-parallel mean):",
-                            floatfmt=".1e")
-        results.print_table(lm_rows, "\nThe LM with MoE blocks against one process (max "
-                                     "relative diff):", floatfmt=".1e")
-        for problem in differed:
-            print(f"DIFFERS {problem}")
+    for problem in differed:
+        ctx.print(f"DIFFERS {problem}", all_ranks=False)
     if differed:
         raise SystemExit(1)
     ctx.print("all matched: outputs, every gradient, drops, the load-balancing loss, the LM",
               all_ranks=False)
 
 
-# --------------------------------------------------------------------------- flags
-
-
 def capacity_factor_type(text: str):
     """A flag type: none (dropless) or a finite number > 0."""
-    from bench import supervisor as launch  # TODO(lab): memory checks move to the lab
     if text.strip().lower() in ("none", "dropless"):
         return None
     return launch.positive_float(text)
 
 
-def refuse_bad_input(parser, cfg: dict, config) -> None:
-    """Splits that cannot be made, sizes that cannot fit: one line, exit 2, before any worker."""
-    from bench import supervisor as launch  # TODO(lab)
-    from common import models
-    experts = cfg["num_experts"]
-    if experts % config.world_size:
-        parser.error(f"--num-experts {experts} is not divisible by the number of ranks "
-                     f"{config.world_size}: each rank holds num_experts / ranks experts")
-    if cfg["top_k"] > experts:
-        parser.error(f"--top-k {cfg['top_k']} is more than --num-experts {experts}")
-    # A rank's rough peak, float32: the LM with E experts a block twice (expert parallel, whole
-    # before the split, and the reference) and the layer's MoE, each with its gradients.
-    preset = models.PRESETS[cfg["lm"]]
-    lm_mlp = 2 * preset["d_model"] * preset["d_ff"] + preset["d_model"] + preset["d_ff"]
-    lm = models.lm_parameter_count(cfg["lm"]) + preset["num_layers"] * (experts - 1) * lm_mlp
-    layer = experts * (2 * cfg["d_model"] * cfg["d_ff"] + cfg["d_model"] + cfg["d_ff"])
-    need = 4 * 4 * (lm + layer)
-    what = f"--lm {cfg['lm']} with --num-experts {experts} ({need / 2**30:.1f} GiB a rank)"
-    launch.check_fits(config, need, what)
-    if cfg["d_model"] < experts:
-        parser.error(f"--d-model {cfg['d_model']} is less than --num-experts {experts}: the "
-                     "balanced routing needs one input direction per expert")
-
-
 def main(argv=None) -> None:
-    _repo()
-    from bench import supervisor as launch  # TODO(lab)
-    from common import hand_over, models
-    from bench import results
     parser = launch.make_parser(__doc__, world_size=2)
-    parser.add_argument("--bench", action="store_true",
-                        help="measure instead: step time, bytes, memory and load, by "
-                             "07_parallelism/measure/bench_expert_parallel.py (its --help: "
-                             "--tokens, --capacity-factors, --warmup, --iters)")
-    parser.add_argument("--profile", action="store_true",
-                        help="a torch.profiler trace per rank of two expert-parallel steps "
-                             "(by the same script; --trace-dir)")
-    for flag, default, what in (("--d-model", 16, "model width of the layer checks"),
+    for flag, default, what in (("--d-model", 16, "model width of the layer checks (>= experts)"),
                                 ("--d-ff", 32, "expert hidden width of the layer checks"),
                                 ("--num-experts", None, "experts (default: 2 x world size)"),
                                 ("--top-k", 2, "experts per token in the LM")):
@@ -278,18 +220,11 @@ def main(argv=None) -> None:
                         help="the LM's MoE blocks: a number > 0, or none (dropless)")
     parser.add_argument("--lm", choices=list(models.PRESETS), default="tiny",
                         help="the LM preset trained with MoE blocks")
-    args, others = parser.parse_known_args(argv)
-    if args.bench or args.profile:     # measurement sits above the lessons: hand it the flags
-        hand_over("07_parallelism/measure/bench_expert_parallel.py")
-    if others:
-        parser.error(f"unrecognized arguments: {' '.join(others)} (the measurement's flags "
-                     "go with --bench or --profile)")
+    args = parser.parse_args(argv)
     config = launch.resolve(args)
     cfg = {"d_model": args.d_model, "d_ff": args.d_ff,
            "num_experts": args.num_experts or 2 * config.world_size, "top_k": args.top_k,
            "capacity_factor": args.capacity_factor, "lm": args.lm}
-    refuse_bad_input(parser, cfg, config)
-    results.check_writable()
     launch.launch(demo, config, cfg)
 
 

@@ -1,32 +1,27 @@
-"""Not a lesson: lesson 5's ring attention, measured (``--bench``) and drawn (``--profile``).
+"""Not a lesson: lesson 5's ring attention and Ulysses, measured.
 
-``--bench`` (the default here): a sequence-length sweep of one causal attention layer's
-forward + backward, float32: on one rank (torch's fused ``scaled_dot_product_attention`` and
-our kernel, a ring of one) and on rings of 2 and 4 ranks in both layouts: step time (real
-compute, and emulated compute where each chunk of work only waits in proportion to the
-scores it covers, backward twice as long), bytes sent beside the ring's formula, each rank's
-attention work (max / mean) beside the load-balance formula, activation memory saved for
-backward beside its formula (and the GPU's peak, on a GPU). Rows go to
-``results/context_parallel.csv`` after each sequence length, so a run stopped at its cap keeps
-them. ``--profile``: a timeline of one step per rank, the K/V transfers drawn under the
-compute they overlap (text, a Perfetto trace per panel, a picture when matplotlib is there).
+A sequence-length sweep of one causal attention layer's forward + backward, float32: on one
+rank (torch's fused ``scaled_dot_product_attention`` and our kernel, a ring of one), on rings
+of 2 and 4 ranks in both layouts, and Ulysses: step time (real compute, and emulated compute
+where each chunk of work only waits in proportion to the scores it covers, backward twice as
+long), bytes sent beside the formula, each rank's attention work (max / mean) beside the
+load-balance formula, activation memory saved for backward beside its formula (and the GPU's
+peak, on a GPU). Rows go to ``results/context_parallel.csv`` after each sequence length, so a
+run stopped at its cap keeps them; a length that cannot end before make bench's deadline
+(``BENCH_STEP_DEADLINE``) is skipped with a note. Warm-up and timed steps follow the box:
+1 + 3 on the host, 2 + 5 on GPUs (``--warmup``, ``--iters``).
 
 The algorithm file carries no counter and no clock: here its chunk kernels
 (``context_parallel.chunk_attention`` and ``chunk_attention_backward``) are replaced, for the
-length of a ``with`` block, by ones that count the scores, only wait, or time each chunk, and
-``dist.batch_isend_irecv`` by one that times each transfer from posting to completion.
+length of a ``with`` block, by ones that count the scores or only wait.
 
-Run:  python 07_parallelism/measure/bench_context_parallel.py --bench
-      python 07_parallelism/measure/bench_context_parallel.py --profile
-      python 07_parallelism/05_context_parallel/run_context_parallel.py --bench   # the same
+    python 07_parallelism/measure/bench_context_parallel.py --bench
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -40,9 +35,10 @@ if str(REPO) not in sys.path:
 
 from common import import_stage  # noqa: E402  (after the path)
 
-from bench import results, timing
+from bench import results, step_bench, timing  # noqa: E402
 
 from bench import supervisor as launch
+from common.launch import carries_point_to_point  # noqa: E402
 
 cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
 counters = import_stage("07_parallelism/measure/counters")
@@ -222,63 +218,6 @@ class EmulatedHeadsAttention(HeadsAttention):
         seen = scores_seen(q, causal)
         self.visible += seen
         return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
-
-
-class TimedAttention(ChunkKernels):
-    """Records when each chunk's compute (the kernel active before it) starts and ends."""
-
-    def __init__(self, device):
-        self.device = device
-        self.spans = []  # (start, end, "forward" | "backward")
-
-    def forward(self, q, k, v, allowed, scale):
-        start = time.perf_counter()
-        result = self.inner_forward(q, k, v, allowed, scale)
-        timing.synchronize(self.device)
-        self.spans.append((start, time.perf_counter(), "forward"))
-        return result
-
-    def backward(self, grad_out, q, k, v, lse, delta, allowed, scale):
-        start = time.perf_counter()
-        result = self.inner_backward(grad_out, q, k, v, lse, delta, allowed, scale)
-        timing.synchronize(self.device)
-        self.spans.append((start, time.perf_counter(), "backward"))
-        return result
-
-
-class TransferClock:
-    """While active, times every ``batch_isend_irecv`` from posting to completion: a thread
-    polls its requests (``is_completed``), so the main thread's own wait is untouched."""
-
-    def __init__(self):
-        self.spans = []  # (start, end)
-        self.threads = []
-        self.original = None
-
-    def __enter__(self):
-        self.original = dist.batch_isend_irecv
-        dist.batch_isend_irecv = self.post
-        return self
-
-    def post(self, operations):
-        start = time.perf_counter()
-        requests = self.original(operations)
-        thread = threading.Thread(target=self.watch, args=(requests, start), daemon=True)
-        thread.start()
-        self.threads.append(thread)
-        return requests
-
-    def watch(self, requests, start):
-        while not all(request.is_completed() for request in requests):
-            time.sleep(20e-6)
-        self.spans.append((start, time.perf_counter()))
-
-    def __exit__(self, *exc):
-        dist.batch_isend_irecv = self.original
-        for thread in self.threads:
-            thread.join(timeout=30)
-        return False
-
 
 
 # --------------------------------------------------------------------------- helpers
@@ -564,8 +503,18 @@ def bench_main(ctx, cfg: dict) -> None:
         rings[world_size] = group
     rows = []
     failures = []
+    last = None  # (seq, seconds) of the previous length: the next one's estimate
     for seq in cfg["seqs"]:
+        if last is not None:  # attention's work grows with the square of the length
+            estimate = last[1] * (seq / last[0]) ** 2
+            if not step_bench.time_left_for(ctx, estimate):
+                ctx.print(f"seq {seq} and longer: skipped, about {estimate:.0f} s each would run "
+                          "past make bench's deadline for this step (the rows above are written)",
+                          all_ranks=False)
+                break
+        started = time.perf_counter()
         seq_rows, problems = bench_sequence(ctx, cfg, seq, rings, single)
+        last = (seq, time.perf_counter() - started)
         rows += seq_rows
         failures += problems
         if ctx.is_main:
@@ -672,144 +621,6 @@ def print_ring_beside_ulysses(rows: list[dict]) -> None:
                                          "sends, and step time", floatfmt=".3g")
 
 
-# --------------------------------------------------------------------------- the timeline
-
-
-def profile_one(ctx, cfg: dict, ring, layout: str, kernel) -> dict:
-    """One timed step (after two untimed ones) of ring attention: this rank's compute spans
-    and transfer spans, in ms since a common start (a barrier just before)."""
-    world_size = ctx.world_size
-    seq = max(cfg["seqs"])
-    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, ctx.rank, world_size, layout)
-    for _ in range(2):
-        ring_step(q, k, v, grad_out, ring, layout, kernel)
-    timed = TimedAttention(ctx.device)
-    if kernel is None:
-        kernel = contextlib.nullcontext()
-    dist.barrier()
-    origin = time.perf_counter()
-    with kernel, TransferClock() as clock:
-        ring_step(q, k, v, grad_out, ring, layout, timed)
-        timing.synchronize(ctx.device)
-        end = time.perf_counter()
-    compute = []
-    for start, stop, phase in timed.spans:
-        compute.append(((start - origin) * 1e3, (stop - origin) * 1e3, phase))
-    transfers = []
-    for start, stop in sorted(clock.spans):
-        transfers.append(((start - origin) * 1e3, (stop - origin) * 1e3))
-    return {"compute": compute, "transfers": transfers, "step_ms": (end - origin) * 1e3}
-
-
-def hidden_ms(transfers, compute) -> float:
-    """How much of the transfers' time ran while this rank was computing."""
-    total = 0.0
-    for t_start, t_end in transfers:
-        for c_start, c_end, _ in compute:
-            total += max(0.0, min(t_end, c_end) - max(t_start, c_start))
-    return total
-
-
-def text_timeline(title: str, timelines: list[dict], width: int = 80) -> str:
-    """Two rows per rank on one time axis: compute (f forward, b backward) and K/V transfers."""
-    span = max(tl["step_ms"] for tl in timelines)
-    scale = width / span
-    lines = [f"{title}: step {span:.1f} ms (slowest rank)"]
-    for rank, tl in enumerate(timelines):
-        rows = {"compute": [" "] * width, "K/V    ": [" "] * width}
-        for start, stop, phase in tl["compute"]:
-            first = int(start * scale)
-            for i in range(first, min(width, max(first + 1, int(stop * scale)))):
-                rows["compute"][i] = phase[0]
-        for index, (start, stop) in enumerate(tl["transfers"]):
-            first = int(start * scale)
-            for i in range(first, min(width, max(first + 1, int(stop * scale)))):
-                rows["K/V    "][i] = "#="[index % 2]  # one batch #, the next =, ...
-        transfer_ms = sum(stop - start for start, stop in tl["transfers"])
-        hidden = hidden_ms(tl["transfers"], tl["compute"])
-        lines.append(f"  rank {rank} compute |{''.join(rows['compute'])}|")
-        lines.append(f"         K/V     |{''.join(rows['K/V    '])}| {hidden:.1f} of "
-                     f"{transfer_ms:.1f} ms in flight under compute")
-    lines.append("  f forward chunk, b backward chunk; # and = alternate: one ring step's batch "
-                 "of K/V (and dK/dV) sends and receives, in flight from posting to completion")
-    return "\n".join(lines)
-
-
-def chrome_trace(timelines: list[dict], path: Path) -> None:
-    """The same spans as a trace Perfetto opens (https://ui.perfetto.dev): one process a rank."""
-    events = []
-    for rank, tl in enumerate(timelines):
-        for start, stop, phase in tl["compute"]:
-            events.append({"name": f"{phase} chunk", "ph": "X", "pid": rank, "tid": 0,
-                           "ts": start * 1e3, "dur": (stop - start) * 1e3})
-        for start, stop in tl["transfers"]:
-            events.append({"name": "K/V transfer", "ph": "X", "pid": rank, "tid": 1,
-                           "ts": start * 1e3, "dur": (stop - start) * 1e3})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": events}))
-
-
-def draw(panels: list[tuple[str, list[dict]]], path: Path, title: str) -> Path | None:
-    plt = results.pyplot()
-    if plt is None:
-        print("(matplotlib not installed: text timeline only)")
-        return None
-    figure, axes = plt.subplots(len(panels), 1, figsize=(10, 1.2 + 1.1 * len(panels[0][1]) *
-                                                           len(panels) / 2), squeeze=False)
-    colours = {"forward": "#9ecae1", "backward": "#3182bd"}
-    span = max(tl["step_ms"] for _, timelines in panels for tl in timelines)
-    for ax, (label, timelines) in zip(axes[:, 0], panels):
-        names = []
-        for rank, tl in enumerate(timelines):
-            row = 2 * rank
-            for start, stop, phase in tl["compute"]:
-                ax.broken_barh([(start, stop - start)], (row + 0.1, 0.8), color=colours[phase])
-            for index, (start, stop) in enumerate(tl["transfers"]):
-                shade = ("#e6550d", "#fdae6b")[index % 2]  # one ring step, the next, ...
-                ax.broken_barh([(start, stop - start)], (row + 1.2, 0.6), color=shade)
-            names += [f"rank {rank} compute", f"rank {rank} K/V"]
-        ax.set_yticks([i + 0.5 for i in range(len(names))], names, fontsize=7)
-        ax.set_ylim(len(names), 0)
-        ax.set_xlim(0, span * 1.01)
-        ax.set_title(label, fontsize=9, loc="left")
-    axes[-1, 0].set_xlabel("ms since the step started (forward: light, backward: dark; "
-                           "orange, dark and light in turn: each ring step's transfers in flight)")
-    figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    print(f"timeline picture: {shown_path(path)}")
-    return path
-
-
-def profile_main(ctx, cfg: dict) -> None:
-    """Both layouts, real and emulated compute, at the longest --seqs on all ranks."""
-    ring = dist.new_group(list(range(ctx.world_size)))
-    seq = max(cfg["seqs"])
-    batch_heads = cfg["batch"] * cfg["heads"]
-    emulated = EmulatedAttention(cfg["emulate_ms"] / 1e3 / (batch_heads * seq * (seq + 1) / 2))
-    panels = []
-    for compute, kernel in (("real", None),
-                            (f"emulated {cfg['emulate_ms']:g} ms", emulated)):
-        for layout in cfg["layouts"]:
-            mine = profile_one(ctx, cfg, ring, layout, kernel)
-            everyone = [None] * ctx.world_size
-            dist.all_gather_object(everyone, mine)
-            panels.append((f"{layout}, {compute} compute", everyone))
-    if not ctx.is_main:
-        return
-    out_dir = Path(cfg["trace_dir"]) / "context_parallel"
-    for label, timelines in panels:
-        print(text_timeline(label, timelines) + "\n")
-        slug = label.replace(",", "").replace(" ", "_")
-        chrome_trace(timelines, out_dir / f"{slug}.json")
-    print(f"traces (open in https://ui.perfetto.dev): {shown_path(out_dir)}/*.json")
-    draw(panels, out_dir / "timeline.png",
-         f"ring attention, one causal step, seq {seq}, {ctx.world_size} ranks, "
-         f"{ctx.backend}/{ctx.device.type}, {results.machine_name()}")
-
-
 # --------------------------------------------------------------------------- flags
 
 
@@ -821,13 +632,18 @@ def per_rank_bytes(args) -> int:
     return 4 * batch_heads * (6 * seq * seq + 24 * seq * args.head_dim)
 
 
-def refuse_gloo_on_cuda(config) -> None:
-    """Ring attention sends K/V with ``batch_isend_irecv``, which Gloo runs on CPU tensors
-    only: one line, exit 2, before any worker starts."""
-    if config.backend == "gloo" and config.device == "cuda":
-        launch.usage_error("ring attention sends with batch_isend_irecv, which Gloo runs on CPU "
-                           "tensors only: use --device cpu (a rank per CPU core), or NCCL with a "
-                           "GPU per rank")
+def box_defaults(args, config) -> None:
+    """The flags left out, filled in for this box: the host (CPU tensors) runs shorter
+    sequences, 1 warm-up + 3 timed steps; GPUs longer ones, 2 + 5; rings of 2 and 4."""
+    on_host = config.device == "cpu"
+    if args.seqs is None:
+        args.seqs = [256, 512, 1024] if on_host else [1024, 2048, 4096]
+    if args.warmup is None:
+        args.warmup = 1 if on_host else 2
+    if args.iters is None:
+        args.iters = 3 if on_host else 5
+    if args.ring_sizes is None:
+        args.ring_sizes = [ring_size for ring_size in (2, 4) if ring_size <= config.world_size]
 
 
 def main(argv=None) -> None:
@@ -839,76 +655,47 @@ def main(argv=None) -> None:
                         help="width of one head")
     parser.add_argument("--layouts", type=launch.choice_list(list(cp.LAYOUTS)),
                         default=list(cp.LAYOUTS), help="subset of " + ",".join(cp.LAYOUTS))
-    parser.add_argument("--bench", action="store_true",
-                        help="measure step time, bytes, FLOP balance and memory (the default)")
-    parser.add_argument("--profile", action="store_true",
-                        help="draw one step's compute and K/V transfers per rank instead")
+    parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
     parser.add_argument("--seqs", type=launch.int_list, default=None,
-                        help="sequence lengths of --bench (default 256,512,1024 on a CPU, "
-                             "1024,2048,4096 on a GPU); --profile uses the longest")
+                        help="sequence lengths (default 256,512,1024 on the host, "
+                             "1024,2048,4096 on GPUs)")
     parser.add_argument("--ring-sizes", type=launch.int_list, default=None,
-                        help="ring sizes W of --bench (default 2 and 4, up to the world size)")
+                        help="ring sizes W (default 2 and 4, up to the world size)")
     parser.add_argument("--emulate-ms", type=launch.positive_float, default=400.0,
                         help="emulated compute: the forward of causal attention over the whole "
                              "sequence on one rank takes this long; each chunk waits its share "
                              "of it, backward twice as long")
-    parser.add_argument("--warmup", type=launch.non_negative_int, default=2,
-                        help="untimed steps before the timed ones")
-    parser.add_argument("--iters", type=launch.positive_int, default=5, help="timed steps")
-    parser.add_argument("--trace-dir", default=str(results.REPO_ROOT / "traces"),
-                        help="where --profile writes its traces and picture")
-    # The lesson's check flags, accepted so that run_context_parallel.py's command lines work here.
-    parser.add_argument("--seq", type=launch.positive_int, default=64, help="(the check's)")
-    parser.add_argument("--dp", type=launch.positive_int, default=1, help="(the check's)")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=None,
+                        help="untimed steps before the timed ones (default 1 on the host, 2 on GPUs)")
+    parser.add_argument("--iters", type=launch.positive_int, default=None,
+                        help="timed steps (default 3 on the host, 5 on GPUs)")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     world_size = config.world_size
-    if args.bench and args.profile:
-        parser.error("--bench and --profile: choose one")
     if args.emulate_ms > 60_000:
         parser.error(f"--emulate-ms {args.emulate_ms:g}: at most 60000 (a minute of emulated "
                      "forward per step)")
-    if args.profile:
-        try:
-            (Path(args.trace_dir) / "context_parallel").mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            parser.error(f"--trace-dir {args.trace_dir}: cannot write there ({error.strerror})")
-    refuse_gloo_on_cuda(config)
-    if args.seqs is None:
-        args.seqs = [256, 512, 1024]
-        if config.device == "cuda":
-            args.seqs = [1024, 2048, 4096]
-    if args.ring_sizes is None:
-        args.ring_sizes = []
-        for ring_size in (2, 4):
-            if ring_size <= world_size:
-                args.ring_sizes.append(ring_size)
-    ring_sizes = args.ring_sizes
-    if args.profile:
-        ring_sizes = [world_size]
-    else:
-        wrong = []
-        for ring_size in args.ring_sizes:
-            if ring_size < 2 or ring_size > world_size:
-                wrong.append(ring_size)
-        if wrong or not args.ring_sizes:
-            parser.error(f"--ring-sizes {wrong or args.ring_sizes}: each must be between 2 and "
-                         f"the world size {world_size}")
+    if not carries_point_to_point(config.backend, config.device):
+        launch.usage_error(f"ring attention sends with batch_isend_irecv, which {config.backend} "
+                           f"cannot carry for {config.device} tensors: use --device cpu (a rank "
+                           "per CPU core), or NCCL with a GPU per rank")
+    box_defaults(args, config)
+    wrong = [ring_size for ring_size in args.ring_sizes if not 2 <= ring_size <= world_size]
+    if wrong or not args.ring_sizes:
+        parser.error(f"--ring-sizes {wrong or args.ring_sizes}: each must be between 2 and "
+                     f"the world size {world_size}")
     for seq in args.seqs:
-        for ring_size in ring_sizes:
+        for ring_size in args.ring_sizes:
             for layout in args.layouts:
                 chunks = ring_size * cp.chunks_per_rank(layout)
                 if seq % chunks != 0:
                     parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
                                  f"({layout} layout over {ring_size} ranks)")
     need = per_rank_bytes(args)
-    what = f"{need / 2**30:.2f} GiB each for sequence length {max(args.seqs)}"
-    launch.check_fits(config, need, what)
+    launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length "
+                                    f"{max(args.seqs)}")
     results.check_writable()
-    if args.profile:
-        launch.launch(profile_main, config, vars(args))
-    else:
-        launch.launch(bench_main, config, vars(args))
+    launch.launch(bench_main, config, vars(args))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,6 @@
 """Stage 07, expert parallelism, measured: what an ExpertParallelMoE costs and what it saves.
 
-``run_expert_parallel.py --bench`` and ``--profile`` hand over to this script with the same flags.
-
---bench, per token count (smallest first, each row written to results/expert_parallel.csv as it
+Per token count (smallest first, each row written to results/expert_parallel.csv as it
 lands, so a run stopped at its cap keeps what it measured; with --budget-s, the counts predicted
 to end past it are skipped, said in one line):
 * the step (forward + backward) of the replicated MoE, every rank on its own tokens and no
@@ -12,21 +10,17 @@ to end past it are skipped, said in one line):
 then the expert parameter bytes per rank (exactly 1/W), and the load at the largest count
 measured for each routing and capacity factor (tokens per expert, drops), drawn to
 results/expert_parallel_load.png.
---profile: a torch.profiler trace per rank of two expert-parallel steps, in
-<trace-dir>/expert_parallel/rank<r>.json (open in https://ui.perfetto.dev).
 
 On one GPU the ranks share it over Gloo, whose all-to-all goes through host memory: the
 exchange times describe that path, not an interconnect. The bytes and loads are exact anywhere.
 
 Run:
-    python 07_parallelism/measure/bench_expert_parallel.py --world-size 4 --num-experts 8
-    python 07_parallelism/06_expert_parallel/run_expert_parallel.py --bench --world-size 4
+    python 07_parallelism/measure/bench_expert_parallel.py --bench --world-size 4 --num-experts 8
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -320,39 +314,6 @@ def report(cfg: dict, n: int, time_rows: list[dict], memory: dict, load_rows: li
         print(f"\nplot: {os.path.relpath(path)}")
 
 
-# --------------------------------------------------------------------------- --profile
-
-
-def profile_main(ctx, cfg: dict) -> None:
-    """Two expert-parallel steps per rank under torch.profiler, after two unprofiled ones."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    tokens = min(cfg["tokens"])
-    layer = ExpertParallelMoE(bench_moe(cfg, "random", None, ctx.device))
-    x = bench_input(cfg, "random", tokens, ctx.rank, ctx.device)
-    for _ in range(2):
-        step(layer, x)
-    dist.barrier()
-    activities = [ProfilerActivity.CPU]
-    if ctx.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with profile(activities=activities) as prof:
-        for _ in range(2):
-            with record_function("ep:step"):
-                step(layer, x)
-                timing.synchronize(ctx.device)
-    path = Path(cfg["trace_dir"]) / "expert_parallel" / f"rank{ctx.rank}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(path))
-    # What the trace holds: the steps, and the exchanges (Gloo's all-to-alls on its worker
-    # thread, from start to finish, waiting for peers included; NCCL's kernels on the GPU).
-    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
-    step_ms = sum(e["dur"] for e in events if e["name"] == "ep:step") / 1e3 / 2
-    exchange_ms = sum(e["dur"] for e in events
-                      if "all_to_all" in e["name"] or e["name"].startswith("nccl")) / 1e3 / 2
-    ctx.print(f"trace of 2 steps, {tokens} tokens per rank: {path}; a step {step_ms:.1f} ms, "
-              f"{exchange_ms:.1f} ms of it in all-to-alls ({ctx.backend}/{ctx.device.type})")
-
-
 # --------------------------------------------------------------------------- flags
 
 
@@ -365,15 +326,6 @@ def capacity_factor_type(text: str):
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a capacity factor: give a finite "
                                          "number > 0, or none (dropless)") from None
-
-
-def trace_folder(text: str) -> Path:
-    """A flag type: a folder named (never '': that would write into the current directory)
-    that can be written or made."""
-    from bench.profiling import writable_folder
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} is not a folder: name one for the traces")
-    return writable_folder(text)
 
 
 def bytes_per_rank(cfg: dict) -> int:
@@ -391,15 +343,9 @@ def bytes_per_rank(cfg: dict) -> int:
 
 
 def parse(argv=None):
-    """The flags of run_expert_parallel.py (the demo's own are accepted and ignored) and the
-    bench's; bad input one line, exit 2."""
-    from common import models
+    """The flags; bad input one line, exit 2."""
     parser = launch.make_parser(__doc__, world_size=2)
-    parser.add_argument("--bench", action="store_true", help="measure (the default here)")
-    parser.add_argument("--profile", action="store_true",
-                        help="write a torch.profiler trace per rank of two expert-parallel steps")
-    parser.add_argument("--trace-dir", type=trace_folder, default=REPO / "traces",
-                        help="--profile: where the traces go (a folder made if missing)")
+    parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
     for flag, default, what in (("--d-model", 128, "model width"),
                                 ("--d-ff", 512, "expert hidden width"),
                                 ("--num-experts", None, "experts (default: 2 x world size)"),
@@ -414,10 +360,6 @@ def parse(argv=None):
     parser.add_argument("--budget-s", type=launch.positive_float, default=None,
                         help="skip the token counts predicted to end past this many seconds "
                              "(each predicted from the one before; default: run them all)")
-    parser.add_argument("--capacity-factor", type=capacity_factor_type, default=1.25,
-                        help="the demo's (ignored here)")
-    parser.add_argument("--lm", choices=list(models.PRESETS), default="tiny",
-                        help="the demo's (ignored here)")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     n = config.world_size
@@ -430,8 +372,7 @@ def parse(argv=None):
     cfg = {"d_model": args.d_model, "d_ff": args.d_ff, "num_experts": num_experts,
            "top_k": args.top_k, "tokens": args.tokens,
            "capacity_factors": args.capacity_factors, "warmup": args.warmup,
-           "iters": args.iters, "trace_dir": str(args.trace_dir), "profile": args.profile,
-           "budget_s": args.budget_s}
+           "iters": args.iters, "budget_s": args.budget_s}
     need = bytes_per_rank(cfg)
     what = (f"--num-experts {num_experts} --d-model {args.d_model} --d-ff {args.d_ff} --tokens "
             f"{max(args.tokens)} ({need / 2**30:.2f} GiB a rank)")
@@ -442,10 +383,7 @@ def parse(argv=None):
 
 def main(argv=None) -> None:
     config, cfg = parse(argv)
-    if cfg["profile"]:
-        launch.launch(profile_main, config, cfg)
-    else:
-        launch.launch(bench_main, config, cfg)
+    launch.launch(bench_main, config, cfg)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
-"""Not a lesson: what ``run_fsdp.py --bench`` and ``--profile`` hand over to (lesson 2, FSDP).
+"""Not a lesson: lesson 2's (FSDP) measurements, the sharding ledger and a profile.
 
 ``--bench``: the sharding ledger (ledger.py), all six ways to train the LM (DDP, ZeRO-1/2, our
 FSDP, torch's ZeroRedundancyOptimizer and fully_shard) and the compute-only control, bytes
 counted beside the formulas and the step time, to results/sharding.csv. ``--profile``: one step of FSDP (a unit per block) in
 stage 05's timeline, to show the all-gathers running while the blocks compute.
 
-    python 07_parallelism/02_fsdp/run_fsdp.py --bench      # or this file, with the same flags
-    python 07_parallelism/02_fsdp/run_fsdp.py --profile
+    python 07_parallelism/measure/bench_fsdp.py --bench
+    python 07_parallelism/measure/bench_fsdp.py --profile
 """
 
 from __future__ import annotations

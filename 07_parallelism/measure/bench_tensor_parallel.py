@@ -1,4 +1,4 @@
-"""Not a lesson: lesson 3's measurements, what ``run_tensor_parallel.py --bench`` hands over to.
+"""Not a lesson: lesson 3's (tensor and sequence parallelism) measurements.
 
 What tensor and sequence parallelism send and keep, counted and set beside the formulas
 derived in ``07_parallelism/03_tensor_parallel/README.md`` (the formulas live here, with the
@@ -17,13 +17,12 @@ counters they are checked against, not in the file people copy):
 Every configuration is also checked against one process (output, input gradient, every
 parameter gradient), and its rows are written as soon as it lands, so a run stopped at a
 deadline keeps what it measured. Any difference fails the run on every rank together, after
-the rows are written. torch's control is left out on Gloo with CUDA tensors, in one line
-(``torch_tensor_parallel.unsupported`` says why).
+the rows are written. torch's control is left out, in one line, on a pair that cannot carry
+its coalesced collectives (``common.launch.carries_point_to_point``: Gloo with CUDA tensors).
 
-    python 07_parallelism/03_tensor_parallel/run_tensor_parallel.py --bench
     python 07_parallelism/measure/bench_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
 
-The same flags as the demo (``--bench`` accepted and ignored). ``tests/checks_tensor_parallel.py``
+The demo's flags, and ``--bench`` (accepted and ignored). ``tests/checks_tensor_parallel.py``
 runs these checks beside the bugs they must catch.
 """
 
@@ -43,15 +42,15 @@ if str(REPO) not in sys.path:
 
 from common import import_stage, models  # noqa: E402 (after the path)
 
-from bench import results
+from bench import results  # noqa: E402
 
 from bench import supervisor as launch
+from common.launch import carries_point_to_point  # noqa: E402
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # noqa: E402
                       ring_send_bytes)
 
 tp = import_stage("07_parallelism/03_tensor_parallel/tensor_parallel")
 torch_tp = import_stage("07_parallelism/03_tensor_parallel/torch_tensor_parallel")
-tp_flags = import_stage("07_parallelism/03_tensor_parallel/tp_flags")   # the demo's flags
 
 # float32 sums in another order (t partial sums instead of one): differences of a few 1e-7
 # relative; a missing collective or a wrong slice is off by the size of the values.
@@ -577,23 +576,61 @@ def bench_main(ctx, cfg: dict) -> None:
               "formula says", all_ranks=False)
 
 
+def add_flags(parser) -> None:
+    """The demo's flags (run_tensor_parallel.py), and ``--bench``."""
+    for flag, default, what in (("--d-model", 64, "MLP and block input/output width"),
+                                ("--d-ff", 256, "MLP hidden width"),
+                                ("--batch", 8, "sequences per batch"),
+                                ("--seq", 16, "tokens per sequence"),
+                                ("--heads", 4, "attention heads of the block")):
+        parser.add_argument(flag, type=launch.positive_int, default=default, help=what)
+    parser.add_argument("--variants", type=launch.choice_list(list(tp.VARIANTS)),
+                        default=list(tp.VARIANTS), help="subset of " + ",".join(tp.VARIANTS))
+    parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
+
+
+def refuse_bad_sizes(parser, args, world_size: int) -> None:
+    """One line and exit 2 for sizes the split cannot take, before any worker starts."""
+    if args.d_ff % world_size:
+        parser.error(f"--d-ff {args.d_ff} is not divisible by the tensor-parallel size "
+                     f"(world size) {world_size}")
+    if "allgather" in args.variants and args.d_model % world_size:
+        parser.error(f"--d-model {args.d_model} is not divisible by the world size {world_size} "
+                     "(the all-gather variant splits fc2's outputs)")
+    if args.d_model % args.heads:
+        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.heads % world_size:
+        parser.error(f"--heads {args.heads} is not divisible by the world size {world_size} "
+                     "(each rank holds whole heads)")
+    if args.seq % world_size:
+        parser.error(f"--seq {args.seq} is not divisible by the world size {world_size} "
+                     "(sequence parallelism gives each rank seq / t tokens)")
+
+
+def refuse_too_large(config, args) -> None:
+    """One line and exit 2 when a rank's rough peak (float32: the full MLP and block, their
+    gradients, its slices and torch's copy, the activations of three blocks) cannot fit."""
+    weights = 2 * args.d_model * args.d_ff + 4 * args.d_model * args.d_model
+    tokens = args.batch * args.seq
+    activations = tokens * (12 * args.d_model + 3 * args.d_ff) + args.batch * args.heads * args.seq
+    need = 4 * (6 * weights + 4 * activations)
+    launch.check_fits(config, need, f"{need / 2**30:.1f} GiB each for --d-model {args.d_model} "
+                      f"--d-ff {args.d_ff} --batch {args.batch} --seq {args.seq}")
+
+
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=2)
-    tp_flags.add_flags(parser)
-    parser.add_argument("--bench", action="store_true",
-                        help="accepted (the demo hands --bench over to this script)")
+    add_flags(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
-    tp_flags.refuse_bad_sizes(parser, args, config.world_size)
-    tp_flags.refuse_too_large(config, args)
+    refuse_bad_sizes(parser, args, config.world_size)
+    refuse_too_large(config, args)
     results.check_writable()
     cfg = vars(args)
-    cfg["with_torch"] = True
-    why_not = torch_tp.unsupported(config.backend, config.device)
-    if why_not is not None:
-        print(f"torch's parallelize_module control: left out on {config.backend}/"
-              f"{config.device}: {why_not}", flush=True)
-        cfg["with_torch"] = False
+    cfg["with_torch"] = carries_point_to_point(config.backend, config.device)
+    if not cfg["with_torch"]:
+        print(f"torch's parallelize_module control: left out on {config.backend}/{config.device}, "
+              "which cannot carry DTensor's coalesced collectives", flush=True)
     launch.launch(bench_main, config, cfg)
 
 

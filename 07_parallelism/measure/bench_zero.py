@@ -1,11 +1,11 @@
-"""Not a lesson: what ``run_zero.py --bench`` hands over to (lesson 1, ZeRO).
+"""Not a lesson: lesson 1's (ZeRO) measurement, the sharding ledger's ZeRO rows.
 
 The sharding ledger's rows without FSDP (ledger.py): DDP (stage 06), ZeRO-1 (06 +
 ShardedOptimizer), ZeRO-2 (Zero2DDP) and torch's ZeroRedundancyOptimizer, and the compute-only
 control (``none``), bytes counted beside the formulas and the step time, to
 results/sharding.csv. ``bench_fsdp.py`` runs all six and the control.
 
-    python 07_parallelism/01_zero/run_zero.py --bench      # or this file, with the same flags
+    python 07_parallelism/measure/bench_zero.py --bench
 """
 
 from __future__ import annotations

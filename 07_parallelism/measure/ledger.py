@@ -1,6 +1,5 @@
 """Not a lesson: stage 07's memory and communication ledger, the table of
-``python 07_parallelism/02_fsdp/run_fsdp.py --bench`` (its ZeRO rows: ``run_zero.py --bench``);
-the demos hand those flags to ``bench_fsdp.py`` and ``bench_zero.py``, which run it.
+``python 07_parallelism/measure/bench_fsdp.py --bench`` (its ZeRO rows: ``bench_zero.py``).
 
 Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOptimizer), ZeRO-2
 (Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard);
@@ -32,6 +31,7 @@ from common import import_stage, models
 from bench import results, timing
 
 from bench import supervisor as launch
+from common.launch import carries_point_to_point
 from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
                       optimizer_state_bytes, state_bytes, storage_key)
 
@@ -342,6 +342,10 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>``
     as each case finishes (a run stopped at make bench's cap keeps what it measured), then
     prints them and the targets."""
+    if not carries_point_to_point(ctx.backend, ctx.device.type):  # fully_shard runs on DTensor
+        ctx.print(f"torch_fsdp: left out on {ctx.backend}/{ctx.device.type}, which cannot carry "
+                  "DTensor's coalesced collectives", all_ranks=False)
+        strategies = [strategy for strategy in strategies if strategy[0] != "torch_fsdp"]
     cases = []
     for impl, build in strategies:
         for checkpointing in args.checkpointing:
