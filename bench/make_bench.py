@@ -298,7 +298,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
              ["bench/profile_ddp.py", "--world-size", str(ws), *where,
               *lm, "--trace-dir", trace_dir]),
         step("tp", "07 tensor and sequence parallel, 2 ranks",
-             ["07_parallelism/03_tensor_parallel/run_tensor_parallel.py", "--bench", "--world-size", "2",
+             ["07_parallelism/measure/bench_tensor_parallel.py", "--bench", "--world-size", "2",
               *where, *tp]),
         step("pp", f"07 pipeline schedules, {pp_ws} stages, real and emulated compute",
              ["07_parallelism/measure/bench_pipeline.py", "--world-size",
@@ -306,7 +306,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
               "--warmup", "1", "--iters", "2" if quick or gpus == 1 else "3"]),
         step("ledger", f"07 sharding ledger: DDP, ZeRO-1/2, FSDP, torch's, a compute-only control "
                        f"(LM {ledger_lm[1]})",
-             ["07_parallelism/02_fsdp/run_fsdp.py", "--bench", "--world-size", str(ws), *where,
+             ["07_parallelism/measure/bench_fsdp.py", "--bench", "--world-size", str(ws), *where,
               *ledger_lm, "--checkpointing", "off" if quick else "off,on"]),
     ]
     cp = context_parallel_argv(setup, quick)
@@ -343,26 +343,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
                                       "peak, the LM's forward, backward, optimizer, memory, "
                                       "MFU", compute))
-    kept = []
-    for planned_step in planned:
-        script = planned_step.argv[0]
-        planned_step.argv[0] = MEASURED_BY.get(script, script)
-        if planned_step.share_s > 0:
-            kept.append(planned_step)
-    return kept
-
-
-# A lesson's demo hands its measurement flags over to a script in 07_parallelism/measure/ (the
-# same flags); make bench calls that script itself, the step one exec shorter.
-MEASURED_BY = {
-    "07_parallelism/02_fsdp/run_fsdp.py": "07_parallelism/measure/bench_fsdp.py",
-    "07_parallelism/03_tensor_parallel/run_tensor_parallel.py":
-        "07_parallelism/measure/bench_tensor_parallel.py",
-    "07_parallelism/05_context_parallel/run_context_parallel.py":
-        "07_parallelism/measure/bench_context_parallel.py",
-    "07_parallelism/06_expert_parallel/run_expert_parallel.py":
-        "07_parallelism/measure/bench_expert_parallel.py",
-}
+    return [planned_step for planned_step in planned if planned_step.share_s > 0]
 
 
 def compute_argv(setup: Setup, quick: bool, model: str, batch_per_rank: int,
@@ -403,12 +384,12 @@ def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
         repeats = ["--ring-sizes", "4", "--warmup", "1", "--iters", "2"]
     elif setup.gpus == 0:
         repeats = ["--warmup", "1", "--iters", "3"]
-    return ["07_parallelism/05_context_parallel/run_context_parallel.py", "--bench",
+    return ["07_parallelism/measure/bench_context_parallel.py", "--bench",
             "--world-size", "4", *where, *shape, "--seqs", seqs, *repeats]
 
 
 def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str]:
-    """Lesson 6's ``--bench`` on ``world_size`` ranks, 8 experts: NCCL with a GPU per rank,
+    """Lesson 6's measurement (``measure/bench_expert_parallel.py``) on ``world_size`` ranks, 8 experts: NCCL with a GPU per rank,
     else the ranks share the GPUs over Gloo (it sends CUDA tensors all-to-all), else the CPU."""
     if setup.gpus >= world_size:
         where = ["--backend", "nccl", "--device", "cuda"]
@@ -431,7 +412,7 @@ def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str
         if quick:
             sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384",
                      "--warmup", "2", "--iters", "5"]
-    return ["07_parallelism/06_expert_parallel/run_expert_parallel.py", "--bench",
+    return ["07_parallelism/measure/bench_expert_parallel.py", "--bench",
             "--world-size", str(world_size), *where, "--num-experts", "8", *sizes]
 
 
