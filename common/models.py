@@ -1,6 +1,5 @@
-"""Models and data the lessons share: toy models with the corners a data-parallel wrapper must
-get right (a frozen parameter, a bias that does not train, a weight used twice), and a
-pre-norm GPT-style Transformer LM with size presets."""
+"""Toy models with the corners a data-parallel wrapper must get right (a frozen parameter, a
+bias that does not train, a weight used twice), and a GPT-style Transformer LM with presets."""
 
 import math
 
@@ -39,7 +38,7 @@ class TiedModel(nn.Module):
 
 
 def random_regression_data(n: int, in_features: int = 10, out_features: int = 5, seed: int = 0):
-    """``n`` random (input, target) rows for the toy models, the same for a given seed."""
+    # n random (input, target) rows for the toy models, the same for a given seed
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, in_features, generator=g), torch.randn(n, out_features, generator=g)
 
@@ -63,8 +62,7 @@ def lm_parameter_count(preset: str, context_length: int = CONTEXT_LENGTH) -> int
         return sum(p.numel() for p in TransformerLM(preset, context_length=context_length).parameters())
 
 
-def causal_attention(q, k, v):
-    """softmax(q k^T / sqrt(head_dim) + causal mask) v on [batch, heads, seq, head_dim]."""
+def causal_attention(q, k, v):  # softmax(q k^T / sqrt(d) + causal mask) v, [b, heads, t, d]
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -106,9 +104,8 @@ class Block(nn.Module):
 
 
 class TransformerLM(nn.Module):
-    """Token + position embeddings, pre-norm blocks, final norm, vocabulary head.
-    ``checkpoint_activations``: backward recomputes each block's forward from its input
-    (torch.utils.checkpoint, non-reentrant) instead of keeping its activations."""
+    """Embeddings, pre-norm blocks, final norm, vocabulary head; ``checkpoint_activations``:
+    backward recomputes each block from its input instead of keeping its activations."""
 
     def __init__(self, preset: str = "tiny", vocab_size: int = VOCAB_SIZE,
                  context_length: int = CONTEXT_LENGTH, checkpoint_activations: bool = False,
@@ -145,8 +142,7 @@ def lm_loss(logits, targets):
 
 
 def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH, seed: int = 0,
-                  device="cpu"):
-    """Random (inputs, next-token targets) [batch, context], the same for a given seed."""
+                  device="cpu"):  # random (inputs, next-token targets) [batch, context]
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(VOCAB_SIZE, (batch_size, context_length + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]

@@ -1,10 +1,6 @@
-"""The claim of stages 03-06, checked: data-parallel training equals training on one process.
-
-Ranks that start equal (the broadcast), average their gradients on equal slices (the
-all-reduce: the mean of slice means is the batch mean) and take the same step stay equal to one
-process trained on the whole batch: up to float32 rounding, as the sums run in another order
-(1.2e-7 relative an addition: rtol 1e-5 leaves 10-100x room), and bitwise across ranks.
-"""
+"""The claim of stages 03-06, checked: data-parallel training equals one process trained on
+the whole batch, up to float32 rounding (the sums run in another order: 1.2e-7 relative an
+addition, so rtol 1e-5 leaves 10-100x room), and stays bitwise equal across ranks."""
 
 import torch
 import torch.distributed as dist
@@ -16,17 +12,15 @@ TOLERANCE = (1e-5, 1e-6)  # (rtol, atol): a gradient 0.1% off fails
 
 
 def agree_on_problems(problems: list[str], group=None) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict, so every rank raises or
-    none does (a rank raising alone would leave the others waiting in their next collective)."""
+    """Every rank's problems on every rank: one verdict, so all raise or none waits forever."""
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, problems, group=group)
     return [f"rank {rank}: {p}" for rank, theirs in enumerate(everyone) for p in theirs]
 
 
 def verify_ddp(ctx, wrap, name: str, steps: int = 5) -> bool:
-    """Train ``wrap(model)`` beside a one-process copy on ToyModel + SGD (a frozen parameter, a
-    bias that does not train) and TiedModel + AdamW (a weight used twice); a line each on rank 0
-    (on every rank where a check failed). True when every check passed on every rank."""
+    """``wrap(model)`` beside one process on ToyModel + SGD and TiedModel + AdamW: a line each;
+    True when every check passed on every rank."""
     cases = [("ToyModel + SGD", models.ToyModel, lambda m: torch.optim.SGD(
                  [p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)),
              ("TiedModel + AdamW", models.TiedModel, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))]
