@@ -330,7 +330,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     planned.append(step("muon", "11 Muon: four designs beside AdamW + ZeRO-1, 2 and 4 ranks "
                                 f"({setup.backend}/{setup.device})",
                         ["07_parallelism/measure/bench_muon.py", *where, "--world-sizes",
-                         "2" if gpus == 1 else "2,4"]))
+                         "2,4" if gpus == 0 or gpus >= 4 else "2"]))
     # Last: lesson 9's planner beside the step times measured above (it reads their rows).
     planned.append(step("prediction", "07 planning: the planner's step times beside the ones "
                                       "measured above", ["07_parallelism/measure/check_prediction.py",

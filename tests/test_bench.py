@@ -35,8 +35,8 @@ from bench import results
 from helpers import REPO, alive, session, start_script, wait_for_line
 
 
-def _flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
 
 
 def _step(steps, key):
@@ -44,7 +44,7 @@ def _step(steps, key):
 
 
 KEYS = ["compute", "allreduce", "ddp", "profile", "tp", "pp", "ledger", "cp", "ep2", "ep4", "grid",
-        "checkpoint", "prediction"]
+        "checkpoint", "backends", "muon", "prediction"]
 QUICK_KEYS = ["compute", "allreduce", "ddp", "profile", "tp", "pp", "ledger", "cp", "ep4",
               "checkpoint", "prediction"]
 
@@ -111,7 +111,7 @@ def test_plan_sizes_and_shares_per_box(gpus):
             assert s.share_s > s.min_s > 0
             if gpus:
                 assert s.min_s > make_bench.CUDA_STARTUP_S, s
-            assert _flag(s.argv, "--device") in (("cpu",) if not gpus else ("cuda", "cpu")), s.argv
+            assert s.key == "backends" or _flag(s.argv, "--device") in (("cpu",) if not gpus else ("cuda", "cpu")), s.argv
         on_gpu = [s.key for s in steps if gpus and _flag(s.argv, "--device") == "cuda"]
         if gpus:
             assert {"allreduce", "ddp", "profile", "ledger", "compute"} <= set(on_gpu)
@@ -203,6 +203,8 @@ def test_every_planned_command_passes_its_scripts_own_checks(gpus, monkeypatch):
     for quick in (False, True):
         setup = make_bench.pick_setup(gpus, "Fake GPU")
         for step in make_bench.plan(setup, quick, "small" if gpus else "tiny"):
+            if step.key == "backends":  # its own processes, one per op: no flags
+                continue
             if step.key == "compute":  # one process, no launch: its flags checked alone
                 args = importlib.import_module("bench.compute").parse_args(step.argv[1:])
                 assert args.device == ("cuda" if gpus else "cpu")
