@@ -111,7 +111,7 @@ def datasheet_peak(device: torch.device) -> tuple[str, float] | None:
 
 
 def step_bytes(preset: str, batch_size: int, context_length: int) -> int:
-    """A step's rough peak, as common/step_bench checks it: 20 bytes a parameter plus the
+    """A step's rough peak, as bench/step_bench.py checks it: 20 bytes a parameter plus the
     float32 activations kept for backward."""
     shape = models.PRESETS[preset]
     acts = 4 * batch_size * context_length * (3 * models.VOCAB_SIZE + shape["num_layers"] * (

@@ -26,16 +26,6 @@ def _results_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("RESULTS_DIR", str(tmp_path / "results"))
 
 
-@pytest.fixture(autouse=True)
-def _no_exec_in_pytest(monkeypatch):
-    """A script run in this process (runpy) that hands over to another (common.hand_over: an
-    exec) would replace pytest itself and end the suite without a word: make it an error."""
-    def refuse(path, argv):
-        raise RuntimeError(f"a test ran a hand-over to {argv[1:2]} inside pytest: run the "
-                           "script as a subprocess, or call the measurement's main")
-    monkeypatch.setattr(os, "execv", refuse)
-
-
 END_TO_END_TEST = "test_make_bench_end_to_end_on_tiny_sizes"
 
 

@@ -74,7 +74,7 @@ def grid_of(spec: dict) -> planner.Grid:
 def test_every_rank_of_the_grid_bench_equals_its_formula_exactly():
     """Lesson 7's bench counts each rank's bytes and checks them against its combined formula;
     the planner's per-rank memory and bytes per axis equal that formula exactly, on every rank
-    of every grid ``train.py --bench`` runs (its CPU and GPU sizes) and of a few more grids
+    of every grid ``measure/grid_bench.py --bench`` runs (its CPU and GPU sizes) and of a few more grids
     (interleaved chunks, ZeRO-1 behind a pipeline, four stages)."""
     import grid_bench
     spec = grid_bench.grid_spec
