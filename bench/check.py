@@ -33,6 +33,13 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+from common import usage_error  # noqa: E402  (stdlib only: make check starts at once)
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit status 2, as every script here
+        usage_error(message, prog="make check")
 
 # (stage, script and its flags; --device is added). Quick sizes: the whole list takes about
 # three minutes on a one-GPU box, most of it each script's start-up.
@@ -153,7 +160,7 @@ def on_signal(signum, _frame):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="where every check runs (make check DEVICE=cuda)")
     parser.add_argument("--only", default="",

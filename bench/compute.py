@@ -203,7 +203,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """The flags, checked: a bad one is one line and exit 2, before anything is measured (a
     size that would not fit in memory included)."""
     from bench import supervisor as launch
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from common.launch import Parser
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--models", default="tiny",
                         help="comma-separated LM presets, measured in this order")

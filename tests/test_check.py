@@ -140,3 +140,16 @@ def test_the_report_counts_within_25_percent_both_ways_and_labels_nccl_as_nccl(t
     _write_csv(tmp_path / "allreduce.csv", [{**row, "backend": "gloo"}])
     _, headline, _ = report.allreduce_section(where)
     assert "Gloo's host path" in headline[0][1], headline  # the negative control
+
+
+def test_the_labs_scripts_say_a_bad_flag_in_one_line(capsys):
+    """make check, compute.py and the prediction check printed argparse's two-line usage error
+    where every other script prints one line."""
+    import pytest
+    from bench import compute
+    import check_prediction
+    for parse in (check.main, compute.parse_args, check_prediction.parse_args):
+        with pytest.raises(SystemExit) as e:
+            parse(["--device", "tpu"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "tpu" in err[0], (parse, err)

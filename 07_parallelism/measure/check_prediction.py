@@ -891,7 +891,8 @@ def within_target(ratio: float) -> bool:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from common.launch import Parser
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"],
                         help="whose rows to check (default: gloo)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
