@@ -122,12 +122,12 @@ diff:
 	@prev=$$(ls 0$$(( $(S) - 1 ))_*/*_ddp.py); this=$$(ls $(S)_*/*_ddp.py); \
 	diff -u --label "$$prev" --label "$$this" <($(ALGORITHM) $$prev) <($(ALGORITHM) $$this); true
 
-# keeps the committed bench report (results/README.md, results/bench_*.png); removes the
-# temporary folder of a report whose writing was killed (results/.report-*)
+# keeps the committed bench report and the files behind it (results/README.md, bench_*.png,
+# *.csv, *.json); removes traces, stage pictures and a killed report's folder (results/.report-*)
 clean:
 	rm -rf .pytest_cache traces results/traces results/.report-*
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
-	find results -type f ! -name .gitkeep ! -name README.md ! -name 'bench_*.png' -delete
+	find results -type f ! -name .gitkeep ! -name README.md ! -name 'bench_*.png' ! -name '*.csv' ! -name '*.json' -delete
 
 bench:
 	@$(BENCH_PYTHON) -c "import torch" >/dev/null 2>&1 || $(MAKE) --no-print-directory install
