@@ -397,3 +397,17 @@ def test_check_fits_adds_up_the_ranks_that_share_a_gpu(capsys, monkeypatch):
     assert refused.value.code == 2 and len(err) == 1, err
     assert "the test's sizes needs about 1.2 GiB per GPU but a GPU has 1.0 GiB" in err[0], err
     launch.check_fits(launch.LaunchConfig(2, "gloo", "cpu"), need, "the test's sizes")  # host
+
+
+def test_a_killed_rank_beside_a_refusal_is_named_not_hidden(tmp_path, capsys):
+    """A rank that said its bad input in one line exits 2, and the run exits 2 without another
+    word; but a rank killed beside it is a failure of its own: it is named, and the run exits
+    1. (Counting "any rank exited 2" as "all" hid the kill.)"""
+    missing = [str(tmp_path / f"rank{rank}.err") for rank in range(2)]
+    with pytest.raises(SystemExit) as e:
+        launch._report_failure([2, -signal.SIGKILL], missing, [])
+    assert e.value.code == 1
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        launch._report_failure([2, 2], missing, [])
+    assert e.value.code == 2 and capsys.readouterr().err == ""  # the refusals said it already
