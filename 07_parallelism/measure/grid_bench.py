@@ -3,28 +3,20 @@
     python 07_parallelism/measure/grid_bench.py --bench                   # 4 ranks, CPU sizes
     python 07_parallelism/measure/grid_bench.py --bench --bench-sizes gpu --world-size 8
 
-What it measures, in one launch, into results/grid.csv:
+Into results/grid.csv, in one launch:
 
-1. Our grids (``GRIDS``): one training step as train.py takes it, timed in rounds spread over
-   the launch (the slowest rank's median of the steps pooled over the rounds), and per rank
-   the bytes of parameters, gradients, AdamW state and saved activations, and the bytes sent
-   per step on each axis, COUNTED (``counters.py``) beside ``combined_formula``, which
-   combines the lessons' formulas (its comments give each term). Random tokens.
-2. torch's own composition as the control, on dp x tp (``parallelize_module`` on tp, as
-   torch's tensor-parallel tutorial does, then ``fully_shard``), in pairs that do the same job
-   on the data axis (the ``pair`` column): ``replicated_tp`` (ours replicated, torch's
-   fully_shard on a (dp, 1) mesh), ``fsdp_tp`` (ours with ZeRO-1, torch's fully_shard over
-   dp) and ``hsdp`` (ours: lesson 2's FSDP over dp_shard inside the grid; torch's: fully_shard
-   on a (replicate, shard) mesh). Step times in alternating rounds, and bytes.
-3. The pipeline axis against ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved, and
-   on the V layout ZB-V and DualPipeV): the same blocks and micro-batches on pp = 2 and 4,
-   real compute (gradients compared) and emulated compute (a fixed wait per F, B and W, in
-   both), the unit-time simulation's ideal beside it.
+1. Our grids (``GRIDS``): train.py's step, timed in rounds spread over the launch (the slowest
+   rank's median), and per rank the bytes of parameters, gradients, AdamW state, saved
+   activations and sent per axis, counted (``counters.py``) beside ``combined_formula``.
+2. torch's composition as the control (``parallelize_module`` then ``fully_shard``), in pairs
+   that do the same job on the data axis (the ``pair`` column): ``replicated_tp``,
+   ``fsdp_tp`` (ours ZeRO-1) and ``hsdp``. Step times in alternating rounds, and bytes.
+3. The pipeline axis against ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved, ZB-V,
+   DualPipeV) on pp = 2 and 4, real compute (gradients compared) and emulated (a fixed wait
+   per F, B and W), beside the unit-time simulation's ideal.
 
-Torch's own context parallelism has no row: in torch 2.13 it replaces the CUDA attention
-kernels and has no CPU path; lesson 5 checks our ring attention against one process instead.
-Each rank compares its own counts with its own formula; a row holds the largest rank's count
-and formula, and the worst relative difference of any rank in any column.
+torch's context parallelism has no CPU path in torch 2.13: no row. A row holds the largest
+rank's count and formula, and the worst relative difference of any rank in any column.
 """
 
 from __future__ import annotations
@@ -64,8 +56,7 @@ TARGET_PIPELINE = 1.10       # our executor at most 1.10x torch.distributed.pipe
 
 def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
               micro_batches=1, dp_shard=1) -> dict:
-    """One grid: its degrees, ZeRO-1 or not, the schedule; ``dp_shard`` > 1: HSDP, dp =
-    dp_replicate x dp_shard."""
+    """One grid: its degrees, ZeRO-1 or not, the schedule; dp_shard > 1: HSDP."""
     return {"dp": dp, "pp": pp, "cp": cp, "tp": tp, "fsdp": fsdp, "schedule": schedule,
             "chunks": chunks, "micro_batches": micro_batches, "dp_shard": dp_shard}
 
@@ -94,43 +85,34 @@ GRIDS = {
         grid_spec(dp=4, tp=2, dp_shard=2)],
 }
 
-# Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a box with a GPU per
-# rank. "pipeline": the blocks (of the same LM's width) and micro-batches of part 3; m = 8
-# is one count every schedule takes on pp 2 and 4 (DualPipeV needs m >= 2p).
+# Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a GPU per rank.
+# "pipeline": part 3's blocks and micro-batches (m = 8: DualPipeV needs m >= 2p).
+PIPELINE = {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"],
+            "compute": ["real", "emulated"], "layers": 8, "micro_batches": 8}
 SIZES = {
     "cpu": {"model": "tiny", "batch_size": 16, "seq_len": 64, "warmup": 1, "iters": 4,
             "rounds": 2, "lr": 3e-3,
-            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved",
-                                                         "zbv", "dualpipev"],
-                         "compute": ["real", "emulated"], "layers": 8, "rows": 2,
-                         "seq_len": 64, "micro_batches": 8, "emulate_ms": 10.0}},
+            "pipeline": {**PIPELINE, "rows": 2, "seq_len": 64, "emulate_ms": 10.0}},
     "gpu": {"model": "small", "batch_size": 32, "seq_len": 1024, "warmup": 2, "iters": 5,
             "rounds": 2, "lr": 3e-3,
-            "pipeline": {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved",
-                                                         "zbv", "dualpipev"],
-                         "compute": ["real", "emulated"], "layers": 8, "rows": 4,
-                         "seq_len": 1024, "micro_batches": 8, "emulate_ms": 5.0}},
+            "pipeline": {**PIPELINE, "rows": 4, "seq_len": 1024, "emulate_ms": 5.0}},
 }
 
 
 def grid_label(spec: dict) -> str:
-    """'dp2 tp2', 'pp2 tp2': the axes of degree > 1, outermost last as one says them."""
+    """'dp2 tp2', 'pp2 tp2': the axes of degree > 1."""
     parts = []
-    dp_shard = spec.get("dp_shard", 1)
-    if dp_shard > 1:        # HSDP: the data axis by its two parts
-        parts.append(f"dp_replicate{spec['dp'] // dp_shard} dp_shard{dp_shard}")
     for axis in ("dp", "pp", "cp", "tp"):
-        if axis == "dp" and dp_shard > 1:
-            continue
         if spec[axis] > 1:
             parts.append(f"{axis}{spec[axis]}")
-    if not parts:
-        return "one rank"
-    return " ".join(parts)
+    dp_shard = spec.get("dp_shard", 1)
+    if dp_shard > 1:        # HSDP: the data axis by its two parts
+        parts[0] = f"dp_replicate{spec['dp'] // dp_shard} dp_shard{dp_shard}"
+    return " ".join(parts) or "one rank"
 
 
 def setting_label(spec: dict) -> str:
-    """What else the row depends on: the optimizer, and the schedule when there is a pipeline."""
+    """The optimizer, and the schedule when there is a pipeline."""
     words = ["AdamW"]
     if spec["fsdp"]:
         words = ["ZeRO-1 AdamW"]
@@ -141,13 +123,8 @@ def setting_label(spec: dict) -> str:
     return ", ".join(words)
 
 
-# --------------------------------------------------------------------------- the lessons
-
-
 def load_lessons() -> types.SimpleNamespace:
-    """lesson 7's ``train`` (its model and optimizer) and the files it composes (``grid``,
-    ``parallel_lm``), lesson 3's torch plan (``torch_tp``), and lesson 4's executor and
-    schedules (``pipeline``, ``schedules``)."""
+    """Lesson 7's train, grid and parallel_lm, lesson 3's torch plan, lesson 4's executor."""
     from common import import_stage
     train = import_stage("07_parallelism/07_together/train")
     grid_module, parallel_lm, _ = train.lessons()
@@ -167,9 +144,6 @@ def lm_shape(sizes: dict) -> dict:
             "batch": sizes["batch_size"]}
 
 
-# --------------------------------------------------------------------------- the formula
-
-
 def ring_share(ranks: int) -> float:
     """(n-1)/n: the share of a payload one rank sends in a ring all-gather or reduce-scatter."""
     return (ranks - 1) / ranks
@@ -177,9 +151,8 @@ def ring_share(ranks: int) -> float:
 
 def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
                      dp_cp_rank: int = 0) -> dict:
-    """The bytes of the module docstring for the rank at pipeline position ``pp_rank`` (and,
-    for ZeRO-1, position ``dp_cp_rank`` in its data-and-context group):
-    {"param", "grad", "optim", "activation", "sent_tp", ..., "sent_other"}."""
+    """The bytes per rank at pipeline position pp_rank (ZeRO-1: dp_cp_rank in its
+    group): {"param", "grad", "optim", "activation", "sent_tp", ..., "sent_other"}."""
     h = shape["h"]
     f = shape["f"]
     heads = shape["heads"]
@@ -211,8 +184,14 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
         replicated += 2 * h + vocab * h                    # final LayerNorm, vocabulary head
         tensors += 3
     params = replicated + split
+    summed_over_tp = replicated
+    hsdp = spec.get("dp_shard", 1) > 1
+    if hsdp:                                  # HSDP: what a rank holds, the data axis's bytes
+        hsdp = hsdp_formula(shape, spec, first, last)
+        params = hsdp["params"]
+        summed_over_tp = hsdp["tp_replicated"]
     optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
-    if spec["fsdp"]:                                       # ZeRO-1 over the dp x cp ranks
+    if spec["fsdp"] and not hsdp:                          # ZeRO-1 over the dp x cp ranks
         optimizer_state = zero1_dealt_state(shape, spec, pp_rank, dp_cp_rank)
 
     # What one micro-batch saves for backward on this rank.
@@ -236,7 +215,7 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     sent = {axis: 0.0 for axis in AXES}
     gathered = FLOAT * rows * context * h                  # one [b, S, h] tensor
     sent["tp"] = m * blocks * 8 * ring_share(t) * gathered
-    sent["tp"] += 2 * ring_share(t) * FLOAT * replicated
+    sent["tp"] += 2 * ring_share(t) * FLOAT * summed_over_tp
     if c > 1:
         kv_block = FLOAT * rows * context * h / t          # this rank's heads of K (or V)
         sent["cp"] = m * blocks * (4 * (c - 1) + 2 * c) * kv_block
@@ -252,36 +231,25 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     if spec["fsdp"]:
         sent["dp_cp"] += ring_share(data_and_context) * FLOAT * params
     sent["world"] = 2 * ring_share(world_size) * 8
-    if spec.get("dp_shard", 1) > 1:          # HSDP: the data axis's bytes, and what a rank holds
-        hsdp = hsdp_formula(shape, spec, first, last)
-        params = hsdp["params"]
-        optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
-        sent["tp"] = m * blocks * 8 * ring_share(t) * gathered
-        sent["tp"] += 2 * ring_share(t) * FLOAT * hsdp["tp_replicated"]
+    if hsdp:
         sent["dp_cp"] = 0.0
         sent["dp_shard"] = hsdp["sent_dp_shard"]
         sent["dp_replicate"] = hsdp["sent_dp_replicate"]
 
     formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
                "activation": activation}
-    for axis in AXES:
-        formula[f"sent_{axis}"] = sent[axis]
+    formula.update({f"sent_{axis}": sent[axis] for axis in AXES})
     return formula
 
 
 def fsdp_block(rows: int, columns: int, ranks: int) -> int:
-    """Values of one rank's FSDP block of a [rows, columns] weight: k = ceil(rows / ranks) rows,
-    the last rank's padded with zeros (lesson 2's layout)."""
+    """Values of one rank's FSDP block of a [rows, columns] weight (ceil(rows / ranks) rows)."""
     return -(-rows // ranks) * columns
 
 
 def hsdp_formula(shape: dict, spec: dict, first: bool, last: bool) -> dict:
-    """HSDP on one pipeline rank (pp = 1 here: both ends), s = dp_shard, r = dp_replicate:
-    what the module docstring's HSDP lines say, per rank. The units FSDP gathers: the
-    embeddings (token [V, h], position [s, h]), each block (q, k, v [3h/t, h], out [h, h/t],
-    fc1 [f/t, h], fc2 [h, f/t]: tensor parallelism's pieces), the head ([V, h]); a unit's
-    values U = its weights' blocks, padded. The 1-D parameters stay whole (5h + f/t a
-    block, 2h for the final LayerNorm)."""
+    """HSDP on one pipeline rank (pp = 1), s = dp_shard, r = dp_replicate. FSDP's units: the
+    embeddings, each block's tp pieces, the head, padded; the 1-D parameters stay whole."""
     h = shape["h"]
     f = shape["f"]
     t = spec["tp"]
@@ -317,36 +285,26 @@ def hsdp_formula(shape: dict, spec: dict, first: bool, last: bool) -> dict:
             "sent_dp_shard": sent_shard, "sent_dp_replicate": sent_replicate}
 
 
-def piece_sizes(shape: dict, spec: dict, pp_rank: int) -> list[int]:
-    """The values of each parameter tensor this pipeline rank holds, in the order the optimizer
-    gets them (parallel_lm's chunks: embeddings, then each block's norm1 weight and bias, qkv,
-    out, norm2 weight and bias, fc1 weight and bias, fc2 weight and bias, then the head)."""
+def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) -> int:
+    """ZeRO-1's AdamW state on one rank, by lesson 1's rule: whole tensors dealt largest
+    first, each to the rank holding the fewest bytes so far (ties: the lowest rank)."""
     h = shape["h"]
     f = shape["f"]
     t = spec["tp"]
     p = spec["pp"]
     chunks = spec["chunks"]
-    blocks_per_chunk = shape["layers"] // (p * chunks)
-    sizes = []
+    sizes = []             # each tensor's values, in the optimizer's order (parallel_lm's chunks)
     for chunk in range(chunks):
         virtual_stage = chunk * p + pp_rank
         if virtual_stage == 0:
             sizes += [shape["vocab"] * h, shape["seq"] * h]
-        for _ in range(blocks_per_chunk):
+        for _ in range(shape["layers"] // (p * chunks)):
             sizes += [h, h, 3 * h * h // t, h * h // t, h, h, f * h // t, f // t, h * f // t, h]
         if virtual_stage == p * chunks - 1:
             sizes += [h, h, shape["vocab"] * h]
-    return sizes
-
-
-def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) -> int:
-    """ZeRO-1's AdamW state on one rank, by lesson 1's rule: whole tensors dealt largest first,
-    each to the rank of the data-and-context group holding the fewest bytes so far (ties: the
-    lowest rank); a rank keeps two float32 moments and a step count per tensor it owns."""
     group_size = spec["dp"] * spec["cp"]
     loads = [0] * group_size
     owned = [0] * group_size       # the AdamW state bytes each rank ends with
-    sizes = piece_sizes(shape, spec, pp_rank)
     order = sorted(range(len(sizes)), key=lambda index: -sizes[index])   # stable: ties in order
     for index in order:
         owner = loads.index(min(loads))
@@ -356,9 +314,8 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
 
 
 def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
-    """ZeRO-1 deals whole tensors: a rank may hold up to one tensor's state above the mean. That
-    tensor's AdamW state (its largest here), as a share of the mean: the bound on the
-    difference between the count and the formula's 1/(d c)."""
+    """The largest tensor's AdamW state as a share of the mean: how far ZeRO-1's deal of whole
+    tensors may put a rank above the formula's 1/(d c)."""
     h = shape["h"]
     f = shape["f"]
     t = spec["tp"]
@@ -373,20 +330,16 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
 
 
 def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
-    """torch's composition, per rank: parameters, gradients, AdamW state. Its plan splits the
-    embeddings (rows) and the head (vocabulary) over tp too; ``sharded`` (fully_shard) cuts
-    every tensor's first dimension over dp, replicate keeps it whole on every data rank:
-    P = ((V + s) h / t + L (5h + (4h^2 + 2hf + f) / t) + 2h + V h / t) / d (d = 1 replicated).
-    q, k and v are three Linears there: 12 tensors a block."""
+    """torch's composition per rank: parameters, gradients, AdamW state (its plan splits the
+    embeddings and head over tp too; ``sharded``: fully_shard over dp; 12 tensors a block)."""
     h = shape["h"]
     f = shape["f"]
     layers = shape["layers"]
     vocab = shape["vocab"]
     seq = shape["seq"]
-    over_tp = (vocab + seq) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
-    over_tp += vocab * h // tp
-    whole_over_tp = layers * 5 * h + 2 * h
-    params = over_tp + whole_over_tp
+    params = (vocab + seq) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
+    params += vocab * h // tp
+    params += layers * 5 * h + 2 * h                      # whole on every tp rank
     if sharded:
         params = params // dp
     tensors = 2 + layers * 12 + 3
@@ -395,12 +348,9 @@ def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
 
 
 def relative_difference(counted: float, formula: float) -> float:
-    """|counted - formula| / formula; where the formula says 0, anything counted is infinitely
-    off."""
+    """|counted - formula| / formula; anything counted where the formula says 0: inf."""
     if formula == 0:
-        if counted == 0:
-            return 0.0
-        return math.inf
+        return 0.0 if counted == 0 else math.inf
     return abs(counted - formula) / formula
 
 
@@ -414,9 +364,6 @@ def worst_difference(counted: dict, formula: dict) -> tuple[float, str]:
             worst = difference
             worst_kind = kind
     return worst, worst_kind
-
-
-# --------------------------------------------------------------------------- our grids
 
 
 def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -434,26 +381,13 @@ def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
                               fsdp=spec["fsdp"])
 
 
-def grid_axes(grid) -> dict:
-    """The grid's groups by axis name, for the counter: the group of a call names its axis."""
-    axes = {}
-    for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard", "dp_replicate"):
-        axes[axis] = grid.group(axis)
-    return axes
-
-
 def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, targets, device) -> int:
-    """Bytes autograd saves while one micro-batch goes forward through this rank's chunks (and
-    the loss, on the last stage), counted with saved-tensor hooks. The chunks run one after the
-    other here, not in the pipeline: a chunk that does not start the model gets a random
-    activation of the right shape in place of the one it would receive (the ranks of one
-    stage, which share the tp and cp collectives, run the same chunks together)."""
+    """Bytes autograd saves for one micro-batch through this rank's chunks (and the loss),
+    the chunks run one after another; a chunk after the first gets a random input."""
     rows = sizes["batch_size"] // (spec["dp"] * spec["micro_batches"])
     # copies with storage of their own: a saved slice of a bigger tensor keeps all of it
-    my_inputs = parallel_lm.local_tokens(inputs, grid)[:rows].to(device)
-    my_inputs = my_inputs.clone(memory_format=torch.contiguous_format)   # [b, S/t] token ids
-    my_targets = parallel_lm.local_tokens(targets, grid)[:rows].to(device)
-    my_targets = my_targets.clone(memory_format=torch.contiguous_format)
+    my_inputs = parallel_lm.local_tokens(inputs, grid)[:rows].to(device).clone()   # [b, S/t]
+    my_targets = parallel_lm.local_tokens(targets, grid)[:rows].to(device).clone()
     d_model = chunks[0].blocks[0].norm1.normalized_shape[0]
     loss_fn = parallel_lm.scaled_loss_fn(grid)
     total = 0
@@ -470,21 +404,6 @@ def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, target
                 loss_fn(y, my_targets)
         total += saved.bytes
     return total
-
-
-def count_step(step, axes: dict) -> tuple[dict, dict]:
-    """Run ``step()`` once under the collective counter: (the step's result, sent by axis)."""
-    with CommCounter(axes=axes) as comm:
-        result = step()
-    sent = {}
-    by_axis = comm.by_axis
-    for axis in AXES:
-        sent[f"sent_{axis}"] = 0.0
-        if axis in by_axis:
-            sent[f"sent_{axis}"] = by_axis[axis]["sent_bytes"]
-    if "dp" in by_axis:          # the formula sends nothing on dp alone: it goes under "other"
-        sent["sent_other"] += by_axis["dp"]["sent_bytes"]
-    return result, sent
 
 
 def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
@@ -505,24 +424,30 @@ def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
 
 
 def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
-    """The first step of a fresh model, counted: this rank's bytes beside its formula. Under
-    HSDP the second: FSDP's first forward records the order of its units, and frees the last
-    one too; the formula is of the steps after it (the loss reported: the first step's)."""
-    parallel_lm = lessons.parallel_lm
+    """This rank's bytes in one step, beside its formula (under HSDP the second step: FSDP's
+    first records its units' order; the loss reported is the first step's)."""
     grid = built["grid"]
     first_loss = None
     if spec.get("dp_shard", 1) > 1:
         first_loss = built["step"]()["loss"]
-    result, sent = count_step(built["step"], grid_axes(grid))
+    # the group of a collective names its axis
+    axes = {axis: grid.group(axis) for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard",
+                                                "dp_replicate")}
+    with CommCounter(axes=axes) as comm:
+        result = built["step"]()
     if first_loss is None:
         first_loss = result["loss"]
     counted = {"param": state_bytes(built["params"]),
                "grad": state_bytes(p.grad for p in built["params"]),
                "optim": optimizer_state_bytes(built["optimizer"]),
-               "activation": saved_one_micro_batch(built["chunks"], grid, parallel_lm, spec,
-                                                   sizes, built["inputs"], built["targets"],
-                                                   ctx.device)}
-    counted.update(sent)
+               "activation": saved_one_micro_batch(built["chunks"], grid, lessons.parallel_lm,
+                                                   spec, sizes, built["inputs"],
+                                                   built["targets"], ctx.device)}
+    sent = {axis: entry["sent_bytes"] for axis, entry in comm.by_axis.items()}
+    for axis in AXES:
+        counted[f"sent_{axis}"] = sent.get(axis, 0.0)
+    if "dp" in sent:             # the formula sends nothing on dp alone: it goes under "other"
+        counted["sent_other"] += sent["dp"]
     formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size,
                                grid.rank("dp_cp"))
     worst, worst_kind = worst_difference(counted, formula)
@@ -567,8 +492,7 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
 
 
 def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
-    """One of our grids: (its CSV row, every rank's counts and formulas, what ``time_again``
-    needs to time it in another round)."""
+    """One of our grids: its CSV row, every rank's counts, what a later round needs."""
     from bench import timing
     built = build_grid(ctx, spec, sizes, lessons)
     mine = count_grid(ctx, spec, sizes, built, lessons)
@@ -591,41 +515,18 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict],
     return row, per_rank, timed
 
 
-TIMING_COLUMNS = ("step_ms", "step_ms_min", "step_ms_max", "tokens_per_s", "steps_timed")
-
-
-def time_again(ctx, sizes: dict, timed: dict) -> None:
-    """Another round of ``iters`` steps of a grid timed earlier in the launch, pooled with its
-    earlier ones into its row. On a box whose ranks share cores a grid's time moves with where
-    its processes land, which changes within seconds: rounds spread over the launch put every
-    grid through the same spells."""
-    from bench import timing
-    timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0, iters=sizes["iters"],
-                                       barrier=True)
-    spec = timed["spec"]
-    pooled = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec),
-                       timed["seconds"], spec["micro_batches"])
-    for column in TIMING_COLUMNS:
-        timed["row"][column] = pooled[column]
-
-
 def reference_loss(sizes: dict, lessons) -> float:
     """The first step's loss on one process: every implementation must report it."""
     from common import models
-    train = lessons.train
     inputs, targets = random_batch(sizes)
-    full_lm = train.build_full_lm(train_args(sizes, grid_spec()))
+    full_lm = lessons.train.build_full_lm(train_args(sizes, grid_spec()))
     with torch.no_grad():
         return models.lm_loss(full_lm(inputs), targets).item()
 
 
-# --------------------------------------------------------------------------- torch's composition
-
-
 class TorchLM(nn.Module):
-    """The LM in the shape torch's tensor parallel plans expect: q, k and v as three
-    Linears (lesson 3's SplitQKVBlock: ColwiseParallel cuts one Linear's outputs contiguously,
-    and the fused projection would be cut across q, k and v). The same weights."""
+    """The LM with q, k and v as three Linears, as torch's tensor-parallel plans expect; the same
+    weights."""
 
     def __init__(self, full_lm: nn.Module, split_block):
         super().__init__()
@@ -644,35 +545,25 @@ class TorchLM(nn.Module):
         return self.lm_head(self.norm(x))        # [batch, seq, vocab], whole on every tp rank
 
 
-def torch_model_plan() -> dict:
-    """torch's tensor-parallel plan for the model around the blocks (its tutorial's, for our
-    module names; lesson 3's ``block_plan`` does the blocks): the embeddings row-wise over the
-    vocabulary / positions with sequence-sharded output; the final LayerNorm sequence
-    parallel; the head column-wise, its logits gathered whole."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-    return {
-        "token_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "position_embedding": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
-
-
 def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
-    """The LM with torch's own parts: parallelize_module over ``tp_mesh`` (if any), then
-    fully_shard over ``data_mesh``, each block a unit and the root; AdamW as ours. A (dp, 1)
-    data mesh is torch's replicated data axis: FSDP2's hybrid sharding with shards of one
-    rank (torch's composable ``replicate`` after parallelize_module trained nothing here: its
-    parameters are swapped for local copies at the first forward, after the optimizer took
-    them). Each rank takes the rows of its place on the data mesh, as our grid's ranks do."""
+    """The LM with torch's parts: parallelize_module over ``tp_mesh``, then fully_shard over
+    ``data_mesh``, each block a unit and the root; AdamW as ours; each rank its data rows. A
+    (dp, 1) data mesh is torch's replicated data axis (its composable ``replicate`` after
+    parallelize_module trained nothing: it swaps the parameters after the optimizer took them)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
     args = train_args(sizes, grid_spec())
     lm = TorchLM(lessons.train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock)
     lm = lm.to(ctx.device)
-    if tp_mesh is not None:
-        parallelize_module(lm, tp_mesh, torch_model_plan())
+    if tp_mesh is not None:     # torch's tutorial's plan around the blocks, for our names
+        sequence_out = {"input_layouts": Replicate(), "output_layouts": Shard(1)}
+        plan = {"token_embedding": RowwiseParallel(**sequence_out),
+                "position_embedding": RowwiseParallel(**sequence_out),
+                "norm": SequenceParallel(),
+                "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+        parallelize_module(lm, tp_mesh, plan)
     for block in lm.blocks:
         if tp_mesh is not None:                  # a plan's objects serve one module
             parallelize_module(block, tp_mesh, lessons.torch_tp.block_plan())
@@ -703,11 +594,8 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
 
 
 def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
-    """torch's composition: a step counted as ours is (the ``second``: FSDP2's HSDP sets its
-    buffers up in the first; DTensor's collectives counted at dispatch, fully_shard's as
-    torch.distributed calls), the first step's loss (the mean over every rank), and one
-    forward's saved activations (fully_shard gathers the weights into new storage: those are
-    left out)."""
+    """torch's composition counted as ours (``second``: the second step, as HSDP needs), the
+    first loss (mean over ranks), one forward's saved activations less the gathered weights."""
     lm = built["lm"]
     first = None
     if second:
@@ -725,10 +613,8 @@ def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
     for counter in (comm, functional):
         for axis, entry in counter.by_axis.items():
             counted[f"sent_{axis}"] += entry["sent_bytes"]
-
-    def weights_now():
-        return set(storage_key(p) for p in lm.parameters())
-
+    def weights_now():          # fully_shard gathers the weights into new storage
+        return {storage_key(p) for p in lm.parameters()}
     with SavedActivations(lm, exclude_now=weights_now) as saved:
         built["forward_loss"]()
     counted["activation"] = saved.bytes
@@ -736,11 +622,8 @@ def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
 
 
 def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Ours and torch's in three pairs, each pair timed in alternating rounds (background load
-    hits both alike): ``replicated_tp`` and ``fsdp_tp`` on dp x tp (ZeRO-1 beside fully_shard,
-    which also shards the parameters and gradients: the nearest control, not the same
-    memory), ``hsdp`` on 2 copies of W/2 shards. Two rows a pair, ours first, each with its
-    bytes: ours beside our formula, torch's beside the formula of torch's layout."""
+    """Ours and torch's in three pairs (replicated_tp, fsdp_tp, hsdp), each timed in
+    alternating rounds: two rows a pair, ours first, each beside its formula."""
     from torch.distributed.device_mesh import init_device_mesh
     tp = 2
     dp = ctx.world_size // tp
@@ -748,13 +631,12 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
     shape = lm_shape(sizes)
     rows = []
     with warnings.catch_warnings():
-        # fully_shard warns that the root returns a view (the logits DTensor's local part);
-        # nothing here changes the logits in place, which is what the warning is about
+        # fully_shard warns that the root returns a view; nothing here changes it in place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         # one (dp, 1, tp) mesh for both tp pairs: a second mesh of the same ranks would reuse
         # the first one's groups under other names, and the counter matches by name
-        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard",
-                                                                               "tp"))
+        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp),
+                                mesh_dim_names=("dp", "dp_shard", "tp"))
         hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard),
                                      mesh_dim_names=("replicate", "shard"))
         tp_axes = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
@@ -797,8 +679,7 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
 
 
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
-    """Each step warmed up, then ``rounds`` rounds of ``iters`` timed calls of each in turn;
-    the times pooled per step."""
+    """Each step warmed up, then ``rounds`` rounds of ``iters`` calls of each in turn, pooled."""
     from bench import timing
     seconds = {}
     for name, step in steps.items():
@@ -811,13 +692,8 @@ def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]
     return seconds
 
 
-# --------------------------------------------------------------------------- the pipeline axis
-
-
 class EmulatedStage(nn.Module):
-    """A stage with emulated compute, for torch's executor and ours alike: one wait forward,
-    one backward (the pipeline bench's ``Wait``; a scale parameter gives backward something
-    to do)."""
+    """A stage that waits forward and backward (the pipeline bench's ``Wait``)."""
 
     def __init__(self, seconds: float):
         super().__init__()
@@ -830,33 +706,9 @@ class EmulatedStage(nn.Module):
         return self.wait(x * self.scale, self.seconds)
 
 
-def torch_schedule(name: str, stages: list, micro_batches: int):
-    """torch's schedule ``name`` over this rank's ``PipelineStage``s (two on the V: the
-    pipeline bench's ``torch_schedule_class`` names its class)."""
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-    import bench_pipeline
-    if name == "gpipe":
-        return ScheduleGPipe(stages[0], micro_batches, loss_fn=F.mse_loss)
-    if name == "1f1b":
-        return Schedule1F1B(stages[0], micro_batches, loss_fn=F.mse_loss)
-    if name in bench_pipeline.TORCH_SCHEDULES:
-        schedule_class = bench_pipeline.torch_schedule_class(name)
-        return schedule_class(stages, micro_batches, loss_fn=F.mse_loss)
-    return ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=F.mse_loss)
-
-
-def has_torch_schedule(name: str) -> bool:
-    """Whether this torch has a class for schedule ``name`` (the V ones are recent)."""
-    import bench_pipeline
-    if name not in bench_pipeline.TORCH_SCHEDULES:
-        return True
-    return bench_pipeline.torch_schedule_class(name) is not None
-
-
 def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Module:
-    """``module`` with every ``nn.Linear`` swapped, in place, for lesson 4's ``DeferredLinear``
-    holding the same weights: under a schedule with W steps (ZB-V, DualPipeV) our executor
-    then moves the weight-gradient work to W, as torch's moves it in its autograd graph."""
+    """``module`` with every nn.Linear swapped, in place, for lesson 4's DeferredLinear
+    (same weights): our executor then does weight gradients in W steps."""
     for name, child in module.named_children():
         if type(child) is nn.Linear:
             deferred = pipeline_parallel.DeferredLinear(
@@ -870,10 +722,11 @@ def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Modul
 
 
 def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, lessons) -> dict:
-    """Our executor and torch's on the same blocks (the LM's, ``layers`` of them, the same
-    weights) and micro-batches, on this rank's pipeline group: a step of each."""
+    """Our executor and torch's on the same blocks and micro-batches, on this rank's
+    pipeline group: a step of each."""
     from common import models
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B)
     import bench_pipeline
     pipeline_parallel = lessons.pipeline
     pipeline_schedules = lessons.schedules
@@ -889,14 +742,13 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
     # W steps (ZB-V, DualPipeV): weight gradients after B
     splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
-    rows = setting["rows"]
     torch.manual_seed(0)
     blocks = []
     for _ in range(setting["layers"]):
         blocks.append(models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device))
     generator = torch.Generator().manual_seed(1)
-    activation_shape = (rows, setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
-    shape_all = (micro_batches * rows,) + activation_shape[1:]
+    activation_shape = (setting["rows"], setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
+    shape_all = (micro_batches * setting["rows"],) + activation_shape[1:]
     inputs = torch.randn(shape_all, generator=generator).to(ctx.device)
     targets = torch.randn(shape_all, generator=generator).to(ctx.device)
     emulate_s = setting["emulate_ms"] / 1e3 if compute == "emulated" else 0.0
@@ -919,7 +771,14 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         virtual_stage = pipeline_schedules.stage_of(pp_rank, chunk, stages, layout)
         torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
                                           ctx.device, group=group))
-    theirs = torch_schedule(schedule_name, torch_stages, micro_batches)
+    if schedule_name in ("gpipe", "1f1b"):          # one stage a rank
+        single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
+        theirs = single(torch_stages[0], micro_batches, loss_fn=F.mse_loss)
+    else:
+        schedule_class = ScheduleInterleaved1F1B
+        if schedule_name in bench_pipeline.TORCH_SCHEDULES:           # the V ones
+            schedule_class = bench_pipeline.torch_schedule_class(schedule_name)
+        theirs = schedule_class(torch_stages, micro_batches, loss_fn=F.mse_loss)
     micro_inputs = list(inputs.chunk(micro_batches)) if pp_rank == 0 else None
     # the loss on p-1, or 0 on the V
     micro_targets = list(targets.chunk(micro_batches)) if pp_rank == loss_rank else None
@@ -934,14 +793,9 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     def torch_step():
         for stage in torch_stages:
             stage.submod.zero_grad(set_to_none=True)
-        if pp_rank == 0 and pp_rank == loss_rank:        # the V: both ends on rank 0
-            theirs.step(inputs, target=targets, losses=[])
-        elif pp_rank == 0:
-            theirs.step(inputs)
-        elif pp_rank == loss_rank:
-            theirs.step(target=targets, losses=[])
-        else:
-            theirs.step()
+        first = [inputs] if pp_rank == 0 else []                 # the V: both on rank 0
+        loss = {"target": targets, "losses": []} if pp_rank == loss_rank else {}
+        theirs.step(*first, **loss)
 
     ideal_s = 0.0
     if emulate_s > 0:
@@ -949,7 +803,7 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
         makespan = max(end for row in timed for _, end, _ in row)   # in steps of one unit
         ideal_s = makespan * emulate_s
     return {"ours": ours_step, "torch": torch_step, "our_chunks": our_chunks,
-            "torch_stages": torch_stages, "ideal_s": ideal_s, "chunks_per_rank": chunks_per_rank}
+            "torch_stages": torch_stages, "ideal_s": ideal_s}
 
 
 def gradient_difference(built: dict) -> float:
@@ -962,78 +816,58 @@ def gradient_difference(built: dict) -> float:
 
 
 def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
-    """Every (stages, schedule, compute) of ``sizes["pipeline"]``: two rows, ours and torch's."""
+    """Every (stages, schedule, compute) of ``sizes["pipeline"]``: two rows, ours and torch's,
+    with the blocks' sizes in place of the LM's batch."""
+    import bench_pipeline
     setting = sizes["pipeline"]
     rows = []
     for stages in setting["stages"]:
         if ctx.world_size % stages != 0:
             continue
         grid = lessons.grid.ProcessGrid(dp=ctx.world_size // stages, pp=stages)
-        rows += compare_schedules(ctx, sizes, lessons, grid)
+        label = f"pp{stages}"
+        if ctx.world_size > stages:
+            label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
+        for schedule_name in setting["schedules"]:
+            if (schedule_name in bench_pipeline.TORCH_SCHEDULES
+                    and bench_pipeline.torch_schedule_class(schedule_name) is None):
+                ctx.print(f"  torch {torch.__version__} has no class for {schedule_name}: no "
+                          "pipeline row for it", all_ranks=False)
+                continue
+            for compute in setting["compute"]:
+                built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
+                seconds = measure_alternating(ctx, {"ours": built["ours"],
+                                                    "torch": built["torch"]}, sizes)
+                difference = float("nan")
+                if compute == "real":
+                    worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
+                                         device=ctx.device)      # NCCL reduces GPU tensors
+                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+                    difference = worst.item()
+                compute_words = compute
+                if compute == "emulated":
+                    compute_words = f"emulated {setting['emulate_ms']:g} ms"
+                for impl, name in (("ours", "our executor"),
+                                   ("torch", "torch.distributed.pipelining")):
+                    row = timed_row(ctx, sizes, impl, label, f"{schedule_name}, {compute_words}",
+                                    seconds[impl], setting["micro_batches"])
+                    row["batch_size"] = setting["rows"] * setting["micro_batches"]
+                    row["seq_len"] = setting["seq_len"]
+                    row["model"] = f"{setting['layers']} {sizes['model']} blocks"
+                    tokens = row["batch_size"] * row["seq_len"]
+                    row["tokens_per_s"] = tokens / (row["step_ms"] / 1e3)
+                    row.update(schedule=schedule_name, compute=compute, stages=stages,
+                               implementation=name, ideal_ms=built["ideal_s"] * 1e3,
+                               gradient_max_difference=difference)
+                    rows.append(row)
         grid.destroy()
     return rows
 
 
-def compare_schedules(ctx, sizes: dict, lessons, grid) -> list[dict]:
-    """Every (schedule, compute) of ``sizes["pipeline"]`` on ``grid``'s pipelines."""
-    setting = sizes["pipeline"]
-    stages = grid.size("pp")
-    rows = []
-    for schedule_name in setting["schedules"]:
-        if not has_torch_schedule(schedule_name):
-            ctx.print(f"  torch {torch.__version__} has no class for {schedule_name}: no "
-                      "pipeline row for it", all_ranks=False)
-            continue
-        for compute in setting["compute"]:
-            built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
-            seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]},
-                                          sizes)
-            difference = float("nan")
-            if compute == "real":
-                worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
-                                     device=ctx.device)      # NCCL reduces GPU tensors
-                dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                difference = worst.item()
-            label = f"pp{stages}"
-            if ctx.world_size > stages:
-                label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
-            compute_words = compute
-            if compute == "emulated":
-                compute_words = f"emulated {setting['emulate_ms']:g} ms"
-            for impl, name in (("ours", "our executor"),
-                               ("torch", "torch.distributed.pipelining")):
-                row = pipeline_row(ctx, sizes, impl, label,
-                                   f"{schedule_name}, {compute_words}", seconds[impl])
-                row["schedule"] = schedule_name
-                row["compute"] = compute
-                row["stages"] = stages
-                row["implementation"] = name
-                row["ideal_ms"] = built["ideal_s"] * 1e3
-                row["gradient_max_difference"] = difference
-                rows.append(row)
-    return rows
-
-
-def pipeline_row(ctx, sizes: dict, impl: str, grid: str, setting: str,
-                 seconds: list[float]) -> dict:
-    """A pipeline row: the blocks' sizes instead of the LM's batch."""
-    pipeline = sizes["pipeline"]
-    row = timed_row(ctx, sizes, impl, grid, setting, seconds, pipeline["micro_batches"])
-    row["batch_size"] = pipeline["rows"] * pipeline["micro_batches"]
-    row["seq_len"] = pipeline["seq_len"]
-    row["model"] = f"{pipeline['layers']} {sizes['model']} blocks"
-    row["tokens_per_s"] = row["batch_size"] * row["seq_len"] / (row["step_ms"] / 1e3)
-    return row
-
-
-# --------------------------------------------------------------------------- the run
-
-
 def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = None) -> None:
-    """Every rank: our grids, torch's composition beside ours, the pipelines; rank 0 writes
-    results/grid.csv and prints the tables and the targets (and, for the tests, everything as
-    JSON at ``out_path``)."""
-    from bench import results
+    """Every rank: our grids, torch's composition, the pipelines; rank 0 writes results/grid.csv,
+    prints the report, and dumps everything as JSON to ``out_path`` for the tests."""
+    from bench import results, timing
     lessons = load_lessons()
     grid_rows = []
     details = []
@@ -1048,9 +882,18 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                   all_ranks=False)
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
-    for _ in range(1, sizes["rounds"]):   # more rounds, every grid in turn, pooled
+    # more rounds, every grid in turn, pooled into its row: on a box whose ranks share cores
+    # a grid's time moves within seconds, and rounds put every grid through the same spells
+    for _ in range(1, sizes["rounds"]):
         for timed in timed_grids:
-            time_again(ctx, sizes, timed)
+            timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0,
+                                               iters=sizes["iters"], barrier=True)
+            spec = timed["spec"]
+            pooled = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec),
+                               timed["seconds"], spec["micro_batches"])
+            for column in ("step_ms", "step_ms_min", "step_ms_max", "tokens_per_s",
+                           "steps_timed"):
+                timed["row"][column] = pooled[column]
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
     from common.launch import carries_point_to_point
@@ -1079,14 +922,14 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
 
 
 def percent(share: float) -> str:
-    """0.0806 -> '8.06%'; a small one keeps its digits: '0.0211%'; none at all: '0'."""
+    """0.0806 -> '8.06%'; 0.000211 -> '0.0211%'; 0 -> '0'."""
     if share == 0:
         return "0"
     return f"{100 * share:.3g}%"
 
 
 def counted_and_formula(row: dict, kind: str, unit: int) -> str:
-    """'counted (formula)', in ``unit``s; just the count where there is no formula."""
+    """'counted (formula)' in ``unit``s; just the count where there is no formula."""
     text = f"{row[f'{kind}_bytes'] / unit:.1f}"
     if f"{kind}_bytes_formula" in row:
         text += f" ({row[f'{kind}_bytes_formula'] / unit:.1f})"
@@ -1095,7 +938,7 @@ def counted_and_formula(row: dict, kind: str, unit: int) -> str:
 
 def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
            pipeline_rows: list[dict], reference: float) -> None:
-    """Rank 0: the tables, then the targets measured beside the targets."""
+    """Rank 0: the tables, then the targets beside what this run measured."""
     from bench import results
     machine = results.machine_name()
     unit, unit_name = 1024, "KiB"
@@ -1103,19 +946,17 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
         unit, unit_name = 2**20, "MiB"
     shape = lm_shape(sizes)
     print(f"\nThe {sizes['model']} LM (h {shape['h']}, f {shape['f']}, {shape['heads']} heads, "
-          f"{shape['layers']} blocks, vocabulary {VOCAB}), global batch {sizes['batch_size']} x "
-          f"{sizes['seq_len']} tokens, on {ctx.world_size} ranks ({ctx.backend}/"
-          f"{ctx.device.type}; {machine}). Step: the slowest rank's median of "
-          f"{sizes['iters']} after {sizes['warmup']} warm-up.", flush=True)
+          f"{shape['layers']} blocks, vocabulary {VOCAB}), batch {sizes['batch_size']} x "
+          f"{sizes['seq_len']}, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}; "
+          f"{machine}). Step: the slowest rank's median of {sizes['iters']} a round.", flush=True)
     ours = []
     for row in our_rows:
         line = {"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"]}
         for kind in ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp", "sent_dp_cp"):
             line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
         ours.append({**line, "worst difference": percent(row["worst_difference"])})
-    results.print_table(ours, floatfmt=".0f", title="\nOur grids, per rank (the largest rank), "
-                        "counted (formula); activation: saved, one micro-batch; sent: per step "
-                        "(every column in results/grid.csv):")
+    results.print_table(ours, floatfmt=".0f", title="\nOur grids, the largest rank, counted "
+                        "(formula); activation: one micro-batch; sent: per step:")
     beside = []
     for row in torch_rows:
         line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
@@ -1123,77 +964,49 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
         for kind in ("param", "optim", "activation", "sent_tp"):
             line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
         beside.append(line)
-    results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, the "
-                        f"same LM and batch, each pair timed in {sizes['rounds']} alternating "
-                        "rounds; torch's memory beside its layout's formula:")
-    pairs = pipeline_pairs(pipeline_rows)
+    results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, "
+                        f"{sizes['rounds']} alternating rounds, torch's bytes (its formula):")
+    pairs = list(zip(pipeline_rows[0::2], pipeline_rows[1::2]))     # (ours, torch's)
     table = []
-    for (stages, schedule, compute), pair in pairs.items():
-        table.append({"stages": pair["ours"]["grid"], "schedule": schedule,
-                      "compute": pair["ours"]["setting"].split(", ", 1)[1],
-                      "ours ms": pair["ours"]["step_ms"], "torch ms": pair["torch"]["step_ms"],
-                      "ours / torch": pair["ours"]["step_ms"] / pair["torch"]["step_ms"],
-                      "ideal ms": pair["ours"]["ideal_ms"] or "-",
-                      "max |grad diff|": pair["ours"]["gradient_max_difference"]})
+    for ours, theirs in pairs:
+        table.append({"stages": ours["grid"], "schedule": ours["schedule"],
+                      "compute": ours["setting"].split(", ", 1)[1], "ours ms": ours["step_ms"],
+                      "torch ms": theirs["step_ms"],
+                      "ours / torch": ours["step_ms"] / theirs["step_ms"],
+                      "ideal ms": ours["ideal_ms"] or "-",
+                      "max |grad diff|": ours["gradient_max_difference"]})
     pipeline = sizes["pipeline"]
-    results.print_table(table, floatfmt=".3g", title=f"\nThe pipeline axis, our executor beside "
-                        f"torch.distributed.pipelining: {pipeline['layers']} {sizes['model']} "
-                        f"blocks, {pipeline['micro_batches']} micro-batches of {pipeline['rows']} "
-                        f"x {pipeline['seq_len']} (interleaved, zbv, dualpipev: 2 chunks a rank; "
-                        "ideal: the unit-time simulation x the emulated wait):")
-    print("\n" + "\n".join(target_lines(our_rows, torch_rows, pairs, reference, machine)),
-          flush=True)
-
-
-def pipeline_pairs(pipeline_rows: list[dict]) -> dict:
-    """{(stages, schedule, compute): {"ours": row, "torch": row}}, in the order they ran."""
-    pairs = {}
-    for row in pipeline_rows:
-        pairs.setdefault((row["stages"], row["schedule"], row["compute"]), {})[row["impl"]] = row
-    return pairs
-
-
-def target_lines(our_rows: list[dict], torch_rows: list[dict], pairs: dict, reference: float,
-                 machine: str) -> list[str]:
-    """The targets, read off this run's rows: measured beside the target."""
-    lines = [f"Targets, measured in this run ({machine}; times: the slowest rank's median, "
-             "ratios within this run):"]
+    results.print_table(table, floatfmt=".3g", title="\nThe pipeline axis, ours beside "
+                        f"torch.distributed.pipelining: {pipeline['layers']} blocks, "
+                        f"{pipeline['micro_batches']} micro-batches of {pipeline['rows']} x "
+                        f"{pipeline['seq_len']}; ideal: the simulation x the emulated wait:")
+    print(f"\nTargets, measured in this run ({machine}):")
     worst = max(our_rows, key=lambda row: row["worst_difference"])
     verdict = "met" if worst["worst_difference"] <= TARGET_BYTES else "NOT met"
-    lines.append(f"  counted bytes per rank / the combined formula, every grid, every rank, every "
-                 f"column: worst {100 * worst['worst_difference']:.2f}% ({worst['grid']}, "
-                 f"{worst['setting']}, {worst['worst_where']}) (target within "
-                 f"{100 * TARGET_BYTES:.0f}%: {verdict})")
-    inexact = []
+    print(f"  counted bytes / the combined formula, every grid, rank and column: worst "
+          f"{100 * worst['worst_difference']:.2f}% ({worst['grid']}, {worst['setting']}, "
+          f"{worst['worst_where']}) (target within {100 * TARGET_BYTES:.0f}%: {verdict})")
     for row in our_rows:
-        if row["worst_difference"] == 0:
-            continue
-        text = (f"{row['grid']} {row['setting']}: {row['worst_where']} "
-                f"{percent(row['worst_difference'])}")
-        if row["zero1_deal_bound"] != "" and row["worst_where"].endswith("optim"):
-            text += (f" (ZeRO-1 deals whole tensors: at most one tensor's state above the mean, "
-                     f"{100 * row['zero1_deal_bound']:.1f}% here)")
-        inexact.append(text)
-    lines.append("    every count equals its formula exactly" + (
-        "" if not inexact else " but: " + "; ".join(inexact)))
+        if row["worst_difference"] != 0:
+            text = (f"    not exact: {row['grid']} {row['setting']}: {row['worst_where']} "
+                    f"{percent(row['worst_difference'])}")
+            if row["zero1_deal_bound"] != "" and row["worst_where"].endswith("optim"):
+                bound = 100 * row["zero1_deal_bound"]
+                text += f" (ZeRO-1's whole-tensor deal: within {bound:.1f}%)"
+            print(text)
     for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
         ratio = ours["step_ms"] / theirs["step_ms"]
         verdict = "met" if ratio <= TARGET_TORCH_TP else "NOT met"
-        lines.append(f"  {ours['pair']}: our {ours['grid']} step / torch's: {ours['step_ms']:.1f}"
-                     f" / {theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= "
-                     f"{TARGET_TORCH_TP}x: {verdict})")
-    for (stages, schedule, compute), pair in pairs.items():
-        if compute == "emulated" and stages == 4:
-            ratio = pair["ours"]["step_ms"] / pair["torch"]["step_ms"]
-            lines.append(f"  our pipeline executor / torch.distributed.pipelining, {schedule}, "
-                         f"pp 4, emulated: {ratio:.2f}x (target <= {TARGET_PIPELINE}x)")
+        print(f"  {ours['pair']}: our {ours['grid']} step / torch's: {ours['step_ms']:.1f} / "
+              f"{theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= {TARGET_TORCH_TP}x: "
+              f"{verdict})")
+    for ours, theirs in pairs:
+        if ours["compute"] == "emulated" and ours["stages"] == 4:
+            print(f"  our pipeline / torch's, {ours['schedule']}, pp 4, emulated: "
+                  f"{ours['step_ms'] / theirs['step_ms']:.2f}x (target <= {TARGET_PIPELINE}x)")
     difference = max(abs(row["first_loss"] - reference) for row in our_rows + torch_rows)
-    lines.append(f"  first-step loss of every grid and of torch's composition against one "
-                 f"process ({reference:.6f}): largest difference {difference:.1e}")
-    return lines
-
-
-# --------------------------------------------------------------------------- command line
+    print(f"  first-step loss of every grid and torch's against one process ({reference:.6f}): "
+          f"largest difference {difference:.1e}", flush=True)
 
 
 def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
@@ -1215,8 +1028,7 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
 
 
 def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
-    """Each schedule of ``pipeline`` that refuses its micro-batches and blocks on ``stages``
-    stages (lesson 4's own rule: DualPipeV needs m >= 2p, for one), in one line each."""
+    """Each schedule that refuses its micro-batches and blocks on ``stages`` stages, a line each."""
     from common import import_stage
     schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
     check = import_stage("07_parallelism/measure/schedule_check")
