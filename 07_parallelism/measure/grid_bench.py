@@ -314,8 +314,8 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
 
 
 def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
-    """The largest tensor's AdamW state as a share of the mean: how far ZeRO-1's deal of whole
-    tensors may put a rank above the formula's 1/(d c)."""
+    """The largest tensor's AdamW state over the mean: the most ZeRO-1's whole-tensor deal
+    puts a rank above the formula's 1/(d c)."""
     h = shape["h"]
     f = shape["f"]
     t = spec["tp"]
@@ -525,8 +525,7 @@ def reference_loss(sizes: dict, lessons) -> float:
 
 
 class TorchLM(nn.Module):
-    """The LM with q, k and v as three Linears, as torch's tensor-parallel plans expect; the same
-    weights."""
+    """The LM with q, k and v as three Linears, as torch's plans expect; the same weights."""
 
     def __init__(self, full_lm: nn.Module, split_block):
         super().__init__()
@@ -547,9 +546,8 @@ class TorchLM(nn.Module):
 
 def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     """The LM with torch's parts: parallelize_module over ``tp_mesh``, then fully_shard over
-    ``data_mesh``, each block a unit and the root; AdamW as ours; each rank its data rows. A
-    (dp, 1) data mesh is torch's replicated data axis (its composable ``replicate`` after
-    parallelize_module trained nothing: it swaps the parameters after the optimizer took them)."""
+    ``data_mesh`` ((dp, 1): replicated; torch's ``replicate`` after parallelize_module trains
+    nothing), each block a unit; AdamW as ours; each rank its data rows."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -622,8 +620,8 @@ def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
 
 
 def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Ours and torch's in three pairs (replicated_tp, fsdp_tp, hsdp), each timed in
-    alternating rounds: two rows a pair, ours first, each beside its formula."""
+    """Ours and torch's in three pairs (replicated_tp, fsdp_tp, hsdp) timed in alternating
+    rounds: two rows a pair, ours first, each beside its formula."""
     from torch.distributed.device_mesh import init_device_mesh
     tp = 2
     dp = ctx.world_size // tp
@@ -707,8 +705,7 @@ class EmulatedStage(nn.Module):
 
 
 def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Module:
-    """``module`` with every nn.Linear swapped, in place, for lesson 4's DeferredLinear
-    (same weights): our executor then does weight gradients in W steps."""
+    """``module`` with each nn.Linear now lesson 4's DeferredLinear (same weights): W steps."""
     for name, child in module.named_children():
         if type(child) is nn.Linear:
             deferred = pipeline_parallel.DeferredLinear(
@@ -722,8 +719,7 @@ def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Modul
 
 
 def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, lessons) -> dict:
-    """Our executor and torch's on the same blocks and micro-batches, on this rank's
-    pipeline group: a step of each."""
+    """Our executor and torch's on the same blocks and micro-batches: a step of each."""
     from common import models
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleaved1F1B)
@@ -816,8 +812,7 @@ def gradient_difference(built: dict) -> float:
 
 
 def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
-    """Every (stages, schedule, compute) of ``sizes["pipeline"]``: two rows, ours and torch's,
-    with the blocks' sizes in place of the LM's batch."""
+    """Every (stages, schedule, compute) of ``sizes["pipeline"]``: ours and torch's rows."""
     import bench_pipeline
     setting = sizes["pipeline"]
     rows = []
