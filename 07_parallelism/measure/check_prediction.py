@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
 from common import models  # noqa: E402
 from bench import results, timing
+from bench.timing import synchronize
 from bench import supervisor as launch
 
 CSV_NAME = "prediction.csv"
@@ -55,19 +56,13 @@ FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM na
 # --------------------------------------------------------------------------- this machine
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
                  repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
-    """(forward + backward seconds, AdamW step seconds, every forward + backward timed) of the
-    LM on one process with ``threads`` threads: medians after two warm-up steps. Timed once per
-    shape, so configurations with the same per-rank shapes differ by what the planner says, not
-    by the noise of two timings."""
+    """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
+    process with ``threads`` threads, medians after two warm-ups; once per shape, so that equal
+    shapes get equal compute."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -99,9 +94,8 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
 
 @functools.lru_cache(maxsize=None)
 def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) -> float:
-    """Bytes read and written per second copying one float32 buffer of ``nbytes`` into another,
-    as the data-parallel wrappers do: the median after one warm-up. At the wrappers' own size,
-    since a CPU copies a buffer that fits its caches several times faster."""
+    """Bytes read and written per second copying a float32 buffer of ``nbytes`` (as the wrappers
+    do, at their size: a CPU copies what fits its caches several times faster)."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -121,9 +115,8 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
 
 def launch_and_read(worker, world_size: int, backend: str, device: str, what: str,
                     instead: str, *args) -> dict | None:
-    """Run ``worker(ctx, out_path, *args)`` on ``world_size`` ranks and return the JSON rank 0
-    wrote; None where the ranks failed, with one line: ``what`` was not timed, ``instead`` is
-    assumed. Ctrl-C and SIGTERM are passed on."""
+    """``worker(ctx, out_path, *args)`` on ``world_size`` ranks; rank 0's JSON, or None with one
+    line (``what`` not timed; ``instead``) where the ranks failed. Ctrl-C and SIGTERM pass on."""
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "timings.json")
         try:
@@ -140,8 +133,7 @@ def launch_and_read(worker, world_size: int, backend: str, device: str, what: st
 
 
 def write_slowest(ctx, mine: dict, out_path: str) -> None:
-    """Rank 0 writes the slowest rank's figure of each name in ``mine``: a collective ends when
-    its last rank does."""
+    """Rank 0 writes the slowest rank's figure of each name: a collective ends with its last rank."""
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.is_main:
@@ -153,9 +145,8 @@ def write_slowest(ctx, mine: dict, out_path: str) -> None:
 
 
 def line_through(seconds: dict) -> tuple[float, float]:
-    """(a, w) of the line t = a + N / w through two timings (bytes -> seconds); where a would
-    fall below zero (noise), a = 0 and w through the largest alone; where the larger took no
-    longer, w is infinite."""
+    """(a, w) of t = a + N / w through two timings (bytes -> s); a < 0 (noise): a = 0, w through
+    the largest; the larger no slower: w infinite."""
     smallest = min(seconds)
     largest = max(seconds)
     rate = float("inf")
@@ -182,10 +173,8 @@ class StepCalls:
 
 
 def step_calls_worker(ctx, out_path: str) -> None:
-    """Every rank: bursts of ``BURST_CALLS`` all-reduces of ``BURST_BYTES``, timed a burst at a
-    time; then at each of ``HOP_SIZES`` a slice of compute (rank 0's count of matmuls making
-    ``HOP_SLICE_S``) and a hop (send to the next rank, receive from the previous, as ring
-    attention does), timed from the slice's end."""
+    """Bursts of 64 KiB all-reduces, then at each of ``HOP_SIZES`` a hop (send to the next rank,
+    receive from the previous) timed after ``HOP_SLICE_S`` of matmuls (rank 0's count)."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
@@ -201,8 +190,6 @@ def step_calls_worker(ctx, out_path: str) -> None:
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
-    next_rank = (ctx.rank + 1) % ctx.world_size
-    previous_rank = (ctx.rank - 1) % ctx.world_size
     mine = {"all_reduce": statistics.median(per_call)}
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
@@ -214,8 +201,8 @@ def step_calls_worker(ctx, out_path: str) -> None:
                 weights @ weights
             synchronize(ctx.device)
             start = time.perf_counter()
-            operations = [dist.P2POp(dist.isend, send, next_rank),
-                          dist.P2POp(dist.irecv, receive, previous_rank)]
+            operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
+                          dist.P2POp(dist.irecv, receive, (ctx.rank - 1) % ctx.world_size)]
             for request in dist.batch_isend_irecv(operations):
                 request.wait()
             synchronize(ctx.device)
@@ -227,13 +214,10 @@ def step_calls_worker(ctx, out_path: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | None:
-    """Calls as a step makes them on ``world_size`` ranks, the slowest rank's medians: a 64 KiB
-    all-reduce in a burst of 20 (a call a tensor, as stages 03 and 05 make them: each call starts
-    when its rank left the last, so on this 2-core VM, 2 ranks, 1.6-1.8 ms against stage 02's
-    0.4-0.5 ms lined up by a barrier); and a hop after compute, a latency and a bandwidth
-    through the smallest and largest of ``HOP_SIZES`` (where ranks share cores a hop waits for
-    its peer to get a core back: 4 ranks on 2 cores, about 4 ms against 0.5 ms back to back).
-    None, with a line, where the hops cannot run (Gloo sends CPU tensors only)."""
+    """Calls as a step makes them, slowest rank's medians: a 64 KiB all-reduce in a burst of 20
+    (2-core VM, 2 ranks: 1.6-1.8 ms, against stage 02's 0.4-0.5 ms lined up by a barrier) and a
+    hop after compute (ranks sharing cores wait for a core: 4 ranks on 2 cores about 4 ms against
+    0.5 ms back to back). None, with a line, where Gloo cannot send the tensors."""
     if backend == "gloo" and device == "cuda":
         print("check_prediction: calls not timed as a step makes them: Gloo sends CPU tensors "
               "only; the links are stage 02's fit")
@@ -253,10 +237,8 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
 
 
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
-    """The gathered bytes of FSDP's smallest and largest unit (a block, the root): Gloo's time is
-    not a line in the size on this VM (from 32 MiB glibc maps every buffer afresh, so a line
-    through 4 and 32 MiB put a 9.3 MiB block at 17 ms where it took 9-13). Units of one size:
-    that size and twice it."""
+    """FSDP's smallest and largest unit's gathered bytes (Gloo's time is not a line in the size
+    on this VM: from 32 MiB glibc maps each buffer afresh). Units of one size: it and twice it."""
     units = [lm.compute_bytes * values for values in planner.fsdp_unit_values(lm, grid)]
     smallest = min(units)
     largest = max(units)
@@ -266,9 +248,11 @@ def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
-    """Every rank: an all-gather into a flat tensor and a reduce-scatter out of one, as lesson 2
-    makes them (fresh buffers each call, the ranks lined up before each), at each of ``sizes``."""
+    """All-gather into and reduce-scatter out of flat tensors at each of ``sizes``, as lesson 2
+    makes them: fresh buffers, the ranks lined up before each call."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
@@ -281,20 +265,14 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
             dist.barrier()
             synchronize(ctx.device)
             start = time.perf_counter()
-            if hasattr(dist, "all_gather_single"):        # newer torch's name, as lesson 2
-                dist.all_gather_single(gathered, shard)
-            else:
-                dist.all_gather_into_tensor(gathered, shard)
+            all_gather(gathered, shard)
             synchronize(ctx.device)
             gathered_at = time.perf_counter()
             out = torch.empty(shard_numel, device=ctx.device)
             dist.barrier()
             synchronize(ctx.device)
             scatter_start = time.perf_counter()
-            if hasattr(dist, "reduce_scatter_single"):
-                dist.reduce_scatter_single(out, gathered)
-            else:
-                dist.reduce_scatter_tensor(out, gathered)
+            reduce_scatter(out, gathered)
             synchronize(ctx.device)
             end = time.perf_counter()
             if attempt >= 1:
@@ -308,10 +286,8 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
 @functools.lru_cache(maxsize=None)
 def time_flat_collectives(world_size: int, backend: str, device: str,
                           sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link] | None:
-    """(all-gather, reduce-scatter) links for FSDP's flat collectives, timed at ``sizes``. A ring
-    moves (n-1)/n of the unit for either; Gloo does not (2 ranks of this VM: a 39 MiB unit took
-    44-55 ms to all-gather, 53-57 ms to reduce-scatter, 27-28 ms to all-reduce). None, with a
-    line, where they cannot run."""
+    """(all-gather, reduce-scatter) links for FSDP, timed at ``sizes`` (Gloo is no ring: 2 ranks,
+    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce). None, with a line."""
     slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
                               "FSDP's collectives", "they are assumed to be rings on the "
                               "all-reduce's link", sizes)
@@ -327,8 +303,7 @@ def time_flat_collectives(world_size: int, backend: str, device: str,
 
 
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
-    """How much longer the slowest of ``ranks`` ranks computes than the median: the median, over
-    every ``ranks`` of the timings, of their largest, over the median timing, less 1."""
+    """The median over every ``ranks`` of the timings of their largest, over the median, less 1."""
     if ranks < 2 or len(samples) < ranks:
         return 0.0
     slowest = [max(draw) for draw in itertools.combinations(samples, ranks)]
@@ -336,10 +311,8 @@ def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
 
 
 def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> planner.Link:
-    """Stage 02's t = a + N / w as the planner's all-reduce: bus bandwidth w x 2 (n-1)/n, the
-    latency spread over the ring's 2 (n-1) steps (on this box the latency is ranks waiting for
-    a core, at each step). With ``calls``, the latency is a 64 KiB call's in a burst, less its
-    bytes at the fit's bandwidth."""
+    """Stage 02's t = a + N / w as the planner's all-reduce: busbw w x 2 (n-1)/n, a spread over
+    the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes."""
     steps = 2 * (ranks - 1)
     latency = fit["a_s"]
     if calls is not None:
@@ -351,19 +324,16 @@ def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> plan
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
              device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
-    """The machine as measured: a matmul rate and a memory bandwidth that make the planner's
-    compute and optimizer terms the ones timed here, a copy at the gradients' size, ``cores``
-    the ranks take turns on, the straggler from ``samples``, and ``hop`` for point-to-point."""
+    """The machine as measured: a rate and a memory bandwidth that give the compute and AdamW
+    timed here, a copy at the gradients' size, the straggler from ``samples``."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
-    owned = planner.parameter_count(lm)
     gradients = sum(planner.rank_tensor_bytes(lm, grid))
-    threads = launch.rank_threads(grid.world_size)
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
-        memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
-        copy_bandwidth=time_copy(gradients, threads, device),
+        memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(lm) / optimizer_s,
+        copy_bandwidth=time_copy(gradients, launch.rank_threads(grid.world_size), device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
         reduce_scatter_as_all_reduce=True, point_to_point=hop)
@@ -373,8 +343,8 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 
 def this_run(name: str) -> list[dict]:
-    """The rows of ``results/<name>`` from this make bench run (``RESULTS_RUN_ID``), else from
-    the last run that wrote it. A row the planner cannot read costs a one-line warning."""
+    """``results/<name>``'s rows from this run (``RESULTS_RUN_ID``), else the newest run; an
+    unreadable row costs one line."""
     rows = results.read_csv(name)
     run = os.environ.get("RESULTS_RUN_ID")
     if not run and rows:
@@ -429,8 +399,7 @@ LEDGER_SETTINGS = (*DDP_SETTINGS, "checkpointing")
 
 
 def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | None:
-    """The compute-only control (``none``) among ``rows`` at ``row``'s ``settings``: measured in
-    the same launch, beside it. None where the run has none."""
+    """The compute-only control (``none``) at ``row``'s ``settings``, from the same launch."""
     for control in rows:
         if control["impl"] == "none" and all(control[key] == row[key] for key in settings):
             return control
@@ -438,9 +407,8 @@ def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | 
 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
-    """(forward + backward seconds, optimizer seconds) of the ledger's control in ``row``'s
-    launch: its step less its AdamW step timed alone. None where there is none, or where the
-    AdamW step alone took as long as the whole step (noise)."""
+    """The ledger control's (forward + backward s, AdamW s): its step less its AdamW step; None
+    without one, or where AdamW took the whole step (noise)."""
     control = same_launch_control(rows, row, LEDGER_SETTINGS)
     if control is None or not control.get("optimizer_ms"):
         return None
@@ -452,8 +420,7 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
 
 
 def control_burst(rows: list[dict], row: dict) -> float | None:
-    """Seconds a small all-reduce took in a burst beside the DDP bench's control in ``row``'s
-    launch (its ``call_ms``); None where the run has none."""
+    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``), or None."""
     control = same_launch_control(rows, row, DDP_SETTINGS)
     if control is None or not control.get("call_ms"):
         return None
@@ -462,9 +429,8 @@ def control_burst(rows: list[dict], row: dict) -> float | None:
 
 def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
                 checkpointing: bool = False) -> tuple[float, float, tuple, int]:
-    """(forward + backward seconds, optimizer seconds, their timings, the cores the ranks take
-    turns on) for a row: its launch's control where it has one (its slowest rank and its ranks'
-    taking turns already in it), else the LM timed here at one rank's shapes."""
+    """(compute s, optimizer s, timings, cores taken turns on): the launch's control if any (its
+    straggler and turns already in it), else the LM timed here at one rank's shapes."""
     ranks = int(row["world_size"])
     if control is not None:
         return control[0], control[1], (), max(cores, ranks)
@@ -475,20 +441,21 @@ def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
     return compute_s, optimizer_s, samples, cores
 
 
+def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
+    """(row, ranks, fit) for each row on ``backend_device`` with a fit for as many ranks."""
+    for row in rows:
+        ranks = int(row["world_size"])
+        key = f"{backend_device}/{ranks}"   # the fit with as many ranks sharing the cores
+        if f"{row['backend']}/{row['device']}" == backend_device and key in fits:
+            yield row, ranks, fits[key]
+
+
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings, their compute and a call's
-    cost from the bench's compute-only control in the same launch (this VM's compute drifts by
-    10-20% between moments; the same call in a burst took 0.80 ms in one timing, 1.56 in
-    another), else timed here. The control is an input, not a row."""
+    """Stages 03-06 and torch DDP from ``ddp_step.csv``, compute and a call's cost from the same
+    launch's control (compute drifts 10-20% between moments here), else timed here."""
     rows = []
     run_rows = this_run("ddp_step.csv")
-    for row in run_rows:
-        if f"{row['backend']}/{row['device']}" != backend_device:
-            continue
-        ranks = int(row["world_size"])
-        key = f"{backend_device}/{ranks}"
-        if key not in fits:
-            continue
+    for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         impl = row["impl"]
         if impl in ("bucketed", "torch_ddp"):
             cap = float(row["bucket_mb"]) * 2**20
@@ -517,28 +484,20 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             calls = StepCalls(all_reduce_s=burst, hop=None)
         else:
             calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
-        label = impl
-        if impl in ("bucketed", "torch_ddp"):
-            label = f"{impl} {row['bucket_mb']} MB"
+        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
         rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
                                   "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
 
 
 def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings, their compute
-    from the ledger's control in the same launch (on this VM 1.5-1.6x the same LM timed alone),
-    else timed here."""
+    """The ledger's strategies (ours) from ``sharding.csv``, compute from the launch's control."""
     rows = []
     run_rows = this_run("sharding.csv")
-    for row in run_rows:
-        if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in planner.DP_KINDS:
-            continue
-        ranks = int(row["world_size"])
-        key = f"{backend_device}/{ranks}"
-        if key not in fits:
+    for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
+        if row["impl"] not in planner.DP_KINDS:
             continue
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
@@ -548,7 +507,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         control = ledger_control(run_rows, row)
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores, checkpointing)
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
         if grid.dp_kind == "fsdp":
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
@@ -562,9 +521,8 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
 
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
                       device: str) -> tuple[float, float, tuple[float, ...]]:
-    """``time_compute`` at one rank's shapes: b / d rows at s / c tokens, in a pipeline a
-    micro-batch (b / (d m) rows) at a time, the forward and backward scaled by m (a small
-    micro-batch pays each operation's fixed cost as a whole batch does); AdamW once a step."""
+    """``time_compute`` at one rank's shapes (b / d rows, s / c tokens), in a pipeline a
+    micro-batch at a time with the forward and backward scaled by m; AdamW once."""
     rows = batch // grid.dp // grid.micro_batches
     compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
                                                    threads, device=device)
@@ -573,15 +531,13 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
 
 
 def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings. A label ('dp2 tp2',
-    setting 'ZeRO-1 AdamW, 1f1b m4') that is not a grid's is skipped."""
+    """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
     rows = []
-    for row in this_run("grid.csv"):
-        if row.get("impl") != "ours" or f"{row['backend']}/{row['device']}" != backend_device:
+    for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
+        if row.get("impl") != "ours" or not row.get("micro_batches"):
             continue
-        if not row.get("micro_batches") or row.get("schedule") or row.get("pair"):
+        if row.get("schedule") or row.get("pair"):
             continue                 # the pipeline comparison, torch's controls: not our grids
-        ranks = int(row["world_size"])
         sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
         parts = row["grid"].split()
         if not all(part[:2] in sizes and part[2:].isdigit() for part in parts):
@@ -599,9 +555,6 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                             bucket_bytes=float("inf"), loss_all_reduce=True)
         if grid.world_size != ranks:
             continue
-        key = f"{backend_device}/{ranks}"   # the fit with as many ranks sharing the cores
-        if key not in fits:
-            continue
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
@@ -609,10 +562,8 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                                                             launch.rank_threads(ranks),
                                                             row["device"])
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        hop = None
-        if calls is not None:
-            hop = calls.hop
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+        hop = calls.hop if calls is not None else None
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            cores, samples, row["device"], hop)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
@@ -629,10 +580,8 @@ PROJECTION_TOP = 3             # grids a preset
 
 
 def projection_rows(device: str) -> list[dict]:
-    """The planner on each cluster preset, the links the preset's, the matmul rate and memory
-    bandwidth from the LM timed here at world size 1 (float32, one thread). Every figure is a
-    prediction for a machine that is not here; ``compute_from`` names the one whose compute
-    fed it. A device that cannot run the shapes costs the projection, one line, not the check."""
+    """The planner on each cluster preset with this device's compute (the LM at world size 1,
+    float32, one thread) and the preset's links; a device that cannot run it: one line, no rows."""
     try:
         compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
                                                  models.VOCAB_SIZE, 1, device=device)
@@ -661,10 +610,10 @@ def projection_rows(device: str) -> list[dict]:
                 fitting.append(prediction)
         fitting.sort(key=lambda prediction: prediction["step_s"])
         for prediction in fitting[:PROJECTION_TOP]:
-            rows.append({"config": f"{name}: {planner.label(prediction['grid'])}",
-                         "cluster": name, "grid": planner.label(prediction["grid"]),
-                         "ranks": cluster.ranks, "model": PROJECTION_MODEL,
-                         "batch_size": lm.batch, "seq_len": lm.seq, "label": "predicted",
+            grid = planner.label(prediction["grid"])
+            rows.append({"config": f"{name}: {grid}", "cluster": name, "grid": grid,
+                         "ranks": cluster.ranks, "model": PROJECTION_MODEL, "batch_size": lm.batch,
+                         "seq_len": lm.seq, "label": "predicted",
                          "predicted_ms": round(prediction["step_s"] * 1e3, 3),
                          "tokens_per_s_per_gpu": round(prediction["tokens_per_s_per_rank"]),
                          "share_of_measured_rate": round(prediction["mfu"], 3),
@@ -680,12 +629,9 @@ def projection_rows(device: str) -> list[dict]:
 
 
 def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
-    """Bytes one rank sends a step on the data-parallel axis alone, as a ring sends them (an
-    all-reduce 2 (d-1)/d of its payload, an all-gather or reduce-scatter (d-1)/d). DDP, ZeRO-2:
-    the gradients' all-reduce volume; ZeRO-1 (lesson 1): 1.5x, the owners broadcast the new
-    parameters; FSDP (lesson 2): every sharded unit gathered for forward and again for backward
-    except those kept gathered (the root, the last block), gradients reduce-scattered, the 1-D
-    tensors' gradients all-reduced."""
+    """Bytes a rank sends a step on the data axis alone, as a ring: DDP and ZeRO-2 the all-reduce,
+    ZeRO-1 1.5x (owners broadcast), FSDP units gathered twice less those kept (the root, the last
+    block), gradients reduce-scattered, the 1-D tensors' all-reduced."""
     d = grid.dp * grid.cp           # the ranks holding the same parameters
     whole = planner.FLOAT32 * planner.parameter_count(lm)
     if grid.dp_kind == "fsdp":
@@ -709,10 +655,8 @@ def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
 
 
 def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
-    """One rank of lesson 7's grid as lesson 7 builds it (its bench counts the same from the
-    tensors): parameters, gradients, AdamW state (a float32 step count per tensor), what one
-    micro-batch saves for backward, and the bytes sent a step on each axis. ``pp_rank``: its
-    pipeline position; ``data_rank``: its position among the dp x cp ranks."""
+    """One rank of lesson 7's grid as it builds it: parameters, gradients, AdamW state, one
+    micro-batch's activations, the bytes sent on each axis (``pp_rank``, ``data_rank``: its place)."""
     if grid.dp_kind not in ("ddp", "zero1"):
         raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
     p = grid.pp
@@ -847,14 +791,10 @@ def main(argv=None) -> int:
     else:
         print("check_prediction: no projection onto the GPU presets: this box has no GPU, and "
               "a CPU's compute would project a cluster of CPUs (--project shows it anyway)")
-    fits = {}
     run = os.environ.get("RESULTS_RUN_ID")      # make bench: only this run's fit counts
-    for key, fit in results.read_json("allreduce_fit.json").items():
-        if not (key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit):
-            continue
-        if run and fit.get("run_id") != run:
-            continue
-        fits[key] = fit
+    fits = {key: fit for key, fit in results.read_json("allreduce_fit.json").items()
+            if key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit
+            and not (run and fit.get("run_id") != run)}
     if not fits:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
