@@ -1,14 +1,11 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
-The planner is fed this machine, every input measured: each configuration's forward, backward
-and optimizer step at one rank's shapes (or its launch's compute-only control), their spread
-(the straggler), a copy at the gradients' size, stage 02's all-reduce fit, a call in a burst, a
-hop after compute and FSDP's flat collectives, each on as many ranks as the job. The prediction
-is set beside the steps make bench measured (results/ddp_step.csv, sharding.csv, grid.csv, each
-at its newest run) in results/prediction.csv, one row a configuration with every term.
-``--device cuda`` or ``--project`` also projects onto the cluster presets with this device's
-compute (results/projection.csv); ``--published`` prints the published runs beside the
-planner's cold predictions from its presets alone (lesson 9's README).
+The planner is fed this machine, every input measured (compute at one rank's shapes, the
+straggler, a copy, stage 02's all-reduce fit, a call in a burst, a hop after compute, FSDP's
+collectives) and set beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
+grid.csv) in results/prediction.csv, every term a column. ``--device cuda`` or ``--project``
+also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
+published runs beside the planner's cold predictions (lesson 9's README).
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
       python 07_parallelism/measure/check_prediction.py --published
@@ -101,14 +98,7 @@ def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) 
     torch.set_num_threads(threads)
     source = torch.ones(max(1, nbytes // 4), device=on)
     target = torch.empty_like(source)
-    seconds = []
-    for attempt in range(1 + repeats):
-        synchronize(on)
-        start = time.perf_counter()
-        target.copy_(source)
-        synchronize(on)
-        if attempt >= 1:
-            seconds.append(time.perf_counter() - start)
+    seconds = timing.measure(lambda: target.copy_(source), on, warmup=1, iters=repeats)
     torch.set_num_threads(threads_before)
     return 2 * source.numel() * 4 / statistics.median(seconds)
 
@@ -624,8 +614,6 @@ def projection_rows(device: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- bytes, exactly
-# The planner's memory and bytes for one rank, counted as the lessons build it: tests hold them
-# equal to the benches' own formulas.
 
 
 def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
