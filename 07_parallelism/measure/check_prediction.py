@@ -1,15 +1,11 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
-The machine fed to the planner is this one, every input measured: each configuration's forward,
-backward and optimizer step at one rank's shapes (or the compute-only control its own launch
-timed beside it), their spread (the straggler), a copy at the gradients' size, stage 02's
-all-reduce fit for the links, a call in a burst, a hop after compute and FSDP's flat
-collectives, each on as many ranks as the job. The prediction is set beside the steps make
-bench measured (results/ddp_step.csv, sharding.csv, grid.csv, each at its newest run) and
-written to results/prediction.csv, one row a configuration with every term. ``--device cuda``
-or ``--project`` also projects onto the cluster presets with this device's measured compute
-(results/projection.csv); ``--published`` prints the published runs beside the planner's cold
-predictions from its presets alone (lesson 9's README).
+The planner is fed this machine, every input measured (compute at one rank's shapes, the
+straggler, a copy, stage 02's all-reduce fit, a call in a burst, a hop after compute, FSDP's
+collectives) and set beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
+grid.csv) in results/prediction.csv, every term a column. ``--device cuda`` or ``--project``
+also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
+published runs beside the planner's cold predictions (lesson 9's README).
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
       python 07_parallelism/measure/check_prediction.py --published
@@ -38,32 +34,32 @@ sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
 from common import models  # noqa: E402
 from bench import results, timing
+from bench.timing import synchronize
 from bench import supervisor as launch
 
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured
 GRID_VOCAB = 256           # lesson 7 trains on bytes
-DDP_IMPLS = {"none": None, "naive": 0.0, "flat": float("inf"), "overlap": 0.0}
 # bucket cap in bytes (None: no communication; 0: a call a tensor); bucketed and torch DDP: the row's
+DDP_IMPLS = {"none": None, "naive": 0.0, "flat": float("inf"), "overlap": 0.0}
+BURST_BYTES = 64 * 2**10    # a small all-reduce: what a call costs, its bytes aside
+BURST_CALLS = 20            # (both as timing.call_in_burst's defaults, which the DDP bench uses)
+HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
+HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
+REPEATS = 15
+FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM names them
 
 
 # --------------------------------------------------------------------------- this machine
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
                  repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
-    """(forward + backward seconds, AdamW step seconds, every forward + backward timed) of the
-    LM on one process: medians after two warm-up steps, ``threads`` threads (a rank's share of
-    this box's cores). Timed once per shape: every configuration with the same per-rank shapes
-    gets the same compute, so their predictions differ by what the planner says, not by the
-    noise of two timings."""
+    """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
+    process with ``threads`` threads, medians after two warm-ups; once per shape, so that equal
+    shapes get equal compute."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -95,40 +91,22 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
 
 @functools.lru_cache(maxsize=None)
 def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) -> float:
-    """Bytes read and written per second copying one float32 buffer of ``nbytes`` into another
-    (what the data-parallel wrappers do to gradients and gathered parameters): the median of
-    ``repeats`` copies after one warm-up, ``threads`` threads. At the wrappers' own size, since
-    a CPU copies a buffer that fits in its caches several times faster than one that does not."""
+    """Bytes read and written per second copying a float32 buffer of ``nbytes`` (as the wrappers
+    do, at their size: a CPU copies what fits its caches several times faster)."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     source = torch.ones(max(1, nbytes // 4), device=on)
     target = torch.empty_like(source)
-    seconds = []
-    for attempt in range(1 + repeats):
-        synchronize(on)
-        start = time.perf_counter()
-        target.copy_(source)
-        synchronize(on)
-        if attempt >= 1:
-            seconds.append(time.perf_counter() - start)
+    seconds = timing.measure(lambda: target.copy_(source), on, warmup=1, iters=repeats)
     torch.set_num_threads(threads_before)
     return 2 * source.numel() * 4 / statistics.median(seconds)
 
 
-BURST_BYTES = 64 * 2**10    # a small all-reduce: what a call costs, its bytes aside
-BURST_CALLS = 20            # (both as timing.call_in_burst's defaults, which the DDP bench uses)
-HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
-HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
-REPEATS = 15
-
-
 def launch_and_read(worker, world_size: int, backend: str, device: str, what: str,
                     instead: str, *args) -> dict | None:
-    """Run ``worker(ctx, out_path, *args)`` on ``world_size`` ranks and return what rank 0
-    wrote to ``out_path`` (JSON); None where the ranks failed, with one line: ``what`` was not
-    timed (their error is printed above it), and ``instead``, what the check assumes. Ctrl-C
-    and SIGTERM are passed on."""
+    """``worker(ctx, out_path, *args)`` on ``world_size`` ranks; rank 0's JSON, or None with one
+    line (``what`` not timed; ``instead``) where the ranks failed. Ctrl-C and SIGTERM pass on."""
     with tempfile.TemporaryDirectory() as folder:
         out_path = os.path.join(folder, "timings.json")
         try:
@@ -145,8 +123,7 @@ def launch_and_read(worker, world_size: int, backend: str, device: str, what: st
 
 
 def write_slowest(ctx, mine: dict, out_path: str) -> None:
-    """Every rank's ``mine`` (name -> seconds) gathered; rank 0 writes the slowest rank's
-    figure of each name to ``out_path`` (JSON): a collective ends when its last rank does."""
+    """Rank 0 writes the slowest rank's figure of each name: a collective ends with its last rank."""
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.is_main:
@@ -158,9 +135,8 @@ def write_slowest(ctx, mine: dict, out_path: str) -> None:
 
 
 def line_through(seconds: dict) -> tuple[float, float]:
-    """(a, w) of the line t = a + N / w through two timings (``seconds``: bytes -> seconds);
-    where they would put a below zero (noise), a = 0 and w through the largest alone; where the
-    larger took no longer, w is infinite (all latency)."""
+    """(a, w) of t = a + N / w through two timings (bytes -> s); a < 0 (noise): a = 0, w through
+    the largest; the larger no slower: w infinite."""
     smallest = min(seconds)
     largest = max(seconds)
     rate = float("inf")
@@ -173,6 +149,12 @@ def line_through(seconds: dict) -> tuple[float, float]:
     return latency, rate
 
 
+def link_through(seconds: dict, ranks: int) -> planner.Link:
+    """The planner's all-gather form, latency + (n-1)/n N / busbw, through ``line_through``."""
+    latency, rate = line_through(seconds)
+    return planner.Link(latency=latency, busbw=rate * (ranks - 1) / ranks)
+
+
 @dataclasses.dataclass(frozen=True)
 class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
@@ -180,9 +162,13 @@ class StepCalls:
     hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
 
 
-def slice_matmuls(ctx, weights: torch.Tensor) -> int:
-    """How many products of ``weights`` with itself make ``HOP_SLICE_S`` of compute on this
-    rank's device, the ranks sharing the box as they will: rank 0's count, for every rank."""
+def step_calls_worker(ctx, out_path: str) -> None:
+    """Bursts of 64 KiB all-reduces, then at each of ``HOP_SIZES`` a hop (send to the next rank,
+    receive from the previous) timed after ``HOP_SLICE_S`` of matmuls (rank 0's count)."""
+    torch.set_num_threads(1)              # a rank's share of this box's cores
+    timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
+    per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
+    weights = torch.randn(256, 256, device=ctx.device)
     for _ in range(3):
         weights @ weights
     synchronize(ctx.device)
@@ -193,22 +179,7 @@ def slice_matmuls(ctx, weights: torch.Tensor) -> int:
     one_matmul = (time.perf_counter() - start) / 20
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
-    return int(count.item())
-
-
-def step_calls_worker(ctx, out_path: str) -> None:
-    """Every rank: (1) bursts of ``BURST_CALLS`` all-reduces of ``BURST_BYTES``, back to back,
-    timed a burst at a time; (2) a slice of compute, then a hop (send a buffer to the next rank
-    of the ring, receive one from the previous, as ring attention does), timed from the slice's
-    end to the hop's, at each of ``HOP_SIZES``. Rank 0 writes the slowest rank's medians to
-    ``out_path``."""
-    torch.set_num_threads(1)              # a rank's share of this box's cores
-    timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
-    per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
-    weights = torch.randn(256, 256, device=ctx.device)
-    matmuls = slice_matmuls(ctx, weights)
-    next_rank = (ctx.rank + 1) % ctx.world_size
-    previous_rank = (ctx.rank - 1) % ctx.world_size
+    matmuls = int(count.item())
     mine = {"all_reduce": statistics.median(per_call)}
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
@@ -220,8 +191,8 @@ def step_calls_worker(ctx, out_path: str) -> None:
                 weights @ weights
             synchronize(ctx.device)
             start = time.perf_counter()
-            operations = [dist.P2POp(dist.isend, send, next_rank),
-                          dist.P2POp(dist.irecv, receive, previous_rank)]
+            operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
+                          dist.P2POp(dist.irecv, receive, (ctx.rank - 1) % ctx.world_size)]
             for request in dist.batch_isend_irecv(operations):
                 request.wait()
             synchronize(ctx.device)
@@ -233,21 +204,10 @@ def step_calls_worker(ctx, out_path: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | None:
-    """Calls as a step makes them, with ``world_size`` ranks, the slowest rank's medians:
-
-      an all-reduce of 64 KiB inside a burst of 20 back-to-back calls (a call a tensor, as
-        stages 03 and 05 make them). Stage 02 lines the ranks up with a barrier before each
-        call it times; back to back, each call starts when its rank left the last one, and a
-        rank that arrives first waits for the other (on this 2-core VM, 2 ranks: 0.4-0.5 ms a
-        call lined up, 1.6-1.8 ms in a burst);
-      a hop after a slice of compute (``HOP_SLICE_S`` of matmuls on one thread): each rank
-        sends to the next and receives from the previous, at the sizes of ``HOP_SIZES``; a
-        latency and a bandwidth through the smallest and the largest. Where ranks share cores
-        a hop waits for its peer to get a core back, which back-to-back calls never see (4 ranks
-        on 2 cores: about 4 ms a hop after compute against 0.5 ms back to back).
-
-    None, with a line saying why, where the hops cannot run (Gloo sends CPU tensors only): the
-    links are then stage 02's fit alone."""
+    """Calls as a step makes them, slowest rank's medians: a 64 KiB all-reduce in a burst of 20
+    (2-core VM, 2 ranks: 1.6-1.8 ms, against stage 02's 0.4-0.5 ms lined up by a barrier) and a
+    hop after compute (ranks sharing cores wait for a core: 4 ranks on 2 cores about 4 ms against
+    0.5 ms back to back). None, with a line, where Gloo cannot send the tensors."""
     if backend == "gloo" and device == "cuda":
         print("check_prediction: calls not timed as a step makes them: Gloo sends CPU tensors "
               "only; the links are stage 02's fit")
@@ -266,16 +226,9 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
                      hop=planner.Link(latency=latency, busbw=busbw))
 
 
-FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM names them
-
-
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
-    """The gathered bytes of FSDP's smallest and largest unit (lesson 2's: a block, the root),
-    where the line through the flat collectives' timings goes: Gloo's time is not a line in the
-    size on this VM. Measured on 2 ranks, freed memory kept as make bench keeps it: a 31 MiB
-    all-gather 22-27 ms, a 32 MiB one 38-60 ms (from 32 MiB glibc maps every buffer afresh, and
-    the kernel zeroes it page by page), so a line through 4 and 32 MiB put a 9.3 MiB block at
-    17 ms where it took 9-13. Units of one size: that size and twice it."""
+    """FSDP's smallest and largest unit's gathered bytes (Gloo's time is not a line in the size
+    on this VM: from 32 MiB glibc maps each buffer afresh). Units of one size: it and twice it."""
     units = [lm.compute_bytes * values for values in planner.fsdp_unit_values(lm, grid)]
     smallest = min(units)
     largest = max(units)
@@ -285,10 +238,11 @@ def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
-    """Every rank: an all-gather into a flat tensor and a reduce-scatter out of one, as lesson 2
-    makes them (fresh buffers each call, the ranks lined up before each), at each of ``sizes``
-    (the full unit's bytes); rank 0 writes the slowest rank's medians."""
+    """All-gather into and reduce-scatter out of flat tensors at each of ``sizes``, as lesson 2
+    makes them: fresh buffers, the ranks lined up before each call."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
@@ -301,20 +255,14 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
             dist.barrier()
             synchronize(ctx.device)
             start = time.perf_counter()
-            if hasattr(dist, "all_gather_single"):        # newer torch's name, as lesson 2
-                dist.all_gather_single(gathered, shard)
-            else:
-                dist.all_gather_into_tensor(gathered, shard)
+            all_gather(gathered, shard)
             synchronize(ctx.device)
             gathered_at = time.perf_counter()
             out = torch.empty(shard_numel, device=ctx.device)
             dist.barrier()
             synchronize(ctx.device)
             scatter_start = time.perf_counter()
-            if hasattr(dist, "reduce_scatter_single"):
-                dist.reduce_scatter_single(out, gathered)
-            else:
-                dist.reduce_scatter_tensor(out, gathered)
+            reduce_scatter(out, gathered)
             synchronize(ctx.device)
             end = time.perf_counter()
             if attempt >= 1:
@@ -325,22 +273,11 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     write_slowest(ctx, mine, out_path)
 
 
-def link_through(seconds: dict, ranks: int) -> planner.Link:
-    """The planner's all-gather form, latency + (n-1)/n N / busbw, through the line
-    t = a + N / w of two timings (``seconds``: bytes -> seconds): Link(a, w (n-1)/n)."""
-    latency, rate = line_through(seconds)
-    return planner.Link(latency=latency, busbw=rate * (ranks - 1) / ranks)
-
-
 @functools.lru_cache(maxsize=None)
 def time_flat_collectives(world_size: int, backend: str, device: str,
                           sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link] | None:
-    """(all-gather, reduce-scatter) links for FSDP's flat collectives on this backend, timed on
-    ``world_size`` ranks at ``sizes`` (``flat_sizes``: the configuration's units). A ring moves
-    (n-1)/n of the unit for either, half an all-reduce; Gloo does not: on 2 ranks of this VM a
-    39 MiB unit took 44-55 ms to all-gather and 53-57 ms to reduce-scatter, against 27-28 ms
-    for an all-reduce of it. None, with a line, where they cannot run: the ring on the
-    all-reduce's link is then assumed."""
+    """(all-gather, reduce-scatter) links for FSDP, timed at ``sizes`` (Gloo is no ring: 2 ranks,
+    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce). None, with a line."""
     slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
                               "FSDP's collectives", "they are assumed to be rings on the "
                               "all-reduce's link", sizes)
@@ -356,10 +293,7 @@ def time_flat_collectives(world_size: int, backend: str, device: str,
 
 
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
-    """How much longer the slowest of ``ranks`` ranks computes than the median rank, measured:
-    each step's W ranks are W of the timings taken here, a step lasts as long as its slowest,
-    and the bench reports the median step. So: the median, over every W of the timings, of
-    their largest, over the median timing, less 1."""
+    """The median over every ``ranks`` of the timings of their largest, over the median, less 1."""
     if ranks < 2 or len(samples) < ranks:
         return 0.0
     slowest = [max(draw) for draw in itertools.combinations(samples, ranks)]
@@ -367,13 +301,8 @@ def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
 
 
 def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> planner.Link:
-    """Stage 02's t = a + N / w for an all-reduce of N bytes over ``ranks`` ranks is the
-    planner's all-reduce time with bus bandwidth w x 2 (n-1)/n and the latency a spread over
-    the ring's 2 (n-1) message steps. Per step, because on this box the latency is the ranks
-    waiting for a core: a group of n ranks inside a job of W > cores ranks waits at each of
-    its own steps as long as the W ranks of the fit did at theirs. With ``calls`` (timed as a
-    step makes them), the latency is the one a call pays back to back: a 64 KiB all-reduce in
-    a burst, less its bytes at the fit's bandwidth."""
+    """Stage 02's t = a + N / w as the planner's all-reduce: busbw w x 2 (n-1)/n, a spread over
+    the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes."""
     steps = 2 * (ranks - 1)
     latency = fit["a_s"]
     if calls is not None:
@@ -385,24 +314,16 @@ def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> plan
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
              device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
-    """The machine as measured for this configuration: a matmul rate that makes the planner's
-    compute term the forward and backward timed here, a memory bandwidth that makes its
-    optimizer term the AdamW step timed here (on the whole model), Gloo's links; ``cores``: the
-    cores (or GPUs) the ranks take turns on; ``samples``: the forward and backward timings,
-    whose spread says how late the slowest rank is; a copy of the gradients' size timed on
-    ``device`` for the wrappers' buffer copies; ``hop``: a point-to-point hop as measured after
-    compute (``time_step_calls``), for ring attention's sends (and a pipeline's, where ranks
-    do not share cores)."""
+    """The machine as measured: a rate and a memory bandwidth that give the compute and AdamW
+    timed here, a copy at the gradients' size, the straggler from ``samples``."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
-    owned = planner.parameter_count(lm)
     gradients = sum(planner.rank_tensor_bytes(lm, grid))
-    threads = launch.rank_threads(grid.world_size)
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
-        memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * owned / optimizer_s,
-        copy_bandwidth=time_copy(gradients, threads, device),
+        memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(lm) / optimizer_s,
+        copy_bandwidth=time_copy(gradients, launch.rank_threads(grid.world_size), device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
         reduce_scatter_as_all_reduce=True, point_to_point=hop)
@@ -412,10 +333,8 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 
 def this_run(name: str) -> list[dict]:
-    """The rows of ``results/<name>`` from this make bench run (``RESULTS_RUN_ID``), else from
-    the last run that wrote the file: never one run's steps beside another's. A row the
-    planner cannot read (an unknown model, a count that is not a number) costs a one-line
-    warning, not the check."""
+    """``results/<name>``'s rows from this run (``RESULTS_RUN_ID``), else the newest run; an
+    unreadable row costs one line."""
     rows = results.read_csv(name)
     run = os.environ.get("RESULTS_RUN_ID")
     if not run and rows:
@@ -470,30 +389,16 @@ LEDGER_SETTINGS = (*DDP_SETTINGS, "checkpointing")
 
 
 def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | None:
-    """The compute-only control (``none``) among ``rows`` (one run's) at ``row``'s
-    ``settings``: measured in the same launch, beside it. None where the run has none."""
+    """The compute-only control (``none``) at ``row``'s ``settings``, from the same launch."""
     for control in rows:
         if control["impl"] == "none" and all(control[key] == row[key] for key in settings):
             return control
     return None
 
 
-def compute_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
-    """(forward + backward seconds, optimizer seconds) of the DDP bench's compute-only control
-    (``none``: each rank trains its own share of the batch, no communication) measured in the
-    same launch as ``row``, at its settings: the slowest rank's medians, the cores shared as in
-    the job. None where the run has no such row."""
-    control = same_launch_control(rows, row, DDP_SETTINGS)
-    if control is None or not control.get("fwd_bwd_ms"):
-        return None
-    return float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
-
-
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
-    """(forward + backward seconds, optimizer seconds) of the ledger's compute-only control
-    (``none``) measured in the same launch as ``row``, at its settings and checkpointing: its
-    step less its AdamW step timed alone. None where the run has no such row, or where its
-    AdamW step alone took as long as its whole step (noise: no compute left to scale by)."""
+    """The ledger control's (forward + backward s, AdamW s): its step less its AdamW step; None
+    without one, or where AdamW took the whole step (noise)."""
     control = same_launch_control(rows, row, LEDGER_SETTINGS)
     if control is None or not control.get("optimizer_ms"):
         return None
@@ -505,8 +410,7 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
 
 
 def control_burst(rows: list[dict], row: dict) -> float | None:
-    """Seconds a small all-reduce took in a burst, timed beside the DDP bench's control in the
-    same launch as ``row`` (its ``call_ms``); None where the run has none (an older run)."""
+    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``), or None."""
     control = same_launch_control(rows, row, DDP_SETTINGS)
     if control is None or not control.get("call_ms"):
         return None
@@ -515,10 +419,8 @@ def control_burst(rows: list[dict], row: dict) -> float | None:
 
 def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
                 checkpointing: bool = False) -> tuple[float, float, tuple, int]:
-    """(forward + backward seconds, optimizer seconds, the forward + backward timings, the
-    cores the ranks take turns on) for a row: its launch's control where it has one (its
-    slowest rank is already in it, and its ranks' taking turns), else the LM timed here at one
-    rank's shapes."""
+    """(compute s, optimizer s, timings, cores taken turns on): the launch's control if any (its
+    straggler and turns already in it), else the LM timed here at one rank's shapes."""
     ranks = int(row["world_size"])
     if control is not None:
         return control[0], control[1], (), max(cores, ranks)
@@ -529,23 +431,21 @@ def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
     return compute_s, optimizer_s, samples, cores
 
 
+def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
+    """(row, ranks, fit) for each row on ``backend_device`` with a fit for as many ranks."""
+    for row in rows:
+        ranks = int(row["world_size"])
+        key = f"{backend_device}/{ranks}"   # the fit with as many ranks sharing the cores
+        if f"{row['backend']}/{row['device']}" == backend_device and key in fits:
+            yield row, ranks, fits[key]
+
+
 def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """Stages 03-06 and torch DDP at their ``ddp_step.csv`` settings. Their compute is the
-    bench's own compute-only control (``none``), measured in the same launch, so the rows are
-    predicted from a compute timed beside them (this VM's compute drifts by 10-20% between
-    moments); without it, the LM timed here at one rank's shapes. The control is then an
-    input, not a row. Likewise a call's cost: the burst timed beside the control (the same
-    64 KiB call in a burst of 20 took 0.80 ms in one check's own timing and 1.56 ms in
-    another's), else the check's own."""
+    """Stages 03-06 and torch DDP from ``ddp_step.csv``, compute and a call's cost from the same
+    launch's control (compute drifts 10-20% between moments here), else timed here."""
     rows = []
     run_rows = this_run("ddp_step.csv")
-    for row in run_rows:
-        if f"{row['backend']}/{row['device']}" != backend_device:
-            continue
-        ranks = int(row["world_size"])
-        key = f"{backend_device}/{ranks}"
-        if key not in fits:
-            continue
+    for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         impl = row["impl"]
         if impl in ("bucketed", "torch_ddp"):
             cap = float(row["bucket_mb"]) * 2**20
@@ -556,7 +456,11 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
-        control = compute_control(run_rows, row)
+        control = same_launch_control(run_rows, row, DDP_SETTINGS)
+        if control is None or not control.get("fwd_bwd_ms"):
+            control = None
+        else:
+            control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3)
         if control is not None and cap is None:
             continue                                   # the control itself: the input
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
@@ -570,29 +474,20 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             calls = StepCalls(all_reduce_s=burst, hop=None)
         else:
             calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
-        label = impl
-        if impl in ("bucketed", "torch_ddp"):
-            label = f"{impl} {row['bucket_mb']} MB"
+        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
         rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
                                   "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
     return rows
 
 
 def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """The sharding ledger's strategies (ours) at their ``sharding.csv`` settings. Their compute
-    is the ledger's compute-only control (``none``) in the same launch, as for the DDP rows
-    (on this VM its step came out 1.5-1.6x the same LM timed in a process of its own, with the
-    other core idle); without it, the LM timed here at one rank's shapes."""
+    """The ledger's strategies (ours) from ``sharding.csv``, compute from the launch's control."""
     rows = []
     run_rows = this_run("sharding.csv")
-    for row in run_rows:
-        if f"{row['backend']}/{row['device']}" != backend_device or row["impl"] not in planner.DP_KINDS:
-            continue
-        ranks = int(row["world_size"])
-        key = f"{backend_device}/{ranks}"
-        if key not in fits:
+    for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
+        if row["impl"] not in planner.DP_KINDS:
             continue
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
@@ -602,7 +497,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         control = ledger_control(run_rows, row)
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores, checkpointing)
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
         if grid.dp_kind == "fsdp":
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
@@ -614,33 +509,10 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
     return rows
 
 
-def parse_grid(label: str, setting: str, micro_batches: int) -> planner.Grid | None:
-    """'dp2 tp2' and 'ZeRO-1 AdamW, 1f1b m4' (lesson 7's labels) as a planner grid; its data
-    axis all-reduces every gradient in one call, and ZeRO-1 adds the owners' broadcasts. None
-    for a label that is not a grid's (the pipeline comparison's 'pp2 (x2 side by side)')."""
-    sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
-    for part in label.split():
-        if part[:2] not in sizes or not part[2:].isdigit():
-            return None
-        sizes[part[:2]] = int(part[2:])
-    kind = "zero1" if setting.startswith("ZeRO-1") else "ddp"
-    schedule = "1f1b"
-    for name in ("gpipe", "1f1b", "interleaved", "zbh1"):
-        if name in setting:
-            schedule = name
-    return planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
-                        dp_kind=kind, schedule=schedule, micro_batches=micro_batches,
-                        bucket_bytes=float("inf"))
-
-
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
                       device: str) -> tuple[float, float, tuple[float, ...]]:
-    """``time_compute`` at the shapes one rank of ``grid`` runs: its data rank's rows (b / d)
-    and its context shard (s / c), and, in a pipeline, a micro-batch (b / (d m) rows) at a
-    time, m times: a small micro-batch pays each operation's fixed cost as a whole batch does
-    (lesson 9's README has the tiny LM's figures). The forward and backward timings are scaled
-    by m; the AdamW step is once a step. (Each sample scaled by m overstates the spread of a
-    sum of m micro-batches a little, so the straggler share a little for a pipeline.)"""
+    """``time_compute`` at one rank's shapes (b / d rows, s / c tokens), in a pipeline a
+    micro-batch at a time with the forward and backward scaled by m; AdamW once."""
     rows = batch // grid.dp // grid.micro_batches
     compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
                                                    threads, device=device)
@@ -649,21 +521,30 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
 
 
 def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
-    """Our grids of lesson 7 (``impl`` ours) at their ``grid.csv`` settings."""
+    """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
     rows = []
-    for row in this_run("grid.csv"):
-        if row.get("impl") != "ours" or f"{row['backend']}/{row['device']}" != backend_device:
+    for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
+        if row.get("impl") != "ours" or not row.get("micro_batches"):
             continue
-        if not row.get("micro_batches") or row.get("schedule") or row.get("pair"):
+        if row.get("schedule") or row.get("pair"):
             continue                 # the pipeline comparison, torch's controls: not our grids
-        ranks = int(row["world_size"])
-        grid = parse_grid(row["grid"], row["setting"], int(row["micro_batches"]))
-        if grid is None or grid.world_size != ranks:
+        sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
+        parts = row["grid"].split()
+        if not all(part[:2] in sizes and part[2:].isdigit() for part in parts):
+            continue                 # 'pp2 (x2 side by side)'
+        for part in parts:
+            sizes[part[:2]] = int(part[2:])
+        schedule = "1f1b"
+        for name in ("gpipe", "1f1b", "interleaved", "zbh1"):
+            if name in row["setting"]:
+                schedule = name
+        # the data axis all-reduces every gradient in one call; lesson 7 logs the global loss
+        grid = planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
+                            dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
+                            schedule=schedule, micro_batches=int(row["micro_batches"]),
+                            bucket_bytes=float("inf"), loss_all_reduce=True)
+        if grid.world_size != ranks:
             continue
-        key = f"{backend_device}/{ranks}"   # the fit with as many ranks sharing the cores
-        if key not in fits:
-            continue
-        grid = dataclasses.replace(grid, loss_all_reduce=True)   # lesson 7 logs the global loss
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
@@ -671,10 +552,8 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                                                             launch.rank_threads(ranks),
                                                             row["device"])
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        hop = None
-        if calls is not None:
-            hop = calls.hop
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fits[key], ranks, calls),
+        hop = calls.hop if calls is not None else None
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            cores, samples, row["device"], hop)
         rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
                                   "grid.csv", lm, grid, machine, float(row["step_ms"])))
@@ -691,12 +570,8 @@ PROJECTION_TOP = 3             # grids a preset
 
 
 def projection_rows(device: str) -> list[dict]:
-    """The planner on each cluster preset, with this device's compute in place of the spec
-    sheet's: the LM's forward, backward and AdamW timed here at world size 1 with one data-
-    parallel rank's shapes (float32, as the course's LM runs; one thread, which on a CPU is a
-    core a rank) give the matmul rate and memory bandwidth; the links stay the preset's. Every figure is a prediction for a machine that is
-    not here; ``compute_from`` names the one whose compute fed it. Fail-safe: a device that
-    cannot run the shapes costs the projection, one line, not the check."""
+    """The planner on each cluster preset with this device's compute (the LM at world size 1,
+    float32, one thread) and the preset's links; a device that cannot run it: one line, no rows."""
     try:
         compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
                                                  models.VOCAB_SIZE, 1, device=device)
@@ -725,10 +600,10 @@ def projection_rows(device: str) -> list[dict]:
                 fitting.append(prediction)
         fitting.sort(key=lambda prediction: prediction["step_s"])
         for prediction in fitting[:PROJECTION_TOP]:
-            rows.append({"config": f"{name}: {planner.label(prediction['grid'])}",
-                         "cluster": name, "grid": planner.label(prediction["grid"]),
-                         "ranks": cluster.ranks, "model": PROJECTION_MODEL,
-                         "batch_size": lm.batch, "seq_len": lm.seq, "label": "predicted",
+            grid = planner.label(prediction["grid"])
+            rows.append({"config": f"{name}: {grid}", "cluster": name, "grid": grid,
+                         "ranks": cluster.ranks, "model": PROJECTION_MODEL, "batch_size": lm.batch,
+                         "seq_len": lm.seq, "label": "predicted",
                          "predicted_ms": round(prediction["step_s"] * 1e3, 3),
                          "tokens_per_s_per_gpu": round(prediction["tokens_per_s_per_rank"]),
                          "share_of_measured_rate": round(prediction["mfu"], 3),
@@ -739,18 +614,12 @@ def projection_rows(device: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- bytes, exactly
-# The planner's memory and bytes for one rank of lesson 7's grid, counted as lesson 7 builds
-# it: tests hold them equal to the benches' own formulas.
 
 
 def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
-    """Bytes one rank sends a step on the data-parallel axis alone (tp = pp = cp = 1), as a ring
-    sends them: an all-reduce 2 (d-1)/d of its payload, an all-gather or reduce-scatter (d-1)/d.
-    DDP and ZeRO-2: the gradients' all-reduce volume (ZeRO-2 as a reduce-scatter, then the
-    parameters' all-gather); ZeRO-1 as built in lesson 1: the all-reduce, then the owners
-    broadcast the new parameters, 1.5x. FSDP (lesson 2): every sharded unit gathered for forward
-    and again for backward, except those kept gathered in between (the root and the last
-    block), gradients reduce-scattered, and the whole 1-D tensors' gradients all-reduced."""
+    """Bytes a rank sends a step on the data axis alone, as a ring: DDP and ZeRO-2 the all-reduce,
+    ZeRO-1 1.5x (owners broadcast), FSDP units gathered twice less those kept (the root, the last
+    block), gradients reduce-scattered, the 1-D tensors' all-reduced."""
     d = grid.dp * grid.cp           # the ranks holding the same parameters
     whole = planner.FLOAT32 * planner.parameter_count(lm)
     if grid.dp_kind == "fsdp":
@@ -773,30 +642,9 @@ def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
     return sent
 
 
-
-
-def zero1_dealt_state(tensors: list[tuple[int, bool]], owners: int, owner: int) -> int:
-    """Lesson 1's ZeRO-1 deal: whole tensors, largest first, each to the rank holding the fewest
-    bytes so far (ties: the lowest rank), which keeps AdamW's two moments and its step count.
-    (measure/grid_bench.py deals the same way for its formula: repeated on purpose, so that
-    this file copies alone.)"""
-    loads = [0] * owners
-    owned = [0] * owners
-    sizes = [values for values, _ in tensors]
-    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])
-    for index in order:
-        rank = loads.index(min(loads))
-        loads[rank] += planner.FLOAT32 * sizes[index]
-        owned[rank] += 2 * planner.FLOAT32 * sizes[index] + planner.ADAMW_STEP_BYTES
-    return owned[owner]
-
-
 def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
-    """One rank of lesson 7's grid, exactly as lesson 7 builds it (its bench counts the same
-    numbers from the tensors): parameters, gradients and AdamW state (torch keeps a float32
-    step count per tensor; ZeRO-1 deals whole tensors), what one micro-batch saves for
-    backward, and the bytes it sends a step on each axis, a ring's share of each payload.
-    ``pp_rank``: its pipeline position; ``data_rank``: its position among the dp x cp ranks."""
+    """One rank of lesson 7's grid as it builds it: parameters, gradients, AdamW state, one
+    micro-batch's activations, the bytes sent on each axis (``pp_rank``, ``data_rank``: its place)."""
     if grid.dp_kind not in ("ddp", "zero1"):
         raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
     p = grid.pp
@@ -809,7 +657,17 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
     replicated = sum(values for values, split in tensors if not split)
     optim = 2 * planner.FLOAT32 * params + planner.ADAMW_STEP_BYTES * len(tensors)
     if grid.dp_kind == "zero1":
-        optim = zero1_dealt_state(tensors, grid.dp * c, data_rank)
+        # lesson 1's deal (measure/grid_bench.py repeats it, so that this file copies alone):
+        # whole tensors, largest first, each to the rank holding the fewest bytes (ties: the
+        # lowest), which keeps AdamW's two moments and its step count
+        loads = [0] * (grid.dp * c)
+        owned = [0] * (grid.dp * c)
+        sizes = [values for values, _ in tensors]
+        for index in sorted(range(len(sizes)), key=lambda index: -sizes[index]):
+            rank = loads.index(min(loads))
+            loads[rank] += planner.FLOAT32 * sizes[index]
+            owned[rank] += 2 * planner.FLOAT32 * sizes[index] + planner.ADAMW_STEP_BYTES
+        optim = owned[data_rank]
     stages = [chunk * p + pp_rank for chunk in range(v)]
     first = 0 in stages
     last = p * v - 1 in stages
@@ -856,7 +714,6 @@ PUBLISHED = [
     ("torchtitan, Llama 3 8B, 64 x A100, FSDP, local batch 1", "A100", 64, 64, 8192,
      "dp64 fsdp sel", 2973, None),
 ]
-PUBLISHED_TOLERANCE = 0.20
 
 
 def published_rows() -> list[dict]:
@@ -872,17 +729,6 @@ def published_rows() -> list[dict]:
                      "memory": memory, "predicted_memory": prediction["memory"]["total"] / 2**30,
                      "largest": f"{terms[0][0]} {terms[0][1] * 1e3:.0f} ms"})
     return rows
-
-
-def print_published() -> None:
-    print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
-          "predicted | largest term |")
-    print("|---|---|---|---|---|---|---|")
-    for row in published_rows():
-        memory = f"{row['memory']} / {row['predicted_memory']:.1f}" if row["memory"] else \
-            f"- / {row['predicted_memory']:.1f}"
-        print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "
-              f"{row['error']:+.0%} | {memory} | {row['largest']} |")
 
 
 def within_target(ratio: float) -> bool:
@@ -912,7 +758,14 @@ def main(argv=None) -> int:
               f"{torch.__version__}); check its rows with --device cpu")
         return 2
     if args.published:
-        print_published()
+        print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
+              "predicted | largest term |")
+        print("|---|---|---|---|---|---|---|")
+        for row in published_rows():
+            memory = f"{row['memory']} / {row['predicted_memory']:.1f}" if row["memory"] else \
+                f"- / {row['predicted_memory']:.1f}"
+            print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "
+                  f"{row['error']:+.0%} | {memory} | {row['largest']} |")
         return 0
     backend_device = f"{args.backend}/{args.device}"
     if args.device == "cuda" or args.project:
@@ -926,14 +779,10 @@ def main(argv=None) -> int:
     else:
         print("check_prediction: no projection onto the GPU presets: this box has no GPU, and "
               "a CPU's compute would project a cluster of CPUs (--project shows it anyway)")
-    fits = {}
     run = os.environ.get("RESULTS_RUN_ID")      # make bench: only this run's fit counts
-    for key, fit in results.read_json("allreduce_fit.json").items():
-        if not (key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit):
-            continue
-        if run and fit.get("run_id") != run:
-            continue
-        fits[key] = fit
+    fits = {key: fit for key, fit in results.read_json("allreduce_fit.json").items()
+            if key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit
+            and not (run and fit.get("run_id") != run)}
     if not fits:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
@@ -946,8 +795,7 @@ def main(argv=None) -> int:
         new_rows = make_rows(fits, backend_device, cores)
         rows.extend(new_rows)
         if new_rows:
-            # this run's rows replace every older row from the same source file: one
-            # configuration, one row, from the newest run that measured it
+            # this run's rows replace every older row from the same source file
             results.upsert_csv(CSV_NAME, new_rows, key=["source"])
     if not rows:
         print("check_prediction: nothing to check: no rows of this run in results/ "
