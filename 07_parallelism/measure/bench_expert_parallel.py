@@ -29,11 +29,9 @@ for folder in (REPO, REPO / "07_parallelism" / "06_expert_parallel"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
+from bench import results, timing  # noqa: E402
+from bench import supervisor as launch  # noqa: E402
 from common import import_stage, verify  # noqa: E402
-
-from bench import results, timing
-
-from bench import supervisor as launch
 from expert_parallel import ExpertParallelMoE, MoE, expert_capacity  # noqa: E402
 
 counters = import_stage("07_parallelism/measure/counters")

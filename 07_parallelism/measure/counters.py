@@ -66,10 +66,9 @@ class SavedActivations(contextlib.ExitStack):
 
     def __init__(self, model: nn.Module | None = None, exclude_now=set):
         super().__init__()
-        self.weights = set()
+        self.weights = set()  # the storage keys of model's parameters
         if model is not None:
-            for p in model.parameters():
-                self.weights.add(storage_key(p))
+            self.weights = {storage_key(p) for p in model.parameters()}
         self.exclude_now = exclude_now
         self.seen = {}  # storage key -> bytes
 
@@ -78,13 +77,10 @@ class SavedActivations(contextlib.ExitStack):
         return sum(self.seen.values())
 
     def count(self, t):
-        if not isinstance(t, torch.Tensor) or isinstance(t, nn.Parameter):
-            return t
-        key = storage_key(t)
-        if key in self.weights or key in self.exclude_now():
-            return t
-        if key not in self.seen:
-            self.seen[key] = local_part(t).untyped_storage().nbytes()
+        if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter):
+            key = storage_key(t)
+            if key not in self.weights and key not in self.exclude_now() and key not in self.seen:
+                self.seen[key] = local_part(t).untyped_storage().nbytes()
         return t
 
     def __enter__(self):
@@ -104,11 +100,7 @@ class SavedActivations(contextlib.ExitStack):
 
 def gathered_bytes(fsdp) -> int:
     """Bytes of full weights lesson 2's FSDP holds now (a freed one's storage is 0 bytes)."""
-    total_bytes = 0
-    for unit in fsdp.units:
-        for full in unit.full:
-            total_bytes += full.untyped_storage().nbytes()
-    return total_bytes
+    return sum(full.untyped_storage().nbytes() for unit in fsdp.units for full in unit.full)
 
 
 def gathered_storage_keys(fsdp) -> set:
@@ -168,9 +160,7 @@ def tensor_bytes(t) -> int:
 def tensor_dtype(t):
     """The dtype of a tensor, or of the first of a list of tensors (None for an empty list)."""
     if isinstance(t, (list, tuple)):
-        if not t:
-            return None
-        return tensor_dtype(t[0])
+        return tensor_dtype(t[0]) if t else None
     return t.dtype
 
 
@@ -335,11 +325,7 @@ class FunctionalCommCounter(TorchDispatchMode):
             # The group's size: its name is all these ops carry (a private lookup, torch 2.x)
             group = dist.distributed_c10d._resolve_process_group(group_name)
             kind = self.KINDS[name]
-            axis = "other"
-            for axis_name, axis_group in self.axes.items():
-                if axis_group.group_name == group_name:
-                    axis = axis_name
-                    break
+            axis = next((axis for axis, g in self.axes.items() if g.group_name == group_name), "other")
             sent = ring_send_bytes(kind, payload, dist.get_world_size(group))
             self.calls.append({"op": kind, "payload_bytes": payload, "sent_bytes": sent,
                                "label": self.current, "axis": axis})

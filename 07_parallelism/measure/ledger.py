@@ -18,11 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import import_stage, models
-
 from bench import results, timing
-
 from bench import supervisor as launch
+from common import import_stage, models
 from common.launch import carries_point_to_point
 from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
                       optimizer_state_bytes, state_bytes, storage_key)
@@ -91,19 +89,17 @@ def strategies() -> list[tuple]:
 
 
 def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, float]:
-    """Per rank, from the LM's shapes (before any sharding): float32, AdamW's two moments.
+    """Per rank, from the LM's shapes: float32, AdamW's two moments.
 
-    Replicas, P parameters on N ranks: weights 4P, gradients 4P, moments 8P, each divided by
-    N where ``impl`` shards it (DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N). Sent: one
-    all-reduce, 2(N-1)/N 4P; ZeRO-1 built on DDP's all-reduce also broadcasts the
-    parameters: 1.5x that; the control (``none``) holds what DDP holds and sends nothing.
+    Replicas, P parameters on N ranks: weights 4P, gradients 4P, moments 8P, each / N where
+    ``impl`` shards it. Sent: one all-reduce, 2(N-1)/N 4P; ZeRO-1 also broadcasts the
+    parameters: 1.5x that; the control (``none``) sends nothing.
 
-    FSDP: a sharded tensor is padded to N ceil(rows/N) rows (W bytes in all) and each rank
-    holds W/N; ours keeps 1-D parameters whole (R bytes; torch's shards them too): weights and
-    gradients W/N + R each, moments twice that. Each unit is all-gathered for forward and
-    again for backward, except the K bytes kept gathered in between (ours: the root and the
-    last block, which end forward last; torch's: the root), and reduce-scattered once, and R
-    is all-reduced: sent (N-1)/N (3W - K) + 2(N-1)/N R. Peak (ours): the shards + K.
+    FSDP: sharded tensors padded to N ceil(rows/N) rows (W bytes), W/N a rank; ours keeps 1-D
+    ones whole (R bytes): weights and gradients W/N + R, moments twice that. Each unit is
+    gathered for forward and backward, but for the K bytes kept gathered between (ours: the
+    root and the last block; torch's: the root), and reduce-scattered; R is all-reduced: sent
+    (N-1)/N (3W - K) + 2(N-1)/N R. Peak (ours): the shards + K.
     """
     n = world_size
     all_bytes = 4 * sum(tensor.numel() for tensor in lm.parameters())  # 4P
@@ -145,9 +141,8 @@ def add_ledger_args(parser) -> None:
     """The ledger's flags, sized for ``make bench`` on 2 cores; the LM is ``course``, whose
     blocks (not its logits, as the tiny LM's) dominate the saved activations."""
     group = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
-    group.add_argument("--bench", action="store_true", help="the ledger of DDP (06), ZeRO-1/2, FSDP "
-                       "and torch's, and a compute-only control (none): bytes and time per step "
-                       "to results/sharding.csv")
+    group.add_argument("--bench", action="store_true", help="the ledger of DDP, ZeRO-1/2, FSDP, "
+                       "torch's and a control (none): bytes and time per step to results/sharding.csv")
     group.add_argument("--model", choices=list(models.PRESETS), default="course", help="LM preset")
     group.add_argument("--batch-size", type=launch.positive_int, default=4,
                        help="GLOBAL batch (sequences per step), split evenly across ranks")
