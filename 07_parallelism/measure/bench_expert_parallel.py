@@ -1,18 +1,11 @@
 """Stage 07, expert parallelism, measured: what an ExpertParallelMoE costs and what it saves.
 
-Per token count (smallest first, each row written to results/expert_parallel.csv as it
-lands, so a run stopped at its cap keeps what it measured; with --budget-s, the counts predicted
-to end past it are skipped, said in one line):
-* the step (forward + backward) of the replicated MoE, every rank on its own tokens and no
-  communication, against expert parallel on the same tokens (slowest rank's median);
-* the bytes this rank sends in each all-to-all, counted (measure/counters.CommCounter) beside
-  the formula for the routing measured;
-then the expert parameter bytes per rank (exactly 1/W), and the load at the largest count
-measured for each routing and capacity factor (tokens per expert, drops), drawn to
-results/expert_parallel_load.png.
-
-On one GPU the ranks share it over Gloo, whose all-to-all goes through host memory: the
-exchange times describe that path, not an interconnect. The bytes and loads are exact anywhere.
+Per token count, smallest first (each row to results/expert_parallel.csv as it lands; with
+--budget-s, the counts predicted to end past it are skipped): the step of the replicated MoE
+(no communication) against expert parallel's, and the bytes each all-to-all sends, counted
+beside the formula. Then the expert bytes per rank (exactly 1/W) and the load at the largest
+count for each routing and capacity factor, drawn to results/expert_parallel_load.png.
+Under Gloo the exchange times describe its host path; the bytes and loads are exact anywhere.
 
 Run:
     python 07_parallelism/measure/bench_expert_parallel.py --bench --world-size 4 --num-experts 8
@@ -36,11 +29,9 @@ for folder in (REPO, REPO / "07_parallelism" / "06_expert_parallel"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from common import import_stage  # noqa: E402
-
-from bench import results, timing
-
-from bench import supervisor as launch
+from bench import results, timing  # noqa: E402
+from bench import supervisor as launch  # noqa: E402
+from common import import_stage, verify  # noqa: E402
 from expert_parallel import ExpertParallelMoE, MoE, expert_capacity  # noqa: E402
 
 counters = import_stage("07_parallelism/measure/counters")
@@ -52,15 +43,11 @@ KEY = ["backend", "device", "world_size", "d_model", "d_ff", "num_experts", "top
        "measure", "tokens_per_rank", "routing", "capacity_factor"]
 
 
-# --------------------------------------------------------------------------- bytes
-
-
 def predicted_sent_bytes(send_counts: torch.Tensor, rank: int, experts_per_rank: int,
                          d_model: int, element_size: int = 4) -> list[int]:
-    """What rank ``rank`` sends in each all-to-all of one forward + backward, in call order,
-    given ``send_counts`` [W, E]: the rows every rank sends every expert. Forward: the counts
-    (E/W int64 to each other rank), the rows to other ranks' experts (dispatch), the rows
-    other ranks sent here (combine); backward: the same two exchanges reversed."""
+    """What ``rank`` sends in each all-to-all of one forward + backward, given ``send_counts``
+    [W, E] (the rows every rank sends every expert): the counts (E/W int64 to each other
+    rank), dispatch, combine; then backward's two reversed."""
     world_size = send_counts.shape[0]
     my_experts = slice(rank * experts_per_rank, (rank + 1) * experts_per_rank)
     to_others = send_counts[rank].sum().item() - send_counts[rank, my_experts].sum().item()
@@ -70,15 +57,8 @@ def predicted_sent_bytes(send_counts: torch.Tensor, rank: int, experts_per_rank:
     return [counts, to_others * row, from_others * row, to_others * row, from_others * row]
 
 
-def uniform_bytes_per_exchange(tokens: int, top_k: int, d_model: int, world_size: int,
-                               element_size: int = 4) -> float:
-    """Uniform routing, no drops: top_k * tokens * d_model * (W-1)/W * element size."""
-    return top_k * tokens * d_model * (world_size - 1) / world_size * element_size
-
-
 def gathered_send_counts(layer, group=None) -> torch.Tensor:
-    """[W, E]: every rank's ``tokens_per_expert`` (the rows it sends each expert), gathered
-    apart from the layer's own exchange so that the formula does not read what it checks."""
+    """[W, E]: every rank's ``tokens_per_expert``, gathered apart from the layer's exchange."""
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, layer.tokens_per_expert.tolist(), group=group)
     return torch.tensor(everyone)
@@ -89,17 +69,13 @@ def moe_loss(out: torch.Tensor, target: torch.Tensor, aux_loss: torch.Tensor) ->
 
 
 def count_bytes(layer, x: torch.Tensor, target: torch.Tensor, loss_fn=moe_loss) -> list[float]:
-    """Bytes this rank sends in each all-to-all of one forward + backward, counted. ``x``
-    needs a gradient, as a layer's input in a model does: without one, backward would skip
-    the reverse of the dispatch (4 exchanges instead of 5)."""
+    """Bytes this rank sends in each all-to-all of one forward + backward, counted. ``x`` needs
+    a gradient, as in a model: without one, backward skips the dispatch's reverse."""
     x = x.detach().requires_grad_(True)
     with counters.CommCounter() as comm:
         out = layer(x)
         loss_fn(out, target, layer.aux_loss).backward()
     return [call["sent_bytes"] for call in comm.calls if call["op"] == "all_to_all"]
-
-
-# --------------------------------------------------------------------------- the measurements
 
 
 def bench_moe(cfg: dict, routing: str, capacity_factor, device) -> MoE:
@@ -121,26 +97,8 @@ def bench_input(cfg: dict, routing: str, tokens: int, rank: int, device) -> torc
 
 
 def step(layer, x: torch.Tensor) -> None:
-    """One forward + backward, as training runs it."""
     out = layer(x)
     moe_loss(out, torch.zeros_like(out), layer.aux_loss).backward()
-
-
-def relative_diff(got: torch.Tensor, want: torch.Tensor) -> float:
-    return (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
-
-
-def expert_memory(ctx, cfg: dict, failures: list[str]) -> dict:
-    """Expert parameter bytes per rank: exactly 1/W of the layer's, plus the whole router."""
-    moe = bench_moe(cfg, "random", None, ctx.device)
-    layer = ExpertParallelMoE(moe)
-    full = counters.state_bytes(moe.experts.parameters())
-    router = counters.state_bytes(layer.router.parameters())
-    held = counters.state_bytes(layer.parameters()) - router
-    if held * ctx.world_size != full:
-        failures.append(f"expert bytes per rank {held} x {ctx.world_size} != {full}")
-    return {"expert_bytes_replicated": full, "expert_bytes_per_rank": held,
-            "share": held / full, "router_bytes": router}
 
 
 def time_one(ctx, cfg: dict, tokens: int, failures: list[str]) -> dict:
@@ -150,7 +108,8 @@ def time_one(ctx, cfg: dict, tokens: int, failures: list[str]) -> dict:
     layer = ExpertParallelMoE(moe)
     x = bench_input(cfg, "random", tokens, ctx.rank, ctx.device)
     with torch.no_grad():
-        out_diff = relative_diff(layer(x), moe(x))
+        want_out = moe(x)
+        out_diff = (layer(x) - want_out).abs().max().item() / max(want_out.abs().max().item(), 1e-30)
     replicated = timing.gather_times(timing.measure(lambda: step(moe, x), ctx.device,
                                                     cfg["warmup"], cfg["iters"], barrier=True))
     expert_parallel = timing.gather_times(timing.measure(lambda: step(layer, x), ctx.device,
@@ -167,15 +126,14 @@ def time_one(ctx, cfg: dict, tokens: int, failures: list[str]) -> dict:
             "expert_parallel_ms": 1e3 * expert_parallel.median,
             "ep_over_replicated": expert_parallel.median / replicated.median,
             "bytes_sent_counted": sum(counted), "bytes_sent_formula": sum(want),
-            "dispatch_bytes": counted[1],
-            "uniform_bytes_per_exchange": uniform_bytes_per_exchange(
-                tokens, cfg["top_k"], cfg["d_model"], ctx.world_size, x.element_size()),
+            "dispatch_bytes": counted[1],  # beside uniform routing's: top_k T d (W-1)/W bytes
+            "uniform_bytes_per_exchange": (cfg["top_k"] * tokens * cfg["d_model"] * (ctx.world_size - 1)
+                                           / ctx.world_size * x.element_size()),
             "output_diff": out_diff}
 
 
 def load_one(ctx, cfg: dict, routing: str, capacity_factor) -> dict:
-    """Tokens per expert (kept, all ranks' tokens), max / mean, share of assignments dropped,
-    and the rows each rank's experts receive, for one routing and capacity factor."""
+    """Tokens per expert (kept, all ranks'), max / mean, share dropped, rows per rank."""
     tokens = cfg["load_tokens"]
     moe = bench_moe(cfg, routing, capacity_factor, ctx.device)
     layer = ExpertParallelMoE(moe)
@@ -197,8 +155,8 @@ def load_one(ctx, cfg: dict, routing: str, capacity_factor) -> dict:
 
 
 def plot_load(load_rows: list[dict], cfg: dict, world_size: int, title: str):
-    """Bars of tokens per expert, coloured by the rank that holds the expert, one panel per
-    routing and capacity factor, the capacity (W x C) dashed. None without matplotlib."""
+    """Tokens per expert, coloured by rank, a panel per routing and capacity factor (W x C
+    dashed). None without matplotlib."""
     plt = results.pyplot()
     if plt is None or not load_rows:
         return None
@@ -226,23 +184,40 @@ def plot_load(load_rows: list[dict], cfg: dict, world_size: int, title: str):
 
 def bench_main(ctx, cfg: dict) -> None:
     n = ctx.world_size
-    where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
     same = {"backend": ctx.backend, "device": ctx.device.type, "world_size": n,
             "d_model": cfg["d_model"], "d_ff": cfg["d_ff"], "num_experts": cfg["num_experts"],
             "top_k": cfg["top_k"], "machine": results.machine_name(), "run_id": results.run_id()}
     if ctx.is_main:
         print(f"Expert parallel on {n} ranks: d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
-              f"{cfg['num_experts']} experts, top-{cfg['top_k']}, {where}", flush=True)
+              f"{cfg['num_experts']} experts, top-{cfg['top_k']}, {ctx.backend}/{ctx.device.type} "
+              f"({results.machine_name()})", flush=True)
         if ctx.backend == "gloo" and ctx.device.type == "cuda":
             print("(Gloo on CUDA: every all-to-all goes GPU -> host memory -> loopback -> GPU; "
                   "its times describe that path, not an interconnect)", flush=True)
     failures = []
     start = time.monotonic()
-    memory = expert_memory(ctx, cfg, failures)
+    moe = bench_moe(cfg, "random", None, ctx.device)   # expert bytes per rank: exactly 1/W
+    layer = ExpertParallelMoE(moe)
+    full = counters.state_bytes(moe.experts.parameters())
+    router = counters.state_bytes(layer.router.parameters())
+    held = counters.state_bytes(layer.parameters()) - router
+    if held * ctx.world_size != full:
+        failures.append(f"expert bytes per rank {held} x {ctx.world_size} != {full}")
+    memory = {"expert_bytes_replicated": full, "expert_bytes_per_rank": held,
+              "share": held / full, "router_bytes": router}
     time_rows = []
     for tokens in sorted(cfg["tokens"]):      # smallest first; each row saved as it lands
-        if time_rows and not fits_budget(ctx, cfg, start, time_rows[-1], tokens):
-            break
+        if time_rows and cfg["budget_s"] is not None:  # predicted in proportion from the last
+            last = time_rows[-1]
+            per_step_s = (last["replicated_ms"] + last["expert_parallel_ms"]) / 1e3
+            predicted_s = (cfg["warmup"] + cfg["iters"]) * per_step_s * tokens / last["tokens_per_rank"]
+            decision = [time.monotonic() - start + predicted_s <= cfg["budget_s"]]
+            dist.broadcast_object_list(decision, src=0)   # rank 0 decides, every rank follows
+            if ctx.is_main and not decision[0]:
+                print(f"  {tokens} tokens per rank and more skipped: about {predicted_s:.0f} s predicted, "
+                      f"past --budget-s {cfg['budget_s']:g}", flush=True)
+            if not decision[0]:
+                break
         row = time_one(ctx, cfg, tokens, failures)
         time_rows.append(row)
         if ctx.is_main:
@@ -259,62 +234,30 @@ def bench_main(ctx, cfg: dict) -> None:
             if ctx.is_main:
                 results.upsert_csv(CSV, [{**same, "measure": "load",
                                           "tokens_per_rank": cfg["load_tokens"], **row}], key=KEY)
-    failures = verify_agree(failures)
-    if ctx.is_main:
-        report(cfg, n, time_rows, memory, load_rows)
+    failures = verify.agree_on_problems(failures)
+    if ctx.is_main:  # the tables, targets and picture (the rows are already in the CSV)
+        results.print_table(time_rows, "\nStep (forward + backward), slowest rank's median; bytes "
+                                       "rank 0 sends per step (5 all-to-alls; dispatch: the first "
+                                       "forward one):", floatfmt=".4g")
+        results.print_table([memory], "\nParameter bytes per rank (float32):", floatfmt=".3g")
+        results.print_table(load_rows, f"\nLoad, {cfg['load_tokens']} tokens per rank:", floatfmt=".3g")
+        formula_ok = all(r["bytes_sent_counted"] == r["bytes_sent_formula"] for r in time_rows)
+        worst_out = max(r["output_diff"] for r in time_rows)
+        targets = [
+            {"target": "counted all-to-all bytes == formula (every row)",
+             "measured": "equal" if formula_ok else "DIFFERENT", "met": formula_ok},
+            {"target": f"expert bytes per rank == 1/{n} of the layer's",
+             "measured": f"{held} of {full} B ({memory['share']:.4g})", "met": held * n == full},
+            {"target": "output equal to the replicated MoE (float32, rtol 1e-5)",
+             "measured": f"{worst_out:.1e}", "met": worst_out <= 1e-5},
+        ]
+        results.print_table(targets, f"\nTargets ({results.machine_name()}):")
+        path = plot_load(load_rows, cfg, n, f"Tokens per expert, {n} ranks x {cfg['load_tokens']} "
+                                            f"tokens, top-{cfg['top_k']}")
+        if path is not None:
+            print(f"\nplot: {os.path.relpath(path)}")
     if failures:
         raise AssertionError("expert-parallel bench checks failed:\n  " + "\n  ".join(failures))
-
-
-def fits_budget(ctx, cfg: dict, start: float, last: dict, tokens: int) -> bool:
-    """Whether ``tokens`` tokens per rank still fit ``--budget-s``: its steps predicted from the
-    last configuration's, in proportion to the tokens (rank 0 decides, every rank follows)."""
-    if cfg["budget_s"] is None:
-        return True
-    steps = cfg["warmup"] + cfg["iters"]
-    per_step_s = (last["replicated_ms"] + last["expert_parallel_ms"]) / 1e3
-    predicted_s = steps * per_step_s * tokens / last["tokens_per_rank"]
-    decision = [time.monotonic() - start + predicted_s <= cfg["budget_s"]]
-    dist.broadcast_object_list(decision, src=0)
-    if ctx.is_main and not decision[0]:
-        print(f"  {tokens} tokens per rank and more skipped: about {predicted_s:.0f} s predicted, "
-              f"past --budget-s {cfg['budget_s']:g}", flush=True)
-    return decision[0]
-
-
-def verify_agree(failures: list[str]) -> list[str]:
-    from common import verify
-    return verify.agree_on_problems(failures)
-
-
-def report(cfg: dict, n: int, time_rows: list[dict], memory: dict, load_rows: list[dict]) -> None:
-    """Rank 0's tables, targets and picture (the rows are already in the CSV)."""
-    results.print_table(time_rows, "\nStep (forward + backward), slowest rank's median; bytes "
-                                   "rank 0 sends per step (5 all-to-alls; dispatch: the first "
-                                   "forward one):", floatfmt=".4g")
-    results.print_table([memory], "\nParameter bytes per rank (float32):", floatfmt=".3g")
-    results.print_table(load_rows, f"\nLoad, {cfg['load_tokens']} tokens per rank:",
-                        floatfmt=".3g")
-    formula_ok = all(r["bytes_sent_counted"] == r["bytes_sent_formula"] for r in time_rows)
-    worst_out = max(r["output_diff"] for r in time_rows)
-    targets = [
-        {"target": "counted all-to-all bytes == formula (every row)",
-         "measured": "equal" if formula_ok else "DIFFERENT", "met": formula_ok},
-        {"target": f"expert bytes per rank == 1/{n} of the layer's",
-         "measured": f"{memory['expert_bytes_per_rank']} of {memory['expert_bytes_replicated']}"
-                     f" B ({memory['share']:.4g})",
-         "met": memory["expert_bytes_per_rank"] * n == memory["expert_bytes_replicated"]},
-        {"target": "output equal to the replicated MoE (float32, rtol 1e-5)",
-         "measured": f"{worst_out:.1e}", "met": worst_out <= 1e-5},
-    ]
-    results.print_table(targets, f"\nTargets ({results.machine_name()}):")
-    path = plot_load(load_rows, cfg, n, f"Tokens per expert, {n} ranks x {cfg['load_tokens']} "
-                                        f"tokens, top-{cfg['top_k']}")
-    if path is not None:
-        print(f"\nplot: {os.path.relpath(path)}")
-
-
-# --------------------------------------------------------------------------- flags
 
 
 def capacity_factor_type(text: str):
@@ -326,20 +269,6 @@ def capacity_factor_type(text: str):
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a capacity factor: give a finite "
                                          "number > 0, or none (dropless)") from None
-
-
-def bytes_per_rank(cfg: dict) -> int:
-    """A rank's rough peak, float32: the full MoE, its gradients and this rank's copies; for the
-    largest token count, the routing's [top_k x tokens, E] int64 one-hot and its running
-    count, and the activations of both layers (inputs, rows sent and received, hidden)."""
-    d_model = cfg["d_model"]
-    d_ff = cfg["d_ff"]
-    experts = cfg["num_experts"] * (2 * d_model * d_ff + d_model + d_ff)
-    tokens = max(cfg["tokens"])
-    rows = cfg["top_k"] * tokens
-    routing = 2 * 8 * rows * cfg["num_experts"]
-    activations = 4 * (2 * rows * (6 * d_model + 3 * d_ff) + 4 * tokens * d_model)
-    return 4 * 3 * experts + routing + activations
 
 
 def parse(argv=None):
@@ -373,7 +302,15 @@ def parse(argv=None):
            "top_k": args.top_k, "tokens": args.tokens,
            "capacity_factors": args.capacity_factors, "warmup": args.warmup,
            "iters": args.iters, "budget_s": args.budget_s}
-    need = bytes_per_rank(cfg)
+    # A rank's rough peak, float32: the MoE, its gradients and this rank's copies; the routing's
+    # int64 one-hot [top_k x tokens, E] and its count; both layers' activations.
+    d_model = args.d_model
+    d_ff = args.d_ff
+    experts = num_experts * (2 * d_model * d_ff + d_model + d_ff)
+    tokens = max(args.tokens)
+    rows = args.top_k * tokens
+    activations = 4 * (2 * rows * (6 * d_model + 3 * d_ff) + 4 * tokens * d_model)
+    need = 4 * 3 * experts + 2 * 8 * rows * num_experts + activations
     what = (f"--num-experts {num_experts} --d-model {args.d_model} --d-ff {args.d_ff} --tokens "
             f"{max(args.tokens)} ({need / 2**30:.2f} GiB a rank)")
     launch.check_fits(config, need, what)

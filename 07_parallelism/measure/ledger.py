@@ -1,20 +1,12 @@
 """Not a lesson: stage 07's memory and communication ledger, the table of
 ``python 07_parallelism/measure/bench_fsdp.py --bench`` (its ZeRO rows: ``bench_zero.py``).
 
-Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1 (06 + ShardedOptimizer), ZeRO-2
-(Zero2DDP), our FSDP, and torch's own ZeRO-1 (ZeroRedundancyOptimizer) and FSDP (fully_shard);
-and a control, ``none``: each rank trains its share of the batch and sends nothing, so every
-run has the compute of the others' steps measured beside them (lesson 9's check predicts
-ours, DDP, ZeRO-1/2 and FSDP, from it). For each, one step is counted with ``counters.py``
-(the bytes each rank holds, saves for backward and sends) and set beside the formula the
-lessons derive (``predicted_bytes``), the step time is measured, and the rows go to
-``results/sharding.csv``.
-
-Everything runs on the device the run names (model, batch, optimizer state). The bytes are
-counts, true on any interconnect. The step times are not: under Gloo every collective goes
-through host memory and loopback TCP (with ``--device cuda``: GPU -> host -> TCP -> host ->
-GPU), so on one GPU, or on CPUs, they measure Gloo's host path, and the table says so
-(``comm_path`` in the CSV).
+Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1, ZeRO-2, our FSDP, torch's
+ZeroRedundancyOptimizer and fully_shard; and a control, ``none``, that sends nothing (the
+compute lesson 9's check predicts the others from). For each, one step is counted with
+``counters.py`` beside the lessons' formula (``predicted_bytes``) and timed; the rows go to
+``results/sharding.csv``. The bytes are counts, true on any interconnect; under Gloo the
+step times measure its host path, and ``comm_path`` in the CSV says so.
 """
 
 from __future__ import annotations
@@ -26,11 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from common import import_stage, models
-
 from bench import results, timing
-
 from bench import supervisor as launch
+from common import import_stage, models
 from common.launch import carries_point_to_point
 from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_storage_keys,
                       optimizer_state_bytes, state_bytes, storage_key)
@@ -38,9 +28,6 @@ from counters import (CommCounter, GatheredWeights, SavedActivations, gathered_s
 CSV_KEY = ["backend", "device", "world_size", "model", "impl", "checkpointing"]
 KINDS = ("param", "grad", "optim", "peak", "activation", "sent")
 LEARNING_RATE = 1e-4
-
-# --------------------------------------------------------------------------- the six ways, and the control
-
 
 def adamw(params):
     return torch.optim.AdamW(params, lr=LEARNING_RATE)
@@ -52,18 +39,15 @@ def sharded_adamw(params):
 
 
 def build_none(lm):
-    """The compute-only control: the LM and AdamW as they are, no wrapper, nothing sent."""
     return lm, adamw(lm.parameters())
 
 
 def build_ddp(lm):
-    """Stage 06 at its default bucket size, plain AdamW."""
     bucketed_ddp = import_stage("06_bucketed_ddp/bucketed_ddp")
     return bucketed_ddp.BucketedDDP(lm), adamw(lm.parameters())
 
 
 def build_zero1(lm):
-    """Stage 06 + ShardedOptimizer."""
     bucketed_ddp = import_stage("06_bucketed_ddp/bucketed_ddp")
     return bucketed_ddp.BucketedDDP(lm), sharded_adamw(lm.parameters())
 
@@ -75,15 +59,13 @@ def build_zero2(lm):
 
 
 def build_fsdp(lm):
-    """Our FSDP, a unit per block and the root for the rest (torch's gets the same units)."""
     fsdp = import_stage("07_parallelism/02_fsdp/fsdp")
     wrapper = fsdp.FSDP(lm, units=[*lm.blocks, lm])
     return wrapper, adamw(wrapper.parameters())
 
 
 def build_torch_zero1(lm):
-    """ZeroRedundancyOptimizer over torch DDP, whose default all-reduce hook is called from
-    Python, so that the counter sees it."""
+    """ZeroRedundancyOptimizer over torch DDP, its all-reduce hook in Python: counted."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.optim import ZeroRedundancyOptimizer
     wrapped = nn.parallel.DistributedDataParallel(lm)
@@ -92,7 +74,6 @@ def build_torch_zero1(lm):
 
 
 def build_torch_fsdp(lm):
-    """torch's fully_shard, on each block, then on the root."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh(lm.lm_head.weight.device.type, (dist.get_world_size(),))
@@ -107,55 +88,37 @@ def strategies() -> list[tuple]:
             ("fsdp", build_fsdp), ("torch_zero1", build_torch_zero1), ("torch_fsdp", build_torch_fsdp)]
 
 
-# --------------------------------------------------------------------------- the formulas
-
-
-def padded_bytes(tensor: torch.Tensor, world_size: int) -> int:
-    """A tensor's float32 bytes once sharded: N ceil(rows / N) rows, the padding included."""
-    rows_per_rank = -(-tensor.shape[0] // world_size)
-    return 4 * rows_per_rank * world_size * tensor[0].numel()
-
-
 def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, float]:
-    """Per rank, from the LM's shapes (before any sharding): float32, AdamW's two moments.
+    """Per rank, from the LM's shapes: float32, AdamW's two moments.
 
-    Replicas, P parameters on N ranks: weights 4P, gradients 4P, moments 8P, each divided by
-    N where ``impl`` shards it (DDP 16P, ZeRO-1 8P + 8P/N, ZeRO-2 4P + 12P/N). Sent: one
-    all-reduce, 2(N-1)/N 4P; ZeRO-1 built on DDP's all-reduce also broadcasts the
-    parameters: 1.5x that; the control (``none``) holds what DDP holds and sends nothing.
+    Replicas, P parameters on N ranks: weights 4P, gradients 4P, moments 8P, each / N where
+    ``impl`` shards it. Sent: one all-reduce, 2(N-1)/N 4P; ZeRO-1 also broadcasts the
+    parameters: 1.5x that; the control (``none``) sends nothing.
 
-    FSDP: a sharded tensor is padded to N ceil(rows/N) rows (W bytes in all) and each rank
-    holds W/N; ours keeps 1-D parameters whole (R bytes; torch's shards them too): weights and
-    gradients W/N + R each, moments twice that. Each unit is all-gathered for forward and
-    again for backward, except the K bytes kept gathered in between (ours: the root and the
-    last block, which end forward last; torch's: the root), and reduce-scattered once, and R
-    is all-reduced: sent (N-1)/N (3W - K) + 2(N-1)/N R. Peak (ours): the shards + K.
+    FSDP: sharded tensors padded to N ceil(rows/N) rows (W bytes), W/N a rank; ours keeps 1-D
+    ones whole (R bytes): weights and gradients W/N + R, moments twice that. Each unit is
+    gathered for forward and backward, but for the K bytes kept gathered between (ours: the
+    root and the last block; torch's: the root), and reduce-scattered; R is all-reduced: sent
+    (N-1)/N (3W - K) + 2(N-1)/N R. Peak (ours): the shards + K.
     """
     n = world_size
     all_bytes = 4 * sum(tensor.numel() for tensor in lm.parameters())  # 4P
     if "fsdp" not in impl:
         kind = impl.replace("torch_", "")  # torch's ZeRO-1 shards what ours does
-        weights = all_bytes
-        gradients = all_bytes
-        moments = 2 * all_bytes
+        predicted = {"param": all_bytes, "grad": all_bytes, "optim": 2 * all_bytes}
         if kind in ("zero1", "zero2"):
-            moments = moments / n
+            predicted["optim"] /= n
         if kind == "zero2":
-            gradients = gradients / n
-        if "zero1" in impl:
-            traffic = 1.5  # the all-reduce, then the parameters broadcast from their owners
-        elif impl == "none":
-            traffic = 0
-        else:
-            traffic = 1
-        sent = 2 * (n - 1) / n * all_bytes * traffic
-        return {"param": weights, "grad": gradients, "optim": moments, "sent": sent}
+            predicted["grad"] /= n
+        traffic = {"none": 0, "zero1": 1.5}.get(kind, 1)  # zero1: + the parameters' broadcast
+        predicted["sent"] = 2 * (n - 1) / n * all_bytes * traffic
+        return predicted
 
     ours = impl == "fsdp"
-    padded = {}  # id(tensor) -> padded bytes, for the sharded tensors
+    padded = {}  # id(tensor) -> float32 bytes of N ceil(rows / N) rows, for the sharded tensors
     for tensor in lm.parameters():
         if tensor.dim() >= 2 or not ours:
-            padded[id(tensor)] = padded_bytes(tensor, n)
+            padded[id(tensor)] = 4 * -(-tensor.shape[0] // n) * n * tensor[0].numel()
     kept = []  # the tensors that stay gathered from forward to backward
     if ours:
         kept.extend(lm.blocks[-1].parameters())
@@ -174,17 +137,12 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
     return predicted
 
 
-# --------------------------------------------------------------------------- flags
-
-
 def add_ledger_args(parser) -> None:
-    """The ledger's flags. The defaults are sized for ``make bench`` on a 2-core CPU; the LM is
-    ``course``: the tiny LM's saved activations are mostly its vocabulary logits, which
-    checkpointing per block cannot touch (the course LM's blocks dominate)."""
+    """The ledger's flags, sized for ``make bench`` on 2 cores; the LM is ``course``, whose
+    blocks (not its logits, as the tiny LM's) dominate the saved activations."""
     group = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
-    group.add_argument("--bench", action="store_true", help="the ledger of DDP (06), ZeRO-1/2, FSDP "
-                       "and torch's, and a compute-only control (none): bytes and time per step "
-                       "to results/sharding.csv")
+    group.add_argument("--bench", action="store_true", help="the ledger of DDP, ZeRO-1/2, FSDP, "
+                       "torch's and a control (none): bytes and time per step to results/sharding.csv")
     group.add_argument("--model", choices=list(models.PRESETS), default="course", help="LM preset")
     group.add_argument("--batch-size", type=launch.positive_int, default=4,
                        help="GLOBAL batch (sequences per step), split evenly across ranks")
@@ -197,14 +155,10 @@ def add_ledger_args(parser) -> None:
                        help="activation checkpointing per Transformer block")
 
 
-# --------------------------------------------------------------------------- one case
-
-
 def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
-    """Time one strategy on a fresh LM (seed 0); with ``count``, count one more step: what it
-    holds, saves for backward, sends, and its peak. The control (``none``) also times its
-    AdamW step alone, as many times, so that its step splits into compute and optimizer.
-    Returns (seconds per step, seconds per optimizer step or [], counts or None)."""
+    """Time one strategy on a fresh LM (seed 0); with ``count``, count one more step (held,
+    saved, sent, peak). The control (``none``) also times its AdamW step alone. Returns
+    (seconds per step, seconds per optimizer step or [], counts or None)."""
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length,
                                  checkpoint_activations=checkpointing).to(ctx.device)
@@ -212,17 +166,12 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     wrapper, optimizer = build(model)
     ours = impl == "fsdp"  # our FSDP: its gathered weights are counted (counters.GatheredWeights)
     x, y = models.random_tokens(args.batch_size, args.context_length, seed=0, device=ctx.device)
-    first = ctx.rank * args.batch_size // ctx.world_size
-    last = (ctx.rank + 1) * args.batch_size // ctx.world_size
-    mine = slice(first, last)
+    mine = slice(ctx.rank * args.batch_size // ctx.world_size,
+                 (ctx.rank + 1) * args.batch_size // ctx.world_size)
 
     def step(saved=None):
         optimizer.zero_grad(set_to_none=True)
-        if saved is None:
-            context = contextlib.nullcontext()
-        else:
-            context = saved
-        with context:
+        with saved or contextlib.nullcontext():
             loss = models.lm_loss(wrapper(x[mine]), y[mine])
         loss.backward()
         if hasattr(wrapper, "finish_gradient_synchronization"):
@@ -230,13 +179,6 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         if saved is not None:  # gradients are held from here to the step: count them here
             counted["grad"] = state_bytes(param.grad for param in model.parameters())
         optimizer.step()
-
-    def weights_in_the_modules():
-        # torch's fully_shard puts its gathered weights into the modules while they run
-        keys = set()
-        for param in model.parameters():
-            keys.add(storage_key(param))
-        return keys
 
     seconds = timing.measure(step, ctx.device, warmup=args.warmup, iters=args.steps, barrier=True)
     optimizer_seconds = []
@@ -246,12 +188,13 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     if count:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        if ours:
-            def gathered_now():  # weights, not activations
+        if ours:  # weights, not activations
+            def gathered_now():
                 return gathered_storage_keys(wrapper)
             gathered = GatheredWeights(wrapper)
-        else:
-            gathered_now = weights_in_the_modules
+        else:  # torch's fully_shard puts its gathered weights into the modules while they run
+            def gathered_now():
+                return {storage_key(param) for param in model.parameters()}
             gathered = contextlib.nullcontext()
         saved = SavedActivations(model, exclude_now=gathered_now)
         with CommCounter() as comm, gathered:
@@ -259,60 +202,40 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         counted["param"] = state_bytes(model.parameters())
         counted["activation"] = saved.bytes
         counted["sent"] = comm.sent_bytes
-        if hasattr(optimizer, "optim"):  # a sharded optimizer: its inner one holds this rank's state
-            counted["optim"] = optimizer_state_bytes(optimizer.optim)
-        else:
-            counted["optim"] = optimizer_state_bytes(optimizer)
+        # a sharded optimizer: its inner one holds this rank's state
+        counted["optim"] = optimizer_state_bytes(getattr(optimizer, "optim", optimizer))
         if ours:  # the shards held, plus the most full weights gathered at once
-            shards = counted["param"] + counted["grad"] + counted["optim"]
-            counted["peak"] = shards + gathered.peak_bytes
+            counted["peak"] = counted["param"] + counted["grad"] + counted["optim"] + gathered.peak_bytes
         if ctx.device.type == "cuda":
             counted["cuda_peak"] = torch.cuda.max_memory_allocated(ctx.device)
     del wrapper, optimizer, model
     gc.collect()
-    if not count:
-        return seconds, optimizer_seconds, None
-    return seconds, optimizer_seconds, counted
+    return seconds, optimizer_seconds, counted if count else None
 
 
 def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], counted: dict,
              optimizer_seconds: list[float]) -> dict:
-    """The slowest rank's median step time; the largest rank's bytes, beside the formula; the
-    control's optimizer time (``optimizer_ms``, blank on the other rows)."""
+    """The slowest rank's median step; the largest rank's bytes beside the formula."""
     stats = timing.gather_times(seconds)
     kinds = [*KINDS, "cuda_peak"]
-    # Host-side bookkeeping: on the host under Gloo; NCCL moves GPU memory only.
-    if ctx.backend == "nccl":
-        device = ctx.device
-    else:
-        device = "cpu"
+    device = ctx.device if ctx.backend == "nccl" else "cpu"  # Gloo: host memory
     largest = torch.tensor([float(counted[kind]) for kind in kinds], dtype=torch.float64, device=device)
     dist.all_reduce(largest, op=dist.ReduceOp.MAX)
     row = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
            "model": args.model, "impl": impl, "checkpointing": checkpointing, "step_ms": stats.median * 1e3}
     for kind, value in zip(kinds, largest.tolist()):
-        if value >= 0:
-            row[f"{kind}_bytes"] = int(value)
-        else:
-            row[f"{kind}_bytes"] = ""  # -1: not counted here
+        row[f"{kind}_bytes"] = int(value) if value >= 0 else ""  # -1: not counted here
         if kind in counted["predicted"]:
             row[f"{kind}_bytes_predicted"] = int(counted["predicted"][kind])
-    row["step_ms_min"] = stats.min * 1e3
-    row["step_ms_max"] = stats.max * 1e3
-    row["optimizer_ms"] = ""
-    if optimizer_seconds:  # the same on every rank of a case: the gather is a collective
-        row["optimizer_ms"] = timing.gather_times(optimizer_seconds).median * 1e3
-    row["params"] = models.lm_parameter_count(args.model, context_length=args.context_length)
-    row["batch_size"] = args.batch_size
-    row["context_length"] = args.context_length
-    row["steps"] = len(seconds)
-    row["comm_path"] = comm_path(ctx)
-    row["machine"] = results.machine_name()
-    row["run_id"] = results.run_id()
+    optimizer_ms = ""
+    if optimizer_seconds:  # the control's only; the same on every rank: the gather is a collective
+        optimizer_ms = timing.gather_times(optimizer_seconds).median * 1e3
+    params = models.lm_parameter_count(args.model, context_length=args.context_length)
+    row.update(step_ms_min=stats.min * 1e3, step_ms_max=stats.max * 1e3, optimizer_ms=optimizer_ms,
+               params=params, batch_size=args.batch_size, context_length=args.context_length,
+               steps=len(seconds), comm_path=comm_path(ctx), machine=results.machine_name(),
+               run_id=results.run_id())
     return row
-
-
-# --------------------------------------------------------------------------- the run
 
 
 def comm_path(ctx) -> str:
@@ -324,24 +247,10 @@ def comm_path(ctx) -> str:
     return "gloo host path (host memory, loopback TCP)"
 
 
-def mib_cell(row: dict, kind: str) -> str:
-    """'counted (predicted)' in MiB; '-' where not counted."""
-    got = row[f"{kind}_bytes"]
-    want = row.get(f"{kind}_bytes_predicted")
-    if got == "":
-        cell = "-"
-    else:
-        cell = f"{got / 2**20:.2f}"
-    if want is not None:  # the control's sent: 0 predicted
-        cell += f" ({want / 2**20:.2f})"
-    return cell
-
-
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
-    """Each ``(impl, build)`` of ``strategies`` (see :func:`strategies`) with each
-    ``args.checkpointing``, in one run. Rank 0 upserts the rows into ``results/<csv_name>``
-    as each case finishes (a run stopped at make bench's cap keeps what it measured), then
-    prints them and the targets."""
+    """Each ``(impl, build)`` with each ``args.checkpointing``; rank 0 upserts each row into
+    ``results/<csv_name>`` as it lands (a run stopped at its cap keeps them), then prints the
+    table and the targets."""
     if not carries_point_to_point(ctx.backend, ctx.device.type):  # fully_shard runs on DTensor
         ctx.print(f"torch_fsdp: left out on {ctx.backend}/{ctx.device.type}, which cannot carry "
                   "DTensor's coalesced collectives", all_ranks=False)
@@ -350,9 +259,8 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     for impl, build in strategies:
         for checkpointing in args.checkpointing:
             cases.append((impl, build, checkpointing))
-    # The launch's first case ran slow: the control without checkpointing, first in every run,
-    # was slower than with checkpointing in 4 of 6 runs (259 against 186 ms in one), though
-    # checkpointing only adds work. So the first case runs once, untimed, before any is timed.
+    # The first case timed ran slow (the control without checkpointing slower than with it in
+    # 4 of 6 runs): it runs once, untimed, first.
     impl, build, checkpointing = cases[0]
     measure_case(ctx, impl, build, checkpointing == "on", args, count=False)
     seconds = [[] for _ in cases]
@@ -366,17 +274,14 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                                                                       args, count)
             seconds[index] += case_seconds
             optimizer_seconds[index] += case_optimizer
-            if count:
-                counted[index] = case_counted
+            counted[index] = counted[index] or case_counted
             median_here = sorted(case_seconds)[len(case_seconds) // 2]
             ctx.print(f"  round {round_number}/{args.rounds} {impl}, checkpointing {checkpointing}: "
                       f"{median_here * 1e3:.1f} ms/step on rank 0", all_ranks=False)
-            # The case's row, its rounds so far pooled (a collective: on every rank).
             rows[index] = make_row(ctx, args, impl, checkpointing, seconds[index], counted[index],
                                    optimizer_seconds[index])
-            if ctx.is_main:
-                measured = [row for row in rows if row is not None]
-                path = results.upsert_csv(csv_name, measured, key=CSV_KEY)
+            if ctx.is_main:  # the rows so far, their rounds pooled
+                path = results.upsert_csv(csv_name, [row for row in rows if row is not None], key=CSV_KEY)
     if ctx.is_main:
         kinds = list(KINDS)
         if ctx.device.type == "cuda":
@@ -384,8 +289,12 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         table = []
         for row in rows:
             line = {"impl": row["impl"], "ckpt": row["checkpointing"], "step_ms": row["step_ms"]}
-            for kind in kinds:
-                line[f"{kind} MiB"] = mib_cell(row, kind)
+            for kind in kinds:  # counted (predicted), '-' where not counted
+                got = row[f"{kind}_bytes"]
+                want = row.get(f"{kind}_bytes_predicted")
+                line[f"{kind} MiB"] = "-" if got == "" else f"{got / 2**20:.2f}"
+                if want is not None:
+                    line[f"{kind} MiB"] += f" ({want / 2**20:.2f})"
             table.append(line)
         results.print_table(table, floatfmt=".1f",
                             title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
@@ -401,13 +310,10 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
 
 def target_lines(rows: list[dict]) -> list[str]:
     """The ledger's targets, read off one run's rows: measured beside the target."""
-    by_case = {}
-    for row in rows:
-        by_case[(row["impl"], row["checkpointing"])] = row
+    by_case = {(row["impl"], row["checkpointing"]): row for row in rows}
     first_checkpointing = rows[0]["checkpointing"]
     lines = []
-    # step time against torch's, in the same run
-    # (torch's, target, what differs between the two jobs: said beside the ratio)
+    # step time against torch's in the same run: (torch's, target, what differs)
     rivals = {"fsdp": ("torch_fsdp", 1.25, "the same units and sharding over the same ranks; "
                        "ours keeps 1-D tensors whole and the last block gathered through "
                        "backward, torch's shards every tensor (the param and sent columns)"),
