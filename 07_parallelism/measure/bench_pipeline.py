@@ -43,8 +43,7 @@ TARGET_RATIO = 1.10                     # our executor at most 1.10x torch's, sa
 
 
 class TimedRunner(pipeline_parallel.ScheduleRunner):
-    """The executor's runner with a clock around each step's compute; the synchronizes drain
-    the GPU, which a real run never does: why the executor itself has no clock."""
+    """The executor's runner with each step's compute clocked (draining the GPU: a cost)."""
 
     latest = None                       # the runner of the last pass: its busy time
 
@@ -117,8 +116,7 @@ class EmulatedChunk(pipeline_parallel.DeferredLinear):
 
 
 class WeightWait(torch.autograd.Function):
-    """A parameter's path that waits in the backward: a W step for torch's executor, which finds
-    B and W in the autograd graph itself (an input's path is B, a parameter's W)."""
+    """Waits in the backward of a parameter's path: W for torch's executor (an input's path: B)."""
 
     @staticmethod
     def forward(ctx, weight, seconds):
@@ -211,14 +209,14 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
                 if peak is None:
                     held = timing.gather_times([timed[0]["peak_held"]]).rank_medians
                     peak = [int(count) for count in held]
-                idle_shares = [1 - result["busy_s"] / result["total_s"] for result in timed]
-                idle = timing.gather_times(idle_shares).rank_medians
+                shares = [1 - result["busy_s"] / result["total_s"] for result in timed]
+                idle = timing.gather_times(shares).rank_medians
+                totals = [result["total_s"] for result in timed]
                 gap = max((abs(share - unit) for share, unit in zip(idle, simulated)), default=0.0)
-                pass_times = [result["total_s"] for result in timed]
                 rows.append({"schedule": name, "m": m, "v": v, "emulated_ms": emulated_ms,
                              "peak": peak, "idle": idle, "sim": simulated, "gap": gap,
                              "formula": schedule_check.bubble_formula(name, stages, m, v),
-                             "step_ms": timing.gather_times(pass_times).median * 1e3})
+                             "step_ms": timing.gather_times(totals).median * 1e3})
                 if ctx.is_main:
                     write_rows(ctx, cfg, rows)
     return rows
@@ -393,9 +391,8 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
                         "the unit-time simulation and the formula; activations held at once:",
                         floatfmt=".3f")
     gap = max(row["gap"] for row in rows if row["emulated_ms"])
-    if gap <= 0.05:
-        verdict = f"yes (largest gap {gap:.3f})"
-    else:
+    verdict = f"yes (largest gap {gap:.3f})"
+    if gap > 0.05:
         verdict = (f"no, {gap:.3f} (each message's delay on a busy box adds to it; a larger "
                    "--emulate-ms shrinks its share)")
     print("\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
