@@ -1,29 +1,13 @@
-"""Not a lesson: lesson 3's (tensor and sequence parallelism) measurements.
-
-What tensor and sequence parallelism send and keep, counted and set beside the formulas
-derived in ``07_parallelism/03_tensor_parallel/README.md`` (the formulas live here, with the
-counters they are checked against, not in the file people copy):
-
-1. The MLP, both variants (Megatron's column-then-row pair, the all-gather after every layer):
-   the bytes each layer communicates forward and backward, counted by watching the collectives
-   (``counters.CommCounter``, with hooks naming the layer and phase as forward and backward
-   reach it), beside ``predicted_comm``. Rows in results/tensor_parallel.csv.
-2. A Transformer block of the course LM, plain TP and TP + SP: the bytes per layer beside
-   ``predicted_block_comm`` (the same total for both), the bytes autograd saves for backward,
-   the LayerNorms apart, beside ``saved_formula``; torch's ``parallelize_module`` on the same
-   block as the control (its bytes and saved bytes beside ours). Rows in
-   results/sequence_parallel.csv.
-
-Every configuration is also checked against one process (output, input gradient, every
-parameter gradient), and its rows are written as soon as it lands, so a run stopped at a
-deadline keeps what it measured. Any difference fails the run on every rank together, after
-the rows are written. torch's control is left out, in one line, on a pair that cannot carry
-its coalesced collectives (``common.launch.carries_point_to_point``: Gloo with CUDA tensors).
+"""Not a lesson: lesson 3's measurements, tensor and sequence parallelism counted beside the
+formulas of ``07_parallelism/03_tensor_parallel/README.md``: the MLP's bytes per layer and
+phase (both variants) beside ``predicted_comm`` (results/tensor_parallel.csv); a Transformer
+block's (TP, TP + SP, torch's ``parallelize_module`` as the control) beside
+``predicted_block_comm``, and its bytes saved for backward beside ``saved_formula``
+(results/sequence_parallel.csv). Each is checked against one process and written as it lands.
+torch's control is left out, in one line, where the pair cannot carry its coalesced
+collectives (``common.launch.carries_point_to_point``). The demo's flags, and ``--bench``.
 
     python 07_parallelism/measure/bench_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
-
-The demo's flags, and ``--bench`` (accepted and ignored). ``tests/checks_tensor_parallel.py``
-runs these checks beside the bugs they must catch.
 """
 
 from __future__ import annotations
@@ -40,11 +24,9 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from common import import_stage, models  # noqa: E402 (after the path)
-
-from bench import results  # noqa: E402
-
-from bench import supervisor as launch
+from bench import results  # noqa: E402 (after the path)
+from bench import supervisor as launch  # noqa: E402
+from common import import_stage, models  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # noqa: E402
                       ring_send_bytes)
@@ -52,24 +34,16 @@ from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # n
 tp = import_stage("07_parallelism/03_tensor_parallel/tensor_parallel")
 torch_tp = import_stage("07_parallelism/03_tensor_parallel/torch_tensor_parallel")
 
-# float32 sums in another order (t partial sums instead of one): differences of a few 1e-7
-# relative; a missing collective or a wrong slice is off by the size of the values.
-RTOL = 1e-4
+RTOL = 1e-4  # t partial sums: a few 1e-7 off; a missing collective: off by the values
 ATOL = 1e-5
 BLOCK_LAYERS = ("attn.qkv", "attn.out", "mlp.0", "mlp.2")
 FLOAT32 = 4
 
-# --------------------------------------------------------------------------- the formulas
-
 
 def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
                    element_size: int = FLOAT32) -> dict[tuple[str, str], tuple[str, int]]:
-    """What each MLP layer must communicate: {(layer, phase): (op, bytes)}, tokens = batch x seq.
-
-    Megatron: fc1's forward nothing (f is the identity), its backward all-reduces dX (tokens x
-    d_model); fc2's forward all-reduces Y (tokens x d_model), its backward nothing (g's is the
-    identity). All-gather: each layer gathers its output forward and all-reduces dX backward.
-    """
+    """What each MLP layer must communicate: {(layer, phase): (op, bytes)}, tokens = batch x seq
+    (Megatron: f's backward and g's forward all-reduce; all-gather: gather Y, all-reduce dX)."""
     activation = tokens * d_model * element_size  # one [tokens, d_model] tensor
     hidden = tokens * d_ff * element_size         # one [tokens, d_ff] tensor
     if variant == "megatron":
@@ -87,55 +61,32 @@ def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
 
 def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
                          element_size: int = FLOAT32) -> dict[tuple[str, str], tuple[str, int]]:
-    """What each parallel layer of a block communicates: {(layer, phase): (op, payload bytes)},
-    tokens = batch x seq, the payload being the full [tokens, d_model] tensor each time.
-
-    Plain: the column-parallel layers (attn.qkv, mlp.0) all-reduce dX backward (``f``), the
-    row-parallel ones (attn.out, mlp.2) all-reduce Y forward (``g``). Sequence parallel: each
-    all-reduce becomes a reduce-scatter in the same place, and an all-gather appears where
-    ``f`` and ``g`` did nothing. A ring sends 2 (t-1)/t of the payload per all-reduce and
-    (t-1)/t per all-gather or reduce-scatter: the same bytes either way.
-    """
+    """{(layer, phase): (op, payload bytes)} of a block's parallel layers, the full [tokens,
+    d_model] each time; sequence parallelism turns each all-reduce into a reduce-scatter and
+    adds an all-gather where ``f`` and ``g`` did nothing (the same bytes on a ring)."""
     activation = tokens * d_model * element_size
+    column = (("-", 0), ("all_reduce", activation))     # (forward, backward)
+    row = (("all_reduce", activation), ("-", 0))
+    if sequence_parallel:
+        column = (("all_gather", activation), ("reduce_scatter", activation))
+        row = (("reduce_scatter", activation), ("all_gather", activation))
     predicted = {}
-    for layer in ("attn.qkv", "mlp.0"):     # column-parallel: the input side
-        if sequence_parallel:
-            predicted[(layer, "forward")] = ("all_gather", activation)
-            predicted[(layer, "backward")] = ("reduce_scatter", activation)
-        else:
-            predicted[(layer, "forward")] = ("-", 0)
-            predicted[(layer, "backward")] = ("all_reduce", activation)
-    for layer in ("attn.out", "mlp.2"):     # row-parallel: the output side
-        if sequence_parallel:
-            predicted[(layer, "forward")] = ("reduce_scatter", activation)
-            predicted[(layer, "backward")] = ("all_gather", activation)
-        else:
-            predicted[(layer, "forward")] = ("all_reduce", activation)
-            predicted[(layer, "backward")] = ("-", 0)
+    for layer, ops in (("attn.qkv", column), ("mlp.0", column), ("attn.out", row), ("mlp.2", row)):
+        predicted[(layer, "forward")] = ops[0]
+        predicted[(layer, "backward")] = ops[1]
     return predicted
 
 
 def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
                                element_size: int = FLOAT32) -> int:
     """Bytes ``all_reduce_replicated_grads`` all-reduces per block: with sequence parallelism
-    norm1's and norm2's weight and bias and mlp.2's bias, d_model each (attn.out has no bias);
-    without it nothing."""
-    if not sequence_parallel:
-        return 0
-    return 5 * d_model * element_size
+    norm1's and norm2's weight and bias and mlp.2's bias, d_model each; without it nothing."""
+    return 5 * d_model * element_size if sequence_parallel else 0
 
 
 def saved_formula(cfg: dict, world_size: int, sequence_parallel: bool) -> tuple[int, int]:
     """(LayerNorms', everything else's) bytes saved for backward by one block on one rank,
-    float32, no dropout; world_size 1 is the block on one process. b batch, s sequence, h
-    d_model, f d_ff, a heads, t world size (the README derives it):
-
-    LayerNorms: each keeps its input (bsh) and a mean and 1/std per token (2bs): 2bsh + 4bs,
-    divided by t with sequence parallelism. The rest: the inputs of qkv and fc1 (2bsh, whole
-    on every rank), and per rank: q, k, v (3bsh/t), attention's output (bsh/t; the fused
-    kernel writes it [batch, seq, heads, head_dim], so the out-projection reads that very
-    storage), the log-sum-exp of each head's scores (abs/t), fc1's output and GELU's
-    (2bsf/t)."""
+    float32, no dropout, world_size 1 being one process (the README derives it)."""
     b = cfg["batch"]
     s = cfg["seq"]
     h = cfg["d_model"]
@@ -149,12 +100,8 @@ def saved_formula(cfg: dict, world_size: int, sequence_parallel: bool) -> tuple[
     return FLOAT32 * layernorms, FLOAT32 * rest
 
 
-# --------------------------------------------------------------------------- counting
-
-
 def label_layers(comm, module: nn.Module, names) -> list:
-    """Hooks that name the layer and phase in ``comm.current`` as forward reaches each layer
-    and as backward does; returns the handles (remove them when done)."""
+    """Hooks naming layer and phase in ``comm.current`` as forward and backward reach it."""
     handles = []
     for name in names:
         layer = module.get_submodule(name)
@@ -169,15 +116,13 @@ def label_layers(comm, module: nn.Module, names) -> list:
     return handles
 
 
-def count_saved(block: nn.Module, run) -> tuple[int, int]:
-    """(bytes saved inside norm1 and norm2, bytes saved elsewhere) while ``run()`` runs the
-    forward: each LayerNorm call gets a counter of its own, opened and closed by hooks."""
+def count_saved(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """(block(x), (bytes saved for backward inside norm1 and norm2, elsewhere))."""
     inside = []
 
     def open_counter(module, args):
-        counter = SavedActivations(block)
-        counter.__enter__()
-        inside.append(counter)
+        inside.append(SavedActivations(block))
+        inside[-1].__enter__()
 
     def close_counter(module, args, output):
         inside[-1].__exit__(None, None, None)
@@ -187,10 +132,10 @@ def count_saved(block: nn.Module, run) -> tuple[int, int]:
         handles.append(norm.register_forward_pre_hook(open_counter))
         handles.append(norm.register_forward_hook(close_counter))
     with SavedActivations(block) as elsewhere:
-        run()
+        output = block(x)
     for handle in handles:
         handle.remove()
-    return sum(counter.bytes for counter in inside), elsewhere.bytes
+    return output, (sum(counter.bytes for counter in inside), elsewhere.bytes)
 
 
 def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
@@ -200,21 +145,16 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
 
 def compare_bytes(counted: dict, predicted: dict, world_size: int,
                   what: str) -> tuple[list[dict], list[str]]:
-    """Each layer and phase's collectives, counted (``CommCounter.by_label``) against the
-    prediction {(layer, phase): (op, payload bytes)}: (rows, failures)."""
+    """(rows, failures): each layer and phase's collectives, counted beside predicted."""
     rows = []
     failures = []
     for (layer, phase), (op, want) in predicted.items():
         got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
-        want_ops = []
-        if want:
-            want_ops = [op]
+        want_ops = [op] if want else []
         if got["payload_bytes"] != want or got["ops"] != want_ops:
             failures.append(f"{what} {layer} {phase}: counted {got['ops']} "
                             f"{got['payload_bytes']} B, predicted {op} {want} B")
-        sent = 0
-        if want:
-            sent = ring_send_bytes(op, want, world_size)
+        sent = ring_send_bytes(op, want, world_size) if want else 0
         rows.append({"layer": layer, "phase": phase, "collective": op,
                      "bytes_counted": got["payload_bytes"], "bytes_predicted": want,
                      "ring_bytes_sent_per_rank": sent})
@@ -222,11 +162,8 @@ def compare_bytes(counted: dict, predicted: dict, world_size: int,
 
 
 def failed_rows(label: str, rows: list[dict]) -> list[str]:
-    failures = []
-    for row in rows:
-        if not row["ok"]:
-            failures.append(f"{label} {row['checked']}: max abs diff {row['max_abs_diff']:.3g}")
-    return failures
+    return [f"{label} {row['checked']}: max abs diff {row['max_abs_diff']:.3g}"
+            for row in rows if not row["ok"]]
 
 
 def my_tokens(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -234,82 +171,46 @@ def my_tokens(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x.chunk(world_size, dim=1)[rank]
 
 
-# --------------------------------------------------------------------------- 1. the MLP
-
-
-def check_variant(ctx, cfg: dict, variant: str) -> dict:
-    """One forward + backward of the TP MLP and of the one-process MLP on the same data:
-    {"checks": a row per output and gradient compared, "bytes": a row per layer and phase,
-    counted beside predicted, "failures"}."""
-    torch.manual_seed(0)  # every rank builds the same full MLP and data, then keeps its shards
-    reference = tp.MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
-    x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
-    target = torch.randn_like(x)
-    model = tp.VARIANTS[variant](reference)
-    x_ref = x.clone().requires_grad_(True)  # dX matters: it feeds the layer below
-    x_tp = x.clone().requires_grad_(True)
-    F.mse_loss(reference(x_ref), target).backward()
-    with CommCounter() as comm:
-        handles = label_layers(comm, model, ("fc1", "fc2"))
-        out = model(x_tp)
-        F.mse_loss(out, target).backward()
-    for handle in handles:
-        handle.remove()
-    checks = [compare("output", out, reference(x_ref)),
-              compare("input.grad", x_tp.grad, x_ref.grad)]
-    for name, param in model.named_parameters():  # each against its part of the full gradient
-        layer_name, param_name = name.split(".")
-        layer = getattr(model, layer_name)
-        full_grad = getattr(getattr(reference, layer_name), param_name).grad
-        checks.append(compare(f"{name}.grad", param.grad, layer.local_part(full_grad)))
-    for row in checks:
-        row["variant"] = variant
-    tokens = cfg["batch"] * cfg["seq"]
-    predicted = predicted_comm(variant, tokens, cfg["d_model"], cfg["d_ff"])
-    rows, failures = compare_bytes(comm.by_label, predicted, ctx.world_size, variant)
-    byte_rows = []
-    for row in rows:
-        byte_rows.append({"variant": variant, **row})
-    return {"checks": checks, "bytes": byte_rows,
-            "failures": failed_rows(variant, checks) + failures}
-
-
 def check_mlp(ctx, cfg: dict, land=None) -> tuple[list[dict], list[dict], list[str]]:
-    """Every variant in ``cfg["variants"]``: (check rows, byte rows, this rank's failures).
-    ``land(ctx, cfg, result)`` is called with each variant's result as it lands."""
+    """Each of ``cfg["variants"]`` against one process, counted: (check rows, byte rows, this
+    rank's failures); ``land(ctx, cfg, result)`` as each variant lands."""
     checks = []
     byte_rows = []
     failures = []
     for variant in cfg["variants"]:
-        result = check_variant(ctx, cfg, variant)
+        torch.manual_seed(0)  # every rank builds the same full MLP and data, keeps its shards
+        reference = tp.MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
+        x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
+        target = torch.randn_like(x)
+        model = tp.VARIANTS[variant](reference)
+        x_ref = x.clone().requires_grad_(True)  # dX matters: it feeds the layer below
+        x_tp = x.clone().requires_grad_(True)
+        F.mse_loss(reference(x_ref), target).backward()
+        with CommCounter() as comm:
+            handles = label_layers(comm, model, ("fc1", "fc2"))
+            out = model(x_tp)
+            F.mse_loss(out, target).backward()
+        for handle in handles:
+            handle.remove()
+        mine = [compare("output", out, reference(x_ref)),
+                compare("input.grad", x_tp.grad, x_ref.grad)]
+        for name, param in model.named_parameters():  # each against its part of the full grad
+            layer_name, param_name = name.split(".")
+            full_grad = getattr(getattr(reference, layer_name), param_name).grad
+            want = getattr(model, layer_name).local_part(full_grad)
+            mine.append(compare(f"{name}.grad", param.grad, want))
+        for row in mine:
+            row["variant"] = variant
+        predicted = predicted_comm(variant, cfg["batch"] * cfg["seq"], cfg["d_model"], cfg["d_ff"])
+        rows, byte_failures = compare_bytes(comm.by_label, predicted, ctx.world_size, variant)
+        result = {"checks": mine, "bytes": [{"variant": variant, **row} for row in rows],
+                  "failures": failed_rows(variant, mine) + byte_failures}
         if land is not None:
             land(ctx, cfg, result)
         checks += result["checks"]
         byte_rows += result["bytes"]
         failures += result["failures"]
     return checks, byte_rows, failures
-
-
-# --------------------------------------------------------------------------- 2. the block
-
-
-def one_process_block(ctx, cfg: dict) -> dict:
-    """The full block on this rank, one forward + backward with a random probe as dL/d(output),
-    so every gradient is used; the saved bytes counted. Every rank builds the same (seed 0)."""
-    torch.manual_seed(0)
-    full = models.Block(cfg["d_model"], cfg["d_ff"], cfg["heads"]).to(ctx.device)
-    x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
-    probe = torch.randn_like(x)
-    x_ref = x.clone().requires_grad_(True)
-    outputs = []
-
-    def forward():
-        outputs.append(full(x_ref))
-
-    saved = count_saved(full, forward)
-    outputs[0].backward(probe)
-    return {"full": full, "x": x, "probe": probe, "out": outputs[0].detach(),
-            "x_grad": x_ref.grad, "saved": saved}
 
 
 def saved_row(cfg: dict, label: str, world_size: int, sequence_parallel: bool,
@@ -321,8 +222,7 @@ def saved_row(cfg: dict, label: str, world_size: int, sequence_parallel: bool,
 
 
 def saved_failures(ctx, row: dict) -> list[str]:
-    """The saved bytes against the formula, on the CPU (a GPU's attention kernel saves other
-    tensors: there they are reported, not checked)."""
+    """Saved bytes against the formula, on the CPU only (a GPU's attention saves others)."""
     if ctx.device.type != "cpu":
         return []
     if row["layernorms"] == row["layernorms formula"] and row["rest"] == row["rest formula"]:
@@ -332,8 +232,7 @@ def saved_failures(ctx, row: dict) -> list[str]:
 
 
 def phase_totals(label: str, calls: list[dict], world_size: int) -> list[dict]:
-    """Per phase: the collectives, their payload and what a ring sends per rank for them, from
-    calls labelled with their phase ("forward", "backward")."""
+    """Per phase: the collectives of ``calls`` labelled with it, payload, ring bytes per rank."""
     table = []
     for phase in ("forward", "backward"):
         ops = []
@@ -349,141 +248,102 @@ def phase_totals(label: str, calls: list[dict], world_size: int) -> list[dict]:
     return table
 
 
-def check_parallel_block(ctx, cfg: dict, group, reference: dict, sequence_parallel: bool) -> dict:
-    """Our TP (or TP + SP) block from the full one, one forward + backward on the same data as
-    ``reference``: {"label", "checks", "bytes" (per layer), "totals" (per phase), "saved",
-    "failures"}."""
+def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) -> dict:
+    """Our TP (configuration False), TP + SP (True) or torch's TP + SP ("torch") block, one
+    forward + backward on ``reference``'s data, checked against it and counted."""
     rank = dist.get_rank(group)
     world_size = dist.get_world_size(group)
-    label = "TP"
-    if sequence_parallel:
-        label = "TP + SP"
-    full = reference["full"]
-    block = tp.TensorParallelBlock(full, group, sequence_parallel=sequence_parallel)
-    x_mine = reference["x"]
-    probe_mine = reference["probe"]
-    want_out = reference["out"]
-    want_x_grad = reference["x_grad"]
-    if sequence_parallel:  # this rank's seq/t tokens in, and out
-        x_mine = my_tokens(x_mine, rank, world_size)
-        probe_mine = my_tokens(probe_mine, rank, world_size)
-        want_out = my_tokens(want_out, rank, world_size)
-        want_x_grad = my_tokens(want_x_grad, rank, world_size)
-    x_mine = x_mine.clone().requires_grad_(True)
-    outputs = []
+    ours = configuration != "torch"
+    sequence_parallel = configuration is not False
+    label = {False: "TP", True: "TP + SP", "torch": "torch TP + SP"}[configuration]
 
-    def forward():
-        outputs.append(block(x_mine))
+    def mine(key: str) -> torch.Tensor:  # with sequence parallelism, this rank's seq/t tokens
+        if sequence_parallel:
+            return my_tokens(reference[key], rank, world_size)
+        return reference[key]
 
-    with CommCounter() as comm:
-        handles = label_layers(comm, block, BLOCK_LAYERS)
-        saved = count_saved(block, forward)
-        outputs[0].backward(probe_mine)
+    x_mine = mine("x").clone().requires_grad_(True)
+    if ours:
+        block = tp.TensorParallelBlock(reference["full"], group, sequence_parallel)
+        counter = CommCounter()
+    else:
+        block = torch_tp.parallelize_block(reference["full"], group, ctx.device.type)
+        counter = FunctionalCommCounter()  # torch's DTensor collectives, labelled per phase
+    with counter as comm:
+        handles = label_layers(comm, block, BLOCK_LAYERS if ours else ())
+        comm.current = "forward"
+        out, saved = count_saved(block, x_mine)
+        if not ours:  # ours: the layers' hooks name layer and phase
+            comm.current = "backward"
+        out.backward(mine("probe"))
         comm.current = "replicated grads"
-        block.all_reduce_replicated_grads()
+        if ours:
+            block.all_reduce_replicated_grads()
     for handle in handles:
         handle.remove()
-    checks = [compare("output", outputs[0], want_out),
-              compare("input.grad", x_mine.grad, want_x_grad)]
-    for name, param in block.named_parameters():  # the names of the full block's parameters
-        full_grad = full.get_parameter(name).grad
+    checks = [compare("output", out, mine("out")),
+              compare("input.grad", x_mine.grad, mine("x_grad"))]
+    for name, param in block.named_parameters() if ours else ():  # the full block's names
+        full_grad = reference["full"].get_parameter(name).grad
         owner = block.get_submodule(name.rsplit(".", 1)[0])
-        want = full_grad
-        if hasattr(owner, "local_part"):  # a parallel layer: its slice of the full gradient
-            want = owner.local_part(full_grad)
+        want = owner.local_part(full_grad) if hasattr(owner, "local_part") else full_grad  # a slice
         checks.append(compare(f"{name}.grad", param.grad, want))
     for row in checks:
         row["block"] = label
-    tokens = cfg["batch"] * cfg["seq"]
-    predicted = predicted_block_comm(tokens, cfg["d_model"], sequence_parallel)
+    saved = saved_row(cfg, label, world_size, sequence_parallel, saved)
+    if not ours:
+        failures = [f"torch's parallelize_module{problem} from one process"
+                    for problem in failed_rows("", checks)]
+        return {"label": label, "checks": checks, "bytes": [], "saved": saved,
+                "totals": phase_totals(label, comm.calls, world_size), "failures": failures}
+    predicted = predicted_block_comm(cfg["batch"] * cfg["seq"], cfg["d_model"], sequence_parallel)
     rows, failures = compare_bytes(comm.by_label, predicted, world_size, label)
-    calls = []  # the layers' calls, for the totals per phase
-    byte_rows = []
-    for row in rows:
-        byte_rows.append({"block": label, **row})
-        calls.append({"label": row["phase"], "op": row["collective"],
-                      "payload_bytes": row["bytes_counted"]})
     replicated = comm.by_label.get("replicated grads", {"payload_bytes": 0, "ops": []})
     want_replicated = predicted_replicated_grads(cfg["d_model"], sequence_parallel)
     if replicated["payload_bytes"] != want_replicated:
         failures.append(f"{label}: the replicated gradients' all-reduces carried "
                         f"{replicated['payload_bytes']} B, predicted {want_replicated}")
-    collective = "-"
-    if want_replicated:
-        collective = "all_reduce"
-    byte_rows.append({"block": label, "layer": "replicated grads", "phase": "after backward",
-                      "collective": collective, "bytes_counted": replicated["payload_bytes"],
-                      "bytes_predicted": want_replicated,
-                      "ring_bytes_sent_per_rank": ring_send_bytes("all_reduce", want_replicated,
-                                                                  world_size)})
-    saved = saved_row(cfg, label, world_size, sequence_parallel, saved)
-    return {"label": label, "checks": checks, "bytes": byte_rows, "saved": saved,
-            "totals": phase_totals(label, calls, world_size),
+    calls = [{"label": row["phase"], "op": row["collective"], "payload_bytes": row["bytes_counted"]}
+             for row in rows]  # the layers' calls, for the totals per phase
+    rows.append({"layer": "replicated grads", "phase": "after backward",
+                 "collective": "all_reduce" if want_replicated else "-",
+                 "bytes_counted": replicated["payload_bytes"], "bytes_predicted": want_replicated,
+                 "ring_bytes_sent_per_rank": ring_send_bytes("all_reduce", want_replicated,
+                                                             world_size)})
+    return {"label": label, "checks": checks, "bytes": [{"block": label, **row} for row in rows],
+            "saved": saved, "totals": phase_totals(label, calls, world_size),
             "failures": failed_rows(label, checks) + failures + saved_failures(ctx, saved)}
 
 
-def check_torch_block(ctx, cfg: dict, group, reference: dict) -> dict:
-    """torch's parallelize_module on the same block, sequence parallel: output and input
-    gradient against one process, its functional collectives counted at dispatch per phase,
-    its saved bytes (the same keys as ``check_parallel_block``; no per-layer rows)."""
-    label = "torch TP + SP"
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
-    block = torch_tp.parallelize_block(reference["full"], group, ctx.device.type)
-    x_mine = my_tokens(reference["x"], rank, world_size).clone().requires_grad_(True)
-    outputs = []
-
-    def forward():
-        outputs.append(block(x_mine))
-
-    with FunctionalCommCounter() as comm:  # torch's DTensor collectives
-        comm.current = "forward"
-        saved = count_saved(block, forward)
-        comm.current = "backward"
-        outputs[0].backward(my_tokens(reference["probe"], rank, world_size))
-    checks = [compare("output", outputs[0], my_tokens(reference["out"], rank, world_size)),
-              compare("input.grad", x_mine.grad, my_tokens(reference["x_grad"], rank, world_size))]
-    for row in checks:
-        row["block"] = label
-    failures = []
-    for problem in failed_rows("", checks):
-        failures.append(f"torch's parallelize_module{problem} from one process")
-    return {"label": label, "checks": checks, "bytes": [],
-            "saved": saved_row(cfg, label, world_size, True, saved),
-            "totals": phase_totals(label, comm.calls, world_size), "failures": failures}
-
-
 def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None) -> dict:
-    """The block on one process, in TP, in TP + SP, and torch's TP + SP, on ``group``:
-    {"checks", "bytes", "totals", "saved", "failures"} (failures of this rank only).
-    ``land(ctx, cfg, part)`` is called with each configuration's part as it lands."""
-    world_size = dist.get_world_size(group)
-    reference = one_process_block(ctx, cfg)
+    """The block on one process (seed 0 on every rank; a random probe as dL/d(output) uses
+    every gradient), in TP, TP + SP and torch's TP + SP, on ``group``: {"checks", "bytes",
+    "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands."""
+    torch.manual_seed(0)
+    full = models.Block(cfg["d_model"], cfg["d_ff"], cfg["heads"]).to(ctx.device)
+    x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
+    probe = torch.randn_like(x)
+    x_ref = x.clone().requires_grad_(True)
+    out, saved = count_saved(full, x_ref)
+    out.backward(probe)
+    reference = {"full": full, "x": x, "probe": probe, "out": out.detach(), "x_grad": x_ref.grad}
     one_process = {"label": "one process", "checks": [], "bytes": [], "totals": [],
-                   "saved": saved_row(cfg, "one process", 1, False, reference["saved"])}
+                   "saved": saved_row(cfg, "one process", 1, False, saved)}
     one_process["failures"] = saved_failures(ctx, one_process["saved"])
-    parts = [one_process]
-    if land is not None:
-        land(ctx, cfg, one_process)
-    configurations = [False, True]
+    result = {"checks": [], "bytes": [], "totals": [], "saved": [], "failures": [],
+              "world_size": dist.get_world_size(group)}
+    configurations = [None, False, True]
     if with_torch:
         configurations.append("torch")
     for configuration in configurations:
-        if configuration == "torch":
-            part = check_torch_block(ctx, cfg, group, reference)
-        else:
+        part = one_process
+        if configuration is not None:
             part = check_parallel_block(ctx, cfg, group, reference, configuration)
         if land is not None:
             land(ctx, cfg, part)
-        parts.append(part)
-    result = {"checks": [], "bytes": [], "totals": [], "saved": [], "failures": []}
-    for part in parts:
-        result["checks"] += part["checks"]
-        result["bytes"] += part["bytes"]
-        result["totals"] += part["totals"]
+        for key in ("checks", "bytes", "totals", "failures"):
+            result[key] += part[key]
         result["saved"].append(part["saved"])
-        result["failures"] += part["failures"]
-    result["world_size"] = world_size
     return result
 
 
@@ -493,19 +353,9 @@ def agree(failures: list[str], group=None) -> list[str]:
     return verify.agree_on_problems(failures, group)
 
 
-# --------------------------------------------------------------------------- rows, as they land
-
-
 def mlp_columns(ctx, cfg: dict) -> dict:
     return {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
             "tokens": cfg["batch"] * cfg["seq"], "d_model": cfg["d_model"], "d_ff": cfg["d_ff"]}
-
-
-def shown(path: Path) -> Path:
-    """``path`` relative to the current folder when it is inside it (shorter to read)."""
-    if path.is_relative_to(Path.cwd()):
-        return path.relative_to(Path.cwd())
-    return path
 
 
 def land_variant(ctx, cfg: dict, result: dict) -> None:
@@ -513,17 +363,16 @@ def land_variant(ctx, cfg: dict, result: dict) -> None:
     if not ctx.is_main:
         return
     same = mlp_columns(ctx, cfg)
-    rows = []
-    for row in result["bytes"]:
-        rows.append({**same, **row, "run_id": results.run_id()})
+    rows = [{**same, **row, "run_id": results.run_id()} for row in result["bytes"]]
     path = results.upsert_csv("tensor_parallel.csv", rows,
                               key=[*same, "variant", "layer", "phase"])
-    ctx.print(f"MLP, {rows[0]['variant']}: rows in {shown(path)}", all_ranks=False)
+    path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path  # shorter
+    ctx.print(f"MLP, {rows[0]['variant']}: rows in {path}", all_ranks=False)
 
 
 def land_block(ctx, cfg: dict, part: dict) -> None:
-    """One block configuration's rows into results/sequence_parallel.csv (rank 0): its bytes
-    per phase (none for one process) and its saved bytes beside the formula."""
+    """One block configuration's bytes per phase and saved bytes, into
+    results/sequence_parallel.csv (rank 0)."""
     if not ctx.is_main:
         return
     same = {**mlp_columns(ctx, cfg), "heads": cfg["heads"]}
@@ -540,23 +389,19 @@ def land_block(ctx, cfg: dict, part: dict) -> None:
                      "ring_bytes_sent_per_rank": "", "run_id": results.run_id()})
     path = results.upsert_csv("sequence_parallel.csv", rows,
                               key=[*same, "what", "block", "phase"])
-    ctx.print(f"block, {part['label']}: rows in {shown(path)}", all_ranks=False)
-
-
-# --------------------------------------------------------------------------- the run
+    path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+    ctx.print(f"block, {part['label']}: rows in {path}", all_ranks=False)
 
 
 def bench_main(ctx, cfg: dict) -> None:
-    """Both MLP variants and the block, each counted, checked and written as it lands; then
-    the tables and one verdict."""
+    """Both MLP variants and the block, each written as it lands; the tables; one verdict."""
     checks, mlp_bytes, failures = check_mlp(ctx, cfg, land=land_variant)
     block = check_block(ctx, cfg, with_torch=cfg["with_torch"], land=land_block)
     failures = agree(failures + block["failures"])
     if ctx.is_main:
-        tokens = cfg["batch"] * cfg["seq"]
         where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
         print(f"\nTensor-parallel MLP on {ctx.world_size} ranks: d_model {cfg['d_model']}, "
-              f"d_ff {cfg['d_ff']}, {tokens} tokens, {where}")
+              f"d_ff {cfg['d_ff']}, {cfg['batch'] * cfg['seq']} tokens, {where}")
         results.print_table(mlp_bytes, "\nBytes per layer, one forward + backward (float32):",
                             floatfmt=".0f")
         print(f"\nA Transformer block of the course LM (d_model {cfg['d_model']}, d_ff "
@@ -576,8 +421,8 @@ def bench_main(ctx, cfg: dict) -> None:
               "formula says", all_ranks=False)
 
 
-def add_flags(parser) -> None:
-    """The demo's flags (run_tensor_parallel.py), and ``--bench``."""
+def main(argv=None) -> None:
+    parser = launch.make_parser(__doc__, world_size=2)
     for flag, default, what in (("--d-model", 64, "MLP and block input/output width"),
                                 ("--d-ff", 256, "MLP hidden width"),
                                 ("--batch", 8, "sequences per batch"),
@@ -587,10 +432,10 @@ def add_flags(parser) -> None:
     parser.add_argument("--variants", type=launch.choice_list(list(tp.VARIANTS)),
                         default=list(tp.VARIANTS), help="subset of " + ",".join(tp.VARIANTS))
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
-
-
-def refuse_bad_sizes(parser, args, world_size: int) -> None:
-    """One line and exit 2 for sizes the split cannot take, before any worker starts."""
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    world_size = config.world_size
+    # One line and exit 2 for sizes the split cannot take, before any worker starts.
     if args.d_ff % world_size:
         parser.error(f"--d-ff {args.d_ff} is not divisible by the tensor-parallel size "
                      f"(world size) {world_size}")
@@ -605,26 +450,13 @@ def refuse_bad_sizes(parser, args, world_size: int) -> None:
     if args.seq % world_size:
         parser.error(f"--seq {args.seq} is not divisible by the world size {world_size} "
                      "(sequence parallelism gives each rank seq / t tokens)")
-
-
-def refuse_too_large(config, args) -> None:
-    """One line and exit 2 when a rank's rough peak (float32: the full MLP and block, their
-    gradients, its slices and torch's copy, the activations of three blocks) cannot fit."""
+    # A rank's rough peak: MLP, block, gradients, slices, torch's copy, 3 blocks' activations
     weights = 2 * args.d_model * args.d_ff + 4 * args.d_model * args.d_model
     tokens = args.batch * args.seq
     activations = tokens * (12 * args.d_model + 3 * args.d_ff) + args.batch * args.heads * args.seq
     need = 4 * (6 * weights + 4 * activations)
     launch.check_fits(config, need, f"{need / 2**30:.1f} GiB each for --d-model {args.d_model} "
                       f"--d-ff {args.d_ff} --batch {args.batch} --seq {args.seq}")
-
-
-def main(argv=None) -> None:
-    parser = launch.make_parser(__doc__, world_size=2)
-    add_flags(parser)
-    args = parser.parse_args(argv)
-    config = launch.resolve(args)
-    refuse_bad_sizes(parser, args, config.world_size)
-    refuse_too_large(config, args)
     results.check_writable()
     cfg = vars(args)
     cfg["with_torch"] = carries_point_to_point(config.backend, config.device)
