@@ -1,10 +1,5 @@
-"""Write ``results/README.md``, the report of a ``make bench`` run: the machine, each section's tables
-and plots, and a short reading computed from the same numbers, from the rows of the run that
-``results/bench_run.json`` names (without it, each file's last run, named). A section this run did
-not fill keeps the old report's, marked with its run and machine; the new report is swapped in whole.
-
-    python bench/report.py            # rebuild the report of the last run from results/
-"""
+"""Write ``results/README.md`` from the rows of the run ``results/bench_run.json`` names (without it, each
+file's last run); a section this run did not fill keeps the old report's, marked. ``python bench/report.py``"""
 
 import json
 import os
@@ -46,7 +41,6 @@ FED_BY: dict[str, list[str]] = {}         # title: the make bench steps (make_be
 
 @dataclass
 class Where:
-    """What a section reads and where it draws."""
     out: Path             # the results folder: the CSV/JSON files
     draw: Path            # where this report's pictures go (swapped into ``out`` at the end)
     run_id: str | None    # the run to report; None: each section takes its file's last run
@@ -54,7 +48,6 @@ class Where:
 
 
 def one_run(rows: list[dict], run_id: str | None) -> list[dict]:
-    """The rows of ``run_id``; with none named, those of the last run that wrote them (written last)."""
     if run_id is None and rows:
         run_id = rows[-1].get("run_id")
     return [r for r in rows if r.get("run_id") == run_id]
@@ -70,7 +63,6 @@ def entries_of(where: Where, name: str, run_id: str) -> list[dict]:
 
 
 def section(title: str, csv: str | None = None, steps: tuple = (), optional: bool = False):
-    """Register a section under ``title``, fed by make bench's ``steps``; with ``csv``: fn(where, rows)."""
     def register(fn):
         def read(where):
             rows = rows_of(where, csv)
@@ -83,7 +75,6 @@ def section(title: str, csv: str | None = None, steps: tuple = (), optional: boo
 
 
 def reading(text: str, words: list[str], headline: list, rows: list[dict]):
-    """What a section returns: its text and its reading, its headline rows, the rows it read."""
     return text + ("\n" + " ".join(words) + "\n" if words else ""), headline, rows
 
 
@@ -108,7 +99,6 @@ def times(ratio: float) -> str:
 
 
 def group(rows: list[dict], key) -> dict:
-    """{key(row): [rows]}, in first-seen order."""
     groups: dict = {}
     for r in rows:
         groups.setdefault(key(r), []).append(r)
@@ -116,12 +106,10 @@ def group(rows: list[dict], key) -> dict:
 
 
 def host_path_note(rows: list[dict], claim: str) -> str:
-    """The label over a section whose rows ran CUDA tensors over Gloo (ranks sharing a GPU)."""
     return HOST_PATH.format(claim=claim) if any(on(r) == "gloo/cuda" for r in rows if "backend" in r) else ""
 
 
 def measured_peak(where: Where, run_id: str | None, device: str) -> dict | None:
-    """The peaks ``bench/compute.py`` measured on ``device`` in the run ``run_id``, else None."""
     entry = results.read_json("matmul_peak.json", where.out).get(device)
     return entry if isinstance(entry, dict) and run_id is not None and entry.get("run_id") == run_id else None
 
@@ -135,7 +123,6 @@ def model_flops_utilisation(row: dict, peak: dict) -> tuple[float, float]:
 
 
 def size_text(nbytes: float) -> str:
-    """65536 -> '64KB' (binary units)."""
     for unit, scale in (("GB", 2 ** 30), ("MB", MB), ("KB", 2 ** 10)):
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.3g}{unit}"
@@ -143,7 +130,6 @@ def size_text(nbytes: float) -> str:
 
 
 def with_formula(counted, formula) -> str:
-    """'2MB (2MB)': a count and, in brackets, its formula; '-' where nothing was counted."""
     text = "-" if counted in ("", None) else size_text(float(counted))
     return text + (f" ({size_text(float(formula))})" if formula not in ("", None) else "")
 
@@ -163,7 +149,6 @@ def picture(where: Where, name: str, alt: str) -> str:
 
 def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, list[float]]], xlabel: str,
          title: str) -> str:
-    """A horizontal stacked bar chart, one bar per label (with matplotlib); returns the line showing it."""
     plt = results.pyplot()
     if plt is not None and labels:
         fig, ax = plt.subplots(figsize=(8, 0.5 * len(labels) + 1.6))
@@ -188,7 +173,6 @@ def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, lis
 @section("Compute on one device: the measured peak, forward, backward, optimizer, memory, MFU", "compute.csv",
          ("compute",))
 def compute_section(where: Where, rows: list[dict]):
-    """bench/compute.py: the device alone at one rank's shapes, beside the peaks it measured."""
     r0 = rows[0]
     peak = measured_peak(where, r0.get("run_id"), r0["device"])
     text = (f"One process ({machine_of(where, rows)}) at one rank's shapes of stages 03-06, nothing communicated; "
@@ -643,25 +627,18 @@ def checkpoint_section(where: Where, rows: list[dict]):
     return reading(text, words, headline, rows)
 
 
-def projection_text(where: Where) -> str:
-    """Lesson 9's projection: the cluster presets predicted with the compute measured here; "" without rows."""
-    rows = rows_of(where, "projection.csv")
-    if not rows:
-        return ""
-    r0 = rows[0]
-    return (f"\n**Predicted, not measured**: each cluster preset's fastest grids that fit, its links from the spec "
-            f"sheet, its compute measured here ({r0['compute_from']}); LM `{r0['model']}`, {r0['seq_len']} tokens:\n\n"
-            + md_table(["preset", "grid", "predicted step ms", "predicted tokens/s a GPU", "predicted GiB a GPU",
-                        "of the measured rate"],
-                       [[r["cluster"], r["grid"], num(r, "predicted_ms"), f"{num(r, 'tokens_per_s_per_gpu'):,.0f}",
-                         f"{num(r, 'memory_gib'):.1f}", f"{num(r, 'share_of_measured_rate'):.0%}"] for r in rows]) + "\n")
-
-
 @section("Predict, then measure: the planner beside this box's steps (stage 07)", steps=("prediction",))
 def prediction_section(where: Where):
-    """Lesson 9: the planner's step time beside the step measured, per configuration."""
     rows = rows_of(where, "prediction.csv")
-    projected = projection_text(where)
+    planned = rows_of(where, "projection.csv")  # lesson 9's cluster presets, with the compute measured here
+    projected = "" if not planned else (
+        f"\n**Predicted, not measured**: each cluster preset's fastest grids that fit, its links from the spec sheet, its "
+        f"compute measured here ({planned[0]['compute_from']}); LM `{planned[0]['model']}`, {planned[0]['seq_len']} tokens:\n\n"
+        + md_table(["preset", "grid", "predicted step ms", "predicted tokens/s a GPU", "predicted GiB a GPU",
+                    "of the measured rate"],
+                   [[r["cluster"], r["grid"], num(r, "predicted_ms"), f"{num(r, 'tokens_per_s_per_gpu'):,.0f}",
+                     f"{num(r, 'memory_gib'):.1f}", f"{num(r, 'share_of_measured_rate'):.0%}"]
+                    for r in planned]) + "\n")
     if not rows:
         return (projected, [], []) if projected else None
     within = sum(abs(num(r, "ratio") - 1) <= 0.25 for r in rows)
@@ -679,7 +656,6 @@ def prediction_section(where: Where):
 
 @section("Muon: four designs beside AdamW + ZeRO-1", "muon.csv", ("muon",), optional=True)
 def muon_section(where: Where, rows: list[dict]):
-    """07_parallelism/measure/bench_muon.py: the optimizer step alone, on the same gradients."""
     text = ("The optimizer step alone on the same gradients; bytes counted over all ranks (formula); Newton-Schulz "
             "GFLOP on the busiest rank, and that over the ideal 1/N.\n\n"
             + md_table(["impl", "ranks", "LM", "step ms", "bytes (formula)", "NS GFLOP, busiest rank", "NS imbalance"],
@@ -696,16 +672,14 @@ def muon_section(where: Where, rows: list[dict]):
             words.append(f"On {ranks} ranks the fastest Muon step ({fastest['impl']}) takes {ratio}.")
             headline.append([f"Muon, {ranks} ranks: the fastest design's step", f"{ratio} ({fastest['impl']})"])
     return reading(text, words, headline, rows)
-POINT_TO_POINT_OR_COALESCED = ("reduce_scatter", "send/recv", "isend/irecv", "batch_isend_irecv")
 
 
 @section("Backends: which collectives each backend/device pair carries here", "backends.csv", ("backends",),
          optional=True)
 def backends_section(where: Where, rows: list[dict]):
-    """bench/backends.py: each op tried on this box's pairs, beside what the course says each carries."""
     table, differ = [], []
     for r in rows:
-        says = carries_point_to_point(r["backend"], r["device"]) or r["op"] not in POINT_TO_POINT_OR_COALESCED
+        says = carries_point_to_point(r["backend"], r["device"]) or r["op"] not in ("reduce_scatter", "send/recv", "isend/irecv", "batch_isend_irecv")
         agree = (r["outcome"] == "ok") == says
         table.append([on(r), r["op"], r["outcome"], "carried" if says else "not carried", "yes" if agree else "**no**"])
         differ += [] if agree else [f"{r['op']} on {on(r)}"]
@@ -719,60 +693,6 @@ def backends_section(where: Where, rows: list[dict]):
 # --------------------------------------------------------------------------- the report
 
 
-def previous_sections(out: Path) -> dict[str, str]:
-    """The filled sections of the report now in ``out``, by title, each marked with its run and machine."""
-    text = (out / "README.md").read_text(errors="replace") if (out / "README.md").is_file() else ""
-    found = re.search(r"Machine: \*\*(.+?)\*\*\. Run `([^`]+)`", text)
-    mark = CARRIED.format(run=found.group(2) if found else "unknown", machine=found.group(1) if found else "an unknown machine")
-    titles = [title for title, _ in SECTIONS + OPTIONAL]
-    sections = {}
-    for chunk in text.split("\n## ")[1:]:
-        title, _, body = chunk.partition("\n\n")
-        body = body.split(FOOTER)[0].rstrip("\n") + "\n"
-        if title in titles and not body.startswith(EMPTY_TEXTS):
-            own = body.startswith(("_Carried over from run", "_Run `"))  # marked already
-            sections[title] = body if own else mark + body
-    return sections
-
-
-def no_rows_text(info: dict | None, title: str) -> str:
-    """What a section without rows says: no run record, not planned, or planned and no rows."""
-    if info is None:
-        return NO_FILE_ROWS
-    planned = {step.get("key") for step in info["steps"]}
-    return NOT_PLANNED if FED_BY.get(title) and not planned & set(FED_BY[title]) else NO_ROWS
-
-
-def load_run(out: Path) -> dict | None:
-    """The run record ``make bench`` wrote, or None (with a warning where it is unusable)."""
-    info = results.read_json(RUN_FILE, out)  # {} when missing, corrupt or not an object
-    missing = [k for k in RUN_KEYS if k not in info]
-    if info and missing:
-        print(f"warning: ignoring {out / RUN_FILE}: no {', '.join(missing)}", file=sys.stderr)
-    return None if missing else info
-
-
-def header(info: dict | None) -> list[str]:
-    """The report's top: the machine and the run, or, without a run record, a word on that."""
-    units = "Times: the slowest rank's median after warm-up; GB/s = 10^9 bytes/s; 1 MB = 2^20 bytes.\n"
-    if info is None:
-        return ["# Benchmark report (`make bench`)\n", f"No run record (`results/{RUN_FILE}` is missing or unreadable, "
-                "as on a fresh clone): each section shows the last run that wrote its file, named under its title.\n", units]
-    gpus = info["setup"]["gpus"]
-    kind = ["> A CPU-only run: every figure measures this machine's cores through Gloo's loopback.\n",
-            "> A one-GPU run, read as such: compute, memory and MFU describe the GPU; the ranks' collectives cross "
-            "Gloo's host path (labelled where they appear), not an interconnect.\n",
-            "> A GPU per rank over NCCL: communication timings describe this box's interconnect.\n"]
-    allocator = ", ".join(f"`{name}={value}`" for name, value in info.get("allocator", {}).items())
-    kept = "every step's processes kept the blocks they freed" if info.get("keeps_freed_memory") else "glibc as the user set it"
-    memory = f"Host memory: {kept} ({allocator}).\n" if allocator else ""
-    return ["# Benchmark report (`make bench`)\n",
-            f"Machine: **{info['machine']}**. Run `{info['run_id']}`, started {info['started_utc']}, "
-            f"{info['total_s']:.0f} s in all ({'quick' if info['quick'] else 'full'}); GPU: "
-            f"{f'{gpus} x ' + info['setup']['gpu_name'] if gpus else 'none'}; LM for stages 03-06: "
-            f"`{info['model']}`.\n\n{info['setup']['picked']}\n", kind[min(gpus, 2)], memory, units]
-
-
 def write_report(out: Path, info: dict | None = None,
                  pictures: list[tuple[Path, str]] = ()) -> tuple[Path | None, list[str]]:
     """Rewrite ``out/README.md`` from the rows of the run ``info`` (make bench's record; None: read it from
@@ -780,9 +700,23 @@ def write_report(out: Path, info: dict | None = None,
     section had data (the old report kept), and the titles of the sections without data."""
     from_make_bench = info is not None
     if not from_make_bench:
-        info = load_run(out)
+        info = results.read_json(RUN_FILE, out)  # {} when missing, corrupt or not an object
+        missing = [k for k in RUN_KEYS if k not in info]
+        if info and missing:
+            print(f"warning: ignoring {out / RUN_FILE}: no {', '.join(missing)}", file=sys.stderr)
+        info = None if missing else info
         pictures = [(out / name, name) for name in STAGE_PICTURES if info is not None]
-    earlier = previous_sections(out)
+    # the filled sections of the report now in ``out``, by title, each marked with its run and machine
+    old = (out / "README.md").read_text(errors="replace") if (out / "README.md").is_file() else ""
+    found = re.search(r"Machine: \*\*(.+?)\*\*\. Run `([^`]+)`", old)
+    mark = CARRIED.format(run=found.group(2) if found else "unknown", machine=found.group(1) if found else "an unknown machine")
+    earlier = {}
+    for chunk in old.split("\n## ")[1:]:
+        title, _, text = chunk.partition("\n\n")
+        text = text.split(FOOTER)[0].rstrip("\n") + "\n"
+        if title in FED_BY and not text.startswith(EMPTY_TEXTS):
+            earlier[title] = text if text.startswith(("_Carried over from run", "_Run `")) else mark + text
+    planned = {step.get("key") for step in info["steps"]} if info else set()
     draw = Path(tempfile.mkdtemp(dir=out, prefix=".report-"))  # beside: os.replace is atomic
     try:
         for source, name in pictures:
@@ -801,40 +735,54 @@ def write_report(out: Path, info: dict | None = None,
             carried += [title] if found is None and title in earlier else []  # the better run's section stays, marked
             if found is None and optional and title not in earlier:
                 continue
-            text, head, rows = found or (earlier.get(title) or no_rows_text(info, title), [], None)
+            nothing = NO_FILE_ROWS if info is None else NOT_PLANNED if FED_BY[title] and not planned & set(FED_BY[title]) else NO_ROWS
+            text, head, rows = found or (earlier.get(title) or nothing, [], None)
             if info is None and rows:  # no run record: name the run and machine shown
                 text = f"_Run `{rows[0].get('run_id')}`, {machine_of(where, rows)}._\n\n{text}"
             body.append(f"## {title}\n\n{text}")
             headline += head
         if not measured:
             return None, empty  # nothing measured: the old report is better than an empty one
-        runs = [] if info is None else ["## Runs\n\n" + md_table(["step", "outcome", "seconds", "command"], [
-            [s["title"], s["status"], f"{s['seconds']:.0f}", "`python " + " ".join(s["argv"]) + "`"] for s in info["steps"]])]
+        top, runs = ["# Benchmark report (`make bench`)\n"], []
+        if info is None:
+            top.append(f"No run record (`results/{RUN_FILE}` is missing or unreadable, as on a fresh clone): each "
+                       "section shows the last run that wrote its file, named under its title.\n")
+        else:
+            gpus = info["setup"]["gpus"]
+            kind = ["> A CPU-only run: every figure measures this machine's cores through Gloo's loopback.\n",
+                    "> A one-GPU run, read as such: compute, memory and MFU describe the GPU; the ranks' collectives "
+                    "cross Gloo's host path (labelled where they appear), not an interconnect.\n",
+                    "> A GPU per rank over NCCL: communication timings describe this box's interconnect.\n"]
+            allocator = ", ".join(f"`{name}={value}`" for name, value in info.get("allocator", {}).items())
+            kept = "every step's processes kept the blocks they freed" if info.get("keeps_freed_memory") else "glibc as the user set it"
+            top += [f"Machine: **{info['machine']}**. Run `{info['run_id']}`, started {info['started_utc']}, "
+                    f"{info['total_s']:.0f} s in all ({'quick' if info['quick'] else 'full'}); GPU: "
+                    f"{f'{gpus} x ' + info['setup']['gpu_name'] if gpus else 'none'}; LM for stages 03-06: "
+                    f"`{info['model']}`.\n\n{info['setup']['picked']}\n", kind[min(gpus, 2)],
+                    f"Host memory: {kept} ({allocator}).\n" if allocator else ""]
+            runs = ["## Runs\n\n" + md_table(["step", "outcome", "seconds", "command"], [
+                [s["title"], s["status"], f"{s['seconds']:.0f}", "`python " + " ".join(s["argv"]) + "`"] for s in info["steps"]])]
         kept = [f"Sections this run did not fill, kept from the report before it (each names its run and machine): "
                 f"{'; '.join(carried)}.\n"] if carried else []
-        parts = [*header(info), *kept, "## Headline\n\n" + md_table(["what", "measured"], headline), *runs, *body,
+        parts = [*top, "Times: the slowest rank's median after warm-up; GB/s = 10^9 bytes/s; 1 MB = 2^20 bytes.\n", *kept,
+                 "## Headline\n\n" + md_table(["what", "measured"], headline), *runs, *body,
                  FOOTER.lstrip("\n") + " from `results/`. Regenerate: `make bench`, or `python bench/report.py`.\n"]
-        (draw / "README.md").write_text("\n".join(p for p in parts if p))
+        readme = "\n".join(p for p in parts if p)
+        (draw / "README.md").write_text(readme)
         if from_make_bench:
             (draw / RUN_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        return swap_in(draw, out), empty
+        # the pictures and run record first, the README last; then the old pictures the new README does not show
+        new = sorted(p.name for p in draw.iterdir())
+        for name in new:
+            if name != "README.md":
+                os.replace(draw / name, out / name)
+        os.replace(draw / "README.md", out / "README.md")
+        for picture_file in out.glob("bench_*.png"):
+            if picture_file.name not in new and f"]({picture_file.name})" not in readme:
+                picture_file.unlink(missing_ok=True)
+        return out / "README.md", empty
     finally:
         shutil.rmtree(draw, ignore_errors=True)
-
-
-def swap_in(draw: Path, out: Path) -> Path:
-    """Move the new report's files over the old ones: pictures and run record first, the README last;
-    then remove the old pictures the new README does not show (a carried section's it still shows)."""
-    new = sorted(p.name for p in draw.iterdir())
-    readme = (draw / "README.md").read_text()
-    for name in new:
-        if name != "README.md":
-            os.replace(draw / name, out / name)
-    os.replace(draw / "README.md", out / "README.md")
-    for old in out.glob("bench_*.png"):
-        if old.name not in new and f"]({old.name})" not in readme:
-            old.unlink(missing_ok=True)
-    return out / "README.md"
 
 
 def main() -> None:
