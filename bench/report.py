@@ -147,8 +147,7 @@ def picture(where: Where, name: str, alt: str) -> str:
     return f"_(no picture: `{name}` was not drawn: matplotlib missing, or the step did not finish)_\n"
 
 
-def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, list[float]]], xlabel: str,
-         title: str) -> str:
+def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, list[float]]], xlabel: str, title: str) -> str:
     plt = results.pyplot()
     if plt is not None and labels:
         fig, ax = plt.subplots(figsize=(8, 0.5 * len(labels) + 1.6))
@@ -170,8 +169,7 @@ def bars(where: Where, name: str, labels: list[str], stacks: list[tuple[str, lis
 # Each returns None where it has no rows, else (its text, its headline rows, the rows it read).
 
 
-@section("Compute on one device: the measured peak, forward, backward, optimizer, memory, MFU", "compute.csv",
-         ("compute",))
+@section("Compute on one device: the measured peak, forward, backward, optimizer, memory, MFU", "compute.csv", ("compute",))
 def compute_section(where: Where, rows: list[dict]):
     r0 = rows[0]
     peak = measured_peak(where, r0.get("run_id"), r0["device"])
@@ -407,8 +405,7 @@ def sharding_section(where: Where, rows: list[dict]):
                                [(part, [num(r, key) / MB for r in plain]) for part, key in zip(
                                    ("parameters", "gradients", "optimizer state"), kinds)], "MiB per rank, held between "
                                "steps", f"Bytes per rank, LM {r0['model']}, {r0['world_size']} ranks\n"
-                               f"{machine_of(where, rows)}")],
-                   [], rows)
+                               f"{machine_of(where, rows)}")], [], rows)
 
 
 @section("Context parallelism: ring attention, contiguous and zig-zag (stage 07)", "context_parallel.csv", ("cp",))
@@ -637,8 +634,7 @@ def prediction_section(where: Where):
         + md_table(["preset", "grid", "predicted step ms", "predicted tokens/s a GPU", "predicted GiB a GPU",
                     "of the measured rate"],
                    [[r["cluster"], r["grid"], num(r, "predicted_ms"), f"{num(r, 'tokens_per_s_per_gpu'):,.0f}",
-                     f"{num(r, 'memory_gib'):.1f}", f"{num(r, 'share_of_measured_rate'):.0%}"]
-                    for r in planned]) + "\n")
+                     f"{num(r, 'memory_gib'):.1f}", f"{num(r, 'share_of_measured_rate'):.0%}"] for r in planned]) + "\n")
     if not rows:
         return (projected, [], []) if projected else None
     within = sum(abs(num(r, "ratio") - 1) <= 0.25 for r in rows)
@@ -674,8 +670,7 @@ def muon_section(where: Where, rows: list[dict]):
     return reading(text, words, headline, rows)
 
 
-@section("Backends: which collectives each backend/device pair carries here", "backends.csv", ("backends",),
-         optional=True)
+@section("Backends: which collectives each backend/device pair carries here", "backends.csv", ("backends",), optional=True)
 def backends_section(where: Where, rows: list[dict]):
     table, differ = [], []
     for r in rows:
@@ -695,9 +690,8 @@ def backends_section(where: Where, rows: list[dict]):
 
 def write_report(out: Path, info: dict | None = None,
                  pictures: list[tuple[Path, str]] = ()) -> tuple[Path | None, list[str]]:
-    """Rewrite ``out/README.md`` from the rows of the run ``info`` (make bench's record; None: read it from
-    ``out``), copying in ``pictures`` as (source, name). Returns the report's path, or None when no
-    section had data (the old report kept), and the titles of the sections without data."""
+    """Rewrite ``out/README.md`` from run ``info`` (None: ``out``'s record), copying in ``pictures`` (source, name);
+    returns its path (None: no section had data, the old report kept) and the titles of the sections without data."""
     from_make_bench = info is not None
     if not from_make_bench:
         info = results.read_json(RUN_FILE, out)  # {} when missing, corrupt or not an object
