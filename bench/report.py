@@ -47,14 +47,11 @@ class Where:
     machine: str          # for the plots' titles ("" without a run record: the rows say)
 
 
-def one_run(rows: list[dict], run_id: str | None) -> list[dict]:
-    if run_id is None and rows:
-        run_id = rows[-1].get("run_id")
+def rows_of(where: Where, name: str, stage: str | None = None) -> list[dict]:
+    """The rows of ``where.run_id`` (of ``stage``); with no run named, those of the last run that wrote them."""
+    rows = [r for r in results.read_csv(name, where.out) if stage is None or r.get("stage") == stage]
+    run_id = rows[-1].get("run_id") if where.run_id is None and rows else where.run_id
     return [r for r in rows if r.get("run_id") == run_id]
-
-
-def rows_of(where: Where, name: str) -> list[dict]:
-    return one_run(results.read_csv(name, where.out), where.run_id)
 
 
 def entries_of(where: Where, name: str, run_id: str) -> list[dict]:
@@ -288,8 +285,7 @@ def bucket_section(where: Where):
 
 @section("Overlap, seen in a profile (stage 05 `--profile`)", steps=("profile",))
 def overlap_section(where: Where):
-    rows = one_run([r for r in results.read_csv("ddp_profile.csv", where.out) if r.get("stage") == "05_overlap_ddp"],
-                   where.run_id)
+    rows = rows_of(where, "ddp_profile.csv", "05_overlap_ddp")
     if not rows:
         return None
     keys = ["step_ms", "backward_ms", "collectives", "comm_during_backward_ms", "comm_after_backward_ms"]
