@@ -220,95 +220,39 @@ class EmulatedHeadsAttention(HeadsAttention):
         return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def shown_path(path: Path) -> Path:
-    """``path`` relative to the current folder when it is inside it (shorter to read)."""
-    if path.is_relative_to(Path.cwd()):
-        return path.relative_to(Path.cwd())
-    return path
-
-
-def agree(failures: list[str]) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
-    from common import verify
-    return verify.agree_on_problems(failures)
-
-
-def gather_from_ranks(mine: dict, group=None) -> list[dict]:
-    """Each rank's ``mine`` (numbers by name), in the order of the ranks of ``group``."""
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
-
-
-def random_attention(cfg: dict, seq: int, dtype, device, seed: int):
-    """Full q, k, v (leaves that require grad) and an output gradient, [batch, heads, seq,
-    head_dim], the same on every rank for a given seed."""
-    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
-    k = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
-    v = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
-    grad_out = torch.randn(shape, generator=generator, dtype=dtype).to(device)
-    return q, k, v, grad_out
-
-
-
 # --------------------------------------------------------------------------- the benchmark
 
 
 def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
     """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
-    gradient at sequence length ``seq``."""
-    q, k, v, grad_out = random_attention(cfg, seq, torch.float32, "cpu", seed=seq)
-
-    def mine(t):
-        shard = cp.shard_sequence(t.detach(), 2, rank, world_size, layout)
-        return shard.to(ctx.device)
-
-    return (mine(q).requires_grad_(True), mine(k).requires_grad_(True),
-            mine(v).requires_grad_(True), mine(grad_out))
-
-
-def full_attention_step(q, k, v, grad_out):
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    out.backward(grad_out)
+    gradient at sequence length ``seq``, cut from full tensors the same on every rank."""
+    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
+    generator = torch.Generator().manual_seed(seq)
+    shards = []
+    for _ in range(4):
+        full = torch.randn(shape, generator=generator, dtype=torch.float32)
+        shards.append(cp.shard_sequence(full, 2, rank, world_size, layout).to(ctx.device))
+    q, k, v, grad_out = shards
+    return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad_out
 
 
-def ring_step(q, k, v, grad_out, group, layout, kernel=None):
-    """One forward + backward of causal ring attention, its chunks computed by ``kernel`` (a
-    ``ChunkKernels``; None: the algorithm's own)."""
+def run_step(q, k, v, grad_out, attention, kernel=None):
+    """One forward + backward of ``attention(q, k, v)``, with ``kernel`` (a ``ChunkKernels`` or
+    ``HeadsAttention``) active when given."""
     if kernel is None:
         kernel = contextlib.nullcontext()
     with kernel:
-        out = cp.ring_attention(q, k, v, group=group, causal=True, layout=layout)
+        out = attention(q, k, v)
         out.backward(grad_out)
-
-
-def ulysses_step(q, k, v, grad_out, group, kernel=None):
-    """One forward + backward of causal Ulysses attention, its heads' attention computed by
-    ``kernel`` (a ``HeadsAttention``; None: the algorithm's own)."""
-    if kernel is None:
-        kernel = contextlib.nullcontext()
-    with kernel:
-        out = cp.ulysses_attention(q, k, v, group=group, causal=True)
-        out.backward(grad_out)
-
-
-def do_nothing():
-    return None
 
 
 def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
     """The slowest member's median seconds of ``step()``; ranks outside ``members`` only keep
     the barriers company (and report 0 s)."""
-    if ctx.rank not in members:
-        step = do_nothing
-    times = timing.measure(step, ctx.device, warmup=cfg["warmup"], iters=cfg["iters"],
-                           barrier=True)
-    if ctx.rank not in members:
+    inside = ctx.rank in members
+    times = timing.measure(step if inside else lambda: None, ctx.device, warmup=cfg["warmup"],
+                           iters=cfg["iters"], barrier=True)
+    if not inside:
         times = [0.0] * len(times)
     return timing.gather_times(times).median
 
@@ -328,175 +272,127 @@ def saved_and_peak(ctx, step) -> tuple[int, int]:
     return saved.bytes, peak
 
 
-def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple[list, list]:
+def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single) -> tuple[list, list]:
     """Every implementation at one sequence length: (rows, failures)."""
     rows = []
     failures = []
     batch_heads = cfg["batch"] * cfg["heads"]
-    element_size = 4
     same = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"]}
     # One rank, the whole sequence: torch's fused kernel, and ours (a ring of one).
     q, k, v, grad_out = attention_inputs(ctx, cfg, seq, 0, 1, "contiguous")
+    impls = {"full, sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             "full, our kernel": lambda q, k, v: cp.ring_attention(q, k, v, group=single,
+                                                                   causal=True, layout="contiguous")}
+    for impl, attention in impls.items():
 
-    def sdpa_step():
-        full_attention_step(q, k, v, grad_out)
+        def step():
+            run_step(q, k, v, grad_out, attention)
 
-    def ours_step():
-        ring_step(q, k, v, grad_out, single["group"], "contiguous")
-
-    for impl, step in (("full, sdpa", sdpa_step), ("full, our kernel", ours_step)):
         seconds = measure_case(ctx, cfg, step, [0])
         saved = 0
         peak = 0
         if ctx.rank == 0:
             saved, peak = saved_and_peak(ctx, step)
-        rank_0 = gather_from_ranks({"saved": saved, "peak": peak})[0]
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, {"saved": saved, "peak": peak})
         rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
                      "step_ms": seconds * 1e3, "sent_bytes": 0, "bytes_formula": 0,
                      "imbalance": 1.0, "imbalance_formula": 1.0,
-                     "saved_bytes": rank_0["saved"],
-                     "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"],
-                                                          element_size),
-                     "peak_bytes": rank_0["peak"]})
+                     "saved_bytes": everyone[0]["saved"],
+                     "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"], 4),
+                     "peak_bytes": everyone[0]["peak"]})
     for world_size, ring in rings.items():
-        members = list(range(world_size))
+        shard_bytes = batch_heads * (seq // world_size) * cfg["head_dim"] * 4  # one rank's q, k or v
         for layout in cfg["layouts"]:
-            inside = ctx.rank in members
-            rank = 0  # ranks outside the ring draw rank 0's shard, and only wait
-            if inside:
-                rank = ctx.rank
-            q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
-            counting = CountingAttention()
-            sent = 0
-            saved = 0
-            peak = 0
-            if inside:
-                with counters.CommCounter() as comm:
-                    ring_step(q, k, v, grad_out, ring, layout, counting)
-                sent = comm.sent_bytes
 
-                def step_for_memory():
-                    ring_step(q, k, v, grad_out, ring, layout)
-                saved, peak = saved_and_peak(ctx, step_for_memory)
-            everyone = gather_from_ranks({"inside": inside, "sent": sent, "saved": saved,
-                                          "peak": peak, "visible": counting.visible})
-            ring_ranks = []
-            for numbers in everyone:
-                if numbers["inside"]:
-                    ring_ranks.append(numbers)
-            visible = [numbers["visible"] for numbers in ring_ranks]
-            sent_per_rank = [numbers["sent"] for numbers in ring_ranks]
-            local_len = seq // world_size
-            block_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
-            formula = sum(ring_bytes(world_size, block_bytes))
-            if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
-                failures.append(f"seq {seq} W={world_size} {layout}: ranks sent "
-                                f"{min(sent_per_rank):.0f} to {max(sent_per_rank):.0f} B; the "
-                                f"formula says {formula}")
-            imbalance = max(visible) / (sum(visible) / len(visible))
-            row = {**same, "impl": "ring", "W": world_size, "layout": layout, "compute": "real",
-                   "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
-                   "imbalance": imbalance,
-                   "imbalance_formula": imbalance_formula(world_size, layout, True),
-                   "saved_bytes": max(numbers["saved"] for numbers in ring_ranks),
-                   "saved_formula": saved_bytes_formula(batch_heads, local_len, cfg["head_dim"],
-                                                        element_size),
-                   "peak_bytes": max(numbers["peak"] for numbers in ring_ranks)}
+            def ring_attention(q, k, v):
+                return cp.ring_attention(q, k, v, group=ring, causal=True, layout=layout)
 
-            def real_step():
-                ring_step(q, k, v, grad_out, ring, layout)
-
-            row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
-            rows.append(row)
-            if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
-                all_scores = batch_heads * seq * (seq + 1) / 2
-                emulated = EmulatedAttention(cfg["emulate_ms"] / 1e3 / all_scores)
-
-                def emulated_step():
-                    ring_step(q, k, v, grad_out, ring, layout, emulated)
-
-                emulated_row = dict(row)
-                emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
-                emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
-                rows.append(emulated_row)
+            targets = {"bytes_formula": sum(ring_bytes(world_size, shard_bytes)),
+                       "imbalance_formula": imbalance_formula(world_size, layout, True),
+                       "saved_formula": saved_bytes_formula(batch_heads, seq // world_size,
+                                                            cfg["head_dim"], 4)}
+            bench_parallel(ctx, cfg, same, world_size, "ring", layout, ring_attention,
+                           CountingAttention(), EmulatedAttention, targets, rows, failures)
         if cfg["heads"] % world_size == 0:
-            ulysses_rows, problems = bench_ulysses(ctx, cfg, seq, world_size, ring)
-            rows += ulysses_rows
-            failures += problems
+
+            def ulysses(q, k, v):
+                return cp.ulysses_attention(q, k, v, group=ring, causal=True)
+
+            targets = {"bytes_formula": sum(ulysses_bytes(world_size, shard_bytes)),
+                       "imbalance_formula": 1.0,
+                       "saved_formula": saved_bytes_formula(batch_heads // world_size, seq,
+                                                            cfg["head_dim"], 4)}
+            bench_parallel(ctx, cfg, same, world_size, "ulysses", "contiguous", ulysses,
+                           HeadsAttention(), EmulatedHeadsAttention, targets, rows, failures)
     return rows, failures
 
 
-def bench_ulysses(ctx, cfg: dict, seq: int, world_size: int, group) -> tuple[list, list]:
-    """Ulysses on the first ``world_size`` ranks at one sequence length: its row (bytes beside
-    the formula, work per rank, saved bytes, step time) and, at the longest sequence, the same
-    with emulated compute. (rows, failures)."""
+def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layout: str,
+                   attention, counting, emulated, targets: dict, rows: list, failures: list):
+    """``impl`` (ring or ulysses) on the first ``world_size`` ranks at one sequence length: its
+    row (bytes beside the formula, work per rank, saved bytes, step time) and, at the longest
+    sequence, the same with ``emulated`` compute, appended to ``rows``; problems to
+    ``failures``. ``counting``: the kernel that counts the scores each rank sees."""
+    seq = same["seq"]
     members = list(range(world_size))
     inside = ctx.rank in members
-    rank = 0
+    rank = 0  # ranks outside draw rank 0's shard, and only wait
     if inside:
         rank = ctx.rank
-    batch_heads = cfg["batch"] * cfg["heads"]
-    element_size = 4
-    local_len = seq // world_size
-    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, "contiguous")
-    counting = HeadsAttention()
+    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
+
+    def real_step():
+        run_step(q, k, v, grad_out, attention)
+
     sent = 0
     saved = 0
     peak = 0
     if inside:
         with counters.CommCounter() as comm:
-            ulysses_step(q, k, v, grad_out, group, counting)
+            run_step(q, k, v, grad_out, attention, counting)
         sent = comm.sent_bytes
-
-        def step_for_memory():
-            ulysses_step(q, k, v, grad_out, group)
-        saved, peak = saved_and_peak(ctx, step_for_memory)
-    everyone = [numbers for numbers in gather_from_ranks(
-        {"inside": inside, "sent": sent, "saved": saved, "peak": peak,
-         "visible": counting.visible}) if numbers["inside"]]
+        saved, peak = saved_and_peak(ctx, real_step)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, {"inside": inside, "sent": sent, "saved": saved,
+                                      "peak": peak, "visible": counting.visible})
+    everyone = [numbers for numbers in everyone if numbers["inside"]]
     visible = [numbers["visible"] for numbers in everyone]
     sent_per_rank = [numbers["sent"] for numbers in everyone]
-    shard_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
-    formula = sum(ulysses_bytes(world_size, shard_bytes))
-    failures = []
+    formula = targets["bytes_formula"]
     if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
-        failures.append(f"seq {seq} W={world_size} ulysses: ranks sent {min(sent_per_rank):.0f} "
+        name = layout if impl == "ring" else impl
+        failures.append(f"seq {seq} W={world_size} {name}: ranks sent {min(sent_per_rank):.0f} "
                         f"to {max(sent_per_rank):.0f} B; the formula says {formula}")
-    row = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"],
-           "impl": "ulysses", "W": world_size, "layout": "contiguous", "compute": "real",
+    row = {**same, "impl": impl, "W": world_size, "layout": layout, "compute": "real",
            "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
-           "imbalance": max(visible) / (sum(visible) / len(visible)), "imbalance_formula": 1.0,
+           "imbalance": max(visible) / (sum(visible) / len(visible)),
+           "imbalance_formula": targets["imbalance_formula"],
            "saved_bytes": max(numbers["saved"] for numbers in everyone),
-           "saved_formula": saved_bytes_formula(batch_heads // world_size, seq, cfg["head_dim"],
-                                                element_size),
+           "saved_formula": targets["saved_formula"],
            "peak_bytes": max(numbers["peak"] for numbers in everyone)}
-
-    def real_step():
-        ulysses_step(q, k, v, grad_out, group)
-
     row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
-    rows = [row]
-    if seq == max(cfg["seqs"]):
-        all_scores = batch_heads * seq * (seq + 1) / 2
-        emulated = EmulatedHeadsAttention(cfg["emulate_ms"] / 1e3 / all_scores)
+    rows.append(row)
+    if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
+        all_scores = cfg["batch"] * cfg["heads"] * seq * (seq + 1) / 2
+        kernel = emulated(cfg["emulate_ms"] / 1e3 / all_scores)
 
         def emulated_step():
-            ulysses_step(q, k, v, grad_out, group, emulated)
+            run_step(q, k, v, grad_out, attention, kernel)
 
         emulated_row = dict(row)
         emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
         emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
         rows.append(emulated_row)
-    return rows, failures
 
 
 def bench_main(ctx, cfg: dict) -> None:
     """The sweep; rank 0 prints, writes the CSV and the targets beside what was measured."""
-    single = {"group": None}
+    single = None
     for rank in range(ctx.world_size):  # a ring of one per rank (every rank creates each)
         group = dist.new_group([rank])
         if rank == ctx.rank:
-            single["group"] = group
+            single = group
     rings = {}
     for world_size in cfg["ring_sizes"]:
         group = dist.new_group(list(range(world_size)))
@@ -520,7 +416,8 @@ def bench_main(ctx, cfg: dict) -> None:
         if ctx.is_main:
             write_bench_rows(ctx, rows)
         ctx.print(f"seq {seq}: done", all_ranks=False)
-    failures = agree(failures)
+    from common import verify
+    failures = verify.agree_on_problems(failures)  # every rank's problems, on every rank
     if ctx.is_main:
         report_bench(ctx, cfg, rows)
     if failures:
@@ -569,7 +466,9 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
         shown.append(short)
     results.print_table(shown, floatfmt=".3g")
     path = write_bench_rows(ctx, rows)
-    print(f"\nwrote {shown_path(path)}")
+    if path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    print(f"\nwrote {path}")
     print(f"\nTargets, measured in this run ({machine}):")
     longest = max(cfg["seqs"])
     for row in rows:
@@ -587,7 +486,19 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     if ulysses:
         exact = all(row["sent_bytes"] == row["bytes_formula"] for row in ulysses)
         print(f"  Ulysses bytes sent per rank equal the formula in every row: {exact}")
-        print_ring_beside_ulysses(rows)
+        table = []  # per length and W: zig-zag ring beside Ulysses, same compute
+        for row in ulysses:
+            for ring in rows:
+                same = (ring["seq"], ring["W"], ring["compute"]) == (row["seq"], row["W"], row["compute"])
+                if ring["impl"] == "ring" and ring["layout"] == "zigzag" and same:
+                    table.append({"seq": row["seq"], "W": row["W"], "compute": row["compute"],
+                                  "ring bytes/rank": ring["sent_bytes"],
+                                  "Ulysses bytes/rank": row["sent_bytes"],
+                                  "ring ms": ring["step_ms"], "Ulysses ms": row["step_ms"],
+                                  "Ulysses / ring": row["step_ms"] / ring["step_ms"]})
+        if table:
+            results.print_table(table, title="\nRing attention (zig-zag) beside Ulysses: bytes "
+                                             "each rank sends, and step time", floatfmt=".3g")
     for world_size in cfg["ring_sizes"]:
         emulated = ratio(rows, world_size, "emulated")
         real = ratio(rows, world_size, "real")
@@ -598,38 +509,7 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
                   f"ideal W/(2W-1) = {ideal:.2f})")
 
 
-def print_ring_beside_ulysses(rows: list[dict]) -> None:
-    """Rank 0: per sequence length and W, the bytes each sends per rank and their step times
-    (zig-zag ring, real compute; and emulated at the longest sequence)."""
-    table = []
-    for row in rows:
-        if row["impl"] != "ulysses":
-            continue
-        ring = None
-        for other in rows:
-            same = (other["seq"], other["W"], other["compute"]) == (row["seq"], row["W"], row["compute"])
-            if other["impl"] == "ring" and other["layout"] == "zigzag" and same:
-                ring = other
-        if ring is None:
-            continue
-        table.append({"seq": row["seq"], "W": row["W"], "compute": row["compute"],
-                      "ring bytes/rank": ring["sent_bytes"], "Ulysses bytes/rank": row["sent_bytes"],
-                      "ring ms": ring["step_ms"], "Ulysses ms": row["step_ms"],
-                      "Ulysses / ring": row["step_ms"] / ring["step_ms"]})
-    if table:
-        results.print_table(table, title="\nRing attention (zig-zag) beside Ulysses: bytes each rank "
-                                         "sends, and step time", floatfmt=".3g")
-
-
 # --------------------------------------------------------------------------- flags
-
-
-def per_rank_bytes(args) -> int:
-    """A rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
-    whole-sequence attention by our kernel (seq x seq scores)."""
-    batch_heads = args.batch * args.heads
-    seq = max(args.seqs)
-    return 4 * batch_heads * (6 * seq * seq + 24 * seq * args.head_dim)
 
 
 def box_defaults(args, config) -> None:
@@ -691,9 +571,11 @@ def main(argv=None) -> None:
                 if seq % chunks != 0:
                     parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
                                  f"({layout} layout over {ring_size} ranks)")
-    need = per_rank_bytes(args)
-    launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length "
-                                    f"{max(args.seqs)}")
+    # a rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
+    # whole-sequence attention by our kernel (seq x seq scores)
+    seq = max(args.seqs)
+    need = 4 * args.batch * args.heads * (6 * seq * seq + 24 * seq * args.head_dim)
+    launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {seq}")
     results.check_writable()
     launch.launch(bench_main, config, vars(args))
 
