@@ -1,19 +1,14 @@
 """Not a lesson: lesson 5's ring attention and Ulysses, measured.
 
 A sequence-length sweep of one causal attention layer's forward + backward, float32: on one
-rank (torch's fused ``scaled_dot_product_attention`` and our kernel, a ring of one), on rings
-of 2 and 4 ranks in both layouts, and Ulysses: step time (real compute, and emulated compute
-where each chunk of work only waits in proportion to the scores it covers, backward twice as
-long), bytes sent beside the formula, each rank's attention work (max / mean) beside the
-load-balance formula, activation memory saved for backward beside its formula (and the GPU's
-peak, on a GPU). Rows go to ``results/context_parallel.csv`` after each sequence length, so a
-run stopped at its cap keeps them; a length that cannot end before make bench's deadline
-(``BENCH_STEP_DEADLINE``) is skipped with a note. Warm-up and timed steps follow the box:
-1 + 3 on the host, 2 + 5 on GPUs (``--warmup``, ``--iters``).
-
-The algorithm file carries no counter and no clock: here its chunk kernels
-(``context_parallel.chunk_attention`` and ``chunk_attention_backward``) are replaced, for the
-length of a ``with`` block, by ones that count the scores or only wait.
+rank (torch's fused ``scaled_dot_product_attention``, and our kernel as a ring of one), on
+rings of 2 and 4 ranks in both layouts, and Ulysses: step time (real compute, and emulated:
+each chunk only waits in proportion to its scores, backward twice as long), bytes sent, each
+rank's work (max / mean) and activation memory saved for backward, each beside its formula
+(and the GPU's peak, on a GPU). Rows go to ``results/context_parallel.csv`` after each length;
+a length that cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped
+with a note. The algorithm file has no counter and no clock: its kernels are replaced, for
+the length of a ``with`` block, by ones that count the scores or only wait.
 
     python 07_parallelism/measure/bench_context_parallel.py --bench
 """
@@ -21,6 +16,7 @@ length of a ``with`` block, by ones that count the scores or only wait.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
@@ -48,9 +44,8 @@ counters = import_stage("07_parallelism/measure/counters")
 
 def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
-    shard. Forward: W-1 hops of K and V. Backward: W-1 hops of K and V again, and W hops of
-    dK and dV (W-1 travelling with the K/V blocks, one last hop home). A ring of one sends
-    nothing."""
+    shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV (W-1
+    with the K/V blocks, one last hop home)."""
     if world_size == 1:
         return 0, 0
     forward = (world_size - 1) * 2 * block_bytes
@@ -62,8 +57,7 @@ def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k,
     v, the output), [batch, heads, seq / W, head_dim]. Each all-to-all keeps 1/W of its tensor
     and sends the rest: forward swaps q, k, v and the output, backward their four gradients.
-    Per rank this stays the same when the sequence and W grow together; the ring's grows with
-    W (``ring_bytes``)."""
+    Per rank it stays put when the sequence and W grow together; the ring's grows with W."""
     if world_size == 1:
         return 0, 0
     per_swap = (world_size - 1) * shard_bytes // world_size
@@ -97,10 +91,9 @@ def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_s
 
 
 class ChunkKernels(contextlib.ContextDecorator):
-    """While active (``with``), ring attention computes each pair of chunks with this object's
-    ``forward`` and ``backward``: the module's ``chunk_attention`` and
-    ``chunk_attention_backward`` are replaced, and put back on exit. These call the kernels
-    that were there before, so the wrappers nest (a timer around an emulated kernel)."""
+    """While active, ring attention computes each pair of chunks with this object's ``forward``
+    and ``backward`` (``cp.chunk_attention``, ``cp.chunk_attention_backward`` replaced, put back
+    on exit); by default the kernels that were there, so the wrappers nest."""
 
     def __enter__(self):
         self.inner_forward = cp.chunk_attention
@@ -112,7 +105,6 @@ class ChunkKernels(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         cp.chunk_attention = self.inner_forward
         cp.chunk_attention_backward = self.inner_backward
-        return False
 
     def forward(self, q, k, v, allowed, scale):
         return self.inner_forward(q, k, v, allowed, scale)
@@ -130,17 +122,17 @@ class CountingAttention(ChunkKernels):
 
     def forward(self, q, k, v, allowed, scale):
         batch_heads = q.shape[0] * q.shape[1]
-        self.computed += batch_heads * q.shape[2] * k.shape[2]
-        if allowed is None:
-            self.visible += batch_heads * q.shape[2] * k.shape[2]
-        else:
-            self.visible += batch_heads * int(allowed.sum())
+        scores = batch_heads * q.shape[2] * k.shape[2]
+        self.computed += scores
+        if allowed is not None:
+            scores = batch_heads * int(allowed.sum())
+        self.visible += scores
         return self.inner_forward(q, k, v, allowed, scale)
 
 
 class EmulatedAttention(ChunkKernels):
-    """No arithmetic: each chunk waits in proportion to the scores a causal kernel would compute
-    (backward twice as long as forward), then returns zeros. The sends stay real."""
+    """No arithmetic: each chunk waits in proportion to its scores (backward twice as long),
+    then returns zeros. The sends stay real."""
 
     def __init__(self, seconds_per_score: float):
         self.seconds_per_score = seconds_per_score
@@ -161,9 +153,8 @@ class EmulatedAttention(ChunkKernels):
 
 
 class HeadsAttention(contextlib.ContextDecorator):
-    """While active, Ulysses computes its heads' attention with this object's ``attention``
-    (``context_parallel.heads_attention`` is replaced, and put back on exit); by default the
-    kernel that was there, counting the scores its queries see."""
+    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``: the kernel that was there,
+    counting the scores its queries see."""
 
     def __init__(self):
         self.visible = 0
@@ -175,7 +166,6 @@ class HeadsAttention(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         cp.heads_attention = self.inner
-        return False
 
     def attention(self, q, k, v, causal):
         self.visible += scores_seen(q, causal)
@@ -207,8 +197,7 @@ class EmulatedWait(torch.autograd.Function):
 
 
 class EmulatedHeadsAttention(HeadsAttention):
-    """No arithmetic: waits in proportion to the scores a causal kernel computes, as
-    ``EmulatedAttention`` does for the ring's chunks. The all-to-alls stay real."""
+    """``EmulatedAttention`` for Ulysses' heads: no arithmetic, the all-to-alls stay real."""
 
     def __init__(self, seconds_per_score: float):
         super().__init__()
@@ -272,17 +261,15 @@ def saved_and_peak(ctx, step) -> tuple[int, int]:
     return saved.bytes, peak
 
 
-def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single) -> tuple[list, list]:
-    """Every implementation at one sequence length: (rows, failures)."""
-    rows = []
-    failures = []
+def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, failures: list):
+    """Every implementation at one sequence length: rows and problems appended."""
     batch_heads = cfg["batch"] * cfg["heads"]
     same = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"]}
     # One rank, the whole sequence: torch's fused kernel, and ours (a ring of one).
     q, k, v, grad_out = attention_inputs(ctx, cfg, seq, 0, 1, "contiguous")
-    impls = {"full, sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-             "full, our kernel": lambda q, k, v: cp.ring_attention(q, k, v, group=single,
-                                                                   causal=True, layout="contiguous")}
+    impls = {"full, sdpa": functools.partial(F.scaled_dot_product_attention, is_causal=True),
+             "full, our kernel": functools.partial(cp.ring_attention, group=single, causal=True,
+                                                   layout="contiguous")}
     for impl, attention in impls.items():
 
         def step():
@@ -304,10 +291,8 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single) -> tuple[list,
     for world_size, ring in rings.items():
         shard_bytes = batch_heads * (seq // world_size) * cfg["head_dim"] * 4  # one rank's q, k or v
         for layout in cfg["layouts"]:
-
-            def ring_attention(q, k, v):
-                return cp.ring_attention(q, k, v, group=ring, causal=True, layout=layout)
-
+            ring_attention = functools.partial(cp.ring_attention, group=ring, causal=True,
+                                               layout=layout)
             targets = {"bytes_formula": sum(ring_bytes(world_size, shard_bytes)),
                        "imbalance_formula": imbalance_formula(world_size, layout, True),
                        "saved_formula": saved_bytes_formula(batch_heads, seq // world_size,
@@ -315,31 +300,24 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single) -> tuple[list,
             bench_parallel(ctx, cfg, same, world_size, "ring", layout, ring_attention,
                            CountingAttention(), EmulatedAttention, targets, rows, failures)
         if cfg["heads"] % world_size == 0:
-
-            def ulysses(q, k, v):
-                return cp.ulysses_attention(q, k, v, group=ring, causal=True)
-
+            ulysses = functools.partial(cp.ulysses_attention, group=ring, causal=True)
             targets = {"bytes_formula": sum(ulysses_bytes(world_size, shard_bytes)),
                        "imbalance_formula": 1.0,
                        "saved_formula": saved_bytes_formula(batch_heads // world_size, seq,
                                                             cfg["head_dim"], 4)}
             bench_parallel(ctx, cfg, same, world_size, "ulysses", "contiguous", ulysses,
                            HeadsAttention(), EmulatedHeadsAttention, targets, rows, failures)
-    return rows, failures
 
 
 def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layout: str,
                    attention, counting, emulated, targets: dict, rows: list, failures: list):
-    """``impl`` (ring or ulysses) on the first ``world_size`` ranks at one sequence length: its
-    row (bytes beside the formula, work per rank, saved bytes, step time) and, at the longest
-    sequence, the same with ``emulated`` compute, appended to ``rows``; problems to
-    ``failures``. ``counting``: the kernel that counts the scores each rank sees."""
+    """``impl`` (ring or ulysses) on the first ``world_size`` ranks at one length: its row beside
+    ``targets`` and, at the longest length, with ``emulated`` compute, appended to ``rows``;
+    problems to ``failures``. ``counting``: a kernel counting the scores each rank sees."""
     seq = same["seq"]
     members = list(range(world_size))
     inside = ctx.rank in members
-    rank = 0  # ranks outside draw rank 0's shard, and only wait
-    if inside:
-        rank = ctx.rank
+    rank = ctx.rank if inside else 0  # ranks outside draw rank 0's shard, and only wait
     q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
 
     def real_step():
@@ -395,8 +373,7 @@ def bench_main(ctx, cfg: dict) -> None:
             single = group
     rings = {}
     for world_size in cfg["ring_sizes"]:
-        group = dist.new_group(list(range(world_size)))
-        rings[world_size] = group
+        rings[world_size] = dist.new_group(list(range(world_size)))
     rows = []
     failures = []
     last = None  # (seq, seconds) of the previous length: the next one's estimate
@@ -409,10 +386,8 @@ def bench_main(ctx, cfg: dict) -> None:
                           all_ranks=False)
                 break
         started = time.perf_counter()
-        seq_rows, problems = bench_sequence(ctx, cfg, seq, rings, single)
+        bench_sequence(ctx, cfg, seq, rings, single, rows, failures)
         last = (seq, time.perf_counter() - started)
-        rows += seq_rows
-        failures += problems
         if ctx.is_main:
             write_bench_rows(ctx, rows)
         ctx.print(f"seq {seq}: done", all_ranks=False)
@@ -428,10 +403,9 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     """zig-zag step time / contiguous step time at the longest sequence."""
     seq = max(row["seq"] for row in rows)
     times = {}
-    for row in rows:
-        if row["impl"] != "ring":
-            continue                 # Ulysses runs on contiguous shards too: not the ring's
-        if row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute):
+    for row in rows:  # ring rows only: Ulysses runs on contiguous shards too
+        same = row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute)
+        if row["impl"] == "ring" and same:
             times[row["layout"]] = row["step_ms"]
     if "zigzag" not in times or "contiguous" not in times:
         return None
@@ -440,7 +414,7 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
 
 def write_bench_rows(ctx, rows: list[dict]):
     """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
-    sequence length, so a run stopped at make bench's cap keeps them)."""
+    length, so a run stopped at make bench's cap keeps them)."""
     same = {"backend": ctx.backend, "device": ctx.device.type}
     csv_rows = []
     for row in rows:
@@ -513,8 +487,7 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
 
 
 def box_defaults(args, config) -> None:
-    """The flags left out, filled in for this box: the host (CPU tensors) runs shorter
-    sequences, 1 warm-up + 3 timed steps; GPUs longer ones, 2 + 5; rings of 2 and 4."""
+    """The flags left out, filled in for this box (the host: CPU tensors); rings of 2 and 4."""
     on_host = config.device == "cpu"
     if args.seqs is None:
         args.seqs = [256, 512, 1024] if on_host else [1024, 2048, 4096]
@@ -531,8 +504,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=launch.positive_int, default=4, help="sequences")
     parser.add_argument("--heads", type=launch.positive_int, default=4,
                         help="attention heads (Ulysses runs on the ring sizes that divide them)")
-    parser.add_argument("--head-dim", type=launch.positive_int, default=24,
-                        help="width of one head")
+    parser.add_argument("--head-dim", type=launch.positive_int, default=24, help="width of one head")
     parser.add_argument("--layouts", type=launch.choice_list(list(cp.LAYOUTS)),
                         default=list(cp.LAYOUTS), help="subset of " + ",".join(cp.LAYOUTS))
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
@@ -542,9 +514,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ring-sizes", type=launch.int_list, default=None,
                         help="ring sizes W (default 2 and 4, up to the world size)")
     parser.add_argument("--emulate-ms", type=launch.positive_float, default=400.0,
-                        help="emulated compute: the forward of causal attention over the whole "
-                             "sequence on one rank takes this long; each chunk waits its share "
-                             "of it, backward twice as long")
+                        help="emulated compute: causal attention's forward over the whole sequence "
+                             "on one rank; each chunk waits its share, backward twice as long")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=None,
                         help="untimed steps before the timed ones (default 1 on the host, 2 on GPUs)")
     parser.add_argument("--iters", type=launch.positive_int, default=None,
