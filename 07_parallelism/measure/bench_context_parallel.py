@@ -1,19 +1,14 @@
 """Not a lesson: lesson 5's ring attention and Ulysses, measured.
 
 A sequence-length sweep of one causal attention layer's forward + backward, float32: on one
-rank (torch's fused ``scaled_dot_product_attention`` and our kernel, a ring of one), on rings
-of 2 and 4 ranks in both layouts, and Ulysses: step time (real compute, and emulated compute
-where each chunk of work only waits in proportion to the scores it covers, backward twice as
-long), bytes sent beside the formula, each rank's attention work (max / mean) beside the
-load-balance formula, activation memory saved for backward beside its formula (and the GPU's
-peak, on a GPU). Rows go to ``results/context_parallel.csv`` after each sequence length, so a
-run stopped at its cap keeps them; a length that cannot end before make bench's deadline
-(``BENCH_STEP_DEADLINE``) is skipped with a note. Warm-up and timed steps follow the box:
-1 + 3 on the host, 2 + 5 on GPUs (``--warmup``, ``--iters``).
-
-The algorithm file carries no counter and no clock: here its chunk kernels
-(``context_parallel.chunk_attention`` and ``chunk_attention_backward``) are replaced, for the
-length of a ``with`` block, by ones that count the scores or only wait.
+rank (torch's fused ``scaled_dot_product_attention``, and our kernel as a ring of one), on
+rings of 2 and 4 ranks in both layouts, and Ulysses: step time (real compute, and emulated:
+each chunk only waits in proportion to its scores, backward twice as long), bytes sent, each
+rank's work (max / mean) and activation memory saved for backward, each beside its formula
+(and the GPU's peak, on a GPU). Rows go to ``results/context_parallel.csv`` after each length;
+a length that cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped
+with a note. The algorithm file has no counter and no clock: its kernels are replaced, for
+the length of a ``with`` block, by ones that count the scores or only wait.
 
     python 07_parallelism/measure/bench_context_parallel.py --bench
 """
@@ -21,6 +16,7 @@ length of a ``with`` block, by ones that count the scores or only wait.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import time
 from pathlib import Path
@@ -48,9 +44,8 @@ counters = import_stage("07_parallelism/measure/counters")
 
 def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
-    shard. Forward: W-1 hops of K and V. Backward: W-1 hops of K and V again, and W hops of
-    dK and dV (W-1 travelling with the K/V blocks, one last hop home). A ring of one sends
-    nothing."""
+    shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV (W-1
+    with the K/V blocks, one last hop home)."""
     if world_size == 1:
         return 0, 0
     forward = (world_size - 1) * 2 * block_bytes
@@ -62,8 +57,7 @@ def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k,
     v, the output), [batch, heads, seq / W, head_dim]. Each all-to-all keeps 1/W of its tensor
     and sends the rest: forward swaps q, k, v and the output, backward their four gradients.
-    Per rank this stays the same when the sequence and W grow together; the ring's grows with
-    W (``ring_bytes``)."""
+    Per rank it stays put when the sequence and W grow together; the ring's grows with W."""
     if world_size == 1:
         return 0, 0
     per_swap = (world_size - 1) * shard_bytes // world_size
@@ -97,10 +91,9 @@ def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_s
 
 
 class ChunkKernels(contextlib.ContextDecorator):
-    """While active (``with``), ring attention computes each pair of chunks with this object's
-    ``forward`` and ``backward``: the module's ``chunk_attention`` and
-    ``chunk_attention_backward`` are replaced, and put back on exit. These call the kernels
-    that were there before, so the wrappers nest (a timer around an emulated kernel)."""
+    """While active, ring attention computes each pair of chunks with this object's ``forward``
+    and ``backward`` (``cp.chunk_attention``, ``cp.chunk_attention_backward`` replaced, put back
+    on exit); by default the kernels that were there, so the wrappers nest."""
 
     def __enter__(self):
         self.inner_forward = cp.chunk_attention
@@ -112,7 +105,6 @@ class ChunkKernels(contextlib.ContextDecorator):
     def __exit__(self, *exc):
         cp.chunk_attention = self.inner_forward
         cp.chunk_attention_backward = self.inner_backward
-        return False
 
     def forward(self, q, k, v, allowed, scale):
         return self.inner_forward(q, k, v, allowed, scale)
@@ -130,17 +122,17 @@ class CountingAttention(ChunkKernels):
 
     def forward(self, q, k, v, allowed, scale):
         batch_heads = q.shape[0] * q.shape[1]
-        self.computed += batch_heads * q.shape[2] * k.shape[2]
-        if allowed is None:
-            self.visible += batch_heads * q.shape[2] * k.shape[2]
-        else:
-            self.visible += batch_heads * int(allowed.sum())
+        scores = batch_heads * q.shape[2] * k.shape[2]
+        self.computed += scores
+        if allowed is not None:
+            scores = batch_heads * int(allowed.sum())
+        self.visible += scores
         return self.inner_forward(q, k, v, allowed, scale)
 
 
 class EmulatedAttention(ChunkKernels):
-    """No arithmetic: each chunk waits in proportion to the scores a causal kernel would compute
-    (backward twice as long as forward), then returns zeros. The sends stay real."""
+    """No arithmetic: each chunk waits in proportion to its scores (backward twice as long),
+    then returns zeros. The sends stay real."""
 
     def __init__(self, seconds_per_score: float):
         self.seconds_per_score = seconds_per_score
@@ -161,9 +153,8 @@ class EmulatedAttention(ChunkKernels):
 
 
 class HeadsAttention(contextlib.ContextDecorator):
-    """While active, Ulysses computes its heads' attention with this object's ``attention``
-    (``context_parallel.heads_attention`` is replaced, and put back on exit); by default the
-    kernel that was there, counting the scores its queries see."""
+    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``: the kernel that was there,
+    counting the scores its queries see."""
 
     def __init__(self):
         self.visible = 0
@@ -175,7 +166,6 @@ class HeadsAttention(contextlib.ContextDecorator):
 
     def __exit__(self, *exc):
         cp.heads_attention = self.inner
-        return False
 
     def attention(self, q, k, v, causal):
         self.visible += scores_seen(q, causal)
@@ -207,8 +197,7 @@ class EmulatedWait(torch.autograd.Function):
 
 
 class EmulatedHeadsAttention(HeadsAttention):
-    """No arithmetic: waits in proportion to the scores a causal kernel computes, as
-    ``EmulatedAttention`` does for the ring's chunks. The all-to-alls stay real."""
+    """``EmulatedAttention`` for Ulysses' heads: no arithmetic, the all-to-alls stay real."""
 
     def __init__(self, seconds_per_score: float):
         super().__init__()
@@ -220,95 +209,39 @@ class EmulatedHeadsAttention(HeadsAttention):
         return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def shown_path(path: Path) -> Path:
-    """``path`` relative to the current folder when it is inside it (shorter to read)."""
-    if path.is_relative_to(Path.cwd()):
-        return path.relative_to(Path.cwd())
-    return path
-
-
-def agree(failures: list[str]) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
-    from common import verify
-    return verify.agree_on_problems(failures)
-
-
-def gather_from_ranks(mine: dict, group=None) -> list[dict]:
-    """Each rank's ``mine`` (numbers by name), in the order of the ranks of ``group``."""
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    return everyone
-
-
-def random_attention(cfg: dict, seq: int, dtype, device, seed: int):
-    """Full q, k, v (leaves that require grad) and an output gradient, [batch, heads, seq,
-    head_dim], the same on every rank for a given seed."""
-    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
-    k = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
-    v = torch.randn(shape, generator=generator, dtype=dtype).to(device).requires_grad_(True)
-    grad_out = torch.randn(shape, generator=generator, dtype=dtype).to(device)
-    return q, k, v, grad_out
-
-
-
 # --------------------------------------------------------------------------- the benchmark
 
 
 def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
     """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
-    gradient at sequence length ``seq``."""
-    q, k, v, grad_out = random_attention(cfg, seq, torch.float32, "cpu", seed=seq)
-
-    def mine(t):
-        shard = cp.shard_sequence(t.detach(), 2, rank, world_size, layout)
-        return shard.to(ctx.device)
-
-    return (mine(q).requires_grad_(True), mine(k).requires_grad_(True),
-            mine(v).requires_grad_(True), mine(grad_out))
-
-
-def full_attention_step(q, k, v, grad_out):
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    out.backward(grad_out)
+    gradient at sequence length ``seq``, cut from full tensors the same on every rank."""
+    shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
+    generator = torch.Generator().manual_seed(seq)
+    shards = []
+    for _ in range(4):
+        full = torch.randn(shape, generator=generator, dtype=torch.float32)
+        shards.append(cp.shard_sequence(full, 2, rank, world_size, layout).to(ctx.device))
+    q, k, v, grad_out = shards
+    return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad_out
 
 
-def ring_step(q, k, v, grad_out, group, layout, kernel=None):
-    """One forward + backward of causal ring attention, its chunks computed by ``kernel`` (a
-    ``ChunkKernels``; None: the algorithm's own)."""
+def run_step(q, k, v, grad_out, attention, kernel=None):
+    """One forward + backward of ``attention(q, k, v)``, with ``kernel`` (a ``ChunkKernels`` or
+    ``HeadsAttention``) active when given."""
     if kernel is None:
         kernel = contextlib.nullcontext()
     with kernel:
-        out = cp.ring_attention(q, k, v, group=group, causal=True, layout=layout)
+        out = attention(q, k, v)
         out.backward(grad_out)
-
-
-def ulysses_step(q, k, v, grad_out, group, kernel=None):
-    """One forward + backward of causal Ulysses attention, its heads' attention computed by
-    ``kernel`` (a ``HeadsAttention``; None: the algorithm's own)."""
-    if kernel is None:
-        kernel = contextlib.nullcontext()
-    with kernel:
-        out = cp.ulysses_attention(q, k, v, group=group, causal=True)
-        out.backward(grad_out)
-
-
-def do_nothing():
-    return None
 
 
 def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
     """The slowest member's median seconds of ``step()``; ranks outside ``members`` only keep
     the barriers company (and report 0 s)."""
-    if ctx.rank not in members:
-        step = do_nothing
-    times = timing.measure(step, ctx.device, warmup=cfg["warmup"], iters=cfg["iters"],
-                           barrier=True)
-    if ctx.rank not in members:
+    inside = ctx.rank in members
+    times = timing.measure(step if inside else lambda: None, ctx.device, warmup=cfg["warmup"],
+                           iters=cfg["iters"], barrier=True)
+    if not inside:
         times = [0.0] * len(times)
     return timing.gather_times(times).median
 
@@ -328,179 +261,119 @@ def saved_and_peak(ctx, step) -> tuple[int, int]:
     return saved.bytes, peak
 
 
-def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single: dict) -> tuple[list, list]:
-    """Every implementation at one sequence length: (rows, failures)."""
-    rows = []
-    failures = []
+def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, failures: list):
+    """Every implementation at one sequence length: rows and problems appended."""
     batch_heads = cfg["batch"] * cfg["heads"]
-    element_size = 4
     same = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"]}
     # One rank, the whole sequence: torch's fused kernel, and ours (a ring of one).
     q, k, v, grad_out = attention_inputs(ctx, cfg, seq, 0, 1, "contiguous")
+    impls = {"full, sdpa": functools.partial(F.scaled_dot_product_attention, is_causal=True),
+             "full, our kernel": functools.partial(cp.ring_attention, group=single, causal=True,
+                                                   layout="contiguous")}
+    for impl, attention in impls.items():
 
-    def sdpa_step():
-        full_attention_step(q, k, v, grad_out)
+        def step():
+            run_step(q, k, v, grad_out, attention)
 
-    def ours_step():
-        ring_step(q, k, v, grad_out, single["group"], "contiguous")
-
-    for impl, step in (("full, sdpa", sdpa_step), ("full, our kernel", ours_step)):
         seconds = measure_case(ctx, cfg, step, [0])
         saved = 0
         peak = 0
         if ctx.rank == 0:
             saved, peak = saved_and_peak(ctx, step)
-        rank_0 = gather_from_ranks({"saved": saved, "peak": peak})[0]
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, {"saved": saved, "peak": peak})
         rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
                      "step_ms": seconds * 1e3, "sent_bytes": 0, "bytes_formula": 0,
                      "imbalance": 1.0, "imbalance_formula": 1.0,
-                     "saved_bytes": rank_0["saved"],
-                     "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"],
-                                                          element_size),
-                     "peak_bytes": rank_0["peak"]})
+                     "saved_bytes": everyone[0]["saved"],
+                     "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"], 4),
+                     "peak_bytes": everyone[0]["peak"]})
     for world_size, ring in rings.items():
-        members = list(range(world_size))
+        shard_bytes = batch_heads * (seq // world_size) * cfg["head_dim"] * 4  # one rank's q, k or v
         for layout in cfg["layouts"]:
-            inside = ctx.rank in members
-            rank = 0  # ranks outside the ring draw rank 0's shard, and only wait
-            if inside:
-                rank = ctx.rank
-            q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
-            counting = CountingAttention()
-            sent = 0
-            saved = 0
-            peak = 0
-            if inside:
-                with counters.CommCounter() as comm:
-                    ring_step(q, k, v, grad_out, ring, layout, counting)
-                sent = comm.sent_bytes
-
-                def step_for_memory():
-                    ring_step(q, k, v, grad_out, ring, layout)
-                saved, peak = saved_and_peak(ctx, step_for_memory)
-            everyone = gather_from_ranks({"inside": inside, "sent": sent, "saved": saved,
-                                          "peak": peak, "visible": counting.visible})
-            ring_ranks = []
-            for numbers in everyone:
-                if numbers["inside"]:
-                    ring_ranks.append(numbers)
-            visible = [numbers["visible"] for numbers in ring_ranks]
-            sent_per_rank = [numbers["sent"] for numbers in ring_ranks]
-            local_len = seq // world_size
-            block_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
-            formula = sum(ring_bytes(world_size, block_bytes))
-            if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
-                failures.append(f"seq {seq} W={world_size} {layout}: ranks sent "
-                                f"{min(sent_per_rank):.0f} to {max(sent_per_rank):.0f} B; the "
-                                f"formula says {formula}")
-            imbalance = max(visible) / (sum(visible) / len(visible))
-            row = {**same, "impl": "ring", "W": world_size, "layout": layout, "compute": "real",
-                   "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
-                   "imbalance": imbalance,
-                   "imbalance_formula": imbalance_formula(world_size, layout, True),
-                   "saved_bytes": max(numbers["saved"] for numbers in ring_ranks),
-                   "saved_formula": saved_bytes_formula(batch_heads, local_len, cfg["head_dim"],
-                                                        element_size),
-                   "peak_bytes": max(numbers["peak"] for numbers in ring_ranks)}
-
-            def real_step():
-                ring_step(q, k, v, grad_out, ring, layout)
-
-            row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
-            rows.append(row)
-            if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
-                all_scores = batch_heads * seq * (seq + 1) / 2
-                emulated = EmulatedAttention(cfg["emulate_ms"] / 1e3 / all_scores)
-
-                def emulated_step():
-                    ring_step(q, k, v, grad_out, ring, layout, emulated)
-
-                emulated_row = dict(row)
-                emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
-                emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
-                rows.append(emulated_row)
+            ring_attention = functools.partial(cp.ring_attention, group=ring, causal=True,
+                                               layout=layout)
+            targets = {"bytes_formula": sum(ring_bytes(world_size, shard_bytes)),
+                       "imbalance_formula": imbalance_formula(world_size, layout, True),
+                       "saved_formula": saved_bytes_formula(batch_heads, seq // world_size,
+                                                            cfg["head_dim"], 4)}
+            bench_parallel(ctx, cfg, same, world_size, "ring", layout, ring_attention,
+                           CountingAttention(), EmulatedAttention, targets, rows, failures)
         if cfg["heads"] % world_size == 0:
-            ulysses_rows, problems = bench_ulysses(ctx, cfg, seq, world_size, ring)
-            rows += ulysses_rows
-            failures += problems
-    return rows, failures
+            ulysses = functools.partial(cp.ulysses_attention, group=ring, causal=True)
+            targets = {"bytes_formula": sum(ulysses_bytes(world_size, shard_bytes)),
+                       "imbalance_formula": 1.0,
+                       "saved_formula": saved_bytes_formula(batch_heads // world_size, seq,
+                                                            cfg["head_dim"], 4)}
+            bench_parallel(ctx, cfg, same, world_size, "ulysses", "contiguous", ulysses,
+                           HeadsAttention(), EmulatedHeadsAttention, targets, rows, failures)
 
 
-def bench_ulysses(ctx, cfg: dict, seq: int, world_size: int, group) -> tuple[list, list]:
-    """Ulysses on the first ``world_size`` ranks at one sequence length: its row (bytes beside
-    the formula, work per rank, saved bytes, step time) and, at the longest sequence, the same
-    with emulated compute. (rows, failures)."""
+def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layout: str,
+                   attention, counting, emulated, targets: dict, rows: list, failures: list):
+    """``impl`` (ring or ulysses) on the first ``world_size`` ranks at one length: its row beside
+    ``targets`` and, at the longest length, with ``emulated`` compute, appended to ``rows``;
+    problems to ``failures``. ``counting``: a kernel counting the scores each rank sees."""
+    seq = same["seq"]
     members = list(range(world_size))
     inside = ctx.rank in members
-    rank = 0
-    if inside:
-        rank = ctx.rank
-    batch_heads = cfg["batch"] * cfg["heads"]
-    element_size = 4
-    local_len = seq // world_size
-    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, "contiguous")
-    counting = HeadsAttention()
+    rank = ctx.rank if inside else 0  # ranks outside draw rank 0's shard, and only wait
+    q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
+
+    def real_step():
+        run_step(q, k, v, grad_out, attention)
+
     sent = 0
     saved = 0
     peak = 0
     if inside:
         with counters.CommCounter() as comm:
-            ulysses_step(q, k, v, grad_out, group, counting)
+            run_step(q, k, v, grad_out, attention, counting)
         sent = comm.sent_bytes
-
-        def step_for_memory():
-            ulysses_step(q, k, v, grad_out, group)
-        saved, peak = saved_and_peak(ctx, step_for_memory)
-    everyone = [numbers for numbers in gather_from_ranks(
-        {"inside": inside, "sent": sent, "saved": saved, "peak": peak,
-         "visible": counting.visible}) if numbers["inside"]]
+        saved, peak = saved_and_peak(ctx, real_step)
+    everyone = [None] * ctx.world_size
+    dist.all_gather_object(everyone, {"inside": inside, "sent": sent, "saved": saved,
+                                      "peak": peak, "visible": counting.visible})
+    everyone = [numbers for numbers in everyone if numbers["inside"]]
     visible = [numbers["visible"] for numbers in everyone]
     sent_per_rank = [numbers["sent"] for numbers in everyone]
-    shard_bytes = batch_heads * local_len * cfg["head_dim"] * element_size
-    formula = sum(ulysses_bytes(world_size, shard_bytes))
-    failures = []
+    formula = targets["bytes_formula"]
     if max(sent_per_rank) != formula or min(sent_per_rank) != formula:
-        failures.append(f"seq {seq} W={world_size} ulysses: ranks sent {min(sent_per_rank):.0f} "
+        name = layout if impl == "ring" else impl
+        failures.append(f"seq {seq} W={world_size} {name}: ranks sent {min(sent_per_rank):.0f} "
                         f"to {max(sent_per_rank):.0f} B; the formula says {formula}")
-    row = {"seq": seq, "batch": cfg["batch"], "heads": cfg["heads"], "head_dim": cfg["head_dim"],
-           "impl": "ulysses", "W": world_size, "layout": "contiguous", "compute": "real",
+    row = {**same, "impl": impl, "W": world_size, "layout": layout, "compute": "real",
            "sent_bytes": int(max(sent_per_rank)), "bytes_formula": formula,
-           "imbalance": max(visible) / (sum(visible) / len(visible)), "imbalance_formula": 1.0,
+           "imbalance": max(visible) / (sum(visible) / len(visible)),
+           "imbalance_formula": targets["imbalance_formula"],
            "saved_bytes": max(numbers["saved"] for numbers in everyone),
-           "saved_formula": saved_bytes_formula(batch_heads // world_size, seq, cfg["head_dim"],
-                                                element_size),
+           "saved_formula": targets["saved_formula"],
            "peak_bytes": max(numbers["peak"] for numbers in everyone)}
-
-    def real_step():
-        ulysses_step(q, k, v, grad_out, group)
-
     row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
-    rows = [row]
-    if seq == max(cfg["seqs"]):
-        all_scores = batch_heads * seq * (seq + 1) / 2
-        emulated = EmulatedHeadsAttention(cfg["emulate_ms"] / 1e3 / all_scores)
+    rows.append(row)
+    if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
+        all_scores = cfg["batch"] * cfg["heads"] * seq * (seq + 1) / 2
+        kernel = emulated(cfg["emulate_ms"] / 1e3 / all_scores)
 
         def emulated_step():
-            ulysses_step(q, k, v, grad_out, group, emulated)
+            run_step(q, k, v, grad_out, attention, kernel)
 
         emulated_row = dict(row)
         emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
         emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
         rows.append(emulated_row)
-    return rows, failures
 
 
 def bench_main(ctx, cfg: dict) -> None:
     """The sweep; rank 0 prints, writes the CSV and the targets beside what was measured."""
-    single = {"group": None}
+    single = None
     for rank in range(ctx.world_size):  # a ring of one per rank (every rank creates each)
         group = dist.new_group([rank])
         if rank == ctx.rank:
-            single["group"] = group
+            single = group
     rings = {}
     for world_size in cfg["ring_sizes"]:
-        group = dist.new_group(list(range(world_size)))
-        rings[world_size] = group
+        rings[world_size] = dist.new_group(list(range(world_size)))
     rows = []
     failures = []
     last = None  # (seq, seconds) of the previous length: the next one's estimate
@@ -513,14 +386,13 @@ def bench_main(ctx, cfg: dict) -> None:
                           all_ranks=False)
                 break
         started = time.perf_counter()
-        seq_rows, problems = bench_sequence(ctx, cfg, seq, rings, single)
+        bench_sequence(ctx, cfg, seq, rings, single, rows, failures)
         last = (seq, time.perf_counter() - started)
-        rows += seq_rows
-        failures += problems
         if ctx.is_main:
             write_bench_rows(ctx, rows)
         ctx.print(f"seq {seq}: done", all_ranks=False)
-    failures = agree(failures)
+    from common import verify
+    failures = verify.agree_on_problems(failures)  # every rank's problems, on every rank
     if ctx.is_main:
         report_bench(ctx, cfg, rows)
     if failures:
@@ -531,10 +403,9 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     """zig-zag step time / contiguous step time at the longest sequence."""
     seq = max(row["seq"] for row in rows)
     times = {}
-    for row in rows:
-        if row["impl"] != "ring":
-            continue                 # Ulysses runs on contiguous shards too: not the ring's
-        if row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute):
+    for row in rows:  # ring rows only: Ulysses runs on contiguous shards too
+        same = row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute)
+        if row["impl"] == "ring" and same:
             times[row["layout"]] = row["step_ms"]
     if "zigzag" not in times or "contiguous" not in times:
         return None
@@ -543,7 +414,7 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
 
 def write_bench_rows(ctx, rows: list[dict]):
     """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
-    sequence length, so a run stopped at make bench's cap keeps them)."""
+    length, so a run stopped at make bench's cap keeps them)."""
     same = {"backend": ctx.backend, "device": ctx.device.type}
     csv_rows = []
     for row in rows:
@@ -569,7 +440,9 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
         shown.append(short)
     results.print_table(shown, floatfmt=".3g")
     path = write_bench_rows(ctx, rows)
-    print(f"\nwrote {shown_path(path)}")
+    if path.is_relative_to(Path.cwd()):
+        path = path.relative_to(Path.cwd())
+    print(f"\nwrote {path}")
     print(f"\nTargets, measured in this run ({machine}):")
     longest = max(cfg["seqs"])
     for row in rows:
@@ -587,7 +460,19 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     if ulysses:
         exact = all(row["sent_bytes"] == row["bytes_formula"] for row in ulysses)
         print(f"  Ulysses bytes sent per rank equal the formula in every row: {exact}")
-        print_ring_beside_ulysses(rows)
+        table = []  # per length and W: zig-zag ring beside Ulysses, same compute
+        for row in ulysses:
+            for ring in rows:
+                same = (ring["seq"], ring["W"], ring["compute"]) == (row["seq"], row["W"], row["compute"])
+                if ring["impl"] == "ring" and ring["layout"] == "zigzag" and same:
+                    table.append({"seq": row["seq"], "W": row["W"], "compute": row["compute"],
+                                  "ring bytes/rank": ring["sent_bytes"],
+                                  "Ulysses bytes/rank": row["sent_bytes"],
+                                  "ring ms": ring["step_ms"], "Ulysses ms": row["step_ms"],
+                                  "Ulysses / ring": row["step_ms"] / ring["step_ms"]})
+        if table:
+            results.print_table(table, title="\nRing attention (zig-zag) beside Ulysses: bytes "
+                                             "each rank sends, and step time", floatfmt=".3g")
     for world_size in cfg["ring_sizes"]:
         emulated = ratio(rows, world_size, "emulated")
         real = ratio(rows, world_size, "real")
@@ -598,43 +483,11 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
                   f"ideal W/(2W-1) = {ideal:.2f})")
 
 
-def print_ring_beside_ulysses(rows: list[dict]) -> None:
-    """Rank 0: per sequence length and W, the bytes each sends per rank and their step times
-    (zig-zag ring, real compute; and emulated at the longest sequence)."""
-    table = []
-    for row in rows:
-        if row["impl"] != "ulysses":
-            continue
-        ring = None
-        for other in rows:
-            same = (other["seq"], other["W"], other["compute"]) == (row["seq"], row["W"], row["compute"])
-            if other["impl"] == "ring" and other["layout"] == "zigzag" and same:
-                ring = other
-        if ring is None:
-            continue
-        table.append({"seq": row["seq"], "W": row["W"], "compute": row["compute"],
-                      "ring bytes/rank": ring["sent_bytes"], "Ulysses bytes/rank": row["sent_bytes"],
-                      "ring ms": ring["step_ms"], "Ulysses ms": row["step_ms"],
-                      "Ulysses / ring": row["step_ms"] / ring["step_ms"]})
-    if table:
-        results.print_table(table, title="\nRing attention (zig-zag) beside Ulysses: bytes each rank "
-                                         "sends, and step time", floatfmt=".3g")
-
-
 # --------------------------------------------------------------------------- flags
 
 
-def per_rank_bytes(args) -> int:
-    """A rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
-    whole-sequence attention by our kernel (seq x seq scores)."""
-    batch_heads = args.batch * args.heads
-    seq = max(args.seqs)
-    return 4 * batch_heads * (6 * seq * seq + 24 * seq * args.head_dim)
-
-
 def box_defaults(args, config) -> None:
-    """The flags left out, filled in for this box: the host (CPU tensors) runs shorter
-    sequences, 1 warm-up + 3 timed steps; GPUs longer ones, 2 + 5; rings of 2 and 4."""
+    """The flags left out, filled in for this box (the host: CPU tensors); rings of 2 and 4."""
     on_host = config.device == "cpu"
     if args.seqs is None:
         args.seqs = [256, 512, 1024] if on_host else [1024, 2048, 4096]
@@ -651,8 +504,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=launch.positive_int, default=4, help="sequences")
     parser.add_argument("--heads", type=launch.positive_int, default=4,
                         help="attention heads (Ulysses runs on the ring sizes that divide them)")
-    parser.add_argument("--head-dim", type=launch.positive_int, default=24,
-                        help="width of one head")
+    parser.add_argument("--head-dim", type=launch.positive_int, default=24, help="width of one head")
     parser.add_argument("--layouts", type=launch.choice_list(list(cp.LAYOUTS)),
                         default=list(cp.LAYOUTS), help="subset of " + ",".join(cp.LAYOUTS))
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
@@ -662,9 +514,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ring-sizes", type=launch.int_list, default=None,
                         help="ring sizes W (default 2 and 4, up to the world size)")
     parser.add_argument("--emulate-ms", type=launch.positive_float, default=400.0,
-                        help="emulated compute: the forward of causal attention over the whole "
-                             "sequence on one rank takes this long; each chunk waits its share "
-                             "of it, backward twice as long")
+                        help="emulated compute: causal attention's forward over the whole sequence "
+                             "on one rank; each chunk waits its share, backward twice as long")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=None,
                         help="untimed steps before the timed ones (default 1 on the host, 2 on GPUs)")
     parser.add_argument("--iters", type=launch.positive_int, default=None,
@@ -691,9 +542,11 @@ def main(argv=None) -> None:
                 if seq % chunks != 0:
                     parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
                                  f"({layout} layout over {ring_size} ranks)")
-    need = per_rank_bytes(args)
-    launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length "
-                                    f"{max(args.seqs)}")
+    # a rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
+    # whole-sequence attention by our kernel (seq x seq scores)
+    seq = max(args.seqs)
+    need = 4 * args.batch * args.heads * (6 * seq * seq + 24 * seq * args.head_dim)
+    launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {seq}")
     results.check_writable()
     launch.launch(bench_main, config, vars(args))
 
