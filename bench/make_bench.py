@@ -7,44 +7,12 @@
                                      # 180 on a GPU box, whose every step starts CUDA)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
-What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
-one GPU, the ranks share it over Gloo (NCCL refuses two ranks on one GPU); two or more, NCCL
-with one GPU per rank. A 07 lesson that needs more GPUs than the box has, or cannot send CUDA
-tensors over Gloo, runs on the host's cores instead (``plan`` says which, step by step). In
-order: stage 02's sweep; stages 03-06 and torch DDP on the LM with 06's bucket sweep and model
-(one run of ``06 --bench``: ratios are fair only within a run); 05's profile; 07's tensor- and
-sequence-parallel bytes, pipeline schedules (real and emulated compute), the sharding ledger
-(DDP, ZeRO-1/2, FSDP, torch's), context parallelism (ring attention), expert parallelism on 2
-and 4 ranks, everything together (our grids beside torch's composition and pipelining; not in
-the quick run: ``measure/grid_bench.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
-and checkpoints beside ``torch.distributed.checkpoint``; last, ``bench/compute.py``: the LM at
-one rank's shapes on one device beside the matmul peak measured in the same run (MFU). On one
-GPU every collective crosses host memory, so its plan is cut to what that path carries in the
-budget (from the first GPU run's logs). No stage is imported: the driver runs
-their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's rows
-and nothing older.
-
-The budget is planned before anything runs (``plan_budget``): each step has a share of the
-default budget and a minimum (``SHARES``); of ``BENCH_BUDGET_S`` every step gets its minimum and
-a part of the rest in proportion to what its share holds above its minimum; when the minimums
-do not all fit, the steps that need the most are skipped, each with the reason, and a budget
-too small for any step is refused in one line. A step runs until its deadline (the start plus the caps so far, so time a step
-leaves passes on to the next), then gets Ctrl-C, which makes a stage write what it finished,
-and is killed after a grace. A step with a budget flag (02's ``--budget-s``, 06's
-``--case-budget-s``) gets it from the cap it actually has, less its start-up, per
-configuration, and ``BENCH_STEP_DEADLINE`` in its environment, so it skips what cannot end in
-time instead of being stopped in the middle. To add a step: a row in ``SHARES`` (its shares on
-each kind of box, quick and full, taken from the others so each column still fits its default
-budget, and its minimum, above a CUDA start-up on a GPU box) and a ``step(...)`` line in
-``plan``; ``tests/test_bench.py`` checks the sums.
-
-The driver owns its steps as the launcher owns its ranks: Ctrl-C or SIGTERM to it is passed on
-to the running step's script (whose launcher stops its ranks and writes what finished), what is
-left of the step's process group is killed seconds later, and the report of what finished is
-written; if the driver dies, even by SIGKILL, Linux kills the step (``PR_SET_PDEATHSIG``) and
-its ranks follow (they exit when their parent goes). The report is swapped in only when written
-whole; a run that measured nothing leaves the previous one in place, and a section a run did
-not fill keeps the previous report's, marked with its run and machine (``bench/report.py``).
+What runs on which box (``pick_setup``, ``plan``), how the budget is shared out (``SHARES``,
+``plan_budget``, ``run_all``), how a step is stopped and how the report is kept whole:
+bench/README.md. No stage is imported: each script runs with ``RESULTS_RUN_ID`` set, so
+``bench/report.py`` reports this run's rows only. To add a step: a row in ``SHARES`` (the
+columns still fit their default budgets; ``tests/test_bench.py`` checks) and a ``step(...)``
+in ``plan``.
 """
 
 from __future__ import annotations
@@ -67,36 +35,24 @@ from common import models  # noqa: E402
 from bench import results
 from common import usage_error  # noqa: E402
 
-# The whole run, every stop included: quick and full, on a CPU box and on a GPU box. A GPU
-# box's quick run is longer than a CPU's: each of its steps pays a CUDA start-up.
+# The whole run, every stop included (a GPU box's quick run pays a CUDA start-up a step).
 DEFAULT_BUDGET_S = {True: 150, False: 510}      # a CPU box (and full on any box)
 GPU_QUICK_BUDGET_S = 180                         # quick on a GPU box
 MAX_BUDGET_S = 24 * 3600
 GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
 KILL_WAIT_S = 2    # after SIGKILL to its process group, the time to reap it
 STOP_S = GRACE_S + KILL_WAIT_S  # the most a step can run past its deadline
-# Left out of every plan: a step whose script does not stop in time, a box slower than the one
-# the shares were sized on. Quick runs keep none (their minimums alone fill a GPU box's 180 s).
+# Kept out of a full run's plan for overruns and slower boxes (quick runs' minimums fill 180 s).
 UNPLANNED_FULL = 0.15
 SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a shorter grace
-# A step that starts CUDA spends this long before its first measurement (8-12 s on the one-GPU
-# H200 box's logs: interpreter, torch, CUDA context, ranks, process group). Every minimum on
-# a GPU box is above it; a CPU step starts in about 3 s.
+# A step's start-up before its first measurement (CUDA: 8-12 s in the one-GPU H200 logs).
 CUDA_STARTUP_S = 12
 CPU_STARTUP_S = 3
 
-# The plan: each step's share of the default budget, in seconds to its Ctrl-C (start-up
-# included), per kind of box, quick and full, with the least it needs to measure anything
-# (start-up and one configuration). Three kinds of box: "cpu" (Gloo, CPU tensors), "one_gpu"
-# (the ranks share one GPU over Gloo, so every collective goes through host memory) and "nccl"
-# (a GPU per rank). On each kind and in each mode the shares add up to at most the default
-# budget less STOP_S (a test checks), so a new step takes its share from the others. A share of
-# 0: not in that mode's plan. A share is what a step may take, not what it takes: a step that
-# ends sooner passes its time on. The CPU shares come from this 2-core VM's runs (1.2-2x what
-# each took with the VM to itself; full runs with the V schedules, HSDP and the planner's call
-# timings: 348-413 s); the one-GPU shares from the H200 box's logs, with sizes cut to fit them
-# (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL ones are estimates
-# until a multi-GPU box has run them.
+# Each step's share of the default budget in seconds to its Ctrl-C, per kind of box, quick and
+# full, and the least it needs (start-up and one configuration); 0: not in that mode. Each
+# column adds up to at most the default budget less STOP_S (a test checks). CPU shares: this
+# 2-core VM's runs; one GPU: the H200 logs; NCCL: estimates (bench/README.md).
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "compute": dict(cpu=(7, 6, 5), one_gpu=(16, 22, 15), nccl=(16, 20, 15)),
     "allreduce": dict(cpu=(10, 21, 8), one_gpu=(18, 27, 15), nccl=(18, 39, 15)),
@@ -116,15 +72,9 @@ SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
 }
 
 
-# glibc hands a large freed block back to the kernel, and the next allocation of that size is
-# zeroed by the kernel page by page as it is first written. A training step allocates its
-# activations, gradients, optimizer temporaries and communication buffers afresh: on this
-# course's 2-core VM the course LM's AdamW step took 85-89 ms with glibc's defaults and 51-54 ms
-# with freed blocks kept, its forward and backward 291-298 ms and 273-276 ms (one process,
-# three runs each, alternating). CUDA's caching allocator keeps freed blocks; with
-# these settings every step's processes keep theirs too (blocks up to glibc's ceiling of 32 MiB
-# come from the heap, and the heap is not trimmed), so a CPU step time measures the algorithm
-# rather than the kernel's page zeroing. The report says so; a setting of the user's own wins.
+# Freed blocks kept by glibc (as CUDA's allocator keeps them), so a CPU step time measures the
+# algorithm, not the kernel zeroing fresh pages (AdamW 85-89 ms -> 51-54 ms on the course LM
+# on the 2-core VM). The report says so; a setting of the user's own wins.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
                      "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
