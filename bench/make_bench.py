@@ -81,11 +81,7 @@ KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
 
 def box_kind(gpus: int) -> str:
     """The column of ``SHARES`` for a box with ``gpus`` GPUs."""
-    if gpus == 0:
-        return "cpu"
-    if gpus == 1:
-        return "one_gpu"
-    return "nccl"
+    return {0: "cpu", 1: "one_gpu"}.get(gpus, "nccl")
 
 
 @dataclass
@@ -150,8 +146,7 @@ def default_budget_s(quick: bool, gpus: int = 0) -> float:
 
 
 def budget_s(quick: bool, gpus: int = 0) -> float:
-    """``BENCH_BUDGET_S``, else ``default_budget_s``: the whole run's limit, at most a day
-    (whether it is enough for any step, ``plan_budget`` says)."""
+    """``BENCH_BUDGET_S``, else ``default_budget_s``: the whole run's limit, at most a day."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
     try:
         value = float(text) if text else float(default_budget_s(quick, gpus))
@@ -171,9 +166,7 @@ def smallest_budget_s() -> float:
 
 
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
-    """The steps for this box, in order, each with its share of the default budget (a step
-    whose share is 0 in this mode is left out). To add a step: a row in ``SHARES`` and a
-    ``Step`` here (its script's flags sized for this box)."""
+    """The steps for this box, in order (a step whose share is 0 in this mode is left out)."""
     gpus = setup.gpus
     cpu = gpus == 0
     kind = box_kind(gpus)
@@ -198,9 +191,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "30"]
         micro_batches = "8" if quick else "4,8"
     elif gpus == 1:
-        # One GPU: every collective crosses host memory at about 1.7 GB/s (the H200 logs), so
-        # the sizes are cut to what that path carries in the budget: all-reduce on the GPU up
-        # to 100 MB (no Gloo/CPU sweep), the course LM (80 MB of gradients a step, not 400).
+        # One GPU: collectives cross host memory (about 1.7 GB/s), so sizes are cut to fit.
         ar = ["--device", "cuda", "--sizes", "1MB,10MB,100MB", "--world-sizes",
               "2" if quick else "2,4"]
         lm = ["--batch-size", "8", "--context-length", "256"]
@@ -225,13 +216,10 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         micro_batches = "8" if quick else "4,8,16"
     lm[1] = str(ws * max(1, int(lm[1]) // ws))  # the global batch splits evenly over the ranks
     lm = ["--model", model, *lm]
-    # none, torch DDP, 03-05, 06 at each size, torch DDP at the other sizes (each case's budget
-    # covers all its rounds)
+    # none, torch DDP, 03-05, 06 at each size, torch DDP at the other sizes
     ddp_cases = 2 + 3 + 2 * len(buckets.split(",")) - 1
-    # The ledger's LM is `course` on a CPU too: per-block checkpointing cannot touch the tiny
-    # LM's activations, which are mostly its vocabulary logits. Quick runs it without
-    # checkpointing, on the tiny LM (a third of the time on a 2-core CPU). One GPU: course
-    # (its Gloo host path made `small` miss its cap).
+    # The ledger's LM: course on a CPU (checkpointing does little for tiny's logits; quick: tiny,
+    # no checkpointing) and on one GPU (small missed its cap over the host path).
     ledger_model = model if gpus >= 2 and not quick else "course"
     ledger_lm = ["--model", "tiny" if quick else "course"] if cpu else \
         ["--model", ledger_model, "--batch-size", str(2 * ws), "--context-length", "256",
@@ -286,8 +274,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       "measured above", ["07_parallelism/measure/check_prediction.py",
                                                          "--backend", setup.backend,
                                                          "--device", setup.device]))
-    # First: the device alone (its peak and the LM at one rank's shapes), the GPU report's
-    # core, measured before any step can run over and leave it no time.
+    # First: the device alone, before any step can run over and leave it no time.
     compute = compute_argv(setup, quick, model, int(_flag(lm, "--batch-size")) // ws,
                            int(_flag(lm, "--context-length")))
     planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
@@ -298,9 +285,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
 
 def compute_argv(setup: Setup, quick: bool, model: str, batch_per_rank: int,
                  context_length: int) -> list[str]:
-    """``bench/compute.py``: one process on the box's device, the LM at one rank's shapes
-    (stages 03-06's per-rank batch), after a timed large matmul that gives the peak its MFU is
-    measured against."""
+    """``bench/compute.py``: the LM at one rank's shapes on one device, beside the matmul peak."""
     models_list = model
     if setup.gpus > 0 and not quick and model != "small":
         models_list = f"{model},small"
@@ -314,10 +299,7 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
-    """Lesson 5's ``--bench`` on 4 ranks: rings of 2 and 4 (quick: 4, the ring its 0.75 target
-    is set at). Ring attention sends with ``batch_isend_irecv`` and Gloo sends CPU tensors only,
-    so a box with 1-3 GPUs runs it on the host's cores, at sizes between the CPU's and the
-    GPU's. Emulated compute runs at the longest sequence only."""
+    """Ring attention on 4 ranks (rings of 2 and 4; quick: 4); Gloo sends CPU tensors only."""
     if setup.gpus >= 4:
         where = ["--backend", "nccl", "--device", "cuda"]
         seqs = "1024,2048" if quick else "1024,2048,4096"
@@ -339,8 +321,7 @@ def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
 
 
 def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str]:
-    """Lesson 6's measurement (``measure/bench_expert_parallel.py``) on ``world_size`` ranks, 8 experts: NCCL with a GPU per rank,
-    else the ranks share the GPUs over Gloo (it sends CUDA tensors all-to-all), else the CPU."""
+    """Expert parallel on ``world_size`` ranks: NCCL, else Gloo on the GPUs, else the CPU."""
     if setup.gpus >= world_size:
         where = ["--backend", "nccl", "--device", "cuda"]
     elif setup.gpus > 0:
@@ -367,9 +348,7 @@ def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str
 
 
 def together_argv(setup: Setup) -> list[str]:
-    """Lesson 7's grids (``measure/grid_bench.py --bench``): its grids on 8 ranks with 8 GPUs, on 4 with 4-7 (NCCL,
-    its GPU sizes); with fewer GPUs its CPU sizes on 4 ranks of the host's cores (its bench
-    sends CUDA tensors over NCCL only). It has one size per box, no quicker one."""
+    """Lesson 7's grids: NCCL on 8 or 4 ranks with 4+ GPUs, else the host's cores on 4."""
     if setup.gpus >= 4:
         world_size = 8 if setup.gpus >= 8 else 4
         return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size",
@@ -379,10 +358,7 @@ def together_argv(setup: Setup) -> list[str]:
 
 
 def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
-    """Lesson 8's ``--bench``: saved at 2 ranks and loaded at the world size (3 or more), and
-    back. NCCL with a GPU per rank where there are 3 or more (4 ranks at most), else 4 ranks
-    sharing the GPUs over Gloo, else the CPU. The LM: small on a GPU (quick: course, 2 timed
-    iterations), course on a CPU (quick: tiny)."""
+    """Checkpoints saved at 2 ranks, loaded at the world size (3 or more), and back."""
     if setup.gpus >= 3:
         world_size = min(setup.gpus, 4)
         where = ["--backend", "nccl", "--device", "cuda"]
@@ -392,26 +368,19 @@ def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
     else:
         world_size = 4
         where = ["--backend", "gloo", "--device", "cpu"]
-    sizes = ["--model", "course"]
     if quick:
-        sizes = ["--model", "tiny", "--iters", "2"]
-    if setup.gpus > 1:
+        sizes = ["--model", "course" if setup.gpus > 0 else "tiny", "--iters", "2"]
+    elif setup.gpus > 1:
         sizes = ["--model", "small"]
-    if setup.gpus > 0 and quick:
-        sizes = ["--model", "course", "--iters", "2"]
-    if setup.gpus == 1 and not quick:  # 400 MB of state through host memory missed its cap
+    else:  # on one GPU, small's 400 MB of state through host memory missed its cap
         sizes = ["--model", "course"]
     return ["07_parallelism/measure/bench_checkpoint.py", "--bench", "--world-size",
             str(world_size), *where, *sizes]
 
 
 def plan_budget(steps: list[Step], budget: float, unplanned: float = 0.0) -> None:
-    """Give each step its cap, up front. Of the budget less one stop (the last step's overrun),
-    every step gets its minimum, and the rest is shared out in proportion to what each share
-    holds above its minimum: at the default budget each cap is at least its share. While the
-    minimums add up to more than there is, the step that needs the most is skipped, so that
-    the most steps run (said here, before anything runs); a budget too small for any step is a
-    usage error."""
+    """Give each step its cap, up front: its minimum and a part of the rest in proportion to
+    its share above it; the neediest steps are skipped while the minimums do not fit."""
     usable = budget * (1 - unplanned) - STOP_S
     running = list(steps)
     while running and sum(s.min_s for s in running) > usable:
@@ -436,10 +405,8 @@ NOTHING_TO_CHECK = ("skipped with a note: none of the steps it checks ran (DDP, 
 
 
 def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
-    """Run the planned steps in order; ``run(step, cap)`` runs one. Each step's deadline is the
-    start plus the caps of the steps so far: time a step leaves passes on to the next, and an
-    overrun (at most ``STOP_S``) comes out of it; a step left with less than its minimum is
-    skipped. So the last step ends by the start + the budget."""
+    """Run the planned steps in order; ``run(step, cap)`` runs one. A step's deadline is the start
+    plus the caps so far (time left passes on); one left less than its minimum is skipped."""
     deadline = clock()
     planned = [s for s in steps if s.cap_s > 0]
     for i, step in enumerate(planned, 1):
@@ -466,9 +433,7 @@ def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
 
 
 def size_to_deadline(step: Step, cap: float) -> None:
-    """Set the step's budget flag from the cap it actually gets: what is left after its
-    start-up, shared by its configurations, so its script skips what cannot fit instead of
-    being stopped in the middle of it. The start-up is a CUDA one if the command names cuda."""
+    """Set the step's budget flag from its cap less its start-up, shared by its configurations."""
     if not step.budget_flag:
         return
     startup = CUDA_STARTUP_S if "cuda" in step.argv else CPU_STARTUP_S
@@ -495,9 +460,7 @@ def on_stop_signal(signum, frame) -> None:
 
 
 def die_with_this_process():
-    """A ``preexec_fn``: the step gets SIGKILL when make bench dies, even by SIGKILL (Linux's
-    prctl PR_SET_PDEATHSIG); its ranks then exit too, as they do when their parent goes.
-    Elsewhere it does nothing, and a step outlives a killed make bench."""
+    """A ``preexec_fn``: on Linux the step gets SIGKILL when make bench dies (PR_SET_PDEATHSIG)."""
     parent = os.getpid()
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
@@ -511,13 +474,10 @@ def die_with_this_process():
 
 
 def run_step(step: Step, env: dict, cap_s: float) -> None:
-    """Run one stage script; at ``cap_s`` Ctrl-C (it writes what it finished), then SIGKILL.
-    Stopped by SIGINT or SIGTERM itself, make bench passes the signal on to the script, whose
-    launcher stops its ranks, kills it after a shorter grace, and passes the ``Interrupted``
-    on. Whatever the ending, nothing of the step outlives it."""
+    """Run one stage script; at ``cap_s`` Ctrl-C, then SIGKILL; a signal to make bench is passed
+    on. Nothing of the step outlives it."""
     start = time.monotonic()
-    # A session of its own, so a terminal's Ctrl-C reaches make bench alone, which then stops
-    # the step itself; and its process group is the step: the script, its ranks, their helpers.
+    # A session of its own: a terminal's Ctrl-C reaches make bench alone; the group is the step.
     env = {**(os.environ if env is None else env),  # for the scripts that size themselves
            "BENCH_STEP_DEADLINE": f"{time.time() + cap_s:.3f}"}
     proc = subprocess.Popen([sys.executable, *step.argv], cwd=REPO_ROOT, env=env,
@@ -540,9 +500,7 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
 
 
 def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
-    """``signum`` to the step's script (its launcher ends the ranks, the script writes what it
-    finished); if it still runs after ``grace_s``, SIGKILL to its process group. Returns its
-    exit status (negative: the signal that ended it)."""
+    """``signum`` to the script; SIGKILL to its group after ``grace_s``. Returns its exit status."""
     proc.send_signal(signum)
     try:
         return proc.wait(timeout=grace_s)
@@ -551,23 +509,15 @@ def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
         return proc.wait(timeout=KILL_WAIT_S)
 
 
-def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+def kill_group(pgid: int) -> None:
     try:
-        os.killpg(pgid, sig)
+        os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # nothing left in it
 
 
-def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, str]]:
-    """(drawn by a stage script, its name in the report): ``make run`` redraws the former."""
-    return list(zip([out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png",
-                     out / "expert_parallel_load.png"], STAGE_PICTURES))
-
-
 def take_the_lock(out: Path):
-    """One make bench at a time on one results folder: two would mix their rows (each measured
-    while the other took half the cores) under one run id. The second is refused in one line.
-    The lock is the folder's own (flock on it): nothing is left behind, however this ends."""
+    """One make bench at a time on a results folder (flock on the folder); the second is refused."""
     import fcntl
     fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -628,7 +578,9 @@ def main() -> None:
                 "keeps_freed_memory": allocator == KEEP_FREED_MEMORY,
                 "steps": [asdict(s) for s in steps]}
         # a stage's picture is this run's if drawn since it started (else it is an older one)
-        pictures = [(src, name) for src, name in stage_pictures(out, trace_dir)
+        drawn = [out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png",
+                 out / "expert_parallel_load.png"]
+        pictures = [(src, name) for src, name in zip(drawn, STAGE_PICTURES)
                     if src.exists() and src.stat().st_mtime >= started_at - 1]
         try:
             path, empty = write_report(out, info, pictures)
