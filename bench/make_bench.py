@@ -275,23 +275,16 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                                          "--backend", setup.backend,
                                                          "--device", setup.device]))
     # First: the device alone, before any step can run over and leave it no time.
-    compute = compute_argv(setup, quick, model, int(_flag(lm, "--batch-size")) // ws,
-                           int(_flag(lm, "--context-length")))
+    # (the LM at one rank's shapes on one device, beside the matmul peak)
+    models_list = f"{model},small" if gpus > 0 and not quick and model != "small" else model
+    compute = ["bench/compute.py", "--device", setup.device, "--models", models_list,
+               "--batch-size", str(int(_flag(lm, "--batch-size")) // ws),
+               "--context-length", _flag(lm, "--context-length"),
+               "--steps", "3" if quick else "5", "--warmup", "2"]
     planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
                                       "peak, the LM's forward, backward, optimizer, memory, "
                                       "MFU", compute))
     return [planned_step for planned_step in planned if planned_step.share_s > 0]
-
-
-def compute_argv(setup: Setup, quick: bool, model: str, batch_per_rank: int,
-                 context_length: int) -> list[str]:
-    """``bench/compute.py``: the LM at one rank's shapes on one device, beside the matmul peak."""
-    models_list = model
-    if setup.gpus > 0 and not quick and model != "small":
-        models_list = f"{model},small"
-    return ["bench/compute.py", "--device", setup.device, "--models", models_list,
-            "--batch-size", str(batch_per_rank), "--context-length", str(context_length),
-            "--steps", "3" if quick else "5", "--warmup", "2"]
 
 
 def _flag(argv: list[str], name: str) -> str:
