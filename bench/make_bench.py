@@ -7,44 +7,12 @@
                                      # 180 on a GPU box, whose every step starts CUDA)
     make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
 
-What runs depends on the box (``pick_setup``): no GPU, Gloo with CPU tensors at small sizes;
-one GPU, the ranks share it over Gloo (NCCL refuses two ranks on one GPU); two or more, NCCL
-with one GPU per rank. A 07 lesson that needs more GPUs than the box has, or cannot send CUDA
-tensors over Gloo, runs on the host's cores instead (``plan`` says which, step by step). In
-order: stage 02's sweep; stages 03-06 and torch DDP on the LM with 06's bucket sweep and model
-(one run of ``06 --bench``: ratios are fair only within a run); 05's profile; 07's tensor- and
-sequence-parallel bytes, pipeline schedules (real and emulated compute), the sharding ledger
-(DDP, ZeRO-1/2, FSDP, torch's), context parallelism (ring attention), expert parallelism on 2
-and 4 ranks, everything together (our grids beside torch's composition and pipelining; not in
-the quick run: ``measure/grid_bench.py --bench`` has one size per box, about 1.5 minutes on a 2-core CPU),
-and checkpoints beside ``torch.distributed.checkpoint``; last, ``bench/compute.py``: the LM at
-one rank's shapes on one device beside the matmul peak measured in the same run (MFU). On one
-GPU every collective crosses host memory, so its plan is cut to what that path carries in the
-budget (from the first GPU run's logs). No stage is imported: the driver runs
-their scripts, each with ``RESULTS_RUN_ID`` set, so ``bench/report.py`` reports this run's rows
-and nothing older.
-
-The budget is planned before anything runs (``plan_budget``): each step has a share of the
-default budget and a minimum (``SHARES``); of ``BENCH_BUDGET_S`` every step gets its minimum and
-a part of the rest in proportion to what its share holds above its minimum; when the minimums
-do not all fit, the steps that need the most are skipped, each with the reason, and a budget
-too small for any step is refused in one line. A step runs until its deadline (the start plus the caps so far, so time a step
-leaves passes on to the next), then gets Ctrl-C, which makes a stage write what it finished,
-and is killed after a grace. A step with a budget flag (02's ``--budget-s``, 06's
-``--case-budget-s``) gets it from the cap it actually has, less its start-up, per
-configuration, and ``BENCH_STEP_DEADLINE`` in its environment, so it skips what cannot end in
-time instead of being stopped in the middle. To add a step: a row in ``SHARES`` (its shares on
-each kind of box, quick and full, taken from the others so each column still fits its default
-budget, and its minimum, above a CUDA start-up on a GPU box) and a ``step(...)`` line in
-``plan``; ``tests/test_bench.py`` checks the sums.
-
-The driver owns its steps as the launcher owns its ranks: Ctrl-C or SIGTERM to it is passed on
-to the running step's script (whose launcher stops its ranks and writes what finished), what is
-left of the step's process group is killed seconds later, and the report of what finished is
-written; if the driver dies, even by SIGKILL, Linux kills the step (``PR_SET_PDEATHSIG``) and
-its ranks follow (they exit when their parent goes). The report is swapped in only when written
-whole; a run that measured nothing leaves the previous one in place, and a section a run did
-not fill keeps the previous report's, marked with its run and machine (``bench/report.py``).
+What runs on which box (``pick_setup``, ``plan``), how the budget is shared out (``SHARES``,
+``plan_budget``, ``run_all``), how a step is stopped and how the report is kept whole:
+bench/README.md. No stage is imported: each script runs with ``RESULTS_RUN_ID`` set, so
+``bench/report.py`` reports this run's rows only. To add a step: a row in ``SHARES`` (the
+columns still fit their default budgets; ``tests/test_bench.py`` checks) and a ``step(...)``
+in ``plan``.
 """
 
 from __future__ import annotations
@@ -67,36 +35,24 @@ from common import models  # noqa: E402
 from bench import results
 from common import usage_error  # noqa: E402
 
-# The whole run, every stop included: quick and full, on a CPU box and on a GPU box. A GPU
-# box's quick run is longer than a CPU's: each of its steps pays a CUDA start-up.
+# The whole run, every stop included (a GPU box's quick run pays a CUDA start-up a step).
 DEFAULT_BUDGET_S = {True: 150, False: 510}      # a CPU box (and full on any box)
 GPU_QUICK_BUDGET_S = 180                         # quick on a GPU box
 MAX_BUDGET_S = 24 * 3600
 GRACE_S = 8        # after a step's Ctrl-C, the time it has to write what it finished
 KILL_WAIT_S = 2    # after SIGKILL to its process group, the time to reap it
 STOP_S = GRACE_S + KILL_WAIT_S  # the most a step can run past its deadline
-# Left out of every plan: a step whose script does not stop in time, a box slower than the one
-# the shares were sized on. Quick runs keep none (their minimums alone fill a GPU box's 180 s).
+# Kept out of a full run's plan for overruns and slower boxes (quick runs' minimums fill 180 s).
 UNPLANNED_FULL = 0.15
 SIGNAL_GRACE_S = 3  # when make bench itself is stopped (SIGINT, SIGTERM): a shorter grace
-# A step that starts CUDA spends this long before its first measurement (8-12 s on the one-GPU
-# H200 box's logs: interpreter, torch, CUDA context, ranks, process group). Every minimum on
-# a GPU box is above it; a CPU step starts in about 3 s.
+# A step's start-up before its first measurement (CUDA: 8-12 s in the one-GPU H200 logs).
 CUDA_STARTUP_S = 12
 CPU_STARTUP_S = 3
 
-# The plan: each step's share of the default budget, in seconds to its Ctrl-C (start-up
-# included), per kind of box, quick and full, with the least it needs to measure anything
-# (start-up and one configuration). Three kinds of box: "cpu" (Gloo, CPU tensors), "one_gpu"
-# (the ranks share one GPU over Gloo, so every collective goes through host memory) and "nccl"
-# (a GPU per rank). On each kind and in each mode the shares add up to at most the default
-# budget less STOP_S (a test checks), so a new step takes its share from the others. A share of
-# 0: not in that mode's plan. A share is what a step may take, not what it takes: a step that
-# ends sooner passes its time on. The CPU shares come from this 2-core VM's runs (1.2-2x what
-# each took with the VM to itself; full runs with the V schedules, HSDP and the planner's call
-# timings: 348-413 s); the one-GPU shares from the H200 box's logs, with sizes cut to fit them
-# (LM `course`, all-reduce up to 100 MB, fewer expert tokens); the NCCL ones are estimates
-# until a multi-GPU box has run them.
+# Each step's share of the default budget in seconds to its Ctrl-C, per kind of box, quick and
+# full, and the least it needs (start-up and one configuration); 0: not in that mode. Each
+# column adds up to at most the default budget less STOP_S (a test checks). CPU shares: this
+# 2-core VM's runs; one GPU: the H200 logs; NCCL: estimates (bench/README.md).
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "compute": dict(cpu=(7, 6, 5), one_gpu=(16, 22, 15), nccl=(16, 20, 15)),
     "allreduce": dict(cpu=(10, 21, 8), one_gpu=(18, 27, 15), nccl=(18, 39, 15)),
@@ -116,26 +72,16 @@ SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
 }
 
 
-# glibc hands a large freed block back to the kernel, and the next allocation of that size is
-# zeroed by the kernel page by page as it is first written. A training step allocates its
-# activations, gradients, optimizer temporaries and communication buffers afresh: on this
-# course's 2-core VM the course LM's AdamW step took 85-89 ms with glibc's defaults and 51-54 ms
-# with freed blocks kept, its forward and backward 291-298 ms and 273-276 ms (one process,
-# three runs each, alternating). CUDA's caching allocator keeps freed blocks; with
-# these settings every step's processes keep theirs too (blocks up to glibc's ceiling of 32 MiB
-# come from the heap, and the heap is not trimmed), so a CPU step time measures the algorithm
-# rather than the kernel's page zeroing. The report says so; a setting of the user's own wins.
+# Freed blocks kept by glibc (as CUDA's allocator keeps them), so a CPU step time measures the
+# algorithm, not the kernel zeroing fresh pages (AdamW 85-89 ms -> 51-54 ms on the course LM
+# on the 2-core VM). The report says so; a setting of the user's own wins.
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20),
                      "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 
 
 def box_kind(gpus: int) -> str:
     """The column of ``SHARES`` for a box with ``gpus`` GPUs."""
-    if gpus == 0:
-        return "cpu"
-    if gpus == 1:
-        return "one_gpu"
-    return "nccl"
+    return {0: "cpu", 1: "one_gpu"}.get(gpus, "nccl")
 
 
 @dataclass
@@ -200,8 +146,7 @@ def default_budget_s(quick: bool, gpus: int = 0) -> float:
 
 
 def budget_s(quick: bool, gpus: int = 0) -> float:
-    """``BENCH_BUDGET_S``, else ``default_budget_s``: the whole run's limit, at most a day
-    (whether it is enough for any step, ``plan_budget`` says)."""
+    """``BENCH_BUDGET_S``, else ``default_budget_s``: the whole run's limit, at most a day."""
     text = os.environ.get("BENCH_BUDGET_S", "").strip()
     try:
         value = float(text) if text else float(default_budget_s(quick, gpus))
@@ -221,9 +166,7 @@ def smallest_budget_s() -> float:
 
 
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
-    """The steps for this box, in order, each with its share of the default budget (a step
-    whose share is 0 in this mode is left out). To add a step: a row in ``SHARES`` and a
-    ``Step`` here (its script's flags sized for this box)."""
+    """The steps for this box, in order (a step whose share is 0 in this mode is left out)."""
     gpus = setup.gpus
     cpu = gpus == 0
     kind = box_kind(gpus)
@@ -248,9 +191,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "30"]
         micro_batches = "8" if quick else "4,8"
     elif gpus == 1:
-        # One GPU: every collective crosses host memory at about 1.7 GB/s (the H200 logs), so
-        # the sizes are cut to what that path carries in the budget: all-reduce on the GPU up
-        # to 100 MB (no Gloo/CPU sweep), the course LM (80 MB of gradients a step, not 400).
+        # One GPU: collectives cross host memory (about 1.7 GB/s), so sizes are cut to fit.
         ar = ["--device", "cuda", "--sizes", "1MB,10MB,100MB", "--world-sizes",
               "2" if quick else "2,4"]
         lm = ["--batch-size", "8", "--context-length", "256"]
@@ -275,13 +216,10 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         micro_batches = "8" if quick else "4,8,16"
     lm[1] = str(ws * max(1, int(lm[1]) // ws))  # the global batch splits evenly over the ranks
     lm = ["--model", model, *lm]
-    # none, torch DDP, 03-05, 06 at each size, torch DDP at the other sizes (each case's budget
-    # covers all its rounds)
+    # none, torch DDP, 03-05, 06 at each size, torch DDP at the other sizes
     ddp_cases = 2 + 3 + 2 * len(buckets.split(",")) - 1
-    # The ledger's LM is `course` on a CPU too: per-block checkpointing cannot touch the tiny
-    # LM's activations, which are mostly its vocabulary logits. Quick runs it without
-    # checkpointing, on the tiny LM (a third of the time on a 2-core CPU). One GPU: course
-    # (its Gloo host path made `small` miss its cap).
+    # The ledger's LM: course on a CPU (checkpointing does little for tiny's logits; quick: tiny,
+    # no checkpointing) and on one GPU (small missed its cap over the host path).
     ledger_model = model if gpus >= 2 and not quick else "course"
     ledger_lm = ["--model", "tiny" if quick else "course"] if cpu else \
         ["--model", ledger_model, "--batch-size", str(2 * ws), "--context-length", "256",
@@ -336,27 +274,17 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                                       "measured above", ["07_parallelism/measure/check_prediction.py",
                                                          "--backend", setup.backend,
                                                          "--device", setup.device]))
-    # First: the device alone (its peak and the LM at one rank's shapes), the GPU report's
-    # core, measured before any step can run over and leave it no time.
-    compute = compute_argv(setup, quick, model, int(_flag(lm, "--batch-size")) // ws,
-                           int(_flag(lm, "--context-length")))
+    # First: the device alone, before any step can run over and leave it no time.
+    # (the LM at one rank's shapes on one device, beside the matmul peak)
+    models_list = f"{model},small" if gpus > 0 and not quick and model != "small" else model
+    compute = ["bench/compute.py", "--device", setup.device, "--models", models_list,
+               "--batch-size", str(int(_flag(lm, "--batch-size")) // ws),
+               "--context-length", _flag(lm, "--context-length"),
+               "--steps", "3" if quick else "5", "--warmup", "2"]
     planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
                                       "peak, the LM's forward, backward, optimizer, memory, "
                                       "MFU", compute))
     return [planned_step for planned_step in planned if planned_step.share_s > 0]
-
-
-def compute_argv(setup: Setup, quick: bool, model: str, batch_per_rank: int,
-                 context_length: int) -> list[str]:
-    """``bench/compute.py``: one process on the box's device, the LM at one rank's shapes
-    (stages 03-06's per-rank batch), after a timed large matmul that gives the peak its MFU is
-    measured against."""
-    models_list = model
-    if setup.gpus > 0 and not quick and model != "small":
-        models_list = f"{model},small"
-    return ["bench/compute.py", "--device", setup.device, "--models", models_list,
-            "--batch-size", str(batch_per_rank), "--context-length", str(context_length),
-            "--steps", "3" if quick else "5", "--warmup", "2"]
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -364,10 +292,7 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
-    """Lesson 5's ``--bench`` on 4 ranks: rings of 2 and 4 (quick: 4, the ring its 0.75 target
-    is set at). Ring attention sends with ``batch_isend_irecv`` and Gloo sends CPU tensors only,
-    so a box with 1-3 GPUs runs it on the host's cores, at sizes between the CPU's and the
-    GPU's. Emulated compute runs at the longest sequence only."""
+    """Ring attention on 4 ranks (rings of 2 and 4; quick: 4); Gloo sends CPU tensors only."""
     if setup.gpus >= 4:
         where = ["--backend", "nccl", "--device", "cuda"]
         seqs = "1024,2048" if quick else "1024,2048,4096"
@@ -389,8 +314,7 @@ def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
 
 
 def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str]:
-    """Lesson 6's measurement (``measure/bench_expert_parallel.py``) on ``world_size`` ranks, 8 experts: NCCL with a GPU per rank,
-    else the ranks share the GPUs over Gloo (it sends CUDA tensors all-to-all), else the CPU."""
+    """Expert parallel on ``world_size`` ranks: NCCL, else Gloo on the GPUs, else the CPU."""
     if setup.gpus >= world_size:
         where = ["--backend", "nccl", "--device", "cuda"]
     elif setup.gpus > 0:
@@ -417,9 +341,7 @@ def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str
 
 
 def together_argv(setup: Setup) -> list[str]:
-    """Lesson 7's grids (``measure/grid_bench.py --bench``): its grids on 8 ranks with 8 GPUs, on 4 with 4-7 (NCCL,
-    its GPU sizes); with fewer GPUs its CPU sizes on 4 ranks of the host's cores (its bench
-    sends CUDA tensors over NCCL only). It has one size per box, no quicker one."""
+    """Lesson 7's grids: NCCL on 8 or 4 ranks with 4+ GPUs, else the host's cores on 4."""
     if setup.gpus >= 4:
         world_size = 8 if setup.gpus >= 8 else 4
         return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size",
@@ -429,10 +351,7 @@ def together_argv(setup: Setup) -> list[str]:
 
 
 def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
-    """Lesson 8's ``--bench``: saved at 2 ranks and loaded at the world size (3 or more), and
-    back. NCCL with a GPU per rank where there are 3 or more (4 ranks at most), else 4 ranks
-    sharing the GPUs over Gloo, else the CPU. The LM: small on a GPU (quick: course, 2 timed
-    iterations), course on a CPU (quick: tiny)."""
+    """Checkpoints saved at 2 ranks, loaded at the world size (3 or more), and back."""
     if setup.gpus >= 3:
         world_size = min(setup.gpus, 4)
         where = ["--backend", "nccl", "--device", "cuda"]
@@ -442,26 +361,19 @@ def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
     else:
         world_size = 4
         where = ["--backend", "gloo", "--device", "cpu"]
-    sizes = ["--model", "course"]
     if quick:
-        sizes = ["--model", "tiny", "--iters", "2"]
-    if setup.gpus > 1:
+        sizes = ["--model", "course" if setup.gpus > 0 else "tiny", "--iters", "2"]
+    elif setup.gpus > 1:
         sizes = ["--model", "small"]
-    if setup.gpus > 0 and quick:
-        sizes = ["--model", "course", "--iters", "2"]
-    if setup.gpus == 1 and not quick:  # 400 MB of state through host memory missed its cap
+    else:  # on one GPU, small's 400 MB of state through host memory missed its cap
         sizes = ["--model", "course"]
     return ["07_parallelism/measure/bench_checkpoint.py", "--bench", "--world-size",
             str(world_size), *where, *sizes]
 
 
 def plan_budget(steps: list[Step], budget: float, unplanned: float = 0.0) -> None:
-    """Give each step its cap, up front. Of the budget less one stop (the last step's overrun),
-    every step gets its minimum, and the rest is shared out in proportion to what each share
-    holds above its minimum: at the default budget each cap is at least its share. While the
-    minimums add up to more than there is, the step that needs the most is skipped, so that
-    the most steps run (said here, before anything runs); a budget too small for any step is a
-    usage error."""
+    """Give each step its cap, up front: its minimum and a part of the rest in proportion to
+    its share above it; the neediest steps are skipped while the minimums do not fit."""
     usable = budget * (1 - unplanned) - STOP_S
     running = list(steps)
     while running and sum(s.min_s for s in running) > usable:
@@ -486,10 +398,8 @@ NOTHING_TO_CHECK = ("skipped with a note: none of the steps it checks ran (DDP, 
 
 
 def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
-    """Run the planned steps in order; ``run(step, cap)`` runs one. Each step's deadline is the
-    start plus the caps of the steps so far: time a step leaves passes on to the next, and an
-    overrun (at most ``STOP_S``) comes out of it; a step left with less than its minimum is
-    skipped. So the last step ends by the start + the budget."""
+    """Run the planned steps in order; ``run(step, cap)`` runs one. A step's deadline is the start
+    plus the caps so far (time left passes on); one left less than its minimum is skipped."""
     deadline = clock()
     planned = [s for s in steps if s.cap_s > 0]
     for i, step in enumerate(planned, 1):
@@ -516,9 +426,7 @@ def run_all(steps: list[Step], run, clock=time.monotonic) -> None:
 
 
 def size_to_deadline(step: Step, cap: float) -> None:
-    """Set the step's budget flag from the cap it actually gets: what is left after its
-    start-up, shared by its configurations, so its script skips what cannot fit instead of
-    being stopped in the middle of it. The start-up is a CUDA one if the command names cuda."""
+    """Set the step's budget flag from its cap less its start-up, shared by its configurations."""
     if not step.budget_flag:
         return
     startup = CUDA_STARTUP_S if "cuda" in step.argv else CPU_STARTUP_S
@@ -545,9 +453,7 @@ def on_stop_signal(signum, frame) -> None:
 
 
 def die_with_this_process():
-    """A ``preexec_fn``: the step gets SIGKILL when make bench dies, even by SIGKILL (Linux's
-    prctl PR_SET_PDEATHSIG); its ranks then exit too, as they do when their parent goes.
-    Elsewhere it does nothing, and a step outlives a killed make bench."""
+    """A ``preexec_fn``: on Linux the step gets SIGKILL when make bench dies (PR_SET_PDEATHSIG)."""
     parent = os.getpid()
     prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
@@ -561,13 +467,10 @@ def die_with_this_process():
 
 
 def run_step(step: Step, env: dict, cap_s: float) -> None:
-    """Run one stage script; at ``cap_s`` Ctrl-C (it writes what it finished), then SIGKILL.
-    Stopped by SIGINT or SIGTERM itself, make bench passes the signal on to the script, whose
-    launcher stops its ranks, kills it after a shorter grace, and passes the ``Interrupted``
-    on. Whatever the ending, nothing of the step outlives it."""
+    """Run one stage script; at ``cap_s`` Ctrl-C, then SIGKILL; a signal to make bench is passed
+    on. Nothing of the step outlives it."""
     start = time.monotonic()
-    # A session of its own, so a terminal's Ctrl-C reaches make bench alone, which then stops
-    # the step itself; and its process group is the step: the script, its ranks, their helpers.
+    # A session of its own: a terminal's Ctrl-C reaches make bench alone; the group is the step.
     env = {**(os.environ if env is None else env),  # for the scripts that size themselves
            "BENCH_STEP_DEADLINE": f"{time.time() + cap_s:.3f}"}
     proc = subprocess.Popen([sys.executable, *step.argv], cwd=REPO_ROOT, env=env,
@@ -590,9 +493,7 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
 
 
 def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
-    """``signum`` to the step's script (its launcher ends the ranks, the script writes what it
-    finished); if it still runs after ``grace_s``, SIGKILL to its process group. Returns its
-    exit status (negative: the signal that ended it)."""
+    """``signum`` to the script; SIGKILL to its group after ``grace_s``. Returns its exit status."""
     proc.send_signal(signum)
     try:
         return proc.wait(timeout=grace_s)
@@ -601,23 +502,15 @@ def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
         return proc.wait(timeout=KILL_WAIT_S)
 
 
-def kill_group(pgid: int, sig: int = signal.SIGKILL) -> None:
+def kill_group(pgid: int) -> None:
     try:
-        os.killpg(pgid, sig)
+        os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # nothing left in it
 
 
-def stage_pictures(out: Path, trace_dir: Path) -> list[tuple[Path, str]]:
-    """(drawn by a stage script, its name in the report): ``make run`` redraws the former."""
-    return list(zip([out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png",
-                     out / "expert_parallel_load.png"], STAGE_PICTURES))
-
-
 def take_the_lock(out: Path):
-    """One make bench at a time on one results folder: two would mix their rows (each measured
-    while the other took half the cores) under one run id. The second is refused in one line.
-    The lock is the folder's own (flock on it): nothing is left behind, however this ends."""
+    """One make bench at a time on a results folder (flock on the folder); the second is refused."""
     import fcntl
     fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -678,7 +571,9 @@ def main() -> None:
                 "keeps_freed_memory": allocator == KEEP_FREED_MEMORY,
                 "steps": [asdict(s) for s in steps]}
         # a stage's picture is this run's if drawn since it started (else it is an older one)
-        pictures = [(src, name) for src, name in stage_pictures(out, trace_dir)
+        drawn = [out / "allreduce_busbw.png", trace_dir / "05_overlap_ddp" / "timeline.png",
+                 out / "expert_parallel_load.png"]
+        pictures = [(src, name) for src, name in zip(drawn, STAGE_PICTURES)
                     if src.exists() and src.stat().st_mtime >= started_at - 1]
         try:
             path, empty = write_report(out, info, pictures)
