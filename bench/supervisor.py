@@ -87,15 +87,13 @@ def master_port() -> int | None:
     return int(text)
 
 
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
 def torchrun_ranks() -> None:
     """torchrun's variables, when any is set: whole numbers in range, and where to meet."""
-    given = [name for name in (*TORCHRUN, "LOCAL_WORLD_SIZE") if name in os.environ]
+    given = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+             if name in os.environ]
     if not given:
         return
-    missing = [name for name in TORCHRUN if name not in os.environ]
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
     if missing:
         usage_error(f"{given[0]} is set but {missing[0]} is not: set RANK, WORLD_SIZE and "
                     "LOCAL_RANK together (torchrun does), or none of them")
@@ -206,8 +204,7 @@ def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
     if config.device != "cuda":
         check_ranks_fit(ranks_here, per_rank_bytes, what)
         return
-    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
-    need = ranks_per_gpu * per_rank_bytes
+    need = -(-ranks_here // torch.cuda.device_count()) * per_rank_bytes  # ranks per GPU, rounded up
     total = torch.cuda.get_device_properties(0).total_memory
     if need > 0.9 * total:
         usage_error(f"{what} needs about {need / GIB:.1f} GiB per GPU but a GPU has "
@@ -273,16 +270,6 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def _leave_the_server_to_the_launcher() -> None:
-    """Close a forked rank's copy of the server's "alive" pipe: the server then ends with the
-    launcher (even at SIGKILL), and Linux ends its ranks."""
-    from multiprocessing import forkserver  # not on every platform
-    server = forkserver._forkserver
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-
-
 class _Streams:
     """This launcher's stdout and stderr, sent to a forked rank (``DupFd``): the fork server
     kept those of an earlier launch (pytest's capture of an earlier test, say)."""
@@ -307,7 +294,13 @@ def _rank(rank, worker, config, args, environ, streams):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
     if streams is not None:  # forked by the fork server
         streams.take()
-        _leave_the_server_to_the_launcher()
+        # Close this rank's copy of the server's "alive" pipe: the server then ends with the
+        # launcher (even at SIGKILL), and Linux ends its ranks.
+        from multiprocessing import forkserver  # not on every platform
+        server = forkserver._forkserver
+        if server._forkserver_alive_fd is not None:
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_alive_fd = None
     if not multiprocessing.parent_process().is_alive():
         os._exit(1)  # the launcher died while this rank started, before that request was made
     try:
@@ -316,8 +309,7 @@ def _rank(rank, worker, config, args, environ, streams):
         if sys.__stderr__ is not None:
             faulthandler.enable(file=sys.__stderr__)
     os.environ.clear()
-    os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))  # the launcher's, now
     torch.seed()  # forked ranks would all share the server's generator state
     torch.set_num_threads(rank_threads(config.world_size))
     try:
@@ -420,23 +412,9 @@ def _supervise(ranks, timeout_s, stop: dict) -> None:
                                         timeout=0.5)
 
 
-def _killed(rank: int, code: int) -> str:
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    why = "sent from outside"
-    if name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"):  # faulthandler printed it
-        why = "a crash in native code: its Python stack, from faulthandler, is above"
-    elif name == "SIGKILL":
-        why = "sent from outside, by the out-of-memory killer or kill -9: no stack can be printed"
-    return f"error: rank {rank} was killed by {name} ({why})"
-
-
 def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
-    """Name the root cause, then exit: ranks killed by a signal, a stalled rank the others gave
-    up waiting for, ranks whose own checks failed (exited without a traceback), and the
-    traceback of the rank that raised first."""
+    """Name the root cause, then exit: ranks killed by a signal, stalled ranks, ranks that exited
+    without a traceback, and the traceback of the rank that raised first."""
     failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
     if READER_GONE in codes:  # `| head -1`: our own output went too, so stop as quietly
         discard_output()
@@ -456,7 +434,19 @@ def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
     silent = [rank for rank in failed if not os.path.exists(error_files[rank])]
     if not raised and all(codes[rank] == 2 for rank in failed):
         raise SystemExit(2)  # bad input only the ranks could see, said by them in one line
-    lines = [_killed(rank, codes[rank]) for rank in silent if codes[rank] < 0]
+    lines = []
+    for rank in [rank for rank in silent if codes[rank] < 0]:
+        try:
+            name = signal.Signals(-codes[rank]).name
+        except ValueError:
+            name = f"signal {-codes[rank]}"
+        why = "sent from outside"
+        if name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"):  # faulthandler printed it
+            why = "a crash in native code: its Python stack, from faulthandler, is above"
+        elif name == "SIGKILL":
+            why = ("sent from outside, by the out-of-memory killer or kill -9: no stack can be "
+                   "printed")
+        lines.append(f"error: rank {rank} was killed by {name} ({why})")
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
                      "others gave up waiting for them")
