@@ -128,8 +128,7 @@ def check_environment() -> None:
 
 
 def wait_for_rank_0(rank: int) -> None:
-    """Under torchrun, a rank other than 0 waits for rank 0 to listen, saying so once, and gives
-    up in one line after DIST_TIMEOUT_S (torch's own wait is silent, then C++ frames)."""
+    """Under torchrun, a rank other than 0 waits for rank 0, saying so once, till DIST_TIMEOUT_S."""
     if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
     addr = master_addr()
@@ -259,10 +258,8 @@ READER_GONE = 141  # a rank's exit status when the reader of the output left (12
 
 
 def _start_method() -> str:
-    """Ranks are forked from Python's fork server (torch imported once, never a thread of ours),
-    never from this process, whose threads may hold a lock at the fork. A rank keeps the server's
-    hash seed and the variables torch reads on import (``TORCH_DISTRIBUTED_DEBUG``: set them
-    before the first launch). Spawned where there is no fork server (Windows)."""
+    """The fork server (never this process, whose threads may hold a lock at the fork); a rank
+    keeps its hash seed and torch's import-time variables. Spawn where there is none (Windows)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "bench.supervisor",
@@ -271,8 +268,7 @@ def _start_method() -> str:
 
 
 class _Streams:
-    """This launcher's stdout and stderr, sent to a forked rank (``DupFd``): the fork server
-    kept those of an earlier launch (pytest's capture of an earlier test, say)."""
+    """This launcher's stdout and stderr for a forked rank (the server kept an earlier one's)."""
 
     def __init__(self, fds=()):
         self.fds = fds
@@ -294,8 +290,7 @@ def _rank(rank, worker, config, args, environ, streams):
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
     if streams is not None:  # forked by the fork server
         streams.take()
-        # Close this rank's copy of the server's "alive" pipe: the server then ends with the
-        # launcher (even at SIGKILL), and Linux ends its ranks.
+        # Close our copy of the server's "alive" pipe: the server ends with the launcher.
         from multiprocessing import forkserver  # not on every platform
         server = forkserver._forkserver
         if server._forkserver_alive_fd is not None:
@@ -322,8 +317,7 @@ def _rank(rank, worker, config, args, environ, streams):
 
 
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
-    """Run ``worker(ctx, *args)`` on every rank (this process under torchrun, else supervised
-    processes); ``timeout_s`` bounds the run."""
+    """Run ``worker(ctx, *args)`` on every rank, supervised; ``timeout_s`` bounds the run."""
     if under_torchrun():
         if not faulthandler.is_enabled():
             faulthandler.enable()
@@ -365,8 +359,7 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
 
 
 # --------------------------------------------------------------------------- supervision
-# Not torch's ProcessContext.join: it names the first exit seen (often a peer of the culprit),
-# cannot tell a stalled rank, and waits 30 s after SIGTERM, which a stopped rank ignores.
+# Not torch's join: it names the first exit seen, cannot tell a stall, and trusts SIGTERM.
 
 def _end(processes) -> None:
     for p in processes:
@@ -467,8 +460,7 @@ def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
 
 
 # --------------------------------------------------------------------------- output
-# `| head -1`: once head exits, the next print raises BrokenPipeError; the run then ends without
-# a word, as a Unix tool does (a rank exits READER_GONE, the launcher exits 1).
+# `| head -1`: a print meeting the closed pipe ends the run without a word, as Unix tools do.
 
 def output_reader_gone() -> bool:
     """Whether stdout is a pipe whose reader has exited (poll() reports POLLERR)."""
@@ -482,9 +474,6 @@ def discard_output() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.close(devnull)
-
-
-_previous_excepthook = sys.excepthook
 
 
 def _quiet_when_the_reader_is_gone(kind, error, tb):
