@@ -1,15 +1,10 @@
-"""The lab's launcher: the course's (common/launch.py) with what a run nobody watches needs.
+"""The lab's launcher: the course's (common/launch.py), re-exported, plus what unwatched runs need.
 
-``launch(worker, config, *args, timeout_s=None)`` runs ``worker(ctx, *args)`` on every rank, as
-the course's ``launch`` does, and supervises the ranks: the first rank to fail is named with its
-traceback and the others are ended at once; a rank killed by a signal or stopped (SIGSTOP) is
-named; Ctrl-C or SIGTERM ends every rank with one line (``Stopped``); ``faulthandler`` in every
-rank, so a segfault prints a Python stack; ``python script.py | head -1`` ends quietly. Before
-any worker starts, one-line refusals (exit 2): environment variables out of range, runs that
-cannot fit in host or GPU memory. The ranks are always forked from Python's fork server (a
-process that never ran a thread of this one), so none can inherit a lock held at the fork.
-The rendezvous store is held here, on a port the OS picks, unless MASTER_PORT is set.
-The course's names (``Dist``, ``LaunchConfig``, the flag types) are re-exported.
+``launch(worker, config, *args, timeout_s=None)`` supervises the ranks: the first to fail is named
+with its traceback, a killed or stopped (SIGSTOP) rank is named, Ctrl-C or SIGTERM ends every rank
+with one line, a segfault prints a Python stack, ``| head -1`` ends quietly. Bad environment
+variables and runs that cannot fit in memory are refused in one line (exit 2) before any worker.
+Ranks are forked from Python's fork server; the rendezvous store is held here unless MASTER_PORT.
 """
 
 import argparse
@@ -44,26 +39,21 @@ from common.launch import resolve as course_resolve
 
 
 class Stopped(SystemExit):
-    """Ctrl-C or SIGTERM stopped the workers (exit 128 + signal); a benchmark may catch it to
-    report what finished, then re-raise it."""
+    """Ctrl-C or SIGTERM stopped the workers (exit 128 + signal); catch it to report, re-raise."""
 
 
 def make_parser(doc: str | None, world_size: int = 2) -> Parser:
-    """The course's parser; a lab script is a command-line tool, so it also ends quietly when
-    its reader does (``quiet_when_the_reader_leaves``)."""
+    """The course's parser; a lab script also ends quietly when its reader does."""
     quiet_when_the_reader_leaves()
     return course_parser(doc, world_size)
 
 
 # --------------------------------------------------------------------------- environment
-# The variables a run reads, each checked for the range it really works in before any worker
-# starts, so a bad one is one line and exit 2, never a worker's traceback half way.
 MAX_TIMEOUT_S = 7 * 24 * 3600  # a week; torch's deadlines overflow somewhere past 1e9 s
 
 
 def timeout_s() -> float:
-    """How long the rendezvous and each collective wait for a peer: ``DIST_TIMEOUT_S``, default
-    300 s, from 0.001 (torch counts whole milliseconds: less is an instant timeout) to a week."""
+    """``DIST_TIMEOUT_S`` (default 300), the wait for a peer: 0.001 (1 ms) to a week."""
     text = os.environ.get("DIST_TIMEOUT_S", "300")
     try:
         value = float(text)
@@ -97,16 +87,13 @@ def master_port() -> int | None:
     return int(text)
 
 
-TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
 def torchrun_ranks() -> None:
-    """torchrun's variables, when any is set: all of them whole numbers in range, and where to
-    meet (MASTER_ADDR, MASTER_PORT), or one line naming the bad one."""
-    given = [name for name in (*TORCHRUN, "LOCAL_WORLD_SIZE") if name in os.environ]
+    """torchrun's variables, when any is set: whole numbers in range, and where to meet."""
+    given = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+             if name in os.environ]
     if not given:
         return
-    missing = [name for name in TORCHRUN if name not in os.environ]
+    missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
     if missing:
         usage_error(f"{given[0]} is set but {missing[0]} is not: set RANK, WORLD_SIZE and "
                     "LOCAL_RANK together (torchrun does), or none of them")
@@ -124,33 +111,24 @@ def torchrun_ranks() -> None:
                     "MASTER_PORT is not: set both to where rank 0 listens")
 
 
-def port_is_free() -> None:
-    """A MASTER_PORT given by hand (not under torchrun) must be free here: rank 0 binds it."""
-    port = master_port()
-    if port is None or under_torchrun():
-        return
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((master_addr(), port))
-        except OSError as e:
-            usage_error(f"MASTER_PORT={port}: another process holds it ({e.strerror}); unset "
-                        "MASTER_PORT (a free port is picked) or give a free one")
-
-
 def check_environment() -> None:
     """Every environment variable a run reads, checked up front (one line, exit 2)."""
     timeout_s()
     torchrun_ranks()
-    master_addr()
-    master_port()
-    port_is_free()
+    addr = master_addr()
+    port = master_port()
+    if port is not None and not under_torchrun():  # a MASTER_PORT given by hand: rank 0 binds it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((addr, port))
+            except OSError as e:
+                usage_error(f"MASTER_PORT={port}: another process holds it ({e.strerror}); unset "
+                            "MASTER_PORT (a free port is picked) or give a free one")
     results.check_folder()  # RESULTS_DIR set but empty, a folder where a results file goes
 
 
 def wait_for_rank_0(rank: int) -> None:
-    """Under torchrun, a rank other than 0 first waits for rank 0's store to listen, saying so
-    once, and gives up in one line after DIST_TIMEOUT_S (torch's own wait ends in minutes of
-    silence and C++ frames)."""
+    """Under torchrun, a rank other than 0 waits for rank 0, saying so once, till DIST_TIMEOUT_S."""
     if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
     addr = master_addr()
@@ -174,9 +152,7 @@ def wait_for_rank_0(rank: int) -> None:
 
 
 def resolve(args: argparse.Namespace) -> LaunchConfig:
-    """Check the common flags and fill in the machine's defaults. CPU only: gloo/cpu. Fewer
-    GPUs than ranks here (one GPU, say): the ranks share them over Gloo, since NCCL refuses two
-    ranks on one GPU ("Duplicate GPU detected"). A GPU per rank: nccl/cuda."""
+    """Check the common flags and fill in the machine's defaults (the course's ``resolve``)."""
     check_environment()  # DIST_TIMEOUT_S, MASTER_ADDR/PORT, RESULTS_DIR: before any worker
     if not under_torchrun():
         check_ranks_fit(args.world_size)
@@ -187,9 +163,6 @@ def resolve(args: argparse.Namespace) -> LaunchConfig:
 
 
 # --------------------------------------------------------------------------- what fits
-# Host memory is checked before workers start: a run that cannot fit is refused with one line
-# (exit 2) instead of an out-of-memory kill half way.
-
 GIB = 2 ** 30
 
 
@@ -204,8 +177,7 @@ def host_available_bytes() -> int:
 
 
 def rank_baseline_bytes() -> int:
-    """What one rank costs before any model: this process's resident memory (a worker imports
-    the same torch), plus 64 MiB for its process group and buffers."""
+    """One rank before any model: this process's resident memory plus 64 MiB for its group."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") + (64 << 20)
@@ -214,8 +186,7 @@ def rank_baseline_bytes() -> int:
 
 
 def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") -> None:
-    """One-line usage error when ``ranks_here`` workers (each its baseline plus
-    ``per_rank_bytes``, described by ``what``) would not fit in host memory."""
+    """One-line usage error when ``ranks_here`` ranks (+ ``per_rank_bytes``) overfill the host."""
     baseline = rank_baseline_bytes()
     need = ranks_here * (baseline + per_rank_bytes)
     have = int(0.9 * host_available_bytes())
@@ -227,14 +198,12 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
 
 
 def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
-    """One-line usage error when a rank's ``per_rank_bytes`` (described by ``what``) cannot fit:
-    on CUDA in a GPU's memory, the ranks that share a GPU adding up; else in host memory."""
+    """One-line usage error when a rank's ``per_rank_bytes`` cannot fit (a shared GPU adds up)."""
     ranks_here = ranks_on_this_node(config.world_size)
     if config.device != "cuda":
         check_ranks_fit(ranks_here, per_rank_bytes, what)
         return
-    ranks_per_gpu = -(-ranks_here // torch.cuda.device_count())  # rounded up
-    need = ranks_per_gpu * per_rank_bytes
+    need = -(-ranks_here // torch.cuda.device_count()) * per_rank_bytes  # ranks per GPU, rounded up
     total = torch.cuda.get_device_properties(0).total_memory
     if need > 0.9 * total:
         usage_error(f"{what} needs about {need / GIB:.1f} GiB per GPU but a GPU has "
@@ -242,34 +211,27 @@ def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
 
 
 # --------------------------------------------------------------------------- one rank
-def rendezvous_timeout() -> datetime.timedelta:
-    """``DIST_TIMEOUT_S`` as a timedelta (``launch`` has a parameter named ``timeout_s``)."""
+def rendezvous_timeout() -> datetime.timedelta:  # ``launch`` has a parameter named timeout_s
     return datetime.timedelta(seconds=timeout_s())
 
 
-WAIT_NOTE_S = 10  # a rank still joining after this long says what it waits for
 RAISED_AT = "launch: this rank raised at "  # a note on a started rank's error, read by launch
 
 
-def _say_what_we_wait_for(rank: int, world_size: int, waited_s: float, wait_s: float) -> None:
-    print(f"[rank {rank}] still waiting, after {waited_s:g} s, for the other {world_size - 1} "
-          f"rank(s) to join the process group at {os.environ.get('MASTER_ADDR')}:"
-          f"{os.environ.get('MASTER_PORT')} (rank 0 listens there); torch's limit for this "
-          f"wait is DIST_TIMEOUT_S = {wait_s:g} s", file=sys.stderr, flush=True)
-
-
 def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
-    """One rank, the same under torchrun and here: pick the device, join the process group
-    (env://: MASTER_ADDR, MASTER_PORT), run ``worker``, leave the group."""
+    """One rank, under torchrun or here: pick the device, join the group, run ``worker``, leave."""
     dev = torch.device("cuda", local_rank % torch.cuda.device_count()) \
         if device == "cuda" else torch.device("cpu")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     wait_s = timeout_s()
-    # Joining waits silently for every peer (an unreachable MASTER_ADDR: DIST_TIMEOUT_S long),
-    # so a rank not in after a few seconds says, once, what it waits for and for how long.
-    waited_s = min(WAIT_NOTE_S, wait_s / 2)
-    note = threading.Timer(waited_s, _say_what_we_wait_for, (rank, world_size, waited_s, wait_s))
+    # Joining waits silently for every peer: a rank not in after 10 s says, once, what it awaits.
+    waited_s = min(10, wait_s / 2)
+    message = (f"[rank {rank}] still waiting, after {waited_s:g} s, for the other {world_size - 1} "
+               f"rank(s) to join the process group at {os.environ.get('MASTER_ADDR')}:"
+               f"{os.environ.get('MASTER_PORT')} (rank 0 listens there); torch's limit for this "
+               f"wait is DIST_TIMEOUT_S = {wait_s:g} s")
+    note = threading.Timer(waited_s, print, (message,), {"file": sys.stderr, "flush": True})
     note.daemon = True
     note.start()
     try:
@@ -279,16 +241,14 @@ def _run_worker(worker, rank, world_size, local_rank, backend, device, args):
         note.cancel()
         return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
     except Exception as error:
-        # The time it failed, taken before the group is torn down below (its peers fail after
-        # that, because it left): the launcher names the rank that raised first by it.
+        # When it failed, before the group is torn down: the launcher names the first by it.
         if not under_torchrun() and sys.version_info >= (3, 11):  # torchrun names it its way
             error.add_note(f"{RAISED_AT}{time.time()!r}")
         raise
     finally:
         note.cancel()
         if dist.is_initialized():
-            # Collect what still holds the group's work first (torch's fully_shard leaves
-            # cycles): torn down later, during interpreter exit, it can abort the process.
+            # fully_shard leaves cycles holding the group's work: torn down at exit, they abort.
             gc.collect()
             dist.destroy_process_group()
 
@@ -298,13 +258,8 @@ READER_GONE = 141  # a rank's exit status when the reader of the output left (12
 
 
 def _start_method() -> str:
-    """Ranks are forked from Python's fork server, which imports torch and this file once (kept
-    for the next launch of this process) and never runs a thread of ours, a tensor op or CUDA.
-    Never from this process itself: a thread it has ever run may hold a lock (torch's CPU
-    generator inside ``torch.randn``, say) at the fork, and the child would wait on it forever
-    before any timeout applies. A rank keeps from the server what was fixed when it started:
-    the variables torch reads on import (``TORCH_DISTRIBUTED_DEBUG``: set them before the first
-    launch) and the hash seed. Spawned where there is no fork server (Windows)."""
+    """The fork server (never this process, whose threads may hold a lock at the fork); a rank
+    keeps its hash seed and torch's import-time variables. Spawn where there is none (Windows)."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "bench.supervisor",
@@ -312,22 +267,8 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def _leave_the_server_to_the_launcher() -> None:
-    """The fork server ends when no one holds the other end of its "alive" pipe, and a rank
-    forked from it holds a copy: closed, the server ends with the launcher (even one killed by
-    SIGKILL), and Linux then ends the server's ranks."""
-    from multiprocessing import forkserver  # not on every platform
-    server = forkserver._forkserver
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-
-
 class _Streams:
-    """This launcher's stdout and stderr, as file descriptors sent to a forked rank with its
-    arguments (``DupFd`` is multiprocessing's way to pass one). The fork server kept the
-    streams of the moment it started, so without these a rank's output would go where an
-    earlier launch's went (pytest's capture of an earlier test, say)."""
+    """This launcher's stdout and stderr for a forked rank (the server kept an earlier one's)."""
 
     def __init__(self, fds=()):
         self.fds = fds
@@ -344,25 +285,26 @@ class _Streams:
 
 def _rank(rank, worker, config, args, environ, streams):
     """A started rank (torch's wrapper around it records its traceback if it raises)."""
-    # torch asked Linux to send SIGINT when this rank's parent dies: let it end the rank at once,
-    # even inside a collective (Ctrl-C is the launcher's to handle, and it ends every rank).
+    # torch sends SIGINT when this rank's parent dies: let it end the rank, even in a collective.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
     if streams is not None:  # forked by the fork server
         streams.take()
-        _leave_the_server_to_the_launcher()
+        # Close our copy of the server's "alive" pipe: the server ends with the launcher.
+        from multiprocessing import forkserver  # not on every platform
+        server = forkserver._forkserver
+        if server._forkserver_alive_fd is not None:
+            os.close(server._forkserver_alive_fd)
+            server._forkserver_alive_fd = None
     if not multiprocessing.parent_process().is_alive():
         os._exit(1)  # the launcher died while this rank started, before that request was made
     try:
         faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
-    except (AttributeError, ValueError, RuntimeError):
-        # sys.stderr without a file descriptor (a notebook's, pytest's capture, forked with
-        # the launcher), or none: the process's own stderr, where it has one
+    except (AttributeError, ValueError, RuntimeError):  # sys.stderr without a file descriptor
         if sys.__stderr__ is not None:
             faulthandler.enable(file=sys.__stderr__)
     os.environ.clear()
-    os.environ.update(environ)  # the launcher's, now (the fork server's is from its start)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))  # the launcher's, now
     torch.seed()  # forked ranks would all share the server's generator state
     torch.set_num_threads(rank_threads(config.world_size))
     try:
@@ -375,9 +317,7 @@ def _rank(rank, worker, config, args, environ, streams):
 
 
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
-    """Run ``worker(ctx, *args)`` on every rank: in this process under torchrun, else in
-    ``config.world_size`` processes started and supervised here; ``timeout_s`` bounds the
-    run."""
+    """Run ``worker(ctx, *args)`` on every rank, supervised; ``timeout_s`` bounds the run."""
     if under_torchrun():
         if not faulthandler.is_enabled():
             faulthandler.enable()
@@ -392,9 +332,7 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
     store = None
     if master_port() is None:
-        # This process holds the ranks' rendezvous store, on a port the OS picks and keeps for
-        # it (a port merely seen free could be taken before rank 0 binds it); the ranks join
-        # it as clients, as under torchrun's agent. It lives until this function returns.
+        # The ranks' store, held here on a port the OS keeps for it; they join as clients.
         store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                               timeout=rendezvous_timeout())
         environ["MASTER_PORT"] = str(store.port)
@@ -421,9 +359,7 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
 
 
 # --------------------------------------------------------------------------- supervision
-# Not torch's ProcessContext.join: it names the first exit it happens to see, which on a busy
-# machine is often a peer that failed *because* the first rank went away; it cannot tell a
-# stalled rank; and it gives the others 30 s after SIGTERM, which a stopped rank ignores.
+# Not torch's join: it names the first exit seen, cannot tell a stall, and trusts SIGTERM.
 
 def _end(processes) -> None:
     for p in processes:
@@ -469,51 +405,41 @@ def _supervise(ranks, timeout_s, stop: dict) -> None:
                                         timeout=0.5)
 
 
-def _raised(path: str) -> tuple[float, str]:
-    """When a rank raised, and its traceback, from the file torch's wrapper wrote."""
-    with open(path, "rb") as f:
-        text = pickle.load(f).rstrip("\n")  # our own rank's file, in our own temporary folder
-    body, _, when = text.rpartition("\n" + RAISED_AT)
-    if not body:  # Python 3.10 has no notes: when torch wrote the file, to the clock's tick
-        return os.stat(path).st_mtime, text
-    return float(when), body
-
-
-CRASHES = ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT")  # faulthandler prints a stack
-
-
-def _killed(rank: int, code: int) -> str:
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    if name in CRASHES:
-        why = "a crash in native code: its Python stack, from faulthandler, is above"
-    elif name == "SIGKILL":
-        why = "sent from outside, by the out-of-memory killer or kill -9: no stack can be printed"
-    else:
-        why = "sent from outside"
-    return f"error: rank {rank} was killed by {name} ({why})"
-
-
 def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
-    """Name the root cause, then exit: ranks killed by a signal, a stalled rank the others gave
-    up waiting for, ranks whose own checks failed (exited without a traceback), and the
-    traceback of the rank that raised first."""
+    """Name the root cause, then exit: ranks killed by a signal, stalled ranks, ranks that exited
+    without a traceback, and the traceback of the rank that raised first."""
     failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
     if READER_GONE in codes:  # `| head -1`: our own output went too, so stop as quietly
         discard_output()
         raise SystemExit(1)
     raised = []  # (when, rank, traceback) of each rank whose error torch's wrapper recorded
     for rank in failed:
-        if os.path.exists(error_files[rank]):
-            when, text = _raised(error_files[rank])
-            raised.append((when, rank, text))
+        path = error_files[rank]
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                text = pickle.load(f).rstrip("\n")  # our own rank's file, in our temporary folder
+            body, _, when = text.rpartition("\n" + RAISED_AT)
+            if body:
+                raised.append((float(when), rank, body))
+            else:  # Python 3.10 has no notes: when torch wrote the file
+                raised.append((os.stat(path).st_mtime, rank, text))
     raised.sort()  # the first one first
     silent = [rank for rank in failed if not os.path.exists(error_files[rank])]
     if not raised and all(codes[rank] == 2 for rank in failed):
         raise SystemExit(2)  # bad input only the ranks could see, said by them in one line
-    lines = [_killed(rank, codes[rank]) for rank in silent if codes[rank] < 0]
+    lines = []
+    for rank in [rank for rank in silent if codes[rank] < 0]:
+        try:
+            name = signal.Signals(-codes[rank]).name
+        except ValueError:
+            name = f"signal {-codes[rank]}"
+        why = "sent from outside"
+        if name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"):  # faulthandler printed it
+            why = "a crash in native code: its Python stack, from faulthandler, is above"
+        elif name == "SIGKILL":
+            why = ("sent from outside, by the out-of-memory killer or kill -9: no stack can be "
+                   "printed")
+        lines.append(f"error: rank {rank} was killed by {name} ({why})")
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "
                      "others gave up waiting for them")
@@ -534,14 +460,10 @@ def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
 
 
 # --------------------------------------------------------------------------- output
-# `python script.py | head -1`: once head has its line it exits, and the next print raises
-# BrokenPipeError, in the parent or in a rank. As any Unix tool does, the run then ends without
-# a word: a rank exits with READER_GONE, the launcher stops the others and exits 1, and a
-# command-line script (``make_parser``) ends the same way when its own print meets the pipe.
+# `| head -1`: a print meeting the closed pipe ends the run without a word, as Unix tools do.
 
 def output_reader_gone() -> bool:
-    """Whether stdout (file descriptor 1) is a pipe whose reader has exited: Linux's poll()
-    reports POLLERR for it."""
+    """Whether stdout is a pipe whose reader has exited (poll() reports POLLERR)."""
     poller = select.poll()
     poller.register(1, select.POLLOUT)
     return any(events & select.POLLERR for _, events in poller.poll(0))
@@ -554,9 +476,6 @@ def discard_output() -> None:
     os.close(devnull)
 
 
-_previous_excepthook = sys.excepthook
-
-
 def _quiet_when_the_reader_is_gone(kind, error, tb):
     if issubclass(kind, BrokenPipeError) and output_reader_gone():
         discard_output()
@@ -565,8 +484,7 @@ def _quiet_when_the_reader_is_gone(kind, error, tb):
 
 
 def quiet_when_the_reader_leaves() -> None:
-    """From now on, this process ends with status 1 and no traceback when a print meets a pipe
-    whose reader has exited (any other error keeps its traceback)."""
+    """From now on, a print meeting a pipe whose reader left ends this process: status 1, silent."""
     global _previous_excepthook
     if sys.excepthook is not _quiet_when_the_reader_is_gone:
         _previous_excepthook = sys.excepthook
