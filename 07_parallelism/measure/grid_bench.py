@@ -479,7 +479,7 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict],
     per_rank = everyone(mine)
     row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
     timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
-             "grid": built["grid"]}
+             "grid": built["grid"], "per_rank": per_rank}
     return row, per_rank, timed
 
 
@@ -839,12 +839,8 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         for timed in timed_grids:
             timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0,
                                                iters=sizes["iters"], barrier=True)
-            spec = timed["spec"]
-            pooled = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec),
-                               timed["seconds"], spec["micro_batches"])
-            for column in ("step_ms", "step_ms_min", "step_ms_max", "tokens_per_s",
-                           "steps_timed"):
-                timed["row"][column] = pooled[column]
+            timed["row"].update(our_row(ctx, sizes, timed["spec"], timed["row"]["setting"],
+                                        timed["seconds"], timed["per_rank"]))
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
     from common.launch import carries_point_to_point
