@@ -149,7 +149,6 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     """The bytes per rank at pp_rank (ZeRO-1: dp_cp_rank in its group), by ALL_KINDS."""
     h = shape["h"]
     f = shape["f"]
-    heads = shape["heads"]
     vocab = shape["vocab"]
     seq = shape["seq"]
     d = spec["dp"]
@@ -204,7 +203,7 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     per_block = (2 * rows * context * h + 4 * rows * context) // t   # the two LayerNorms
     per_block += 2 * rows * context * h                    # the gathered inputs of qkv and fc1
     per_block += 4 * rows * context * h // t               # q, k, v, attention's output
-    per_block += rows * (heads // t) * context             # log-sum-exp
+    per_block += rows * (shape["heads"] // t) * context    # log-sum-exp
     per_block += 2 * rows * context * f // t               # fc1's output, GELU's
     if c > 1:
         per_block += rows * context * h // t               # the out projection's copy
@@ -697,9 +696,8 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     # W steps (ZB-V, DualPipeV): weight gradients after B
     splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
     torch.manual_seed(0)
-    blocks = []
-    for _ in range(setting["layers"]):
-        blocks.append(models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device))
+    blocks = [models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device)
+              for _ in range(setting["layers"])]
     generator = torch.Generator().manual_seed(1)
     activation_shape = (setting["rows"], setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
     shape_all = (micro_batches * setting["rows"],) + activation_shape[1:]
