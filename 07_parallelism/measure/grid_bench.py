@@ -5,18 +5,15 @@
 
 Into results/grid.csv, in one launch:
 
-1. Our grids (``GRIDS``): train.py's step, timed in rounds spread over the launch (the slowest
-   rank's median), and per rank the bytes of parameters, gradients, AdamW state, saved
-   activations and sent per axis, counted (``counters.py``) beside ``combined_formula``.
-2. torch's composition as the control (``parallelize_module`` then ``fully_shard``), in pairs
-   that do the same job on the data axis (the ``pair`` column): ``replicated_tp``,
-   ``fsdp_tp`` (ours ZeRO-1) and ``hsdp``. Step times in alternating rounds, and bytes.
-3. The pipeline axis against ``torch.distributed.pipelining`` (GPipe, 1F1B, interleaved, ZB-V,
-   DualPipeV) on pp = 2 and 4, real compute (gradients compared) and emulated (a fixed wait
-   per F, B and W), beside the unit-time simulation's ideal.
+1. Our grids (``GRIDS``): train.py's step, timed in rounds (the slowest rank's median), and
+   per rank the bytes held and sent per axis, counted (``counters.py``) beside ``combined_formula``.
+2. torch's composition (``parallelize_module`` then ``fully_shard``) as the control, in pairs
+   (the ``pair`` column): ``replicated_tp``, ``fsdp_tp`` (ours ZeRO-1) and ``hsdp``.
+3. The pipeline axis against ``torch.distributed.pipelining`` on pp = 2 and 4, real compute
+   (gradients compared) and emulated (a fixed wait per F, B and W), beside the simulation.
 
-torch's context parallelism has no CPU path in torch 2.13: no row. A row holds the largest
-rank's count and formula, and the worst relative difference of any rank in any column.
+A row holds the largest rank's count and formula, and the worst relative difference of any
+rank in any column. torch's context parallelism has no CPU path in torch 2.13: no row.
 """
 
 from __future__ import annotations
@@ -61,8 +58,7 @@ def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
             "chunks": chunks, "micro_batches": micro_batches, "dp_shard": dp_shard}
 
 
-# The grids of the bench, by world size. The tiny LM has 2 blocks (pp <= 2); on a GPU
-# box the "small" LM has 12.
+# The grids by world size (the tiny LM has 2 blocks: pp <= 2).
 GRIDS = {
     4: [grid_spec(dp=4),
         grid_spec(dp=2, tp=2),
@@ -85,8 +81,7 @@ GRIDS = {
         grid_spec(dp=4, tp=2, dp_shard=2)],
 }
 
-# Sizes: "cpu" runs in about 2 minutes on a 2-core laptop; "gpu" is for a GPU per rank.
-# "pipeline": part 3's blocks and micro-batches (m = 8: DualPipeV needs m >= 2p).
+# "cpu": about 2 minutes on 2 cores; "pipeline": part 3 (DualPipeV needs m >= 2p).
 PIPELINE = {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved", "zbv", "dualpipev"],
             "compute": ["real", "emulated"], "layers": 8, "micro_batches": 8}
 SIZES = {
@@ -151,11 +146,9 @@ def ring_share(ranks: int) -> float:
 
 def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
                      dp_cp_rank: int = 0) -> dict:
-    """The bytes per rank at pipeline position pp_rank (ZeRO-1: dp_cp_rank in its
-    group): {"param", "grad", "optim", "activation", "sent_tp", ..., "sent_other"}."""
+    """The bytes per rank at pp_rank (ZeRO-1: dp_cp_rank in its group), by ALL_KINDS."""
     h = shape["h"]
     f = shape["f"]
-    heads = shape["heads"]
     vocab = shape["vocab"]
     seq = shape["seq"]
     d = spec["dp"]
@@ -185,20 +178,32 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
         tensors += 3
     params = replicated + split
     summed_over_tp = replicated
-    hsdp = spec.get("dp_shard", 1) > 1
-    if hsdp:                                  # HSDP: what a rank holds, the data axis's bytes
-        hsdp = hsdp_formula(shape, spec, first, last)
-        params = hsdp["params"]
-        summed_over_tp = hsdp["tp_replicated"]
+    shard = spec.get("dp_shard", 1)
+    if shard > 1:       # HSDP (pp = 1): FSDP's units padded over s; the 1-D parameters whole
+        sharded = blocks * (fsdp_block(3 * h // t, h, shard) + fsdp_block(h, h // t, shard)
+                            + fsdp_block(f // t, h, shard) + fsdp_block(h, f // t, shard))
+        whole = blocks * (5 * h + f // t)
+        summed_over_tp = blocks * 5 * h                    # LayerNorms, fc2's bias
+        head_unit = 0
+        if first:
+            embedding_unit = fsdp_block(vocab, h, shard) + fsdp_block(seq, h, shard)
+            sharded += embedding_unit
+            summed_over_tp += embedding_unit
+        if last:
+            head_unit = fsdp_block(vocab, h, shard)
+            sharded += head_unit
+            whole += 2 * h
+            summed_over_tp += 2 * h + head_unit
+        params = sharded + whole
     optimizer_state = 2 * FLOAT * params + STEP_COUNT * tensors
-    if spec["fsdp"] and not hsdp:                          # ZeRO-1 over the dp x cp ranks
+    if spec["fsdp"] and shard == 1:                        # ZeRO-1 over the dp x cp ranks
         optimizer_state = zero1_dealt_state(shape, spec, pp_rank, dp_cp_rank)
 
     # What one micro-batch saves for backward on this rank.
     per_block = (2 * rows * context * h + 4 * rows * context) // t   # the two LayerNorms
     per_block += 2 * rows * context * h                    # the gathered inputs of qkv and fc1
     per_block += 4 * rows * context * h // t               # q, k, v, attention's output
-    per_block += rows * (heads // t) * context             # log-sum-exp
+    per_block += rows * (shape["heads"] // t) * context    # log-sum-exp
     per_block += 2 * rows * context * f // t               # fc1's output, GELU's
     if c > 1:
         per_block += rows * context * h // t               # the out projection's copy
@@ -231,10 +236,13 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
     if spec["fsdp"]:
         sent["dp_cp"] += ring_share(data_and_context) * FLOAT * params
     sent["world"] = 2 * ring_share(world_size) * 8
-    if hsdp:
+    if shard > 1:
+        # each unit gathered for forward and backward (the head once), each gradient scattered
+        gathers = 2 * sharded - head_unit
         sent["dp_cp"] = 0.0
-        sent["dp_shard"] = hsdp["sent_dp_shard"]
-        sent["dp_replicate"] = hsdp["sent_dp_replicate"]
+        sent["dp_shard"] = m * (gathers + sharded) * ring_share(shard) * FLOAT * shard
+        sent["dp_shard"] += 2 * ring_share(shard) * FLOAT * whole   # 1-D gradients, over s
+        sent["dp_replicate"] = 2 * ring_share(d // shard) * FLOAT * (sharded + whole)
 
     formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
                "activation": activation}
@@ -247,47 +255,8 @@ def fsdp_block(rows: int, columns: int, ranks: int) -> int:
     return -(-rows // ranks) * columns
 
 
-def hsdp_formula(shape: dict, spec: dict, first: bool, last: bool) -> dict:
-    """HSDP on one pipeline rank (pp = 1), s = dp_shard, r = dp_replicate. FSDP's units: the
-    embeddings, each block's tp pieces, the head, padded; the 1-D parameters stay whole."""
-    h = shape["h"]
-    f = shape["f"]
-    t = spec["tp"]
-    m = spec["micro_batches"]
-    shard = spec["dp_shard"]
-    replicate = spec["dp"] // shard
-    blocks = shape["layers"] // spec["pp"]
-    block_unit = (fsdp_block(3 * h // t, h, shard) + fsdp_block(h, h // t, shard)
-                  + fsdp_block(f // t, h, shard) + fsdp_block(h, f // t, shard))
-    units = [block_unit] * blocks
-    whole = blocks * (5 * h + f // t)                       # the 1-D parameters
-    tp_replicated = blocks * 5 * h                          # LayerNorms, fc2's bias
-    head_unit = 0
-    if first:
-        embedding_unit = (fsdp_block(shape["vocab"], h, shard)
-                          + fsdp_block(shape["seq"], h, shard))
-        units.append(embedding_unit)
-        tp_replicated += embedding_unit
-    if last:
-        head_unit = fsdp_block(shape["vocab"], h, shard)
-        units.append(head_unit)
-        whole += 2 * h
-        tp_replicated += 2 * h + head_unit
-    sharded = sum(units)
-    # per micro-batch every unit gathered for forward and again for backward, but the last
-    # unit of the forward (the head) stays gathered into its backward; every unit's gradient
-    # reduce-scattered: each a ring share of the s blocks
-    gathers = 2 * sharded - head_unit
-    sent_shard = m * (gathers + sharded) * ring_share(shard) * FLOAT * shard
-    sent_shard += 2 * ring_share(shard) * FLOAT * whole     # the 1-D gradients, summed over s
-    sent_replicate = 2 * ring_share(replicate) * FLOAT * (sharded + whole)
-    return {"params": sharded + whole, "tp_replicated": tp_replicated,
-            "sent_dp_shard": sent_shard, "sent_dp_replicate": sent_replicate}
-
-
 def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) -> int:
-    """ZeRO-1's AdamW state on one rank, by lesson 1's rule: whole tensors dealt largest
-    first, each to the rank holding the fewest bytes so far (ties: the lowest rank)."""
+    """ZeRO-1's AdamW state on one rank: whole tensors, largest first, to the least-held rank."""
     h = shape["h"]
     f = shape["f"]
     t = spec["tp"]
@@ -314,14 +283,11 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
 
 
 def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
-    """The largest tensor's AdamW state over the mean: the most ZeRO-1's whole-tensor deal
-    puts a rank above the formula's 1/(d c)."""
+    """The largest tensor's AdamW state over the mean: how far ZeRO-1's deal may be off."""
     h = shape["h"]
-    f = shape["f"]
-    t = spec["tp"]
     p = spec["pp"]
     virtual_stages = [chunk * p + pp_rank for chunk in range(spec["chunks"])]
-    largest = max(3 * h * h // t, f * h // t)              # qkv, fc1 or fc2
+    largest = max(3 * h * h, shape["f"] * h) // spec["tp"]        # qkv, fc1 or fc2
     if 0 in virtual_stages or p * spec["chunks"] - 1 in virtual_stages:
         largest = max(largest, shape["vocab"] * h, shape["seq"] * h)   # embeddings, head
     whole = combined_formula(shape, {**spec, "fsdp": False}, pp_rank, 1)["optim"]
@@ -330,15 +296,12 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
 
 
 def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
-    """torch's composition per rank: parameters, gradients, AdamW state (its plan splits the
-    embeddings and head over tp too; ``sharded``: fully_shard over dp; 12 tensors a block)."""
+    """torch's composition per rank (embeddings, head split over tp; ``sharded``: over dp)."""
     h = shape["h"]
     f = shape["f"]
     layers = shape["layers"]
-    vocab = shape["vocab"]
-    seq = shape["seq"]
-    params = (vocab + seq) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
-    params += vocab * h // tp
+    params = (shape["vocab"] + shape["seq"]) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
+    params += shape["vocab"] * h // tp
     params += layers * 5 * h + 2 * h                      # whole on every tp rank
     if sharded:
         params = params // dp
@@ -356,14 +319,12 @@ def relative_difference(counted: float, formula: float) -> float:
 
 def worst_difference(counted: dict, formula: dict) -> tuple[float, str]:
     """The largest relative difference over the formula's columns, and that column."""
-    worst = 0.0
-    worst_kind = ""
+    worst = (0.0, "")
     for kind, want in formula.items():
         difference = relative_difference(counted[kind], want)
-        if difference > worst:
-            worst = difference
-            worst_kind = kind
-    return worst, worst_kind
+        if difference > worst[0]:
+            worst = (difference, kind)
+    return worst
 
 
 def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,8 +343,7 @@ def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
 
 
 def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, targets, device) -> int:
-    """Bytes autograd saves for one micro-batch through this rank's chunks (and the loss),
-    the chunks run one after another; a chunk after the first gets a random input."""
+    """Bytes autograd saves for one micro-batch through this rank's chunks and the loss."""
     rows = sizes["batch_size"] // (spec["dp"] * spec["micro_batches"])
     # copies with storage of their own: a saved slice of a bigger tensor keeps all of it
     my_inputs = parallel_lm.local_tokens(inputs, grid)[:rows].to(device).clone()   # [b, S/t]
@@ -424,19 +384,17 @@ def build_grid(ctx, spec: dict, sizes: dict, lessons) -> dict:
 
 
 def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
-    """This rank's bytes in one step, beside its formula (under HSDP the second step: FSDP's
-    first records its units' order; the loss reported is the first step's)."""
+    """This rank's bytes in one step (HSDP: the second), beside its formula; the first loss."""
     grid = built["grid"]
-    first_loss = None
+    losses = []
     if spec.get("dp_shard", 1) > 1:
-        first_loss = built["step"]()["loss"]
+        losses.append(built["step"]()["loss"])
     # the group of a collective names its axis
     axes = {axis: grid.group(axis) for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard",
                                                 "dp_replicate")}
     with CommCounter(axes=axes) as comm:
         result = built["step"]()
-    if first_loss is None:
-        first_loss = result["loss"]
+    losses.append(result["loss"])
     counted = {"param": state_bytes(built["params"]),
                "grad": state_bytes(p.grad for p in built["params"]),
                "optim": optimizer_state_bytes(built["optimizer"]),
@@ -453,7 +411,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
     worst, worst_kind = worst_difference(counted, formula)
     return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
             "formula": formula, "worst": worst, "worst_kind": worst_kind,
-            "loss": first_loss, "peak_held": result["peak_held"]}
+            "loss": losses[0], "peak_held": result["peak_held"]}
 
 
 def everyone(mine):
@@ -491,6 +449,25 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
             "machine": results.machine_name(), "run_id": results.run_id()}
 
 
+def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], per_rank: list[dict],
+            pair: str = "") -> dict:
+    """Our grid's CSV row; ZeRO-1: the bound of the rank whose optimizer state is most off."""
+    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting, seconds,
+                    spec["micro_batches"])
+    row["pair"] = pair
+    row["first_loss"] = per_rank[ctx.rank]["loss"]
+    if not pair:
+        row["peak_held"] = max(rank["peak_held"] for rank in per_rank)
+    row.update(byte_columns(per_rank, ALL_KINDS))
+    row["zero1_deal_bound"] = ""
+    if spec["fsdp"]:
+        most_off = max(per_rank, key=lambda rank: relative_difference(rank["counted"]["optim"],
+                                                                      rank["formula"]["optim"]))
+        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
+                                                   most_off["coordinate"]["pp"])
+    return row
+
+
 def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
     """One of our grids: its CSV row, every rank's counts, what a later round needs."""
     from bench import timing
@@ -499,19 +476,9 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict],
     seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
                              iters=sizes["iters"], barrier=True)
     per_rank = everyone(mine)
-    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec), seconds,
-                    spec["micro_batches"])
-    row["first_loss"] = mine["loss"]
-    row["peak_held"] = max(rank["peak_held"] for rank in per_rank)
-    row.update(byte_columns(per_rank, ALL_KINDS))
-    row["zero1_deal_bound"] = ""
-    if spec["fsdp"]:             # the bound of the rank whose optimizer state is the most off
-        most_off = max(per_rank, key=lambda rank: relative_difference(rank["counted"]["optim"],
-                                                                      rank["formula"]["optim"]))
-        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
-                                                   most_off["coordinate"]["pp"])
+    row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
     timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
-             "grid": built["grid"]}
+             "grid": built["grid"], "per_rank": per_rank}
     return row, per_rank, timed
 
 
@@ -545,9 +512,8 @@ class TorchLM(nn.Module):
 
 
 def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
-    """The LM with torch's parts: parallelize_module over ``tp_mesh``, then fully_shard over
-    ``data_mesh`` ((dp, 1): replicated; torch's ``replicate`` after parallelize_module trains
-    nothing), each block a unit; AdamW as ours; each rank its data rows."""
+    """The LM with parallelize_module over ``tp_mesh``, then fully_shard over ``data_mesh``
+    ((dp, 1): replicated; ``replicate`` after parallelize_module trains nothing)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
@@ -591,9 +557,8 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     return {"lm": lm, "optimizer": optimizer, "step": step, "forward_loss": forward_loss}
 
 
-def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
-    """torch's composition counted as ours (``second``: the second step, as HSDP needs), the
-    first loss (mean over ranks), one forward's saved activations less the gathered weights."""
+def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> dict:
+    """torch's composition counted as ours (``second``: the second step), its first loss."""
     lm = built["lm"]
     first = None
     if second:
@@ -616,12 +581,13 @@ def count_torch(ctx, built: dict, axes: dict, second: bool) -> dict:
     with SavedActivations(lm, exclude_now=weights_now) as saved:
         built["forward_loss"]()
     counted["activation"] = saved.bytes
-    return {"counted": counted, "loss": first.item()}
+    worst, worst_kind = worst_difference(counted, formula)
+    return {"rank": ctx.rank, "counted": counted, "formula": formula, "worst": worst,
+            "worst_kind": worst_kind, "loss": first.item()}
 
 
 def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
-    """Ours and torch's in three pairs (replicated_tp, fsdp_tp, hsdp) timed in alternating
-    rounds: two rows a pair, ours first, each beside its formula."""
+    """Ours and torch's in three pairs, timed in alternating rounds: two rows a pair."""
     from torch.distributed.device_mesh import init_device_mesh
     tp = 2
     dp = ctx.world_size // tp
@@ -629,10 +595,8 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
     shape = lm_shape(sizes)
     rows = []
     with warnings.catch_warnings():
-        # fully_shard warns that the root returns a view; nothing here changes it in place
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-        # one (dp, 1, tp) mesh for both tp pairs: a second mesh of the same ranks would reuse
-        # the first one's groups under other names, and the counter matches by name
+        # one mesh for both tp pairs: the counter matches groups by name
         mesh = init_device_mesh(ctx.device.type, (dp, 1, tp),
                                 mesh_dim_names=("dp", "dp_shard", "tp"))
         hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard),
@@ -652,23 +616,16 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
             ours = build_grid(ctx, spec, sizes, lessons)
             ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
             theirs = build_torch(ctx, sizes, lessons, data_mesh, tp_mesh)
-            theirs_mine = count_torch(ctx, theirs, axes, second=pair == "hsdp")
+            theirs_mine = count_torch(ctx, theirs, axes, pair == "hsdp", formula)
             seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]},
                                           sizes)
             ours["grid"].destroy()
-            row = timed_row(ctx, sizes, "ours", grid_label(spec),
-                            f"{setting_label(spec)}, timed beside torch's", seconds["ours"], 1)
-            row.update(byte_columns(everyone(ours_mine), ALL_KINDS))
-            row.update(pair=pair, first_loss=ours_mine["loss"], zero1_deal_bound="")
-            if spec["fsdp"]:
-                row["zero1_deal_bound"] = zero1_deal_bound(shape, spec, 0)
-            rows.append(row)
+            setting = f"{setting_label(spec)}, timed beside torch's"
+            rows.append(our_row(ctx, sizes, spec, setting, seconds["ours"], everyone(ours_mine),
+                                pair))
             row = timed_row(ctx, sizes, "torch", grid_label(spec), f"{torch_setting}, AdamW",
                             seconds["torch"], 1)
-            worst, worst_kind = worst_difference(theirs_mine["counted"], formula)
-            torch_mine = {"rank": ctx.rank, "counted": theirs_mine["counted"], "formula": formula,
-                          "worst": worst, "worst_kind": worst_kind}
-            row.update(byte_columns(everyone(torch_mine), [*ALL_KINDS, "sent_dp"]))
+            row.update(byte_columns(everyone(theirs_mine), [*ALL_KINDS, "sent_dp"]))
             row.update(pair=pair, first_loss=theirs_mine["loss"])
             rows.append(row)
     for group in {*tp_axes.values(), *hsdp_axes.values()}:
@@ -739,9 +696,8 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     # W steps (ZB-V, DualPipeV): weight gradients after B
     splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
     torch.manual_seed(0)
-    blocks = []
-    for _ in range(setting["layers"]):
-        blocks.append(models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device))
+    blocks = [models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device)
+              for _ in range(setting["layers"])]
     generator = torch.Generator().manual_seed(1)
     activation_shape = (setting["rows"], setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
     shape_all = (micro_batches * setting["rows"],) + activation_shape[1:]
@@ -860,8 +816,7 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
 
 
 def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = None) -> None:
-    """Every rank: our grids, torch's composition, the pipelines; rank 0 writes results/grid.csv,
-    prints the report, and dumps everything as JSON to ``out_path`` for the tests."""
+    """Every rank: the three parts; rank 0 writes the CSV, the report, JSON to ``out_path``."""
     from bench import results, timing
     lessons = load_lessons()
     grid_rows = []
@@ -877,18 +832,13 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                   all_ranks=False)
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
-    # more rounds, every grid in turn, pooled into its row: on a box whose ranks share cores
-    # a grid's time moves within seconds, and rounds put every grid through the same spells
+    # more rounds, every grid in turn, pooled: every grid through the same noisy spells
     for _ in range(1, sizes["rounds"]):
         for timed in timed_grids:
             timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0,
                                                iters=sizes["iters"], barrier=True)
-            spec = timed["spec"]
-            pooled = timed_row(ctx, sizes, "ours", grid_label(spec), setting_label(spec),
-                               timed["seconds"], spec["micro_batches"])
-            for column in ("step_ms", "step_ms_min", "step_ms_max", "tokens_per_s",
-                           "steps_timed"):
-                timed["row"][column] = pooled[column]
+            timed["row"].update(our_row(ctx, sizes, timed["spec"], timed["row"]["setting"],
+                                        timed["seconds"], timed["per_rank"]))
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
     from common.launch import carries_point_to_point
