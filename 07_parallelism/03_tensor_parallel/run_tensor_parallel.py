@@ -130,8 +130,9 @@ def demo(ctx, args) -> None:
     ctx.print(f"all {total} checks passed on every rank", all_ranks=False)
 
 
-def main(argv=None) -> None:
-    parser = launch.make_parser(__doc__, world_size=2)
+def build_parser(doc: str | None = __doc__):
+    """The demo's flags (the lab's measurement takes the same ones)."""
+    parser = launch.make_parser(doc, world_size=2)
     for flag, default, what in (("--d-model", 64, "MLP and block input/output width"),
                                 ("--d-ff", 256, "MLP hidden width"),
                                 ("--batch", 8, "sequences per batch"),
@@ -140,7 +141,11 @@ def main(argv=None) -> None:
         parser.add_argument(flag, type=launch.positive_int, default=default, help=what)
     parser.add_argument("--variants", type=launch.choice_list(list(tp.VARIANTS)),
                         default=list(tp.VARIANTS), help="subset of " + ",".join(tp.VARIANTS))
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
     launch.launch(demo, launch.resolve(args), args)
 
 

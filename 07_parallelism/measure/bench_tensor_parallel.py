@@ -422,15 +422,9 @@ def bench_main(ctx, cfg: dict) -> None:
 
 
 def main(argv=None) -> None:
-    parser = launch.make_parser(__doc__, world_size=2)
-    for flag, default, what in (("--d-model", 64, "MLP and block input/output width"),
-                                ("--d-ff", 256, "MLP hidden width"),
-                                ("--batch", 8, "sequences per batch"),
-                                ("--seq", 16, "tokens per sequence"),
-                                ("--heads", 4, "attention heads of the block")):
-        parser.add_argument(flag, type=launch.positive_int, default=default, help=what)
-    parser.add_argument("--variants", type=launch.choice_list(list(tp.VARIANTS)),
-                        default=list(tp.VARIANTS), help="subset of " + ",".join(tp.VARIANTS))
+    launch.quiet_when_the_reader_leaves()
+    demo = import_stage("07_parallelism/03_tensor_parallel/run_tensor_parallel")
+    parser = demo.build_parser(__doc__)  # the lesson's flags, the same sizes
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
