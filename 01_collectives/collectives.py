@@ -383,18 +383,12 @@ def collectives_demo(rank: int, world_size: int, backend: str, device: str = "cp
               f"all collective checks passed on {n} rank(s)", flush=True)
 
 
-def _repo() -> None:
-    """The harness needs the repository around this file (common/); the algorithm does not."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common").is_dir():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
-                         "needs the repository around it (common/)")
-    sys.path.insert(0, str(root))
-
-
 def main(argv=None) -> None:
-    _repo()
-    from common import launch  # flags only: the setup is written out at the top
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+    try:
+        from common import launch  # flags only: the setup is written out at the top
+    except ImportError:  # copied alone: the algorithm above needs torch only
+        raise SystemExit(f"{__file__}: this demo needs the repository (common/)")
 
     args = launch.make_parser(__doc__, world_size=4).parse_args(argv)
     config = launch.resolve(args)

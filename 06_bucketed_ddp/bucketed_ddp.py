@@ -244,18 +244,12 @@ def verify_main(ctx) -> None:
         raise SystemExit(1)
 
 
-def _repo() -> None:
-    """The harness needs the repository around this file (common/); the algorithm does not."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "common").is_dir():
-        raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this script "
-                         "needs the repository around it (common/)")
-    sys.path.insert(0, str(root))
-
-
 def main(argv=None) -> None:
-    _repo()
-    from common import launch
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository
+    try:
+        from common import launch
+    except ImportError:  # copied alone: the algorithm above needs torch only
+        raise SystemExit(f"{__file__}: this demo needs the repository (common/)")
     config = launch.resolve(launch.make_parser(__doc__).parse_args(argv))
     launch.launch(verify_main, config)
 

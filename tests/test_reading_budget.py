@@ -195,3 +195,11 @@ def test_every_use_of_torchs_parallel_machinery_is_guarded_by_the_one_rule():
                                               for p in askers):
             unguarded.append(f"{path}: {sorted(names & TORCH_PARALLEL)}")
     assert not unguarded, unguarded
+
+
+def test_the_root_readme_states_each_lessons_reading_path():
+    """The root README's "lines" column is each lesson's reading path as measured here."""
+    rows = re.findall(r"^\| \[([\w/]+)\]\(\1/\) \| [^|]+ \| (\d+) \|",
+                      (REPO / "README.md").read_text(encoding="utf-8"), re.MULTILINE)
+    stated = {lesson: int(n) for lesson, n in rows}
+    assert stated == measure()["paths"], stated
