@@ -30,6 +30,9 @@ import torch.distributed as dist
 import diagnose
 import plants
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import launch  # noqa: E402
+
 # What each plant's line must say: the rank and op it names, the collective's number in its
 # group (a send/recv has none on Gloo). Rank 1 carries every plant.
 EXPECTED = {
@@ -44,19 +47,6 @@ EXPECTED = {
     "straggler": ["agree", "rank 1 calls each collective", "not a hang"],
 }
 ALARMS = ("disagree", "gave up", "straggler")  # none may appear in a control's line
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def waited_in(error: Exception) -> str:
@@ -128,8 +118,6 @@ def demo(ctx, cfg: dict) -> None:
 
 
 def main() -> None:
-    _repo()
-    from common import launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--scenarios", type=launch.choice_list(list(plants.SCENARIOS)),
                         default=list(plants.SCENARIOS), help="comma-separated, from plants.py")
