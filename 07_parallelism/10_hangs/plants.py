@@ -1,4 +1,4 @@
-"""Stage 07, lesson 10: eight ways a distributed job stops or goes quietly wrong, each planted
+"""Stage 07, lesson 10: nine ways a distributed job stops or goes quietly wrong, each planted
 in a few lines of ordinary training code behind ``plant=True`` (False runs the same code
 without the bug: the control that must not raise an alarm).
 
@@ -68,15 +68,27 @@ def send_recv_deadlock(rank, world_size, group, plant):
     """Neighbours 0-1, 2-3, ... swap a tensor. Planted: both send first; a blocking send waits
     for its receiver (Gloo always; NCCL once the message outgrows its buffers), so both wait
     forever. The control posts both at once, as NCCL wants it: ``batch_isend_irecv``."""
-    peer = rank ^ 1
     mine = torch.full((4,), float(rank))
     theirs = torch.empty(4)
     if plant:
-        dist.send(mine, peer, group=group)
-        dist.recv(theirs, peer, group=group)
+        dist.send(mine, rank ^ 1, group=group)
+        dist.recv(theirs, rank ^ 1, group=group)
         return
+    swap(mine, theirs, rank ^ 1, group, group)
+
+
+def send_recv_rejected(rank, world_size, group, plant):
+    """The same swap as one batch, but rank 1 writes its receive without ``group`` (P2POp's
+    default: the world group). On NCCL a batch is one group call on one communicator, so torch
+    refuses a batch on two groups (a ValueError, on every backend) before posting anything:
+    rank 1 stops there, and rank 0 waits for a message that never comes."""
+    recv_group = None if plant and rank == 1 else group
+    swap(torch.full((4,), float(rank)), torch.empty(4), rank ^ 1, group, recv_group)
+
+
+def swap(mine, theirs, peer, group, recv_group):
     ops = [dist.P2POp(dist.isend, mine, peer, group),
-           dist.P2POp(dist.irecv, theirs, peer, group)]
+           dist.P2POp(dist.irecv, theirs, peer, recv_group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
 
@@ -145,4 +157,5 @@ def straggler(rank, world_size, group, plant):
 
 SCENARIOS = {f.__name__: f for f in (skip_collective, wrong_order, dtype_mismatch,
                                      divergent_branch, send_recv_deadlock,
+                                     send_recv_rejected,
                                      pipeline_fewer_micro_batches, all_to_all_splits, straggler)}

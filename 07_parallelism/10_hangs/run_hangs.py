@@ -1,8 +1,8 @@
-"""Stage 07, lesson 10, runnable: eight planted failures (plants.py), each run under torch's
+"""Stage 07, lesson 10, runnable: nine planted failures (plants.py), each run under torch's
 Flight Recorder and named in one line (diagnose.py), each beside the same code without its
 plant (the control), which must raise no alarm.
 
-    python 07_parallelism/10_hangs/run_hangs.py                   # 4 ranks, gloo/cpu, all eight
+    python 07_parallelism/10_hangs/run_hangs.py                   # 4 ranks, gloo/cpu, all nine
     python 07_parallelism/10_hangs/run_hangs.py --scenarios wrong_order --timeout 5
     python 07_parallelism/10_hangs/diagnose.py /tmp/hangs/wrong_order   # the dumps it leaves
 
@@ -41,23 +41,28 @@ EXPECTED = {
     "dtype_mismatch": ["#1", "dtype differs", "['Long'] on rank 1"],
     "divergent_branch": ["#3", "rank 1 called gloo:all_reduce", "split at #2", "rank 1 at"],
     "send_recv_deadlock": ["ranks 0, 1, 2, 3 gave up waiting in send"],
+    "send_recv_rejected": ["rank 0 gave up waiting in request.wait()", "ranks 2, 3 finished",
+                           "rank 1 was refused in batch_isend_irecv", "the same group"],
     "pipeline_fewer_micro_batches": ["rank 0 gave up waiting in recv",
                                      "ranks 1, 2, 3 finished"],
     "all_to_all_splits": ["#1", "split sizes disagree", "rank 1 sends 8, expects 9"],
     "straggler": ["agree", "rank 1 calls each collective", "not a hang"],
 }
-ALARMS = ("disagree", "gave up", "straggler")  # none may appear in a control's line
+ALARMS = ("disagree", "gave up", "refused", "straggler")  # none may appear in a control's line
 
 
 def waited_in(error: Exception) -> str:
     """'gave up waiting in recv at plants.py:97 in backward': the op a rank was in when its
-    timeout fired (or a peer's: a peer that gives up closes its connections), from its stack."""
+    timeout fired (or a peer's: a peer that gives up closes its connections), from its stack;
+    or the call torch refused (a ValueError) and why."""
     frames = traceback.extract_tb(error.__traceback__)
-    op = next((f.name for f in reversed(frames) if f.filename.endswith("distributed_c10d.py")),
-              "?")
     mine = [f for f in frames if f.filename == plants.__file__] or frames
-    return f"gave up waiting in {op} at {Path(mine[-1].filename).name}:{mine[-1].lineno} in " \
-           f"{mine[-1].name}"
+    op = next((f.name for f in frames if f.filename.endswith("distributed_c10d.py")),
+              mine[-1].line)  # a Work's wait() has no Python frame: its line says it
+    at = f"at {Path(mine[-1].filename).name}:{mine[-1].lineno} in {mine[-1].name}"
+    if isinstance(error, ValueError):
+        return f"was refused in {op} {at} ({str(error).rstrip('.')})"
+    return f"gave up waiting in {op} {at}"
 
 
 def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
@@ -67,7 +72,7 @@ def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
     error = ""
     try:
         plants.SCENARIOS[name](ctx.rank, ctx.world_size, group, plant)
-    except RuntimeError as e:  # Gloo's timeout, or a peer's (torch's DistBackendError)
+    except (RuntimeError, ValueError) as e:  # Gloo's timeout, a peer's, or torch's refusal
         error = waited_in(e)
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     record["entries"] = [e for e in record["entries"] if e["process_group"][0] == group.group_name]
