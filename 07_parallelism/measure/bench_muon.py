@@ -14,7 +14,9 @@ Newton-Schulz work, ``ns_imbalance`` that over the ideal 1/N.
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
@@ -128,9 +130,17 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=launch.non_negative_int, default=1)
     parser.add_argument("--steps", type=launch.positive_int, default=5)
     args = parser.parse_args(argv)
+    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+    took = 0.0
     for world_size in args.world_sizes:
+        if took and deadline and time.time() + took > deadline:
+            print(f"the rest is skipped: a launch takes {took:.0f} s, more than is left before "
+                  "make bench's deadline; the rows above are written")
+            return
+        start = time.time()
         args.world_size = world_size
         launch.launch(bench_main, launch.resolve(args), args)
+        took = time.time() - start
 
 
 if __name__ == "__main__":
