@@ -1,18 +1,15 @@
 """Stage 07, lesson 10, runnable: nine planted failures (plants.py), each run under torch's
-Flight Recorder and named in one line (diagnose.py), each beside the same code without its
-plant (the control), which must raise no alarm.
+Flight Recorder and named in one line (diagnose.py) beside its control (the same code without
+the plant), which must raise no alarm; exit 1 if a plant goes unnamed or a control alarms.
 
     python 07_parallelism/10_hangs/run_hangs.py                   # 4 ranks, gloo/cpu, all nine
     python 07_parallelism/10_hangs/run_hangs.py --scenarios wrong_order --timeout 5
     python 07_parallelism/10_hangs/diagnose.py /tmp/hangs/wrong_order   # the dumps it leaves
 
-Each run gets a process group of its own with a short timeout (``--timeout``): a rank stuck
-in a collective or a receive gives up then, with an error naming the op. Every rank then
-writes its Flight Recorder record to DUMPS/<scenario>/rank_<rank> (the control's to
-DUMPS/<scenario>_clean/), and rank 0 prints one line per run: diagnose.py's, or, where the
-recorder saw no difference but a rank gave up, where each rank waited (Gloo records no
-send/recv: the stack of the rank that waits names it). The run exits 1 if a plant goes
-unnamed or a control raises an alarm.
+Each run gets a process group of its own whose timeout (``--timeout``) ends a stuck rank's
+wait. Every rank writes its record to DUMPS/<scenario>[_clean]/rank_<rank>; rank 0 prints
+diagnose.py's line or, where the recorder saw no difference but a rank stopped, where each
+rank gave up or what torch refused (Gloo records no send/recv: a rank's own stack names it).
 """
 
 import datetime
@@ -52,9 +49,8 @@ ALARMS = ("disagree", "gave up", "refused", "straggler")  # none may appear in a
 
 
 def waited_in(error: Exception) -> str:
-    """'gave up waiting in recv at plants.py:97 in backward': the op a rank was in when its
-    timeout fired (or a peer's: a peer that gives up closes its connections), from its stack;
-    or the call torch refused (a ValueError) and why."""
+    """'gave up waiting in recv at plants.py:97 in backward' (its timeout or a peer's: one that
+    gives up closes its connections), or the call torch refused and why, from the stack."""
     frames = traceback.extract_tb(error.__traceback__)
     mine = [f for f in frames if f.filename == plants.__file__] or frames
     op = next((f.name for f in frames if f.filename.endswith("distributed_c10d.py")),
@@ -113,9 +109,8 @@ def demo(ctx, cfg: dict) -> None:
                 problems.append(f"{name}: a false alarm on the control")
     if not ctx.is_main:
         return
-    for problem in problems:
-        ctx.print(problem)
     if problems:
+        ctx.print("; ".join(problems))
         raise SystemExit(1)
     ctx.print(f"all {len(cfg['scenarios'])} plants named, no alarm on their controls "
               f"({ctx.world_size} ranks, {ctx.backend}, timeout {cfg['timeout']:g} s); dumps "
@@ -136,7 +131,7 @@ def main() -> None:
         parser.error("the plants send CPU tensors over Gloo: add --backend gloo --device cpu")
     if config.world_size < 4 or config.world_size % 2:
         parser.error("give an even --world-size of 4 or more (the pipeline's plant needs "
-                     "micro-batches < stages - 1; the deadlock pairs ranks)")
+                     "micro-batches < stages - 1; the swaps pair ranks)")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # before the process group starts
     launch.launch(demo, config, vars(args))
 

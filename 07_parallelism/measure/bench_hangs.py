@@ -4,19 +4,16 @@ diagnose raises no false alarm on a correct grid.
     python 07_parallelism/measure/bench_hangs.py                    # 4 ranks, dp2 tp2, CPU sizes
     python 07_parallelism/measure/bench_hangs.py --dp 4 --tp 1 --iters 20
 
-Launches of the same step (grid_bench.build_grid: lesson 7's LM on the grid,
-``parallel_lm.train_step``, AdamW), each timed as grid_bench times it (the slowest rank's
-median), ``TORCH_FR_BUFFER_SIZE=0`` (the recorder off) and ``=2000`` (on: torch 2.13's default)
-alternated ``--rounds`` times (the variable is read when a process's first group starts).
-Every launch runs lesson 10's ``diagnose`` on each rank's record: a correct grid's ranks must
-agree (exit 1 if not). One line per launch; then each setting's median and spread (min..max of
-its launches), each round's on / off, and whether on / off lies outside the spreads. A launch
-that no longer fits before make bench's ``BENCH_STEP_DEADLINE`` is skipped, said in one line.
+Launches of grid_bench's step (lesson 7's LM on the grid, AdamW; the slowest rank's median),
+``TORCH_FR_BUFFER_SIZE=2000`` (the recorder on: torch 2.13's default) and ``=0`` (off), read
+when a process's first group starts, alternated ``--rounds`` times; each runs ``diagnose`` on
+every rank's record (a disagreement exits 1). Then each setting's median and spread (min..max
+of its launches), each round's on / off, and whether on / off lies outside the spreads. A
+launch that no longer fits before make bench's ``BENCH_STEP_DEADLINE`` is skipped, said so.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -38,10 +35,10 @@ def bench_step(ctx, spec: dict, sizes: dict, folder: str) -> None:
     built = grid_bench.build_grid(ctx, spec, sizes, grid_bench.load_lessons())
     seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
                              iters=sizes["iters"], barrier=True)
-    stats = timing.gather_times(seconds)
+    median = timing.gather_times(seconds).median
     Path(folder, f"rank_{ctx.rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
     if ctx.is_main:
-        Path(folder, "step.json").write_text(json.dumps({"median_s": stats.median}))
+        Path(folder, "step_s").write_text(repr(median))
 
 
 def main(argv=None) -> None:
@@ -72,7 +69,7 @@ def main(argv=None) -> None:
         os.environ["TORCH_FR_BUFFER_SIZE"] = buffer
         with tempfile.TemporaryDirectory() as folder:
             launch.launch(bench_step, config, spec, sizes, folder)
-            median = json.loads(Path(folder, "step.json").read_text())["median_s"] * 1e3
+            median = float(Path(folder, "step_s").read_text()) * 1e3
             agree, line = diagnose.diagnose(diagnose.load(folder))
         took = time.time() - start
         medians[buffer].append(median)
@@ -80,12 +77,11 @@ def main(argv=None) -> None:
         if not agree:
             raise SystemExit(1)
     if all(medians.values()):
-        mid = {buffer: statistics.median(ms) for buffer, ms in medians.items()}
         for buffer, ms in medians.items():
-            print(f"TORCH_FR_BUFFER_SIZE={buffer:<5} step {mid[buffer]:.1f} ms, the median of "
-                  f"{len(ms)} launches; spread {min(ms):.1f}..{max(ms):.1f} ms")
+            print(f"TORCH_FR_BUFFER_SIZE={buffer:<5} step {statistics.median(ms):.1f} ms, the "
+                  f"median of {len(ms)} launches; spread {min(ms):.1f}..{max(ms):.1f} ms")
         on, off = medians["2000"], medians["0"]
-        ratio = mid["2000"] / mid["0"]
+        ratio = statistics.median(on) / statistics.median(off)
         apart = min(on) > max(off) or max(on) < min(off)
         paired = [a / b for a, b in zip(on, off)]  # a round's two launches, side by side
         print(f"recorder on / off: {ratio:.3f}x (each round's {min(paired):.3f}..{max(paired):.3f}"
