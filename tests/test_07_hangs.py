@@ -27,6 +27,10 @@ PLANTED = {
     "divergent_branch": ["#3", "rank 1 called gloo:all_reduce", "split at #2",
                          "rank 1 at plants.py"],
     "send_recv_deadlock": ["ranks 0, 1, 2, 3 gave up waiting in send at plants.py"],
+    "send_recv_rejected": ["rank 1 was refused in batch_isend_irecv at plants.py",
+                           "All ops need to use the same group",
+                           "rank 0 gave up waiting in request.wait() at plants.py",
+                           "ranks 2, 3 finished"],
     "pipeline_fewer_micro_batches": ["rank 0 gave up waiting in recv at plants.py",
                                      "ranks 1, 2, 3 finished"],
     "all_to_all_splits": ["#1", "split sizes disagree", "rank 1 sends 8, expects 9"],
@@ -48,7 +52,7 @@ def demo_processes(dumps) -> list[int]:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """One launch of the demo: all eight plants and their controls, on 4 ranks."""
+    """One launch of the demo: all nine plants and their controls, on 4 ranks."""
     dumps = tmp_path_factory.mktemp("hangs")
     start = time.monotonic()
     out = run_script(LESSON / "run_hangs.py", "--timeout", TIMEOUT_S, "--dumps", dumps,
@@ -70,8 +74,8 @@ def test_every_plant_named_and_no_false_alarm(run):
         assert all(part in said for part in parts), (name, said)
         control = lines[(name, "control")]
         assert "agree" in control and "straggler" not in control, (name, control)
-        assert "gave up" not in control and "disagree" not in control, (name, control)
-    # bounded: 5 scenarios wait out their timeout, the rest finish at once (plus start-up)
+        assert not any(alarm in control for alarm in ("gave up", "refused", "disagree")), control
+    # bounded: 6 scenarios wait out their timeout, the rest finish at once (plus start-up)
 
 
 def test_cli_on_the_demo_dumps(run):
@@ -151,3 +155,22 @@ def test_straggler_is_slow_not_hung_and_ring_buffer_start():
     assert agree and "straggler" not in line, line
     agree, line = diagnose.diagnose({0: {"entries": fast}, 1: {"entries": slow[:2]}})
     assert not agree and "#3" in line and "rank 1 never did (stopped after #2)" in line, line
+
+
+@pytest.mark.parametrize("deadline_s", [1.0, None])
+def test_recorder_bench_and_its_deadline(deadline_s):
+    """bench_hangs.py: no alarm from diagnose on lesson 7's grid with the recorder on; each
+    setting's median and spread, and a verdict; a launch that cannot end before
+    BENCH_STEP_DEADLINE is skipped in one line, exit 0 (control: no deadline, all run)."""
+    deadline = f"{time.time() + deadline_s:.3f}" if deadline_s else ""
+    out = run_script(REPO / "07_parallelism" / "measure" / "bench_hangs.py", "--iters", 2,
+                     "--rounds", 1, timeout=180, env={"BENCH_STEP_DEADLINE": deadline})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "TORCH_FR_BUFFER_SIZE=2000  step" in out.stdout
+    assert "ranks 0, 1, 2, 3 agree on all" in out.stdout and "disagree" not in out.stdout
+    skipped = "the rest is skipped" in out.stdout
+    assert skipped == bool(deadline_s), out.stdout
+    assert ("recorder on / off" in out.stdout) != skipped, out.stdout
+    if not skipped:
+        assert "the median of 1 launches; spread" in out.stdout
+        assert "the recorder costs" in out.stdout or "within the noise" in out.stdout

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ import muon
 import run_muon
 from common import models
 from bench import supervisor as launch
+from helpers import REPO, run_script
 
 TOLERANCE = run_muon.TOLERANCE
 _FINDINGS = {}
@@ -245,3 +247,19 @@ def test_dealing_balances_the_course_lm():
         assert sum(per_rank["owner"]) == total
         assert max(per_rank["owner"]) <= 1.2 * total / world_size, (world_size, per_rank["owner"])
         assert per_rank["replicated"] == [total] * world_size
+
+
+@pytest.mark.parametrize("deadline_s", [1.0, None])
+def test_bench_stops_before_make_benchs_deadline(deadline_s, tmp_path):
+    """bench_muon.py: once the launch before took longer than is left before
+    BENCH_STEP_DEADLINE, the rest is skipped in one line, exit 0, its rows kept (control: no
+    deadline, every world size runs)."""
+    deadline = f"{time.time() + deadline_s:.3f}" if deadline_s else ""
+    out = run_script(REPO / "07_parallelism" / "measure" / "bench_muon.py", "--world-sizes",
+                     "2,3", "--steps", 1, timeout=180,
+                     env={"BENCH_STEP_DEADLINE": deadline, "RESULTS_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "2 ranks, tiny LM" in out.stdout, out.stdout
+    assert ("3 ranks, tiny LM" in out.stdout) != bool(deadline_s), out.stdout
+    assert ("the rest is skipped" in out.stdout) == bool(deadline_s), out.stdout
+    assert "fsdp" in (tmp_path / "muon.csv").read_text()

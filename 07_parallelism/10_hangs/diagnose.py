@@ -124,8 +124,7 @@ def all_to_all_difference(have: dict) -> str:
     rows = {rank: (sum(size[0] for size in entry["input_sizes"] if size),
                    sum(size[0] for size in entry["output_sizes"] if size))
             for rank, entry in have.items()}  # all_to_all_single: one tensor; all_to_all: a list
-    sent = sum(send for send, _ in rows.values())
-    expected = sum(expect for _, expect in rows.values())
+    sent, expected = map(sum, zip(*rows.values()))
     if sent == expected:
         return ""
     odd = [f"rank {rank} sends {send}, expects {expect}"

@@ -1,4 +1,4 @@
-"""Stage 07, lesson 10: eight ways a distributed job stops or goes quietly wrong, each planted
+"""Stage 07, lesson 10: nine ways a distributed job stops or goes quietly wrong, each planted
 in a few lines of ordinary training code behind ``plant=True`` (False runs the same code
 without the bug: the control that must not raise an alarm).
 
@@ -67,16 +67,21 @@ def divergent_branch(rank, world_size, group, plant):
 def send_recv_deadlock(rank, world_size, group, plant):
     """Neighbours 0-1, 2-3, ... swap a tensor. Planted: both send first; a blocking send waits
     for its receiver (Gloo always; NCCL once the message outgrows its buffers), so both wait
-    forever. The control posts both at once, as NCCL wants it: ``batch_isend_irecv``."""
-    peer = rank ^ 1
-    mine = torch.full((4,), float(rank))
-    theirs = torch.empty(4)
-    if plant:
-        dist.send(mine, peer, group=group)
-        dist.recv(theirs, peer, group=group)
-        return
-    ops = [dist.P2POp(dist.isend, mine, peer, group),
-           dist.P2POp(dist.irecv, theirs, peer, group)]
+    forever. The control posts both at once, as NCCL wants it: the next scenario's batch."""
+    if not plant:
+        return send_recv_rejected(rank, world_size, group, plant)
+    dist.send(torch.full((4,), float(rank)), rank ^ 1, group=group)
+    dist.recv(torch.empty(4), rank ^ 1, group=group)
+
+
+def send_recv_rejected(rank, world_size, group, plant):
+    """The same swap as one batch, but rank 1 writes its receive without ``group`` (P2POp's
+    default: the world group). On NCCL a batch is one group call on one communicator, so torch
+    refuses a batch on two groups (a ValueError, on every backend) before posting anything:
+    rank 1 stops there, and rank 0 waits for a message that never comes."""
+    recv_group = None if plant and rank == 1 else group
+    ops = [dist.P2POp(dist.isend, torch.full((4,), float(rank)), rank ^ 1, group),
+           dist.P2POp(dist.irecv, torch.empty(4), rank ^ 1, recv_group)]
     for request in dist.batch_isend_irecv(ops):
         request.wait()
 
@@ -143,6 +148,6 @@ def straggler(rank, world_size, group, plant):
         dist.all_reduce(grad, group=group)
 
 
-SCENARIOS = {f.__name__: f for f in (skip_collective, wrong_order, dtype_mismatch,
-                                     divergent_branch, send_recv_deadlock,
-                                     pipeline_fewer_micro_batches, all_to_all_splits, straggler)}
+SCENARIOS = {f.__name__: f for f in (
+    skip_collective, wrong_order, dtype_mismatch, divergent_branch, send_recv_deadlock,
+    send_recv_rejected, pipeline_fewer_micro_batches, all_to_all_splits, straggler)}

@@ -1,18 +1,15 @@
-"""Stage 07, lesson 10, runnable: eight planted failures (plants.py), each run under torch's
-Flight Recorder and named in one line (diagnose.py), each beside the same code without its
-plant (the control), which must raise no alarm.
+"""Stage 07, lesson 10, runnable: nine planted failures (plants.py), each run under torch's
+Flight Recorder and named in one line (diagnose.py) beside its control (the same code without
+the plant), which must raise no alarm; exit 1 if a plant goes unnamed or a control alarms.
 
-    python 07_parallelism/10_hangs/run_hangs.py                   # 4 ranks, gloo/cpu, all eight
+    python 07_parallelism/10_hangs/run_hangs.py                   # 4 ranks, gloo/cpu, all nine
     python 07_parallelism/10_hangs/run_hangs.py --scenarios wrong_order --timeout 5
     python 07_parallelism/10_hangs/diagnose.py /tmp/hangs/wrong_order   # the dumps it leaves
 
-Each run gets a process group of its own with a short timeout (``--timeout``): a rank stuck
-in a collective or a receive gives up then, with an error naming the op. Every rank then
-writes its Flight Recorder record to DUMPS/<scenario>/rank_<rank> (the control's to
-DUMPS/<scenario>_clean/), and rank 0 prints one line per run: diagnose.py's, or, where the
-recorder saw no difference but a rank gave up, where each rank waited (Gloo records no
-send/recv: the stack of the rank that waits names it). The run exits 1 if a plant goes
-unnamed or a control raises an alarm.
+Each run gets a process group of its own whose timeout (``--timeout``) ends a stuck rank's
+wait. Every rank writes its record to DUMPS/<scenario>[_clean]/rank_<rank>; rank 0 prints
+diagnose.py's line or, where the recorder saw no difference but a rank stopped, where each
+rank gave up or what torch refused (Gloo records no send/recv: a rank's own stack names it).
 """
 
 import datetime
@@ -30,6 +27,9 @@ import torch.distributed as dist
 import diagnose
 import plants
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import launch  # noqa: E402
+
 # What each plant's line must say: the rank and op it names, the collective's number in its
 # group (a send/recv has none on Gloo). Rank 1 carries every plant.
 EXPECTED = {
@@ -38,36 +38,27 @@ EXPECTED = {
     "dtype_mismatch": ["#1", "dtype differs", "['Long'] on rank 1"],
     "divergent_branch": ["#3", "rank 1 called gloo:all_reduce", "split at #2", "rank 1 at"],
     "send_recv_deadlock": ["ranks 0, 1, 2, 3 gave up waiting in send"],
+    "send_recv_rejected": ["rank 0 gave up waiting in request.wait()", "ranks 2, 3 finished",
+                           "rank 1 was refused in batch_isend_irecv", "the same group"],
     "pipeline_fewer_micro_batches": ["rank 0 gave up waiting in recv",
                                      "ranks 1, 2, 3 finished"],
     "all_to_all_splits": ["#1", "split sizes disagree", "rank 1 sends 8, expects 9"],
     "straggler": ["agree", "rank 1 calls each collective", "not a hang"],
 }
-ALARMS = ("disagree", "gave up", "straggler")  # none may appear in a control's line
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+ALARMS = ("disagree", "gave up", "refused", "straggler")  # none may appear in a control's line
 
 
 def waited_in(error: Exception) -> str:
-    """'gave up waiting in recv at plants.py:97 in backward': the op a rank was in when its
-    timeout fired (or a peer's: a peer that gives up closes its connections), from its stack."""
+    """'gave up waiting in recv at plants.py:97 in backward' (its timeout or a peer's: one that
+    gives up closes its connections), or the call torch refused and why, from the stack."""
     frames = traceback.extract_tb(error.__traceback__)
-    op = next((f.name for f in reversed(frames) if f.filename.endswith("distributed_c10d.py")),
-              "?")
     mine = [f for f in frames if f.filename == plants.__file__] or frames
-    return f"gave up waiting in {op} at {Path(mine[-1].filename).name}:{mine[-1].lineno} in " \
-           f"{mine[-1].name}"
+    op = next((f.name for f in frames if f.filename.endswith("distributed_c10d.py")),
+              mine[-1].line)  # a Work's wait() has no Python frame: its line says it
+    at = f"at {Path(mine[-1].filename).name}:{mine[-1].lineno} in {mine[-1].name}"
+    if isinstance(error, ValueError):
+        return f"was refused in {op} {at} ({str(error).rstrip('.')})"
+    return f"gave up waiting in {op} {at}"
 
 
 def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
@@ -77,7 +68,7 @@ def run_one(ctx, name: str, plant: bool, timeout_s: float, dumps: Path) -> str:
     error = ""
     try:
         plants.SCENARIOS[name](ctx.rank, ctx.world_size, group, plant)
-    except RuntimeError as e:  # Gloo's timeout, or a peer's (torch's DistBackendError)
+    except (RuntimeError, ValueError) as e:  # Gloo's timeout, a peer's, or torch's refusal
         error = waited_in(e)
     record = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
     record["entries"] = [e for e in record["entries"] if e["process_group"][0] == group.group_name]
@@ -118,9 +109,8 @@ def demo(ctx, cfg: dict) -> None:
                 problems.append(f"{name}: a false alarm on the control")
     if not ctx.is_main:
         return
-    for problem in problems:
-        ctx.print(problem)
     if problems:
+        ctx.print("; ".join(problems))
         raise SystemExit(1)
     ctx.print(f"all {len(cfg['scenarios'])} plants named, no alarm on their controls "
               f"({ctx.world_size} ranks, {ctx.backend}, timeout {cfg['timeout']:g} s); dumps "
@@ -128,8 +118,6 @@ def demo(ctx, cfg: dict) -> None:
 
 
 def main() -> None:
-    _repo()
-    from common import launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--scenarios", type=launch.choice_list(list(plants.SCENARIOS)),
                         default=list(plants.SCENARIOS), help="comma-separated, from plants.py")
@@ -143,7 +131,7 @@ def main() -> None:
         parser.error("the plants send CPU tensors over Gloo: add --backend gloo --device cpu")
     if config.world_size < 4 or config.world_size % 2:
         parser.error("give an even --world-size of 4 or more (the pipeline's plant needs "
-                     "micro-batches < stages - 1; the deadlock pairs ranks)")
+                     "micro-batches < stages - 1; the swaps pair ranks)")
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # before the process group starts
     launch.launch(demo, config, vars(args))
 

@@ -27,22 +27,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from muon import DESIGNS, FSDPMuon, Muon, copy_flat, deal, ns_flops
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
 
 TOLERANCE = 1e-10  # float64: the sums run in another order, each rounding by 1e-16 relative
 LR = 0.02
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not (the same in every runnable script,
-    on purpose: each lesson's folder runs from where it lies)."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def fsdp_class():
@@ -259,7 +247,6 @@ def check_main(ctx) -> None:
 
 
 def main(argv=None) -> None:
-    _repo()
     from common import launch
     parser = launch.make_parser(__doc__)
     args = parser.parse_args(argv)

@@ -4,21 +4,21 @@ diagnose raises no false alarm on a correct grid.
     python 07_parallelism/measure/bench_hangs.py                    # 4 ranks, dp2 tp2, CPU sizes
     python 07_parallelism/measure/bench_hangs.py --dp 4 --tp 1 --iters 20
 
-Two launches of the same step (grid_bench.build_grid: lesson 7's LM on the grid,
-``parallel_lm.train_step``, AdamW), timed as grid_bench times it (the slowest rank's median):
-``TORCH_FR_BUFFER_SIZE=0`` (the recorder off) and ``=2000`` (on: torch 2.13's default),
-alternated ``--rounds`` times. The variable is read once, when a process's first group
-starts, hence a launch each. Every launch writes each rank's record and runs lesson 10's
-``diagnose`` on it: the ranks of a correct grid must agree (exit 1 if not). One line per
-launch, then the ratio of each setting's fastest launch.
+Launches of grid_bench's step (lesson 7's LM on the grid, AdamW; the slowest rank's median),
+``TORCH_FR_BUFFER_SIZE=2000`` (the recorder on: torch 2.13's default) and ``=0`` (off), read
+when a process's first group starts, alternated ``--rounds`` times; each runs ``diagnose`` on
+every rank's record (a disagreement exits 1). Then each setting's median and spread (min..max
+of its launches), each round's on / off, and whether on / off lies outside the spreads. A
+launch that no longer fits before make bench's ``BENCH_STEP_DEADLINE`` is skipped, said so.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -35,10 +35,10 @@ def bench_step(ctx, spec: dict, sizes: dict, folder: str) -> None:
     built = grid_bench.build_grid(ctx, spec, sizes, grid_bench.load_lessons())
     seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
                              iters=sizes["iters"], barrier=True)
-    stats = timing.gather_times(seconds)
+    median = timing.gather_times(seconds).median
     Path(folder, f"rank_{ctx.rank}").write_bytes(torch._C._distributed_c10d._dump_fr_trace())
     if ctx.is_main:
-        Path(folder, "step.json").write_text(json.dumps({"median_s": stats.median}))
+        Path(folder, "step_s").write_text(repr(median))
 
 
 def main(argv=None) -> None:
@@ -54,25 +54,40 @@ def main(argv=None) -> None:
     spec = grid_bench.grid_spec(dp=args.dp, tp=args.tp)
     sizes = {**grid_bench.SIZES["cpu" if config.device == "cpu" else "gpu"], "iters": args.iters}
     diagnose = import_stage("07_parallelism/10_hangs/diagnose")
-    medians = {"0": [], "2000": []}
-    for _ in range(args.rounds):  # alternated: a busy box's slow spells hit both settings
-        for buffer in medians:
-            os.environ["TORCH_FR_BUFFER_SIZE"] = buffer
-            with tempfile.TemporaryDirectory() as folder:
-                launch.launch(bench_step, config, spec, sizes, folder)
-                median = json.loads(Path(folder, "step.json").read_text())["median_s"]
-                agree, line = diagnose.diagnose(diagnose.load(folder))
-            medians[buffer].append(median)
-            print(f"TORCH_FR_BUFFER_SIZE={buffer:<5} {grid_bench.grid_label(spec)}, "
-                  f"{sizes['model']} LM, batch {sizes['batch_size']} x {sizes['seq_len']}: step "
-                  f"{median * 1e3:.1f} ms (slowest rank's median of {args.iters}); diagnose: "
-                  f"{line}", flush=True)
-            if not agree:
-                raise SystemExit(1)
-    on = min(medians["2000"])
-    off = min(medians["0"])
-    print(f"recorder on / off: {on / off:.3f}x (each setting's fastest launch of "
-          f"{args.rounds})")
+    print(f"{grid_bench.grid_label(spec)}, {sizes['model']} LM, batch {sizes['batch_size']} x "
+          f"{sizes['seq_len']}, {config.backend}/{config.device}: each launch's step is the "
+          f"slowest rank's median of {args.iters}")
+    medians = {"2000": [], "0": []}  # the first launch checks diagnose on a real record
+    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+    took = 0.0
+    for buffer in list(medians) * args.rounds:  # alternated: a busy box's slow spells hit both
+        if took and deadline and time.time() + took > deadline:
+            print(f"the rest is skipped: a launch takes {took:.0f} s, more than is left before "
+                  "make bench's deadline; the rows above are written")
+            break
+        start = time.time()
+        os.environ["TORCH_FR_BUFFER_SIZE"] = buffer
+        with tempfile.TemporaryDirectory() as folder:
+            launch.launch(bench_step, config, spec, sizes, folder)
+            median = float(Path(folder, "step_s").read_text()) * 1e3
+            agree, line = diagnose.diagnose(diagnose.load(folder))
+        took = time.time() - start
+        medians[buffer].append(median)
+        print(f"TORCH_FR_BUFFER_SIZE={buffer:<5} step {median:.1f} ms; diagnose: {line}", flush=True)
+        if not agree:
+            raise SystemExit(1)
+    if all(medians.values()):
+        for buffer, ms in medians.items():
+            print(f"TORCH_FR_BUFFER_SIZE={buffer:<5} step {statistics.median(ms):.1f} ms, the "
+                  f"median of {len(ms)} launches; spread {min(ms):.1f}..{max(ms):.1f} ms")
+        on, off = medians["2000"], medians["0"]
+        ratio = statistics.median(on) / statistics.median(off)
+        apart = min(on) > max(off) or max(on) < min(off)
+        paired = [a / b for a, b in zip(on, off)]  # a round's two launches, side by side
+        print(f"recorder on / off: {ratio:.3f}x (each round's {min(paired):.3f}..{max(paired):.3f}"
+              "x): " + (f"the recorder costs {ratio - 1:+.1%}" if apart else
+                        "the spreads overlap, within the noise of this box"))
+
 
 if __name__ == "__main__":
     main()

@@ -7,14 +7,17 @@ lesson 2's FSDP (its reduce-scatter runs in backward: not in the step), and Adam
 (lesson 1's ShardedOptimizer after one flat all-reduce) on everything. Each row's bytes are
 counted (CommCounter, all ranks) beside the formula, the Muon part's from run_muon.step_bytes,
 ZeRO-1's 3 (N-1) P; a count off its formula exits 1. ``ns_gflop_max`` is the busiest rank's
-Newton-Schulz work, ``ns_imbalance`` that over the ideal 1/N.
+Newton-Schulz work, ``ns_imbalance`` that over the ideal 1/N. A world size that no longer fits
+before make bench's ``BENCH_STEP_DEADLINE`` is skipped, said so, the rows before it kept.
 
     python 07_parallelism/measure/bench_muon.py --world-sizes 2,4 --model tiny
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
@@ -53,13 +56,11 @@ def build(impl: str, args, device):
             all_reduce_mean(list(lm.parameters()))
             optimizer.step()
         return lm, step, None, shapes
-    model = lm
+    model = FSDP(lm, units=list(lm.blocks)) if impl == "fsdp" else lm
+    matrices = run_muon.block_matrices(model)
     if impl == "fsdp":
-        model = FSDP(lm, units=list(lm.blocks))
-        matrices = run_muon.block_matrices(model)
         muon_optimizer = muon.FSDPMuon(matrices, model, lr=0.02)
     else:
-        matrices = run_muon.block_matrices(lm)
         muon_optimizer = muon.DESIGNS[impl](matrices, lr=0.02)
     others = [param for param in model.parameters() if not any(param is m for m in matrices)]
     adamw = torch.optim.AdamW(others, lr=1e-3)
@@ -79,15 +80,12 @@ def bench_one(ctx, impl: str, args) -> dict:
     models.lm_loss(model(x[mine]), y[mine]).backward()
     if impl == "fsdp":
         model.finish_gradient_synchronization()
-    with counters.CommCounter() as everything:
-        step()
-    counted = everything.sent_bytes
-    if muon_optimizer is not None:
-        with counters.CommCounter() as muon_part:
-            muon_optimizer.step()
-        counted = muon_part.sent_bytes
+    step()
+    counted = step if muon_optimizer is None else muon_optimizer.step  # Muon's part alone
+    with counters.CommCounter() as counter:
+        counted()
     seconds = timing.measure(step, ctx.device, warmup=args.warmup, iters=args.steps, barrier=True)
-    total = torch.tensor([counted], dtype=torch.float64)
+    total = torch.tensor([counter.sent_bytes], dtype=torch.float64)
     dist.all_reduce(total)
     n = ctx.world_size
     if muon_optimizer is None:
@@ -106,9 +104,7 @@ def bench_one(ctx, impl: str, args) -> dict:
 
 
 def bench_main(ctx, args) -> None:
-    rows = []
-    for impl in ["adamw+zero1", *muon.DESIGNS, "fsdp"]:
-        rows.append(bench_one(ctx, impl, args))
+    rows = [bench_one(ctx, impl, args) for impl in ["adamw+zero1", *muon.DESIGNS, "fsdp"]]
     if ctx.is_main:
         results.print_table(rows, floatfmt=".3g", title=f"{ctx.world_size} ranks, {args.model} LM, "
                             f"optimizer step ({ctx.backend}/{ctx.device.type}):")
@@ -128,9 +124,17 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=launch.non_negative_int, default=1)
     parser.add_argument("--steps", type=launch.positive_int, default=5)
     args = parser.parse_args(argv)
+    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+    took = 0.0
     for world_size in args.world_sizes:
+        if took and deadline and time.time() + took > deadline:
+            print(f"the rest is skipped: a launch takes {took:.0f} s, more than is left before "
+                  "make bench's deadline; the rows above are written")
+            return
+        start = time.time()
         args.world_size = world_size
         launch.launch(bench_main, launch.resolve(args), args)
+        took = time.time() - start
 
 
 if __name__ == "__main__":
