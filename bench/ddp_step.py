@@ -140,12 +140,12 @@ def sweep_and_model(ctx, args, with_earlier_stages: bool = True) -> list[dict]:
     cases += [("torch_ddp", size, step_bench.torch_ddp_factory(size)) for size in args.bucket_sizes
               if size != step_bench.TORCH_DDP_DEFAULT_BUCKET_MB]
 
-    def model_so_far(rows):
+    def model_so_far(rows, show=False):  # none before a bucketed case has run
         swept = [r for r in rows if r["impl"] == "bucketed"]
         if swept:
-            model_vs_sweep(ctx, args, swept, fit, show=False)
+            model_vs_sweep(ctx, args, swept, fit, show=show)
     rows = step_bench.run_step_bench(ctx, cases, args, after_case=model_so_far)
-    model_vs_sweep(ctx, args, [r for r in rows if r["impl"] == "bucketed"], fit)
+    model_so_far(rows, show=True)
     return rows
 
 

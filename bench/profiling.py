@@ -86,7 +86,7 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
     prints the text timelines and the table."""
     out_dir = Path(args.trace_dir) / name
     timelines = []
-    for label, factory in cases:
+    for label, factory in step_bench.until_deadline(ctx, cases, "the cases left"):
         start = time.perf_counter()
         slug = re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_.")
         path = out_dir / f"{slug}_rank{ctx.rank}.json"

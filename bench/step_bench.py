@@ -162,15 +162,37 @@ def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
     }
 
 
-def time_left_for(ctx, seconds: float) -> bool:
-    """Whether ``seconds`` more fit before ``BENCH_STEP_DEADLINE`` (set by make bench; none:
-    always), decided on rank 0 and broadcast, so every rank takes the same branch."""
+def seconds_left() -> float:
+    """Seconds to make bench's deadline for this step (``BENCH_STEP_DEADLINE``; none: inf)."""
     deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-    if not deadline:
+    return deadline - time.time() if deadline else math.inf
+
+
+def time_left_for(ctx, seconds: float) -> bool:
+    """Whether ``seconds`` more fit before make bench's deadline for this step, decided on rank 0
+    and broadcast, so every rank takes the same branch."""
+    left = seconds_left()
+    if left == math.inf:
         return True
-    verdict = [time.time() + seconds <= deadline]
+    verdict = [seconds <= left]
     dist.broadcast_object_list(verdict, src=0)
     return verdict[0]
+
+
+SKIPPED = "skipped: past make bench's deadline for this step"
+
+
+def until_deadline(ctx, configurations, what: str = "the rest"):
+    """Yield each configuration while the one before says the next ends before the deadline
+    (``time_left_for``); else say so in one line and stop."""
+    took = 0.0
+    for i, configuration in enumerate(configurations):
+        if i and not time_left_for(ctx, took):
+            ctx.print(f"{what}: {SKIPPED}; the rows above are written", all_ranks=False)
+            return
+        start = time.perf_counter()
+        yield configuration
+        took = time.perf_counter() - start
 
 
 def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
@@ -187,40 +209,34 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
     pooled = [([], [], [], []) for _ in cases]
     bursts = []  # seconds a call, in bursts timed beside the control, every round
     by_case = [None] * len(cases)  # each case's row from its steps so far
-    round_s = 0.0
-    for round_index in range(args.rounds):
-        if round_index > 0 and not time_left_for(ctx, round_s):
-            ctx.print(f"  note: {round_index} round(s) of {args.rounds}: another would take about "
-                      f"{round_s:.0f} s and would not end before make bench stops this step",
-                      all_ranks=False)
-            break
-        round_start = time.perf_counter()
-        for i, ((impl, bucket_mb, factory), pool) in enumerate(zip(cases, pooled)):
-            times = time_steps(ctx, factory, args)
-            for acc, new in zip(pool, times):
-                acc.extend(new)
-            ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
-                      f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0",
-                      all_ranks=False)
-            by_case[i] = make_row(ctx, args, impl, bucket_mb, pool)
-            if impl == "none":  # the same ranks, the same moment: what a small call costs now
-                bursts += timing.call_in_burst(ctx.device)
-                by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
-            rows = [r for r in by_case if r is not None]
-            ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
-            for r in rows:  # none until torch DDP's case has run
-                r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
-            if ctx.is_main:  # after every case: a run stopped later keeps what it measured
-                results.upsert_csv(CSV_NAME, rows, key=CSV_KEY)
-            if after_case is not None:
-                after_case(rows)
-        round_s = time.perf_counter() - round_start
+    rows = []
+    every_case = [i for _ in range(args.rounds) for i in range(len(cases))]
+    for i in until_deadline(ctx, every_case, "the cases and rounds left"):
+        impl, bucket_mb, factory = cases[i]
+        times = time_steps(ctx, factory, args)
+        for acc, new in zip(pooled[i], times):
+            acc.extend(new)
+        ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
+                  f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0", all_ranks=False)
+        by_case[i] = make_row(ctx, args, impl, bucket_mb, pooled[i])
+        if impl == "none":  # the same ranks, the same moment: what a small call costs now
+            bursts += timing.call_in_burst(ctx.device)
+            by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
+        rows = [r for r in by_case if r is not None]
+        ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
+        for r in rows:  # none until torch DDP's case has run
+            r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
+        if ctx.is_main:  # after every case: a run stopped later keeps what it measured
+            results.upsert_csv(CSV_NAME, rows, key=CSV_KEY)
+        if after_case is not None:
+            after_case(rows)
     if ctx.is_main:
         results.print_table([{
             "impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],
             "fwd_bwd_ms": r["fwd_bwd_ms"], "comm_after_bwd_ms": r["comm_after_backward_ms"],
             "optimizer_ms": r["optimizer_ms"], "comm_share": f"{r['comm_share']:.0%}",
-            "vs_torch_ddp": f"{r['ratio_vs_torch_ddp']:.2f}x"} for r in rows],
+            "vs_torch_ddp": r["ratio_vs_torch_ddp"] and f"{r['ratio_vs_torch_ddp']:.2f}x"}
+            for r in rows],
             title=f"\nTraining step, slowest rank's median ({results.machine_name()}):")
         print(f"rows in {results.results_dir() / CSV_NAME}", flush=True)
     return rows

@@ -358,9 +358,11 @@ def test_ctrl_c_or_sigterm_to_make_bench_is_passed_on_to_its_step(sig, tmp_path)
     assert (tmp_path / "got").read_text() == sig.name
 
 
-def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatch, tmp_path):
+def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatch, tmp_path,
+                                                                      capsys):
     """Stage 06's --bench writes its rows after every case, not every round: stopped after
-    its first case (as make bench's cap stops it), that case's row is in ddp_step.csv. Rounds
+    its first case (as make bench's cap stops it), that case's row is in ddp_step.csv; past its
+    deadline (``BENCH_STEP_DEADLINE``) after the first case, it skips the rest and says so. Rounds
     pool their steps (2 per round here, 2 rounds: 4). The control's row carries the burst timed
     beside it. One rank, in this process."""
     import torch.distributed as dist
@@ -388,6 +390,13 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
         rows = results.read_csv(step_bench.CSV_NAME)
         assert [(r["impl"], r["steps"], r["ratio_vs_torch_ddp"]) for r in rows] == [("none", "2", "")]
         monkeypatch.setattr(step_bench, "time_steps", timed)
+        # make bench's deadline just after the first case: the rest are skipped, said in a line
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 1e-3:.6f}")
+        assert [r["impl"] for r in step_bench.run_step_bench(ctx, [], args)] == ["none"]
+        assert "the cases and rounds left: skipped: past make bench's deadline for this step; " \
+               "the rows above are written" in capsys.readouterr().out
+        assert [r["impl"] for r in results.read_csv(step_bench.CSV_NAME)] == ["none"]
+        monkeypatch.delenv("BENCH_STEP_DEADLINE")
         step_bench.run_step_bench(ctx, [], args)
     finally:
         dist.destroy_process_group()
@@ -399,11 +408,12 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     assert float(rows[0]["call_ms"]) > 0 and rows[1]["call_ms"] == ""
 
 
-def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path):
+def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path, capsys):
     """The bucket model is written as each swept size lands, not after the whole sweep: stage
     06 stopped (Ctrl-C) during its second bucket size has results/bucket_model.json with the
     first size in it. The profile's summary likewise: stage 05's --profile stopped during its
-    second case has the first case's row in ddp_profile.csv and its picture. One rank, here."""
+    second case has the first case's row in ddp_profile.csv and its picture. Past make bench's
+    deadline after the first case, both skip the rest, say so and end well. One rank, here."""
     import torch.distributed as dist
 
     from common import import_stage
@@ -437,6 +447,11 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
         (model,) = models.values()
         assert [float(s["bucket_mb"]) for s in model["sweep"]] == [0.25]
         assert model["measured_best_bucket_mb"] == 0.25 and model["predicted_best_bucket_mb"] > 0
+        monkeypatch.setattr(step_bench, "time_steps", timed)
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 1e-3:.6f}")  # after one case
+        assert [r["impl"] for r in bucketed.sweep_and_model(ctx, args, False)] == ["none"]
+        assert results.read_json("bucket_model.json") == models  # no bucketed row: no new model
+        monkeypatch.delenv("BENCH_STEP_DEADLINE")
 
         profiled = profiling.profile_case
         cases = []
@@ -450,6 +465,13 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
         with pytest.raises(KeyboardInterrupt):
             profiling.profile_ddp(ctx, [("naive (03)", None), ("overlap (05)", None)], args,
                                   name="05_overlap_ddp")
+        monkeypatch.setattr(profiling, "profile_case", profiled)
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 1e-3:.6f}")  # after one case
+        capsys.readouterr()
+        assert [s["case"] for s in profiling.profile_ddp(
+            ctx, [("naive (03)", None), ("overlap (05)", None)], args, name="05_overlap_ddp")] \
+            == ["naive (03)"]
+        assert "the cases left: skipped: past make bench's deadline" in capsys.readouterr().out
     finally:
         dist.destroy_process_group()
     rows = results.read_csv(profiling.PROFILE_CSV)
