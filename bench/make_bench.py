@@ -50,9 +50,10 @@ CUDA_STARTUP_S = 12
 CPU_STARTUP_S = 3
 
 # Each step's share of the default budget in seconds to its Ctrl-C, per kind of box, quick and
-# full, and the least it needs (start-up and one configuration); 0: not in that mode. Each
-# column adds up to at most the default budget less STOP_S (a test checks). CPU shares: this
-# 2-core VM's runs; one GPU: the H200 logs; NCCL: estimates (bench/README.md).
+# full, and the least it needs (start-up and one configuration); 0: not in that mode. A step over
+# Gloo takes the one_gpu column on any GPU box. A plan's shares add up to at most the default
+# budget less STOP_S (a test checks). CPU: this 2-core VM's runs; one GPU: the H200 logs; NCCL:
+# estimates (bench/README.md).
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "compute": dict(cpu=(7, 6, 5), one_gpu=(16, 22, 15), nccl=(16, 20, 15)),
     "allreduce": dict(cpu=(10, 21, 8), one_gpu=(18, 27, 15), nccl=(18, 39, 15)),
@@ -169,10 +170,11 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     """The steps for this box, in order (a step whose share is 0 in this mode is left out)."""
     gpus = setup.gpus
     cpu = gpus == 0
-    kind = box_kind(gpus)
 
     def step(key: str, title: str, argv: list[str], budget_flag: str = "",
              cases: int = 1) -> Step:
+        # sized by what it runs: a step over Gloo takes one GPU's share (the host's on a CPU box)
+        kind = box_kind(min(gpus, 1) if "gloo" in argv else gpus)
         quick_share, full_share, minimum = SHARES[key][kind]
         share = quick_share if quick else full_share
         return Step(key, title, argv, share, minimum, budget_flag=budget_flag, cases=cases)
@@ -293,16 +295,12 @@ def _flag(argv: list[str], name: str) -> str:
 
 def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
     """Ring attention on 4 ranks (rings of 2 and 4; quick: 4); Gloo sends CPU tensors only."""
+    where = ["--backend", "gloo", "--device", "cpu"]  # the host's sizes, whatever the box
+    seqs = "256,512" if quick else "256,512,1024"
+    shape = []
     if setup.gpus >= 4:
         where = ["--backend", "nccl", "--device", "cuda"]
         seqs = "1024,2048" if quick else "1024,2048,4096"
-    else:
-        where = ["--backend", "gloo", "--device", "cpu"]
-        seqs = "256,512" if quick else "256,512,1024"
-        if setup.gpus > 1:
-            seqs = "512,1024" if quick else "512,1024,2048"
-    shape = []
-    if setup.gpus > 1:
         shape = ["--batch", "1", "--heads", "8", "--head-dim", "64"]
     repeats = []
     if quick:
@@ -315,22 +313,18 @@ def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
 
 def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str]:
     """Expert parallel on ``world_size`` ranks: NCCL, else Gloo on the GPUs, else the CPU."""
-    if setup.gpus >= world_size:
-        where = ["--backend", "nccl", "--device", "cuda"]
-    elif setup.gpus > 0:
-        where = ["--backend", "gloo", "--device", "cuda"]
-    else:
-        where = ["--backend", "gloo", "--device", "cpu"]
+    nccl = setup.gpus >= world_size
+    where = ["--backend", "nccl" if nccl else "gloo", "--device", "cuda" if setup.gpus else "cpu"]
     sizes = []  # the CPU's: the script's --bench defaults, d_model 128, d_ff 512
     if quick:
         sizes = ["--tokens", "256,2048", "--warmup", "1", "--iters", "3"]
-    if setup.gpus == 1:  # the all-to-alls cross host memory: 8 MB at 1024 x 1024 x 2 floats
+    if setup.gpus and not nccl:  # the all-to-alls cross host memory: 8 MB at 1024 x 1024 x 2
         sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "1024,4096",
                  "--warmup", "2", "--iters", "5"]
         if quick:
             sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "1024",
                      "--warmup", "1", "--iters", "3"]
-    elif setup.gpus > 1:
+    elif nccl:
         sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384,32768",
                  "--warmup", "3", "--iters", "10"]
         if quick:
@@ -363,9 +357,9 @@ def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
         where = ["--backend", "gloo", "--device", "cpu"]
     if quick:
         sizes = ["--model", "course" if setup.gpus > 0 else "tiny", "--iters", "2"]
-    elif setup.gpus > 1:
+    elif setup.gpus >= 3:
         sizes = ["--model", "small"]
-    else:  # on one GPU, small's 400 MB of state through host memory missed its cap
+    else:  # over Gloo, small's 400 MB of state through host memory missed its cap
         sizes = ["--model", "course"]
     return ["07_parallelism/measure/bench_checkpoint.py", "--bench", "--world-size",
             str(world_size), *where, *sizes]
