@@ -3,31 +3,20 @@
     python bench/compute.py --device cuda --models course,small --batch-size 4 --context-length 256
     python bench/compute.py --device cpu --models tiny --batch-size 4 --context-length 64
 
-On a box where ranks share one GPU over Gloo, the step times of stages 03-07 measure Gloo's
-path through host memory as much as the GPU. This measures the GPU alone, at one rank's shapes:
+Where ranks share one GPU over Gloo, stages 03-07's step times measure Gloo's host path as much
+as the GPU; this measures the device alone, at one rank's shapes. First the peaks MFU is against,
+timed here (a spec sheet's wrong peak is how MFU comes out above 100%): a float32 matmul (on a
+GPU TF32 and bfloat16 too) and the copy bandwidth, the limit of the optimizer step. Then the
+LM's forward, backward and AdamW timed apart, its peak memory, tokens/s and MFU labelled with its
+peak; on a GPU one more row at a batch that saturates it (the course LM, 32 x 1024, bfloat16
+autocast) against the bfloat16 peak measured here and the datasheet's.
 
-1. the peaks MFU is measured against, timed in this run, not read off a spec sheet (a wrong
-   peak is how MFU comes out above 100%): a large matmul in float32 (the dtype every stage
-   trains in), and on a GPU in TF32 and bfloat16 too; and the device's copy bandwidth (bytes
-   read + written per second), the limit of memory-bound work such as the optimizer step;
-2. the Transformer LM: forward, backward and the AdamW step timed apart (synchronised, median
-   of the timed steps), ``torch.cuda.max_memory_allocated`` over a step, tokens/s, achieved
-   TFLOP/s and model FLOPs utilisation, each MFU labelled with its peak; on a GPU one more row
-   at a batch that saturates it (the course LM, 32 x 1024 tokens, bfloat16 autocast) against
-   the bfloat16 peak measured here and the datasheet's for the GPU the box names.
+FLOPs per token (PaLM appendix B, torchtitan, picotron): 6 N + 12 L H Q T. N: the parameters
+outside the embedding tables; L layers, H heads, Q head dimension, T context (attention counted
+whole, although a causal mask skips half). MFU = FLOPs per token x tokens/s / peak FLOP/s.
 
-FLOPs per token, the convention of PaLM (appendix B), torchtitan and picotron:
-
-    6 N + 12 L H Q T
-
-N: the parameters outside the embedding tables (each weight's multiply-add is 2 FLOPs forward
-and 4 backward); L layers, H heads, Q head dimension, T context: attention's two matmuls
-(counted whole, as the convention does, although a causal mask skips half).
-MFU = FLOPs per token x tokens/s / peak FLOP/s.
-
-Writes ``results/compute.csv`` (a row per model, as each lands) and ``results/matmul_peak.json``.
-Models are measured in the order given (smallest first); one that would not end before make
-bench's deadline for this step (``BENCH_STEP_DEADLINE``) is skipped with a note.
+Writes ``results/compute.csv`` (a row per model, as each lands) and ``results/matmul_peak.json``;
+a model that would not end before make bench's deadline for the step is skipped with a note.
 """
 
 from __future__ import annotations
@@ -104,20 +93,16 @@ def datasheet_peak(device: torch.device) -> tuple[str, float] | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for gpu, flops in DATASHEET_BF16.items():
-        if gpu in name:
-            return name, flops
-    return None
+    return next(((name, flops) for gpu, flops in DATASHEET_BF16.items() if gpu in name), None)
 
 
 def step_bytes(preset: str, batch_size: int, context_length: int) -> int:
-    """A step's rough peak, as bench/step_bench.py checks it: 20 bytes a parameter plus the
-    float32 activations kept for backward."""
+    """A step's rough peak: 20 bytes a parameter (weight, gradient, AdamW's two, a bucket) plus
+    the float32 activations kept for backward."""
     shape = models.PRESETS[preset]
     acts = 4 * batch_size * context_length * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
         12 * shape["d_model"] + 2 * shape["d_ff"] + shape["num_heads"] * context_length))
-    params = models.lm_parameter_count(preset, 1) + (context_length - 1) * shape["d_model"]
-    return 20 * params + acts
+    return 20 * models.lm_parameter_count(preset, context_length=context_length) + acts
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:

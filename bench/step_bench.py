@@ -22,6 +22,7 @@ import torch.distributed as dist
 from common import models
 
 from bench import results, timing
+from bench.compute import step_bytes
 
 from bench import supervisor as launch
 
@@ -62,12 +63,7 @@ def check_step_bench_args(args, config) -> None:
         launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size "
                            f"{ws}: each rank needs an equal slice (try "
                            f"{ws * max(1, args.batch_size // ws)})")
-    # a rank's peak: 20 B a parameter (weight, gradient, AdamW's two, a bucket) + activations
-    shape = models.PRESETS[args.model]
-    context = args.context_length
-    acts = 4 * (args.batch_size // ws) * context * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
-        12 * shape["d_model"] + 2 * shape["d_ff"] + shape["num_heads"] * context))
-    need = 20 * models.lm_parameter_count(args.model, context_length=context) + acts
+    need = step_bytes(args.model, args.batch_size // ws, args.context_length)  # a rank's peak
     what = f"--model {args.model}, batch {args.batch_size}, context {args.context_length}"
     ranks_here = launch.ranks_on_this_node(ws)
     if config.device == "cuda":
