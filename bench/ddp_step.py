@@ -1,11 +1,9 @@
-"""The step benchmark of stages 03-06 (make bench's "ddp" step) and stage 06's bucket model
-set beside it.
+"""Stages 03-06's step benchmark (make bench's "ddp" step) and stage 06's bucket model beside it.
 
-A training step of the LM under NaiveDDP (03), FlatDDP (04), OverlapDDP (05) and BucketedDDP
-(06) at each of ``--bucket-sizes``, torch DDP at the same sizes, beside no communication and
-torch DDP at its default 25 MB (bench/step_bench.py): rows in results/ddp_step.csv. Then the
-overhead model of 06_bucketed_ddp/bucket_model.py with stage 02's fitted latency and bandwidth
-(results/allreduce_fit.json, else measured here), beside the sweep: results/bucket_model.json.
+The LM's training step under NaiveDDP (03), FlatDDP (04), OverlapDDP (05), BucketedDDP (06) and
+torch DDP at each of ``--bucket-sizes``, beside no communication and torch DDP at 25 MB
+(bench/step_bench.py): results/ddp_step.csv. Then bucket_model.py's overhead model with stage
+02's fitted latency and bandwidth (else measured here) beside the sweep: results/bucket_model.json.
 
     python bench/ddp_step.py --world-size 2 --model small --bucket-sizes 1,10,100,1000
 """
@@ -31,10 +29,8 @@ FIT_SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # all-reduces timed when stage 
 
 
 def latency_bandwidth(ctx) -> dict:
-    """Stage 02's fitted (a, w) for this backend/device/world size, else measured here. Rank 0
-    alone reads the file (under multi-node torchrun each node has its own results/) and
-    broadcasts what it found, so every rank takes the same branch. A missing or malformed fit,
-    or one from another make-bench run (RESULTS_RUN_ID), is measured instead."""
+    """Stage 02's fitted (a, w) for this backend/device/world size, as rank 0 reads it (each node
+    has its own results/) and broadcasts; missing, malformed or another run's: measured here."""
     key = f"{ctx.backend}/{ctx.device.type}/{ctx.world_size}"
     decision = [None]
     if ctx.is_main:
@@ -71,9 +67,8 @@ def usable(fit: dict) -> bool:
 
 
 def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = True) -> dict:
-    """The prediction beside the measured sweep (printed by rank 0 unless ``show`` is False),
-    saved in results/bucket_model.json under backend/device/world size/model. The sweep may be
-    partial (a run stopped part-way): the summary names the sizes it has."""
+    """The prediction beside the sweep so far (printed by rank 0 if ``show``), saved in
+    results/bucket_model.json under backend/device/world size/model."""
     bucket_model = import_stage("06_bucketed_ddp/bucket_model")
     assign_buckets = import_stage("06_bucketed_ddp/bucketed_ddp").assign_buckets
     if not usable(fit):  # a fit on a noisy machine can come out with a <= 0
@@ -98,8 +93,7 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = Tr
     best = min(rows, key=lambda r: r["measured_step_ms"])
     order = sorted(float(r["bucket_mb"]) for r in rows)
     i = order.index(float(best["bucket_mb"]))
-    lo = order[max(0, i - 1)]
-    hi = order[min(len(order) - 1, i + 1)]
+    lo, hi = order[max(0, i - 1)], order[min(len(order) - 1, i + 1)]
     within = lo <= best_bytes / MIB <= hi
     predicted_ms = bucket_model.comm_after_backward_model(max(1.0, n_best), s, o, w) * 1e3
     summary = {
@@ -127,7 +121,7 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = Tr
 
 def sweep_and_model(ctx, args, with_earlier_stages: bool = True) -> list[dict]:
     """Stages 03-05 (``with_earlier_stages``), BucketedDDP and torch DDP at every size, and the
-    model beside the sweep, rewritten as each size lands (a run stopped later keeps it)."""
+    model beside the sweep, rewritten as each size lands."""
     bucketed = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP
     fit = latency_bandwidth(ctx)
     cases = []

@@ -43,8 +43,7 @@ def add_profile_args(parser):
 
 
 def writable_folder(text: str) -> Path:
-    """A flag type: a folder that can be written or made, checked when parsed (one line before
-    any worker starts, not a traceback after the profiled steps), made only when used."""
+    """A flag type: a folder that can be written or made, checked when parsed, made when used."""
     existing = Path(text).absolute()
     while not existing.exists():
         existing = existing.parent  # ends at the root, which exists
@@ -81,9 +80,8 @@ def profile_case(ctx, factory, args, trace_path: Path) -> None:
 
 
 def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
-    """Profile each ``(label, factory)`` on every rank. Rank 0 summarises its own trace as each
-    case lands (the CSV row and the picture, so a profile stopped later keeps them), then
-    prints the text timelines and the table."""
+    """Profile each ``(label, factory)`` on every rank; rank 0 writes its summary and picture as
+    each case lands, then prints the text timelines and the table."""
     out_dir = Path(args.trace_dir) / name
     timelines = []
     for label, factory in step_bench.until_deadline(ctx, cases, "the cases left"):

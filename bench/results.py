@@ -1,12 +1,9 @@
-"""Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/``.
+"""Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/`` (``RESULTS_DIR``).
 
-Files are shared by stages and runs, so writing is an upsert: a run replaces the rows whose
-key matches its own and keeps the rest. Writers lock the file and replace it with a uniquely
-named temporary one, so runs side by side lose no row and no reader sees half a file; a file
-that cannot be read is named in a one-line warning and treated as empty (a header alone is a
-valid file with no rows). A file keeps its mode; a new one gets the mode the user's umask
-gives. Every benchmark row carries ``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a
-report can pick one run's. ``RESULTS_DIR`` redirects the folder (the tests use a temporary one).
+Writing is an upsert (a run replaces the rows whose key matches its own), under a lock, through
+a temporary file swapped in whole: runs side by side lose no row, no reader sees half a file. An
+unreadable file is named in a warning and read as empty; a file keeps its mode. Every row carries
+``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a report can pick one run's.
 """
 
 import contextlib
@@ -84,10 +81,8 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
 
 
 def check_folder() -> Path:
-    """The results folder, without creating it; a one-line error (exit 2) when ``RESULTS_DIR``
-    is set but empty, or when something in the folder named like a results file or its lock
-    (``*.csv``, ``*.json``, ``.*.lock``) is not a plain file: a folder there would cost a whole
-    run's rows at its end. ``launch.resolve`` calls this before any worker starts."""
+    """The results folder, not created; one line and exit 2 where a results file or lock's name
+    (``*.csv``, ``*.json``, ``.*.lock``) is not a plain file (it would cost a run's rows at its end)."""
     folder = results_dir()
     try:
         entries = list(os.scandir(folder)) if folder.is_dir() else []
@@ -124,8 +119,7 @@ def _locked(path: Path):
 
 
 def _new_file_mode() -> int:
-    """The mode open() gives a new file: 0o666 less the umask (Linux shows the umask in
-    /proc/self/status; elsewhere it is read by setting it, which has no reader-only call)."""
+    """0o666 less the umask (Linux shows it in /proc/self/status; elsewhere: set and reset)."""
     try:
         with open("/proc/self/status") as f:
             umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))

@@ -1,13 +1,11 @@
 """Timing a data-parallel training step: bench/ddp_step.py's table (stages 03-06).
 
-A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM the way a stage
-does; ``none`` (no wrapper) and ``torch_ddp`` at its default 25 MB (the denominator of
-``ratio_vs_torch_ddp``) run beside them. Each step is split into forward + backward, the
-communication left after backward (``finish_gradient_synchronization()``) and the optimizer;
-what overlaps backward hides in the first, so the clock after backward waits for the compute
-stream only. ``--rounds`` repeats the list and pools each case's steps. Slowest rank's medians;
-rank 0 prints the table and upserts results/ddp_step.csv. Beside ``none``, a burst of small
-all-reduces is timed (``call_ms``): lesson 9's prediction needs what a call costs.
+A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM as a stage does,
+beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'s denominator).
+A step is split into forward + backward (where overlapped communication hides: that clock waits
+for the compute stream only), the communication left after it and the optimizer; ``--rounds``
+pools each case's steps. Beside ``none`` a burst of small all-reduces is timed (``call_ms``, for
+lesson 9's prediction). Slowest rank's medians, upserted into results/ddp_step.csv.
 """
 
 import gc
@@ -92,9 +90,8 @@ def setup_case(ctx, factory, args):
 
 
 def wait_for(device: torch.device, compute_only: bool) -> None:
-    """On a GPU, wait for the work queued so far: the compute stream's (``compute_only``: NCCL's
-    own streams may still be reducing, as they do when they overlap backward), or all of it.
-    (torch.cuda.synchronize would count the overlapped communication as backward.)"""
+    """On a GPU, wait for the queued work: the compute stream's (``compute_only``: NCCL's streams
+    may still be reducing, overlapping backward), or all of it."""
     if device.type != "cuda":
         return
     if compute_only:
@@ -104,9 +101,8 @@ def wait_for(device: torch.device, compute_only: bool) -> None:
 
 
 def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
-    """This rank's (fwd_bwd, comm, optimizer, step) seconds for the timed steps of one case:
-    as many as fit in ``case_budget_s / rounds`` at the slowest rank's last warm-up step (every
-    rank times the same number, or their collectives would never pair up)."""
+    """This rank's (fwd_bwd, comm, optimizer, step) seconds for one case's timed steps: as many
+    as fit in ``case_budget_s / rounds`` at the slowest rank's warm-up pace (the same on every rank)."""
     model, wrapper, finish, optimizer, x, y = setup_case(ctx, factory, args)
 
     def clock(compute_only: bool = False) -> float:
