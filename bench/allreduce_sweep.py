@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench import results  # noqa: E402
+from bench import results, step_bench  # noqa: E402
 
 from bench import supervisor as launch
 from common import import_stage  # noqa: E402
@@ -57,8 +57,7 @@ def over_budget(ctx, nbytes: int, previous: dict, args) -> str | None:
     if ctx.is_main:
         per_call = previous["time_ms_median"] / 1e3 * nbytes / previous["bytes"]
         estimate = per_call * (1 + args.warmup + args.iters)
-        deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-        left = deadline - time.time() if deadline else math.inf
+        left = step_bench.seconds_left()
         start = f"estimated {estimate:.0f} s from {stage02.format_size(previous['bytes'])}: "
         if estimate > args.budget_s:
             decision[0] = start + f"over the {args.budget_s:g} s budget"

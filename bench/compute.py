@@ -124,24 +124,23 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases = {"forward": [], "backward": [], "optimizer": []}
-    for i in range(warmup + steps):
+
+    def clock() -> float:
         timing.synchronize(device)
-        t0 = time.perf_counter()
+        return time.perf_counter()
+    for i in range(warmup + steps):
+        t0 = clock()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = models.lm_loss(model(x), y)
-        timing.synchronize(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        timing.synchronize(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         optimizer.step()
-        timing.synchronize(device)
-        t3 = time.perf_counter()
+        t3 = clock()
         if i >= warmup:
-            phases["forward"].append(t1 - t0)
-            phases["backward"].append(t2 - t1)
-            phases["optimizer"].append(t3 - t2)
+            for phase, seconds in zip(phases.values(), (t1 - t0, t2 - t1, t3 - t2)):
+                phase.append(seconds)
     memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     params = sum(p.numel() for p in model.parameters())
     del model, optimizer
@@ -159,15 +158,12 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
     tokens_per_s = batch_size * context_length / step_s
     per_token = flops_per_token(preset, context_length)
     achieved = per_token * tokens_per_s
-    optimizer_bytes_per_s = ADAMW_BYTES_PER_PARAM * measured["params"] / measured["optimizer"]
     memory = measured["max_memory_allocated"]
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
-        else None
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else ""
     key = "bf16_flops_per_s" if dtype == "bfloat16" else "matmul_flops_per_s"
     sheet = datasheet_peak(device) if dtype == "bfloat16" else None
     return {
-        "device": device.type, "dtype": dtype, "model": preset,
-        "params": measured["params"],
+        "device": device.type, "dtype": dtype, "model": preset, "params": measured["params"],
         "nonembedding_params": nonembedding_parameters(preset, context_length),
         "batch_size": batch_size, "context_length": context_length,
         "fwd_ms": measured["forward"] * 1e3, "bwd_ms": measured["backward"] * 1e3,
@@ -177,10 +173,9 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
         "mfu": achieved / peak[key], "mfu_of": f"the {dtype} matmul peak measured here",
         "mfu_of_datasheet": "" if sheet is None else achieved / sheet[1],
         "datasheet": "" if sheet is None else f"{sheet[0]}: {sheet[1] / 1e12:.0f} TFLOP/s bf16 dense",
-        "optimizer_gbps": optimizer_bytes_per_s / 1e9,
+        "optimizer_gbps": ADAMW_BYTES_PER_PARAM * measured["params"] / measured["optimizer"] / 1e9,
         "copy_gbps": peak["copy_bytes_per_s"] / 1e9,
-        "max_memory_allocated_bytes": "" if memory is None else memory,
-        "memory_total_bytes": "" if total is None else total,
+        "max_memory_allocated_bytes": "" if memory is None else memory, "memory_total_bytes": total,
         "machine": results.machine_name(), "run_id": results.run_id()}
 
 

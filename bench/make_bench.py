@@ -496,10 +496,7 @@ def main() -> None:
           "leaves passes on):\n" + "\n".join(
               f"  {i}. {s.title}: " + (f"{s.cap_s:.0f} s" if s.cap_s else s.status)
               for i, s in enumerate(steps, 1)), flush=True)
-    start = time.monotonic()
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    started_at = time.time()
-    stopped_by = None
+    start, started_at, stopped_by = time.monotonic(), time.time(), None
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for s, handler in previous.items():  # (ignored, as in `make bench &` from a script: stays so)
         if handler is not signal.SIG_IGN:
@@ -516,7 +513,8 @@ def main() -> None:
         total = time.monotonic() - start
         info = {"run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
                 "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
-                "torch": torch.__version__, "started_utc": started, "total_s": total,
+                "torch": torch.__version__, "total_s": total,
+                "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started_at)),
                 "budget_s": budget, "allocator": allocator,
                 "keeps_freed_memory": allocator == KEEP_FREED_MEMORY,
                 "steps": [asdict(s) for s in steps]}

@@ -83,7 +83,7 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
     """Profile each ``(label, factory)`` on every rank; rank 0 writes its summary and picture as
     each case lands, then prints the text timelines and the table."""
     out_dir = Path(args.trace_dir) / name
-    timelines = []
+    timelines, summaries = [], []
     for label, factory in step_bench.until_deadline(ctx, cases, "the cases left"):
         start = time.perf_counter()
         slug = re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_.")
@@ -92,11 +92,10 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
         ctx.print(f"profiled {label}: {path} ({time.perf_counter() - start:.1f} s)")
         if ctx.is_main:
             timelines.append((label, step_timeline(path)))
-            write_summary(ctx, args, name, timelines, out_dir)
+            summaries = write_summary(ctx, args, name, timelines, out_dir)
     dist.barrier()  # every rank's trace is on disk
     if not ctx.is_main:
         return []
-    summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     for label, tl in timelines:
         print(text_timeline(label, tl), flush=True)
     results.print_table(summaries, title=f"\nCommunication in the last profiled step, rank 0 "
@@ -104,7 +103,7 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
     return summaries
 
 
-def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> None:
+def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> list[dict]:
     """Rank 0: the cases profiled so far into ``results/ddp_profile.csv`` and the picture."""
     summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     png = draw_timeline(timelines, out_dir / "timeline.png",
@@ -116,6 +115,7 @@ def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> None:
          "model": args.model, "batch_size": args.batch_size, "context_length": args.context_length,
          "stage": name, **s, "timeline_png": str(png or ""), "run_id": results.run_id()}
         for s in summaries], key=["backend", "device", "world_size", "model", "stage", "case"])
+    return summaries
 
 
 def step_timeline(trace_path: Path) -> dict:
