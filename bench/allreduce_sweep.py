@@ -29,8 +29,7 @@ CSV_KEY = ["backend", "device", "world_size", "bytes", "impl"]
 
 
 def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int) -> str | None:
-    """Why these bytes per rank would not fit on this node, or None: the same on every rank
-    (one rank short means all skip, or their collectives would not match)."""
+    """Why these bytes per rank would not fit on this node, or None: the same on every rank."""
     gib = launch.GIB
     ranks_here = launch.ranks_on_this_node(ctx.world_size)
     have = launch.host_available_bytes()
@@ -68,9 +67,8 @@ def over_budget(ctx, nbytes: int, previous: dict, args) -> str | None:
 
 
 def skip_reason(ctx, impl: str, nbytes: int, previous: dict | None, args) -> str | None:
-    """Why not to run this configuration, the same on every rank: over the budget or the
-    deadline, scaled from the size before (the first size: from one call, timed here), or
-    memory short."""
+    """Why not to run this configuration, the same on every rank: over the budget or the deadline
+    (scaled from the size before, or from one call timed here), or memory short."""
     if previous is not None and (why := over_budget(ctx, nbytes, previous, args)):
         return why
     cuda = ctx.device.type == "cuda"  # the buffer, the backend's and a ring's scratch per rank
@@ -146,9 +144,8 @@ def report(rows: list[dict], machine: str) -> None:
         ax.plot([int(r["bytes"]) for r in mine], [float(r["busbw_gbps"]) for r in mine],
                 styles[key[3]], marker="o", label=f"{key[0]}/{key[1]} ws={key[2]} {key[3]}")
     sizes = sorted({int(r["bytes"]) for r in rows})
-    ax.set_xscale("log")
+    ax.set(xscale="log", xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s = 10^9 B/s)")
     ax.set_xticks(sizes, [stage02.format_size(n) for n in sizes], minor=False)
-    ax.set(xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s = 10^9 B/s)")
     ax.set_title(f"all_reduce busbw\n{machine}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)

@@ -1,9 +1,8 @@
 """Which collectives each backend/device pair on this box carries (Gloo/CPU; with a GPU Gloo/CUDA;
-with two, NCCL), tried: each op a 2-rank job of its own, all started at once, so a segfault or a
-hang is a row. Writes results/backends.csv: ok (the right answer), error: its first line, crashed:
-the signal, or timeout (60 s for all); a job make bench's deadline for the step cuts is left out, said
-in one line. The report sets it beside ``common.launch.carries_point_to_point``.
-Run: ``python bench/backends.py``
+with two, NCCL): each op a 2-rank job of its own, all started at once, so a segfault or a hang is a
+row in results/backends.csv: ok, error: its first line, crashed: the signal, or timeout (60 s for
+all); a job make bench's deadline for the step cuts is left out, said in one line. The report sets
+it beside ``common.launch.carries_point_to_point``. Run: ``python bench/backends.py``
 """
 
 import multiprocessing
@@ -106,8 +105,8 @@ def try_all(pairs, ops=OPS, run=try_op, timeout_s=60.0) -> list[dict]:
                     p.start()
                 jobs.append((backend, device, op, folder, ranks))
         from bench.step_bench import SKIPPED, seconds_left  # not in every rank's process
-        cut = seconds_left() - 1 < timeout_s  # make bench's deadline for this step comes first
-        deadline = time.monotonic() + min(timeout_s, seconds_left() - 1)
+        left = seconds_left() - 1  # to make bench's deadline for this step, less a second to write
+        deadline = time.monotonic() + min(timeout_s, left)
         rows, unfinished = [], []
         for backend, device, op, folder, ranks in jobs:
             for p in ranks:
@@ -116,7 +115,7 @@ def try_all(pairs, ops=OPS, run=try_op, timeout_s=60.0) -> list[dict]:
             for p in ranks:
                 p.kill()
                 p.join()
-            if cut and None in codes:
+            if left < timeout_s and None in codes:  # cut by make bench's deadline, not timed out
                 unfinished.append(f"{op} on {backend}/{device}")
                 continue
             rows.append({"backend": backend, "device": device, "op": op, "outcome": outcome(codes, folder)})

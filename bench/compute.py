@@ -69,20 +69,15 @@ def mfu(flops_per_token_: float, tokens_per_s: float, peak_flops_per_s: float) -
 # --------------------------------------------------------------------------- measuring
 
 
-def median_seconds(fn, device: torch.device, warmup: int, iters: int) -> float:
-    return statistics.median(timing.measure(fn, device, warmup=warmup, iters=iters))
-
-
 def matmul_peak(device: torch.device, n: int, dtype: torch.dtype = torch.float32,
                 tf32: bool = False) -> float:
-    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype`` (``tf32``: float32 on TF32
-    tensor cores), the median of 10 after warm-up."""
+    """FLOP/s of an n^3 matmul (2 n^3 FLOPs) in ``dtype`` (``tf32``: on TF32 tensor cores), median of 10."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
-        seconds = median_seconds(lambda: a @ b, device, warmup=3, iters=10)
+        seconds = statistics.median(timing.measure(lambda: a @ b, device, warmup=3, iters=10))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     return 2 * n ** 3 / seconds
@@ -109,14 +104,13 @@ def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a large copy: each byte read once and written once."""
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, warmup=3, iters=10)
+    seconds = statistics.median(timing.measure(lambda: dst.copy_(src), device, warmup=3, iters=10))
     return 2 * nbytes / seconds
 
 
 def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device,
                warmup: int, steps: int, bf16: bool = False) -> dict:
-    """Forward, backward, optimizer seconds (medians) and the peak memory of one rank's step
-    (``bf16``: the forward under bfloat16 autocast)."""
+    """Forward, backward, optimizer median seconds and peak memory of a step (``bf16``: autocast)."""
     torch.manual_seed(0)
     model = models.TransformerLM(preset, context_length=context_length).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -152,8 +146,7 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
 
 def make_row(preset: str, batch_size: int, context_length: int, device: torch.device,
              measured: dict, peak: dict, dtype: str = "float32") -> dict:
-    """A row; its MFU against the measured peak of its dtype, labelled with it (``mfu_of``),
-    and against the datasheet's bf16 peak where the box names its GPU."""
+    """A row; MFU against the measured peak of its dtype (``mfu_of``) and the datasheet's bf16 peak."""
     step_s = measured["forward"] + measured["backward"] + measured["optimizer"]
     tokens_per_s = batch_size * context_length / step_s
     per_token = flops_per_token(preset, context_length)
@@ -180,8 +173,7 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The flags, checked: a bad one is one line and exit 2, before anything is measured (a
-    size that would not fit in memory included)."""
+    """The flags, checked: a bad one (or a size that would not fit) is one line and exit 2."""
     from bench import supervisor as launch
     from common.launch import Parser
     parser = Parser(description=__doc__.splitlines()[0])
@@ -210,16 +202,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         launch.usage_error(f"BENCH_STEP_DEADLINE={deadline[:40]!r} is not a number (seconds "
                            "since the epoch by which this step must end)")
     args.matmul_n = args.matmul_n or (8192 if args.device == "cuda" else 1024)
-    need = {f"--matmul-n {args.matmul_n}": 3 * 4 * args.matmul_n ** 2}
-    for preset in presets:
-        need[f"--models {preset} at batch {args.batch_size} x {args.context_length}"] = \
-            step_bytes(preset, args.batch_size, args.context_length)
+    need = {f"--matmul-n {args.matmul_n}": 3 * 4 * args.matmul_n ** 2, **{
+        f"--models {preset} at batch {args.batch_size} x {args.context_length}":
+            step_bytes(preset, args.batch_size, args.context_length) for preset in presets}}
     what, most = max(need.items(), key=lambda item: item[1])
-    have = 0.9 * launch.host_available_bytes()
-    where = "host memory"
+    have, where = 0.9 * launch.host_available_bytes(), "host memory"
     if args.device == "cuda":
-        have = 0.9 * torch.cuda.get_device_properties(0).total_memory
-        where = "GPU memory"
+        have, where = 0.9 * torch.cuda.get_device_properties(0).total_memory, "GPU memory"
     if most > have:
         launch.usage_error(f"{what} needs about {most / 2**30:.1f} GiB of {where}, and "
                            f"{have / 2**30:.1f} GiB can be had; use a smaller size")

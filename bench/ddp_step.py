@@ -82,24 +82,20 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = Tr
     s = sum(p.numel() * p.element_size() for p in params)
     o, w = fit["a_s"], fit["w_bytes_per_s"]
     best_bytes, n_best = bucket_model.best_bucket_size_bytes(s, o, w)
-    rows = []
-    for r in sweep_rows:
-        buckets = len(assign_buckets(params, float(r["bucket_mb"])))
-        rows.append({"bucket_mb": r["bucket_mb"], "buckets": buckets,
-                     "model_comm_after_bwd_ms":
-                         bucket_model.comm_after_backward_model(buckets, s, o, w) * 1e3,
-                     "measured_comm_after_bwd_ms": r["comm_after_backward_ms"],
-                     "measured_step_ms": r["step_ms"]})
+    rows = [{"bucket_mb": r["bucket_mb"], "buckets": n,
+             "model_comm_after_bwd_ms": bucket_model.comm_after_backward_model(n, s, o, w) * 1e3,
+             "measured_comm_after_bwd_ms": r["comm_after_backward_ms"], "measured_step_ms": r["step_ms"]}
+            for r in sweep_rows for n in [len(assign_buckets(params, float(r["bucket_mb"])))]]
     best = min(rows, key=lambda r: r["measured_step_ms"])
     order = sorted(float(r["bucket_mb"]) for r in rows)
     i = order.index(float(best["bucket_mb"]))
     lo, hi = order[max(0, i - 1)], order[min(len(order) - 1, i + 1)]
     within = lo <= best_bytes / MIB <= hi
-    predicted_ms = bucket_model.comm_after_backward_model(max(1.0, n_best), s, o, w) * 1e3
     summary = {
         "model": args.model, "gradient_bytes": s, "o_s": o, "w_bytes_per_s": w,
         "fit_source": fit["source"], "predicted_best_bucket_mb": best_bytes / MIB,
-        "predicted_best_n_buckets": n_best, "predicted_comm_after_backward_ms": predicted_ms,
+        "predicted_best_n_buckets": n_best, "predicted_comm_after_backward_ms":
+            bucket_model.comm_after_backward_model(max(1.0, n_best), s, o, w) * 1e3,
         "measured_best_bucket_mb": float(best["bucket_mb"]),
         "measured_best_step_ms": best["measured_step_ms"], "neighbour_range_mb": [lo, hi],
         "prediction_within_neighbours": within, "sweep": rows, "backend": ctx.backend,

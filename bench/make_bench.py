@@ -1,18 +1,12 @@
 """``make bench``: every measurement the course makes, on this box, in one command, and a report.
 
     make bench                       # = python bench/make_bench.py
-    BENCH_QUICK=1 make bench         # the quick version (about 80 s on a 2-core CPU)
-    BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
-    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150;
-                                     # 180 on a GPU box, whose every step starts CUDA)
-    make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
+    BENCH_QUICK=1 make bench         # smaller sizes; BENCH_BUDGET_S, BENCH_MODEL: bench/README.md
 
 What runs on which box (``pick_setup``, ``plan``), how the budget is shared out (``SHARES``,
-``plan_budget``, ``run_all``), how a step is stopped and how the report is kept whole:
-bench/README.md. No stage is imported: each script runs with ``RESULTS_RUN_ID`` set, so
-``bench/report.py`` reports this run's rows only. To add a step: a row in ``SHARES`` (the
-columns still fit their default budgets; ``tests/test_bench.py`` checks) and a ``step(...)``
-in ``plan``.
+``plan_budget``, ``run_all``), how a step is stopped and the report kept whole: bench/README.md.
+No stage is imported: each script runs with ``RESULTS_RUN_ID`` set, so ``bench/report.py``
+reports this run's rows only. To add a step: a row in ``SHARES`` and a ``step(...)`` in ``plan``.
 """
 
 from __future__ import annotations
@@ -120,8 +114,7 @@ def pick_setup(gpus: int, gpu_name: str = "") -> Setup:
                      "communicate over Gloo with CUDA tensors, because NCCL refuses two ranks on "
                      "one GPU (\"Duplicate GPU detected\"). Gloo stages GPU memory through the "
                      "host, so communication is far slower than NCCL between GPUs would be.")
-    return Setup(gpus, gpu_name, "nccl", "cuda",
-                 f"{gpus} GPUs ({gpu_name}): NCCL, one GPU per rank.")
+    return Setup(gpus, gpu_name, "nccl", "cuda", f"{gpus} GPUs ({gpu_name}): NCCL, one GPU per rank.")
 
 
 def bench_model(setup: Setup, quick: bool) -> str:
@@ -161,10 +154,8 @@ def smallest_budget_s() -> float:
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
     """The steps for this box, in order (a step whose share is 0 in this mode is left out)."""
     gpus = setup.gpus
-    cpu = gpus == 0
 
-    def step(key: str, title: str, argv: list[str], budget_flag: str = "",
-             cases: int = 1) -> Step:
+    def step(key: str, title: str, argv: list[str], budget_flag: str = "", cases: int = 1) -> Step:
         # sized by what it runs: a step over Gloo takes one GPU's share (the host's on a CPU box)
         kind = box_kind(min(gpus, 1) if "gloo" in argv else gpus)
         quick_share, full_share, minimum = SHARES[key][kind]
@@ -174,7 +165,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     ws = 2 if gpus < 2 else min(gpus, 8)  # stages 03-06 and the ledger
     pp_ws = 4 if gpus in (0, 1) or gpus >= 4 else 2
     steps = ["--steps", "5", "--warmup", "2"]
-    if cpu:
+    if gpus == 0:
         ar = ["--backend", "gloo", "--device", "cpu", "--sizes",
               "64KB,1MB,10MB" if quick else "64KB,1MB,10MB,100MB", "--world-sizes",
               "2" if quick else "2,4"]
@@ -207,7 +198,7 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     # The ledger's LM: course on a CPU (checkpointing does little for tiny's logits; quick: tiny,
     # no checkpointing) and on one GPU (small missed its cap over the host path).
     ledger_model = model if gpus >= 2 and not quick else "course"
-    ledger_lm = ["--model", "tiny" if quick else "course"] if cpu else \
+    ledger_lm = ["--model", "tiny" if quick else "course"] if gpus == 0 else \
         ["--model", ledger_model, "--batch-size", str(2 * ws), "--context-length", "256",
          "--steps", "5", "--warmup", "2"]
     cp = context_parallel_argv(setup, quick)

@@ -1,11 +1,10 @@
 """Proof of overlap: profile a few training steps, draw compute and communication on one axis.
 
-``profile_ddp(ctx, [(label, factory), ...], args, name)`` (bench/profile_ddp.py, 07's FSDP):
-every rank profiles two LM steps per case into ``<trace-dir>/<name>/<label>_rank<r>.json``
-(https://ui.perfetto.dev), cut into ``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and
-``ddp:optimizer`` ranges. Gloo runs a collective on a worker thread (``gloo:all_reduce``...),
-NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints how much communication ran during and
-after backward (also results/ddp_profile.csv), a text timeline, and draws it as a PNG.
+``profile_ddp(ctx, [(label, factory), ...], args, name)``: every rank profiles two LM steps per
+case into ``<trace-dir>/<name>/<label>_rank<r>.json`` (https://ui.perfetto.dev), cut into
+``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and ``ddp:optimizer``. Gloo runs a collective
+on a thread (``gloo:all_reduce``...), NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints the
+communication during and after backward (results/ddp_profile.csv), a text timeline and a PNG.
 """
 
 import argparse
@@ -186,8 +185,7 @@ def draw_timeline(timelines, out_png: Path, title: str) -> Path | None:
             ax.broken_barh([(t0, dur)], (lane + 1.15, 0.7), color=COMM_COLOR, edgecolor="white",
                            linewidth=0.3)
         ax.set_yticks([i + 0.5 for i in range(len(rows))], rows, fontsize=8)
-        ax.set_ylim(len(rows), 0)  # row 0 on top
-        ax.set_xlim(0, span * 1.01)
+        ax.set(ylim=(len(rows), 0), xlim=(0, span * 1.01))  # row 0 on top
         ax.set_title(f"{label}: communication during backward {tl['comm_during_backward_ms']:.0f} "
                      f"ms, after it {tl['comm_after_backward_ms']:.0f} ms (step "
                      f"{tl['step_ms']:.0f} ms)", fontsize=9, loc="left")

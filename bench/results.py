@@ -29,8 +29,7 @@ from common import REPO_ROOT, usage_error
 
 
 def results_dir() -> Path:
-    """``results/`` in the repository, or ``$RESULTS_DIR``; set but empty is refused (it would
-    mean the current folder)."""
+    """``results/`` in the repository, or ``$RESULTS_DIR`` (set but empty is refused)."""
     folder = os.environ.get("RESULTS_DIR")
     if folder is None:
         return REPO_ROOT / "results"
@@ -50,8 +49,7 @@ def machine_name() -> str:
     """One line naming the machine a number came from: CPU cores and GPU model if any; under
     torchrun across nodes, the job (nodes x ranks per node), not this node's GPUs alone."""
     cpu = f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}"
-    world = os.environ.get("WORLD_SIZE", "")
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    world, local = (os.environ.get(name, "") for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     nodes = ""
     if world.isdecimal() and local.isdecimal() and 0 < int(local) < int(world):
         nodes = f"{-(-int(world) // int(local))} nodes x {local} ranks, "
@@ -69,11 +67,9 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
         text = tabulate(rows, headers="keys", floatfmt=floatfmt, tablefmt="github")
     else:
         keys = list(rows[0]) if rows else []
-
-        def cell(v):
-            return format(v, floatfmt) if isinstance(v, float) else str(v)
-        text = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                         + ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows])
+        text = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + [
+            "| " + " | ".join(format(r[k], floatfmt) if isinstance(r[k], float) else str(r[k])
+                              for k in keys) + " |" for r in rows])
     if title:
         text = f"{title}\n{text}"
     print(text, flush=True)
@@ -98,8 +94,7 @@ def check_folder() -> Path:
 
 
 def check_writable() -> Path:
-    """The results folder, or a one-line error (exit 2) when it cannot be written (or holds a
-    folder where a results file goes): called before the first configuration, not after it."""
+    """The results folder, or one line and exit 2 where it cannot be written (before any measurement)."""
     folder = check_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -171,8 +166,7 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
 
 
 def read_csv(name: str, folder: Path | None = None) -> list[dict]:
-    """The rows of ``results/<name>``: [] when it is missing, holds a header alone, or cannot
-    be read (then with a warning)."""
+    """The rows of ``results/<name>``: [] when missing, a header alone, or unreadable (warned)."""
     return _read_table((folder or results_dir()) / name)[1]
 
 
@@ -224,8 +218,7 @@ def read_json(name: str, folder: Path | None = None) -> dict:
 
 
 def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not
-    installed (it is optional: the tables never need it)."""
+    """matplotlib's pyplot on the file-only Agg backend, or None where it is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display needed

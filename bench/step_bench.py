@@ -49,13 +49,11 @@ def add_step_bench_args(parser):
     g.add_argument("--rounds", type=launch.positive_int, default=1,
                    help="run the whole list of cases this many times and pool the timed steps")
     g.add_argument("--case-budget-s", type=launch.positive_float, default=120.0,
-                   help="at most this many seconds per case: when the warm-up says the timed "
-                        "steps would take longer, fewer are timed")
+                   help="seconds per case at most: fewer timed steps where the warm-up says so")
 
 
 def check_step_bench_args(args, config) -> None:
-    """One line and exit 2, before any worker starts: a batch that does not split evenly, a
-    model that would not fit, a results folder that cannot be written."""
+    """One line and exit 2 before any worker starts: an uneven batch, a model too big, no results."""
     ws = config.world_size
     if args.batch_size % ws:
         launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size "
@@ -76,8 +74,8 @@ def check_step_bench_args(args, config) -> None:
 
 
 def setup_case(ctx, factory, args):
-    """The LM of ``--model`` (the same on every rank), ``factory(model)`` (None: no wrapper),
-    its finish call (a no-op for torch DDP), AdamW, and this rank's slice of the batch."""
+    """The LM (the same on every rank), ``factory(model)`` (None: none), its finish call, AdamW,
+    and this rank's slice of the batch."""
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length).to(ctx.device)
     wrapper = factory(model) if factory is not None else model
@@ -161,8 +159,7 @@ def seconds_left() -> float:
 
 
 def time_left_for(ctx, seconds: float) -> bool:
-    """Whether ``seconds`` more fit before make bench's deadline for this step, decided on rank 0
-    and broadcast, so every rank takes the same branch."""
+    """Whether ``seconds`` more fit before make bench's deadline for this step (rank 0's verdict)."""
     left = seconds_left()
     if left == math.inf:
         return True
@@ -188,9 +185,8 @@ def until_deadline(ctx, configurations, what: str = "the rest"):
 
 
 def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
-    """Time every case and the ``none`` and ``torch_ddp`` (25 MB) references; rank 0 upserts
-    results/ddp_step.csv after every case and prints the table; returns the rows.
-    ``after_case(rows)`` runs on every rank after each case with the rows so far."""
+    """Time every case beside ``none`` and ``torch_ddp`` (25 MB); rank 0 upserts the rows after
+    each case, then prints them; ``after_case(rows so far)`` runs on every rank after each case."""
     refs = [("none", None, None), ("torch_ddp", TORCH_DDP_DEFAULT_BUCKET_MB, torch_ddp_factory())]
     cases = [r for r in refs if r[:2] not in {c[:2] for c in cases}] + list(cases)
     params = models.lm_parameter_count(args.model, context_length=args.context_length)

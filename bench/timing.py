@@ -69,8 +69,7 @@ class Stats:
 
 
 def gather_times(times: list[float]) -> Stats:
-    """All-gather every rank's list of times (same length everywhere) and summarise: every
-    rank gets the same :class:`Stats`, so any rank may print or write it."""
+    """All-gather every rank's times (same length everywhere): the same :class:`Stats` everywhere."""
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: this rank's GPU
     mine = torch.tensor(times, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
