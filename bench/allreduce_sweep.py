@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench import results  # noqa: E402
+from bench import results, step_bench  # noqa: E402
 
 from bench import supervisor as launch
 from common import import_stage  # noqa: E402
@@ -29,8 +29,7 @@ CSV_KEY = ["backend", "device", "world_size", "bytes", "impl"]
 
 
 def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int) -> str | None:
-    """Why these bytes per rank would not fit on this node, or None: the same on every rank
-    (one rank short means all skip, or their collectives would not match)."""
+    """Why these bytes per rank would not fit on this node, or None: the same on every rank."""
     gib = launch.GIB
     ranks_here = launch.ranks_on_this_node(ctx.world_size)
     have = launch.host_available_bytes()
@@ -57,8 +56,7 @@ def over_budget(ctx, nbytes: int, previous: dict, args) -> str | None:
     if ctx.is_main:
         per_call = previous["time_ms_median"] / 1e3 * nbytes / previous["bytes"]
         estimate = per_call * (1 + args.warmup + args.iters)
-        deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-        left = deadline - time.time() if deadline else math.inf
+        left = step_bench.seconds_left()
         start = f"estimated {estimate:.0f} s from {stage02.format_size(previous['bytes'])}: "
         if estimate > args.budget_s:
             decision[0] = start + f"over the {args.budget_s:g} s budget"
@@ -69,9 +67,8 @@ def over_budget(ctx, nbytes: int, previous: dict, args) -> str | None:
 
 
 def skip_reason(ctx, impl: str, nbytes: int, previous: dict | None, args) -> str | None:
-    """Why not to run this configuration, the same on every rank: over the budget or the
-    deadline, scaled from the size before (the first size: from one call, timed here), or
-    memory short."""
+    """Why not to run this configuration, the same on every rank: over the budget or the deadline
+    (scaled from the size before, or from one call timed here), or memory short."""
     if previous is not None and (why := over_budget(ctx, nbytes, previous, args)):
         return why
     cuda = ctx.device.type == "cuda"  # the buffer, the backend's and a ring's scratch per rank
@@ -147,9 +144,8 @@ def report(rows: list[dict], machine: str) -> None:
         ax.plot([int(r["bytes"]) for r in mine], [float(r["busbw_gbps"]) for r in mine],
                 styles[key[3]], marker="o", label=f"{key[0]}/{key[1]} ws={key[2]} {key[3]}")
     sizes = sorted({int(r["bytes"]) for r in rows})
-    ax.set_xscale("log")
+    ax.set(xscale="log", xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s = 10^9 B/s)")
     ax.set_xticks(sizes, [stage02.format_size(n) for n in sizes], minor=False)
-    ax.set(xlabel="buffer size (float32)", ylabel="bus bandwidth (GB/s = 10^9 B/s)")
     ax.set_title(f"all_reduce busbw\n{machine}", fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)

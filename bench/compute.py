@@ -3,31 +3,20 @@
     python bench/compute.py --device cuda --models course,small --batch-size 4 --context-length 256
     python bench/compute.py --device cpu --models tiny --batch-size 4 --context-length 64
 
-On a box where ranks share one GPU over Gloo, the step times of stages 03-07 measure Gloo's
-path through host memory as much as the GPU. This measures the GPU alone, at one rank's shapes:
+Where ranks share one GPU over Gloo, stages 03-07's step times measure Gloo's host path as much
+as the GPU; this measures the device alone, at one rank's shapes. First the peaks MFU is against,
+timed here (a spec sheet's wrong peak is how MFU comes out above 100%): a float32 matmul (on a
+GPU TF32 and bfloat16 too) and the copy bandwidth, the limit of the optimizer step. Then the
+LM's forward, backward and AdamW timed apart, its peak memory, tokens/s and MFU labelled with its
+peak; on a GPU one more row at a batch that saturates it (the course LM, 32 x 1024, bfloat16
+autocast) against the bfloat16 peak measured here and the datasheet's.
 
-1. the peaks MFU is measured against, timed in this run, not read off a spec sheet (a wrong
-   peak is how MFU comes out above 100%): a large matmul in float32 (the dtype every stage
-   trains in), and on a GPU in TF32 and bfloat16 too; and the device's copy bandwidth (bytes
-   read + written per second), the limit of memory-bound work such as the optimizer step;
-2. the Transformer LM: forward, backward and the AdamW step timed apart (synchronised, median
-   of the timed steps), ``torch.cuda.max_memory_allocated`` over a step, tokens/s, achieved
-   TFLOP/s and model FLOPs utilisation, each MFU labelled with its peak; on a GPU one more row
-   at a batch that saturates it (the course LM, 32 x 1024 tokens, bfloat16 autocast) against
-   the bfloat16 peak measured here and the datasheet's for the GPU the box names.
+FLOPs per token (PaLM appendix B, torchtitan, picotron): 6 N + 12 L H Q T. N: the parameters
+outside the embedding tables; L layers, H heads, Q head dimension, T context (attention counted
+whole, although a causal mask skips half). MFU = FLOPs per token x tokens/s / peak FLOP/s.
 
-FLOPs per token, the convention of PaLM (appendix B), torchtitan and picotron:
-
-    6 N + 12 L H Q T
-
-N: the parameters outside the embedding tables (each weight's multiply-add is 2 FLOPs forward
-and 4 backward); L layers, H heads, Q head dimension, T context: attention's two matmuls
-(counted whole, as the convention does, although a causal mask skips half).
-MFU = FLOPs per token x tokens/s / peak FLOP/s.
-
-Writes ``results/compute.csv`` (a row per model, as each lands) and ``results/matmul_peak.json``.
-Models are measured in the order given (smallest first); one that would not end before make
-bench's deadline for this step (``BENCH_STEP_DEADLINE``) is skipped with a note.
+Writes ``results/compute.csv`` (a row per model, as each lands) and ``results/matmul_peak.json``;
+a model that would not end before make bench's deadline for the step is skipped with a note.
 """
 
 from __future__ import annotations
@@ -80,20 +69,15 @@ def mfu(flops_per_token_: float, tokens_per_s: float, peak_flops_per_s: float) -
 # --------------------------------------------------------------------------- measuring
 
 
-def median_seconds(fn, device: torch.device, warmup: int, iters: int) -> float:
-    return statistics.median(timing.measure(fn, device, warmup=warmup, iters=iters))
-
-
 def matmul_peak(device: torch.device, n: int, dtype: torch.dtype = torch.float32,
                 tf32: bool = False) -> float:
-    """FLOP/s of an n x n x n matmul (2 n^3 FLOPs) in ``dtype`` (``tf32``: float32 on TF32
-    tensor cores), the median of 10 after warm-up."""
+    """FLOP/s of an n^3 matmul (2 n^3 FLOPs) in ``dtype`` (``tf32``: on TF32 tensor cores), median of 10."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     before = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
-        seconds = median_seconds(lambda: a @ b, device, warmup=3, iters=10)
+        seconds = statistics.median(timing.measure(lambda: a @ b, device, warmup=3, iters=10))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = before
     return 2 * n ** 3 / seconds
@@ -104,34 +88,29 @@ def datasheet_peak(device: torch.device) -> tuple[str, float] | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for gpu, flops in DATASHEET_BF16.items():
-        if gpu in name:
-            return name, flops
-    return None
+    return next(((name, flops) for gpu, flops in DATASHEET_BF16.items() if gpu in name), None)
 
 
 def step_bytes(preset: str, batch_size: int, context_length: int) -> int:
-    """A step's rough peak, as bench/step_bench.py checks it: 20 bytes a parameter plus the
-    float32 activations kept for backward."""
+    """A step's rough peak: 20 bytes a parameter (weight, gradient, AdamW's two, a bucket) plus
+    the float32 activations kept for backward."""
     shape = models.PRESETS[preset]
     acts = 4 * batch_size * context_length * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
         12 * shape["d_model"] + 2 * shape["d_ff"] + shape["num_heads"] * context_length))
-    params = models.lm_parameter_count(preset, 1) + (context_length - 1) * shape["d_model"]
-    return 20 * params + acts
+    return 20 * models.lm_parameter_count(preset, context_length=context_length) + acts
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
     """Bytes/s of a large copy: each byte read once and written once."""
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, warmup=3, iters=10)
+    seconds = statistics.median(timing.measure(lambda: dst.copy_(src), device, warmup=3, iters=10))
     return 2 * nbytes / seconds
 
 
 def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device,
                warmup: int, steps: int, bf16: bool = False) -> dict:
-    """Forward, backward, optimizer seconds (medians) and the peak memory of one rank's step
-    (``bf16``: the forward under bfloat16 autocast)."""
+    """Forward, backward, optimizer median seconds and peak memory of a step (``bf16``: autocast)."""
     torch.manual_seed(0)
     model = models.TransformerLM(preset, context_length=context_length).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -139,24 +118,23 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases = {"forward": [], "backward": [], "optimizer": []}
-    for i in range(warmup + steps):
+
+    def clock() -> float:
         timing.synchronize(device)
-        t0 = time.perf_counter()
+        return time.perf_counter()
+    for i in range(warmup + steps):
+        t0 = clock()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = models.lm_loss(model(x), y)
-        timing.synchronize(device)
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        timing.synchronize(device)
-        t2 = time.perf_counter()
+        t2 = clock()
         optimizer.step()
-        timing.synchronize(device)
-        t3 = time.perf_counter()
+        t3 = clock()
         if i >= warmup:
-            phases["forward"].append(t1 - t0)
-            phases["backward"].append(t2 - t1)
-            phases["optimizer"].append(t3 - t2)
+            for phase, seconds in zip(phases.values(), (t1 - t0, t2 - t1, t3 - t2)):
+                phase.append(seconds)
     memory = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     params = sum(p.numel() for p in model.parameters())
     del model, optimizer
@@ -168,21 +146,17 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
 
 def make_row(preset: str, batch_size: int, context_length: int, device: torch.device,
              measured: dict, peak: dict, dtype: str = "float32") -> dict:
-    """A row; its MFU against the measured peak of its dtype, labelled with it (``mfu_of``),
-    and against the datasheet's bf16 peak where the box names its GPU."""
+    """A row; MFU against the measured peak of its dtype (``mfu_of``) and the datasheet's bf16 peak."""
     step_s = measured["forward"] + measured["backward"] + measured["optimizer"]
     tokens_per_s = batch_size * context_length / step_s
     per_token = flops_per_token(preset, context_length)
     achieved = per_token * tokens_per_s
-    optimizer_bytes_per_s = ADAMW_BYTES_PER_PARAM * measured["params"] / measured["optimizer"]
     memory = measured["max_memory_allocated"]
-    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" \
-        else None
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else ""
     key = "bf16_flops_per_s" if dtype == "bfloat16" else "matmul_flops_per_s"
     sheet = datasheet_peak(device) if dtype == "bfloat16" else None
     return {
-        "device": device.type, "dtype": dtype, "model": preset,
-        "params": measured["params"],
+        "device": device.type, "dtype": dtype, "model": preset, "params": measured["params"],
         "nonembedding_params": nonembedding_parameters(preset, context_length),
         "batch_size": batch_size, "context_length": context_length,
         "fwd_ms": measured["forward"] * 1e3, "bwd_ms": measured["backward"] * 1e3,
@@ -192,16 +166,14 @@ def make_row(preset: str, batch_size: int, context_length: int, device: torch.de
         "mfu": achieved / peak[key], "mfu_of": f"the {dtype} matmul peak measured here",
         "mfu_of_datasheet": "" if sheet is None else achieved / sheet[1],
         "datasheet": "" if sheet is None else f"{sheet[0]}: {sheet[1] / 1e12:.0f} TFLOP/s bf16 dense",
-        "optimizer_gbps": optimizer_bytes_per_s / 1e9,
+        "optimizer_gbps": ADAMW_BYTES_PER_PARAM * measured["params"] / measured["optimizer"] / 1e9,
         "copy_gbps": peak["copy_bytes_per_s"] / 1e9,
-        "max_memory_allocated_bytes": "" if memory is None else memory,
-        "memory_total_bytes": "" if total is None else total,
+        "max_memory_allocated_bytes": "" if memory is None else memory, "memory_total_bytes": total,
         "machine": results.machine_name(), "run_id": results.run_id()}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """The flags, checked: a bad one is one line and exit 2, before anything is measured (a
-    size that would not fit in memory included)."""
+    """The flags, checked: a bad one (or a size that would not fit) is one line and exit 2."""
     from bench import supervisor as launch
     from common.launch import Parser
     parser = Parser(description=__doc__.splitlines()[0])
@@ -230,16 +202,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         launch.usage_error(f"BENCH_STEP_DEADLINE={deadline[:40]!r} is not a number (seconds "
                            "since the epoch by which this step must end)")
     args.matmul_n = args.matmul_n or (8192 if args.device == "cuda" else 1024)
-    need = {f"--matmul-n {args.matmul_n}": 3 * 4 * args.matmul_n ** 2}
-    for preset in presets:
-        need[f"--models {preset} at batch {args.batch_size} x {args.context_length}"] = \
-            step_bytes(preset, args.batch_size, args.context_length)
+    need = {f"--matmul-n {args.matmul_n}": 3 * 4 * args.matmul_n ** 2, **{
+        f"--models {preset} at batch {args.batch_size} x {args.context_length}":
+            step_bytes(preset, args.batch_size, args.context_length) for preset in presets}}
     what, most = max(need.items(), key=lambda item: item[1])
-    have = 0.9 * launch.host_available_bytes()
-    where = "host memory"
+    have, where = 0.9 * launch.host_available_bytes(), "host memory"
     if args.device == "cuda":
-        have = 0.9 * torch.cuda.get_device_properties(0).total_memory
-        where = "GPU memory"
+        have, where = 0.9 * torch.cuda.get_device_properties(0).total_memory, "GPU memory"
     if most > have:
         launch.usage_error(f"{what} needs about {most / 2**30:.1f} GiB of {where}, and "
                            f"{have / 2**30:.1f} GiB can be had; use a smaller size")

@@ -1,11 +1,9 @@
-"""The step benchmark of stages 03-06 (make bench's "ddp" step) and stage 06's bucket model
-set beside it.
+"""Stages 03-06's step benchmark (make bench's "ddp" step) and stage 06's bucket model beside it.
 
-A training step of the LM under NaiveDDP (03), FlatDDP (04), OverlapDDP (05) and BucketedDDP
-(06) at each of ``--bucket-sizes``, torch DDP at the same sizes, beside no communication and
-torch DDP at its default 25 MB (bench/step_bench.py): rows in results/ddp_step.csv. Then the
-overhead model of 06_bucketed_ddp/bucket_model.py with stage 02's fitted latency and bandwidth
-(results/allreduce_fit.json, else measured here), beside the sweep: results/bucket_model.json.
+The LM's training step under NaiveDDP (03), FlatDDP (04), OverlapDDP (05), BucketedDDP (06) and
+torch DDP at each of ``--bucket-sizes``, beside no communication and torch DDP at 25 MB
+(bench/step_bench.py): results/ddp_step.csv. Then bucket_model.py's overhead model with stage
+02's fitted latency and bandwidth (else measured here) beside the sweep: results/bucket_model.json.
 
     python bench/ddp_step.py --world-size 2 --model small --bucket-sizes 1,10,100,1000
 """
@@ -31,10 +29,8 @@ FIT_SIZES = [2**12, 2**16, 2**20, 2**22, 2**24]  # all-reduces timed when stage 
 
 
 def latency_bandwidth(ctx) -> dict:
-    """Stage 02's fitted (a, w) for this backend/device/world size, else measured here. Rank 0
-    alone reads the file (under multi-node torchrun each node has its own results/) and
-    broadcasts what it found, so every rank takes the same branch. A missing or malformed fit,
-    or one from another make-bench run (RESULTS_RUN_ID), is measured instead."""
+    """Stage 02's fitted (a, w) for this backend/device/world size, as rank 0 reads it (each node
+    has its own results/) and broadcasts; missing, malformed or another run's: measured here."""
     key = f"{ctx.backend}/{ctx.device.type}/{ctx.world_size}"
     decision = [None]
     if ctx.is_main:
@@ -71,9 +67,8 @@ def usable(fit: dict) -> bool:
 
 
 def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = True) -> dict:
-    """The prediction beside the measured sweep (printed by rank 0 unless ``show`` is False),
-    saved in results/bucket_model.json under backend/device/world size/model. The sweep may be
-    partial (a run stopped part-way): the summary names the sizes it has."""
+    """The prediction beside the sweep so far (printed by rank 0 if ``show``), saved in
+    results/bucket_model.json under backend/device/world size/model."""
     bucket_model = import_stage("06_bucketed_ddp/bucket_model")
     assign_buckets = import_stage("06_bucketed_ddp/bucketed_ddp").assign_buckets
     if not usable(fit):  # a fit on a noisy machine can come out with a <= 0
@@ -87,25 +82,20 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = Tr
     s = sum(p.numel() * p.element_size() for p in params)
     o, w = fit["a_s"], fit["w_bytes_per_s"]
     best_bytes, n_best = bucket_model.best_bucket_size_bytes(s, o, w)
-    rows = []
-    for r in sweep_rows:
-        buckets = len(assign_buckets(params, float(r["bucket_mb"])))
-        rows.append({"bucket_mb": r["bucket_mb"], "buckets": buckets,
-                     "model_comm_after_bwd_ms":
-                         bucket_model.comm_after_backward_model(buckets, s, o, w) * 1e3,
-                     "measured_comm_after_bwd_ms": r["comm_after_backward_ms"],
-                     "measured_step_ms": r["step_ms"]})
+    rows = [{"bucket_mb": r["bucket_mb"], "buckets": n,
+             "model_comm_after_bwd_ms": bucket_model.comm_after_backward_model(n, s, o, w) * 1e3,
+             "measured_comm_after_bwd_ms": r["comm_after_backward_ms"], "measured_step_ms": r["step_ms"]}
+            for r in sweep_rows for n in [len(assign_buckets(params, float(r["bucket_mb"])))]]
     best = min(rows, key=lambda r: r["measured_step_ms"])
     order = sorted(float(r["bucket_mb"]) for r in rows)
     i = order.index(float(best["bucket_mb"]))
-    lo = order[max(0, i - 1)]
-    hi = order[min(len(order) - 1, i + 1)]
+    lo, hi = order[max(0, i - 1)], order[min(len(order) - 1, i + 1)]
     within = lo <= best_bytes / MIB <= hi
-    predicted_ms = bucket_model.comm_after_backward_model(max(1.0, n_best), s, o, w) * 1e3
     summary = {
         "model": args.model, "gradient_bytes": s, "o_s": o, "w_bytes_per_s": w,
         "fit_source": fit["source"], "predicted_best_bucket_mb": best_bytes / MIB,
-        "predicted_best_n_buckets": n_best, "predicted_comm_after_backward_ms": predicted_ms,
+        "predicted_best_n_buckets": n_best, "predicted_comm_after_backward_ms":
+            bucket_model.comm_after_backward_model(max(1.0, n_best), s, o, w) * 1e3,
         "measured_best_bucket_mb": float(best["bucket_mb"]),
         "measured_best_step_ms": best["measured_step_ms"], "neighbour_range_mb": [lo, hi],
         "prediction_within_neighbours": within, "sweep": rows, "backend": ctx.backend,
@@ -127,7 +117,7 @@ def model_vs_sweep(ctx, args, sweep_rows: list[dict], fit: dict, show: bool = Tr
 
 def sweep_and_model(ctx, args, with_earlier_stages: bool = True) -> list[dict]:
     """Stages 03-05 (``with_earlier_stages``), BucketedDDP and torch DDP at every size, and the
-    model beside the sweep, rewritten as each size lands (a run stopped later keeps it)."""
+    model beside the sweep, rewritten as each size lands."""
     bucketed = import_stage("06_bucketed_ddp/bucketed_ddp").BucketedDDP
     fit = latency_bandwidth(ctx)
     cases = []
@@ -140,12 +130,12 @@ def sweep_and_model(ctx, args, with_earlier_stages: bool = True) -> list[dict]:
     cases += [("torch_ddp", size, step_bench.torch_ddp_factory(size)) for size in args.bucket_sizes
               if size != step_bench.TORCH_DDP_DEFAULT_BUCKET_MB]
 
-    def model_so_far(rows):
+    def model_so_far(rows, show=False):  # none before a bucketed case has run
         swept = [r for r in rows if r["impl"] == "bucketed"]
         if swept:
-            model_vs_sweep(ctx, args, swept, fit, show=False)
+            model_vs_sweep(ctx, args, swept, fit, show=show)
     rows = step_bench.run_step_bench(ctx, cases, args, after_case=model_so_far)
-    model_vs_sweep(ctx, args, [r for r in rows if r["impl"] == "bucketed"], fit)
+    model_so_far(rows, show=True)
     return rows
 
 

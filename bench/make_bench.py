@@ -1,22 +1,17 @@
 """``make bench``: every measurement the course makes, on this box, in one command, and a report.
 
     make bench                       # = python bench/make_bench.py
-    BENCH_QUICK=1 make bench         # the quick version (about 80 s on a 2-core CPU)
-    BENCH_MODEL=course make bench    # the Transformer LM preset for stages 03-07
-    BENCH_BUDGET_S=300 make bench    # the whole run's limit in seconds (default 510, quick 150;
-                                     # 180 on a GPU box, whose every step starts CUDA)
-    make bench PYTHON=python3        # a box whose Python already has torch (offline is fine)
+    BENCH_QUICK=1 make bench         # smaller sizes; BENCH_BUDGET_S, BENCH_MODEL: bench/README.md
 
 What runs on which box (``pick_setup``, ``plan``), how the budget is shared out (``SHARES``,
-``plan_budget``, ``run_all``), how a step is stopped and how the report is kept whole:
-bench/README.md. No stage is imported: each script runs with ``RESULTS_RUN_ID`` set, so
-``bench/report.py`` reports this run's rows only. To add a step: a row in ``SHARES`` (the
-columns still fit their default budgets; ``tests/test_bench.py`` checks) and a ``step(...)``
-in ``plan``.
+``plan_budget``, ``run_all``), how a step is stopped and the report kept whole: bench/README.md.
+No stage is imported: each script runs with ``RESULTS_RUN_ID`` set, so ``bench/report.py``
+reports this run's rows only. To add a step: a row in ``SHARES`` and a ``step(...)`` in ``plan``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import os
@@ -50,9 +45,10 @@ CUDA_STARTUP_S = 12
 CPU_STARTUP_S = 3
 
 # Each step's share of the default budget in seconds to its Ctrl-C, per kind of box, quick and
-# full, and the least it needs (start-up and one configuration); 0: not in that mode. Each
-# column adds up to at most the default budget less STOP_S (a test checks). CPU shares: this
-# 2-core VM's runs; one GPU: the H200 logs; NCCL: estimates (bench/README.md).
+# full, and the least it needs (start-up and one configuration); 0: not in that mode. A step over
+# Gloo takes the one_gpu column on any GPU box. A plan's shares add up to at most the default
+# budget less STOP_S (a test checks). CPU: this 2-core VM's runs; one GPU: the H200 logs; NCCL:
+# estimates (bench/README.md).
 SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "compute": dict(cpu=(7, 6, 5), one_gpu=(16, 22, 15), nccl=(16, 20, 15)),
     "allreduce": dict(cpu=(10, 21, 8), one_gpu=(18, 27, 15), nccl=(18, 39, 15)),
@@ -118,8 +114,7 @@ def pick_setup(gpus: int, gpu_name: str = "") -> Setup:
                      "communicate over Gloo with CUDA tensors, because NCCL refuses two ranks on "
                      "one GPU (\"Duplicate GPU detected\"). Gloo stages GPU memory through the "
                      "host, so communication is far slower than NCCL between GPUs would be.")
-    return Setup(gpus, gpu_name, "nccl", "cuda",
-                 f"{gpus} GPUs ({gpu_name}): NCCL, one GPU per rank.")
+    return Setup(gpus, gpu_name, "nccl", "cuda", f"{gpus} GPUs ({gpu_name}): NCCL, one GPU per rank.")
 
 
 def bench_model(setup: Setup, quick: bool) -> str:
@@ -129,20 +124,12 @@ def bench_model(setup: Setup, quick: bool) -> str:
     if name and name not in models.PRESETS:
         usage_error(f"BENCH_MODEL={name!r} is not a preset; choose from "
                     f"{', '.join(models.PRESETS)}", prog="make bench")
-    if name:
-        return name
-    if setup.gpus == 0:
-        return "tiny"
-    if quick or setup.gpus == 1:
-        return "course"
-    return "small"
+    return name or ("tiny" if setup.gpus == 0 else "course" if quick or setup.gpus == 1 else "small")
 
 
 def default_budget_s(quick: bool, gpus: int = 0) -> float:
     """510 s full; quick 150 s on a CPU box, 180 s on a GPU box."""
-    if quick and gpus > 0:
-        return GPU_QUICK_BUDGET_S
-    return DEFAULT_BUDGET_S[quick]
+    return GPU_QUICK_BUDGET_S if quick and gpus > 0 else DEFAULT_BUDGET_S[quick]
 
 
 def budget_s(quick: bool, gpus: int = 0) -> float:
@@ -161,57 +148,47 @@ def budget_s(quick: bool, gpus: int = 0) -> float:
 
 def smallest_budget_s() -> float:
     """The least budget that runs one step on a CPU box: the smallest minimum, and one stop."""
-    smallest = min(row["cpu"][2] for row in SHARES.values())
-    return smallest + STOP_S
+    return min(row["cpu"][2] for row in SHARES.values()) + STOP_S
 
 
 def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces") -> list[Step]:
     """The steps for this box, in order (a step whose share is 0 in this mode is left out)."""
     gpus = setup.gpus
-    cpu = gpus == 0
-    kind = box_kind(gpus)
 
-    def step(key: str, title: str, argv: list[str], budget_flag: str = "",
-             cases: int = 1) -> Step:
+    def step(key: str, title: str, argv: list[str], budget_flag: str = "", cases: int = 1) -> Step:
+        # sized by what it runs: a step over Gloo takes one GPU's share (the host's on a CPU box)
+        kind = box_kind(min(gpus, 1) if "gloo" in argv else gpus)
         quick_share, full_share, minimum = SHARES[key][kind]
         share = quick_share if quick else full_share
         return Step(key, title, argv, share, minimum, budget_flag=budget_flag, cases=cases)
     where = ["--backend", setup.backend, "--device", setup.device]
     ws = 2 if gpus < 2 else min(gpus, 8)  # stages 03-06 and the ledger
     pp_ws = 4 if gpus in (0, 1) or gpus >= 4 else 2
-    if cpu:
+    steps = ["--steps", "5", "--warmup", "2"]
+    if gpus == 0:
         ar = ["--backend", "gloo", "--device", "cpu", "--sizes",
               "64KB,1MB,10MB" if quick else "64KB,1MB,10MB,100MB", "--world-sizes",
               "2" if quick else "2,4"]
         lm = ["--batch-size", "8", "--context-length", "64"]
-        steps = ["--steps", "5", "--warmup", "2"] if quick else \
-            ["--steps", "10", "--warmup", "3", "--rounds", "3"]
+        steps = steps if quick else ["--steps", "10", "--warmup", "3", "--rounds", "3"]
         buckets = "0.25,1,4"
         tp = ["--d-model", "512", "--d-ff", "2048", "--batch", "4", "--seq", "128", "--heads", "8"]
         pp = ["--d-model", "256", "--hidden", "1024", "--batch", "64", "--emulate-ms", "30"]
         micro_batches = "8" if quick else "4,8"
-    elif gpus == 1:
+    else:
+        lm = ["--batch-size", "8", "--context-length", "256"]
+        steps = steps if quick else ["--steps", "6", "--warmup", "2", "--rounds", "2"]
+        buckets = "1,25,100" if quick else "1,5,25,100"
+        tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256", "--heads", "16"]
         # One GPU: collectives cross host memory (about 1.7 GB/s), so sizes are cut to fit.
         ar = ["--device", "cuda", "--sizes", "1MB,10MB,100MB", "--world-sizes",
               "2" if quick else "2,4"]
-        lm = ["--batch-size", "8", "--context-length", "256"]
-        steps = ["--steps", "5", "--warmup", "2"] if quick else \
-            ["--steps", "6", "--warmup", "2", "--rounds", "2"]
-        buckets = "1,25,100" if quick else "1,5,25,100"
-        tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256",
-              "--heads", "16"]
         pp = ["--d-model", "512", "--hidden", "2048", "--batch", "64", "--emulate-ms", "10"]
         micro_batches = "8" if quick else "4,8"
-    else:  # a GPU per rank, NCCL: the sizes an interconnect is measured at
+    if gpus > 1:  # a GPU per rank, NCCL: the sizes an interconnect is measured at
         ar = ["--backend", "nccl", "--device", "cuda",
               "--sizes", "1MB,10MB,100MB" if quick else "1MB,10MB,100MB,1GB",
               "--world-sizes", "2" if quick else ",".join(str(n) for n in (2, 4, 8) if n <= gpus)]
-        lm = ["--batch-size", "8", "--context-length", "256"]
-        steps = ["--steps", "5", "--warmup", "2"] if quick else \
-            ["--steps", "6", "--warmup", "2", "--rounds", "2"]
-        buckets = "1,25,100" if quick else "1,5,25,100"
-        tp = ["--d-model", "1024", "--d-ff", "4096", "--batch", "8", "--seq", "256",
-              "--heads", "16"]
         pp = ["--d-model", "1024", "--hidden", "4096", "--batch", "128", "--emulate-ms", "20"]
         micro_batches = "8" if quick else "4,8,16"
     lm[1] = str(ws * max(1, int(lm[1]) // ws))  # the global batch splits evenly over the ranks
@@ -221,10 +198,20 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     # The ledger's LM: course on a CPU (checkpointing does little for tiny's logits; quick: tiny,
     # no checkpointing) and on one GPU (small missed its cap over the host path).
     ledger_model = model if gpus >= 2 and not quick else "course"
-    ledger_lm = ["--model", "tiny" if quick else "course"] if cpu else \
+    ledger_lm = ["--model", "tiny" if quick else "course"] if gpus == 0 else \
         ["--model", ledger_model, "--batch-size", str(2 * ws), "--context-length", "256",
          "--steps", "5", "--warmup", "2"]
-    planned = [
+    cp = context_parallel_argv(setup, quick)
+    grid = together_argv(setup)
+    checkpoint = checkpoint_argv(setup, quick)
+    models_list = f"{model},small" if gpus > 0 and not quick and model != "small" else model
+    planned = [  # first the device alone, before any step can run over and leave it no time
+        step("compute", "compute on one device at world size 1: the matmul peak, the LM's "
+                        "forward, backward, optimizer, memory, MFU",
+             ["bench/compute.py", "--device", setup.device, "--models", models_list,
+              "--batch-size", str(int(_flag(lm, "--batch-size")) // ws),
+              "--context-length", _flag(lm, "--context-length"),
+              "--steps", "3" if quick else "5", "--warmup", "2"]),
         step("allreduce", "02 all-reduce sweep",
              ["bench/allreduce_sweep.py", *ar, "--budget-s", "120"],
              budget_flag="--budget-s", cases=len(_flag(ar, "--world-sizes").split(","))),
@@ -246,44 +233,24 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
                        f"(LM {ledger_lm[1]})",
              ["07_parallelism/measure/bench_fsdp.py", "--bench", "--world-size", str(ws), *where,
               *ledger_lm, "--checkpointing", "off" if quick else "off,on"]),
+        step("cp", f"07 context parallel: ring attention on {'4' if quick else '2 and 4'} ranks "
+                   f"({_flag(cp, '--backend')}/{_flag(cp, '--device')})", cp),
+        *(step(f"ep{n}", f"07 expert parallel, {n} ranks", expert_parallel_argv(setup, quick, n))
+          for n in (2, 4)),
+        step("grid", f"07 everything together: grids on {_flag(grid, '--world-size')} ranks, "
+                     "torch's composition and pipelining beside ours", grid),
+        step("checkpoint", f"07 checkpoints: saved at 2 ranks, loaded at "
+                           f"{_flag(checkpoint, '--world-size')}, and back, beside "
+                           f"torch.distributed.checkpoint (LM {_flag(checkpoint, '--model')})",
+             checkpoint),
+        step("backends", "which collective each backend/device pair of this box carries, each op "
+                         "in a process of its own", ["bench/backends.py"]),
+        step("muon", f"11 Muon: four designs beside AdamW + ZeRO-1, 2 and 4 ranks ({setup.backend}/"
+                     f"{setup.device})", ["07_parallelism/measure/bench_muon.py", *where,
+                                          "--world-sizes", "2,4" if gpus == 0 or gpus >= 4 else "2"]),
+        step("prediction", "07 planning: the planner's step times beside the ones measured above",
+             ["07_parallelism/measure/check_prediction.py", *where]),  # last: it reads their rows
     ]
-    cp = context_parallel_argv(setup, quick)
-    rings = "4" if quick else "2 and 4"
-    planned.append(step("cp", f"07 context parallel: ring attention on {rings} ranks "
-                              f"({_flag(cp, '--backend')}/{_flag(cp, '--device')})", cp))
-    for world_size in (2, 4):
-        planned.append(step(f"ep{world_size}", f"07 expert parallel, {world_size} ranks",
-                            expert_parallel_argv(setup, quick, world_size)))
-    grid = together_argv(setup)
-    planned.append(step("grid", f"07 everything together: grids on {_flag(grid, '--world-size')} "
-                                "ranks, torch's composition and pipelining beside ours", grid))
-    checkpoint = checkpoint_argv(setup, quick)
-    planned.append(step("checkpoint", "07 checkpoints: saved at 2 ranks, loaded at "
-                                      f"{_flag(checkpoint, '--world-size')}, and back, beside "
-                                      "torch.distributed.checkpoint (LM "
-                                      f"{_flag(checkpoint, '--model')})", checkpoint))
-    planned.append(step("backends", "which collective each backend/device pair of this box "
-                                    "carries, each op in a process of its own",
-                        ["bench/backends.py"]))
-    planned.append(step("muon", "11 Muon: four designs beside AdamW + ZeRO-1, 2 and 4 ranks "
-                                f"({setup.backend}/{setup.device})",
-                        ["07_parallelism/measure/bench_muon.py", *where, "--world-sizes",
-                         "2,4" if gpus == 0 or gpus >= 4 else "2"]))
-    # Last: lesson 9's planner beside the step times measured above (it reads their rows).
-    planned.append(step("prediction", "07 planning: the planner's step times beside the ones "
-                                      "measured above", ["07_parallelism/measure/check_prediction.py",
-                                                         "--backend", setup.backend,
-                                                         "--device", setup.device]))
-    # First: the device alone, before any step can run over and leave it no time.
-    # (the LM at one rank's shapes on one device, beside the matmul peak)
-    models_list = f"{model},small" if gpus > 0 and not quick and model != "small" else model
-    compute = ["bench/compute.py", "--device", setup.device, "--models", models_list,
-               "--batch-size", str(int(_flag(lm, "--batch-size")) // ws),
-               "--context-length", _flag(lm, "--context-length"),
-               "--steps", "3" if quick else "5", "--warmup", "2"]
-    planned.insert(0, step("compute", "compute on one device at world size 1: the matmul "
-                                      "peak, the LM's forward, backward, optimizer, memory, "
-                                      "MFU", compute))
     return [planned_step for planned_step in planned if planned_step.share_s > 0]
 
 
@@ -291,18 +258,20 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def over(setup: Setup, ranks: int, gloo_device: str = "cuda") -> list[str]:
+    """NCCL with a GPU per rank, else Gloo: with ``gloo_device`` tensors on a GPU box."""
+    if setup.gpus >= ranks:
+        return ["--backend", "nccl", "--device", "cuda"]
+    return ["--backend", "gloo", "--device", gloo_device if setup.gpus else "cpu"]
+
+
 def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
     """Ring attention on 4 ranks (rings of 2 and 4; quick: 4); Gloo sends CPU tensors only."""
-    if setup.gpus >= 4:
-        where = ["--backend", "nccl", "--device", "cuda"]
-        seqs = "1024,2048" if quick else "1024,2048,4096"
-    else:
-        where = ["--backend", "gloo", "--device", "cpu"]
-        seqs = "256,512" if quick else "256,512,1024"
-        if setup.gpus > 1:
-            seqs = "512,1024" if quick else "512,1024,2048"
+    where = over(setup, 4, "cpu")
+    seqs = "256,512" if quick else "256,512,1024"  # the host's, whatever the box
     shape = []
-    if setup.gpus > 1:
+    if "nccl" in where:
+        seqs = "1024,2048" if quick else "1024,2048,4096"
         shape = ["--batch", "1", "--heads", "8", "--head-dim", "64"]
     repeats = []
     if quick:
@@ -314,59 +283,37 @@ def context_parallel_argv(setup: Setup, quick: bool) -> list[str]:
 
 
 def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str]:
-    """Expert parallel on ``world_size`` ranks: NCCL, else Gloo on the GPUs, else the CPU."""
-    if setup.gpus >= world_size:
-        where = ["--backend", "nccl", "--device", "cuda"]
-    elif setup.gpus > 0:
-        where = ["--backend", "gloo", "--device", "cuda"]
-    else:
-        where = ["--backend", "gloo", "--device", "cpu"]
-    sizes = []  # the CPU's: the script's --bench defaults, d_model 128, d_ff 512
-    if quick:
-        sizes = ["--tokens", "256,2048", "--warmup", "1", "--iters", "3"]
-    if setup.gpus == 1:  # the all-to-alls cross host memory: 8 MB at 1024 x 1024 x 2 floats
-        sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "1024,4096",
-                 "--warmup", "2", "--iters", "5"]
-        if quick:
-            sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "1024",
-                     "--warmup", "1", "--iters", "3"]
-    elif setup.gpus > 1:
-        sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384,32768",
-                 "--warmup", "3", "--iters", "10"]
-        if quick:
-            sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens", "4096,16384",
-                     "--warmup", "2", "--iters", "5"]
+    """Expert parallel on ``world_size`` ranks; on a CPU the script's --bench sizes (d_model
+    128), on a GPU d_model 1024 and, over Gloo, fewer tokens (its all-to-alls cross host memory:
+    8 MB at 1024 x 1024 x 2 floats)."""
+    where = over(setup, world_size)
+    sizes = ["--tokens", "256,2048", "--warmup", "1", "--iters", "3"] if quick else []
+    if setup.gpus:
+        nccl = "nccl" in where
+        tokens = "4096,16384,32768" if nccl else "1024,4096"
+        warmup, iters = [[("2", "5"), ("3", "10")], [("1", "3"), ("2", "5")]][quick][nccl]
+        sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens",
+                 tokens.rsplit(",", 1)[0] if quick else tokens, "--warmup", warmup, "--iters", iters]
     return ["07_parallelism/measure/bench_expert_parallel.py", "--bench",
             "--world-size", str(world_size), *where, "--num-experts", "8", *sizes]
 
 
 def together_argv(setup: Setup) -> list[str]:
     """Lesson 7's grids: NCCL on 8 or 4 ranks with 4+ GPUs, else the host's cores on 4."""
-    if setup.gpus >= 4:
-        world_size = 8 if setup.gpus >= 8 else 4
-        return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size",
-                str(world_size), "--backend", "nccl", "--device", "cuda", "--bench-sizes", "gpu"]
-    return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size", "4", "--backend",
-            "gloo", "--device", "cpu", "--bench-sizes", "cpu"]
+    ranks = 8 if setup.gpus >= 8 else 4
+    where = over(setup, ranks, "cpu")
+    return ["07_parallelism/measure/grid_bench.py", "--bench", "--world-size", str(ranks), *where,
+            "--bench-sizes", "gpu" if "nccl" in where else "cpu"]
 
 
 def checkpoint_argv(setup: Setup, quick: bool) -> list[str]:
-    """Checkpoints saved at 2 ranks, loaded at the world size (3 or more), and back."""
-    if setup.gpus >= 3:
-        world_size = min(setup.gpus, 4)
-        where = ["--backend", "nccl", "--device", "cuda"]
-    elif setup.gpus > 0:
-        world_size = 4
-        where = ["--backend", "gloo", "--device", "cuda"]
-    else:
-        world_size = 4
-        where = ["--backend", "gloo", "--device", "cpu"]
+    """Checkpoints saved at 2 ranks, loaded at the world size (3 or more), and back; over Gloo
+    the course LM (small's 400 MB of state through host memory missed its cap)."""
+    world_size = min(setup.gpus, 4) if setup.gpus >= 3 else 4
+    where = over(setup, world_size)
+    sizes = ["--model", "small" if "nccl" in where else "course"]
     if quick:
-        sizes = ["--model", "course" if setup.gpus > 0 else "tiny", "--iters", "2"]
-    elif setup.gpus > 1:
-        sizes = ["--model", "small"]
-    else:  # on one GPU, small's 400 MB of state through host memory missed its cap
-        sizes = ["--model", "course"]
+        sizes = ["--model", "course" if setup.gpus else "tiny", "--iters", "2"]
     return ["07_parallelism/measure/bench_checkpoint.py", "--bench", "--world-size",
             str(world_size), *where, *sizes]
 
@@ -479,13 +426,9 @@ def run_step(step: Step, env: dict, cap_s: float) -> None:
         rc = proc.wait(timeout=cap_s)
         step.status = "ok" if rc == 0 else f"failed (exit {rc})"
     except subprocess.TimeoutExpired:
-        step.status = f"stopped at its {cap_s:.0f} s cap"
-        code = stop(proc, signal.SIGINT, GRACE_S)
-        step.status += f" (exit {code})"
+        step.status = f"stopped at its {cap_s:.0f} s cap (exit {stop(proc, signal.SIGINT, GRACE_S)})"
     except Interrupted as e:
-        step.status = f"stopped by {e}"
-        code = stop(proc, e.signum, SIGNAL_GRACE_S)
-        step.status += f" (exit {code})"
+        step.status = f"stopped by {e} (exit {stop(proc, e.signum, SIGNAL_GRACE_S)})"
         raise
     finally:
         kill_group(proc.pid)  # a rank the script left behind, however it ended
@@ -503,10 +446,8 @@ def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
 
 
 def kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # nothing left in it
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # nothing left in it
 
 
 def take_the_lock(out: Path):
@@ -546,10 +487,7 @@ def main() -> None:
           "leaves passes on):\n" + "\n".join(
               f"  {i}. {s.title}: " + (f"{s.cap_s:.0f} s" if s.cap_s else s.status)
               for i, s in enumerate(steps, 1)), flush=True)
-    start = time.monotonic()
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    started_at = time.time()
-    stopped_by = None
+    start, started_at, stopped_by = time.monotonic(), time.time(), None
     previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for s, handler in previous.items():  # (ignored, as in `make bench &` from a script: stays so)
         if handler is not signal.SIG_IGN:
@@ -566,7 +504,8 @@ def main() -> None:
         total = time.monotonic() - start
         info = {"run_id": run_id, "quick": quick, "model": model, "setup": asdict(setup),
                 "machine": results.machine_name(), "cpu_cores": os.cpu_count(),
-                "torch": torch.__version__, "started_utc": started, "total_s": total,
+                "torch": torch.__version__, "total_s": total,
+                "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started_at)),
                 "budget_s": budget, "allocator": allocator,
                 "keeps_freed_memory": allocator == KEEP_FREED_MEMORY,
                 "steps": [asdict(s) for s in steps]}

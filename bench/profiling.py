@@ -1,11 +1,10 @@
 """Proof of overlap: profile a few training steps, draw compute and communication on one axis.
 
-``profile_ddp(ctx, [(label, factory), ...], args, name)`` (bench/profile_ddp.py, 07's FSDP):
-every rank profiles two LM steps per case into ``<trace-dir>/<name>/<label>_rank<r>.json``
-(https://ui.perfetto.dev), cut into ``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and
-``ddp:optimizer`` ranges. Gloo runs a collective on a worker thread (``gloo:all_reduce``...),
-NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints how much communication ran during and
-after backward (also results/ddp_profile.csv), a text timeline, and draws it as a PNG.
+``profile_ddp(ctx, [(label, factory), ...], args, name)``: every rank profiles two LM steps per
+case into ``<trace-dir>/<name>/<label>_rank<r>.json`` (https://ui.perfetto.dev), cut into
+``ddp:forward``, ``ddp:backward``, ``ddp:finish`` and ``ddp:optimizer``. Gloo runs a collective
+on a thread (``gloo:all_reduce``...), NCCL as a kernel (``ncclDevKernel_...``). Rank 0 prints the
+communication during and after backward (results/ddp_profile.csv), a text timeline and a PNG.
 """
 
 import argparse
@@ -43,8 +42,7 @@ def add_profile_args(parser):
 
 
 def writable_folder(text: str) -> Path:
-    """A flag type: a folder that can be written or made, checked when parsed (one line before
-    any worker starts, not a traceback after the profiled steps), made only when used."""
+    """A flag type: a folder that can be written or made, checked when parsed, made when used."""
     existing = Path(text).absolute()
     while not existing.exists():
         existing = existing.parent  # ends at the root, which exists
@@ -81,12 +79,11 @@ def profile_case(ctx, factory, args, trace_path: Path) -> None:
 
 
 def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
-    """Profile each ``(label, factory)`` on every rank. Rank 0 summarises its own trace as each
-    case lands (the CSV row and the picture, so a profile stopped later keeps them), then
-    prints the text timelines and the table."""
+    """Profile each ``(label, factory)`` on every rank; rank 0 writes its summary and picture as
+    each case lands, then prints the text timelines and the table."""
     out_dir = Path(args.trace_dir) / name
-    timelines = []
-    for label, factory in cases:
+    timelines, summaries = [], []
+    for label, factory in step_bench.until_deadline(ctx, cases, "the cases left"):
         start = time.perf_counter()
         slug = re.sub(r"[^a-z0-9.]+", "_", label.lower()).strip("_.")
         path = out_dir / f"{slug}_rank{ctx.rank}.json"
@@ -94,11 +91,10 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
         ctx.print(f"profiled {label}: {path} ({time.perf_counter() - start:.1f} s)")
         if ctx.is_main:
             timelines.append((label, step_timeline(path)))
-            write_summary(ctx, args, name, timelines, out_dir)
+            summaries = write_summary(ctx, args, name, timelines, out_dir)
     dist.barrier()  # every rank's trace is on disk
     if not ctx.is_main:
         return []
-    summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     for label, tl in timelines:
         print(text_timeline(label, tl), flush=True)
     results.print_table(summaries, title=f"\nCommunication in the last profiled step, rank 0 "
@@ -106,7 +102,7 @@ def profile_ddp(ctx, cases, args, name: str) -> list[dict]:
     return summaries
 
 
-def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> None:
+def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> list[dict]:
     """Rank 0: the cases profiled so far into ``results/ddp_profile.csv`` and the picture."""
     summaries = [{"case": label, **{k: tl[k] for k in SUMMARY}} for label, tl in timelines]
     png = draw_timeline(timelines, out_dir / "timeline.png",
@@ -118,6 +114,7 @@ def write_summary(ctx, args, name: str, timelines, out_dir: Path) -> None:
          "model": args.model, "batch_size": args.batch_size, "context_length": args.context_length,
          "stage": name, **s, "timeline_png": str(png or ""), "run_id": results.run_id()}
         for s in summaries], key=["backend", "device", "world_size", "model", "stage", "case"])
+    return summaries
 
 
 def step_timeline(trace_path: Path) -> dict:
@@ -188,8 +185,7 @@ def draw_timeline(timelines, out_png: Path, title: str) -> Path | None:
             ax.broken_barh([(t0, dur)], (lane + 1.15, 0.7), color=COMM_COLOR, edgecolor="white",
                            linewidth=0.3)
         ax.set_yticks([i + 0.5 for i in range(len(rows))], rows, fontsize=8)
-        ax.set_ylim(len(rows), 0)  # row 0 on top
-        ax.set_xlim(0, span * 1.01)
+        ax.set(ylim=(len(rows), 0), xlim=(0, span * 1.01))  # row 0 on top
         ax.set_title(f"{label}: communication during backward {tl['comm_during_backward_ms']:.0f} "
                      f"ms, after it {tl['comm_after_backward_ms']:.0f} ms (step "
                      f"{tl['step_ms']:.0f} ms)", fontsize=9, loc="left")

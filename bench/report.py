@@ -59,10 +59,10 @@ def entries_of(where: Where, name: str, run_id: str) -> list[dict]:
             if isinstance(v, dict) and v.get("run_id") == run_id]
 
 
-def section(title: str, csv: str | None = None, steps: tuple = (), optional: bool = False):
+def section(title: str, csv: str | None = None, steps: tuple = (), optional: bool = False, stage=None):
     def register(fn):
         def read(where):
-            rows = rows_of(where, csv)
+            rows = rows_of(where, csv, stage)
             return fn(where, rows) if rows else None
         run = read if csv else fn
         (OPTIONAL if optional else SECTIONS).append((title, run))
@@ -283,11 +283,8 @@ def bucket_section(where: Where):
                    [["bucket size: model's best vs measured best", f"{best} ({inside.split()[0]} [{lo:g}, {hi:g}])"]], entries)
 
 
-@section("Overlap, seen in a profile (stage 05 `--profile`)", steps=("profile",))
-def overlap_section(where: Where):
-    rows = rows_of(where, "ddp_profile.csv", "05_overlap_ddp")
-    if not rows:
-        return None
+@section("Overlap, seen in a profile (stage 05 `--profile`)", "ddp_profile.csv", ("profile",), stage="05_overlap_ddp")
+def overlap_section(where: Where, rows: list[dict]):
     keys = ["step_ms", "backward_ms", "collectives", "comm_during_backward_ms", "comm_after_backward_ms"]
     text = md_table(["case", *[k.replace("_ms", " ms").replace("_", " ") for k in keys]],
                     [[r["case"], *[float(r[k]) if k.endswith("_ms") else r[k] for k in keys]] for r in rows])

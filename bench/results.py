@@ -1,12 +1,9 @@
-"""Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/``.
+"""Result tables: print with ``tabulate``, keep as CSV/JSON under ``results/`` (``RESULTS_DIR``).
 
-Files are shared by stages and runs, so writing is an upsert: a run replaces the rows whose
-key matches its own and keeps the rest. Writers lock the file and replace it with a uniquely
-named temporary one, so runs side by side lose no row and no reader sees half a file; a file
-that cannot be read is named in a one-line warning and treated as empty (a header alone is a
-valid file with no rows). A file keeps its mode; a new one gets the mode the user's umask
-gives. Every benchmark row carries ``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a
-report can pick one run's. ``RESULTS_DIR`` redirects the folder (the tests use a temporary one).
+Writing is an upsert (a run replaces the rows whose key matches its own), under a lock, through
+a temporary file swapped in whole: runs side by side lose no row, no reader sees half a file. An
+unreadable file is named in a warning and read as empty; a file keeps its mode. Every row carries
+``run_id()`` (``make bench`` sets ``RESULTS_RUN_ID``), so a report can pick one run's.
 """
 
 import contextlib
@@ -32,8 +29,7 @@ from common import REPO_ROOT, usage_error
 
 
 def results_dir() -> Path:
-    """``results/`` in the repository, or ``$RESULTS_DIR``; set but empty is refused (it would
-    mean the current folder)."""
+    """``results/`` in the repository, or ``$RESULTS_DIR`` (set but empty is refused)."""
     folder = os.environ.get("RESULTS_DIR")
     if folder is None:
         return REPO_ROOT / "results"
@@ -53,8 +49,7 @@ def machine_name() -> str:
     """One line naming the machine a number came from: CPU cores and GPU model if any; under
     torchrun across nodes, the job (nodes x ranks per node), not this node's GPUs alone."""
     cpu = f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}"
-    world = os.environ.get("WORLD_SIZE", "")
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    world, local = (os.environ.get(name, "") for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"))
     nodes = ""
     if world.isdecimal() and local.isdecimal() and 0 < int(local) < int(world):
         nodes = f"{-(-int(world) // int(local))} nodes x {local} ranks, "
@@ -72,11 +67,9 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
         text = tabulate(rows, headers="keys", floatfmt=floatfmt, tablefmt="github")
     else:
         keys = list(rows[0]) if rows else []
-
-        def cell(v):
-            return format(v, floatfmt) if isinstance(v, float) else str(v)
-        text = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-                         + ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows])
+        text = "\n".join(["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + [
+            "| " + " | ".join(format(r[k], floatfmt) if isinstance(r[k], float) else str(r[k])
+                              for k in keys) + " |" for r in rows])
     if title:
         text = f"{title}\n{text}"
     print(text, flush=True)
@@ -84,10 +77,8 @@ def print_table(rows: list[dict], title: str | None = None, floatfmt: str = ".4g
 
 
 def check_folder() -> Path:
-    """The results folder, without creating it; a one-line error (exit 2) when ``RESULTS_DIR``
-    is set but empty, or when something in the folder named like a results file or its lock
-    (``*.csv``, ``*.json``, ``.*.lock``) is not a plain file: a folder there would cost a whole
-    run's rows at its end. ``launch.resolve`` calls this before any worker starts."""
+    """The results folder, not created; one line and exit 2 where a results file or lock's name
+    (``*.csv``, ``*.json``, ``.*.lock``) is not a plain file (it would cost a run's rows at its end)."""
     folder = results_dir()
     try:
         entries = list(os.scandir(folder)) if folder.is_dir() else []
@@ -103,8 +94,7 @@ def check_folder() -> Path:
 
 
 def check_writable() -> Path:
-    """The results folder, or a one-line error (exit 2) when it cannot be written (or holds a
-    folder where a results file goes): called before the first configuration, not after it."""
+    """The results folder, or one line and exit 2 where it cannot be written (before any measurement)."""
     folder = check_folder()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -124,8 +114,7 @@ def _locked(path: Path):
 
 
 def _new_file_mode() -> int:
-    """The mode open() gives a new file: 0o666 less the umask (Linux shows the umask in
-    /proc/self/status; elsewhere it is read by setting it, which has no reader-only call)."""
+    """0o666 less the umask (Linux shows it in /proc/self/status; elsewhere: set and reset)."""
     try:
         with open("/proc/self/status") as f:
             umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
@@ -177,8 +166,7 @@ def upsert_csv(name: str, rows: list[dict], key: list[str]) -> Path:
 
 
 def read_csv(name: str, folder: Path | None = None) -> list[dict]:
-    """The rows of ``results/<name>``: [] when it is missing, holds a header alone, or cannot
-    be read (then with a warning)."""
+    """The rows of ``results/<name>``: [] when missing, a header alone, or unreadable (warned)."""
     return _read_table((folder or results_dir()) / name)[1]
 
 
@@ -230,8 +218,7 @@ def read_json(name: str, folder: Path | None = None) -> dict:
 
 
 def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not
-    installed (it is optional: the tables never need it)."""
+    """matplotlib's pyplot on the file-only Agg backend, or None where it is not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display needed

@@ -1,13 +1,11 @@
 """Timing a data-parallel training step: bench/ddp_step.py's table (stages 03-06).
 
-A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM the way a stage
-does; ``none`` (no wrapper) and ``torch_ddp`` at its default 25 MB (the denominator of
-``ratio_vs_torch_ddp``) run beside them. Each step is split into forward + backward, the
-communication left after backward (``finish_gradient_synchronization()``) and the optimizer;
-what overlaps backward hides in the first, so the clock after backward waits for the compute
-stream only. ``--rounds`` repeats the list and pools each case's steps. Slowest rank's medians;
-rank 0 prints the table and upserts results/ddp_step.csv. Beside ``none``, a burst of small
-all-reduces is timed (``call_ms``): lesson 9's prediction needs what a call costs.
+A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM as a stage does,
+beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'s denominator).
+A step is split into forward + backward (where overlapped communication hides: that clock waits
+for the compute stream only), the communication left after it and the optimizer; ``--rounds``
+pools each case's steps. Beside ``none`` a burst of small all-reduces is timed (``call_ms``, for
+lesson 9's prediction). Slowest rank's medians, upserted into results/ddp_step.csv.
 """
 
 import gc
@@ -22,6 +20,7 @@ import torch.distributed as dist
 from common import models
 
 from bench import results, timing
+from bench.compute import step_bytes
 
 from bench import supervisor as launch
 
@@ -50,24 +49,17 @@ def add_step_bench_args(parser):
     g.add_argument("--rounds", type=launch.positive_int, default=1,
                    help="run the whole list of cases this many times and pool the timed steps")
     g.add_argument("--case-budget-s", type=launch.positive_float, default=120.0,
-                   help="at most this many seconds per case: when the warm-up says the timed "
-                        "steps would take longer, fewer are timed")
+                   help="seconds per case at most: fewer timed steps where the warm-up says so")
 
 
 def check_step_bench_args(args, config) -> None:
-    """One line and exit 2, before any worker starts: a batch that does not split evenly, a
-    model that would not fit, a results folder that cannot be written."""
+    """One line and exit 2 before any worker starts: an uneven batch, a model too big, no results."""
     ws = config.world_size
     if args.batch_size % ws:
         launch.usage_error(f"--batch-size {args.batch_size} is not divisible by world size "
                            f"{ws}: each rank needs an equal slice (try "
                            f"{ws * max(1, args.batch_size // ws)})")
-    # a rank's peak: 20 B a parameter (weight, gradient, AdamW's two, a bucket) + activations
-    shape = models.PRESETS[args.model]
-    context = args.context_length
-    acts = 4 * (args.batch_size // ws) * context * (3 * models.VOCAB_SIZE + shape["num_layers"] * (
-        12 * shape["d_model"] + 2 * shape["d_ff"] + shape["num_heads"] * context))
-    need = 20 * models.lm_parameter_count(args.model, context_length=context) + acts
+    need = step_bytes(args.model, args.batch_size // ws, args.context_length)  # a rank's peak
     what = f"--model {args.model}, batch {args.batch_size}, context {args.context_length}"
     ranks_here = launch.ranks_on_this_node(ws)
     if config.device == "cuda":
@@ -82,8 +74,8 @@ def check_step_bench_args(args, config) -> None:
 
 
 def setup_case(ctx, factory, args):
-    """The LM of ``--model`` (the same on every rank), ``factory(model)`` (None: no wrapper),
-    its finish call (a no-op for torch DDP), AdamW, and this rank's slice of the batch."""
+    """The LM (the same on every rank), ``factory(model)`` (None: none), its finish call, AdamW,
+    and this rank's slice of the batch."""
     torch.manual_seed(0)
     model = models.TransformerLM(args.model, context_length=args.context_length).to(ctx.device)
     wrapper = factory(model) if factory is not None else model
@@ -96,9 +88,8 @@ def setup_case(ctx, factory, args):
 
 
 def wait_for(device: torch.device, compute_only: bool) -> None:
-    """On a GPU, wait for the work queued so far: the compute stream's (``compute_only``: NCCL's
-    own streams may still be reducing, as they do when they overlap backward), or all of it.
-    (torch.cuda.synchronize would count the overlapped communication as backward.)"""
+    """On a GPU, wait for the queued work: the compute stream's (``compute_only``: NCCL's streams
+    may still be reducing, overlapping backward), or all of it."""
     if device.type != "cuda":
         return
     if compute_only:
@@ -108,9 +99,8 @@ def wait_for(device: torch.device, compute_only: bool) -> None:
 
 
 def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
-    """This rank's (fwd_bwd, comm, optimizer, step) seconds for the timed steps of one case:
-    as many as fit in ``case_budget_s / rounds`` at the slowest rank's last warm-up step (every
-    rank times the same number, or their collectives would never pair up)."""
+    """This rank's (fwd_bwd, comm, optimizer, step) seconds for one case's timed steps: as many
+    as fit in ``case_budget_s / rounds`` at the slowest rank's warm-up pace (the same on every rank)."""
     model, wrapper, finish, optimizer, x, y = setup_case(ctx, factory, args)
 
     def clock(compute_only: bool = False) -> float:
@@ -162,21 +152,41 @@ def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
     }
 
 
-def time_left_for(ctx, seconds: float) -> bool:
-    """Whether ``seconds`` more fit before ``BENCH_STEP_DEADLINE`` (set by make bench; none:
-    always), decided on rank 0 and broadcast, so every rank takes the same branch."""
+def seconds_left() -> float:
+    """Seconds to make bench's deadline for this step (``BENCH_STEP_DEADLINE``; none: inf)."""
     deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-    if not deadline:
+    return deadline - time.time() if deadline else math.inf
+
+
+def time_left_for(ctx, seconds: float) -> bool:
+    """Whether ``seconds`` more fit before make bench's deadline for this step (rank 0's verdict)."""
+    left = seconds_left()
+    if left == math.inf:
         return True
-    verdict = [time.time() + seconds <= deadline]
+    verdict = [seconds <= left]
     dist.broadcast_object_list(verdict, src=0)
     return verdict[0]
 
 
+SKIPPED = "skipped: past make bench's deadline for this step"
+
+
+def until_deadline(ctx, configurations, what: str = "the rest"):
+    """Yield each configuration while the one before says the next ends before the deadline
+    (``time_left_for``); else say so in one line and stop."""
+    took = 0.0
+    for i, configuration in enumerate(configurations):
+        if i and not time_left_for(ctx, took):
+            ctx.print(f"{what}: {SKIPPED}; the rows above are written", all_ranks=False)
+            return
+        start = time.perf_counter()
+        yield configuration
+        took = time.perf_counter() - start
+
+
 def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
-    """Time every case and the ``none`` and ``torch_ddp`` (25 MB) references; rank 0 upserts
-    results/ddp_step.csv after every case and prints the table; returns the rows.
-    ``after_case(rows)`` runs on every rank after each case with the rows so far."""
+    """Time every case beside ``none`` and ``torch_ddp`` (25 MB); rank 0 upserts the rows after
+    each case, then prints them; ``after_case(rows so far)`` runs on every rank after each case."""
     refs = [("none", None, None), ("torch_ddp", TORCH_DDP_DEFAULT_BUCKET_MB, torch_ddp_factory())]
     cases = [r for r in refs if r[:2] not in {c[:2] for c in cases}] + list(cases)
     params = models.lm_parameter_count(args.model, context_length=args.context_length)
@@ -187,40 +197,34 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
     pooled = [([], [], [], []) for _ in cases]
     bursts = []  # seconds a call, in bursts timed beside the control, every round
     by_case = [None] * len(cases)  # each case's row from its steps so far
-    round_s = 0.0
-    for round_index in range(args.rounds):
-        if round_index > 0 and not time_left_for(ctx, round_s):
-            ctx.print(f"  note: {round_index} round(s) of {args.rounds}: another would take about "
-                      f"{round_s:.0f} s and would not end before make bench stops this step",
-                      all_ranks=False)
-            break
-        round_start = time.perf_counter()
-        for i, ((impl, bucket_mb, factory), pool) in enumerate(zip(cases, pooled)):
-            times = time_steps(ctx, factory, args)
-            for acc, new in zip(pool, times):
-                acc.extend(new)
-            ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
-                      f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0",
-                      all_ranks=False)
-            by_case[i] = make_row(ctx, args, impl, bucket_mb, pool)
-            if impl == "none":  # the same ranks, the same moment: what a small call costs now
-                bursts += timing.call_in_burst(ctx.device)
-                by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
-            rows = [r for r in by_case if r is not None]
-            ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
-            for r in rows:  # none until torch DDP's case has run
-                r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
-            if ctx.is_main:  # after every case: a run stopped later keeps what it measured
-                results.upsert_csv(CSV_NAME, rows, key=CSV_KEY)
-            if after_case is not None:
-                after_case(rows)
-        round_s = time.perf_counter() - round_start
+    rows = []
+    every_case = [i for _ in range(args.rounds) for i in range(len(cases))]
+    for i in until_deadline(ctx, every_case, "the cases and rounds left"):
+        impl, bucket_mb, factory = cases[i]
+        times = time_steps(ctx, factory, args)
+        for acc, new in zip(pooled[i], times):
+            acc.extend(new)
+        ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "
+                  f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0", all_ranks=False)
+        by_case[i] = make_row(ctx, args, impl, bucket_mb, pooled[i])
+        if impl == "none":  # the same ranks, the same moment: what a small call costs now
+            bursts += timing.call_in_burst(ctx.device)
+            by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
+        rows = [r for r in by_case if r is not None]
+        ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
+        for r in rows:  # none until torch DDP's case has run
+            r["ratio_vs_torch_ddp"] = r["step_ms"] / ref["step_ms"] if ref else None
+        if ctx.is_main:  # after every case: a run stopped later keeps what it measured
+            results.upsert_csv(CSV_NAME, rows, key=CSV_KEY)
+        if after_case is not None:
+            after_case(rows)
     if ctx.is_main:
         results.print_table([{
             "impl": r["impl"], "bucket_mb": r["bucket_mb"], "step_ms": r["step_ms"],
             "fwd_bwd_ms": r["fwd_bwd_ms"], "comm_after_bwd_ms": r["comm_after_backward_ms"],
             "optimizer_ms": r["optimizer_ms"], "comm_share": f"{r['comm_share']:.0%}",
-            "vs_torch_ddp": f"{r['ratio_vs_torch_ddp']:.2f}x"} for r in rows],
+            "vs_torch_ddp": r["ratio_vs_torch_ddp"] and f"{r['ratio_vs_torch_ddp']:.2f}x"}
+            for r in rows],
             title=f"\nTraining step, slowest rank's median ({results.machine_name()}):")
         print(f"rows in {results.results_dir() / CSV_NAME}", flush=True)
     return rows

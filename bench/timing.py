@@ -43,11 +43,8 @@ def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
 
 def call_in_burst(device: torch.device, nbytes: int = 64 * 2**10, calls: int = 20,
                   bursts: int = 5) -> list[float]:
-    """Seconds one all-reduce of ``nbytes`` takes inside a burst of ``calls`` back-to-back
-    calls, one figure per burst; the ranks are lined up before each burst, not before each
-    call. This is what each of a step's many small calls costs (a call per tensor in stages 03
-    and 05), where a barrier before every call (stage 02) would hide the wait for the last rank
-    to arrive. A collective: every rank calls it."""
+    """Seconds an all-reduce of ``nbytes`` takes inside a burst of ``calls``, one figure per burst,
+    the ranks lined up before each burst only: what each of a step's many small calls costs."""
     small = torch.ones(nbytes // 4, device=device)
     per_call = []
     for _ in range(bursts):
@@ -72,8 +69,7 @@ class Stats:
 
 
 def gather_times(times: list[float]) -> Stats:
-    """All-gather every rank's list of times (same length everywhere) and summarise: every
-    rank gets the same :class:`Stats`, so any rank may print or write it."""
+    """All-gather every rank's times (same length everywhere): the same :class:`Stats` everywhere."""
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL: this rank's GPU
     mine = torch.tensor(times, dtype=torch.float64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]

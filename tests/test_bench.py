@@ -127,6 +127,23 @@ def test_plan_sizes_and_shares_per_box(gpus):
         assert float(_flag(ddp.argv, "--case-budget-s")) * ddp.cases <= ddp.cap_s
 
 
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_a_step_over_gloo_on_an_nccl_box_is_sized_as_on_one_gpu(gpus):
+    """On 2-3 GPUs context parallel, the grids, expert parallel on 4 ranks (and checkpoints on
+    2 GPUs) run over Gloo, on the host or sharing GPUs: they take one GPU's share and sizes
+    (larger ones overran on the H200); the steps over NCCL take the NCCL column."""
+    one = {s.key: s for s in make_bench.plan(make_bench.pick_setup(1, "GPU"), False, "small")}
+    over_gloo = set()
+    for s in make_bench.plan(make_bench.pick_setup(gpus, "GPU"), quick=False, model="small"):
+        kind = "nccl"
+        if _flag(s.argv, "--backend") == "gloo":
+            over_gloo.add(s.key)
+            kind = "one_gpu"
+            assert s.argv == one[s.key].argv, s.argv
+        assert (s.share_s, s.min_s) == make_bench.SHARES[s.key][kind][1:], (s.key, kind)
+    assert over_gloo == {"cp", "ep4", "grid"} | ({"checkpoint"} if gpus == 2 else set())
+
+
 def _where(argv) -> tuple:
     """(world size, backend, device) of a planned command."""
     return _flag(argv, "--world-size"), _flag(argv, "--backend"), _flag(argv, "--device")
@@ -161,11 +178,9 @@ def test_the_07_lessons_are_planned_for_what_each_box_can_run():
         grid = _step(steps, "grid").argv
         assert _flag(grid, "--bench-sizes") == ("gpu" if gpus >= 4 else "cpu"), gpus
         checkpoint = _step(steps, "checkpoint").argv
-        assert _flag(checkpoint, "--model") == ("small" if gpus > 1 else "course")
+        assert _flag(checkpoint, "--model") == ("small" if gpus > 2 else "course")
         cp = _step(steps, "cp").argv
-        assert _flag(cp, "--seqs") == {0: "256,512,1024", 1: "256,512,1024",
-                                       2: "512,1024,2048", 3: "512,1024,2048",
-                                       4: "1024,2048,4096", 8: "1024,2048,4096"}[gpus]
+        assert _flag(cp, "--seqs") == ("1024,2048,4096" if gpus >= 4 else "256,512,1024")
         assert "--ring-sizes" not in cp  # rings of 2 and 4
         quick = make_bench.plan(make_bench.pick_setup(gpus, "GPU"), quick=True, model="course")
         want = QUICK_KEYS
@@ -358,9 +373,11 @@ def test_ctrl_c_or_sigterm_to_make_bench_is_passed_on_to_its_step(sig, tmp_path)
     assert (tmp_path / "got").read_text() == sig.name
 
 
-def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatch, tmp_path):
+def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatch, tmp_path,
+                                                                      capsys):
     """Stage 06's --bench writes its rows after every case, not every round: stopped after
-    its first case (as make bench's cap stops it), that case's row is in ddp_step.csv. Rounds
+    its first case (as make bench's cap stops it), that case's row is in ddp_step.csv; past its
+    deadline (``BENCH_STEP_DEADLINE``) after the first case, it skips the rest and says so. Rounds
     pool their steps (2 per round here, 2 rounds: 4). The control's row carries the burst timed
     beside it. One rank, in this process."""
     import torch.distributed as dist
@@ -388,6 +405,13 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
         rows = results.read_csv(step_bench.CSV_NAME)
         assert [(r["impl"], r["steps"], r["ratio_vs_torch_ddp"]) for r in rows] == [("none", "2", "")]
         monkeypatch.setattr(step_bench, "time_steps", timed)
+        # make bench's deadline just after the first case: the rest are skipped, said in a line
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 1e-3:.6f}")
+        assert [r["impl"] for r in step_bench.run_step_bench(ctx, [], args)] == ["none"]
+        assert "the cases and rounds left: skipped: past make bench's deadline for this step; " \
+               "the rows above are written" in capsys.readouterr().out
+        assert [r["impl"] for r in results.read_csv(step_bench.CSV_NAME)] == ["none"]
+        monkeypatch.delenv("BENCH_STEP_DEADLINE")
         step_bench.run_step_bench(ctx, [], args)
     finally:
         dist.destroy_process_group()
@@ -399,11 +423,12 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     assert float(rows[0]["call_ms"]) > 0 and rows[1]["call_ms"] == ""
 
 
-def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path):
+def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path, capsys):
     """The bucket model is written as each swept size lands, not after the whole sweep: stage
     06 stopped (Ctrl-C) during its second bucket size has results/bucket_model.json with the
     first size in it. The profile's summary likewise: stage 05's --profile stopped during its
-    second case has the first case's row in ddp_profile.csv and its picture. One rank, here."""
+    second case has the first case's row in ddp_profile.csv and its picture. Past make bench's
+    deadline after the first case, both skip the rest, say so and end well. One rank, here."""
     import torch.distributed as dist
 
     from common import import_stage
@@ -437,6 +462,11 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
         (model,) = models.values()
         assert [float(s["bucket_mb"]) for s in model["sweep"]] == [0.25]
         assert model["measured_best_bucket_mb"] == 0.25 and model["predicted_best_bucket_mb"] > 0
+        monkeypatch.setattr(step_bench, "time_steps", timed)
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 1e-3:.6f}")  # after one case
+        assert [r["impl"] for r in bucketed.sweep_and_model(ctx, args, False)] == ["none"]
+        assert results.read_json("bucket_model.json") == models  # no bucketed row: no new model
+        monkeypatch.delenv("BENCH_STEP_DEADLINE")
 
         profiled = profiling.profile_case
         cases = []
@@ -450,6 +480,13 @@ def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, t
         with pytest.raises(KeyboardInterrupt):
             profiling.profile_ddp(ctx, [("naive (03)", None), ("overlap (05)", None)], args,
                                   name="05_overlap_ddp")
+        monkeypatch.setattr(profiling, "profile_case", profiled)
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 1e-3:.6f}")  # after one case
+        capsys.readouterr()
+        assert [s["case"] for s in profiling.profile_ddp(
+            ctx, [("naive (03)", None), ("overlap (05)", None)], args, name="05_overlap_ddp")] \
+            == ["naive (03)"]
+        assert "the cases left: skipped: past make bench's deadline" in capsys.readouterr().out
     finally:
         dist.destroy_process_group()
     rows = results.read_csv(profiling.PROFILE_CSV)

@@ -3,6 +3,7 @@ report's sections for results/backends.csv, results/muon.csv and compute.csv's l
 
 import csv
 import os
+import time
 
 from bench import backends, report
 
@@ -13,6 +14,8 @@ def planted(op, rank, world_size, device):
         os.abort()
     if op == "raise":
         raise ValueError("boom\nsecond line")
+    if op == "hang":
+        time.sleep(600)
     return backends.try_op(op, rank, world_size, device)
 
 
@@ -32,6 +35,16 @@ def test_an_outcome_names_a_crash_before_the_first_error_and_an_error_before_a_t
     assert backends.outcome([1, 0], str(tmp_path)) == "error: exit 1"
     assert backends.outcome([0, None], str(tmp_path)) == "timeout"
     assert backends.outcome([0, 0], str(tmp_path)) == "ok"
+
+
+def test_a_job_unfinished_at_make_bench_deadline_is_left_out_and_said(monkeypatch, capfd):
+    monkeypatch.setenv("BENCH_STEP_DEADLINE", str(time.time() + 8))
+    start = time.monotonic()
+    rows = backends.try_all([("gloo", "cpu")], ops=("all_reduce", "hang"), run=planted, timeout_s=120)
+    assert time.monotonic() - start < 20
+    assert rows == [{"backend": "gloo", "device": "cpu", "op": "all_reduce", "outcome": "ok"}]
+    assert capfd.readouterr().out == ("hang on gloo/cpu: skipped: past make bench's deadline for this "
+                                      "step; the other rows are written\n")
 
 
 def _write_csv(path, rows):
