@@ -159,12 +159,14 @@ def seconds_left() -> float:
 
 
 def time_left_for(ctx, seconds: float) -> bool:
-    """Whether ``seconds`` more fit before make bench's deadline for this step (rank 0's verdict)."""
+    """Whether ``seconds`` more fit before make bench's deadline for this step (inside a launch:
+    rank 0's verdict; ``ctx`` None: the launcher's)."""
     left = seconds_left()
     if left == math.inf:
         return True
     verdict = [seconds <= left]
-    dist.broadcast_object_list(verdict, src=0)
+    if ctx is not None:
+        dist.broadcast_object_list(verdict, src=0)
     return verdict[0]
 
 
@@ -177,7 +179,11 @@ def until_deadline(ctx, configurations, what: str = "the rest"):
     took = 0.0
     for i, configuration in enumerate(configurations):
         if i and not time_left_for(ctx, took):
-            ctx.print(f"{what}: {SKIPPED}; the rows above are written", all_ranks=False)
+            line = f"{what}: {SKIPPED}; the rows above are written"
+            if ctx is None:
+                print(line, flush=True)
+            else:
+                ctx.print(line, all_ranks=False)
             return
         start = time.perf_counter()
         yield configuration

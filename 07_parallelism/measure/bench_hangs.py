@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 import grid_bench  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
 from common import import_stage  # noqa: E402
-from bench import timing
+from bench import step_bench, timing
 from bench import supervisor as launch
 
 
@@ -58,20 +57,13 @@ def main(argv=None) -> None:
           f"{sizes['seq_len']}, {config.backend}/{config.device}: each launch's step is the "
           f"slowest rank's median of {args.iters}")
     medians = {"2000": [], "0": []}  # the first launch checks diagnose on a real record
-    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-    took = 0.0
-    for buffer in list(medians) * args.rounds:  # alternated: a busy box's slow spells hit both
-        if took and deadline and time.time() + took > deadline:
-            print(f"the rest is skipped: a launch takes {took:.0f} s, more than is left before "
-                  "make bench's deadline; the rows above are written")
-            break
-        start = time.time()
+    launches = list(medians) * args.rounds  # alternated: a busy box's slow spells hit both
+    for buffer in step_bench.until_deadline(None, launches, "the recorder's launches"):
         os.environ["TORCH_FR_BUFFER_SIZE"] = buffer
         with tempfile.TemporaryDirectory() as folder:
             launch.launch(bench_step, config, spec, sizes, folder)
             median = float(Path(folder, "step_s").read_text()) * 1e3
             agree, line = diagnose.diagnose(diagnose.load(folder))
-        took = time.time() - start
         medians[buffer].append(median)
         print(f"TORCH_FR_BUFFER_SIZE={buffer:<5} step {median:.1f} ms; diagnose: {line}", flush=True)
         if not agree:

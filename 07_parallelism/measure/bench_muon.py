@@ -15,9 +15,7 @@ before make bench's ``BENCH_STEP_DEADLINE`` is skipped, said so, the rows before
 
 from __future__ import annotations
 
-import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
@@ -27,7 +25,7 @@ import torch.distributed as dist  # noqa: E402
 
 import counters  # noqa: E402 (this folder is on the path: Python puts a script's folder there)
 from common import import_stage, models  # noqa: E402
-from bench import results, timing
+from bench import results, step_bench, timing
 from bench import supervisor as launch
 
 run_muon = import_stage("07_parallelism/11_muon/run_muon")
@@ -124,17 +122,9 @@ def main(argv=None) -> None:
     parser.add_argument("--warmup", type=launch.non_negative_int, default=1)
     parser.add_argument("--steps", type=launch.positive_int, default=5)
     args = parser.parse_args(argv)
-    deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-    took = 0.0
-    for world_size in args.world_sizes:
-        if took and deadline and time.time() + took > deadline:
-            print(f"the rest is skipped: a launch takes {took:.0f} s, more than is left before "
-                  "make bench's deadline; the rows above are written")
-            return
-        start = time.time()
+    for world_size in step_bench.until_deadline(None, args.world_sizes, "bench_muon"):
         args.world_size = world_size
         launch.launch(bench_main, launch.resolve(args), args)
-        took = time.time() - start
 
 
 if __name__ == "__main__":
