@@ -6,7 +6,8 @@ real), which tests the executor against the unit-time simulation on any machine 
 within 0.05). Writes ``results/pipeline_bubble.csv`` as each setting lands; prints the table
 and timelines. Then ZB-V and DualPipeV beside torch's ``ScheduleZBVZeroBubble`` and
 ``ScheduleDualPipeV`` on the same chunks (target: ours at most 1.10x torch's):
-``results/pipeline_vs_torch.csv``.
+``results/pipeline_vs_torch.csv``. A setting that cannot end before make bench's deadline
+(``BENCH_STEP_DEADLINE``) is skipped with a line.
 
 Run:  python 07_parallelism/measure/bench_pipeline.py --micro-batches 4,8,16 --emulate-ms 50
 """
@@ -23,11 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import results, timing  # noqa: E402  (after the path)
+from bench import results, step_bench, timing  # noqa: E402  (after the path)
 from bench import supervisor as launch  # noqa: E402
 from common import import_stage  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
@@ -130,23 +129,88 @@ class WeightWait(torch.autograd.Function):
 
 
 class TorchEmulatedChunk(nn.Module):
-    """``EmulatedChunk`` for torch's executor, in plain autograd (F, B, W ``seconds`` each)."""
+    """``EmulatedChunk`` in plain autograd, for torch's executor (either executor without W)."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, split_backward: bool = True):
         super().__init__()
         self.seconds = seconds
+        self.w_seconds = seconds if split_backward else 0.0
         self.scale = nn.Parameter(torch.ones(()))
         self.weight = nn.Parameter(torch.zeros(()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = Wait.apply(x * self.scale, self.seconds)          # F, and B on the input's path
-        return y + WeightWait.apply(self.weight, self.seconds)   # W on the parameter's path
+        return y + WeightWait.apply(self.weight, self.w_seconds)   # W on the parameter's path
 
 
 def torch_schedule_class(name: str):
     """torch's class for schedule ``name``, or None where this torch has none."""
     import torch.distributed.pipelining as pipelining
     return getattr(pipelining, TORCH_SCHEDULES[name], None)
+
+
+class Deadline:
+    """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``): a configuration starts when
+    the previous one's seconds (or ``estimate``) still fit, rank 0's verdict on every rank; the
+    first that does not and all after it are skipped, said in one line."""
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.started = None              # when the previous configuration started
+        self.stopped = False
+
+    def allows(self, what: str, estimate: float | None = None) -> bool:
+        now = time.perf_counter()
+        if self.started is not None and not self.stopped:
+            estimate = now - self.started if estimate is None else estimate
+            if not step_bench.time_left_for(self.ctx, estimate):
+                self.stopped = True
+                self.ctx.print(f"{what} and what follows: skipped, about {estimate:.0f} s would "
+                               "run past make bench's deadline for this step (the rows above are "
+                               "written)", all_ranks=False)
+        self.started = now
+        return not self.stopped
+
+
+def beside_torch(ctx, name: str, m: int, ours: list, modules: list, inputs, targets, stages: int,
+                 rank: int, group=None) -> dict:
+    """Schedule ``name`` on m micro-batches of ``inputs`` and ``targets`` (whole, the same on every
+    rank): our executor on chunks ``ours``, torch's on ``modules`` (a PipelineStage each, the same
+    chunks); a pass of each, and the schedule's unit-time makespan."""
+    from torch.distributed import pipelining
+    v = len(ours)
+    schedule = schedules.all_ranks(name, stages, m, v)
+    loss_rank = schedules.loss_rank(name, stages, v)           # p - 1, or 0 on the V
+    torch_stages = [pipelining.PipelineStage(
+        module, schedules.stage_of(rank, chunk, stages, schedules.layout_of(name)), stages * v,
+        ctx.device, group=group) for chunk, module in enumerate(modules)]
+    if name in ("gpipe", "1f1b"):                              # one stage a rank
+        single = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[name]
+        theirs = single(torch_stages[0], m, loss_fn=nn.functional.mse_loss)
+    else:
+        multi = getattr(pipelining, TORCH_SCHEDULES.get(name, "ScheduleInterleaved1F1B"))
+        theirs = multi(torch_stages, m, loss_fn=nn.functional.mse_loss)
+    micro_inputs = list(inputs.chunk(m)) if rank == 0 else None
+    micro_targets = list(targets.chunk(m)) if rank == loss_rank else None
+    activation_shape = (inputs.shape[0] // m, *inputs.shape[1:])
+
+    def ours_step() -> None:
+        for chunk in ours:
+            chunk.zero_grad(set_to_none=True)
+        pipeline_parallel.run_schedule(ours, schedule, micro_inputs, micro_targets,
+                                       activation_shape, ctx.device, group=group)
+
+    def torch_step() -> None:
+        for module in modules:
+            module.zero_grad(set_to_none=True)
+        first = [inputs] if rank == 0 else []                   # the V: both on rank 0
+        loss = {"target": targets, "losses": []} if rank == loss_rank else {}
+        theirs.step(*first, **loss)
+
+    timed = schedules.simulate(schedule)
+    makespan = max(end for row in timed for _, end, _ in row)
+    return {"ours": ours_step, "torch": torch_step, "our_chunks": ours,
+            "torch_stages": torch_stages, "makespan": makespan}
 
 
 def layers_of(cfg: dict, name: str, ctx) -> list[range]:
@@ -190,7 +254,7 @@ def one_pass(ctx, cfg: dict, model: nn.Sequential, name: str, m: int, emulated_m
     return {**result, "busy_s": TimedRunner.latest.busy_s, "total_s": total_s}
 
 
-def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
+def measure_bubble(ctx, cfg: dict, model: nn.Sequential, deadline: Deadline) -> list[dict]:
     """Every schedule and m, real compute then emulated: each rank's idle share (median of the
     timed passes), the step time, the most micro-batches held; written after each setting."""
     stages = ctx.world_size
@@ -203,6 +267,8 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
             simulated = schedule_check.simulated_idle(name, stages, m, v)
             peak = None
             for emulated_ms in (0.0, cfg["emulate_ms"]):    # real compute, then emulated
+                if not deadline.allows(f"{name} m={m}, {compute_of(emulated_ms)}"):
+                    return rows
                 passes = cfg["iters"] + (cfg["warmup"] if emulated_ms == 0.0 else 0)
                 measured = [one_pass(ctx, cfg, model, name, m, emulated_ms) for _ in range(passes)]
                 timed = measured[-cfg["iters"]:]            # the warm-up passes are not timed
@@ -222,7 +288,7 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
     return rows
 
 
-def compare_with_torch(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
+def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> list[dict]:
     """Each V schedule at its largest m, real and emulated, ours and torch's (two
     ``PipelineStage``s per rank) on the same chunks: ``iters`` alternating passes after an
     untimed one each (torch infers shapes in it); the slowest rank's medians, and (real) how far
@@ -235,8 +301,8 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
             print(f"torch.distributed.pipelining: skipped ({ctx.backend} cannot send "
                   f"{ctx.device.type} tensors point to point)", flush=True)
         return []
+    deadline = deadline or Deadline(ctx)
     rows = []
-    from torch.distributed.pipelining import PipelineStage
     for name in cfg["schedules"]:
         if name not in TORCH_SCHEDULES:
             continue
@@ -248,60 +314,35 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential) -> list[dict]:
         m = max(cfg["micro_batches"])
         if schedule_refuses(name, stages, m, v):
             continue
-        activation_shape = (cfg["batch"] // m, cfg["d_model"])
         for emulated_ms in (0.0, cfg["emulate_ms"]):
-            schedule = schedules.all_ranks(name, stages, m, v)
-            inputs, targets, micro_inputs, micro_targets = batch_of(ctx, cfg, m, 0)
+            if not deadline.allows(f"{name} beside torch's, {compute_of(emulated_ms)}"):
+                return rows
             ours = []
             theirs = []
-            torch_stages = []
-            for chunk, layers in enumerate(layers_of(cfg, name, ctx)):
+            for layers in layers_of(cfg, name, ctx):
                 if emulated_ms > 0:
                     ours.append(EmulatedChunk(emulated_ms / 1e3, True).to(ctx.device))
-                    module = TorchEmulatedChunk(emulated_ms / 1e3).to(ctx.device)
+                    theirs.append(TorchEmulatedChunk(emulated_ms / 1e3).to(ctx.device))
                 else:
                     ours.append(model[layers.start:layers.stop])
-                    module = torch_model[layers.start:layers.stop]
-                theirs.append(module)
-                stage = schedules.stage_of(ctx.rank, chunk, stages, schedules.layout_of(name))
-                torch_stages.append(PipelineStage(module, stage, stages * v, ctx.device))
-            torch_schedule = torch_schedule_class(name)(torch_stages, m,
-                                                        loss_fn=nn.functional.mse_loss)
-
-            def ours_pass() -> None:
-                for chunk in ours:
-                    chunk.zero_grad(set_to_none=True)
-                pipeline_parallel.run_schedule(ours, schedule, micro_inputs, micro_targets,
-                                               activation_shape, ctx.device)
-
-            def torch_pass() -> None:
-                for chunk in theirs:
-                    chunk.zero_grad(set_to_none=True)
-                if ctx.rank == 0:  # the V: the data and the loss on rank 0
-                    torch_schedule.step(inputs, target=targets, losses=[])
-                else:
-                    torch_schedule.step()
-
-            ours_pass()
-            torch_pass()
+                    theirs.append(torch_model[layers.start:layers.stop])
+            inputs, targets, _, _ = batch_of(ctx, cfg, m, 0)
+            built = beside_torch(ctx, name, m, ours, theirs, inputs, targets, stages, ctx.rank)
+            built["ours"]()
+            built["torch"]()
             difference = float("nan")
-            if emulated_ms == 0.0:  # |our gradient - torch's|, largest over this rank's
-                difference = 0.0
-                for mine, other in zip(ours, theirs):
-                    for param, torch_param in zip(mine.parameters(), other.parameters()):
-                        gap = (param.grad - torch_param.grad).abs().max().item()
-                        difference = max(difference, gap)
+            if emulated_ms == 0.0:  # |our gradient - torch's|, largest over the ranks
+                difference = max((mine.grad - other.grad).abs().max().item() for chunk, module
+                                 in zip(ours, theirs) for mine, other
+                                 in zip(chunk.parameters(), module.parameters()))
                 difference = max(timing.gather_times([difference]).rank_medians)
             seconds = {"ours": [], "torch": []}
             for _ in range(cfg["iters"]):
-                seconds["ours"].append(pass_seconds(ctx.device, ours_pass)[1])
-                seconds["torch"].append(pass_seconds(ctx.device, torch_pass)[1])
+                for impl in ("ours", "torch"):
+                    seconds[impl].append(pass_seconds(ctx.device, built[impl])[1])
             ours_s = timing.gather_times(seconds["ours"]).median
             torch_s = timing.gather_times(seconds["torch"]).median
-            ideal_ms = float("nan")             # real compute: no unit to count in
-            if emulated_ms > 0:
-                timed = schedules.simulate(schedules.all_ranks(name, stages, m, v))
-                ideal_ms = emulated_ms * max(end for row in timed for _, end, _ in row)
+            ideal_ms = emulated_ms * built["makespan"] if emulated_ms else float("nan")
             rows.append(dict(
                 backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size,
                 **{key: cfg[key] for key in SIZE_COLUMNS}, schedule=name,
@@ -317,18 +358,19 @@ def bench_main(ctx, cfg: dict) -> None:
     # Each rank builds all layers from one seed (the same weights, nothing sent), runs its own.
     model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"])
     model = model.to(ctx.device)
-    rows = measure_bubble(ctx, cfg, model)
+    deadline = Deadline(ctx)
+    rows = measure_bubble(ctx, cfg, model, deadline)
     if ctx.is_main:
         report(ctx, cfg, rows)                   # written before torch's rows: a run stopped
     torch_rows = []                              # at its cap keeps what it measured
     if cfg.get("beside_torch", True):          # the tests run it on their own (its import is slow)
-        torch_rows = compare_with_torch(ctx, cfg, model)
+        torch_rows = compare_with_torch(ctx, cfg, model, deadline)
     if ctx.is_main:
         report_torch(ctx, cfg, torch_rows)
 
 
-def compute_of(row: dict) -> str:
-    return f"emulated {row['emulated_ms']:g} ms" if row["emulated_ms"] else "real"
+def compute_of(emulated_ms: float) -> str:
+    return f"emulated {emulated_ms:g} ms" if emulated_ms else "real"
 
 
 def report_torch(ctx, cfg: dict, rows: list[dict]) -> None:
@@ -338,7 +380,7 @@ def report_torch(ctx, cfg: dict, rows: list[dict]) -> None:
     table = []
     for row in rows:
         table.append({"schedule": row["schedule"], "torch": row["torch_schedule"],
-                      "m": row["micro_batches"], "compute": compute_of(row),
+                      "m": row["micro_batches"], "compute": compute_of(row["emulated_ms"]),
                       "ours_ms": row["ours_ms"], "torch_ms": row["torch_ms"],
                       "ours / torch": row["ratio"], "unit-time ideal_ms": row["ideal_ms"],
                       "max |grad ours - torch|": row["gradient_max_difference"]})
@@ -382,7 +424,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
     table = []
     for row in rows:
         table.append({"schedule": row["schedule"], "m": row["m"], "v": row["v"],
-                      "compute": compute_of(row),
+                      "compute": compute_of(row["emulated_ms"]),
                       "idle per rank": " ".join(f"{share:.3f}" for share in row["idle"]),
                       "simulated": statistics.fmean(row["sim"]), "formula": row["formula"],
                       "max gap": row["gap"], "step_ms": row["step_ms"],
@@ -390,13 +432,14 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
     results.print_table(table, f"Idle share per rank (median of {cfg['iters']} passes) beside "
                         "the unit-time simulation and the formula; activations held at once:",
                         floatfmt=".3f")
-    gap = max(row["gap"] for row in rows if row["emulated_ms"])
-    verdict = f"yes (largest gap {gap:.3f})"
-    if gap > 0.05:
-        verdict = (f"no, {gap:.3f} (each message's delay on a busy box adds to it; a larger "
-                   "--emulate-ms shrinks its share)")
-    print("\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
-          + verdict)
+    gap = max((row["gap"] for row in rows if row["emulated_ms"]), default=None)
+    if gap is not None:        # none where make bench's deadline stopped the emulated settings
+        verdict = f"yes (largest gap {gap:.3f})"
+        if gap > 0.05:
+            verdict = (f"no, {gap:.3f} (each message's delay on a busy box adds to it; a larger "
+                       "--emulate-ms shrinks its share)")
+        print(f"\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
+              f"{verdict}")
     for name in cfg["schedules"]:
         m = max(cfg["micro_batches"])
         if not schedule_refuses(name, stages, m, cfg["v"][name]):
@@ -407,14 +450,10 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
 
 def emulate_ms_flag(text: str) -> float:
     """--emulate-ms: a finite number of milliseconds in (0, MAX_EMULATE_MS]."""
-    allowed = f"a number of milliseconds > 0 and <= {MAX_EMULATE_MS:g}"
-    try:
-        value = launch.positive_float(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {allowed}") from None
-    if value > MAX_EMULATE_MS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {allowed}")
-    return value
+    if launch.positive_float(text) > MAX_EMULATE_MS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of milliseconds > 0 and <= "
+                                         f"{MAX_EMULATE_MS:g}")
+    return float(text)
 
 
 def schedule_refuses(name: str, stages: int, m: int, v: int) -> str:

@@ -5,7 +5,8 @@ straggler, a copy, stage 02's all-reduce fit, a call in a burst, a hop after com
 collectives) and set beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
 grid.csv) in results/prediction.csv, every term a column. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
-published runs beside the planner's cold predictions (lesson 9's README).
+published runs beside the planner's cold predictions (lesson 9's README). A configuration that
+cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
       python 07_parallelism/measure/check_prediction.py --published
@@ -127,11 +128,8 @@ def write_slowest(ctx, mine: dict, out_path: str) -> None:
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.is_main:
-        slowest = {}
-        for name in mine:
-            slowest[name] = max(rank[name] for rank in everyone)
         with open(out_path, "w") as f:
-            json.dump(slowest, f)
+            json.dump({name: max(rank[name] for rank in everyone) for name in mine}, f)
 
 
 def line_through(seconds: dict) -> tuple[float, float]:
@@ -169,14 +167,8 @@ def step_calls_worker(ctx, out_path: str) -> None:
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
     weights = torch.randn(256, 256, device=ctx.device)
-    for _ in range(3):
-        weights @ weights
-    synchronize(ctx.device)
-    start = time.perf_counter()
-    for _ in range(20):
-        weights @ weights
-    synchronize(ctx.device)
-    one_matmul = (time.perf_counter() - start) / 20
+    one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device,
+                                                  warmup=3, iters=20))
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
@@ -246,30 +238,19 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
-        numel = shard_numel * ctx.world_size
-        gathers = []
-        scatters = []
+        seconds = {"gather": [], "scatter": []}
         for attempt in range(1 + REPEATS // 3):
             shard = torch.ones(shard_numel, device=ctx.device)
-            gathered = torch.empty(numel, device=ctx.device)
-            dist.barrier()
-            synchronize(ctx.device)
-            start = time.perf_counter()
-            all_gather(gathered, shard)
-            synchronize(ctx.device)
-            gathered_at = time.perf_counter()
-            out = torch.empty(shard_numel, device=ctx.device)
-            dist.barrier()
-            synchronize(ctx.device)
-            scatter_start = time.perf_counter()
-            reduce_scatter(out, gathered)
-            synchronize(ctx.device)
-            end = time.perf_counter()
-            if attempt >= 1:
-                gathers.append(gathered_at - start)
-                scatters.append(end - scatter_start)
-        mine[f"gather {nbytes}"] = statistics.median(gathers)
-        mine[f"scatter {nbytes}"] = statistics.median(scatters)
+            gathered = torch.empty(shard_numel * ctx.world_size, device=ctx.device)
+            calls = (("gather", all_gather, gathered, shard),
+                     ("scatter", reduce_scatter, torch.empty_like(shard), gathered))
+            for name, call, out, given in calls:
+                took = timing.measure(lambda: call(out, given), ctx.device, warmup=0, iters=1,
+                                      barrier=True)
+                if attempt >= 1:
+                    seconds[name] += took
+        for name, taken in seconds.items():
+            mine[f"{name} {nbytes}"] = statistics.median(taken)
     write_slowest(ctx, mine, out_path)
 
 
@@ -330,6 +311,28 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 
 # --------------------------------------------------------------------------- the rows
+
+
+class Pace:
+    """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``, a Unix time): a configuration
+    starts while the previous one's seconds still fit before it (``step_bench.time_left_for``
+    outside a launch); the first that does not and all after it are skipped, in one line."""
+
+    def __init__(self):
+        self.deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+        self.started = None             # when the previous configuration started
+        self.stopped = False
+
+    def allows(self, config: str) -> bool:
+        now = time.perf_counter()
+        if self.started is not None and self.deadline and not self.stopped:
+            self.stopped = time.time() + now - self.started > self.deadline
+            if self.stopped:
+                print(f"check_prediction: {config} and what follows: skipped, about "
+                      f"{now - self.started:.0f} s each would run past make bench's deadline for "
+                      "this step (the rows above are written)")
+        self.started = now
+        return not self.stopped
 
 
 def this_run(name: str) -> list[dict]:
@@ -440,10 +443,9 @@ def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
             yield row, ranks, fits[key]
 
 
-def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """Stages 03-06 and torch DDP from ``ddp_step.csv``, compute and a call's cost from the same
     launch's control (compute drifts 10-20% between moments here), else timed here."""
-    rows = []
     run_rows = this_run("ddp_step.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         impl = row["impl"]
@@ -457,12 +459,16 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
         control = same_launch_control(run_rows, row, DDP_SETTINGS)
-        if control is None or not control.get("fwd_bwd_ms"):
-            control = None
-        else:
+        if control is not None and control.get("fwd_bwd_ms"):
             control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3)
-        if control is not None and cap is None:
-            continue                                   # the control itself: the input
+            if cap is None:
+                continue                               # the control itself: the input
+        else:
+            control = None
+        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
+        config = f"ddp_step {label}, {row['model']}, {ranks} ranks"
+        if not pace.allows(config):
+            return
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
         if cap is None:
             grid = planner.Grid()                      # no communication: one rank's work
@@ -476,15 +482,11 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             calls = time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
-        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
-        rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
-                                  "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
-    return rows
+        yield predicted_row(config, "ddp_step.csv", lm, grid, machine, float(row["step_ms"]))
 
 
-def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """The ledger's strategies (ours) from ``sharding.csv``, compute from the launch's control."""
-    rows = []
     run_rows = this_run("sharding.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         if row["impl"] not in planner.DP_KINDS:
@@ -492,6 +494,10 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
+        config = (f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, "
+                  f"{row['model']}, {ranks} ranks")
+        if not pace.allows(config):
+            return
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], recompute="full" if checkpointing else "none")
         control = ledger_control(run_rows, row)
@@ -503,10 +509,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
                 machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
-        rows.append(predicted_row(
-            f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
-            f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
-    return rows
+        yield predicted_row(config, "sharding.csv", lm, grid, machine, float(row["step_ms"]))
 
 
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
@@ -520,9 +523,8 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
     return grid.micro_batches * compute_s, optimizer_s, scaled
 
 
-def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
-    rows = []
     for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
         if row.get("impl") != "ours" or not row.get("micro_batches"):
             continue
@@ -545,6 +547,9 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                             bucket_bytes=float("inf"), loss_all_reduce=True)
         if grid.world_size != ranks:
             continue
+        config = f"grid {row['grid']}, {row['setting']}, {row['model']}"
+        if not pace.allows(config):
+            return
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
@@ -555,9 +560,7 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         hop = calls.hop if calls is not None else None
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            cores, samples, row["device"], hop)
-        rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
-                                  "grid.csv", lm, grid, machine, float(row["step_ms"])))
-    return rows
+        yield predicted_row(config, "grid.csv", lm, grid, machine, float(row["step_ms"]))
 
 
 # --------------------------------------------------------------------------- the projection
@@ -791,12 +794,14 @@ def main(argv=None) -> int:
     if args.device == "cuda":
         cores = torch.cuda.device_count()
     rows = []
+    pace = Pace()
     for make_rows in (ddp_rows, ledger_rows, grid_rows):
-        new_rows = make_rows(fits, backend_device, cores)
-        rows.extend(new_rows)
-        if new_rows:
+        new_rows = []
+        for row in make_rows(fits, backend_device, cores, pace):
+            new_rows.append(row)
             # this run's rows replace every older row from the same source file
             results.upsert_csv(CSV_NAME, new_rows, key=["source"])
+        rows.extend(new_rows)
     if not rows:
         print("check_prediction: nothing to check: no rows of this run in results/ "
               "(ddp_step.csv, sharding.csv, grid.csv) that the planner models")

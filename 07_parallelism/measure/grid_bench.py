@@ -22,16 +22,19 @@ import argparse
 import copy
 import functools
 import math
-import sys
 import types
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench_pipeline  # first: it puts the repository on the path
+from bench import results, timing
+from bench import supervisor as launch
+from common import import_stage, models
+from common.launch import carries_point_to_point
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,
                       gathered_storage_keys, optimizer_state_bytes, state_bytes, storage_key)
 
@@ -120,7 +123,6 @@ def setting_label(spec: dict) -> str:
 
 def load_lessons() -> types.SimpleNamespace:
     """Lesson 7's train, grid and parallel_lm, lesson 3's torch plan, lesson 4's executor."""
-    from common import import_stage
     train = import_stage("07_parallelism/07_together/train")
     grid_module, parallel_lm, _ = train.lessons()
     return types.SimpleNamespace(
@@ -132,7 +134,6 @@ def load_lessons() -> types.SimpleNamespace:
 
 def lm_shape(sizes: dict) -> dict:
     """The letters of the formula for the LM of ``sizes``."""
-    from common import models
     preset = models.PRESETS[sizes["model"]]
     return {"h": preset["d_model"], "f": preset["d_ff"], "heads": preset["num_heads"],
             "layers": preset["num_layers"], "vocab": VOCAB, "seq": sizes["seq_len"],
@@ -437,7 +438,6 @@ def byte_columns(per_rank: list[dict], kinds) -> dict:
 def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: list[float],
               micro_batches: int) -> dict:
     """A CSV row's first columns: what ran, where, and the slowest rank's median step."""
-    from bench import results, timing
     stats = timing.gather_times(seconds)
     tokens = sizes["batch_size"] * sizes["seq_len"]
     return {"impl": impl, "pair": "", "grid": grid, "setting": setting, "model": sizes["model"],
@@ -470,7 +470,6 @@ def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], pe
 
 def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
     """One of our grids: its CSV row, every rank's counts, what a later round needs."""
-    from bench import timing
     built = build_grid(ctx, spec, sizes, lessons)
     mine = count_grid(ctx, spec, sizes, built, lessons)
     seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
@@ -484,7 +483,6 @@ def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict],
 
 def reference_loss(sizes: dict, lessons) -> float:
     """The first step's loss on one process: every implementation must report it."""
-    from common import models
     inputs, targets = random_batch(sizes)
     full_lm = lessons.train.build_full_lm(train_args(sizes, grid_spec()))
     with torch.no_grad():
@@ -586,7 +584,7 @@ def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> di
             "worst_kind": worst_kind, "loss": first.item()}
 
 
-def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
+def compare_with_torch(ctx, sizes: dict, lessons, deadline) -> list[dict]:
     """Ours and torch's in three pairs, timed in alternating rounds: two rows a pair."""
     from torch.distributed.device_mesh import init_device_mesh
     tp = 2
@@ -613,6 +611,8 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
                   hsdp_axes, "fully_shard on a (replicate, shard) mesh: HSDP",
                   torch_formula(shape, shard, 1))]
         for pair, spec, data_mesh, tp_mesh, axes, torch_setting, formula in pairs:
+            if not deadline.allows(f"torch's composition beside ours, {pair}"):
+                break
             ours = build_grid(ctx, spec, sizes, lessons)
             ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
             theirs = build_torch(ctx, sizes, lessons, data_mesh, tp_mesh)
@@ -635,7 +635,6 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
 
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
     """Each step warmed up, then ``rounds`` rounds of ``iters`` calls of each in turn, pooled."""
-    from bench import timing
     seconds = {}
     for name, step in steps.items():
         timing.measure(step, ctx.device, warmup=sizes["warmup"], iters=0)
@@ -645,20 +644,6 @@ def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]
             seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"],
                                             barrier=True)
     return seconds
-
-
-class EmulatedStage(nn.Module):
-    """A stage that waits forward and backward (the pipeline bench's ``Wait``)."""
-
-    def __init__(self, seconds: float):
-        super().__init__()
-        import bench_pipeline
-        self.wait = bench_pipeline.Wait.apply
-        self.seconds = seconds
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wait(x * self.scale, self.seconds)
 
 
 def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Module:
@@ -677,85 +662,45 @@ def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Modul
 
 def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, lessons) -> dict:
     """Our executor and torch's on the same blocks and micro-batches: a step of each."""
-    from common import models
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-    import bench_pipeline
-    pipeline_parallel = lessons.pipeline
-    pipeline_schedules = lessons.schedules
     setting = sizes["pipeline"]
     shape = lm_shape(sizes)
     stages = grid.size("pp")
     pp_rank = grid.rank("pp")
-    group = grid.group("pp")
-    chunks_per_rank = pipeline_schedules.chunks_per_rank(schedule_name, 2)   # 2: interleaved, V
-    layout = pipeline_schedules.layout_of(schedule_name)      # V: pieces r and 2p-1-r
-    loss_rank = pipeline_schedules.loss_rank(schedule_name, stages, chunks_per_rank)
+    chunks_per_rank = lessons.schedules.chunks_per_rank(schedule_name, 2)   # 2: interleaved, V
     micro_batches = setting["micro_batches"]
-    schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
+    schedule = lessons.schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
     # W steps (ZB-V, DualPipeV): weight gradients after B
-    splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
+    splits_backward = any(step.op == lessons.schedules.WEIGHT for step in schedule[pp_rank])
     torch.manual_seed(0)
     blocks = [models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device)
               for _ in range(setting["layers"])]
     generator = torch.Generator().manual_seed(1)
-    activation_shape = (setting["rows"], setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
-    shape_all = (micro_batches * setting["rows"],) + activation_shape[1:]
+    shape_all = (micro_batches * setting["rows"], setting["seq_len"], shape["h"])  # [m b, seq, h]
     inputs = torch.randn(shape_all, generator=generator).to(ctx.device)
     targets = torch.randn(shape_all, generator=generator).to(ctx.device)
     emulate_s = setting["emulate_ms"] / 1e3 if compute == "emulated" else 0.0
-    ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank,
-                                            layout)
-    our_chunks = []
-    torch_stages = []
-    for chunk, layer_numbers in enumerate(ranges):
+    ours = []
+    modules = []
+    layout = lessons.schedules.layout_of(schedule_name)       # V: pieces r and 2p-1-r
+    for layer_numbers in lessons.pipeline.chunk_layers(setting["layers"], stages, pp_rank,
+                                                       chunks_per_rank, layout):
+        if compute == "emulated":   # F, B (and W where the schedule splits it) wait, in both
+            mine = bench_pipeline.TorchEmulatedChunk(emulate_s, False)
+            if splits_backward:
+                mine = bench_pipeline.EmulatedChunk(emulate_s, True)
+            ours.append(mine.to(ctx.device))
+            modules.append(bench_pipeline.TorchEmulatedChunk(emulate_s, splits_backward))
+            modules[-1].to(ctx.device)
+            continue
         pieces = [copy.deepcopy(blocks[layer]) for layer in layer_numbers]
-        our_chunks.append(nn.Sequential(*pieces))
-        module = nn.Sequential(*[copy.deepcopy(piece) for piece in pieces])
+        ours.append(nn.Sequential(*pieces))
+        modules.append(nn.Sequential(*[copy.deepcopy(piece) for piece in pieces]))
         if splits_backward:         # ours: the weight gradients in W, the same weights
-            with_deferred_weight_grads(our_chunks[-1], pipeline_parallel)
-        if compute == "emulated" and splits_backward:   # F, B and W each wait, in both
-            our_chunks[-1] = bench_pipeline.EmulatedChunk(emulate_s, True).to(ctx.device)
-            module = bench_pipeline.TorchEmulatedChunk(emulate_s).to(ctx.device)
-        elif compute == "emulated":   # the same waiting stage for both executors
-            our_chunks[-1] = EmulatedStage(emulate_s).to(ctx.device)
-            module = EmulatedStage(emulate_s).to(ctx.device)
-        virtual_stage = pipeline_schedules.stage_of(pp_rank, chunk, stages, layout)
-        torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
-                                          ctx.device, group=group))
-    if schedule_name in ("gpipe", "1f1b"):          # one stage a rank
-        single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
-        theirs = single(torch_stages[0], micro_batches, loss_fn=F.mse_loss)
-    else:
-        schedule_class = ScheduleInterleaved1F1B
-        if schedule_name in bench_pipeline.TORCH_SCHEDULES:           # the V ones
-            schedule_class = bench_pipeline.torch_schedule_class(schedule_name)
-        theirs = schedule_class(torch_stages, micro_batches, loss_fn=F.mse_loss)
-    micro_inputs = list(inputs.chunk(micro_batches)) if pp_rank == 0 else None
-    # the loss on p-1, or 0 on the V
-    micro_targets = list(targets.chunk(micro_batches)) if pp_rank == loss_rank else None
-
-    def ours_step():
-        for chunk in our_chunks:
-            chunk.zero_grad(set_to_none=True)
-        pipeline_parallel.run_schedule(our_chunks, schedule, micro_inputs, micro_targets,
-                                       activation_shape, ctx.device, loss_fn=F.mse_loss,
-                                       group=group)
-
-    def torch_step():
-        for stage in torch_stages:
-            stage.submod.zero_grad(set_to_none=True)
-        first = [inputs] if pp_rank == 0 else []                 # the V: both on rank 0
-        loss = {"target": targets, "losses": []} if pp_rank == loss_rank else {}
-        theirs.step(*first, **loss)
-
-    ideal_s = 0.0
-    if emulate_s > 0:
-        timed = pipeline_schedules.simulate(schedule)
-        makespan = max(end for row in timed for _, end, _ in row)   # in steps of one unit
-        ideal_s = makespan * emulate_s
-    return {"ours": ours_step, "torch": torch_step, "our_chunks": our_chunks,
-            "torch_stages": torch_stages, "ideal_s": ideal_s}
+            with_deferred_weight_grads(ours[-1], lessons.pipeline)
+    built = bench_pipeline.beside_torch(ctx, schedule_name, micro_batches, ours, modules, inputs,
+                                        targets, stages, pp_rank, grid.group("pp"))
+    built["ideal_s"] = built["makespan"] * emulate_s       # the simulation x the emulated wait
+    return built
 
 
 def gradient_difference(built: dict) -> float:
@@ -767,9 +712,8 @@ def gradient_difference(built: dict) -> float:
     return worst
 
 
-def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
+def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
     """Every (stages, schedule, compute) of ``sizes["pipeline"]``: ours and torch's rows."""
-    import bench_pipeline
     setting = sizes["pipeline"]
     rows = []
     for stages in setting["stages"]:
@@ -786,21 +730,19 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
                           "pipeline row for it", all_ranks=False)
                 continue
             for compute in setting["compute"]:
+                if not deadline.allows(f"{label} {schedule_name}, {compute}"):
+                    break
                 built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
                 seconds = measure_alternating(ctx, {"ours": built["ours"],
                                                     "torch": built["torch"]}, sizes)
                 difference = float("nan")
-                if compute == "real":
-                    worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
-                                         device=ctx.device)      # NCCL reduces GPU tensors
-                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                    difference = worst.item()
-                compute_words = compute
-                if compute == "emulated":
-                    compute_words = f"emulated {setting['emulate_ms']:g} ms"
+                if compute == "real":        # the largest on any rank
+                    difference = max(timing.gather_times([gradient_difference(built)]).rank_medians)
+                emulated_ms = setting["emulate_ms"] if compute == "emulated" else 0.0
+                words = f"{schedule_name}, {bench_pipeline.compute_of(emulated_ms)}"
                 for impl, name in (("ours", "our executor"),
                                    ("torch", "torch.distributed.pipelining")):
-                    row = timed_row(ctx, sizes, impl, label, f"{schedule_name}, {compute_words}",
+                    row = timed_row(ctx, sizes, impl, label, words,
                                     seconds[impl], setting["micro_batches"])
                     row["batch_size"] = setting["rows"] * setting["micro_batches"]
                     row["seq_len"] = setting["seq_len"]
@@ -817,12 +759,14 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
 
 def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = None) -> None:
     """Every rank: the three parts; rank 0 writes the CSV, the report, JSON to ``out_path``."""
-    from bench import results, timing
     lessons = load_lessons()
+    deadline = bench_pipeline.Deadline(ctx)
     grid_rows = []
     details = []
     timed_grids = []
     for spec in grids:
+        if not deadline.allows(f"grid {grid_label(spec)}, {setting_label(spec)}"):
+            break
         row, per_rank, timed = bench_grid(ctx, spec, sizes, lessons)
         timed_grids.append(timed)
         grid_rows.append(row)
@@ -833,7 +777,10 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
             results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
     # more rounds, every grid in turn, pooled: every grid through the same noisy spells
-    for _ in range(1, sizes["rounds"]):
+    for done in range(1, sizes["rounds"]):
+        estimate = sum(sum(timed["seconds"]) for timed in timed_grids) / done
+        if not deadline.allows(f"round {done + 1} of {sizes['rounds']}", estimate):
+            break
         for timed in timed_grids:
             timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0,
                                                iters=sizes["iters"], barrier=True)
@@ -841,14 +788,13 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                                         timed["seconds"], timed["per_rank"]))
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
-    from common.launch import carries_point_to_point
     torch_rows = []
     pipeline_rows = []
     if carries_point_to_point(ctx.backend, ctx.device.type):  # torch's parts send and coalesce
-        torch_rows = compare_with_torch(ctx, sizes, lessons)
+        torch_rows = compare_with_torch(ctx, sizes, lessons, deadline)
         if ctx.is_main:
             results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-        pipeline_rows = compare_pipelines(ctx, sizes, lessons)
+        pipeline_rows = compare_pipelines(ctx, sizes, lessons, deadline)
     else:
         ctx.print(f"torch's composition and pipelining: skipped ({ctx.backend} cannot carry "
                   f"{ctx.device.type} tensors point to point)", all_ranks=False)
@@ -884,7 +830,6 @@ def counted_and_formula(row: dict, kind: str, unit: int) -> str:
 def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
            pipeline_rows: list[dict], reference: float) -> None:
     """Rank 0: the tables, then the targets beside what this run measured."""
-    from bench import results
     machine = results.machine_name()
     unit, unit_name = 1024, "KiB"
     if max(row["param_bytes"] for row in our_rows) > 64 * 2**20:
@@ -974,7 +919,6 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
 
 def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
     """Each schedule that refuses its micro-batches and blocks on ``stages`` stages, a line each."""
-    from common import import_stage
     schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
     check = import_stage("07_parallelism/measure/schedule_check")
     problems = []
@@ -991,8 +935,6 @@ def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
 
 def main(argv=None) -> None:
     """The measurements on the grids of ``GRIDS`` for the world size."""
-    from bench import results
-    from bench import supervisor as launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true", help="(what this script does)")
     parser.add_argument("--bench-sizes", choices=tuple(SIZES), default=None,
@@ -1002,7 +944,6 @@ def main(argv=None) -> None:
     if config.world_size not in GRIDS:
         parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
                      f"{config.world_size}")
-    from common.launch import carries_point_to_point
     if not carries_point_to_point(config.backend, config.device):
         parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
     name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
@@ -1015,5 +956,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))   # common/
     main()
