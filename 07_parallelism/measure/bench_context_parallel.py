@@ -25,15 +25,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import import_stage  # noqa: E402  (after the path)
-
-from bench import results, step_bench, timing  # noqa: E402
-
-from bench import supervisor as launch
+from bench import results, step_bench, timing  # noqa: E402  (after the path)
+from bench import supervisor as launch  # noqa: E402
+from common import import_stage  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
 
 cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
@@ -44,8 +40,7 @@ counters = import_stage("07_parallelism/measure/counters")
 
 def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
-    shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV (W-1
-    with the K/V blocks, one last hop home)."""
+    shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV."""
     if world_size == 1:
         return 0, 0
     forward = (world_size - 1) * 2 * block_bytes
@@ -54,10 +49,9 @@ def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
 
 
 def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k,
-    v, the output), [batch, heads, seq / W, head_dim]. Each all-to-all keeps 1/W of its tensor
-    and sends the rest: forward swaps q, k, v and the output, backward their four gradients.
-    Per rank it stays put when the sequence and W grow together; the ring's grows with W."""
+    """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k, v,
+    the output). Each all-to-all keeps 1/W of its tensor and sends the rest: forward swaps q, k,
+    v and the output, backward their four gradients."""
     if world_size == 1:
         return 0, 0
     per_swap = (world_size - 1) * shard_bytes // world_size
@@ -66,8 +60,7 @@ def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
 
 def visible_scores(rank: int, world_size: int, seq_len: int, layout: str, causal: bool,
                    batch_heads: int) -> int:
-    """The (query, key) scores rank's queries see, over all keys: causal, a query at global
-    position p sees p + 1 keys; otherwise all seq_len."""
+    """The (query, key) scores rank's queries see: causal, a query at position p sees p + 1."""
     if not causal:
         return batch_heads * (seq_len // world_size) * seq_len
     positions = cp.shard_positions(seq_len // world_size, rank, world_size, layout)
@@ -83,7 +76,7 @@ def imbalance_formula(world_size: int, layout: str, causal: bool) -> float:
 
 def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_size: int) -> int:
     """What one attention layer keeps for backward on a rank holding seq_len queries: q, k, v,
-    the output ([batch, heads, seq, head_dim] each) and the log-sum-exp per query."""
+    the output and the log-sum-exp per query."""
     return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
 
 
@@ -91,9 +84,8 @@ def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_s
 
 
 class ChunkKernels(contextlib.ContextDecorator):
-    """While active, ring attention computes each pair of chunks with this object's ``forward``
-    and ``backward`` (``cp.chunk_attention``, ``cp.chunk_attention_backward`` replaced, put back
-    on exit); by default the kernels that were there, so the wrappers nest."""
+    """While active, ``cp.chunk_attention`` and ``cp.chunk_attention_backward`` are this object's
+    ``forward`` and ``backward``; by default the kernels that were there, so the wrappers nest."""
 
     def __enter__(self):
         self.inner_forward = cp.chunk_attention
@@ -138,10 +130,8 @@ class EmulatedAttention(ChunkKernels):
         self.seconds_per_score = seconds_per_score
 
     def wait(self, q, k, allowed, factor):
-        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-        if allowed is not None:
-            scores = q.shape[0] * q.shape[1] * int(allowed.sum())
-        time.sleep(factor * scores * self.seconds_per_score)
+        scores = q.shape[2] * k.shape[2] if allowed is None else int(allowed.sum())
+        time.sleep(factor * q.shape[0] * q.shape[1] * scores * self.seconds_per_score)
 
     def forward(self, q, k, v, allowed, scale):
         self.wait(q, k, allowed, 1)
@@ -153,8 +143,7 @@ class EmulatedAttention(ChunkKernels):
 
 
 class HeadsAttention(contextlib.ContextDecorator):
-    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``: the kernel that was there,
-    counting the scores its queries see."""
+    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``, counting the scores it sees."""
 
     def __init__(self):
         self.visible = 0
@@ -174,11 +163,8 @@ class HeadsAttention(contextlib.ContextDecorator):
 
 def scores_seen(q, causal: bool) -> int:
     """The (query, key) scores of attention over the whole sequence of q's heads."""
-    batch_heads = q.shape[0] * q.shape[1]
     seq = q.shape[2]
-    if causal:
-        return batch_heads * seq * (seq + 1) // 2
-    return batch_heads * seq * seq
+    return q.shape[0] * q.shape[1] * (seq * (seq + 1) // 2 if causal else seq * seq)
 
 
 class EmulatedWait(torch.autograd.Function):
@@ -217,20 +203,17 @@ def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layou
     gradient at sequence length ``seq``, cut from full tensors the same on every rank."""
     shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
     generator = torch.Generator().manual_seed(seq)
-    shards = []
-    for _ in range(4):
-        full = torch.randn(shape, generator=generator, dtype=torch.float32)
-        shards.append(cp.shard_sequence(full, 2, rank, world_size, layout).to(ctx.device))
-    q, k, v, grad_out = shards
+    q, k, v, grad_out = [cp.shard_sequence(torch.randn(shape, generator=generator,
+                                                       dtype=torch.float32),
+                                           2, rank, world_size, layout).to(ctx.device)
+                         for _ in range(4)]
     return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad_out
 
 
 def run_step(q, k, v, grad_out, attention, kernel=None):
     """One forward + backward of ``attention(q, k, v)``, with ``kernel`` (a ``ChunkKernels`` or
     ``HeadsAttention``) active when given."""
-    if kernel is None:
-        kernel = contextlib.nullcontext()
-    with kernel:
+    with kernel or contextlib.nullcontext():
         out = attention(q, k, v)
         out.backward(grad_out)
 
@@ -276,8 +259,7 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
             run_step(q, k, v, grad_out, attention)
 
         seconds = measure_case(ctx, cfg, step, [0])
-        saved = 0
-        peak = 0
+        saved = peak = 0
         if ctx.rank == 0:
             saved, peak = saved_and_peak(ctx, step)
         everyone = [None] * ctx.world_size
@@ -323,9 +305,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
     def real_step():
         run_step(q, k, v, grad_out, attention)
 
-    sent = 0
-    saved = 0
-    peak = 0
+    sent = saved = peak = 0
     if inside:
         with counters.CommCounter() as comm:
             run_step(q, k, v, grad_out, attention, counting)
@@ -366,14 +346,9 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
 
 def bench_main(ctx, cfg: dict) -> None:
     """The sweep; rank 0 prints, writes the CSV and the targets beside what was measured."""
-    single = None
-    for rank in range(ctx.world_size):  # a ring of one per rank (every rank creates each)
-        group = dist.new_group([rank])
-        if rank == ctx.rank:
-            single = group
-    rings = {}
-    for world_size in cfg["ring_sizes"]:
-        rings[world_size] = dist.new_group(list(range(world_size)))
+    # a ring of one per rank (every rank creates each), and the rings
+    single = [dist.new_group([rank]) for rank in range(ctx.world_size)][ctx.rank]
+    rings = {size: dist.new_group(list(range(size))) for size in cfg["ring_sizes"]}
     rows = []
     failures = []
     last = None  # (seq, seconds) of the previous length: the next one's estimate
@@ -416,10 +391,8 @@ def write_bench_rows(ctx, rows: list[dict]):
     """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
     length, so a run stopped at make bench's cap keeps them)."""
     same = {"backend": ctx.backend, "device": ctx.device.type}
-    csv_rows = []
-    for row in rows:
-        csv_rows.append({**same, **row, "machine": results.machine_name(),
-                         "run_id": results.run_id()})
+    stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
+    csv_rows = [{**same, **row, **stamp} for row in rows]
     return results.upsert_csv("context_parallel.csv", csv_rows,
                               key=["backend", "device", "seq", "batch", "heads", "head_dim",
                                    "impl", "W", "layout", "compute"])
@@ -430,15 +403,11 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     print(f"\nOne causal attention layer, forward + backward, float32, batch {cfg['batch']}, "
           f"heads {cfg['heads']}, head_dim {cfg['head_dim']}; {ctx.backend}/{ctx.device.type}, "
           f"{machine}; median of {cfg['iters']} after {cfg['warmup']} warm-up, slowest rank:")
-    shown = []
-    for row in rows:
-        short = dict(row)
-        for size in ("batch", "heads", "head_dim"):  # in the title
-            del short[size]
-        if ctx.device.type != "cuda":
-            del short["peak_bytes"]  # measured on a GPU only
-        shown.append(short)
-    results.print_table(shown, floatfmt=".3g")
+    hidden = {"batch", "heads", "head_dim"}              # in the title
+    if ctx.device.type != "cuda":
+        hidden.add("peak_bytes")                          # measured on a GPU only
+    results.print_table([{key: value for key, value in row.items() if key not in hidden}
+                         for row in rows], floatfmt=".3g")
     path = write_bench_rows(ctx, rows)
     if path.is_relative_to(Path.cwd()):
         path = path.relative_to(Path.cwd())
@@ -448,10 +417,9 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     for row in rows:
         if row["impl"] != "ring" or row["compute"] != "real" or row["seq"] != longest:
             continue
+        target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
         if row["layout"] == "zigzag":
             target = "1.00"
-        else:
-            target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
         print(f"  FLOP imbalance (max/mean), W={row['W']} {row['layout']}: "
               f"{row['imbalance']:.3f} (target {target})")
     exact = all(row["sent_bytes"] == row["bytes_formula"] for row in rows if row["impl"] == "ring")
@@ -542,8 +510,7 @@ def main(argv=None) -> None:
                 if seq % chunks != 0:
                     parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
                                  f"({layout} layout over {ring_size} ranks)")
-    # a rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
-    # whole-sequence attention by our kernel (seq x seq scores)
+    # a rank's rough peak: the full tensors and chunk scores, with rank 0's seq x seq scores
     seq = max(args.seqs)
     need = 4 * args.batch * args.heads * (6 * seq * seq + 24 * seq * args.head_dim)
     launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {seq}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import json
 import math
 import types
 import warnings
@@ -99,10 +100,7 @@ SIZES = {
 
 def grid_label(spec: dict) -> str:
     """'dp2 tp2', 'pp2 tp2': the axes of degree > 1."""
-    parts = []
-    for axis in ("dp", "pp", "cp", "tp"):
-        if spec[axis] > 1:
-            parts.append(f"{axis}{spec[axis]}")
+    parts = [f"{axis}{spec[axis]}" for axis in ("dp", "pp", "cp", "tp") if spec[axis] > 1]
     dp_shard = spec.get("dp_shard", 1)
     if dp_shard > 1:        # HSDP: the data axis by its two parts
         parts[0] = f"dp_replicate{spec['dp'] // dp_shard} dp_shard{dp_shard}"
@@ -111,9 +109,7 @@ def grid_label(spec: dict) -> str:
 
 def setting_label(spec: dict) -> str:
     """The optimizer, and the schedule when there is a pipeline."""
-    words = ["AdamW"]
-    if spec["fsdp"]:
-        words = ["ZeRO-1 AdamW"]
+    words = ["ZeRO-1 AdamW" if spec["fsdp"] else "AdamW"]
     if spec.get("dp_shard", 1) > 1:
         words = ["HSDP AdamW"]
     if spec["pp"] > 1:
@@ -148,16 +144,9 @@ def ring_share(ranks: int) -> float:
 def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
                      dp_cp_rank: int = 0) -> dict:
     """The bytes per rank at pp_rank (ZeRO-1: dp_cp_rank in its group), by ALL_KINDS."""
-    h = shape["h"]
-    f = shape["f"]
-    vocab = shape["vocab"]
-    seq = shape["seq"]
-    d = spec["dp"]
-    p = spec["pp"]
-    c = spec["cp"]
-    t = spec["tp"]
-    m = spec["micro_batches"]
-    v = spec["chunks"]
+    h, f, vocab, seq = shape["h"], shape["f"], shape["vocab"], shape["seq"]
+    d, p, c, t = spec["dp"], spec["pp"], spec["cp"], spec["tp"]
+    m, v = spec["micro_batches"], spec["chunks"]
     rows = shape["batch"] // (d * m)          # b: one micro-batch's rows on this rank
     context = seq // c                        # S: the tokens of this rank's context shard
     between = context // t                    # S / t: between the tensor-parallel regions
@@ -258,11 +247,7 @@ def fsdp_block(rows: int, columns: int, ranks: int) -> int:
 
 def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) -> int:
     """ZeRO-1's AdamW state on one rank: whole tensors, largest first, to the least-held rank."""
-    h = shape["h"]
-    f = shape["f"]
-    t = spec["tp"]
-    p = spec["pp"]
-    chunks = spec["chunks"]
+    h, f, t, p, chunks = shape["h"], shape["f"], spec["tp"], spec["pp"], spec["chunks"]
     sizes = []             # each tensor's values, in the optimizer's order (parallel_lm's chunks)
     for chunk in range(chunks):
         virtual_stage = chunk * p + pp_rank
@@ -272,11 +257,9 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
             sizes += [h, h, 3 * h * h // t, h * h // t, h, h, f * h // t, f // t, h * f // t, h]
         if virtual_stage == p * chunks - 1:
             sizes += [h, h, shape["vocab"] * h]
-    group_size = spec["dp"] * spec["cp"]
-    loads = [0] * group_size
-    owned = [0] * group_size       # the AdamW state bytes each rank ends with
-    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])   # stable: ties in order
-    for index in order:
+    loads = [0] * (spec["dp"] * spec["cp"])
+    owned = [0] * (spec["dp"] * spec["cp"])       # the AdamW state bytes each rank ends with
+    for index in sorted(range(len(sizes)), key=lambda index: -sizes[index]):   # ties: in order
         owner = loads.index(min(loads))
         loads[owner] += FLOAT * sizes[index]
         owned[owner] += 2 * FLOAT * sizes[index] + STEP_COUNT
@@ -285,8 +268,7 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
 
 def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
     """The largest tensor's AdamW state over the mean: how far ZeRO-1's deal may be off."""
-    h = shape["h"]
-    p = spec["pp"]
+    h, p = shape["h"], spec["pp"]
     virtual_stages = [chunk * p + pp_rank for chunk in range(spec["chunks"])]
     largest = max(3 * h * h, shape["f"] * h) // spec["tp"]        # qkv, fc1 or fc2
     if 0 in virtual_stages or p * spec["chunks"] - 1 in virtual_stages:
@@ -298,9 +280,7 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
 
 def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
     """torch's composition per rank (embeddings, head split over tp; ``sharded``: over dp)."""
-    h = shape["h"]
-    f = shape["f"]
-    layers = shape["layers"]
+    h, f, layers = shape["h"], shape["f"], shape["layers"]
     params = (shape["vocab"] + shape["seq"]) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
     params += shape["vocab"] * h // tp
     params += layers * 5 * h + 2 * h                      # whole on every tp rank
@@ -466,19 +446,6 @@ def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], pe
         row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
                                                    most_off["coordinate"]["pp"])
     return row
-
-
-def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
-    """One of our grids: its CSV row, every rank's counts, what a later round needs."""
-    built = build_grid(ctx, spec, sizes, lessons)
-    mine = count_grid(ctx, spec, sizes, built, lessons)
-    seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
-                             iters=sizes["iters"], barrier=True)
-    per_rank = everyone(mine)
-    row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
-    timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
-             "grid": built["grid"], "per_rank": per_rank}
-    return row, per_rank, timed
 
 
 def reference_loss(sizes: dict, lessons) -> float:
@@ -767,8 +734,14 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     for spec in grids:
         if not deadline.allows(f"grid {grid_label(spec)}, {setting_label(spec)}"):
             break
-        row, per_rank, timed = bench_grid(ctx, spec, sizes, lessons)
-        timed_grids.append(timed)
+        built = build_grid(ctx, spec, sizes, lessons)
+        mine = count_grid(ctx, spec, sizes, built, lessons)
+        seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
+                                 iters=sizes["iters"], barrier=True)
+        per_rank = everyone(mine)
+        row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
+        timed_grids.append({"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
+                            "grid": built["grid"], "per_rank": per_rank})
         grid_rows.append(row)
         details.append({"grid": row["grid"], "setting": row["setting"], "spec": spec,
                         "per_rank": per_rank})
@@ -805,7 +778,6 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     report(ctx, sizes, grid_rows + torch_rows[0::2], torch_rows, pipeline_rows, reference)
     print(f"wrote {path}", flush=True)
     if out_path is not None:
-        import json
         with open(out_path, "w") as f:
             json.dump({"grid_rows": grid_rows, "torch_rows": torch_rows,
                        "pipeline_rows": pipeline_rows, "details": details,
@@ -814,9 +786,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
 
 def percent(share: float) -> str:
     """0.0806 -> '8.06%'; 0.000211 -> '0.0211%'; 0 -> '0'."""
-    if share == 0:
-        return "0"
-    return f"{100 * share:.3g}%"
+    return f"{100 * share:.3g}%" if share else "0"
 
 
 def counted_and_formula(row: dict, kind: str, unit: int) -> str:
