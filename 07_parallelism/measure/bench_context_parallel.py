@@ -36,8 +36,6 @@ cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
 counters = import_stage("07_parallelism/measure/counters")
 
 # --------------------------------------------------------------------------- the formulas
-
-
 def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
     shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV."""
@@ -80,9 +78,7 @@ def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_s
     return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
 
 
-# --------------------------------------------------------------------------- kernels that count, wait, time
-
-
+# --------------------------------------------------------------------------- kernels that count, wait
 class ChunkKernels(contextlib.ContextDecorator):
     """While active, ``cp.chunk_attention`` and ``cp.chunk_attention_backward`` are this object's
     ``forward`` and ``backward``; by default the kernels that were there, so the wrappers nest."""
@@ -196,8 +192,6 @@ class EmulatedHeadsAttention(HeadsAttention):
 
 
 # --------------------------------------------------------------------------- the benchmark
-
-
 def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
     """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
     gradient at sequence length ``seq``, cut from full tensors the same on every rank."""
@@ -452,8 +446,6 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------- flags
-
-
 def box_defaults(args, config) -> None:
     """The flags left out, filled in for this box (the host: CPU tensors); rings of 2 and 4."""
     on_host = config.device == "cpu"

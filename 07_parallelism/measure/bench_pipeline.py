@@ -81,18 +81,18 @@ def pass_seconds(device: torch.device, run) -> tuple:
 
 
 class Wait(torch.autograd.Function):
-    """Stands in for a chunk's compute: the forward waits, and so does the backward (B)."""
+    """Stands in for compute: x, after ``seconds``; its gradient after ``backward_s``."""
 
     @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
+    def forward(ctx, x, seconds, backward_s):
+        ctx.backward_s = backward_s
         time.sleep(seconds)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
+        time.sleep(ctx.backward_s)
+        return grad, None, None
 
 
 class EmulatedChunk(pipeline_parallel.DeferredLinear):
@@ -107,25 +107,11 @@ class EmulatedChunk(pipeline_parallel.DeferredLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x.unsqueeze(-1)).squeeze(-1)   # [rows, d_model, 1] -> [rows, d_model]
-        return Wait.apply(y, self.seconds)
+        return Wait.apply(y, self.seconds, self.seconds)
 
     def weight_grad(self, x, grad_output):
         time.sleep(self.w_seconds)
         super().weight_grad(x, grad_output)
-
-
-class WeightWait(torch.autograd.Function):
-    """Waits in the backward of a parameter's path: W for torch's executor (an input's path: B)."""
-
-    @staticmethod
-    def forward(ctx, weight, seconds):
-        ctx.seconds = seconds
-        return torch.zeros_like(weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(ctx.seconds)
-        return grad, None
 
 
 class TorchEmulatedChunk(nn.Module):
@@ -136,11 +122,11 @@ class TorchEmulatedChunk(nn.Module):
         self.seconds = seconds
         self.w_seconds = seconds if split_backward else 0.0
         self.scale = nn.Parameter(torch.ones(()))
-        self.weight = nn.Parameter(torch.zeros(()))
+        self.weight = nn.Parameter(torch.zeros(()))         # 0: adds nothing, W waits on it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = Wait.apply(x * self.scale, self.seconds)          # F, and B on the input's path
-        return y + WeightWait.apply(self.weight, self.w_seconds)   # W on the parameter's path
+        y = Wait.apply(x * self.scale, self.seconds, self.seconds)   # F; B on the input's path
+        return y + Wait.apply(self.weight, 0.0, self.w_seconds)     # W on the parameter's path
 
 
 def torch_schedule_class(name: str):
@@ -356,8 +342,7 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
 def bench_main(ctx, cfg: dict) -> None:
     """The worker: every schedule and m, then the V schedules beside torch's; rank 0 reports."""
     # Each rank builds all layers from one seed (the same weights, nothing sent), runs its own.
-    model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"])
-    model = model.to(ctx.device)
+    model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"]).to(ctx.device)
     deadline = Deadline(ctx)
     rows = measure_bubble(ctx, cfg, model, deadline)
     if ctx.is_main:
@@ -377,13 +362,11 @@ def report_torch(ctx, cfg: dict, rows: list[dict]) -> None:
     """Rank 0: our executor beside torch's on the V schedules; results/pipeline_vs_torch.csv."""
     if not rows:
         return
-    table = []
-    for row in rows:
-        table.append({"schedule": row["schedule"], "torch": row["torch_schedule"],
-                      "m": row["micro_batches"], "compute": compute_of(row["emulated_ms"]),
-                      "ours_ms": row["ours_ms"], "torch_ms": row["torch_ms"],
-                      "ours / torch": row["ratio"], "unit-time ideal_ms": row["ideal_ms"],
-                      "max |grad ours - torch|": row["gradient_max_difference"]})
+    table = [{"schedule": row["schedule"], "torch": row["torch_schedule"],
+              "m": row["micro_batches"], "compute": compute_of(row["emulated_ms"]),
+              "ours_ms": row["ours_ms"], "torch_ms": row["torch_ms"],
+              "ours / torch": row["ratio"], "unit-time ideal_ms": row["ideal_ms"],
+              "max |grad ours - torch|": row["gradient_max_difference"]} for row in rows]
     results.print_table(table, f"\nOur executor beside torch.distributed.pipelining on the same "
                         f"chunks (two PipelineStages per rank), pass time, slowest rank's median "
                         f"of {cfg['iters']}; {ctx.backend}/{ctx.device.type}:", floatfmt=".3g")
@@ -399,17 +382,15 @@ def report_torch(ctx, cfg: dict, rows: list[dict]) -> None:
 
 def write_rows(ctx, cfg: dict, rows: list[dict]):
     """Rank 0: upsert the settings measured so far into results/pipeline_bubble.csv."""
-    csv_rows = []
-    for row in rows:
-        for rank in range(ctx.world_size):
-            csv_rows.append(dict(
-                backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size,
-                **{key: cfg[key] for key in SIZE_COLUMNS},
-                schedule=row["schedule"], micro_batches=row["m"], rank=rank,
-                idle_share=row["idle"][rank], idle_share_simulated=row["sim"][rank],
-                idle_share_formula=row["formula"], peak_held=row["peak"][rank],
-                step_ms=row["step_ms"], run_id=results.run_id(), emulated_ms=row["emulated_ms"],
-                chunks=row["v"], machine=results.machine_name()))
+    csv_rows = [dict(backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size,
+                     **{key: cfg[key] for key in SIZE_COLUMNS},
+                     schedule=row["schedule"], micro_batches=row["m"], rank=rank,
+                     idle_share=row["idle"][rank], idle_share_simulated=row["sim"][rank],
+                     idle_share_formula=row["formula"], peak_held=row["peak"][rank],
+                     step_ms=row["step_ms"], run_id=results.run_id(),
+                     emulated_ms=row["emulated_ms"], chunks=row["v"],
+                     machine=results.machine_name())
+                for row in rows for rank in range(ctx.world_size)]
     key = ["backend", "device", "world_size", *SIZE_COLUMNS, "schedule", "micro_batches",
            "chunks", "emulated_ms", "rank"]
     return results.upsert_csv("pipeline_bubble.csv", csv_rows, key=key)
@@ -421,14 +402,12 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
     size_text = ", ".join(f"{key} {cfg[key]}" for key in SIZE_COLUMNS)
     print(f"\nPipeline parallel, {stages} stages, {size_text}; {ctx.backend}/{ctx.device.type}, "
           f"{results.machine_name()}\n")
-    table = []
-    for row in rows:
-        table.append({"schedule": row["schedule"], "m": row["m"], "v": row["v"],
-                      "compute": compute_of(row["emulated_ms"]),
-                      "idle per rank": " ".join(f"{share:.3f}" for share in row["idle"]),
-                      "simulated": statistics.fmean(row["sim"]), "formula": row["formula"],
-                      "max gap": row["gap"], "step_ms": row["step_ms"],
-                      "peak held per rank": " ".join(str(count) for count in row["peak"])})
+    table = [{"schedule": row["schedule"], "m": row["m"], "v": row["v"],
+              "compute": compute_of(row["emulated_ms"]),
+              "idle per rank": " ".join(f"{share:.3f}" for share in row["idle"]),
+              "simulated": statistics.fmean(row["sim"]), "formula": row["formula"],
+              "max gap": row["gap"], "step_ms": row["step_ms"],
+              "peak held per rank": " ".join(str(count) for count in row["peak"])} for row in rows]
     results.print_table(table, f"Idle share per rank (median of {cfg['iters']} passes) beside "
                         "the unit-time simulation and the formula; activations held at once:",
                         floatfmt=".3f")

@@ -52,8 +52,6 @@ FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM na
 
 
 # --------------------------------------------------------------------------- this machine
-
-
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
@@ -176,21 +174,20 @@ def step_calls_worker(ctx, out_path: str) -> None:
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
+        operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
+                      dist.P2POp(dist.irecv, receive, (ctx.rank - 1) % ctx.world_size)]
+
+        def hop():
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+
         seconds = []
-        for attempt in range(2 + REPEATS):
+        for _ in range(2 + REPEATS):
             dist.barrier()
             for _ in range(matmuls):
                 weights @ weights
-            synchronize(ctx.device)
-            start = time.perf_counter()
-            operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
-                          dist.P2POp(dist.irecv, receive, (ctx.rank - 1) % ctx.world_size)]
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
-            synchronize(ctx.device)
-            if attempt >= 2:
-                seconds.append(time.perf_counter() - start)
-        mine[f"hop {nbytes}"] = statistics.median(seconds)
+            seconds += timing.measure(hop, ctx.device, warmup=0, iters=1)
+        mine[f"hop {nbytes}"] = statistics.median(seconds[2:])      # two to warm up
     write_slowest(ctx, mine, out_path)
 
 
@@ -239,18 +236,16 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
         seconds = {"gather": [], "scatter": []}
-        for attempt in range(1 + REPEATS // 3):
+        for _ in range(1 + REPEATS // 3):
             shard = torch.ones(shard_numel, device=ctx.device)
             gathered = torch.empty(shard_numel * ctx.world_size, device=ctx.device)
             calls = (("gather", all_gather, gathered, shard),
                      ("scatter", reduce_scatter, torch.empty_like(shard), gathered))
             for name, call, out, given in calls:
-                took = timing.measure(lambda: call(out, given), ctx.device, warmup=0, iters=1,
-                                      barrier=True)
-                if attempt >= 1:
-                    seconds[name] += took
+                seconds[name] += timing.measure(lambda: call(out, given), ctx.device, warmup=0,
+                                                iters=1, barrier=True)
         for name, taken in seconds.items():
-            mine[f"{name} {nbytes}"] = statistics.median(taken)
+            mine[f"{name} {nbytes}"] = statistics.median(taken[1:])     # one to warm up
     write_slowest(ctx, mine, out_path)
 
 
@@ -311,8 +306,6 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 
 # --------------------------------------------------------------------------- the rows
-
-
 class Pace:
     """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``, a Unix time): a configuration
     starts while the previous one's seconds still fit before it (``step_bench.time_left_for``
@@ -564,7 +557,6 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
 
 
 # --------------------------------------------------------------------------- the projection
-
 PROJECTION_CSV = "projection.csv"
 PROJECTION_MODEL = "small"     # make plan's default LM, sequence and rows a GPU
 PROJECTION_SEQ = 256
@@ -587,21 +579,16 @@ def projection_rows(device: str) -> list[dict]:
     rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ
             / compute_s)
     bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
-    where = results.machine_name()
-    if device == "cuda":
-        where = torch.cuda.get_device_name(0)
+    where = torch.cuda.get_device_name(0) if device == "cuda" else results.machine_name()
     compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "
                     f"{bandwidth / 1e9:.3g} GB/s (measured)")
     rows = []
     for name, cluster in planner.CLUSTERS.items():
         lm = course_lm(PROJECTION_MODEL, PROJECTION_ROWS * cluster.ranks, PROJECTION_SEQ)
         machine = dataclasses.replace(cluster, flops=rate, memory_bandwidth=bandwidth, gpu=None)
-        fitting = []
-        for grid in planner.candidate_grids(lm, cluster.ranks, cluster.ranks_per_node):
-            prediction = planner.predict(lm, grid, machine)
-            if prediction["fits"]:
-                fitting.append(prediction)
-        fitting.sort(key=lambda prediction: prediction["step_s"])
+        predictions = [planner.predict(lm, grid, machine)
+                       for grid in planner.candidate_grids(lm, cluster.ranks, cluster.ranks_per_node)]
+        fitting = sorted((one for one in predictions if one["fits"]), key=lambda one: one["step_s"])
         for prediction in fitting[:PROJECTION_TOP]:
             grid = planner.label(prediction["grid"])
             rows.append({"config": f"{name}: {grid}", "cluster": name, "grid": grid,
@@ -617,8 +604,6 @@ def projection_rows(device: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- bytes, exactly
-
-
 def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
     """Bytes a rank sends a step on the data axis alone, as a ring: DDP and ZeRO-2 the all-reduce,
     ZeRO-1 1.5x (owners broadcast), FSDP units gathered twice less those kept (the root, the last
@@ -703,7 +688,6 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
 
 
 # --------------------------------------------------------------------------- published runs
-
 # Published training runs, predicted cold from the planner's presets (lesson 9's README cites
 # each): (run, GPU preset, GPUs, Llama 3 8B's global batch and sequence, grid, published
 # tokens/s a GPU, published memory GiB or None). None of these tuned a preset.

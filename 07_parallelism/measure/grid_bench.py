@@ -456,26 +456,6 @@ def reference_loss(sizes: dict, lessons) -> float:
         return models.lm_loss(full_lm(inputs), targets).item()
 
 
-class TorchLM(nn.Module):
-    """The LM with q, k and v as three Linears, as torch's plans expect; the same weights."""
-
-    def __init__(self, full_lm: nn.Module, split_block):
-        super().__init__()
-        self.token_embedding = copy.deepcopy(full_lm.token_embedding)
-        self.position_embedding = copy.deepcopy(full_lm.position_embedding)
-        self.blocks = nn.ModuleList([split_block(block) for block in full_lm.blocks])
-        self.norm = copy.deepcopy(full_lm.norm)
-        self.lm_head = copy.deepcopy(full_lm.lm_head)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, seq]
-        # each embedding: [batch, seq/t, h] on each tp rank (their plans' Shard(1) outputs)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x))        # [batch, seq, vocab], whole on every tp rank
-
-
 def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     """The LM with parallelize_module over ``tp_mesh``, then fully_shard over ``data_mesh``
     ((dp, 1): replicated; ``replicate`` after parallelize_module trains nothing)."""
@@ -484,7 +464,8 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
     args = train_args(sizes, grid_spec())
-    lm = TorchLM(lessons.train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock)
+    lm = lessons.train.build_full_lm(args)      # q, k and v as three Linears, as torch's plans expect
+    lm.blocks = nn.ModuleList([lessons.torch_tp.SplitQKVBlock(block) for block in lm.blocks])
     lm = lm.to(ctx.device)
     if tp_mesh is not None:     # torch's tutorial's plan around the blocks, for our names
         sequence_out = {"input_layouts": Replicate(), "output_layouts": Shard(1)}
@@ -507,9 +488,11 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     rows = sizes["batch_size"] // data_mesh.size()
     my_inputs = inputs[data_rank * rows:(data_rank + 1) * rows].to(ctx.device)
     my_targets = targets[data_rank * rows:(data_rank + 1) * rows].to(ctx.device)
+    # [1, seq]: each embedding [batch, seq/t, h] on each tp rank (their plans' Shard(1) outputs)
+    positions = torch.arange(sizes["seq_len"], device=ctx.device).unsqueeze(0)
 
     def forward_loss():
-        logits = lm(my_inputs)                   # every tp rank: all the tokens, all logits
+        logits = lm(my_inputs, positions)        # every tp rank: all the tokens, all logits
         return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
 
     def step():
@@ -536,8 +519,7 @@ def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> di
     counted = {"param": state_bytes(lm.parameters()),
                "grad": state_bytes(p.grad for p in lm.parameters()),
                "optim": optimizer_state_bytes(built["optimizer"])}
-    for axis in [*AXES, "dp"]:
-        counted[f"sent_{axis}"] = 0.0
+    counted.update({f"sent_{axis}": 0.0 for axis in [*AXES, "dp"]})
     for counter in (comm, functional):
         for axis, entry in counter.by_axis.items():
             counted[f"sent_{axis}"] += entry["sent_bytes"]
@@ -761,16 +743,10 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                                         timed["seconds"], timed["per_rank"]))
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
-    torch_rows = []
-    pipeline_rows = []
-    if carries_point_to_point(ctx.backend, ctx.device.type):  # torch's parts send and coalesce
-        torch_rows = compare_with_torch(ctx, sizes, lessons, deadline)
-        if ctx.is_main:
-            results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-        pipeline_rows = compare_pipelines(ctx, sizes, lessons, deadline)
-    else:
-        ctx.print(f"torch's composition and pipelining: skipped ({ctx.backend} cannot carry "
-                  f"{ctx.device.type} tensors point to point)", all_ranks=False)
+    torch_rows = compare_with_torch(ctx, sizes, lessons, deadline)   # main: a backend that sends
+    if ctx.is_main:
+        results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
+    pipeline_rows = compare_pipelines(ctx, sizes, lessons, deadline)
     reference = reference_loss(sizes, lessons)
     if not ctx.is_main:
         return
@@ -801,9 +777,8 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
            pipeline_rows: list[dict], reference: float) -> None:
     """Rank 0: the tables, then the targets beside what this run measured."""
     machine = results.machine_name()
-    unit, unit_name = 1024, "KiB"
-    if max(row["param_bytes"] for row in our_rows) > 64 * 2**20:
-        unit, unit_name = 2**20, "MiB"
+    large = max(row["param_bytes"] for row in our_rows) > 64 * 2**20
+    unit, unit_name = (2**20, "MiB") if large else (1024, "KiB")
     shape = lm_shape(sizes)
     print(f"\nThe {sizes['model']} LM (h {shape['h']}, f {shape['f']}, {shape['heads']} heads, "
           f"{shape['layers']} blocks, vocabulary {VOCAB}), batch {sizes['batch_size']} x "
@@ -827,14 +802,11 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
     results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, "
                         f"{sizes['rounds']} alternating rounds, torch's bytes (its formula):")
     pairs = list(zip(pipeline_rows[0::2], pipeline_rows[1::2]))     # (ours, torch's)
-    table = []
-    for ours, theirs in pairs:
-        table.append({"stages": ours["grid"], "schedule": ours["schedule"],
-                      "compute": ours["setting"].split(", ", 1)[1], "ours ms": ours["step_ms"],
-                      "torch ms": theirs["step_ms"],
-                      "ours / torch": ours["step_ms"] / theirs["step_ms"],
-                      "ideal ms": ours["ideal_ms"] or "-",
-                      "max |grad diff|": ours["gradient_max_difference"]})
+    table = [{"stages": ours["grid"], "schedule": ours["schedule"],
+              "compute": ours["setting"].split(", ", 1)[1], "ours ms": ours["step_ms"],
+              "torch ms": theirs["step_ms"], "ours / torch": ours["step_ms"] / theirs["step_ms"],
+              "ideal ms": ours["ideal_ms"] or "-",
+              "max |grad diff|": ours["gradient_max_difference"]} for ours, theirs in pairs]
     pipeline = sizes["pipeline"]
     results.print_table(table, floatfmt=".3g", title="\nThe pipeline axis, ours beside "
                         f"torch.distributed.pipelining: {pipeline['layers']} blocks, "
@@ -851,8 +823,7 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
             text = (f"    not exact: {row['grid']} {row['setting']}: {row['worst_where']} "
                     f"{percent(row['worst_difference'])}")
             if row["zero1_deal_bound"] != "" and row["worst_where"].endswith("optim"):
-                bound = 100 * row["zero1_deal_bound"]
-                text += f" (ZeRO-1's whole-tensor deal: within {bound:.1f}%)"
+                text += f" (ZeRO-1's whole-tensor deal: within {100 * row['zero1_deal_bound']:.1f}%)"
             print(text)
     for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
         ratio = ours["step_ms"] / theirs["step_ms"]
@@ -889,14 +860,12 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
 
 def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
     """Each schedule that refuses its micro-batches and blocks on ``stages`` stages, a line each."""
-    schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
-    check = import_stage("07_parallelism/measure/schedule_check")
     problems = []
     for name in pipeline["schedules"]:
-        chunks = schedules.chunks_per_rank(name, 2)
+        chunks = bench_pipeline.schedules.chunks_per_rank(name, 2)
         try:
-            check.check_setting(name, stages, pipeline["micro_batches"], chunks,
-                                pipeline["layers"])
+            bench_pipeline.schedule_check.check_setting(name, stages, pipeline["micro_batches"],
+                                                        chunks, pipeline["layers"])
         except ValueError as error:
             problems.append(f"pipeline: {name} on {stages} stages, {pipeline['micro_batches']} "
                             f"micro-batches, {pipeline['layers']} blocks: {error}")
@@ -917,9 +886,6 @@ def main(argv=None) -> None:
     if not carries_point_to_point(config.backend, config.device):
         parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
     name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
-    problems = size_problems(SIZES[name], GRIDS[config.world_size], config.world_size)
-    if problems:
-        parser.error(f"--bench-sizes {name}: " + problems[0])
     results.check_writable()
     load_lessons()                  # the lessons' folders on the path, for every worker
     launch.launch(bench_worker, config, SIZES[name], GRIDS[config.world_size])
