@@ -336,14 +336,12 @@ def this_run(name: str) -> list[dict]:
     if not run and rows:
         run = rows[-1].get("run_id")
     kept = []
-    for row in rows:
-        if row.get("run_id") != run:
-            continue
+    for row in (row for row in rows if row.get("run_id") == run):
         problem = unreadable(row)
         if problem:
             print(f"check_prediction: results/{name}: a row skipped: {problem}")
-            continue
-        kept.append(row)
+        else:
+            kept.append(row)
     return kept
 
 
@@ -373,10 +371,8 @@ def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: floa
     row = {"config": config, "source": source, "world_size": grid.world_size,
            "predicted_ms": round(predicted, 3), "measured_ms": round(measured_ms, 3),
            "ratio": round(predicted / measured_ms, 3)}
-    for name, seconds, _ in terms:
-        row[name.replace(" ", "_") + "_ms"] = round(seconds * 1e3, 3)
-    row["machine"] = results.machine_name()
-    row["run_id"] = results.run_id()
+    row.update({name.replace(" ", "_") + "_ms": round(seconds * 1e3, 3) for name, seconds, _ in terms})
+    row.update(machine=results.machine_name(), run_id=results.run_id())
     return row
 
 
@@ -386,10 +382,8 @@ LEDGER_SETTINGS = (*DDP_SETTINGS, "checkpointing")
 
 def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | None:
     """The compute-only control (``none``) at ``row``'s ``settings``, from the same launch."""
-    for control in rows:
-        if control["impl"] == "none" and all(control[key] == row[key] for key in settings):
-            return control
-    return None
+    return next((control for control in rows if control["impl"] == "none"
+                 and all(control[key] == row[key] for key in settings)), None)
 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
@@ -527,12 +521,9 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         parts = row["grid"].split()
         if not all(part[:2] in sizes and part[2:].isdigit() for part in parts):
             continue                 # 'pp2 (x2 side by side)'
-        for part in parts:
-            sizes[part[:2]] = int(part[2:])
-        schedule = "1f1b"
-        for name in ("gpipe", "1f1b", "interleaved", "zbh1"):
-            if name in row["setting"]:
-                schedule = name
+        sizes.update({part[:2]: int(part[2:]) for part in parts})
+        schedule = next((name for name in ("zbh1", "interleaved", "1f1b", "gpipe")
+                         if name in row["setting"]), "1f1b")
         # the data axis all-reduces every gradient in one call; lesson 7 logs the global loss
         grid = planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
                             dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
@@ -749,8 +740,7 @@ def main(argv=None) -> int:
               "predicted | largest term |")
         print("|---|---|---|---|---|---|---|")
         for row in published_rows():
-            memory = f"{row['memory']} / {row['predicted_memory']:.1f}" if row["memory"] else \
-                f"- / {row['predicted_memory']:.1f}"
+            memory = f"{row['memory'] or '-'} / {row['predicted_memory']:.1f}"
             print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "
                   f"{row['error']:+.0%} | {memory} | {row['largest']} |")
         return 0
@@ -774,9 +764,8 @@ def main(argv=None) -> int:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
         return 1
-    cores = os.cpu_count() or 1          # ranks take turns on these (one GPU: on it)
-    if args.device == "cuda":
-        cores = torch.cuda.device_count()
+    # ranks take turns on these (one GPU: on it)
+    cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1
     rows = []
     pace = Pace()
     for make_rows in (ddp_rows, ledger_rows, grid_rows):

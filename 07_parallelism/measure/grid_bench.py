@@ -3,17 +3,16 @@
     python 07_parallelism/measure/grid_bench.py --bench                   # 4 ranks, CPU sizes
     python 07_parallelism/measure/grid_bench.py --bench --bench-sizes gpu --world-size 8
 
-Into results/grid.csv, in one launch:
-
-1. Our grids (``GRIDS``): train.py's step, timed in rounds (the slowest rank's median), and
-   per rank the bytes held and sent per axis, counted (``counters.py``) beside ``combined_formula``.
-2. torch's composition (``parallelize_module`` then ``fully_shard``) as the control, in pairs
-   (the ``pair`` column): ``replicated_tp``, ``fsdp_tp`` (ours ZeRO-1) and ``hsdp``.
-3. The pipeline axis against ``torch.distributed.pipelining`` on pp = 2 and 4, real compute
-   (gradients compared) and emulated (a fixed wait per F, B and W), beside the simulation.
-
-A row holds the largest rank's count and formula, and the worst relative difference of any
-rank in any column. torch's context parallelism has no CPU path in torch 2.13: no row.
+Into results/grid.csv, in one launch: (1) our grids (``GRIDS``): train.py's step, timed in
+rounds (the slowest rank's median), and per rank the bytes held and sent per axis, counted
+(``counters.py``) beside ``combined_formula``; (2) torch's composition (``parallelize_module``
+then ``fully_shard``) as the control, in pairs (the ``pair`` column): ``replicated_tp``,
+``fsdp_tp`` (ours ZeRO-1) and ``hsdp``; (3) the pipeline axis against
+``torch.distributed.pipelining`` on pp = 2 and 4, real compute (gradients compared) and emulated
+(a fixed wait per F, B and W), beside the simulation. A row holds the largest rank's count and
+formula, and the worst relative difference of any rank in any column. What cannot end before
+make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line. torch's context
+parallelism has no CPU path in torch 2.13: no row.
 """
 
 from __future__ import annotations
