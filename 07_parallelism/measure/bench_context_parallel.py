@@ -47,9 +47,8 @@ def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
 
 
 def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k, v,
-    the output). Each all-to-all keeps 1/W of its tensor and sends the rest: forward swaps q, k,
-    v and the output, backward their four gradients."""
+    """(forward, backward) bytes one rank sends in Ulysses (shard_bytes: its q): each all-to-all of
+    q, k, v, the output and their four gradients keeps 1/W of its tensor and sends the rest."""
     if world_size == 1:
         return 0, 0
     per_swap = (world_size - 1) * shard_bytes // world_size
@@ -73,8 +72,7 @@ def imbalance_formula(world_size: int, layout: str, causal: bool) -> float:
 
 
 def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_size: int) -> int:
-    """What one attention layer keeps for backward on a rank holding seq_len queries: q, k, v,
-    the output and the log-sum-exp per query."""
+    """What attention keeps for backward of seq_len queries: q, k, v, output, log-sum-exp."""
     return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
 
 
@@ -119,8 +117,7 @@ class CountingAttention(ChunkKernels):
 
 
 class EmulatedAttention(ChunkKernels):
-    """No arithmetic: each chunk waits in proportion to its scores (backward twice as long),
-    then returns zeros. The sends stay real."""
+    """No arithmetic: each chunk waits for its scores (backward twice as long); sends stay real."""
 
     def __init__(self, seconds_per_score: float):
         self.seconds_per_score = seconds_per_score
@@ -139,10 +136,12 @@ class EmulatedAttention(ChunkKernels):
 
 
 class HeadsAttention(contextlib.ContextDecorator):
-    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``, counting the scores it sees."""
+    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``, counting the scores it sees;
+    given ``seconds_per_score``, no arithmetic: it waits (the all-to-alls stay real)."""
 
-    def __init__(self):
+    def __init__(self, seconds_per_score: float | None = None):
         self.visible = 0
+        self.seconds_per_score = seconds_per_score
 
     def __enter__(self):
         self.inner = cp.heads_attention
@@ -153,8 +152,11 @@ class HeadsAttention(contextlib.ContextDecorator):
         cp.heads_attention = self.inner
 
     def attention(self, q, k, v, causal):
-        self.visible += scores_seen(q, causal)
-        return self.inner(q, k, v, causal)
+        seen = scores_seen(q, causal)
+        self.visible += seen
+        if self.seconds_per_score is None:
+            return self.inner(q, k, v, causal)
+        return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
 
 
 def scores_seen(q, causal: bool) -> int:
@@ -178,23 +180,9 @@ class EmulatedWait(torch.autograd.Function):
         return torch.zeros_like(grad), torch.zeros_like(grad), torch.zeros_like(grad), None
 
 
-class EmulatedHeadsAttention(HeadsAttention):
-    """``EmulatedAttention`` for Ulysses' heads: no arithmetic, the all-to-alls stay real."""
-
-    def __init__(self, seconds_per_score: float):
-        super().__init__()
-        self.seconds_per_score = seconds_per_score
-
-    def attention(self, q, k, v, causal):
-        seen = scores_seen(q, causal)
-        self.visible += seen
-        return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
-
-
 # --------------------------------------------------------------------------- the benchmark
 def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
-    """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
-    gradient at sequence length ``seq``, cut from full tensors the same on every rank."""
+    """This rank's float32 shards of q, k, v (leaves) and the output's gradient, cut alike everywhere."""
     shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
     generator = torch.Generator().manual_seed(seq)
     q, k, v, grad_out = [cp.shard_sequence(torch.randn(shape, generator=generator,
@@ -205,16 +193,14 @@ def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layou
 
 
 def run_step(q, k, v, grad_out, attention, kernel=None):
-    """One forward + backward of ``attention(q, k, v)``, with ``kernel`` (a ``ChunkKernels`` or
-    ``HeadsAttention``) active when given."""
+    """One forward + backward of ``attention(q, k, v)``, with ``kernel`` active when given."""
     with kernel or contextlib.nullcontext():
         out = attention(q, k, v)
         out.backward(grad_out)
 
 
 def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
-    """The slowest member's median seconds of ``step()``; ranks outside ``members`` only keep
-    the barriers company (and report 0 s)."""
+    """The slowest member's median seconds of ``step()``; the others keep the barriers company."""
     inside = ctx.rank in members
     times = timing.measure(step if inside else lambda: None, ctx.device, warmup=cfg["warmup"],
                            iters=cfg["iters"], barrier=True)
@@ -282,14 +268,13 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
                        "saved_formula": saved_bytes_formula(batch_heads // world_size, seq,
                                                             cfg["head_dim"], 4)}
             bench_parallel(ctx, cfg, same, world_size, "ulysses", "contiguous", ulysses,
-                           HeadsAttention(), EmulatedHeadsAttention, targets, rows, failures)
+                           HeadsAttention(), HeadsAttention, targets, rows, failures)
 
 
 def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layout: str,
                    attention, counting, emulated, targets: dict, rows: list, failures: list):
     """``impl`` (ring or ulysses) on the first ``world_size`` ranks at one length: its row beside
-    ``targets`` and, at the longest length, with ``emulated`` compute, appended to ``rows``;
-    problems to ``failures``. ``counting``: a kernel counting the scores each rank sees."""
+    ``targets`` (and at the longest, with ``emulated`` compute) to ``rows``, problems to ``failures``."""
     seq = same["seq"]
     members = list(range(world_size))
     inside = ctx.rank in members
@@ -382,8 +367,7 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
 
 
 def write_bench_rows(ctx, rows: list[dict]):
-    """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
-    length, so a run stopped at make bench's cap keeps them)."""
+    """Rank 0: upsert the rows measured so far into results/context_parallel.csv."""
     same = {"backend": ctx.backend, "device": ctx.device.type}
     stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
     csv_rows = [{**same, **row, **stamp} for row in rows]

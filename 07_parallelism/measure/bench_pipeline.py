@@ -96,9 +96,8 @@ class Wait(torch.autograd.Function):
 
 
 class EmulatedChunk(pipeline_parallel.DeferredLinear):
-    """A model chunk that only waits: F, B (and W, the deferred weight gradient of this 1 x 1
-    DeferredLinear, when the schedule splits the backward) each take ``seconds``; the
-    activation it hands on keeps its shape, so the messages are real."""
+    """A model chunk that only waits: F, B (and W of this 1 x 1 DeferredLinear, when the schedule
+    splits the backward) each take ``seconds``; what it hands on keeps its shape."""
 
     def __init__(self, seconds: float, split_backward: bool):
         super().__init__(1, 1)
@@ -136,9 +135,8 @@ def torch_schedule_class(name: str):
 
 
 class Deadline:
-    """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``): a configuration starts when
-    the previous one's seconds (or ``estimate``) still fit, rank 0's verdict on every rank; the
-    first that does not and all after it are skipped, said in one line."""
+    """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``): a configuration starts while
+    the previous one's seconds (or ``estimate``) fit, rank 0's verdict; none after the first not."""
 
     def __init__(self, ctx):
         self.ctx = ctx
@@ -151,18 +149,16 @@ class Deadline:
             estimate = now - self.started if estimate is None else estimate
             if not step_bench.time_left_for(self.ctx, estimate):
                 self.stopped = True
-                self.ctx.print(f"{what} and what follows: skipped, about {estimate:.0f} s would "
-                               "run past make bench's deadline for this step (the rows above are "
-                               "written)", all_ranks=False)
+                self.ctx.print(f"{what} and what follows: skipped, about {estimate:.0f} s would run "
+                               "past make bench's deadline (the rows above are written)", all_ranks=False)
         self.started = now
         return not self.stopped
 
 
 def beside_torch(ctx, name: str, m: int, ours: list, modules: list, inputs, targets, stages: int,
                  rank: int, group=None) -> dict:
-    """Schedule ``name`` on m micro-batches of ``inputs`` and ``targets`` (whole, the same on every
-    rank): our executor on chunks ``ours``, torch's on ``modules`` (a PipelineStage each, the same
-    chunks); a pass of each, and the schedule's unit-time makespan."""
+    """Schedule ``name`` on m micro-batches of ``inputs`` and ``targets``: our executor on ``ours``,
+    torch's on ``modules`` (the same chunks); a pass of each, and the unit-time makespan."""
     from torch.distributed import pipelining
     v = len(ours)
     schedule = schedules.all_ranks(name, stages, m, v)
@@ -206,8 +202,7 @@ def layers_of(cfg: dict, name: str, ctx) -> list[range]:
 
 
 def batch_of(ctx, cfg: dict, m: int, loss_rank: int) -> tuple:
-    """(inputs, targets), [batch, d_model] each, the same on every rank, and their m
-    micro-batches on rank 0 and on ``loss_rank`` (None elsewhere)."""
+    """(inputs, targets), the same on every rank, and their m micro-batches where they are used."""
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(cfg["batch"], cfg["d_model"], generator=generator).to(ctx.device)
     targets = torch.randn(cfg["batch"], cfg["d_model"], generator=generator).to(ctx.device)
@@ -275,18 +270,12 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential, deadline: Deadline) -> 
 
 
 def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> list[dict]:
-    """Each V schedule at its largest m, real and emulated, ours and torch's (two
-    ``PipelineStage``s per rank) on the same chunks: ``iters`` alternating passes after an
-    untimed one each (torch infers shapes in it); the slowest rank's medians, and (real) how far
-    the gradients differ: rows of results/pipeline_vs_torch.csv."""
+    """Each V schedule at its largest m, real and emulated, ours and torch's on the same chunks:
+    ``iters`` alternating passes after an untimed one each (torch infers shapes in it), the
+    slowest rank's medians, and (real) how far the gradients differ."""
     stages = ctx.world_size
     torch_model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"],
                                                 linear=nn.Linear).to(ctx.device)
-    if not carries_point_to_point(ctx.backend, ctx.device.type):
-        if ctx.is_main:
-            print(f"torch.distributed.pipelining: skipped ({ctx.backend} cannot send "
-                  f"{ctx.device.type} tensors point to point)", flush=True)
-        return []
     deadline = deadline or Deadline(ctx)
     rows = []
     for name in cfg["schedules"]:
@@ -303,8 +292,7 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
         for emulated_ms in (0.0, cfg["emulate_ms"]):
             if not deadline.allows(f"{name} beside torch's, {compute_of(emulated_ms)}"):
                 return rows
-            ours = []
-            theirs = []
+            ours, theirs = [], []
             for layers in layers_of(cfg, name, ctx):
                 if emulated_ms > 0:
                     ours.append(EmulatedChunk(emulated_ms / 1e3, True).to(ctx.device))
@@ -471,6 +459,9 @@ def main(argv=None) -> None:
                         help="accepted for make bench's sake: this script only measures")
     args = parser.parse_args(argv)
     config = launch.resolve(args)
+    if not carries_point_to_point(config.backend, config.device):
+        launch.usage_error(f"the executor sends with batch_isend_irecv, which {config.backend} "
+                           f"cannot carry for {config.device} tensors: use --device cpu, or NCCL")
     stages = config.world_size
     if args.micro_batches is None:
         args.micro_batches = [2 * stages]

@@ -57,8 +57,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
                  repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
     """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
-    process with ``threads`` threads, medians after two warm-ups; once per shape, so that equal
-    shapes get equal compute."""
+    process, medians after two warm-ups; once per shape: equal shapes get equal compute."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -68,8 +67,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(vocab, (batch, seq + 1), generator=generator).to(on)
-    compute = []
-    stepping = []
+    compute, stepping = [], []
     for attempt in range(2 + repeats):
         optimizer.zero_grad(set_to_none=True)
         synchronize(on)
@@ -90,8 +88,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
 
 @functools.lru_cache(maxsize=None)
 def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) -> float:
-    """Bytes read and written per second copying a float32 buffer of ``nbytes`` (as the wrappers
-    do, at their size: a CPU copies what fits its caches several times faster)."""
+    """Bytes read and written per second copying ``nbytes`` (at the wrappers' size: caches count)."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -194,12 +191,10 @@ def step_calls_worker(ctx, out_path: str) -> None:
 @functools.lru_cache(maxsize=None)
 def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | None:
     """Calls as a step makes them, slowest rank's medians: a 64 KiB all-reduce in a burst of 20
-    (2-core VM, 2 ranks: 1.6-1.8 ms, against stage 02's 0.4-0.5 ms lined up by a barrier) and a
-    hop after compute (ranks sharing cores wait for a core: 4 ranks on 2 cores about 4 ms against
-    0.5 ms back to back). None, with a line, where Gloo cannot send the tensors."""
+    (not lined up by a barrier, as stage 02's are) and a hop after compute (ranks sharing cores
+    wait for one). None, with a line, where Gloo cannot send the tensors."""
     if backend == "gloo" and device == "cuda":
-        print("check_prediction: calls not timed as a step makes them: Gloo sends CPU tensors "
-              "only; the links are stage 02's fit")
+        print("check_prediction: calls not timed (Gloo sends CPU tensors only): stage 02's fit")
         return None
     slowest = launch_and_read(step_calls_worker, world_size, backend, device,
                               "calls as a step makes them", "the links are stage 02's fit")
@@ -227,8 +222,7 @@ def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
-    """All-gather into and reduce-scatter out of flat tensors at each of ``sizes``, as lesson 2
-    makes them: fresh buffers, the ranks lined up before each call."""
+    """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -307,9 +301,8 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 # --------------------------------------------------------------------------- the rows
 class Pace:
-    """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``, a Unix time): a configuration
-    starts while the previous one's seconds still fit before it (``step_bench.time_left_for``
-    outside a launch); the first that does not and all after it are skipped, in one line."""
+    """``step_bench.time_left_for`` outside a launch: a configuration starts while the previous
+    one's seconds fit before make bench's deadline (``BENCH_STEP_DEADLINE``, a Unix time)."""
 
     def __init__(self):
         self.deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
@@ -322,15 +315,14 @@ class Pace:
             self.stopped = time.time() + now - self.started > self.deadline
             if self.stopped:
                 print(f"check_prediction: {config} and what follows: skipped, about "
-                      f"{now - self.started:.0f} s each would run past make bench's deadline for "
-                      "this step (the rows above are written)")
+                      f"{now - self.started:.0f} s each would run past make bench's deadline (the "
+                      "rows above are written)")
         self.started = now
         return not self.stopped
 
 
 def this_run(name: str) -> list[dict]:
-    """``results/<name>``'s rows from this run (``RESULTS_RUN_ID``), else the newest run; an
-    unreadable row costs one line."""
+    """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); unreadable: a line."""
     rows = results.read_csv(name)
     run = os.environ.get("RESULTS_RUN_ID")
     if not run and rows:
@@ -387,8 +379,7 @@ def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | 
 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
-    """The ledger control's (forward + backward s, AdamW s): its step less its AdamW step; None
-    without one, or where AdamW took the whole step (noise)."""
+    """The ledger control's (step less AdamW s, AdamW s); None without one, or for noise."""
     control = same_launch_control(rows, row, LEDGER_SETTINGS)
     if control is None or not control.get("optimizer_ms"):
         return None
@@ -596,9 +587,8 @@ def projection_rows(device: str) -> list[dict]:
 
 # --------------------------------------------------------------------------- bytes, exactly
 def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
-    """Bytes a rank sends a step on the data axis alone, as a ring: DDP and ZeRO-2 the all-reduce,
-    ZeRO-1 1.5x (owners broadcast), FSDP units gathered twice less those kept (the root, the last
-    block), gradients reduce-scattered, the 1-D tensors' all-reduced."""
+    """Bytes a rank sends a step on the data axis alone, as a ring: DDP the all-reduce, ZeRO-1 1.5x,
+    FSDP units gathered twice less those kept, gradients reduce-scattered, 1-D ones all-reduced."""
     d = grid.dp * grid.cp           # the ranks holding the same parameters
     whole = planner.FLOAT32 * planner.parameter_count(lm)
     if grid.dp_kind == "fsdp":
@@ -754,8 +744,7 @@ def main(argv=None) -> int:
                 print(f"  {row['config']:34} {row['predicted_ms']:9.2f} ms "
                       f"{row['tokens_per_s_per_gpu']:>9,} tokens/s a GPU")
     else:
-        print("check_prediction: no projection onto the GPU presets: this box has no GPU, and "
-              "a CPU's compute would project a cluster of CPUs (--project shows it anyway)")
+        print("check_prediction: no projection onto the GPU presets without a GPU (--project: anyway)")
     run = os.environ.get("RESULTS_RUN_ID")      # make bench: only this run's fit counts
     fits = {key: fit for key, fit in results.read_json("allreduce_fit.json").items()
             if key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit
@@ -776,8 +765,7 @@ def main(argv=None) -> int:
             results.upsert_csv(CSV_NAME, new_rows, key=["source"])
         rows.extend(new_rows)
     if not rows:
-        print("check_prediction: nothing to check: no rows of this run in results/ "
-              "(ddp_step.csv, sharding.csv, grid.csv) that the planner models")
+        print("check_prediction: nothing to check: no row of this run that the planner models")
         return 0
     print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms):")
     print(f"{'configuration':58} {'predicted':>10} {'measured':>10} {'ratio':>6}")

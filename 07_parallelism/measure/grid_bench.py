@@ -45,8 +45,7 @@ FLOAT = 4           # float32
 INT64 = 8           # token ids and positions
 STEP_COUNT = 4      # AdamW's step: one float32 scalar tensor per parameter tensor
 VOCAB = 256         # bytes as tokens, as train.py trains
-AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world",
-        "other")                                          # "other": a group no axis names
+AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world", "other")  # other: no axis
 KINDS = ("param", "grad", "optim", "activation")
 ALL_KINDS = [*KINDS, *(f"sent_{axis}" for axis in AXES)]
 TARGET_BYTES = 0.05          # counted within 5% of the formula
@@ -63,25 +62,15 @@ def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
 
 # The grids by world size (the tiny LM has 2 blocks: pp <= 2).
 GRIDS = {
-    4: [grid_spec(dp=4),
-        grid_spec(dp=2, tp=2),
-        grid_spec(dp=2, tp=2, fsdp=True),
-        grid_spec(tp=4),
-        grid_spec(pp=2, tp=2, micro_batches=4),
-        grid_spec(dp=2, pp=2, micro_batches=4),
-        grid_spec(cp=2, tp=2),
-        grid_spec(dp=2, cp=2, fsdp=True),
-        grid_spec(dp=4, dp_shard=2),
-        grid_spec(dp=4, dp_shard=4)],
-    8: [grid_spec(dp=8),
-        grid_spec(dp=4, tp=2),
-        grid_spec(dp=2, tp=4),
-        grid_spec(dp=2, pp=2, tp=2, micro_batches=4),
-        grid_spec(dp=2, cp=2, tp=2),
+    4: [grid_spec(dp=4), grid_spec(dp=2, tp=2), grid_spec(dp=2, tp=2, fsdp=True), grid_spec(tp=4),
+        grid_spec(pp=2, tp=2, micro_batches=4), grid_spec(dp=2, pp=2, micro_batches=4),
+        grid_spec(cp=2, tp=2), grid_spec(dp=2, cp=2, fsdp=True),
+        grid_spec(dp=4, dp_shard=2), grid_spec(dp=4, dp_shard=4)],
+    8: [grid_spec(dp=8), grid_spec(dp=4, tp=2), grid_spec(dp=2, tp=4),
+        grid_spec(dp=2, pp=2, tp=2, micro_batches=4), grid_spec(dp=2, cp=2, tp=2),
         grid_spec(pp=2, cp=2, tp=2, micro_batches=4),
         grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4),
-        grid_spec(dp=8, dp_shard=4),
-        grid_spec(dp=4, tp=2, dp_shard=2)],
+        grid_spec(dp=8, dp_shard=4), grid_spec(dp=4, tp=2, dp_shard=2)],
 }
 
 # "cpu": about 2 minutes on 2 cores; "pipeline": part 3 (DualPipeV needs m >= 2p).
@@ -627,8 +616,7 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     inputs = torch.randn(shape_all, generator=generator).to(ctx.device)
     targets = torch.randn(shape_all, generator=generator).to(ctx.device)
     emulate_s = setting["emulate_ms"] / 1e3 if compute == "emulated" else 0.0
-    ours = []
-    modules = []
+    ours, modules = [], []
     layout = lessons.schedules.layout_of(schedule_name)       # V: pieces r and 2p-1-r
     for layer_numbers in lessons.pipeline.chunk_layers(setting["layers"], stages, pp_rank,
                                                        chunks_per_rank, layout):
@@ -709,8 +697,6 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     """Every rank: the three parts; rank 0 writes the CSV, the report, JSON to ``out_path``."""
     lessons = load_lessons()
     deadline = bench_pipeline.Deadline(ctx)
-    grid_rows = []
-    details = []
     timed_grids = []
     for spec in grids:
         if not deadline.allows(f"grid {grid_label(spec)}, {setting_label(spec)}"):
@@ -723,13 +709,10 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
         timed_grids.append({"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
                             "grid": built["grid"], "per_rank": per_rank})
-        grid_rows.append(row)
-        details.append({"grid": row["grid"], "setting": row["setting"], "spec": spec,
-                        "per_rank": per_rank})
         ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step (round 1)",
                   all_ranks=False)
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
-            results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
+            results.upsert_csv(CSV_NAME, [timed["row"] for timed in timed_grids], key=CSV_KEY)
     # more rounds, every grid in turn, pooled: every grid through the same noisy spells
     for done in range(1, sizes["rounds"]):
         estimate = sum(sum(timed["seconds"]) for timed in timed_grids) / done
@@ -742,6 +725,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                                         timed["seconds"], timed["per_rank"]))
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
+    grid_rows = [timed["row"] for timed in timed_grids]
     torch_rows = compare_with_torch(ctx, sizes, lessons, deadline)   # main: a backend that sends
     if ctx.is_main:
         results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
@@ -754,6 +738,8 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     print(f"wrote {path}", flush=True)
     if out_path is not None:
         with open(out_path, "w") as f:
+            details = [{"grid": timed["row"]["grid"], "setting": timed["row"]["setting"],
+                        "spec": timed["spec"], "per_rank": timed["per_rank"]} for timed in timed_grids]
             json.dump({"grid_rows": grid_rows, "torch_rows": torch_rows,
                        "pipeline_rows": pipeline_rows, "details": details,
                        "reference_loss": reference, "csv": str(path)}, f)
@@ -783,21 +769,19 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
           f"{shape['layers']} blocks, vocabulary {VOCAB}), batch {sizes['batch_size']} x "
           f"{sizes['seq_len']}, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}; "
           f"{machine}). Step: the slowest rank's median of {sizes['iters']} a round.", flush=True)
-    ours = []
-    for row in our_rows:
-        line = {"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"]}
-        for kind in ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp", "sent_dp_cp"):
-            line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
-        ours.append({**line, "worst difference": percent(row["worst_difference"])})
+
+    def bytes_of(row: dict, kinds: tuple) -> dict:
+        return {f"{kind} {unit_name}": counted_and_formula(row, kind, unit) for kind in kinds}
+
+    ours = [{"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"],
+             **bytes_of(row, ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp",
+                              "sent_dp_cp")),
+             "worst difference": percent(row["worst_difference"])} for row in our_rows]
     results.print_table(ours, floatfmt=".0f", title="\nOur grids, the largest rank, counted "
                         "(formula); activation: one micro-batch; sent: per step:")
-    beside = []
-    for row in torch_rows:
-        line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
-                "step ms": row["step_ms"]}
-        for kind in ("param", "optim", "activation", "sent_tp"):
-            line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
-        beside.append(line)
+    beside = [{"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
+               "step ms": row["step_ms"], **bytes_of(row, ("param", "optim", "activation", "sent_tp"))}
+              for row in torch_rows]
     results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, "
                         f"{sizes['rounds']} alternating rounds, torch's bytes (its formula):")
     pairs = list(zip(pipeline_rows[0::2], pipeline_rows[1::2]))     # (ours, torch's)
@@ -885,6 +869,9 @@ def main(argv=None) -> None:
     if not carries_point_to_point(config.backend, config.device):
         parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
     name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
+    problems = size_problems(SIZES[name], GRIDS[config.world_size], config.world_size)
+    if problems:
+        parser.error(f"--bench-sizes {name}: " + problems[0])
     results.check_writable()
     load_lessons()                  # the lessons' folders on the path, for every worker
     launch.launch(bench_worker, config, SIZES[name], GRIDS[config.world_size])

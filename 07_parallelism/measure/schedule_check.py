@@ -89,9 +89,8 @@ def check_order(lists: list) -> None:
 def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int = 2**30,
                       eager_bytes: int = NCCL_EAGER_BYTES) -> None:
     """Raise RuntimeError unless ``plan`` (default: ``p2p_plan``) posts every receive before its
-    step and every send after it, and its groups cannot deadlock under NCCL's rule: a group
-    completes once each send in it above ``eager_bytes`` has its receive posted, and each
-    receive its send."""
+    step, every send after it, and its groups cannot deadlock under NCCL's rule: a group completes
+    once each send above ``eager_bytes`` has its receive posted, and each receive its send."""
     plan = plan or schedules.p2p_plan(lists)
     posted = []               # [rank] -> [(k, group)]: its groups in order, each before step k
     for groups in plan:
