@@ -234,14 +234,9 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
              "full, our kernel": functools.partial(cp.ring_attention, group=single, causal=True,
                                                    layout="contiguous")}
     for impl, attention in impls.items():
-
-        def step():
-            run_step(q, k, v, grad_out, attention)
-
+        step = functools.partial(run_step, q, k, v, grad_out, attention)
         seconds = measure_case(ctx, cfg, step, [0])
-        saved = peak = 0
-        if ctx.rank == 0:
-            saved, peak = saved_and_peak(ctx, step)
+        saved, peak = saved_and_peak(ctx, step) if ctx.rank == 0 else (0, 0)
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, {"saved": saved, "peak": peak})
         rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
@@ -253,8 +248,7 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
     for world_size, ring in rings.items():
         shard_bytes = batch_heads * (seq // world_size) * cfg["head_dim"] * 4  # one rank's q, k or v
         for layout in cfg["layouts"]:
-            ring_attention = functools.partial(cp.ring_attention, group=ring, causal=True,
-                                               layout=layout)
+            ring_attention = functools.partial(cp.ring_attention, group=ring, causal=True, layout=layout)
             targets = {"bytes_formula": sum(ring_bytes(world_size, shard_bytes)),
                        "imbalance_formula": imbalance_formula(world_size, layout, True),
                        "saved_formula": saved_bytes_formula(batch_heads, seq // world_size,
@@ -280,10 +274,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
     inside = ctx.rank in members
     rank = ctx.rank if inside else 0  # ranks outside draw rank 0's shard, and only wait
     q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
-
-    def real_step():
-        run_step(q, k, v, grad_out, attention)
-
+    real_step = functools.partial(run_step, q, k, v, grad_out, attention)
     sent = saved = peak = 0
     if inside:
         with counters.CommCounter() as comm:
@@ -313,10 +304,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
     if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
         all_scores = cfg["batch"] * cfg["heads"] * seq * (seq + 1) / 2
         kernel = emulated(cfg["emulate_ms"] / 1e3 / all_scores)
-
-        def emulated_step():
-            run_step(q, k, v, grad_out, attention, kernel)
-
+        emulated_step = functools.partial(run_step, q, k, v, grad_out, attention, kernel)
         emulated_row = dict(row)
         emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
         emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3

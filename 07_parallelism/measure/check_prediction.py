@@ -65,15 +65,13 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
     lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
                               checkpoint_activations=checkpointing).to(on)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(vocab, (batch, seq + 1), generator=generator).to(on)
+    tokens = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(on)
     compute, stepping = [], []
     for attempt in range(2 + repeats):
         optimizer.zero_grad(set_to_none=True)
         synchronize(on)
         start = time.perf_counter()
-        logits = lm(tokens[:, :-1])
-        models.lm_loss(logits, tokens[:, 1:]).backward()
+        models.lm_loss(lm(tokens[:, :-1]), tokens[:, 1:]).backward()
         synchronize(on)
         middle = time.perf_counter()
         optimizer.step()
@@ -130,8 +128,7 @@ def write_slowest(ctx, mine: dict, out_path: str) -> None:
 def line_through(seconds: dict) -> tuple[float, float]:
     """(a, w) of t = a + N / w through two timings (bytes -> s); a < 0 (noise): a = 0, w through
     the largest; the larger no slower: w infinite."""
-    smallest = min(seconds)
-    largest = max(seconds)
+    smallest, largest = min(seconds), max(seconds)
     rate = float("inf")
     if seconds[largest] > seconds[smallest]:
         rate = (largest - smallest) / (seconds[largest] - seconds[smallest])
@@ -206,19 +203,14 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
           f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
           + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
                       for nbytes, seconds in hops.items()))
-    return StepCalls(all_reduce_s=slowest["all_reduce"],
-                     hop=planner.Link(latency=latency, busbw=busbw))
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(latency=latency, busbw=busbw))
 
 
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
     """FSDP's smallest and largest unit's gathered bytes (Gloo's time is not a line in the size
     on this VM: from 32 MiB glibc maps each buffer afresh). Units of one size: it and twice it."""
     units = [lm.compute_bytes * values for values in planner.fsdp_unit_values(lm, grid)]
-    smallest = min(units)
-    largest = max(units)
-    if largest == smallest:
-        largest = 2 * smallest
-    return smallest, largest
+    return min(units), max(units) if max(units) > min(units) else 2 * min(units)
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
@@ -558,8 +550,7 @@ def projection_rows(device: str) -> list[dict]:
               f"{str(error).splitlines()[0]}")
         return []
     one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
-    rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ
-            / compute_s)
+    rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ / compute_s)
     bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
     where = torch.cuda.get_device_name(0) if device == "cuda" else results.machine_name()
     compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "

@@ -420,8 +420,7 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
 def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], per_rank: list[dict],
             pair: str = "") -> dict:
     """Our grid's CSV row; ZeRO-1: the bound of the rank whose optimizer state is most off."""
-    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting, seconds,
-                    spec["micro_batches"])
+    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting, seconds, spec["micro_batches"])
     row["pair"] = pair
     row["first_loss"] = per_rank[ctx.rank]["loss"]
     if not pair:
@@ -431,8 +430,7 @@ def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], pe
     if spec["fsdp"]:
         most_off = max(per_rank, key=lambda rank: relative_difference(rank["counted"]["optim"],
                                                                       rank["formula"]["optim"]))
-        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
-                                                   most_off["coordinate"]["pp"])
+        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec, most_off["coordinate"]["pp"])
     return row
 
 
@@ -525,17 +523,14 @@ def compare_with_torch(ctx, sizes: dict, lessons, deadline) -> list[dict]:
     """Ours and torch's in three pairs, timed in alternating rounds: two rows a pair."""
     from torch.distributed.device_mesh import init_device_mesh
     tp = 2
-    dp = ctx.world_size // tp
-    shard = ctx.world_size // 2
+    dp = shard = ctx.world_size // 2
     shape = lm_shape(sizes)
     rows = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         # one mesh for both tp pairs: the counter matches groups by name
-        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp),
-                                mesh_dim_names=("dp", "dp_shard", "tp"))
-        hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard),
-                                     mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+        hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard), mesh_dim_names=("replicate", "shard"))
         tp_axes = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
         hsdp_axes = {"dp_replicate": hsdp_mesh["replicate"].get_group(),
                      "dp_shard": hsdp_mesh["shard"].get_group()}
@@ -554,16 +549,14 @@ def compare_with_torch(ctx, sizes: dict, lessons, deadline) -> list[dict]:
             ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
             theirs = build_torch(ctx, sizes, lessons, data_mesh, tp_mesh)
             theirs_mine = count_torch(ctx, theirs, axes, pair == "hsdp", formula)
-            seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]},
-                                          sizes)
+            seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]}, sizes)
             ours["grid"].destroy()
             setting = f"{setting_label(spec)}, timed beside torch's"
-            rows.append(our_row(ctx, sizes, spec, setting, seconds["ours"], everyone(ours_mine),
-                                pair))
+            rows.append(our_row(ctx, sizes, spec, setting, seconds["ours"], everyone(ours_mine), pair))
             row = timed_row(ctx, sizes, "torch", grid_label(spec), f"{torch_setting}, AdamW",
                             seconds["torch"], 1)
-            row.update(byte_columns(everyone(theirs_mine), [*ALL_KINDS, "sent_dp"]))
-            row.update(pair=pair, first_loss=theirs_mine["loss"])
+            row.update(byte_columns(everyone(theirs_mine), [*ALL_KINDS, "sent_dp"]), pair=pair,
+                       first_loss=theirs_mine["loss"])
             rows.append(row)
     for group in {*tp_axes.values(), *hsdp_axes.values()}:
         dist.destroy_process_group(group)
@@ -676,8 +669,7 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
                     difference = max(timing.gather_times([gradient_difference(built)]).rank_medians)
                 emulated_ms = setting["emulate_ms"] if compute == "emulated" else 0.0
                 words = f"{schedule_name}, {bench_pipeline.compute_of(emulated_ms)}"
-                for impl, name in (("ours", "our executor"),
-                                   ("torch", "torch.distributed.pipelining")):
+                for impl, name in (("ours", "our executor"), ("torch", "torch.distributed.pipelining")):
                     row = timed_row(ctx, sizes, impl, label, words,
                                     seconds[impl], setting["micro_batches"])
                     row["batch_size"] = setting["rows"] * setting["micro_batches"]
