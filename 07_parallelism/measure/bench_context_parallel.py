@@ -204,9 +204,7 @@ def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
     inside = ctx.rank in members
     times = timing.measure(step if inside else lambda: None, ctx.device, warmup=cfg["warmup"],
                            iters=cfg["iters"], barrier=True)
-    if not inside:
-        times = [0.0] * len(times)
-    return timing.gather_times(times).median
+    return timing.gather_times(times if inside else [0.0] * len(times)).median
 
 
 def saved_and_peak(ctx, step) -> tuple[int, int]:
@@ -218,9 +216,7 @@ def saved_and_peak(ctx, step) -> tuple[int, int]:
         start = torch.cuda.memory_allocated(ctx.device)
     with counters.SavedActivations() as saved:
         step()
-    peak = 0
-    if ctx.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(ctx.device) - start
+    peak = torch.cuda.max_memory_allocated(ctx.device) - start if ctx.device.type == "cuda" else 0
     return saved.bytes, peak
 
 
@@ -344,11 +340,9 @@ def bench_main(ctx, cfg: dict) -> None:
 def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     """zig-zag step time / contiguous step time at the longest sequence."""
     seq = max(row["seq"] for row in rows)
-    times = {}
-    for row in rows:  # ring rows only: Ulysses runs on contiguous shards too
-        same = row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute)
-        if row["impl"] == "ring" and same:
-            times[row["layout"]] = row["step_ms"]
+    times = {row["layout"]: row["step_ms"] for row in rows   # ring rows: Ulysses is contiguous too
+             if row["impl"] == "ring" and row["seq"] == seq and row["W"] == world_size
+             and row["compute"].startswith(compute)}
     if "zigzag" not in times or "contiguous" not in times:
         return None
     return times["zigzag"] / times["contiguous"]
@@ -377,8 +371,7 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     path = write_bench_rows(ctx, rows)
     if path.is_relative_to(Path.cwd()):
         path = path.relative_to(Path.cwd())
-    print(f"\nwrote {path}")
-    print(f"\nTargets, measured in this run ({machine}):")
+    print(f"\nwrote {path}\n\nTargets, measured in this run ({machine}):")
     longest = max(cfg["seqs"])
     for row in rows:
         if row["impl"] != "ring" or row["compute"] != "real" or row["seq"] != longest:
@@ -421,14 +414,11 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
 def box_defaults(args, config) -> None:
     """The flags left out, filled in for this box (the host: CPU tensors); rings of 2 and 4."""
     on_host = config.device == "cpu"
-    if args.seqs is None:
-        args.seqs = [256, 512, 1024] if on_host else [1024, 2048, 4096]
-    if args.warmup is None:
-        args.warmup = 1 if on_host else 2
-    if args.iters is None:
-        args.iters = 3 if on_host else 5
-    if args.ring_sizes is None:
-        args.ring_sizes = [ring_size for ring_size in (2, 4) if ring_size <= config.world_size]
+    for flag, value in (("seqs", [256, 512, 1024] if on_host else [1024, 2048, 4096]),
+                        ("warmup", 1 if on_host else 2), ("iters", 3 if on_host else 5),
+                        ("ring_sizes", [size for size in (2, 4) if size <= config.world_size])):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
 
 
 def main(argv=None) -> None:

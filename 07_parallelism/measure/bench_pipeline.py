@@ -363,8 +363,7 @@ def report_torch(ctx, cfg: dict, rows: list[dict]) -> None:
     print(f"ours at most {TARGET_RATIO:.2f}x torch's in every row: {verdict} (largest "
           f"{worst:.2f}x; a ratio within this run, on this machine)")
     key = ["backend", "device", "world_size", *SIZE_COLUMNS, "schedule", "micro_batches", "emulated_ms"]
-    path = results.upsert_csv("pipeline_vs_torch.csv", rows, key=key)
-    print(f"wrote {path}")
+    print(f"wrote {results.upsert_csv('pipeline_vs_torch.csv', rows, key=key)}")
 
 
 def write_rows(ctx, cfg: dict, rows: list[dict]):
@@ -410,8 +409,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
         m = max(cfg["micro_batches"])
         if not schedule_refuses(name, stages, m, cfg["v"][name]):
             print("\n" + schedule_check.describe(name, stages, m, cfg["v"][name]))
-    path = write_rows(ctx, cfg, rows)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {write_rows(ctx, cfg, rows)}")
 
 
 def emulate_ms_flag(text: str) -> float:

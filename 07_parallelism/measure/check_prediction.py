@@ -276,8 +276,7 @@ def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> plan
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
              device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
-    """The machine as measured: a rate and a memory bandwidth that give the compute and AdamW
-    timed here, a copy at the gradients' size, the straggler from ``samples``."""
+    """The machine as measured: compute and AdamW as timed, a copy, the straggler of ``samples``."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
@@ -314,7 +313,7 @@ class Pace:
 
 
 def this_run(name: str) -> list[dict]:
-    """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); unreadable: a line."""
+    """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); bad: a line."""
     rows = results.read_csv(name)
     run = os.environ.get("RESULTS_RUN_ID")
     if not run and rows:
@@ -484,8 +483,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
 
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
                       device: str) -> tuple[float, float, tuple[float, ...]]:
-    """``time_compute`` at one rank's shapes (b / d rows, s / c tokens), in a pipeline a
-    micro-batch at a time with the forward and backward scaled by m; AdamW once."""
+    """``time_compute`` at one rank's shapes, a micro-batch at a time (forward, backward x m)."""
     rows = batch // grid.dp // grid.micro_batches
     compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
                                                    threads, device=device)
@@ -592,14 +590,10 @@ def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
             in_last_block = last_block <= index < len(shapes) - 3
             if len(shape) >= 2 and (outside_blocks or in_last_block):
                 kept += -(-shape[0] // d) * d * planner.numel(shape[1:])
-        W = planner.FLOAT32 * sharded
-        K = planner.FLOAT32 * kept
-        R = planner.FLOAT32 * replicated
+        W, K, R = (planner.FLOAT32 * values for values in (sharded, kept, replicated))
         return planner.ring_share(d) * (3 * W - K) + 2 * planner.ring_share(d) * R
     sent = 2 * planner.ring_share(d) * whole
-    if grid.dp_kind == "zero1":
-        sent = 1.5 * sent
-    return sent
+    return 1.5 * sent if grid.dp_kind == "zero1" else sent
 
 
 def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
@@ -607,21 +601,15 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
     micro-batch's activations, the bytes sent on each axis (``pp_rank``, ``data_rank``: its place)."""
     if grid.dp_kind not in ("ddp", "zero1"):
         raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
-    p = grid.pp
-    v = grid.chunks
-    t = grid.tp
-    c = grid.cp
-    m = grid.micro_batches
+    p, v, t, c, m = grid.pp, grid.chunks, grid.tp, grid.cp, grid.micro_batches
     tensors = planner.rank_tensors(lm, grid, pp_rank)
     params = sum(values for values, _ in tensors)
     replicated = sum(values for values, split in tensors if not split)
     optim = 2 * planner.FLOAT32 * params + planner.ADAMW_STEP_BYTES * len(tensors)
     if grid.dp_kind == "zero1":
-        # lesson 1's deal (measure/grid_bench.py repeats it, so that this file copies alone):
-        # whole tensors, largest first, each to the rank holding the fewest bytes (ties: the
-        # lowest), which keeps AdamW's two moments and its step count
-        loads = [0] * (grid.dp * c)
-        owned = [0] * (grid.dp * c)
+        # lesson 1's deal, as grid_bench.py's: whole tensors, largest first, each to the rank
+        # holding the fewest bytes (ties: the lowest), which keeps AdamW's moments and step count
+        loads, owned = [0] * (grid.dp * c), [0] * (grid.dp * c)
         sizes = [values for values, _ in tensors]
         for index in sorted(range(len(sizes)), key=lambda index: -sizes[index]):
             rank = loads.index(min(loads))
@@ -718,8 +706,7 @@ def main(argv=None) -> int:
         return 2
     if args.published:
         print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
-              "predicted | largest term |")
-        print("|---|---|---|---|---|---|---|")
+              "predicted | largest term |\n|---|---|---|---|---|---|---|")
         for row in published_rows():
             memory = f"{row['memory'] or '-'} / {row['predicted_memory']:.1f}"
             print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "

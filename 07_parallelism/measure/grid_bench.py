@@ -222,10 +222,8 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
         sent["dp_shard"] += 2 * ring_share(shard) * FLOAT * whole   # 1-D gradients, over s
         sent["dp_replicate"] = 2 * ring_share(d // shard) * FLOAT * (sharded + whole)
 
-    formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
-               "activation": activation}
-    formula.update({f"sent_{axis}": sent[axis] for axis in AXES})
-    return formula
+    return {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
+            "activation": activation, **{f"sent_{axis}": sent[axis] for axis in AXES}}
 
 
 def fsdp_block(rows: int, columns: int, ranks: int) -> int:
@@ -324,8 +322,8 @@ def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, target
         x = my_inputs
         if chunk.embedding is None:
             x = torch.randn(rows, my_inputs.shape[1], d_model, device=device)
-        gathered = set
-        if chunk.sharded_by:             # HSDP: FSDP's gathered weights are weights, not saved
+        gathered = set                   # HSDP: FSDP's gathered weights are weights, not saved
+        if chunk.sharded_by:
             gathered = functools.partial(gathered_storage_keys, chunk.sharded_by[0])
         with SavedActivations(chunk, exclude_now=gathered) as saved:
             y = parallel_lm.runner(chunk)(x)
@@ -371,8 +369,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
                                                    spec, sizes, built["inputs"],
                                                    built["targets"], ctx.device)}
     sent = {axis: entry["sent_bytes"] for axis, entry in comm.by_axis.items()}
-    for axis in AXES:
-        counted[f"sent_{axis}"] = sent.get(axis, 0.0)
+    counted.update({f"sent_{axis}": sent.get(axis, 0.0) for axis in AXES})
     if "dp" in sent:             # the formula sends nothing on dp alone: it goes under "other"
         counted["sent_other"] += sent["dp"]
     formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size,
@@ -421,8 +418,7 @@ def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], pe
             pair: str = "") -> dict:
     """Our grid's CSV row; ZeRO-1: the bound of the rank whose optimizer state is most off."""
     row = timed_row(ctx, sizes, "ours", grid_label(spec), setting, seconds, spec["micro_batches"])
-    row["pair"] = pair
-    row["first_loss"] = per_rank[ctx.rank]["loss"]
+    row.update(pair=pair, first_loss=per_rank[ctx.rank]["loss"])
     if not pair:
         row["peak_held"] = max(rank["peak_held"] for rank in per_rank)
     row.update(byte_columns(per_rank, ALL_KINDS))
@@ -494,9 +490,7 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
 def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> dict:
     """torch's composition counted as ours (``second``: the second step), its first loss."""
     lm = built["lm"]
-    first = None
-    if second:
-        first = built["step"]()
+    first = built["step"]() if second else None
     with CommCounter(axes=axes) as comm:
         with FunctionalCommCounter(axes=axes) as functional:
             loss = built["step"]()
@@ -649,9 +643,8 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
         if ctx.world_size % stages != 0:
             continue
         grid = lessons.grid.ProcessGrid(dp=ctx.world_size // stages, pp=stages)
-        label = f"pp{stages}"
-        if ctx.world_size > stages:
-            label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
+        side_by_side = ctx.world_size // stages
+        label = f"pp{stages}" + (f" (x{side_by_side} side by side)" if side_by_side > 1 else "")
         for schedule_name in setting["schedules"]:
             if (schedule_name in bench_pipeline.TORCH_SCHEDULES
                     and bench_pipeline.torch_schedule_class(schedule_name) is None):
@@ -672,12 +665,11 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
                 for impl, name in (("ours", "our executor"), ("torch", "torch.distributed.pipelining")):
                     row = timed_row(ctx, sizes, impl, label, words,
                                     seconds[impl], setting["micro_batches"])
-                    row["batch_size"] = setting["rows"] * setting["micro_batches"]
-                    row["seq_len"] = setting["seq_len"]
-                    row["model"] = f"{setting['layers']} {sizes['model']} blocks"
-                    tokens = row["batch_size"] * row["seq_len"]
-                    row["tokens_per_s"] = tokens / (row["step_ms"] / 1e3)
-                    row.update(schedule=schedule_name, compute=compute, stages=stages,
+                    batch = setting["rows"] * setting["micro_batches"]
+                    row.update(batch_size=batch, seq_len=setting["seq_len"],
+                               model=f"{setting['layers']} {sizes['model']} blocks",
+                               tokens_per_s=batch * setting["seq_len"] / (row["step_ms"] / 1e3),
+                               schedule=schedule_name, compute=compute, stages=stages,
                                implementation=name, ideal_ms=built["ideal_s"] * 1e3,
                                gradient_max_difference=difference)
                     rows.append(row)

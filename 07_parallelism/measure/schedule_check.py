@@ -47,9 +47,8 @@ def check_order(lists: list) -> None:
                                  f"chunk {here[1]} and on rank {rank} chunk {step.chunk}")
     if sorted(holder) != list(range(len(holder))):
         raise ValueError(f"the virtual stages run are {sorted(holder)}, not 0 to {len(holder) - 1}")
-    ops = (FORWARD, BACKWARD)
-    if any(step.op == WEIGHT for steps in lists for step in steps):
-        ops = (FORWARD, BACKWARD, WEIGHT)
+    split = any(step.op == WEIGHT for steps in lists for step in steps)
+    ops = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
     sent = {}                 # channel -> messages in the order src sends them
     received = {}             # channel -> messages in the order dst receives them
     for rank, steps in enumerate(lists):
@@ -75,9 +74,8 @@ def check_order(lists: list) -> None:
                 outgoing = message(step, True)
                 sent.setdefault((rank, step.send_to, outgoing[0], outgoing[2]), []).append(outgoing)
             if step.recv_from is not None:
-                incoming = message(step)
-                channel = (step.recv_from, rank, incoming[0], incoming[2])
-                received.setdefault(channel, []).append(incoming)
+                got = message(step)
+                received.setdefault((step.recv_from, rank, got[0], got[2]), []).append(got)
     for channel in sorted(set(sent) | set(received)):
         if sent.get(channel) != received.get(channel):
             source, destination, op, virtual_stage = channel
@@ -92,9 +90,8 @@ def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int 
     step, every send after it, and its groups cannot deadlock under NCCL's rule: a group completes
     once each send above ``eager_bytes`` has its receive posted, and each receive its send."""
     plan = plan or schedules.p2p_plan(lists)
-    posted = []               # [rank] -> [(k, group)]: its groups in order, each before step k
-    for groups in plan:
-        posted.append([(k, group) for k, before in enumerate(groups) for group in before])
+    # [rank] -> [(k, group)]: its groups in order, each before step k
+    posted = [[(k, group) for k, before in enumerate(groups) for group in before] for groups in plan]
     where = {}                # ("send" | "recv", message) -> its group's place on its rank
     for rank_posted in posted:
         for n, (_, group) in enumerate(rank_posted):
@@ -180,11 +177,8 @@ def format_timeline(timed: list) -> str:
         for start, _, step in row:
             grid[rank][start] = step
     width = max(len(label(step, chunks)) for row in grid for step in row)
-    lines = []
-    for rank, row in enumerate(grid):
-        cells = " ".join(f"{label(step, chunks):<{width}}" for step in row)
-        lines.append(f"rank {rank} | {cells.rstrip()}")
-    return "\n".join(lines)
+    rows = (" ".join(f"{label(step, chunks):<{width}}" for step in row).rstrip() for row in grid)
+    return "\n".join(f"rank {rank} | {cells}" for rank, cells in enumerate(rows))
 
 
 def describe(name: str, stages: int, micro_batches: int, chunks: int = 1) -> str:
