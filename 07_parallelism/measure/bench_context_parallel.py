@@ -309,8 +309,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
 
 def bench_main(ctx, cfg: dict) -> None:
     """The sweep; rank 0 prints, writes the CSV and the targets beside what was measured."""
-    # a ring of one per rank (every rank creates each), and the rings
-    single = [dist.new_group([rank]) for rank in range(ctx.world_size)][ctx.rank]
+    single = [dist.new_group([rank]) for rank in range(ctx.world_size)][ctx.rank]  # rings of one
     rings = {size: dist.new_group(list(range(size))) for size in cfg["ring_sizes"]}
     rows = []
     failures = []

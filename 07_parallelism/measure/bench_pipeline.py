@@ -129,8 +129,8 @@ def torch_schedule_class(name: str):
 
 
 class Deadline:
-    """Make bench's deadline for this step (``BENCH_STEP_DEADLINE``): a configuration starts while
-    the previous one's seconds (or ``estimate``) fit, rank 0's verdict; none after the first not."""
+    """Make bench's deadline (``BENCH_STEP_DEADLINE``): a configuration starts while the previous
+    one's seconds (or ``estimate``) fit, rank 0 deciding; the first that does not ends the step."""
 
     def __init__(self, ctx):
         self.ctx = ctx

@@ -315,9 +315,7 @@ class Pace:
 def this_run(name: str) -> list[dict]:
     """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); bad: a line."""
     rows = results.read_csv(name)
-    run = os.environ.get("RESULTS_RUN_ID")
-    if not run and rows:
-        run = rows[-1].get("run_id")
+    run = os.environ.get("RESULTS_RUN_ID") or (rows[-1].get("run_id") if rows else None)
     kept = []
     for row in (row for row in rows if row.get("run_id") == run):
         problem = unreadable(row)

@@ -322,8 +322,8 @@ def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, target
         x = my_inputs
         if chunk.embedding is None:
             x = torch.randn(rows, my_inputs.shape[1], d_model, device=device)
-        gathered = set                   # HSDP: FSDP's gathered weights are weights, not saved
-        if chunk.sharded_by:
+        gathered = set
+        if chunk.sharded_by:             # HSDP: FSDP's gathered weights are weights, not saved
             gathered = functools.partial(gathered_storage_keys, chunk.sharded_by[0])
         with SavedActivations(chunk, exclude_now=gathered) as saved:
             y = parallel_lm.runner(chunk)(x)
