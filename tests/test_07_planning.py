@@ -8,6 +8,7 @@ import dataclasses
 import json
 import runpy
 import sys
+import time
 
 import pytest
 import torch
@@ -847,6 +848,25 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     assert check_prediction.projection_rows("cpu") == []
     said = capsys.readouterr().out.strip().splitlines()
     assert len(said) == 1 and "projection skipped" in said[0] and "out of memory" in said[0]
+
+
+def test_check_stops_at_make_bench_deadline_keeping_what_it_predicted(capsys, monkeypatch):
+    """Issue 45: make bench's deadline for the step already past: the first configuration is
+    predicted and written, the next one is skipped in one line, and the check ends with 0."""
+    from bench import results
+    results.write_json("allreduce_fit.json", {"gloo/cpu/2": {"a_s": 2e-3, "w_bytes_per_s": 1e9}})
+    common = {"backend": "gloo", "device": "cpu", "model": "tiny", "world_size": 2, "step_ms": 50,
+              "batch_size": 4, "context_length": 16, "fwd_bwd_ms": 30, "optimizer_ms": 4,
+              "bucket_mb": "", "call_ms": ""}
+    ddp = [{**common, "impl": impl} for impl in ("none", "naive", "flat")]
+    ddp[0]["call_ms"] = 5       # compute and a call's cost from the control: nothing timed here
+    results.upsert_csv("ddp_step.csv", ddp, key=["impl"])
+    monkeypatch.setenv("BENCH_STEP_DEADLINE", str(time.time() - 1))
+    assert check_prediction.main([]) == 0
+    out = capsys.readouterr().out
+    assert "ddp_step flat, tiny, 2 ranks and what follows: skipped" in out, out
+    written = [row["config"] for row in results.read_csv("prediction.csv")]
+    assert written == ["ddp_step naive, tiny, 2 ranks"], written
 
 
 # --------------------------------------------------------------------------- bench/compute.py

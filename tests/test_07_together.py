@@ -526,6 +526,7 @@ def test_hsdp_row_blocks_are_saved_once_each():
 # --------------------------------------------------------------------------- the measurements
 
 import copy  # noqa: E402
+import time  # noqa: E402
 import types  # noqa: E402
 
 import torch.nn as nn  # noqa: E402
@@ -558,7 +559,16 @@ def forgets_tp_split(shape, spec, pp_rank, world_size):
     return {**right, "param": wrong["param"]}
 
 
-def test_bench_counts_equal_the_combined_formula(tmp_path):
+def bench_past_the_deadline_then_whole(ctx, out: str, late: str) -> None:
+    """Make bench's deadline for the step already past: the first grid only (issue 45); then the
+    bench at test sizes, in the same launch."""
+    os.environ["BENCH_STEP_DEADLINE"] = str(time.time() - 1)
+    grid_bench.bench_worker(ctx, BENCH_SIZES, BENCH_GRIDS[2:], late)
+    del os.environ["BENCH_STEP_DEADLINE"]
+    grid_bench.bench_worker(ctx, BENCH_SIZES, BENCH_GRIDS, out)
+
+
+def test_bench_counts_equal_the_combined_formula(tmp_path, capfd):
     """One 4-rank launch of the bench at tiny sizes: every rank's counted bytes equal the
     formula (ZeRO-1's optimizer state: lesson 1's whole-tensor deal; the group holds exactly the
     whole state, each rank within one tensor of the mean), torch's composition's bytes equal torch's formula, every first
@@ -566,10 +576,19 @@ def test_bench_counts_equal_the_combined_formula(tmp_path):
     columns; a formula that forgets the tp split is caught. HSDP: shard 2 x tp 2 among the
     grids, and our HSDP 2 x 2 beside torch's (ours exact on every axis, torch's memory equal to
     its layout's formula; a formula that all-reduces the whole model over the replicas is
-    caught)."""
+    caught). Past make bench's deadline, the first grid is measured and written, and the second
+    grid, the rounds, torch's pairs and the pipelines are skipped in one line."""
     out = tmp_path / "bench.json"
-    launch.launch(grid_bench.bench_worker, launch.LaunchConfig(4, "gloo", "cpu"), BENCH_SIZES,
-                  BENCH_GRIDS, str(out), timeout_s=120)
+    late = tmp_path / "late.json"
+    launch.launch(bench_past_the_deadline_then_whole, launch.LaunchConfig(4, "gloo", "cpu"),
+                  str(out), str(late), timeout_s=150)
+    said = capfd.readouterr().out
+    skipped = [line for line in said.splitlines() if "skipped" in line]
+    assert len(skipped) == 1, said
+    assert "grid dp_replicate1 dp_shard2 tp2, HSDP AdamW and what follows: skipped" in skipped[0]
+    found = json.loads(late.read_text())
+    assert [(row["grid"], row["steps_timed"]) for row in found["grid_rows"]] == [("cp2 tp2", 1)]
+    assert found["torch_rows"] == found["pipeline_rows"] == [], found
     found = json.loads(out.read_text())
     # each of our grids timed in every round, its steps pooled into its row
     assert {row["steps_timed"] for row in found["grid_rows"]} == {2}, found["grid_rows"]

@@ -25,27 +25,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from common import import_stage  # noqa: E402  (after the path)
-
-from bench import results, step_bench, timing  # noqa: E402
-
-from bench import supervisor as launch
+from bench import results, step_bench, timing  # noqa: E402  (after the path)
+from bench import supervisor as launch  # noqa: E402
+from common import import_stage  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
 
 cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
 counters = import_stage("07_parallelism/measure/counters")
 
 # --------------------------------------------------------------------------- the formulas
-
-
 def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends in ring attention; block_bytes: one K (or V)
-    shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV (W-1
-    with the K/V blocks, one last hop home)."""
+    shard. Forward: W-1 hops of K and V. Backward: those again, and W hops of dK and dV."""
     if world_size == 1:
         return 0, 0
     forward = (world_size - 1) * 2 * block_bytes
@@ -54,10 +47,8 @@ def ring_bytes(world_size: int, block_bytes: int) -> tuple[int, int]:
 
 
 def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
-    """(forward, backward) bytes one rank sends in Ulysses; shard_bytes: this rank's q (or k,
-    v, the output), [batch, heads, seq / W, head_dim]. Each all-to-all keeps 1/W of its tensor
-    and sends the rest: forward swaps q, k, v and the output, backward their four gradients.
-    Per rank it stays put when the sequence and W grow together; the ring's grows with W."""
+    """(forward, backward) bytes one rank sends in Ulysses (shard_bytes: its q): each all-to-all of
+    q, k, v, the output and their four gradients keeps 1/W of its tensor and sends the rest."""
     if world_size == 1:
         return 0, 0
     per_swap = (world_size - 1) * shard_bytes // world_size
@@ -66,8 +57,7 @@ def ulysses_bytes(world_size: int, shard_bytes: int) -> tuple[int, int]:
 
 def visible_scores(rank: int, world_size: int, seq_len: int, layout: str, causal: bool,
                    batch_heads: int) -> int:
-    """The (query, key) scores rank's queries see, over all keys: causal, a query at global
-    position p sees p + 1 keys; otherwise all seq_len."""
+    """The (query, key) scores rank's queries see: causal, a query at position p sees p + 1."""
     if not causal:
         return batch_heads * (seq_len // world_size) * seq_len
     positions = cp.shard_positions(seq_len // world_size, rank, world_size, layout)
@@ -82,18 +72,14 @@ def imbalance_formula(world_size: int, layout: str, causal: bool) -> float:
 
 
 def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_size: int) -> int:
-    """What one attention layer keeps for backward on a rank holding seq_len queries: q, k, v,
-    the output ([batch, heads, seq, head_dim] each) and the log-sum-exp per query."""
+    """What attention keeps for backward of seq_len queries: q, k, v, output, log-sum-exp."""
     return element_size * batch_heads * (4 * seq_len * head_dim + seq_len)
 
 
-# --------------------------------------------------------------------------- kernels that count, wait, time
-
-
+# --------------------------------------------------------------------------- kernels that count, wait
 class ChunkKernels(contextlib.ContextDecorator):
-    """While active, ring attention computes each pair of chunks with this object's ``forward``
-    and ``backward`` (``cp.chunk_attention``, ``cp.chunk_attention_backward`` replaced, put back
-    on exit); by default the kernels that were there, so the wrappers nest."""
+    """While active, ``cp.chunk_attention`` and ``cp.chunk_attention_backward`` are this object's
+    ``forward`` and ``backward``; by default the kernels that were there, so the wrappers nest."""
 
     def __enter__(self):
         self.inner_forward = cp.chunk_attention
@@ -131,17 +117,14 @@ class CountingAttention(ChunkKernels):
 
 
 class EmulatedAttention(ChunkKernels):
-    """No arithmetic: each chunk waits in proportion to its scores (backward twice as long),
-    then returns zeros. The sends stay real."""
+    """No arithmetic: each chunk waits for its scores (backward twice as long); sends stay real."""
 
     def __init__(self, seconds_per_score: float):
         self.seconds_per_score = seconds_per_score
 
     def wait(self, q, k, allowed, factor):
-        scores = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
-        if allowed is not None:
-            scores = q.shape[0] * q.shape[1] * int(allowed.sum())
-        time.sleep(factor * scores * self.seconds_per_score)
+        scores = q.shape[2] * k.shape[2] if allowed is None else int(allowed.sum())
+        time.sleep(factor * q.shape[0] * q.shape[1] * scores * self.seconds_per_score)
 
     def forward(self, q, k, v, allowed, scale):
         self.wait(q, k, allowed, 1)
@@ -153,11 +136,12 @@ class EmulatedAttention(ChunkKernels):
 
 
 class HeadsAttention(contextlib.ContextDecorator):
-    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``: the kernel that was there,
-    counting the scores its queries see."""
+    """As ``ChunkKernels`` for Ulysses' ``cp.heads_attention``, counting the scores it sees;
+    given ``seconds_per_score``, no arithmetic: it waits (the all-to-alls stay real)."""
 
-    def __init__(self):
+    def __init__(self, seconds_per_score: float | None = None):
         self.visible = 0
+        self.seconds_per_score = seconds_per_score
 
     def __enter__(self):
         self.inner = cp.heads_attention
@@ -168,17 +152,17 @@ class HeadsAttention(contextlib.ContextDecorator):
         cp.heads_attention = self.inner
 
     def attention(self, q, k, v, causal):
-        self.visible += scores_seen(q, causal)
-        return self.inner(q, k, v, causal)
+        seen = scores_seen(q, causal)
+        self.visible += seen
+        if self.seconds_per_score is None:
+            return self.inner(q, k, v, causal)
+        return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
 
 
 def scores_seen(q, causal: bool) -> int:
     """The (query, key) scores of attention over the whole sequence of q's heads."""
-    batch_heads = q.shape[0] * q.shape[1]
     seq = q.shape[2]
-    if causal:
-        return batch_heads * seq * (seq + 1) // 2
-    return batch_heads * seq * seq
+    return q.shape[0] * q.shape[1] * (seq * (seq + 1) // 2 if causal else seq * seq)
 
 
 class EmulatedWait(torch.autograd.Function):
@@ -196,54 +180,31 @@ class EmulatedWait(torch.autograd.Function):
         return torch.zeros_like(grad), torch.zeros_like(grad), torch.zeros_like(grad), None
 
 
-class EmulatedHeadsAttention(HeadsAttention):
-    """``EmulatedAttention`` for Ulysses' heads: no arithmetic, the all-to-alls stay real."""
-
-    def __init__(self, seconds_per_score: float):
-        super().__init__()
-        self.seconds_per_score = seconds_per_score
-
-    def attention(self, q, k, v, causal):
-        seen = scores_seen(q, causal)
-        self.visible += seen
-        return EmulatedWait.apply(q, k, v, seen * self.seconds_per_score)
-
-
 # --------------------------------------------------------------------------- the benchmark
-
-
 def attention_inputs(ctx, cfg: dict, seq: int, rank: int, world_size: int, layout: str):
-    """This rank's float32 shards of q, k, v (leaves that require grad) and of the output
-    gradient at sequence length ``seq``, cut from full tensors the same on every rank."""
+    """This rank's float32 shards of q, k, v (leaves) and the output's gradient, cut alike everywhere."""
     shape = (cfg["batch"], cfg["heads"], seq, cfg["head_dim"])
     generator = torch.Generator().manual_seed(seq)
-    shards = []
-    for _ in range(4):
-        full = torch.randn(shape, generator=generator, dtype=torch.float32)
-        shards.append(cp.shard_sequence(full, 2, rank, world_size, layout).to(ctx.device))
-    q, k, v, grad_out = shards
+    q, k, v, grad_out = [cp.shard_sequence(torch.randn(shape, generator=generator,
+                                                       dtype=torch.float32),
+                                           2, rank, world_size, layout).to(ctx.device)
+                         for _ in range(4)]
     return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), grad_out
 
 
 def run_step(q, k, v, grad_out, attention, kernel=None):
-    """One forward + backward of ``attention(q, k, v)``, with ``kernel`` (a ``ChunkKernels`` or
-    ``HeadsAttention``) active when given."""
-    if kernel is None:
-        kernel = contextlib.nullcontext()
-    with kernel:
+    """One forward + backward of ``attention(q, k, v)``, with ``kernel`` active when given."""
+    with kernel or contextlib.nullcontext():
         out = attention(q, k, v)
         out.backward(grad_out)
 
 
 def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
-    """The slowest member's median seconds of ``step()``; ranks outside ``members`` only keep
-    the barriers company (and report 0 s)."""
+    """The slowest member's median seconds of ``step()``; the others keep the barriers company."""
     inside = ctx.rank in members
     times = timing.measure(step if inside else lambda: None, ctx.device, warmup=cfg["warmup"],
                            iters=cfg["iters"], barrier=True)
-    if not inside:
-        times = [0.0] * len(times)
-    return timing.gather_times(times).median
+    return timing.gather_times(times if inside else [0.0] * len(times)).median
 
 
 def saved_and_peak(ctx, step) -> tuple[int, int]:
@@ -255,9 +216,7 @@ def saved_and_peak(ctx, step) -> tuple[int, int]:
         start = torch.cuda.memory_allocated(ctx.device)
     with counters.SavedActivations() as saved:
         step()
-    peak = 0
-    if ctx.device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(ctx.device) - start
+    peak = torch.cuda.max_memory_allocated(ctx.device) - start if ctx.device.type == "cuda" else 0
     return saved.bytes, peak
 
 
@@ -271,15 +230,9 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
              "full, our kernel": functools.partial(cp.ring_attention, group=single, causal=True,
                                                    layout="contiguous")}
     for impl, attention in impls.items():
-
-        def step():
-            run_step(q, k, v, grad_out, attention)
-
+        step = functools.partial(run_step, q, k, v, grad_out, attention)
         seconds = measure_case(ctx, cfg, step, [0])
-        saved = 0
-        peak = 0
-        if ctx.rank == 0:
-            saved, peak = saved_and_peak(ctx, step)
+        saved, peak = saved_and_peak(ctx, step) if ctx.rank == 0 else (0, 0)
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, {"saved": saved, "peak": peak})
         rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
@@ -291,8 +244,7 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
     for world_size, ring in rings.items():
         shard_bytes = batch_heads * (seq // world_size) * cfg["head_dim"] * 4  # one rank's q, k or v
         for layout in cfg["layouts"]:
-            ring_attention = functools.partial(cp.ring_attention, group=ring, causal=True,
-                                               layout=layout)
+            ring_attention = functools.partial(cp.ring_attention, group=ring, causal=True, layout=layout)
             targets = {"bytes_formula": sum(ring_bytes(world_size, shard_bytes)),
                        "imbalance_formula": imbalance_formula(world_size, layout, True),
                        "saved_formula": saved_bytes_formula(batch_heads, seq // world_size,
@@ -306,26 +258,20 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
                        "saved_formula": saved_bytes_formula(batch_heads // world_size, seq,
                                                             cfg["head_dim"], 4)}
             bench_parallel(ctx, cfg, same, world_size, "ulysses", "contiguous", ulysses,
-                           HeadsAttention(), EmulatedHeadsAttention, targets, rows, failures)
+                           HeadsAttention(), HeadsAttention, targets, rows, failures)
 
 
 def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layout: str,
                    attention, counting, emulated, targets: dict, rows: list, failures: list):
     """``impl`` (ring or ulysses) on the first ``world_size`` ranks at one length: its row beside
-    ``targets`` and, at the longest length, with ``emulated`` compute, appended to ``rows``;
-    problems to ``failures``. ``counting``: a kernel counting the scores each rank sees."""
+    ``targets`` (and at the longest, with ``emulated`` compute) to ``rows``, problems to ``failures``."""
     seq = same["seq"]
     members = list(range(world_size))
     inside = ctx.rank in members
     rank = ctx.rank if inside else 0  # ranks outside draw rank 0's shard, and only wait
     q, k, v, grad_out = attention_inputs(ctx, cfg, seq, rank, world_size, layout)
-
-    def real_step():
-        run_step(q, k, v, grad_out, attention)
-
-    sent = 0
-    saved = 0
-    peak = 0
+    real_step = functools.partial(run_step, q, k, v, grad_out, attention)
+    sent = saved = peak = 0
     if inside:
         with counters.CommCounter() as comm:
             run_step(q, k, v, grad_out, attention, counting)
@@ -354,10 +300,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
     if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
         all_scores = cfg["batch"] * cfg["heads"] * seq * (seq + 1) / 2
         kernel = emulated(cfg["emulate_ms"] / 1e3 / all_scores)
-
-        def emulated_step():
-            run_step(q, k, v, grad_out, attention, kernel)
-
+        emulated_step = functools.partial(run_step, q, k, v, grad_out, attention, kernel)
         emulated_row = dict(row)
         emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
         emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
@@ -366,14 +309,8 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
 
 def bench_main(ctx, cfg: dict) -> None:
     """The sweep; rank 0 prints, writes the CSV and the targets beside what was measured."""
-    single = None
-    for rank in range(ctx.world_size):  # a ring of one per rank (every rank creates each)
-        group = dist.new_group([rank])
-        if rank == ctx.rank:
-            single = group
-    rings = {}
-    for world_size in cfg["ring_sizes"]:
-        rings[world_size] = dist.new_group(list(range(world_size)))
+    single = [dist.new_group([rank]) for rank in range(ctx.world_size)][ctx.rank]  # rings of one
+    rings = {size: dist.new_group(list(range(size))) for size in cfg["ring_sizes"]}
     rows = []
     failures = []
     last = None  # (seq, seconds) of the previous length: the next one's estimate
@@ -402,24 +339,19 @@ def bench_main(ctx, cfg: dict) -> None:
 def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     """zig-zag step time / contiguous step time at the longest sequence."""
     seq = max(row["seq"] for row in rows)
-    times = {}
-    for row in rows:  # ring rows only: Ulysses runs on contiguous shards too
-        same = row["seq"] == seq and row["W"] == world_size and row["compute"].startswith(compute)
-        if row["impl"] == "ring" and same:
-            times[row["layout"]] = row["step_ms"]
+    times = {row["layout"]: row["step_ms"] for row in rows   # ring rows: Ulysses is contiguous too
+             if row["impl"] == "ring" and row["seq"] == seq and row["W"] == world_size
+             and row["compute"].startswith(compute)}
     if "zigzag" not in times or "contiguous" not in times:
         return None
     return times["zigzag"] / times["contiguous"]
 
 
 def write_bench_rows(ctx, rows: list[dict]):
-    """Rank 0: upsert the rows measured so far into results/context_parallel.csv (after each
-    length, so a run stopped at make bench's cap keeps them)."""
+    """Rank 0: upsert the rows measured so far into results/context_parallel.csv."""
     same = {"backend": ctx.backend, "device": ctx.device.type}
-    csv_rows = []
-    for row in rows:
-        csv_rows.append({**same, **row, "machine": results.machine_name(),
-                         "run_id": results.run_id()})
+    stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
+    csv_rows = [{**same, **row, **stamp} for row in rows]
     return results.upsert_csv("context_parallel.csv", csv_rows,
                               key=["backend", "device", "seq", "batch", "heads", "head_dim",
                                    "impl", "W", "layout", "compute"])
@@ -430,28 +362,22 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     print(f"\nOne causal attention layer, forward + backward, float32, batch {cfg['batch']}, "
           f"heads {cfg['heads']}, head_dim {cfg['head_dim']}; {ctx.backend}/{ctx.device.type}, "
           f"{machine}; median of {cfg['iters']} after {cfg['warmup']} warm-up, slowest rank:")
-    shown = []
-    for row in rows:
-        short = dict(row)
-        for size in ("batch", "heads", "head_dim"):  # in the title
-            del short[size]
-        if ctx.device.type != "cuda":
-            del short["peak_bytes"]  # measured on a GPU only
-        shown.append(short)
-    results.print_table(shown, floatfmt=".3g")
+    hidden = {"batch", "heads", "head_dim"}              # in the title
+    if ctx.device.type != "cuda":
+        hidden.add("peak_bytes")                          # measured on a GPU only
+    results.print_table([{key: value for key, value in row.items() if key not in hidden}
+                         for row in rows], floatfmt=".3g")
     path = write_bench_rows(ctx, rows)
     if path.is_relative_to(Path.cwd()):
         path = path.relative_to(Path.cwd())
-    print(f"\nwrote {path}")
-    print(f"\nTargets, measured in this run ({machine}):")
+    print(f"\nwrote {path}\n\nTargets, measured in this run ({machine}):")
     longest = max(cfg["seqs"])
     for row in rows:
         if row["impl"] != "ring" or row["compute"] != "real" or row["seq"] != longest:
             continue
+        target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
         if row["layout"] == "zigzag":
             target = "1.00"
-        else:
-            target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
         print(f"  FLOP imbalance (max/mean), W={row['W']} {row['layout']}: "
               f"{row['imbalance']:.3f} (target {target})")
     exact = all(row["sent_bytes"] == row["bytes_formula"] for row in rows if row["impl"] == "ring")
@@ -484,19 +410,14 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
 
 
 # --------------------------------------------------------------------------- flags
-
-
 def box_defaults(args, config) -> None:
     """The flags left out, filled in for this box (the host: CPU tensors); rings of 2 and 4."""
     on_host = config.device == "cpu"
-    if args.seqs is None:
-        args.seqs = [256, 512, 1024] if on_host else [1024, 2048, 4096]
-    if args.warmup is None:
-        args.warmup = 1 if on_host else 2
-    if args.iters is None:
-        args.iters = 3 if on_host else 5
-    if args.ring_sizes is None:
-        args.ring_sizes = [ring_size for ring_size in (2, 4) if ring_size <= config.world_size]
+    for flag, value in (("seqs", [256, 512, 1024] if on_host else [1024, 2048, 4096]),
+                        ("warmup", 1 if on_host else 2), ("iters", 3 if on_host else 5),
+                        ("ring_sizes", [size for size in (2, 4) if size <= config.world_size])):
+        if getattr(args, flag) is None:
+            setattr(args, flag, value)
 
 
 def main(argv=None) -> None:
@@ -542,8 +463,7 @@ def main(argv=None) -> None:
                 if seq % chunks != 0:
                     parser.error(f"--seqs {seq} does not divide into {chunks} equal chunks "
                                  f"({layout} layout over {ring_size} ranks)")
-    # a rank's rough peak: the float32 full tensors and chunk scores, with rank 0's
-    # whole-sequence attention by our kernel (seq x seq scores)
+    # a rank's rough peak: the full tensors and chunk scores, with rank 0's seq x seq scores
     seq = max(args.seqs)
     need = 4 * args.batch * args.heads * (6 * seq * seq + 24 * seq * args.head_dim)
     launch.check_fits(config, need, f"{need / 2**30:.2f} GiB each for sequence length {seq}")

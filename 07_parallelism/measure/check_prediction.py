@@ -5,7 +5,8 @@ straggler, a copy, stage 02's all-reduce fit, a call in a burst, a hop after com
 collectives) and set beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
 grid.csv) in results/prediction.csv, every term a column. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
-published runs beside the planner's cold predictions (lesson 9's README).
+published runs beside the planner's cold predictions (lesson 9's README). A configuration that
+cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
       python 07_parallelism/measure/check_prediction.py --published
@@ -51,15 +52,12 @@ FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM na
 
 
 # --------------------------------------------------------------------------- this machine
-
-
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
                  repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
     """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
-    process with ``threads`` threads, medians after two warm-ups; once per shape, so that equal
-    shapes get equal compute."""
+    process, medians after two warm-ups; once per shape: equal shapes get equal compute."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -67,16 +65,13 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
     lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
                               checkpoint_activations=checkpointing).to(on)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(vocab, (batch, seq + 1), generator=generator).to(on)
-    compute = []
-    stepping = []
+    tokens = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(on)
+    compute, stepping = [], []
     for attempt in range(2 + repeats):
         optimizer.zero_grad(set_to_none=True)
         synchronize(on)
         start = time.perf_counter()
-        logits = lm(tokens[:, :-1])
-        models.lm_loss(logits, tokens[:, 1:]).backward()
+        models.lm_loss(lm(tokens[:, :-1]), tokens[:, 1:]).backward()
         synchronize(on)
         middle = time.perf_counter()
         optimizer.step()
@@ -91,8 +86,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
 
 @functools.lru_cache(maxsize=None)
 def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) -> float:
-    """Bytes read and written per second copying a float32 buffer of ``nbytes`` (as the wrappers
-    do, at their size: a CPU copies what fits its caches several times faster)."""
+    """Bytes read and written per second copying ``nbytes`` (at the wrappers' size: caches count)."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -127,18 +121,14 @@ def write_slowest(ctx, mine: dict, out_path: str) -> None:
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     if ctx.is_main:
-        slowest = {}
-        for name in mine:
-            slowest[name] = max(rank[name] for rank in everyone)
         with open(out_path, "w") as f:
-            json.dump(slowest, f)
+            json.dump({name: max(rank[name] for rank in everyone) for name in mine}, f)
 
 
 def line_through(seconds: dict) -> tuple[float, float]:
     """(a, w) of t = a + N / w through two timings (bytes -> s); a < 0 (noise): a = 0, w through
     the largest; the larger no slower: w infinite."""
-    smallest = min(seconds)
-    largest = max(seconds)
+    smallest, largest = min(seconds), max(seconds)
     rate = float("inf")
     if seconds[largest] > seconds[smallest]:
         rate = (largest - smallest) / (seconds[largest] - seconds[smallest])
@@ -169,14 +159,8 @@ def step_calls_worker(ctx, out_path: str) -> None:
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
     weights = torch.randn(256, 256, device=ctx.device)
-    for _ in range(3):
-        weights @ weights
-    synchronize(ctx.device)
-    start = time.perf_counter()
-    for _ in range(20):
-        weights @ weights
-    synchronize(ctx.device)
-    one_matmul = (time.perf_counter() - start) / 20
+    one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device,
+                                                  warmup=3, iters=20))
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
@@ -184,33 +168,30 @@ def step_calls_worker(ctx, out_path: str) -> None:
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
+        operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
+                      dist.P2POp(dist.irecv, receive, (ctx.rank - 1) % ctx.world_size)]
+
+        def hop():
+            for request in dist.batch_isend_irecv(operations):
+                request.wait()
+
         seconds = []
-        for attempt in range(2 + REPEATS):
+        for _ in range(2 + REPEATS):
             dist.barrier()
             for _ in range(matmuls):
                 weights @ weights
-            synchronize(ctx.device)
-            start = time.perf_counter()
-            operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
-                          dist.P2POp(dist.irecv, receive, (ctx.rank - 1) % ctx.world_size)]
-            for request in dist.batch_isend_irecv(operations):
-                request.wait()
-            synchronize(ctx.device)
-            if attempt >= 2:
-                seconds.append(time.perf_counter() - start)
-        mine[f"hop {nbytes}"] = statistics.median(seconds)
+            seconds += timing.measure(hop, ctx.device, warmup=0, iters=1)
+        mine[f"hop {nbytes}"] = statistics.median(seconds[2:])      # two to warm up
     write_slowest(ctx, mine, out_path)
 
 
 @functools.lru_cache(maxsize=None)
 def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | None:
     """Calls as a step makes them, slowest rank's medians: a 64 KiB all-reduce in a burst of 20
-    (2-core VM, 2 ranks: 1.6-1.8 ms, against stage 02's 0.4-0.5 ms lined up by a barrier) and a
-    hop after compute (ranks sharing cores wait for a core: 4 ranks on 2 cores about 4 ms against
-    0.5 ms back to back). None, with a line, where Gloo cannot send the tensors."""
+    (not lined up by a barrier, as stage 02's are) and a hop after compute (ranks sharing cores
+    wait for one). None, with a line, where Gloo cannot send the tensors."""
     if backend == "gloo" and device == "cuda":
-        print("check_prediction: calls not timed as a step makes them: Gloo sends CPU tensors "
-              "only; the links are stage 02's fit")
+        print("check_prediction: calls not timed (Gloo sends CPU tensors only): stage 02's fit")
         return None
     slowest = launch_and_read(step_calls_worker, world_size, backend, device,
                               "calls as a step makes them", "the links are stage 02's fit")
@@ -222,54 +203,35 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
           f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
           + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
                       for nbytes, seconds in hops.items()))
-    return StepCalls(all_reduce_s=slowest["all_reduce"],
-                     hop=planner.Link(latency=latency, busbw=busbw))
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(latency=latency, busbw=busbw))
 
 
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
     """FSDP's smallest and largest unit's gathered bytes (Gloo's time is not a line in the size
     on this VM: from 32 MiB glibc maps each buffer afresh). Units of one size: it and twice it."""
     units = [lm.compute_bytes * values for values in planner.fsdp_unit_values(lm, grid)]
-    smallest = min(units)
-    largest = max(units)
-    if largest == smallest:
-        largest = 2 * smallest
-    return smallest, largest
+    return min(units), max(units) if max(units) > min(units) else 2 * min(units)
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
-    """All-gather into and reduce-scatter out of flat tensors at each of ``sizes``, as lesson 2
-    makes them: fresh buffers, the ranks lined up before each call."""
+    """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
-        numel = shard_numel * ctx.world_size
-        gathers = []
-        scatters = []
-        for attempt in range(1 + REPEATS // 3):
+        seconds = {"gather": [], "scatter": []}
+        for _ in range(1 + REPEATS // 3):
             shard = torch.ones(shard_numel, device=ctx.device)
-            gathered = torch.empty(numel, device=ctx.device)
-            dist.barrier()
-            synchronize(ctx.device)
-            start = time.perf_counter()
-            all_gather(gathered, shard)
-            synchronize(ctx.device)
-            gathered_at = time.perf_counter()
-            out = torch.empty(shard_numel, device=ctx.device)
-            dist.barrier()
-            synchronize(ctx.device)
-            scatter_start = time.perf_counter()
-            reduce_scatter(out, gathered)
-            synchronize(ctx.device)
-            end = time.perf_counter()
-            if attempt >= 1:
-                gathers.append(gathered_at - start)
-                scatters.append(end - scatter_start)
-        mine[f"gather {nbytes}"] = statistics.median(gathers)
-        mine[f"scatter {nbytes}"] = statistics.median(scatters)
+            gathered = torch.empty(shard_numel * ctx.world_size, device=ctx.device)
+            calls = (("gather", all_gather, gathered, shard),
+                     ("scatter", reduce_scatter, torch.empty_like(shard), gathered))
+            for name, call, out, given in calls:
+                seconds[name] += timing.measure(lambda: call(out, given), ctx.device, warmup=0,
+                                                iters=1, barrier=True)
+        for name, taken in seconds.items():
+            mine[f"{name} {nbytes}"] = statistics.median(taken[1:])     # one to warm up
     write_slowest(ctx, mine, out_path)
 
 
@@ -314,8 +276,7 @@ def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> plan
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
              device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
-    """The machine as measured: a rate and a memory bandwidth that give the compute and AdamW
-    timed here, a copy at the gradients' size, the straggler from ``samples``."""
+    """The machine as measured: compute and AdamW as timed, a copy, the straggler of ``samples``."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s
     rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
@@ -330,24 +291,38 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 
 # --------------------------------------------------------------------------- the rows
+class Pace:
+    """``step_bench.time_left_for`` outside a launch: a configuration starts while the previous
+    one's seconds fit before make bench's deadline (``BENCH_STEP_DEADLINE``, a Unix time)."""
+
+    def __init__(self):
+        self.deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
+        self.started = None             # when the previous configuration started
+        self.stopped = False
+
+    def allows(self, config: str) -> bool:
+        now = time.perf_counter()
+        if self.started is not None and self.deadline and not self.stopped:
+            self.stopped = time.time() + now - self.started > self.deadline
+            if self.stopped:
+                print(f"check_prediction: {config} and what follows: skipped, about "
+                      f"{now - self.started:.0f} s each would run past make bench's deadline (the "
+                      "rows above are written)")
+        self.started = now
+        return not self.stopped
 
 
 def this_run(name: str) -> list[dict]:
-    """``results/<name>``'s rows from this run (``RESULTS_RUN_ID``), else the newest run; an
-    unreadable row costs one line."""
+    """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); bad: a line."""
     rows = results.read_csv(name)
-    run = os.environ.get("RESULTS_RUN_ID")
-    if not run and rows:
-        run = rows[-1].get("run_id")
+    run = os.environ.get("RESULTS_RUN_ID") or (rows[-1].get("run_id") if rows else None)
     kept = []
-    for row in rows:
-        if row.get("run_id") != run:
-            continue
+    for row in (row for row in rows if row.get("run_id") == run):
         problem = unreadable(row)
         if problem:
             print(f"check_prediction: results/{name}: a row skipped: {problem}")
-            continue
-        kept.append(row)
+        else:
+            kept.append(row)
     return kept
 
 
@@ -377,10 +352,8 @@ def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: floa
     row = {"config": config, "source": source, "world_size": grid.world_size,
            "predicted_ms": round(predicted, 3), "measured_ms": round(measured_ms, 3),
            "ratio": round(predicted / measured_ms, 3)}
-    for name, seconds, _ in terms:
-        row[name.replace(" ", "_") + "_ms"] = round(seconds * 1e3, 3)
-    row["machine"] = results.machine_name()
-    row["run_id"] = results.run_id()
+    row.update({name.replace(" ", "_") + "_ms": round(seconds * 1e3, 3) for name, seconds, _ in terms})
+    row.update(machine=results.machine_name(), run_id=results.run_id())
     return row
 
 
@@ -390,15 +363,12 @@ LEDGER_SETTINGS = (*DDP_SETTINGS, "checkpointing")
 
 def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | None:
     """The compute-only control (``none``) at ``row``'s ``settings``, from the same launch."""
-    for control in rows:
-        if control["impl"] == "none" and all(control[key] == row[key] for key in settings):
-            return control
-    return None
+    return next((control for control in rows if control["impl"] == "none"
+                 and all(control[key] == row[key] for key in settings)), None)
 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
-    """The ledger control's (forward + backward s, AdamW s): its step less its AdamW step; None
-    without one, or where AdamW took the whole step (noise)."""
+    """The ledger control's (step less AdamW s, AdamW s); None without one, or for noise."""
     control = same_launch_control(rows, row, LEDGER_SETTINGS)
     if control is None or not control.get("optimizer_ms"):
         return None
@@ -440,10 +410,9 @@ def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
             yield row, ranks, fits[key]
 
 
-def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """Stages 03-06 and torch DDP from ``ddp_step.csv``, compute and a call's cost from the same
     launch's control (compute drifts 10-20% between moments here), else timed here."""
-    rows = []
     run_rows = this_run("ddp_step.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         impl = row["impl"]
@@ -457,12 +426,16 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         seq = int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
         control = same_launch_control(run_rows, row, DDP_SETTINGS)
-        if control is None or not control.get("fwd_bwd_ms"):
-            control = None
-        else:
+        if control is not None and control.get("fwd_bwd_ms"):
             control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3)
-        if control is not None and cap is None:
-            continue                                   # the control itself: the input
+            if cap is None:
+                continue                               # the control itself: the input
+        else:
+            control = None
+        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
+        config = f"ddp_step {label}, {row['model']}, {ranks} ranks"
+        if not pace.allows(config):
+            return
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
         if cap is None:
             grid = planner.Grid()                      # no communication: one rank's work
@@ -476,15 +449,11 @@ def ddp_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             calls = time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
-        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
-        rows.append(predicted_row(f"ddp_step {label}, {row['model']}, {ranks} ranks",
-                                  "ddp_step.csv", lm, grid, machine, float(row["step_ms"])))
-    return rows
+        yield predicted_row(config, "ddp_step.csv", lm, grid, machine, float(row["step_ms"]))
 
 
-def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """The ledger's strategies (ours) from ``sharding.csv``, compute from the launch's control."""
-    rows = []
     run_rows = this_run("sharding.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         if row["impl"] not in planner.DP_KINDS:
@@ -492,6 +461,10 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         batch = int(row["batch_size"])
         seq = int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
+        config = (f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, "
+                  f"{row['model']}, {ranks} ranks")
+        if not pace.allows(config):
+            return
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], recompute="full" if checkpointing else "none")
         control = ledger_control(run_rows, row)
@@ -503,16 +476,12 @@ def ledger_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
                 machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
-        rows.append(predicted_row(
-            f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, {row['model']}, "
-            f"{ranks} ranks", "sharding.csv", lm, grid, machine, float(row["step_ms"])))
-    return rows
+        yield predicted_row(config, "sharding.csv", lm, grid, machine, float(row["step_ms"]))
 
 
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
                       device: str) -> tuple[float, float, tuple[float, ...]]:
-    """``time_compute`` at one rank's shapes (b / d rows, s / c tokens), in a pipeline a
-    micro-batch at a time with the forward and backward scaled by m; AdamW once."""
+    """``time_compute`` at one rank's shapes, a micro-batch at a time (forward, backward x m)."""
     rows = batch // grid.dp // grid.micro_batches
     compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
                                                    threads, device=device)
@@ -520,9 +489,8 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
     return grid.micro_batches * compute_s, optimizer_s, scaled
 
 
-def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
+def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
-    rows = []
     for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
         if row.get("impl") != "ours" or not row.get("micro_batches"):
             continue
@@ -532,12 +500,9 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         parts = row["grid"].split()
         if not all(part[:2] in sizes and part[2:].isdigit() for part in parts):
             continue                 # 'pp2 (x2 side by side)'
-        for part in parts:
-            sizes[part[:2]] = int(part[2:])
-        schedule = "1f1b"
-        for name in ("gpipe", "1f1b", "interleaved", "zbh1"):
-            if name in row["setting"]:
-                schedule = name
+        sizes.update({part[:2]: int(part[2:]) for part in parts})
+        schedule = next((name for name in ("zbh1", "interleaved", "1f1b", "gpipe")
+                         if name in row["setting"]), "1f1b")
         # the data axis all-reduces every gradient in one call; lesson 7 logs the global loss
         grid = planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
                             dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
@@ -545,6 +510,9 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
                             bucket_bytes=float("inf"), loss_all_reduce=True)
         if grid.world_size != ranks:
             continue
+        config = f"grid {row['grid']}, {row['setting']}, {row['model']}"
+        if not pace.allows(config):
+            return
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
@@ -555,13 +523,10 @@ def grid_rows(fits: dict, backend_device: str, cores: int) -> list[dict]:
         hop = calls.hop if calls is not None else None
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            cores, samples, row["device"], hop)
-        rows.append(predicted_row(f"grid {row['grid']}, {row['setting']}, {row['model']}",
-                                  "grid.csv", lm, grid, machine, float(row["step_ms"])))
-    return rows
+        yield predicted_row(config, "grid.csv", lm, grid, machine, float(row["step_ms"]))
 
 
 # --------------------------------------------------------------------------- the projection
-
 PROJECTION_CSV = "projection.csv"
 PROJECTION_MODEL = "small"     # make plan's default LM, sequence and rows a GPU
 PROJECTION_SEQ = 256
@@ -581,24 +546,18 @@ def projection_rows(device: str) -> list[dict]:
               f"{str(error).splitlines()[0]}")
         return []
     one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
-    rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ
-            / compute_s)
+    rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ / compute_s)
     bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
-    where = results.machine_name()
-    if device == "cuda":
-        where = torch.cuda.get_device_name(0)
+    where = torch.cuda.get_device_name(0) if device == "cuda" else results.machine_name()
     compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "
                     f"{bandwidth / 1e9:.3g} GB/s (measured)")
     rows = []
     for name, cluster in planner.CLUSTERS.items():
         lm = course_lm(PROJECTION_MODEL, PROJECTION_ROWS * cluster.ranks, PROJECTION_SEQ)
         machine = dataclasses.replace(cluster, flops=rate, memory_bandwidth=bandwidth, gpu=None)
-        fitting = []
-        for grid in planner.candidate_grids(lm, cluster.ranks, cluster.ranks_per_node):
-            prediction = planner.predict(lm, grid, machine)
-            if prediction["fits"]:
-                fitting.append(prediction)
-        fitting.sort(key=lambda prediction: prediction["step_s"])
+        predictions = [planner.predict(lm, grid, machine)
+                       for grid in planner.candidate_grids(lm, cluster.ranks, cluster.ranks_per_node)]
+        fitting = sorted((one for one in predictions if one["fits"]), key=lambda one: one["step_s"])
         for prediction in fitting[:PROJECTION_TOP]:
             grid = planner.label(prediction["grid"])
             rows.append({"config": f"{name}: {grid}", "cluster": name, "grid": grid,
@@ -614,12 +573,9 @@ def projection_rows(device: str) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- bytes, exactly
-
-
 def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
-    """Bytes a rank sends a step on the data axis alone, as a ring: DDP and ZeRO-2 the all-reduce,
-    ZeRO-1 1.5x (owners broadcast), FSDP units gathered twice less those kept (the root, the last
-    block), gradients reduce-scattered, the 1-D tensors' all-reduced."""
+    """Bytes a rank sends a step on the data axis alone, as a ring: DDP the all-reduce, ZeRO-1 1.5x,
+    FSDP units gathered twice less those kept, gradients reduce-scattered, 1-D ones all-reduced."""
     d = grid.dp * grid.cp           # the ranks holding the same parameters
     whole = planner.FLOAT32 * planner.parameter_count(lm)
     if grid.dp_kind == "fsdp":
@@ -632,14 +588,10 @@ def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
             in_last_block = last_block <= index < len(shapes) - 3
             if len(shape) >= 2 and (outside_blocks or in_last_block):
                 kept += -(-shape[0] // d) * d * planner.numel(shape[1:])
-        W = planner.FLOAT32 * sharded
-        K = planner.FLOAT32 * kept
-        R = planner.FLOAT32 * replicated
+        W, K, R = (planner.FLOAT32 * values for values in (sharded, kept, replicated))
         return planner.ring_share(d) * (3 * W - K) + 2 * planner.ring_share(d) * R
     sent = 2 * planner.ring_share(d) * whole
-    if grid.dp_kind == "zero1":
-        sent = 1.5 * sent
-    return sent
+    return 1.5 * sent if grid.dp_kind == "zero1" else sent
 
 
 def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: int = 0) -> dict[str, float]:
@@ -647,21 +599,15 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
     micro-batch's activations, the bytes sent on each axis (``pp_rank``, ``data_rank``: its place)."""
     if grid.dp_kind not in ("ddp", "zero1"):
         raise ValueError(f"lesson 7's grids run DDP or ZeRO-1 on the data axis, not {grid.dp_kind}")
-    p = grid.pp
-    v = grid.chunks
-    t = grid.tp
-    c = grid.cp
-    m = grid.micro_batches
+    p, v, t, c, m = grid.pp, grid.chunks, grid.tp, grid.cp, grid.micro_batches
     tensors = planner.rank_tensors(lm, grid, pp_rank)
     params = sum(values for values, _ in tensors)
     replicated = sum(values for values, split in tensors if not split)
     optim = 2 * planner.FLOAT32 * params + planner.ADAMW_STEP_BYTES * len(tensors)
     if grid.dp_kind == "zero1":
-        # lesson 1's deal (measure/grid_bench.py repeats it, so that this file copies alone):
-        # whole tensors, largest first, each to the rank holding the fewest bytes (ties: the
-        # lowest), which keeps AdamW's two moments and its step count
-        loads = [0] * (grid.dp * c)
-        owned = [0] * (grid.dp * c)
+        # lesson 1's deal, as grid_bench.py's: whole tensors, largest first, each to the rank
+        # holding the fewest bytes (ties: the lowest), which keeps AdamW's moments and step count
+        loads, owned = [0] * (grid.dp * c), [0] * (grid.dp * c)
         sizes = [values for values, _ in tensors]
         for index in sorted(range(len(sizes)), key=lambda index: -sizes[index]):
             rank = loads.index(min(loads))
@@ -700,7 +646,6 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
 
 
 # --------------------------------------------------------------------------- published runs
-
 # Published training runs, predicted cold from the planner's presets (lesson 9's README cites
 # each): (run, GPU preset, GPUs, Llama 3 8B's global batch and sequence, grid, published
 # tokens/s a GPU, published memory GiB or None). None of these tuned a preset.
@@ -759,11 +704,9 @@ def main(argv=None) -> int:
         return 2
     if args.published:
         print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
-              "predicted | largest term |")
-        print("|---|---|---|---|---|---|---|")
+              "predicted | largest term |\n|---|---|---|---|---|---|---|")
         for row in published_rows():
-            memory = f"{row['memory']} / {row['predicted_memory']:.1f}" if row["memory"] else \
-                f"- / {row['predicted_memory']:.1f}"
+            memory = f"{row['memory'] or '-'} / {row['predicted_memory']:.1f}"
             print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "
                   f"{row['error']:+.0%} | {memory} | {row['largest']} |")
         return 0
@@ -777,8 +720,7 @@ def main(argv=None) -> int:
                 print(f"  {row['config']:34} {row['predicted_ms']:9.2f} ms "
                       f"{row['tokens_per_s_per_gpu']:>9,} tokens/s a GPU")
     else:
-        print("check_prediction: no projection onto the GPU presets: this box has no GPU, and "
-              "a CPU's compute would project a cluster of CPUs (--project shows it anyway)")
+        print("check_prediction: no projection onto the GPU presets without a GPU (--project: anyway)")
     run = os.environ.get("RESULTS_RUN_ID")      # make bench: only this run's fit counts
     fits = {key: fit for key, fit in results.read_json("allreduce_fit.json").items()
             if key.startswith(backend_device + "/") and isinstance(fit, dict) and "a_s" in fit
@@ -787,19 +729,19 @@ def main(argv=None) -> int:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
         return 1
-    cores = os.cpu_count() or 1          # ranks take turns on these (one GPU: on it)
-    if args.device == "cuda":
-        cores = torch.cuda.device_count()
+    # ranks take turns on these (one GPU: on it)
+    cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1
     rows = []
+    pace = Pace()
     for make_rows in (ddp_rows, ledger_rows, grid_rows):
-        new_rows = make_rows(fits, backend_device, cores)
-        rows.extend(new_rows)
-        if new_rows:
+        new_rows = []
+        for row in make_rows(fits, backend_device, cores, pace):
+            new_rows.append(row)
             # this run's rows replace every older row from the same source file
             results.upsert_csv(CSV_NAME, new_rows, key=["source"])
+        rows.extend(new_rows)
     if not rows:
-        print("check_prediction: nothing to check: no rows of this run in results/ "
-              "(ddp_step.csv, sharding.csv, grid.csv) that the planner models")
+        print("check_prediction: nothing to check: no row of this run that the planner models")
         return 0
     print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms):")
     print(f"{'configuration':58} {'predicted':>10} {'measured':>10} {'ratio':>6}")

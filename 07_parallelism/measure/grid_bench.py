@@ -3,17 +3,16 @@
     python 07_parallelism/measure/grid_bench.py --bench                   # 4 ranks, CPU sizes
     python 07_parallelism/measure/grid_bench.py --bench --bench-sizes gpu --world-size 8
 
-Into results/grid.csv, in one launch:
-
-1. Our grids (``GRIDS``): train.py's step, timed in rounds (the slowest rank's median), and
-   per rank the bytes held and sent per axis, counted (``counters.py``) beside ``combined_formula``.
-2. torch's composition (``parallelize_module`` then ``fully_shard``) as the control, in pairs
-   (the ``pair`` column): ``replicated_tp``, ``fsdp_tp`` (ours ZeRO-1) and ``hsdp``.
-3. The pipeline axis against ``torch.distributed.pipelining`` on pp = 2 and 4, real compute
-   (gradients compared) and emulated (a fixed wait per F, B and W), beside the simulation.
-
-A row holds the largest rank's count and formula, and the worst relative difference of any
-rank in any column. torch's context parallelism has no CPU path in torch 2.13: no row.
+Into results/grid.csv, in one launch: (1) our grids (``GRIDS``): train.py's step, timed in
+rounds (the slowest rank's median), and per rank the bytes held and sent per axis, counted
+(``counters.py``) beside ``combined_formula``; (2) torch's composition (``parallelize_module``
+then ``fully_shard``) as the control, in pairs (the ``pair`` column): ``replicated_tp``,
+``fsdp_tp`` (ours ZeRO-1) and ``hsdp``; (3) the pipeline axis against
+``torch.distributed.pipelining`` on pp = 2 and 4, real compute (gradients compared) and emulated
+(a fixed wait per F, B and W), beside the simulation. A row holds the largest rank's count and
+formula, and the worst relative difference of any rank in any column. What cannot end before
+make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line. torch's context
+parallelism has no CPU path in torch 2.13: no row.
 """
 
 from __future__ import annotations
@@ -21,17 +20,21 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
+import json
 import math
-import sys
 import types
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import bench_pipeline  # first: it puts the repository on the path
+from bench import results, timing
+from bench import supervisor as launch
+from common import import_stage, models
+from common.launch import carries_point_to_point
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,
                       gathered_storage_keys, optimizer_state_bytes, state_bytes, storage_key)
 
@@ -42,8 +45,7 @@ FLOAT = 4           # float32
 INT64 = 8           # token ids and positions
 STEP_COUNT = 4      # AdamW's step: one float32 scalar tensor per parameter tensor
 VOCAB = 256         # bytes as tokens, as train.py trains
-AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world",
-        "other")                                          # "other": a group no axis names
+AXES = ("tp", "cp", "pp", "dp_cp", "dp_shard", "dp_replicate", "world", "other")  # other: no axis
 KINDS = ("param", "grad", "optim", "activation")
 ALL_KINDS = [*KINDS, *(f"sent_{axis}" for axis in AXES)]
 TARGET_BYTES = 0.05          # counted within 5% of the formula
@@ -60,25 +62,15 @@ def grid_spec(dp=1, pp=1, cp=1, tp=1, fsdp=False, schedule="1f1b", chunks=1,
 
 # The grids by world size (the tiny LM has 2 blocks: pp <= 2).
 GRIDS = {
-    4: [grid_spec(dp=4),
-        grid_spec(dp=2, tp=2),
-        grid_spec(dp=2, tp=2, fsdp=True),
-        grid_spec(tp=4),
-        grid_spec(pp=2, tp=2, micro_batches=4),
-        grid_spec(dp=2, pp=2, micro_batches=4),
-        grid_spec(cp=2, tp=2),
-        grid_spec(dp=2, cp=2, fsdp=True),
-        grid_spec(dp=4, dp_shard=2),
-        grid_spec(dp=4, dp_shard=4)],
-    8: [grid_spec(dp=8),
-        grid_spec(dp=4, tp=2),
-        grid_spec(dp=2, tp=4),
-        grid_spec(dp=2, pp=2, tp=2, micro_batches=4),
-        grid_spec(dp=2, cp=2, tp=2),
+    4: [grid_spec(dp=4), grid_spec(dp=2, tp=2), grid_spec(dp=2, tp=2, fsdp=True), grid_spec(tp=4),
+        grid_spec(pp=2, tp=2, micro_batches=4), grid_spec(dp=2, pp=2, micro_batches=4),
+        grid_spec(cp=2, tp=2), grid_spec(dp=2, cp=2, fsdp=True),
+        grid_spec(dp=4, dp_shard=2), grid_spec(dp=4, dp_shard=4)],
+    8: [grid_spec(dp=8), grid_spec(dp=4, tp=2), grid_spec(dp=2, tp=4),
+        grid_spec(dp=2, pp=2, tp=2, micro_batches=4), grid_spec(dp=2, cp=2, tp=2),
         grid_spec(pp=2, cp=2, tp=2, micro_batches=4),
         grid_spec(dp=2, pp=2, cp=2, fsdp=True, micro_batches=4),
-        grid_spec(dp=8, dp_shard=4),
-        grid_spec(dp=4, tp=2, dp_shard=2)],
+        grid_spec(dp=8, dp_shard=4), grid_spec(dp=4, tp=2, dp_shard=2)],
 }
 
 # "cpu": about 2 minutes on 2 cores; "pipeline": part 3 (DualPipeV needs m >= 2p).
@@ -96,10 +88,7 @@ SIZES = {
 
 def grid_label(spec: dict) -> str:
     """'dp2 tp2', 'pp2 tp2': the axes of degree > 1."""
-    parts = []
-    for axis in ("dp", "pp", "cp", "tp"):
-        if spec[axis] > 1:
-            parts.append(f"{axis}{spec[axis]}")
+    parts = [f"{axis}{spec[axis]}" for axis in ("dp", "pp", "cp", "tp") if spec[axis] > 1]
     dp_shard = spec.get("dp_shard", 1)
     if dp_shard > 1:        # HSDP: the data axis by its two parts
         parts[0] = f"dp_replicate{spec['dp'] // dp_shard} dp_shard{dp_shard}"
@@ -108,9 +97,7 @@ def grid_label(spec: dict) -> str:
 
 def setting_label(spec: dict) -> str:
     """The optimizer, and the schedule when there is a pipeline."""
-    words = ["AdamW"]
-    if spec["fsdp"]:
-        words = ["ZeRO-1 AdamW"]
+    words = ["ZeRO-1 AdamW" if spec["fsdp"] else "AdamW"]
     if spec.get("dp_shard", 1) > 1:
         words = ["HSDP AdamW"]
     if spec["pp"] > 1:
@@ -120,7 +107,6 @@ def setting_label(spec: dict) -> str:
 
 def load_lessons() -> types.SimpleNamespace:
     """Lesson 7's train, grid and parallel_lm, lesson 3's torch plan, lesson 4's executor."""
-    from common import import_stage
     train = import_stage("07_parallelism/07_together/train")
     grid_module, parallel_lm, _ = train.lessons()
     return types.SimpleNamespace(
@@ -132,7 +118,6 @@ def load_lessons() -> types.SimpleNamespace:
 
 def lm_shape(sizes: dict) -> dict:
     """The letters of the formula for the LM of ``sizes``."""
-    from common import models
     preset = models.PRESETS[sizes["model"]]
     return {"h": preset["d_model"], "f": preset["d_ff"], "heads": preset["num_heads"],
             "layers": preset["num_layers"], "vocab": VOCAB, "seq": sizes["seq_len"],
@@ -147,16 +132,9 @@ def ring_share(ranks: int) -> float:
 def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
                      dp_cp_rank: int = 0) -> dict:
     """The bytes per rank at pp_rank (ZeRO-1: dp_cp_rank in its group), by ALL_KINDS."""
-    h = shape["h"]
-    f = shape["f"]
-    vocab = shape["vocab"]
-    seq = shape["seq"]
-    d = spec["dp"]
-    p = spec["pp"]
-    c = spec["cp"]
-    t = spec["tp"]
-    m = spec["micro_batches"]
-    v = spec["chunks"]
+    h, f, vocab, seq = shape["h"], shape["f"], shape["vocab"], shape["seq"]
+    d, p, c, t = spec["dp"], spec["pp"], spec["cp"], spec["tp"]
+    m, v = spec["micro_batches"], spec["chunks"]
     rows = shape["batch"] // (d * m)          # b: one micro-batch's rows on this rank
     context = seq // c                        # S: the tokens of this rank's context shard
     between = context // t                    # S / t: between the tensor-parallel regions
@@ -244,10 +222,8 @@ def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
         sent["dp_shard"] += 2 * ring_share(shard) * FLOAT * whole   # 1-D gradients, over s
         sent["dp_replicate"] = 2 * ring_share(d // shard) * FLOAT * (sharded + whole)
 
-    formula = {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
-               "activation": activation}
-    formula.update({f"sent_{axis}": sent[axis] for axis in AXES})
-    return formula
+    return {"param": FLOAT * params, "grad": FLOAT * params, "optim": optimizer_state,
+            "activation": activation, **{f"sent_{axis}": sent[axis] for axis in AXES}}
 
 
 def fsdp_block(rows: int, columns: int, ranks: int) -> int:
@@ -257,11 +233,7 @@ def fsdp_block(rows: int, columns: int, ranks: int) -> int:
 
 def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) -> int:
     """ZeRO-1's AdamW state on one rank: whole tensors, largest first, to the least-held rank."""
-    h = shape["h"]
-    f = shape["f"]
-    t = spec["tp"]
-    p = spec["pp"]
-    chunks = spec["chunks"]
+    h, f, t, p, chunks = shape["h"], shape["f"], spec["tp"], spec["pp"], spec["chunks"]
     sizes = []             # each tensor's values, in the optimizer's order (parallel_lm's chunks)
     for chunk in range(chunks):
         virtual_stage = chunk * p + pp_rank
@@ -271,11 +243,9 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
             sizes += [h, h, 3 * h * h // t, h * h // t, h, h, f * h // t, f // t, h * f // t, h]
         if virtual_stage == p * chunks - 1:
             sizes += [h, h, shape["vocab"] * h]
-    group_size = spec["dp"] * spec["cp"]
-    loads = [0] * group_size
-    owned = [0] * group_size       # the AdamW state bytes each rank ends with
-    order = sorted(range(len(sizes)), key=lambda index: -sizes[index])   # stable: ties in order
-    for index in order:
+    loads = [0] * (spec["dp"] * spec["cp"])
+    owned = [0] * (spec["dp"] * spec["cp"])       # the AdamW state bytes each rank ends with
+    for index in sorted(range(len(sizes)), key=lambda index: -sizes[index]):   # ties: in order
         owner = loads.index(min(loads))
         loads[owner] += FLOAT * sizes[index]
         owned[owner] += 2 * FLOAT * sizes[index] + STEP_COUNT
@@ -284,8 +254,7 @@ def zero1_dealt_state(shape: dict, spec: dict, pp_rank: int, dp_cp_rank: int) ->
 
 def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
     """The largest tensor's AdamW state over the mean: how far ZeRO-1's deal may be off."""
-    h = shape["h"]
-    p = spec["pp"]
+    h, p = shape["h"], spec["pp"]
     virtual_stages = [chunk * p + pp_rank for chunk in range(spec["chunks"])]
     largest = max(3 * h * h, shape["f"] * h) // spec["tp"]        # qkv, fc1 or fc2
     if 0 in virtual_stages or p * spec["chunks"] - 1 in virtual_stages:
@@ -297,9 +266,7 @@ def zero1_deal_bound(shape: dict, spec: dict, pp_rank: int) -> float:
 
 def torch_formula(shape: dict, dp: int, tp: int, sharded: bool = True) -> dict:
     """torch's composition per rank (embeddings, head split over tp; ``sharded``: over dp)."""
-    h = shape["h"]
-    f = shape["f"]
-    layers = shape["layers"]
+    h, f, layers = shape["h"], shape["f"], shape["layers"]
     params = (shape["vocab"] + shape["seq"]) * h // tp + layers * (4 * h * h + 2 * h * f + f) // tp
     params += shape["vocab"] * h // tp
     params += layers * 5 * h + 2 * h                      # whole on every tp rank
@@ -402,8 +369,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
                                                    spec, sizes, built["inputs"],
                                                    built["targets"], ctx.device)}
     sent = {axis: entry["sent_bytes"] for axis, entry in comm.by_axis.items()}
-    for axis in AXES:
-        counted[f"sent_{axis}"] = sent.get(axis, 0.0)
+    counted.update({f"sent_{axis}": sent.get(axis, 0.0) for axis in AXES})
     if "dp" in sent:             # the formula sends nothing on dp alone: it goes under "other"
         counted["sent_other"] += sent["dp"]
     formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size,
@@ -437,7 +403,6 @@ def byte_columns(per_rank: list[dict], kinds) -> dict:
 def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: list[float],
               micro_batches: int) -> dict:
     """A CSV row's first columns: what ran, where, and the slowest rank's median step."""
-    from bench import results, timing
     stats = timing.gather_times(seconds)
     tokens = sizes["batch_size"] * sizes["seq_len"]
     return {"impl": impl, "pair": "", "grid": grid, "setting": setting, "model": sizes["model"],
@@ -452,10 +417,8 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
 def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], per_rank: list[dict],
             pair: str = "") -> dict:
     """Our grid's CSV row; ZeRO-1: the bound of the rank whose optimizer state is most off."""
-    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting, seconds,
-                    spec["micro_batches"])
-    row["pair"] = pair
-    row["first_loss"] = per_rank[ctx.rank]["loss"]
+    row = timed_row(ctx, sizes, "ours", grid_label(spec), setting, seconds, spec["micro_batches"])
+    row.update(pair=pair, first_loss=per_rank[ctx.rank]["loss"])
     if not pair:
         row["peak_held"] = max(rank["peak_held"] for rank in per_rank)
     row.update(byte_columns(per_rank, ALL_KINDS))
@@ -463,52 +426,16 @@ def our_row(ctx, sizes: dict, spec: dict, setting: str, seconds: list[float], pe
     if spec["fsdp"]:
         most_off = max(per_rank, key=lambda rank: relative_difference(rank["counted"]["optim"],
                                                                       rank["formula"]["optim"]))
-        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec,
-                                                   most_off["coordinate"]["pp"])
+        row["zero1_deal_bound"] = zero1_deal_bound(lm_shape(sizes), spec, most_off["coordinate"]["pp"])
     return row
-
-
-def bench_grid(ctx, spec: dict, sizes: dict, lessons) -> tuple[dict, list[dict], dict]:
-    """One of our grids: its CSV row, every rank's counts, what a later round needs."""
-    from bench import timing
-    built = build_grid(ctx, spec, sizes, lessons)
-    mine = count_grid(ctx, spec, sizes, built, lessons)
-    seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
-                             iters=sizes["iters"], barrier=True)
-    per_rank = everyone(mine)
-    row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
-    timed = {"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
-             "grid": built["grid"], "per_rank": per_rank}
-    return row, per_rank, timed
 
 
 def reference_loss(sizes: dict, lessons) -> float:
     """The first step's loss on one process: every implementation must report it."""
-    from common import models
     inputs, targets = random_batch(sizes)
     full_lm = lessons.train.build_full_lm(train_args(sizes, grid_spec()))
     with torch.no_grad():
         return models.lm_loss(full_lm(inputs), targets).item()
-
-
-class TorchLM(nn.Module):
-    """The LM with q, k and v as three Linears, as torch's plans expect; the same weights."""
-
-    def __init__(self, full_lm: nn.Module, split_block):
-        super().__init__()
-        self.token_embedding = copy.deepcopy(full_lm.token_embedding)
-        self.position_embedding = copy.deepcopy(full_lm.position_embedding)
-        self.blocks = nn.ModuleList([split_block(block) for block in full_lm.blocks])
-        self.norm = copy.deepcopy(full_lm.norm)
-        self.lm_head = copy.deepcopy(full_lm.lm_head)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)  # [1, seq]
-        # each embedding: [batch, seq/t, h] on each tp rank (their plans' Shard(1) outputs)
-        x = self.token_embedding(tokens) + self.position_embedding(positions)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.norm(x))        # [batch, seq, vocab], whole on every tp rank
 
 
 def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
@@ -519,7 +446,8 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                    SequenceParallel, parallelize_module)
     args = train_args(sizes, grid_spec())
-    lm = TorchLM(lessons.train.build_full_lm(args), lessons.torch_tp.SplitQKVBlock)
+    lm = lessons.train.build_full_lm(args)      # q, k and v as three Linears, as torch's plans expect
+    lm.blocks = nn.ModuleList([lessons.torch_tp.SplitQKVBlock(block) for block in lm.blocks])
     lm = lm.to(ctx.device)
     if tp_mesh is not None:     # torch's tutorial's plan around the blocks, for our names
         sequence_out = {"input_layouts": Replicate(), "output_layouts": Shard(1)}
@@ -542,9 +470,11 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     rows = sizes["batch_size"] // data_mesh.size()
     my_inputs = inputs[data_rank * rows:(data_rank + 1) * rows].to(ctx.device)
     my_targets = targets[data_rank * rows:(data_rank + 1) * rows].to(ctx.device)
+    # [1, seq]: each embedding [batch, seq/t, h] on each tp rank (their plans' Shard(1) outputs)
+    positions = torch.arange(sizes["seq_len"], device=ctx.device).unsqueeze(0)
 
     def forward_loss():
-        logits = lm(my_inputs)                   # every tp rank: all the tokens, all logits
+        logits = lm(my_inputs, positions)        # every tp rank: all the tokens, all logits
         return F.cross_entropy(logits.flatten(0, 1), my_targets.flatten())
 
     def step():
@@ -560,9 +490,7 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
 def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> dict:
     """torch's composition counted as ours (``second``: the second step), its first loss."""
     lm = built["lm"]
-    first = None
-    if second:
-        first = built["step"]()
+    first = built["step"]() if second else None
     with CommCounter(axes=axes) as comm:
         with FunctionalCommCounter(axes=axes) as functional:
             loss = built["step"]()
@@ -571,8 +499,7 @@ def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> di
     counted = {"param": state_bytes(lm.parameters()),
                "grad": state_bytes(p.grad for p in lm.parameters()),
                "optim": optimizer_state_bytes(built["optimizer"])}
-    for axis in [*AXES, "dp"]:
-        counted[f"sent_{axis}"] = 0.0
+    counted.update({f"sent_{axis}": 0.0 for axis in [*AXES, "dp"]})
     for counter in (comm, functional):
         for axis, entry in counter.by_axis.items():
             counted[f"sent_{axis}"] += entry["sent_bytes"]
@@ -586,21 +513,18 @@ def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> di
             "worst_kind": worst_kind, "loss": first.item()}
 
 
-def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
+def compare_with_torch(ctx, sizes: dict, lessons, deadline) -> list[dict]:
     """Ours and torch's in three pairs, timed in alternating rounds: two rows a pair."""
     from torch.distributed.device_mesh import init_device_mesh
     tp = 2
-    dp = ctx.world_size // tp
-    shard = ctx.world_size // 2
+    dp = shard = ctx.world_size // 2
     shape = lm_shape(sizes)
     rows = []
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
         # one mesh for both tp pairs: the counter matches groups by name
-        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp),
-                                mesh_dim_names=("dp", "dp_shard", "tp"))
-        hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard),
-                                     mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(ctx.device.type, (dp, 1, tp), mesh_dim_names=("dp", "dp_shard", "tp"))
+        hsdp_mesh = init_device_mesh(ctx.device.type, (2, shard), mesh_dim_names=("replicate", "shard"))
         tp_axes = {"dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
         hsdp_axes = {"dp_replicate": hsdp_mesh["replicate"].get_group(),
                      "dp_shard": hsdp_mesh["shard"].get_group()}
@@ -613,20 +537,20 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
                   hsdp_axes, "fully_shard on a (replicate, shard) mesh: HSDP",
                   torch_formula(shape, shard, 1))]
         for pair, spec, data_mesh, tp_mesh, axes, torch_setting, formula in pairs:
+            if not deadline.allows(f"torch's composition beside ours, {pair}"):
+                break
             ours = build_grid(ctx, spec, sizes, lessons)
             ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
             theirs = build_torch(ctx, sizes, lessons, data_mesh, tp_mesh)
             theirs_mine = count_torch(ctx, theirs, axes, pair == "hsdp", formula)
-            seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]},
-                                          sizes)
+            seconds = measure_alternating(ctx, {"ours": ours["step"], "torch": theirs["step"]}, sizes)
             ours["grid"].destroy()
             setting = f"{setting_label(spec)}, timed beside torch's"
-            rows.append(our_row(ctx, sizes, spec, setting, seconds["ours"], everyone(ours_mine),
-                                pair))
+            rows.append(our_row(ctx, sizes, spec, setting, seconds["ours"], everyone(ours_mine), pair))
             row = timed_row(ctx, sizes, "torch", grid_label(spec), f"{torch_setting}, AdamW",
                             seconds["torch"], 1)
-            row.update(byte_columns(everyone(theirs_mine), [*ALL_KINDS, "sent_dp"]))
-            row.update(pair=pair, first_loss=theirs_mine["loss"])
+            row.update(byte_columns(everyone(theirs_mine), [*ALL_KINDS, "sent_dp"]), pair=pair,
+                       first_loss=theirs_mine["loss"])
             rows.append(row)
     for group in {*tp_axes.values(), *hsdp_axes.values()}:
         dist.destroy_process_group(group)
@@ -635,7 +559,6 @@ def compare_with_torch(ctx, sizes: dict, lessons) -> list[dict]:
 
 def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]:
     """Each step warmed up, then ``rounds`` rounds of ``iters`` calls of each in turn, pooled."""
-    from bench import timing
     seconds = {}
     for name, step in steps.items():
         timing.measure(step, ctx.device, warmup=sizes["warmup"], iters=0)
@@ -645,20 +568,6 @@ def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]
             seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"],
                                             barrier=True)
     return seconds
-
-
-class EmulatedStage(nn.Module):
-    """A stage that waits forward and backward (the pipeline bench's ``Wait``)."""
-
-    def __init__(self, seconds: float):
-        super().__init__()
-        import bench_pipeline
-        self.wait = bench_pipeline.Wait.apply
-        self.seconds = seconds
-        self.scale = nn.Parameter(torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wait(x * self.scale, self.seconds)
 
 
 def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Module:
@@ -677,85 +586,44 @@ def with_deferred_weight_grads(module: nn.Module, pipeline_parallel) -> nn.Modul
 
 def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, lessons) -> dict:
     """Our executor and torch's on the same blocks and micro-batches: a step of each."""
-    from common import models
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleaved1F1B)
-    import bench_pipeline
-    pipeline_parallel = lessons.pipeline
-    pipeline_schedules = lessons.schedules
     setting = sizes["pipeline"]
     shape = lm_shape(sizes)
     stages = grid.size("pp")
     pp_rank = grid.rank("pp")
-    group = grid.group("pp")
-    chunks_per_rank = pipeline_schedules.chunks_per_rank(schedule_name, 2)   # 2: interleaved, V
-    layout = pipeline_schedules.layout_of(schedule_name)      # V: pieces r and 2p-1-r
-    loss_rank = pipeline_schedules.loss_rank(schedule_name, stages, chunks_per_rank)
+    chunks_per_rank = lessons.schedules.chunks_per_rank(schedule_name, 2)   # 2: interleaved, V
     micro_batches = setting["micro_batches"]
-    schedule = pipeline_schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
+    schedule = lessons.schedules.all_ranks(schedule_name, stages, micro_batches, chunks_per_rank)
     # W steps (ZB-V, DualPipeV): weight gradients after B
-    splits_backward = any(step.op == pipeline_schedules.WEIGHT for step in schedule[pp_rank])
+    splits_backward = any(step.op == lessons.schedules.WEIGHT for step in schedule[pp_rank])
     torch.manual_seed(0)
     blocks = [models.Block(shape["h"], shape["f"], shape["heads"]).to(ctx.device)
               for _ in range(setting["layers"])]
     generator = torch.Generator().manual_seed(1)
-    activation_shape = (setting["rows"], setting["seq_len"], shape["h"])   # [micro_batch, seq, h]
-    shape_all = (micro_batches * setting["rows"],) + activation_shape[1:]
+    shape_all = (micro_batches * setting["rows"], setting["seq_len"], shape["h"])  # [m b, seq, h]
     inputs = torch.randn(shape_all, generator=generator).to(ctx.device)
     targets = torch.randn(shape_all, generator=generator).to(ctx.device)
     emulate_s = setting["emulate_ms"] / 1e3 if compute == "emulated" else 0.0
-    ranges = pipeline_parallel.chunk_layers(setting["layers"], stages, pp_rank, chunks_per_rank,
-                                            layout)
-    our_chunks = []
-    torch_stages = []
-    for chunk, layer_numbers in enumerate(ranges):
+    ours, modules = [], []
+    layout = lessons.schedules.layout_of(schedule_name)       # V: pieces r and 2p-1-r
+    for layer_numbers in lessons.pipeline.chunk_layers(setting["layers"], stages, pp_rank,
+                                                       chunks_per_rank, layout):
+        if compute == "emulated":   # F, B (and W where the schedule splits it) wait, in both
+            mine = bench_pipeline.TorchEmulatedChunk(emulate_s, False)
+            if splits_backward:
+                mine = bench_pipeline.EmulatedChunk(emulate_s, True)
+            ours.append(mine.to(ctx.device))
+            modules.append(bench_pipeline.TorchEmulatedChunk(emulate_s, splits_backward))
+            modules[-1].to(ctx.device)
+            continue
         pieces = [copy.deepcopy(blocks[layer]) for layer in layer_numbers]
-        our_chunks.append(nn.Sequential(*pieces))
-        module = nn.Sequential(*[copy.deepcopy(piece) for piece in pieces])
+        ours.append(nn.Sequential(*pieces))
+        modules.append(nn.Sequential(*[copy.deepcopy(piece) for piece in pieces]))
         if splits_backward:         # ours: the weight gradients in W, the same weights
-            with_deferred_weight_grads(our_chunks[-1], pipeline_parallel)
-        if compute == "emulated" and splits_backward:   # F, B and W each wait, in both
-            our_chunks[-1] = bench_pipeline.EmulatedChunk(emulate_s, True).to(ctx.device)
-            module = bench_pipeline.TorchEmulatedChunk(emulate_s).to(ctx.device)
-        elif compute == "emulated":   # the same waiting stage for both executors
-            our_chunks[-1] = EmulatedStage(emulate_s).to(ctx.device)
-            module = EmulatedStage(emulate_s).to(ctx.device)
-        virtual_stage = pipeline_schedules.stage_of(pp_rank, chunk, stages, layout)
-        torch_stages.append(PipelineStage(module, virtual_stage, stages * chunks_per_rank,
-                                          ctx.device, group=group))
-    if schedule_name in ("gpipe", "1f1b"):          # one stage a rank
-        single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name]
-        theirs = single(torch_stages[0], micro_batches, loss_fn=F.mse_loss)
-    else:
-        schedule_class = ScheduleInterleaved1F1B
-        if schedule_name in bench_pipeline.TORCH_SCHEDULES:           # the V ones
-            schedule_class = bench_pipeline.torch_schedule_class(schedule_name)
-        theirs = schedule_class(torch_stages, micro_batches, loss_fn=F.mse_loss)
-    micro_inputs = list(inputs.chunk(micro_batches)) if pp_rank == 0 else None
-    # the loss on p-1, or 0 on the V
-    micro_targets = list(targets.chunk(micro_batches)) if pp_rank == loss_rank else None
-
-    def ours_step():
-        for chunk in our_chunks:
-            chunk.zero_grad(set_to_none=True)
-        pipeline_parallel.run_schedule(our_chunks, schedule, micro_inputs, micro_targets,
-                                       activation_shape, ctx.device, loss_fn=F.mse_loss,
-                                       group=group)
-
-    def torch_step():
-        for stage in torch_stages:
-            stage.submod.zero_grad(set_to_none=True)
-        first = [inputs] if pp_rank == 0 else []                 # the V: both on rank 0
-        loss = {"target": targets, "losses": []} if pp_rank == loss_rank else {}
-        theirs.step(*first, **loss)
-
-    ideal_s = 0.0
-    if emulate_s > 0:
-        timed = pipeline_schedules.simulate(schedule)
-        makespan = max(end for row in timed for _, end, _ in row)   # in steps of one unit
-        ideal_s = makespan * emulate_s
-    return {"ours": ours_step, "torch": torch_step, "our_chunks": our_chunks,
-            "torch_stages": torch_stages, "ideal_s": ideal_s}
+            with_deferred_weight_grads(ours[-1], lessons.pipeline)
+    built = bench_pipeline.beside_torch(ctx, schedule_name, micro_batches, ours, modules, inputs,
+                                        targets, stages, pp_rank, grid.group("pp"))
+    built["ideal_s"] = built["makespan"] * emulate_s       # the simulation x the emulated wait
+    return built
 
 
 def gradient_difference(built: dict) -> float:
@@ -767,18 +635,16 @@ def gradient_difference(built: dict) -> float:
     return worst
 
 
-def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
+def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
     """Every (stages, schedule, compute) of ``sizes["pipeline"]``: ours and torch's rows."""
-    import bench_pipeline
     setting = sizes["pipeline"]
     rows = []
     for stages in setting["stages"]:
         if ctx.world_size % stages != 0:
             continue
         grid = lessons.grid.ProcessGrid(dp=ctx.world_size // stages, pp=stages)
-        label = f"pp{stages}"
-        if ctx.world_size > stages:
-            label = f"pp{stages} (x{ctx.world_size // stages} side by side)"
+        side_by_side = ctx.world_size // stages
+        label = f"pp{stages}" + (f" (x{side_by_side} side by side)" if side_by_side > 1 else "")
         for schedule_name in setting["schedules"]:
             if (schedule_name in bench_pipeline.TORCH_SCHEDULES
                     and bench_pipeline.torch_schedule_class(schedule_name) is None):
@@ -786,28 +652,24 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
                           "pipeline row for it", all_ranks=False)
                 continue
             for compute in setting["compute"]:
+                if not deadline.allows(f"{label} {schedule_name}, {compute}"):
+                    break
                 built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
                 seconds = measure_alternating(ctx, {"ours": built["ours"],
                                                     "torch": built["torch"]}, sizes)
                 difference = float("nan")
-                if compute == "real":
-                    worst = torch.tensor([gradient_difference(built)], dtype=torch.float64,
-                                         device=ctx.device)      # NCCL reduces GPU tensors
-                    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-                    difference = worst.item()
-                compute_words = compute
-                if compute == "emulated":
-                    compute_words = f"emulated {setting['emulate_ms']:g} ms"
-                for impl, name in (("ours", "our executor"),
-                                   ("torch", "torch.distributed.pipelining")):
-                    row = timed_row(ctx, sizes, impl, label, f"{schedule_name}, {compute_words}",
+                if compute == "real":        # the largest on any rank
+                    difference = max(timing.gather_times([gradient_difference(built)]).rank_medians)
+                emulated_ms = setting["emulate_ms"] if compute == "emulated" else 0.0
+                words = f"{schedule_name}, {bench_pipeline.compute_of(emulated_ms)}"
+                for impl, name in (("ours", "our executor"), ("torch", "torch.distributed.pipelining")):
+                    row = timed_row(ctx, sizes, impl, label, words,
                                     seconds[impl], setting["micro_batches"])
-                    row["batch_size"] = setting["rows"] * setting["micro_batches"]
-                    row["seq_len"] = setting["seq_len"]
-                    row["model"] = f"{setting['layers']} {sizes['model']} blocks"
-                    tokens = row["batch_size"] * row["seq_len"]
-                    row["tokens_per_s"] = tokens / (row["step_ms"] / 1e3)
-                    row.update(schedule=schedule_name, compute=compute, stages=stages,
+                    batch = setting["rows"] * setting["micro_batches"]
+                    row.update(batch_size=batch, seq_len=setting["seq_len"],
+                               model=f"{setting['layers']} {sizes['model']} blocks",
+                               tokens_per_s=batch * setting["seq_len"] / (row["step_ms"] / 1e3),
+                               schedule=schedule_name, compute=compute, stages=stages,
                                implementation=name, ideal_ms=built["ideal_s"] * 1e3,
                                gradient_max_difference=difference)
                     rows.append(row)
@@ -817,23 +679,29 @@ def compare_pipelines(ctx, sizes: dict, lessons) -> list[dict]:
 
 def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = None) -> None:
     """Every rank: the three parts; rank 0 writes the CSV, the report, JSON to ``out_path``."""
-    from bench import results, timing
     lessons = load_lessons()
-    grid_rows = []
-    details = []
+    deadline = bench_pipeline.Deadline(ctx)
     timed_grids = []
     for spec in grids:
-        row, per_rank, timed = bench_grid(ctx, spec, sizes, lessons)
-        timed_grids.append(timed)
-        grid_rows.append(row)
-        details.append({"grid": row["grid"], "setting": row["setting"], "spec": spec,
-                        "per_rank": per_rank})
+        if not deadline.allows(f"grid {grid_label(spec)}, {setting_label(spec)}"):
+            break
+        built = build_grid(ctx, spec, sizes, lessons)
+        mine = count_grid(ctx, spec, sizes, built, lessons)
+        seconds = timing.measure(built["step"], ctx.device, warmup=sizes["warmup"],
+                                 iters=sizes["iters"], barrier=True)
+        per_rank = everyone(mine)
+        row = our_row(ctx, sizes, spec, setting_label(spec), seconds, per_rank)
+        timed_grids.append({"spec": spec, "step": built["step"], "seconds": seconds, "row": row,
+                            "grid": built["grid"], "per_rank": per_rank})
         ctx.print(f"  {row['grid']}, {row['setting']}: {row['step_ms']:.1f} ms/step (round 1)",
                   all_ranks=False)
         if ctx.is_main:  # as each grid finishes: a run stopped at make bench's cap keeps them
-            results.upsert_csv(CSV_NAME, grid_rows, key=CSV_KEY)
+            results.upsert_csv(CSV_NAME, [timed["row"] for timed in timed_grids], key=CSV_KEY)
     # more rounds, every grid in turn, pooled: every grid through the same noisy spells
-    for _ in range(1, sizes["rounds"]):
+    for done in range(1, sizes["rounds"]):
+        estimate = sum(sum(timed["seconds"]) for timed in timed_grids) / done
+        if not deadline.allows(f"round {done + 1} of {sizes['rounds']}", estimate):
+            break
         for timed in timed_grids:
             timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0,
                                                iters=sizes["iters"], barrier=True)
@@ -841,17 +709,11 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
                                         timed["seconds"], timed["per_rank"]))
     for timed in timed_grids:             # each grid's groups (communicators) freed
         timed["grid"].destroy()
-    from common.launch import carries_point_to_point
-    torch_rows = []
-    pipeline_rows = []
-    if carries_point_to_point(ctx.backend, ctx.device.type):  # torch's parts send and coalesce
-        torch_rows = compare_with_torch(ctx, sizes, lessons)
-        if ctx.is_main:
-            results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
-        pipeline_rows = compare_pipelines(ctx, sizes, lessons)
-    else:
-        ctx.print(f"torch's composition and pipelining: skipped ({ctx.backend} cannot carry "
-                  f"{ctx.device.type} tensors point to point)", all_ranks=False)
+    grid_rows = [timed["row"] for timed in timed_grids]
+    torch_rows = compare_with_torch(ctx, sizes, lessons, deadline)   # main: a backend that sends
+    if ctx.is_main:
+        results.upsert_csv(CSV_NAME, grid_rows + torch_rows, key=CSV_KEY)
+    pipeline_rows = compare_pipelines(ctx, sizes, lessons, deadline)
     reference = reference_loss(sizes, lessons)
     if not ctx.is_main:
         return
@@ -859,8 +721,9 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     report(ctx, sizes, grid_rows + torch_rows[0::2], torch_rows, pipeline_rows, reference)
     print(f"wrote {path}", flush=True)
     if out_path is not None:
-        import json
         with open(out_path, "w") as f:
+            details = [{"grid": timed["row"]["grid"], "setting": timed["row"]["setting"],
+                        "spec": timed["spec"], "per_rank": timed["per_rank"]} for timed in timed_grids]
             json.dump({"grid_rows": grid_rows, "torch_rows": torch_rows,
                        "pipeline_rows": pipeline_rows, "details": details,
                        "reference_loss": reference, "csv": str(path)}, f)
@@ -868,9 +731,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
 
 def percent(share: float) -> str:
     """0.0806 -> '8.06%'; 0.000211 -> '0.0211%'; 0 -> '0'."""
-    if share == 0:
-        return "0"
-    return f"{100 * share:.3g}%"
+    return f"{100 * share:.3g}%" if share else "0"
 
 
 def counted_and_formula(row: dict, kind: str, unit: int) -> str:
@@ -884,42 +745,35 @@ def counted_and_formula(row: dict, kind: str, unit: int) -> str:
 def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
            pipeline_rows: list[dict], reference: float) -> None:
     """Rank 0: the tables, then the targets beside what this run measured."""
-    from bench import results
     machine = results.machine_name()
-    unit, unit_name = 1024, "KiB"
-    if max(row["param_bytes"] for row in our_rows) > 64 * 2**20:
-        unit, unit_name = 2**20, "MiB"
+    large = max(row["param_bytes"] for row in our_rows) > 64 * 2**20
+    unit, unit_name = (2**20, "MiB") if large else (1024, "KiB")
     shape = lm_shape(sizes)
     print(f"\nThe {sizes['model']} LM (h {shape['h']}, f {shape['f']}, {shape['heads']} heads, "
           f"{shape['layers']} blocks, vocabulary {VOCAB}), batch {sizes['batch_size']} x "
           f"{sizes['seq_len']}, {ctx.world_size} ranks ({ctx.backend}/{ctx.device.type}; "
           f"{machine}). Step: the slowest rank's median of {sizes['iters']} a round.", flush=True)
-    ours = []
-    for row in our_rows:
-        line = {"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"]}
-        for kind in ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp", "sent_dp_cp"):
-            line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
-        ours.append({**line, "worst difference": percent(row["worst_difference"])})
+
+    def bytes_of(row: dict, kinds: tuple) -> dict:
+        return {f"{kind} {unit_name}": counted_and_formula(row, kind, unit) for kind in kinds}
+
+    ours = [{"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"],
+             **bytes_of(row, ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp",
+                              "sent_dp_cp")),
+             "worst difference": percent(row["worst_difference"])} for row in our_rows]
     results.print_table(ours, floatfmt=".0f", title="\nOur grids, the largest rank, counted "
                         "(formula); activation: one micro-batch; sent: per step:")
-    beside = []
-    for row in torch_rows:
-        line = {"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
-                "step ms": row["step_ms"]}
-        for kind in ("param", "optim", "activation", "sent_tp"):
-            line[f"{kind} {unit_name}"] = counted_and_formula(row, kind, unit)
-        beside.append(line)
+    beside = [{"pair": row["pair"], "impl": row["impl"], "setting": row["setting"],
+               "step ms": row["step_ms"], **bytes_of(row, ("param", "optim", "activation", "sent_tp"))}
+              for row in torch_rows]
     results.print_table(beside, floatfmt=".1f", title="\ntorch's composition beside ours, "
                         f"{sizes['rounds']} alternating rounds, torch's bytes (its formula):")
     pairs = list(zip(pipeline_rows[0::2], pipeline_rows[1::2]))     # (ours, torch's)
-    table = []
-    for ours, theirs in pairs:
-        table.append({"stages": ours["grid"], "schedule": ours["schedule"],
-                      "compute": ours["setting"].split(", ", 1)[1], "ours ms": ours["step_ms"],
-                      "torch ms": theirs["step_ms"],
-                      "ours / torch": ours["step_ms"] / theirs["step_ms"],
-                      "ideal ms": ours["ideal_ms"] or "-",
-                      "max |grad diff|": ours["gradient_max_difference"]})
+    table = [{"stages": ours["grid"], "schedule": ours["schedule"],
+              "compute": ours["setting"].split(", ", 1)[1], "ours ms": ours["step_ms"],
+              "torch ms": theirs["step_ms"], "ours / torch": ours["step_ms"] / theirs["step_ms"],
+              "ideal ms": ours["ideal_ms"] or "-",
+              "max |grad diff|": ours["gradient_max_difference"]} for ours, theirs in pairs]
     pipeline = sizes["pipeline"]
     results.print_table(table, floatfmt=".3g", title="\nThe pipeline axis, ours beside "
                         f"torch.distributed.pipelining: {pipeline['layers']} blocks, "
@@ -936,8 +790,7 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
             text = (f"    not exact: {row['grid']} {row['setting']}: {row['worst_where']} "
                     f"{percent(row['worst_difference'])}")
             if row["zero1_deal_bound"] != "" and row["worst_where"].endswith("optim"):
-                bound = 100 * row["zero1_deal_bound"]
-                text += f" (ZeRO-1's whole-tensor deal: within {bound:.1f}%)"
+                text += f" (ZeRO-1's whole-tensor deal: within {100 * row['zero1_deal_bound']:.1f}%)"
             print(text)
     for ours, theirs in zip(torch_rows[0::2], torch_rows[1::2]):
         ratio = ours["step_ms"] / theirs["step_ms"]
@@ -974,15 +827,12 @@ def size_problems(sizes: dict, grids: list[dict], world_size: int) -> list[str]:
 
 def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
     """Each schedule that refuses its micro-batches and blocks on ``stages`` stages, a line each."""
-    from common import import_stage
-    schedules = import_stage("07_parallelism/04_pipeline_parallel/pipeline_schedules")
-    check = import_stage("07_parallelism/measure/schedule_check")
     problems = []
     for name in pipeline["schedules"]:
-        chunks = schedules.chunks_per_rank(name, 2)
+        chunks = bench_pipeline.schedules.chunks_per_rank(name, 2)
         try:
-            check.check_setting(name, stages, pipeline["micro_batches"], chunks,
-                                pipeline["layers"])
+            bench_pipeline.schedule_check.check_setting(name, stages, pipeline["micro_batches"],
+                                                        chunks, pipeline["layers"])
         except ValueError as error:
             problems.append(f"pipeline: {name} on {stages} stages, {pipeline['micro_batches']} "
                             f"micro-batches, {pipeline['layers']} blocks: {error}")
@@ -991,8 +841,6 @@ def pipeline_schedule_problems(pipeline: dict, stages: int) -> list[str]:
 
 def main(argv=None) -> None:
     """The measurements on the grids of ``GRIDS`` for the world size."""
-    from bench import results
-    from bench import supervisor as launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true", help="(what this script does)")
     parser.add_argument("--bench-sizes", choices=tuple(SIZES), default=None,
@@ -1002,7 +850,6 @@ def main(argv=None) -> None:
     if config.world_size not in GRIDS:
         parser.error(f"--bench runs its grids on {' or '.join(map(str, GRIDS))} ranks, not "
                      f"{config.world_size}")
-    from common.launch import carries_point_to_point
     if not carries_point_to_point(config.backend, config.device):
         parser.error("--bench with --device cuda needs NCCL, a GPU per rank; use --device cpu")
     name = args.bench_sizes or ("gpu" if config.device == "cuda" else "cpu")
@@ -1015,5 +862,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))   # common/
     main()

@@ -1,14 +1,11 @@
 """Not a lesson: lesson 4's schedules checked and simulated as data (no processes, no torch).
 
-``check_order``: every rank runs each F, B (and W) once per chunk and micro-batch, F before
-its B before its W, with the right peers for where each virtual stage lives, and every
-channel (src -> dst, F or B, into one virtual stage) receives its messages in the order they
-are sent. ``check_grouped_p2p``: ``p2p_plan``'s groups post every receive before its step and
-cannot deadlock under NCCL's completion rule (a send larger than the eager buffer completes
-only once its matching receive is posted; a smaller one at once). ``peak_held``,
-``idle_shares``, ``bubble_formula``, ``format_timeline`` / ``describe``: what the README
-derives, from the unit-time simulation. ``check_setting``: all of it for one setting, in one
-line. Used by ``bench_pipeline.py``, the planner's lab, and the tests.
+``check_order``: every rank runs each F, B (and W) once per chunk and micro-batch, F before its
+B before its W, with the right peers, and every channel (src -> dst, F or B, into one virtual
+stage) receives its messages in the order they are sent. ``check_grouped_p2p``: ``p2p_plan``'s
+groups cannot deadlock under NCCL's completion rule. ``peak_held``, ``idle_shares``,
+``bubble_formula``, ``describe``: what the README derives, from the unit-time simulation.
+``check_setting``: all of it for one setting, in one line.
 """
 
 from __future__ import annotations
@@ -16,9 +13,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from common import import_stage  # noqa: E402  (after the path)
 
@@ -52,9 +47,8 @@ def check_order(lists: list) -> None:
                                  f"chunk {here[1]} and on rank {rank} chunk {step.chunk}")
     if sorted(holder) != list(range(len(holder))):
         raise ValueError(f"the virtual stages run are {sorted(holder)}, not 0 to {len(holder) - 1}")
-    ops = (FORWARD, BACKWARD)
-    if any(step.op == WEIGHT for steps in lists for step in steps):
-        ops = (FORWARD, BACKWARD, WEIGHT)
+    split = any(step.op == WEIGHT for steps in lists for step in steps)
+    ops = (FORWARD, BACKWARD, WEIGHT) if split else (FORWARD, BACKWARD)
     sent = {}                 # channel -> messages in the order src sends them
     received = {}             # channel -> messages in the order dst receives them
     for rank, steps in enumerate(lists):
@@ -80,9 +74,8 @@ def check_order(lists: list) -> None:
                 outgoing = message(step, True)
                 sent.setdefault((rank, step.send_to, outgoing[0], outgoing[2]), []).append(outgoing)
             if step.recv_from is not None:
-                incoming = message(step)
-                channel = (step.recv_from, rank, incoming[0], incoming[2])
-                received.setdefault(channel, []).append(incoming)
+                got = message(step)
+                received.setdefault((step.recv_from, rank, got[0], got[2]), []).append(got)
     for channel in sorted(set(sent) | set(received)):
         if sent.get(channel) != received.get(channel):
             source, destination, op, virtual_stage = channel
@@ -93,14 +86,12 @@ def check_order(lists: list) -> None:
 
 def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int = 2**30,
                       eager_bytes: int = NCCL_EAGER_BYTES) -> None:
-    """Raise RuntimeError unless ``plan`` (default: ``p2p_plan``) posts every receive before
-    its step and every send after it, and its groups, completed rank by rank in order, cannot
-    deadlock under NCCL's rule: a group completes once every send in it larger than
-    ``eager_bytes`` has its receive posted by the peer, and every receive its send."""
+    """Raise RuntimeError unless ``plan`` (default: ``p2p_plan``) posts every receive before its
+    step, every send after it, and its groups cannot deadlock under NCCL's rule: a group completes
+    once each send above ``eager_bytes`` has its receive posted, and each receive its send."""
     plan = plan or schedules.p2p_plan(lists)
-    posted = []               # [rank] -> [(k, group)]: its groups in order, each before step k
-    for groups in plan:
-        posted.append([(k, group) for k, before in enumerate(groups) for group in before])
+    # [rank] -> [(k, group)]: its groups in order, each before step k
+    posted = [[(k, group) for k, before in enumerate(groups) for group in before] for groups in plan]
     where = {}                # ("send" | "recv", message) -> its group's place on its rank
     for rank_posted in posted:
         for n, (_, group) in enumerate(rank_posted):
@@ -139,8 +130,7 @@ def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int 
 
 
 def peak_held(steps: list) -> int:
-    """Most (chunk, micro-batch) pairs held at once: from F until W where the schedule has
-    W's, else until B."""
+    """Most (chunk, micro-batch) pairs held at once: from F until W (no W's: until B)."""
     frees = WEIGHT if any(step.op == WEIGHT for step in steps) else BACKWARD
     held = 0
     peak = 0
@@ -187,11 +177,8 @@ def format_timeline(timed: list) -> str:
         for start, _, step in row:
             grid[rank][start] = step
     width = max(len(label(step, chunks)) for row in grid for step in row)
-    lines = []
-    for rank, row in enumerate(grid):
-        cells = " ".join(f"{label(step, chunks):<{width}}" for step in row)
-        lines.append(f"rank {rank} | {cells.rstrip()}")
-    return "\n".join(lines)
+    rows = (" ".join(f"{label(step, chunks):<{width}}" for step in row).rstrip() for row in grid)
+    return "\n".join(f"rank {rank} | {cells}" for rank, cells in enumerate(rows))
 
 
 def describe(name: str, stages: int, micro_batches: int, chunks: int = 1) -> str:
@@ -206,9 +193,8 @@ def describe(name: str, stages: int, micro_batches: int, chunks: int = 1) -> str
 
 def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
                   layers: int | None = None, batch: int | None = None) -> None:
-    """Raise ValueError, in one line, if this setting cannot run: layers that do not split
-    into p*v chunks, a batch that does not split into m, the schedule's own rule on m, a
-    broken order, a deadlock (``chunks``: v for interleaved; the V schedules hold 2)."""
+    """Raise ValueError, in one line, if this setting cannot run: layers or batch that do not
+    split, the schedule's rule on m, a broken order, a deadlock (``chunks``: interleaved's v)."""
     chunks = schedules.chunks_per_rank(name, chunks)
     if layers is not None and layers % (stages * chunks):
         raise ValueError(f"{layers} layers do not split into {stages * chunks} equal chunks "
