@@ -173,21 +173,38 @@ def time_left_for(ctx, seconds: float) -> bool:
 SKIPPED = "skipped: past make bench's deadline for this step"
 
 
+class Deadline:
+    """Make bench's deadline for this step: a configuration starts while the previous one's
+    seconds (or ``estimate``) still fit (``time_left_for``); the first that does not ends the
+    step, said in one line. ``ctx`` None: outside a launch."""
+
+    def __init__(self, ctx=None):
+        self.ctx = ctx
+        self.started = None              # when the previous configuration started
+        self.stopped = False
+
+    def allows(self, what: str, estimate: float | None = None) -> bool:
+        now = time.perf_counter()
+        if self.started is not None and not self.stopped:
+            estimate = now - self.started if estimate is None else estimate
+            self.stopped = not time_left_for(self.ctx, estimate)
+            if self.stopped:
+                line = f"{what}: {SKIPPED}; the rows above are written (about {estimate:.0f} s more)"
+                if self.ctx is None:
+                    print(line, flush=True)
+                else:
+                    self.ctx.print(line, all_ranks=False)
+        self.started = now
+        return not self.stopped
+
+
 def until_deadline(ctx, configurations, what: str = "the rest"):
-    """Yield each configuration while the one before says the next ends before the deadline
-    (``time_left_for``); else say so in one line and stop."""
-    took = 0.0
-    for i, configuration in enumerate(configurations):
-        if i and not time_left_for(ctx, took):
-            line = f"{what}: {SKIPPED}; the rows above are written"
-            if ctx is None:
-                print(line, flush=True)
-            else:
-                ctx.print(line, all_ranks=False)
+    """Yield each configuration while ``Deadline`` allows it."""
+    deadline = Deadline(ctx)
+    for configuration in configurations:
+        if not deadline.allows(what):
             return
-        start = time.perf_counter()
         yield configuration
-        took = time.perf_counter() - start
 
 
 def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:

@@ -313,15 +313,12 @@ def bench_main(ctx, cfg: dict) -> None:
     rings = {size: dist.new_group(list(range(size))) for size in cfg["ring_sizes"]}
     rows = []
     failures = []
+    deadline = step_bench.Deadline(ctx)
     last = None  # (seq, seconds) of the previous length: the next one's estimate
     for seq in cfg["seqs"]:
-        if last is not None:  # attention's work grows with the square of the length
-            estimate = last[1] * (seq / last[0]) ** 2
-            if not step_bench.time_left_for(ctx, estimate):
-                ctx.print(f"seq {seq} and longer: skipped, about {estimate:.0f} s each would run "
-                          "past make bench's deadline for this step (the rows above are written)",
-                          all_ranks=False)
-                break
+        estimate = None if last is None else last[1] * (seq / last[0]) ** 2  # attention: seq^2
+        if not deadline.allows(f"seq {seq} and longer", estimate):
+            break
         started = time.perf_counter()
         bench_sequence(ctx, cfg, seq, rings, single, rows, failures)
         last = (seq, time.perf_counter() - started)

@@ -128,28 +128,6 @@ def torch_schedule_class(name: str):
     return getattr(pipelining, TORCH_SCHEDULES[name], None)
 
 
-class Deadline:
-    """Make bench's deadline (``BENCH_STEP_DEADLINE``): a configuration starts while the previous
-    one's seconds (or ``estimate``) fit, rank 0 deciding; the first that does not ends the step."""
-
-    def __init__(self, ctx):
-        self.ctx = ctx
-        self.started = None              # when the previous configuration started
-        self.stopped = False
-
-    def allows(self, what: str, estimate: float | None = None) -> bool:
-        now = time.perf_counter()
-        if self.started is not None and not self.stopped:
-            estimate = now - self.started if estimate is None else estimate
-            if not step_bench.time_left_for(self.ctx, estimate):
-                self.stopped = True
-                self.ctx.print(f"{what} and what follows: skipped, about {estimate:.0f} s would "
-                               "run past make bench's deadline (the rows above are written)",
-                               all_ranks=False)
-        self.started = now
-        return not self.stopped
-
-
 def beside_torch(ctx, name: str, m: int, ours: list, modules: list, inputs, targets, stages: int,
                  rank: int, group=None) -> dict:
     """Schedule ``name`` on m micro-batches of ``inputs`` and ``targets``: our executor on ``ours``,
@@ -243,7 +221,7 @@ def measure_bubble(ctx, cfg: dict, model: nn.Sequential, deadline: Deadline) -> 
             simulated = schedule_check.simulated_idle(name, stages, m, v)
             peak = None
             for emulated_ms in (0.0, cfg["emulate_ms"]):    # real compute, then emulated
-                if not deadline.allows(f"{name} m={m}, {compute_of(emulated_ms)}"):
+                if not deadline.allows(f"{name} m={m}, {compute_of(emulated_ms)} and what follows"):
                     return rows
                 passes = cfg["iters"] + (cfg["warmup"] if emulated_ms == 0.0 else 0)
                 measured = [one_pass(ctx, cfg, model, name, m, emulated_ms) for _ in range(passes)]
@@ -276,7 +254,7 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
             print(f"torch.distributed.pipelining: skipped ({ctx.backend} cannot send "
                   f"{ctx.device.type} tensors point to point)", flush=True)
         return []
-    deadline = deadline or Deadline(ctx)
+    deadline = deadline or step_bench.Deadline(ctx)
     rows = []
     for name in cfg["schedules"]:
         if name not in TORCH_SCHEDULES:
@@ -290,7 +268,7 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
         if schedule_refuses(name, stages, m, v):
             continue
         for emulated_ms in (0.0, cfg["emulate_ms"]):
-            if not deadline.allows(f"{name} beside torch's, {compute_of(emulated_ms)}"):
+            if not deadline.allows(f"{name} beside torch's, {compute_of(emulated_ms)} and what follows"):
                 return rows
             ours, theirs = [], []
             for layers in layers_of(cfg, name, ctx):
@@ -331,7 +309,7 @@ def bench_main(ctx, cfg: dict) -> None:
     """The worker: every schedule and m, then the V schedules beside torch's; rank 0 reports."""
     # Each rank builds all layers from one seed (the same weights, nothing sent), runs its own.
     model = pipeline_parallel.build_model(cfg["layers"], cfg["d_model"], cfg["hidden"]).to(ctx.device)
-    deadline = Deadline(ctx)
+    deadline = step_bench.Deadline(ctx)
     rows = measure_bubble(ctx, cfg, model, deadline)
     if ctx.is_main:
         report(ctx, cfg, rows)                   # written before torch's rows: a run stopped

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
 from common import models  # noqa: E402
-from bench import results, timing
+from bench import results, step_bench, timing
 from bench.timing import synchronize
 from bench import supervisor as launch
 
@@ -291,27 +291,6 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
 
 
 # --------------------------------------------------------------------------- the rows
-class Pace:
-    """``step_bench.time_left_for`` outside a launch: a configuration starts while the previous
-    one's seconds fit before make bench's deadline (``BENCH_STEP_DEADLINE``, a Unix time)."""
-
-    def __init__(self):
-        self.deadline = float(os.environ.get("BENCH_STEP_DEADLINE", "0") or 0)
-        self.started = None             # when the previous configuration started
-        self.stopped = False
-
-    def allows(self, config: str) -> bool:
-        now = time.perf_counter()
-        if self.started is not None and self.deadline and not self.stopped:
-            self.stopped = time.time() + now - self.started > self.deadline
-            if self.stopped:
-                print(f"check_prediction: {config} and what follows: skipped, about "
-                      f"{now - self.started:.0f} s each would run past make bench's deadline (the "
-                      "rows above are written)")
-        self.started = now
-        return not self.stopped
-
-
 def this_run(name: str) -> list[dict]:
     """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); bad: a line."""
     rows = results.read_csv(name)
@@ -434,7 +413,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             control = None
         label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
         config = f"ddp_step {label}, {row['model']}, {ranks} ranks"
-        if not pace.allows(config):
+        if not pace.allows(f"check_prediction: {config} and what follows"):
             return
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
         if cap is None:
@@ -463,7 +442,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         checkpointing = row["checkpointing"] == "on"
         config = (f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, "
                   f"{row['model']}, {ranks} ranks")
-        if not pace.allows(config):
+        if not pace.allows(f"check_prediction: {config} and what follows"):
             return
         lm = course_lm(row["model"], batch, seq)
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], recompute="full" if checkpointing else "none")
@@ -511,7 +490,7 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         if grid.world_size != ranks:
             continue
         config = f"grid {row['grid']}, {row['setting']}, {row['model']}"
-        if not pace.allows(config):
+        if not pace.allows(f"check_prediction: {config} and what follows"):
             return
         batch = int(row["batch_size"])
         seq = int(row["seq_len"])
@@ -732,7 +711,7 @@ def main(argv=None) -> int:
     # ranks take turns on these (one GPU: on it)
     cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1
     rows = []
-    pace = Pace()
+    pace = step_bench.Deadline()
     for make_rows in (ddp_rows, ledger_rows, grid_rows):
         new_rows = []
         for row in make_rows(fits, backend_device, cores, pace):

@@ -31,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import bench_pipeline  # first: it puts the repository on the path
-from bench import results, timing
+from bench import results, step_bench, timing
 from bench import supervisor as launch
 from common import import_stage, models
 from common.launch import carries_point_to_point
@@ -537,7 +537,7 @@ def compare_with_torch(ctx, sizes: dict, lessons, deadline) -> list[dict]:
                   hsdp_axes, "fully_shard on a (replicate, shard) mesh: HSDP",
                   torch_formula(shape, shard, 1))]
         for pair, spec, data_mesh, tp_mesh, axes, torch_setting, formula in pairs:
-            if not deadline.allows(f"torch's composition beside ours, {pair}"):
+            if not deadline.allows(f"torch's composition beside ours, {pair} and what follows"):
                 break
             ours = build_grid(ctx, spec, sizes, lessons)
             ours_mine = count_grid(ctx, spec, sizes, ours, lessons)
@@ -652,7 +652,7 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
                           "pipeline row for it", all_ranks=False)
                 continue
             for compute in setting["compute"]:
-                if not deadline.allows(f"{label} {schedule_name}, {compute}"):
+                if not deadline.allows(f"{label} {schedule_name}, {compute} and what follows"):
                     break
                 built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
                 seconds = measure_alternating(ctx, {"ours": built["ours"],
@@ -680,10 +680,10 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
 def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = None) -> None:
     """Every rank: the three parts; rank 0 writes the CSV, the report, JSON to ``out_path``."""
     lessons = load_lessons()
-    deadline = bench_pipeline.Deadline(ctx)
+    deadline = step_bench.Deadline(ctx)
     timed_grids = []
     for spec in grids:
-        if not deadline.allows(f"grid {grid_label(spec)}, {setting_label(spec)}"):
+        if not deadline.allows(f"grid {grid_label(spec)}, {setting_label(spec)} and what follows"):
             break
         built = build_grid(ctx, spec, sizes, lessons)
         mine = count_grid(ctx, spec, sizes, built, lessons)
@@ -700,7 +700,7 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
     # more rounds, every grid in turn, pooled: every grid through the same noisy spells
     for done in range(1, sizes["rounds"]):
         estimate = sum(sum(timed["seconds"]) for timed in timed_grids) / done
-        if not deadline.allows(f"round {done + 1} of {sizes['rounds']}", estimate):
+        if not deadline.allows(f"round {done + 1} of {sizes['rounds']} and what follows", estimate):
             break
         for timed in timed_grids:
             timed["seconds"] += timing.measure(timed["step"], ctx.device, warmup=0,
