@@ -1,0 +1,148 @@
+"""Not a lesson: lesson 9's DDP crossover on this box, predicted then measured, to results/crossover.csv.
+
+The planner (``run_planning.box_crossover``) predicts the tokens per rank T* above which DDP's
+gradient all-reduce hides under backward (the Scaling Book's C/W rule), from make bench's
+compute and all-reduce figures. This sweeps T around T* on the LM with a plain DDP step
+(backward, then one all-reduce of the flat gradients, each timed alone: warm-up, medians, the
+slowest rank), finds where backward takes as long as the all-reduce (log-space interpolation
+between the points that bracket it) and prints measured / predicted, split into its two terms:
+the all-reduce measured over predicted, and backward's tokens/s at T* measured over predicted.
+
+    python 07_parallelism/measure/crossover.py                    # 2 ranks, Gloo, CPU, LM tiny
+    python 07_parallelism/measure/crossover.py --tokens 8,32,128    # these points
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from common import import_stage, models  # noqa: E402
+from bench import results, timing
+from bench import supervisor as launch
+from bench.step_bench import time_left_for
+
+run_planning = import_stage("07_parallelism/09_planning/run_planning")
+TARGET = 1.25              # measured within x1.25 of predicted
+DEFAULT_TOKENS = [8, 16, 32, 64, 128, 256, 512]   # without a prediction
+
+
+def crossing(tokens: list[float], backward: list[float], all_reduce: list[float]) -> float | None:
+    """The tokens where backward first takes as long as the all-reduce, interpolated in log space
+    between the two points that bracket it; None where no neighbours do (nothing invented)."""
+    gaps = [math.log(b / a) for b, a in zip(backward, all_reduce)]
+    for i in range(len(tokens) - 1):
+        if gaps[i] < 0 <= gaps[i + 1]:
+            low, high = math.log(tokens[i]), math.log(tokens[i + 1])
+            return math.exp(low + (high - low) * -gaps[i] / (gaps[i + 1] - gaps[i]))
+    return None
+
+
+def sweep(center: float, points: int, span: float = 4.0) -> list[int]:
+    """``points`` token counts log-spaced from center / span to center x span."""
+    return sorted({max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)})
+
+
+def timed(ctx, work) -> float:
+    """Seconds ``work()`` takes on this rank, the ranks lined up first."""
+    dist.barrier()
+    timing.synchronize(ctx.device)
+    start = time.perf_counter()
+    work()
+    timing.synchronize(ctx.device)
+    return time.perf_counter() - start
+
+
+def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float]:
+    """(rows, seq, backward s, all-reduce s) at ``tokens`` a rank, rows of at most ``args.seq``."""
+    rows = -(-tokens // args.seq)
+    x, y = models.random_tokens(rows, tokens // rows, seed=ctx.rank, device=ctx.device)
+    flat = torch.empty(sum(param.numel() for param in lm.parameters()), device=ctx.device)
+    backward, all_reduce = [], []
+    for attempt in range(args.warmup + args.steps):
+        lm.zero_grad()
+        loss = models.lm_loss(lm(x), y)
+        backward_s = timed(ctx, loss.backward)
+        torch.cat([param.grad.flatten() for param in lm.parameters()], out=flat)   # one bucket
+        all_reduce_s = timed(ctx, lambda: dist.all_reduce(flat))
+        if attempt >= args.warmup:
+            backward.append(backward_s)
+            all_reduce.append(all_reduce_s)
+    return rows, tokens // rows, timing.gather_times(backward).median, timing.gather_times(all_reduce).median
+
+
+def worker(ctx, args, tokens: list[int], box: dict | None) -> None:
+    torch.manual_seed(0)
+    lm = models.TransformerLM(args.model, context_length=args.seq).to(ctx.device)
+    where = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
+             "model": args.model}
+    points = []
+    last_s = 0.0
+    for index, count in enumerate(tokens):
+        if points and not time_left_for(ctx, 1.5 * last_s * count / tokens[index - 1]):
+            ctx.print(f"crossover: stopped before {count} tokens a rank: it would pass make bench's "
+                      "deadline for this step", all_ranks=False)
+            break
+        start = time.perf_counter()
+        rows, seq, backward, all_reduce = time_point(ctx, lm, count, args)
+        last_s = time.perf_counter() - start
+        points.append({**where, "point": index, "tokens_per_rank": rows * seq, "rows": rows, "seq": seq,
+                       "backward_ms": backward * 1e3, "all_reduce_ms": all_reduce * 1e3})
+    if ctx.is_main:
+        write(points, where, box)
+
+
+def write(points: list[dict], where: dict, box: dict | None) -> None:
+    """Rank 0: the table, the crossover measured beside the predicted, its terms, the CSV."""
+    results.print_table(points, floatfmt=".4g", title=f"DDP crossover sweep, {results.machine_name()}:")
+    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points],
+                        [p["all_reduce_ms"] for p in points])
+    all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
+    row = {**where, "point": "crossover", "tokens_per_rank": measured, "all_reduce_ms": all_reduce,
+           "backward_tokens_per_s": measured and measured / all_reduce * 1e3}
+    found = f"{measured:.0f} tokens a rank" if measured else \
+        f"no crossing between {points[0]['tokens_per_rank']} and {points[-1]['tokens_per_rank']} tokens a rank"
+    print(f"crossover measured: {found} (backward as long as the all-reduce, {all_reduce:.3g} ms)")
+    if box:
+        ratio = measured and measured / box["tokens"]
+        row.update(predicted_tokens=box["tokens"], ratio=ratio, within=bool(ratio) and 1 / TARGET <= ratio <= TARGET,
+                   predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
+                   predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"])
+        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, allreduce_fit.json)")
+        if ratio:
+            print(f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; "
+                  f"the all-reduce {all_reduce / row['predicted_all_reduce_ms']:.2f}x the predicted, backward's "
+                  f"tokens/s at the crossing {row['backward_tokens_per_s'] / row['predicted_backward_tokens_per_s']:.2f}x")
+    results.upsert_csv("crossover.csv", [{**p, "machine": results.machine_name(), "run_id": results.run_id()}
+                                         for p in (*points, row)], key=["backend", "device", "world_size", "model", "point"])
+    print("wrote results/crossover.csv")
+
+
+def main(argv=None) -> None:
+    parser = launch.make_parser(__doc__)
+    parser.add_argument("--model", choices=list(models.PRESETS), default="tiny")
+    parser.add_argument("--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens")
+    parser.add_argument("--tokens", type=launch.int_list, help="tokens a rank to sweep (default: around the prediction)")
+    parser.add_argument("--points", type=launch.positive_int, default=7, help="points around the prediction")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=3)
+    parser.add_argument("--steps", type=launch.positive_int, default=9)
+    args = parser.parse_args(argv)
+    config = launch.resolve(args)
+    box = run_planning.box_crossover(config.world_size)
+    if box and (box["model"] != args.model or (config.backend, config.device) != ("gloo", "cpu")):
+        print(f"crossover: no prediction: results/compute.csv holds LM {box['model']} on Gloo/CPU")
+        box = None
+    tokens = args.tokens or (sweep(box["tokens"], args.points) if box else DEFAULT_TOKENS)
+    launch.launch(worker, config, args, sorted(tokens), box)
+
+
+if __name__ == "__main__":
+    main()
