@@ -48,7 +48,7 @@ def crossing(tokens: list[float], backward: list[float], all_reduce: list[float]
 
 def sweep(center: float, points: int, span: float = 4.0) -> list[int]:
     """``points`` token counts log-spaced from center / span to center x span."""
-    return sorted({max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)})
+    return sorted({max(1, round(center * span ** (2 * i / max(1, points - 1) - 1))) for i in range(points)})
 
 
 def timed(ctx, work) -> float:
@@ -138,7 +138,8 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     box = run_planning.box_crossover(config.world_size)
     if box and (box["model"] != args.model or (config.backend, config.device) != ("gloo", "cpu")):
-        print(f"crossover: no prediction: results/compute.csv holds LM {box['model']} on Gloo/CPU")
+        print(f"crossover: no prediction for LM {args.model} on {config.backend}/{config.device}: "
+              f"results/ holds LM {box['model']} on gloo/cpu")
         box = None
     tokens = args.tokens or (sweep(box["tokens"], args.points) if box else DEFAULT_TOKENS)
     launch.launch(worker, config, args, sorted(tokens), box)
