@@ -68,6 +68,10 @@ def test_the_finder_on_planted_curves():
     assert crossover.crossing(tokens, [5.0] * 5, [3.0] * 5) is None
     assert crossover.crossing(tokens, [1.0] * 5, [3.0] * 5) is None
     assert crossover.crossing(tokens, [5, 4, 2, 1, 1], [3.0] * 5) is None
+    # where no point crosses, the sweep goes on past the end the crossing must lie beyond
+    curve = [{"tokens_per_rank": t, "backward_ms": b, "all_reduce_ms": 3.0} for t, b in zip(tokens, affine)]
+    assert crossover.beyond(curve[:2]) == [40] and crossover.beyond(curve[3:]) == [40]
+    assert crossover.beyond(curve) == [] and crossover.beyond([{**curve[4], "tokens_per_rank": 1}]) == []
     points = crossover.sweep(49, 7)
     assert points == sorted(points) and points[0] == 12 and points[-1] == 196 and len(points) == 7
 

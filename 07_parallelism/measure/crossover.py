@@ -79,25 +79,44 @@ def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float]:
     return rows, tokens // rows, timing.gather_times(backward).median, timing.gather_times(all_reduce).median
 
 
-def worker(ctx, args, tokens: list[int], box: dict | None) -> None:
+def beyond(points: list[dict]) -> list[int]:
+    """The next point where none of ``points`` (sorted) crosses: twice the largest where backward
+    is shorter everywhere, half the smallest where it is longer everywhere; else none."""
+    slower = [point["backward_ms"] >= point["all_reduce_ms"] for point in points]
+    if not any(slower):
+        return [2 * points[-1]["tokens_per_rank"]]
+    if all(slower) and points[0]["tokens_per_rank"] > 1:
+        return [points[0]["tokens_per_rank"] // 2]
+    return []
+
+
+def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
+    """Time each point, then up to ``extra`` more where none crosses (``beyond``)."""
     torch.manual_seed(0)
     lm = models.TransformerLM(args.model, context_length=args.seq).to(ctx.device)
     where = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
              "model": args.model}
     points = []
     last_s = 0.0
-    for index, count in enumerate(tokens):
-        if points and not time_left_for(ctx, 1.5 * last_s * count / tokens[index - 1]):
+    previous = tokens[0]
+    while tokens:
+        count = tokens.pop(0)
+        if points and not time_left_for(ctx, 1.5 * last_s * count / previous):
             ctx.print(f"crossover: stopped before {count} tokens a rank: it would pass make bench's "
                       "deadline for this step", all_ranks=False)
             break
         start = time.perf_counter()
         rows, seq, backward, all_reduce = time_point(ctx, lm, count, args)
         last_s = time.perf_counter() - start
-        points.append({**where, "point": index, "tokens_per_rank": rows * seq, "rows": rows, "seq": seq,
+        previous = count
+        points.append({**where, "point": 0, "tokens_per_rank": rows * seq, "rows": rows, "seq": seq,
                        "backward_ms": backward * 1e3, "all_reduce_ms": all_reduce * 1e3})
+        points.sort(key=lambda point: point["tokens_per_rank"])
+        if not tokens and extra > 0:
+            extra -= 1
+            tokens.extend(beyond(points))
     if ctx.is_main:
-        write(points, where, box)
+        write([{**point, "point": index} for index, point in enumerate(points)], where, box)
 
 
 def write(points: list[dict], where: dict, box: dict | None) -> None:
@@ -130,7 +149,8 @@ def main(argv=None) -> None:
     parser = launch.make_parser(__doc__)
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny")
     parser.add_argument("--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens")
-    parser.add_argument("--tokens", type=launch.int_list, help="tokens a rank to sweep (default: around the prediction)")
+    parser.add_argument("--tokens", type=launch.int_list, help="exactly these tokens a rank (default: around the prediction, "
+                        "extended where no point crosses)")
     parser.add_argument("--points", type=launch.positive_int, default=7, help="points around the prediction")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=3)
     parser.add_argument("--steps", type=launch.positive_int, default=9)
@@ -142,7 +162,7 @@ def main(argv=None) -> None:
               f"results/ holds LM {box['model']} on gloo/cpu")
         box = None
     tokens = args.tokens or (sweep(box["tokens"], args.points) if box else DEFAULT_TOKENS)
-    launch.launch(worker, config, args, sorted(tokens), box)
+    launch.launch(worker, config, args, sorted(tokens), box, 0 if args.tokens else 6)
 
 
 if __name__ == "__main__":
