@@ -664,7 +664,8 @@ def crossover_section(where: Where, rows: list[dict]):
     link = times(num(found, "all_reduce_ms") / num(found, "predicted_all_reduce_ms"))
     rate = times(num(found, "backward_tokens_per_s") / num(found, "predicted_backward_tokens_per_s"))
     words.append(f"Measured / predicted {ratio}: within x1.25 {verdict(ok)}. Its two terms: the all-reduce took {link} the "
-                 f"predicted, backward ran {rate} the predicted tokens/s at the crossing.")
+                 f"predicted ({times(num(found, 'all_reduce_back_to_back_ms') / num(found, 'predicted_all_reduce_ms'))} back to "
+                 f"back, as stage 02 times it), backward ran {rate} the predicted tokens/s at the crossing.")
     return reading(text, words, [["DDP crossover: measured / predicted (within x1.25)", f"{ratio}, {verdict(ok)}"]], rows)
 
 

@@ -61,8 +61,9 @@ def timed(ctx, work) -> float:
     return time.perf_counter() - start
 
 
-def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float]:
-    """(rows, seq, backward s, all-reduce s) at ``tokens`` a rank, rows of at most ``args.seq``."""
+def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float, float]:
+    """(rows, seq, backward s, all-reduce s in the step, and back to back as stage 02 times it)
+    at ``tokens`` a rank, rows of at most ``args.seq``."""
     rows = -(-tokens // args.seq)
     x, y = models.random_tokens(rows, tokens // rows, seed=ctx.rank, device=ctx.device)
     flat = torch.empty(sum(param.numel() for param in lm.parameters()), device=ctx.device)
@@ -76,7 +77,9 @@ def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float]:
         if attempt >= args.warmup:
             backward.append(backward_s)
             all_reduce.append(all_reduce_s)
-    return rows, tokens // rows, timing.gather_times(backward).median, timing.gather_times(all_reduce).median
+    back_to_back = timing.measure(lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True)
+    return (rows, tokens // rows, timing.gather_times(backward).median, timing.gather_times(all_reduce).median,
+            timing.gather_times(back_to_back).median)
 
 
 def beyond(points: list[dict]) -> list[int]:
@@ -106,11 +109,12 @@ def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
                       "deadline for this step", all_ranks=False)
             break
         start = time.perf_counter()
-        rows, seq, backward, all_reduce = time_point(ctx, lm, count, args)
+        rows, seq, backward, all_reduce, back_to_back = time_point(ctx, lm, count, args)
         last_s = time.perf_counter() - start
         previous = count
         points.append({**where, "point": 0, "tokens_per_rank": rows * seq, "rows": rows, "seq": seq,
-                       "backward_ms": backward * 1e3, "all_reduce_ms": all_reduce * 1e3})
+                       "backward_ms": backward * 1e3, "all_reduce_ms": all_reduce * 1e3,
+                       "all_reduce_back_to_back_ms": back_to_back * 1e3})
         points.sort(key=lambda point: point["tokens_per_rank"])
         if not tokens and extra > 0:
             extra -= 1
@@ -125,7 +129,9 @@ def write(points: list[dict], where: dict, box: dict | None) -> None:
     measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points],
                         [p["all_reduce_ms"] for p in points])
     all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
+    back_to_back = statistics.median(p["all_reduce_back_to_back_ms"] for p in points)
     row = {**where, "point": "crossover", "tokens_per_rank": measured, "all_reduce_ms": all_reduce,
+           "all_reduce_back_to_back_ms": back_to_back,
            "backward_tokens_per_s": measured and measured / all_reduce * 1e3}
     found = f"{measured:.0f} tokens a rank" if measured else \
         f"no crossing between {points[0]['tokens_per_rank']} and {points[-1]['tokens_per_rank']} tokens a rank"
@@ -138,7 +144,8 @@ def write(points: list[dict], where: dict, box: dict | None) -> None:
         print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, allreduce_fit.json)")
         if ratio:
             print(f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; "
-                  f"the all-reduce {all_reduce / row['predicted_all_reduce_ms']:.2f}x the predicted, backward's "
+                  f"the all-reduce {all_reduce / row['predicted_all_reduce_ms']:.2f}x the predicted (back to back "
+                  f"{back_to_back / row['predicted_all_reduce_ms']:.2f}x), backward's "
                   f"tokens/s at the crossing {row['backward_tokens_per_s'] / row['predicted_backward_tokens_per_s']:.2f}x")
     results.upsert_csv("crossover.csv", [{**p, "machine": results.machine_name(), "run_id": results.run_id()}
                                          for p in (*points, row)], key=["backend", "device", "world_size", "model", "point"])
