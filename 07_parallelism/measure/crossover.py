@@ -4,9 +4,11 @@ The planner (``run_planning.box_crossover``) predicts the tokens per rank T* abo
 gradient all-reduce hides under backward (the Scaling Book's C/W rule), from make bench's
 compute and all-reduce figures. This sweeps T around T* on the LM with a plain DDP step
 (backward, then one all-reduce of the flat gradients, each timed alone: warm-up, medians, the
-slowest rank), finds where backward takes as long as the all-reduce (log-space interpolation
-between the points that bracket it) and prints measured / predicted, split into its two terms:
-the all-reduce measured over predicted, and backward's tokens/s at T* measured over predicted.
+slowest rank; the all-reduce also back to back, as stage 02 times it), finds where backward
+takes as long as the all-reduce (the points' median: the same bytes at each; log-space
+interpolation between the two points that bracket it) and prints measured / predicted, split
+into its two terms: the all-reduce measured over predicted, and backward's tokens/s at T*
+measured over predicted.
 
     python 07_parallelism/measure/crossover.py                    # 2 ranks, Gloo, CPU, LM tiny
     python 07_parallelism/measure/crossover.py --tokens 8,32,128    # these points
@@ -84,8 +86,10 @@ def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float, floa
 
 def beyond(points: list[dict]) -> list[int]:
     """The next point where none of ``points`` (sorted) crosses: twice the largest where backward
-    is shorter everywhere, half the smallest where it is longer everywhere; else none."""
-    slower = [point["backward_ms"] >= point["all_reduce_ms"] for point in points]
+    is shorter everywhere than the all-reduce (their median), half the smallest where it is
+    longer everywhere; else none."""
+    all_reduce = statistics.median(point["all_reduce_ms"] for point in points)
+    slower = [point["backward_ms"] >= all_reduce for point in points]
     if not any(slower):
         return [2 * points[-1]["tokens_per_rank"]]
     if all(slower) and points[0]["tokens_per_rank"] > 1:
@@ -126,9 +130,10 @@ def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
 def write(points: list[dict], where: dict, box: dict | None) -> None:
     """Rank 0: the table, the crossover measured beside the predicted, its terms, the CSV."""
     results.print_table(points, floatfmt=".4g", title=f"DDP crossover sweep, {results.machine_name()}:")
-    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points],
-                        [p["all_reduce_ms"] for p in points])
+    # the same gradients at every point: one all-reduce figure, the median of the points'
     all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
+    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points],
+                        [all_reduce] * len(points))
     back_to_back = statistics.median(p["all_reduce_back_to_back_ms"] for p in points)
     row = {**where, "point": "crossover", "tokens_per_rank": measured, "all_reduce_ms": all_reduce,
            "all_reduce_back_to_back_ms": back_to_back,
