@@ -4,6 +4,7 @@ curve with no crossing is reported as none), and one run of crossover.py at the 
 
 import csv
 import json
+import time
 
 import pytest
 
@@ -59,15 +60,15 @@ def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
 def test_the_finder_on_planted_curves():
     tokens = [10, 20, 40, 80, 160]
     # backward proportional to the tokens, all-reduce 3 ms: equal at 57 tokens exactly in log space
-    found = crossover.crossing(tokens, [3 * t / 57 for t in tokens], [3.0] * 5)
+    found = crossover.crossing(tokens, [3 * t / 57 for t in tokens], 3.0)
     assert found == pytest.approx(57, rel=1e-9)
     # a floor and a slope: the crossing lies between its bracketing points, near the true 50
     affine = [0.5 + t / 20 for t in tokens]
-    assert 40 < crossover.crossing(tokens, affine, [3.0] * 5) < 80
+    assert 40 < crossover.crossing(tokens, affine, 3.0) < 80
     # negative controls: compute-bound everywhere, communication-bound everywhere, crossing down
-    assert crossover.crossing(tokens, [5.0] * 5, [3.0] * 5) is None
-    assert crossover.crossing(tokens, [1.0] * 5, [3.0] * 5) is None
-    assert crossover.crossing(tokens, [5, 4, 2, 1, 1], [3.0] * 5) is None
+    assert crossover.crossing(tokens, [5.0] * 5, 3.0) is None
+    assert crossover.crossing(tokens, [1.0] * 5, 3.0) is None
+    assert crossover.crossing(tokens, [5, 4, 2, 1, 1], 3.0) is None
     # where no point crosses, the sweep goes on past the end the crossing must lie beyond
     curve = [{"tokens_per_rank": t, "backward_ms": b, "all_reduce_ms": 3.0} for t, b in zip(tokens, affine)]
     assert crossover.beyond(curve[:2]) == [40] and crossover.beyond(curve[3:]) == [40]
@@ -88,3 +89,11 @@ def test_one_small_run_writes_measured_beside_predicted(tmp_path, capfd):
     assert [(row["rows"], row["seq"]) for row in rows[:2]] == [("1", "2"), ("4", "16")]
     assert all(float(row["backward_ms"]) > 0 and float(row["all_reduce_ms"]) > 0 for row in rows[:2])
     assert float(rows[2]["predicted_tokens"]) == pytest.approx(run_planning.box_crossover(2)["tokens"])
+
+
+def test_make_benchs_deadline_stops_the_sweep_and_says_so(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 0.01:.3f}")   # passed by the second point
+    crossover.main(["--tokens", "2,64", "--seq", "16", "--warmup", "0", "--steps", "1"])
+    assert "stopped before 64 tokens a rank" in capfd.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "results" / "crossover.csv")))
+    assert [row["point"] for row in rows] == ["0", "crossover"] and rows[1]["tokens_per_rank"] == ""

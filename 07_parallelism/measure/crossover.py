@@ -11,7 +11,7 @@ into its two terms: the all-reduce measured over predicted, and backward's token
 measured over predicted.
 
     python 07_parallelism/measure/crossover.py                    # 2 ranks, Gloo, CPU, LM tiny
-    python 07_parallelism/measure/crossover.py --tokens 8,32,128    # these points
+    python 07_parallelism/measure/crossover.py --tokens 8,32,128    # exactly these points
 """
 
 from __future__ import annotations
@@ -34,13 +34,12 @@ from bench.step_bench import time_left_for
 
 run_planning = import_stage("07_parallelism/09_planning/run_planning")
 TARGET = 1.25              # measured within x1.25 of predicted
-DEFAULT_TOKENS = [8, 16, 32, 64, 128, 256, 512]   # without a prediction
 
 
-def crossing(tokens: list[float], backward: list[float], all_reduce: list[float]) -> float | None:
+def crossing(tokens: list[float], backward: list[float], all_reduce: float) -> float | None:
     """The tokens where backward first takes as long as the all-reduce, interpolated in log space
     between the two points that bracket it; None where no neighbours do (nothing invented)."""
-    gaps = [math.log(b / a) for b, a in zip(backward, all_reduce)]
+    gaps = [math.log(seconds / all_reduce) for seconds in backward]
     for i in range(len(tokens) - 1):
         if gaps[i] < 0 <= gaps[i + 1]:
             low, high = math.log(tokens[i]), math.log(tokens[i + 1])
@@ -48,9 +47,21 @@ def crossing(tokens: list[float], backward: list[float], all_reduce: list[float]
     return None
 
 
-def sweep(center: float, points: int, span: float = 4.0) -> list[int]:
+def sweep(center: float, points: int = 7, span: float = 4.0) -> list[int]:
     """``points`` token counts log-spaced from center / span to center x span."""
-    return sorted({max(1, round(center * span ** (2 * i / max(1, points - 1) - 1))) for i in range(points)})
+    return sorted({max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)})
+
+
+def beyond(points: list[dict]) -> list[int]:
+    """The next point where none of ``points`` (sorted) crosses the all-reduce (their median):
+    twice the largest where backward is shorter everywhere, half the smallest where longer."""
+    all_reduce = statistics.median(point["all_reduce_ms"] for point in points)
+    slower = [point["backward_ms"] >= all_reduce for point in points]
+    if not any(slower):
+        return [2 * points[-1]["tokens_per_rank"]]
+    if all(slower) and points[0]["tokens_per_rank"] > 1:
+        return [points[0]["tokens_per_rank"] // 2]
+    return []
 
 
 def timed(ctx, work) -> float:
@@ -63,9 +74,9 @@ def timed(ctx, work) -> float:
     return time.perf_counter() - start
 
 
-def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float, float]:
-    """(rows, seq, backward s, all-reduce s in the step, and back to back as stage 02 times it)
-    at ``tokens`` a rank, rows of at most ``args.seq``."""
+def time_point(ctx, lm, tokens: int, args) -> dict:
+    """Backward and the all-reduce after it, ms, at ``tokens`` a rank in rows of at most
+    ``args.seq``; the all-reduce also back to back, as stage 02 times it."""
     rows = -(-tokens // args.seq)
     x, y = models.random_tokens(rows, tokens // rows, seed=ctx.rank, device=ctx.device)
     flat = torch.empty(sum(param.numel() for param in lm.parameters()), device=ctx.device)
@@ -73,87 +84,64 @@ def time_point(ctx, lm, tokens: int, args) -> tuple[int, int, float, float, floa
     for attempt in range(args.warmup + args.steps):
         lm.zero_grad()
         loss = models.lm_loss(lm(x), y)
-        backward_s = timed(ctx, loss.backward)
+        backward.append(timed(ctx, loss.backward))
         torch.cat([param.grad.flatten() for param in lm.parameters()], out=flat)   # one bucket
-        all_reduce_s = timed(ctx, lambda: dist.all_reduce(flat))
-        if attempt >= args.warmup:
-            backward.append(backward_s)
-            all_reduce.append(all_reduce_s)
+        all_reduce.append(timed(ctx, lambda: dist.all_reduce(flat)))
     back_to_back = timing.measure(lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True)
-    return (rows, tokens // rows, timing.gather_times(backward).median, timing.gather_times(all_reduce).median,
-            timing.gather_times(back_to_back).median)
-
-
-def beyond(points: list[dict]) -> list[int]:
-    """The next point where none of ``points`` (sorted) crosses: twice the largest where backward
-    is shorter everywhere than the all-reduce (their median), half the smallest where it is
-    longer everywhere; else none."""
-    all_reduce = statistics.median(point["all_reduce_ms"] for point in points)
-    slower = [point["backward_ms"] >= all_reduce for point in points]
-    if not any(slower):
-        return [2 * points[-1]["tokens_per_rank"]]
-    if all(slower) and points[0]["tokens_per_rank"] > 1:
-        return [points[0]["tokens_per_rank"] // 2]
-    return []
+    return {"tokens_per_rank": rows * (tokens // rows), "rows": rows, "seq": tokens // rows,
+            **{name: timing.gather_times(times[-args.steps:]).median * 1e3 for name, times in (
+                ("backward_ms", backward), ("all_reduce_ms", all_reduce),
+                ("all_reduce_back_to_back_ms", back_to_back))}}
 
 
 def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
-    """Time each point, then up to ``extra`` more where none crosses (``beyond``)."""
+    """Each point (a point is at most twice the last: stopped where that would pass make bench's
+    deadline), then up to ``extra`` more where none crosses (``beyond``); rank 0 writes."""
     torch.manual_seed(0)
     lm = models.TransformerLM(args.model, context_length=args.seq).to(ctx.device)
-    where = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
-             "model": args.model}
     points = []
     last_s = 0.0
-    previous = tokens[0]
     while tokens:
-        count = tokens.pop(0)
-        if points and not time_left_for(ctx, 1.5 * last_s * count / previous):
-            ctx.print(f"crossover: stopped before {count} tokens a rank: it would pass make bench's "
-                      "deadline for this step", all_ranks=False)
+        if points and not time_left_for(ctx, 3 * last_s):
+            ctx.print(f"crossover: stopped before {tokens[0]} tokens a rank: make bench's deadline", all_ranks=False)
             break
         start = time.perf_counter()
-        rows, seq, backward, all_reduce, back_to_back = time_point(ctx, lm, count, args)
+        points.append(time_point(ctx, lm, tokens.pop(0), args))
         last_s = time.perf_counter() - start
-        previous = count
-        points.append({**where, "point": 0, "tokens_per_rank": rows * seq, "rows": rows, "seq": seq,
-                       "backward_ms": backward * 1e3, "all_reduce_ms": all_reduce * 1e3,
-                       "all_reduce_back_to_back_ms": back_to_back * 1e3})
         points.sort(key=lambda point: point["tokens_per_rank"])
         if not tokens and extra > 0:
             extra -= 1
             tokens.extend(beyond(points))
     if ctx.is_main:
-        write([{**point, "point": index} for index, point in enumerate(points)], where, box)
+        where = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size, "model": args.model}
+        write([{**where, "point": index, **point} for index, point in enumerate(points)], where, box)
 
 
 def write(points: list[dict], where: dict, box: dict | None) -> None:
-    """Rank 0: the table, the crossover measured beside the predicted, its terms, the CSV."""
+    """The table, the crossover measured beside the predicted and its two terms, the CSV."""
     results.print_table(points, floatfmt=".4g", title=f"DDP crossover sweep, {results.machine_name()}:")
     # the same gradients at every point: one all-reduce figure, the median of the points'
     all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
-    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points],
-                        [all_reduce] * len(points))
-    back_to_back = statistics.median(p["all_reduce_back_to_back_ms"] for p in points)
+    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points], all_reduce)
     row = {**where, "point": "crossover", "tokens_per_rank": measured, "all_reduce_ms": all_reduce,
-           "all_reduce_back_to_back_ms": back_to_back,
+           "all_reduce_back_to_back_ms": statistics.median(p["all_reduce_back_to_back_ms"] for p in points),
            "backward_tokens_per_s": measured and measured / all_reduce * 1e3}
-    found = f"{measured:.0f} tokens a rank" if measured else \
-        f"no crossing between {points[0]['tokens_per_rank']} and {points[-1]['tokens_per_rank']} tokens a rank"
-    print(f"crossover measured: {found} (backward as long as the all-reduce, {all_reduce:.3g} ms)")
+    ratio = measured / box["tokens"] if box and measured else None
+    print("crossover measured: " + (f"{measured:.0f} tokens a rank" if measured else "none in the sweep"))
     if box:
-        ratio = measured and measured / box["tokens"]
         row.update(predicted_tokens=box["tokens"], ratio=ratio, within=bool(ratio) and 1 / TARGET <= ratio <= TARGET,
                    predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
                    predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"])
         print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, allreduce_fit.json)")
-        if ratio:
-            print(f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; "
-                  f"the all-reduce {all_reduce / row['predicted_all_reduce_ms']:.2f}x the predicted (back to back "
-                  f"{back_to_back / row['predicted_all_reduce_ms']:.2f}x), backward's "
-                  f"tokens/s at the crossing {row['backward_tokens_per_s'] / row['predicted_backward_tokens_per_s']:.2f}x")
-    results.upsert_csv("crossover.csv", [{**p, "machine": results.machine_name(), "run_id": results.run_id()}
-                                         for p in (*points, row)], key=["backend", "device", "world_size", "model", "point"])
+    if ratio:
+        link = all_reduce / row["predicted_all_reduce_ms"]
+        back = row["all_reduce_back_to_back_ms"] / row["predicted_all_reduce_ms"]
+        rate = row["backward_tokens_per_s"] / row["predicted_backward_tokens_per_s"]
+        print(f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; the "
+              f"all-reduce {link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s {rate:.2f}x")
+    key = ["backend", "device", "world_size", "model", "point"]
+    stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
+    results.upsert_csv("crossover.csv", [{**p, **stamp} for p in (*points, row)], key=key)
     print("wrote results/crossover.csv")
 
 
@@ -161,9 +149,8 @@ def main(argv=None) -> None:
     parser = launch.make_parser(__doc__)
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny")
     parser.add_argument("--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens")
-    parser.add_argument("--tokens", type=launch.int_list, help="exactly these tokens a rank (default: around the prediction, "
-                        "extended where no point crosses)")
-    parser.add_argument("--points", type=launch.positive_int, default=7, help="points around the prediction")
+    parser.add_argument("--tokens", type=launch.int_list,
+                        help="exactly these tokens a rank (default: 7 around the prediction, more where none crosses)")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=3)
     parser.add_argument("--steps", type=launch.positive_int, default=9)
     args = parser.parse_args(argv)
@@ -173,7 +160,7 @@ def main(argv=None) -> None:
         print(f"crossover: no prediction for LM {args.model} on {config.backend}/{config.device}: "
               f"results/ holds LM {box['model']} on gloo/cpu")
         box = None
-    tokens = args.tokens or (sweep(box["tokens"], args.points) if box else DEFAULT_TOKENS)
+    tokens = args.tokens or sweep(box["tokens"] if box else 64)
     launch.launch(worker, config, args, sorted(tokens), box, 0 if args.tokens else 6)
 
 
