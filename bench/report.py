@@ -652,8 +652,8 @@ def crossover_section(where: Where, rows: list[dict]):
     found = next(r for r in rows if r["point"] == "crossover")
     text = ("Lesson 9's planner predicts the tokens per rank above which DDP's gradient all-reduce hides under backward "
             "(the Scaling Book's C/W rule, from the backward rate and all-reduce fit measured above); the lab sweeps them, "
-            f"backward and the all-reduce each timed alone ({machine_of(where, rows)}, {on(found)}, {found['world_size']} "
-            f"ranks, LM {found['model']}):\n\n" + md_table(
+            f"backward and the all-reduce each timed alone, the crossing where backward reaches the all-reduce's median "
+            f"({machine_of(where, rows)}, {on(found)}, {found['world_size']} ranks, LM {found['model']}):\n\n" + md_table(
                 ["tokens a rank", "rows x seq", "backward ms", "all-reduce ms"],
                 [[r["tokens_per_rank"], f"{r['rows']} x {r['seq']}", num(r, "backward_ms"), num(r, "all_reduce_ms")] for r in points]))
     measured = f"{num(found, 'tokens_per_rank'):.0f} tokens a rank" if found["tokens_per_rank"] else "no crossing in the sweep"
