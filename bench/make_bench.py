@@ -65,6 +65,7 @@ SHARES = {  # key: {box: (quick, full, minimum)}, in the order the steps run
     "backends": dict(cpu=(0, 11, 8), one_gpu=(0, 26, 15), nccl=(0, 26, 15)),
     "muon": dict(cpu=(0, 19, 12), one_gpu=(0, 26, 15), nccl=(0, 26, 15)),
     "prediction": dict(cpu=(6, 14, 5), one_gpu=(0, 17, 15), nccl=(0, 17, 15)),  # quick: CPU
+    "crossover": dict(cpu=(0, 7, 5), one_gpu=(0, 0, 15), nccl=(0, 0, 15)),  # its prediction: Gloo/CPU
 }
 
 
@@ -248,6 +249,10 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
         step("muon", f"11 Muon: four designs beside AdamW + ZeRO-1, 2 and 4 ranks ({setup.backend}/"
                      f"{setup.device})", ["07_parallelism/measure/bench_muon.py", *where,
                                           "--world-sizes", "2,4" if gpus == 0 or gpus >= 4 else "2"]),
+        step("crossover", "09 planning: the tokens per rank where DDP stops being "
+                          "communication-bound, predicted, then swept",
+             ["07_parallelism/measure/crossover.py", *where, "--model", model,
+              "--seq", _flag(lm, "--context-length")]),
         step("prediction", "07 planning: the planner's step times beside the ones measured above",
              ["07_parallelism/measure/check_prediction.py", *where]),  # last: it reads their rows
     ]

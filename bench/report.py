@@ -643,6 +643,29 @@ def prediction_section(where: Where):
                      f"{within} of {len(rows)} configurations (worst {worst})"]], rows)
 
 
+@section("The DDP crossover on this box: predicted, then swept (lesson 9)", "crossover.csv", ("crossover",), optional=True)
+def crossover_section(where: Where, rows: list[dict]):
+    points = [r for r in rows if r["point"] != "crossover"]
+    found = next(r for r in rows if r["point"] == "crossover")
+    text = ("Lesson 9's planner predicts the tokens per rank above which DDP's gradient all-reduce hides under backward "
+            "(the Scaling Book's C/W rule, from the backward rate and all-reduce fit measured above); the lab sweeps them, "
+            f"backward and the all-reduce each timed alone, the crossing where backward reaches the all-reduce's median "
+            f"({machine_of(where, rows)}, {on(found)}, {found['world_size']} ranks, LM {found['model']}):\n\n" + md_table(
+                ["tokens a rank", "rows x seq", "backward ms", "all-reduce ms"],
+                [[r["tokens_per_rank"], f"{r['rows']} x {r['seq']}", num(r, "backward_ms"), num(r, "all_reduce_ms")] for r in points]))
+    measured = f"{num(found, 'tokens_per_rank'):.0f} tokens a rank" if found["tokens_per_rank"] else "no crossing in the sweep"
+    words = [f"Measured: {measured}; predicted: " + (f"{num(found, 'predicted_tokens'):.0f}." if found.get("predicted_tokens") else "none.")]
+    if not found.get("ratio"):
+        return reading(text, words, [["DDP crossover, measured / predicted", words[0]]], rows)
+    ratio, ok = times(num(found, "ratio")), found["within"] == "True"
+    link = times(num(found, "all_reduce_ms") / num(found, "predicted_all_reduce_ms"))
+    rate = times(num(found, "backward_tokens_per_s") / num(found, "predicted_backward_tokens_per_s"))
+    words.append(f"Measured / predicted {ratio}: within x1.25 {verdict(ok)}. Its two terms: the all-reduce took {link} the "
+                 f"predicted ({times(num(found, 'all_reduce_back_to_back_ms') / num(found, 'predicted_all_reduce_ms'))} back to "
+                 f"back, as stage 02 times it), backward ran {rate} the predicted tokens/s at the crossing.")
+    return reading(text, words, [["DDP crossover: measured / predicted (within x1.25)", f"{ratio}, {verdict(ok)}"]], rows)
+
+
 @section("Muon: four designs beside AdamW + ZeRO-1", "muon.csv", ("muon",), optional=True)
 def muon_section(where: Where, rows: list[dict]):
     text = ("The optimizer step alone on the same gradients; bytes counted over all ranks (formula); Newton-Schulz "

@@ -169,15 +169,9 @@ def split_over_tp(lm: LM) -> list[bool]:
 
 def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
     """(W, R): lesson 2's padded shards of the tensors of 2+ dimensions, and the 1-D ones whole."""
-    sharded = 0
-    replicated = 0
-    for shape in parameter_shapes(lm):
-        if len(shape) >= 2:
-            rows_per_rank = -(-shape[0] // dp)
-            sharded += rows_per_rank * dp * numel(shape[1:])
-        else:
-            replicated += numel(shape)
-    return sharded, replicated
+    shapes = parameter_shapes(lm)
+    sharded = sum(-(-shape[0] // dp) * dp * numel(shape[1:]) for shape in shapes if len(shape) >= 2)
+    return sharded, sum(numel(shape) for shape in shapes if len(shape) == 1)
 
 
 def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
@@ -281,10 +275,7 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
                 tensors.append((lm.seq * h, False))
         for _ in range(blocks_per_chunk):
             for shape, split in block:
-                if split:
-                    tensors.append((numel(shape) // grid.tp, True))
-                else:
-                    tensors.append((numel(shape), False))
+                tensors.append((numel(shape) // grid.tp if split else numel(shape), split))
         if stage == p * v - 1:
             tensors.append((h, False))                             # the final norm
             if not lm.gated_mlp:
@@ -784,6 +775,14 @@ def predict(lm: LM, grid: Grid, machine: Machine) -> dict:
             "fits": memory["total"] <= machine.memory,
             "tokens_per_s_per_rank": tokens_per_second / grid.world_size,
             "mfu": useful / machine.flops}
+
+
+def dp_crossover_tokens(lm: LM, rate: float, link: Link, ranks: int) -> float:
+    """Tokens per rank above which DDP's all-reduce of the float32 gradients (b = 4 bytes a
+    parameter) hides under backward (2/3 of the FLOPs, about 4N a token, at ``rate`` FLOP/s a
+    rank): the Scaling Book's C/W rule. Without latency, T* = 2(W-1)/W x b C / (4 busbw)."""
+    all_reduce = all_reduce_time(link, ranks, FLOAT32 * parameter_count(lm))
+    return all_reduce * rate / (training_flops_per_token(lm) * 2 / 3)
 
 
 # --------------------------------------------------------------------------- every grid

@@ -12,29 +12,22 @@ Run:  make plan                                           # the course's small L
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner  # noqa: E402  (the lesson, beside this file)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
+from common import models  # noqa: E402
+from common.launch import Parser  # noqa: E402  (argparse, a usage error in one line, exit 2)
 
 SHAPE = {"layers": 10**4, "d_model": 10**6, "heads": 10**5, "d_ff": 10**7, "vocab": 10**8,
          "seq": 10**8, "batch": 10**9, "kv_heads": 10**5}   # each flag's largest value
 GPUS = 10**6
-
-
-def _repo() -> None:
-    """The harness needs common/, the algorithm does not."""
-    root = Path(__file__).resolve().parent
-    while not (root / "common" / "launch.py").exists():
-        if root == root.parent:
-            raise SystemExit(f"{Path(__file__).name}: the algorithm works on its own; this "
-                             "script needs the repository around it (common/)")
-        root = root.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
 
 
 def up_to(largest: int):
@@ -47,9 +40,6 @@ def up_to(largest: int):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    _repo()
-    from common import models
-    from common.launch import Parser     # argparse, a usage error in one line, exit 2
     parser = Parser(description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="small", choices=[*models.PRESETS, "llama3-8b"],
@@ -71,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     preset = planner.CLUSTERS[args.cluster]
     args.machine = planner.cluster(args.gpu or "H100", args.gpus or preset.ranks,
                                    args.gpus_per_node or preset.ranks_per_node)
-    args.lm = model_of(args, models, default_batch=2 * args.machine.ranks)
+    args.lm = model_of(args, default_batch=2 * args.machine.ranks)
     if args.lm.d_model % args.lm.heads or args.lm.heads % (args.lm.kv_heads or args.lm.heads):
         parser.error(f"--heads {args.lm.heads}: must divide --d-model {args.lm.d_model} and be a "
                      f"multiple of --kv-heads {args.lm.kv_heads}")
@@ -87,18 +77,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_of(args, models, default_batch: int) -> planner.LM:
+def course_lm(preset: str, seq: int, compute_bytes: int = 2) -> planner.LM:
+    shape = models.PRESETS[preset]
+    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
+                      heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=seq, batch=0,
+                      compute_bytes=compute_bytes)
+
+
+def model_of(args, default_batch: int) -> planner.LM:
     """The preset (2 sequences a GPU), then every shape flag given over it."""
-    lm = planner.LLAMA3_8B
-    if args.model != "llama3-8b":
-        shape = models.PRESETS[args.model]
-        lm = planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
-                        heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=256, batch=0,
-                        compute_bytes=2)
+    lm = planner.LLAMA3_8B if args.model == "llama3-8b" else course_lm(args.model, 256)
     given = {flag: getattr(args, flag) for flag in SHAPE if getattr(args, flag) is not None}
     return dataclasses.replace(lm, **{"batch": default_batch, **given},
                                gated_mlp=lm.gated_mlp or args.gated_mlp,
                                position_embedding=lm.position_embedding and not args.no_position_embedding)
+
+
+def box_crossover(ranks: int = 2) -> dict | None:
+    """This box's DDP crossover on Gloo/CPU from make bench's results/ (None before it ran): the
+    LM's backward at one process's shapes (compute.csv), its rate shared out over the ranks, and
+    stage 02's all-reduce t = a + N / w (allreduce_fit.json)."""
+    folder = Path(os.environ.get("RESULTS_DIR") or Path(__file__).resolve().parents[2] / "results")
+    try:
+        row = [r for r in csv.DictReader((folder / "compute.csv").read_text().splitlines())
+               if r["device"] == "cpu"][-1]
+        fit = json.loads((folder / "allreduce_fit.json").read_text())[f"gloo/cpu/{ranks}"]
+        lm = course_lm(row["model"], int(row["context_length"]), compute_bytes=4)
+        backward = planner.training_flops_per_token(lm) * 2 / 3 * int(row["batch_size"]) * lm.seq
+        rate = backward / (float(row["bwd_ms"]) / 1e3) / ranks
+        link = planner.Link(latency=fit["a_s"], busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks)
+        return {"tokens": planner.dp_crossover_tokens(lm, rate, link, ranks), "rate": rate,
+                "model": row["model"], "ranks": ranks, "all_reduce_s": planner.all_reduce_time(
+                    link, ranks, planner.FLOAT32 * planner.parameter_count(lm))}
+    except (OSError, LookupError, ValueError, TypeError):
+        return None
 
 
 def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int) -> str:
@@ -168,6 +180,11 @@ def main(argv=None) -> int:
     memory = best["memory"]
     print("  memory per GPU: " + ", ".join(f"{kind} {memory[kind] / 2**30:.2f} GiB"
                                            for kind in ("param", "grad", "optim", "activation")))
+    box = box_crossover()
+    if box:
+        print(f"\nthis box (results/): DDP over {box['ranks']} ranks stops being communication-bound "
+              f"at {box['tokens']:.0f} tokens a rank (LM {box['model']}: backward {box['rate'] / 1e9:.3g} "
+              f"GFLOP/s a rank, a {box['all_reduce_s'] * 1e3:.3g} ms all-reduce), predicted")
     return 0
 
 

@@ -1,0 +1,99 @@
+"""Lesson 9's DDP crossover: the planner's prediction against a hand computation (from the LM's
+parameters and FLOPs, and from make bench's files), the lab's finder against planted curves (a
+curve with no crossing is reported as none), and one run of crossover.py at the tiniest sizes."""
+
+import csv
+import json
+import time
+
+import pytest
+
+import crossover
+import planner
+import run_planning
+from common import models
+
+# One block, d_model 8, d_ff 32, 2 heads, vocab 16, 4 tokens: on paper
+#   matrices 3*8*8 + 8*8 + 32*8 + 8*32 = 768; forward a token 2*768 + 2*16*8 + 4*4*8/2 = 1856;
+#   backward 2 x 1856 = 3712 FLOP; parameters 16*8 + 4*8 + 840 (block) + 16 + 16*8 = 1144.
+PAPER = planner.LM(layers=1, d_model=8, d_ff=32, heads=2, vocab=16, seq=4, batch=1)
+
+
+def test_the_prediction_equals_a_hand_computation():
+    assert planner.parameter_count(PAPER) == 1144
+    assert planner.training_flops_per_token(PAPER) * 2 / 3 == 3712
+    link = planner.Link(latency=1e-3, busbw=1e9)
+    # 4 ranks: 1 ms + 2 x 3/4 x 4 x 1144 B / 1 GB/s of all-reduce, at 1 GFLOP/s over 3712 FLOP a token
+    hand = (1e-3 + 2 * 0.75 * 4576 / 1e9) * 1e9 / 3712
+    assert planner.dp_crossover_tokens(PAPER, 1e9, link, 4) == pytest.approx(hand, rel=1e-12)
+    # without latency, the Scaling Book's form: 2(W-1)/W x b C / busbw over backward's FLOP per parameter
+    bare = planner.Link(latency=0.0, busbw=1e9)
+    assert planner.dp_crossover_tokens(PAPER, 1e9, bare, 4) == pytest.approx(
+        2 * 0.75 * 4 * 1e9 / 1e9 / (3712 / 1144), rel=1e-12)
+    # one rank sends nothing: never communication-bound
+    assert planner.dp_crossover_tokens(PAPER, 1e9, link, 1) == 0
+
+
+def plant_results(folder, bwd_ms=10.0, a_s=1e-3, w=4e9) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "compute.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, ["device", "model", "batch_size", "context_length", "bwd_ms", "run_id"])
+        writer.writeheader()
+        writer.writerow({"device": "cpu", "model": "tiny", "batch_size": 4, "context_length": 64,
+                         "bwd_ms": bwd_ms, "run_id": "r"})
+    (folder / "allreduce_fit.json").write_text(json.dumps({"gloo/cpu/2": {"a_s": a_s, "w_bytes_per_s": w}}))
+
+
+def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    assert run_planning.box_crossover(2) is None               # before make bench: none
+    plant_results(tmp_path)
+    box = run_planning.box_crossover(2)
+    # backward: 4 x 64 tokens in 10 ms on one process, 12,800 tokens/s a rank of two; times the
+    # all-reduce of the float32 gradients, 1 ms + N x 4 B / 4 GB/s (stage 02's t = a + N / w)
+    gradients = 4 * models.lm_parameter_count("tiny", 64)
+    assert box["all_reduce_s"] == pytest.approx(1e-3 + gradients / 4e9, rel=1e-12)
+    assert box["tokens"] == pytest.approx(256 / 10e-3 / 2 * (1e-3 + gradients / 4e9), rel=1e-12)
+    assert run_planning.box_crossover(4) is None                # no fit for 4 ranks
+
+
+def test_the_finder_on_planted_curves():
+    tokens = [10, 20, 40, 80, 160]
+    # backward proportional to the tokens, all-reduce 3 ms: equal at 57 tokens exactly in log space
+    found = crossover.crossing(tokens, [3 * t / 57 for t in tokens], 3.0)
+    assert found == pytest.approx(57, rel=1e-9)
+    # a floor and a slope: the crossing lies between its bracketing points, near the true 50
+    affine = [0.5 + t / 20 for t in tokens]
+    assert 40 < crossover.crossing(tokens, affine, 3.0) < 80
+    # negative controls: compute-bound everywhere, communication-bound everywhere, crossing down
+    assert crossover.crossing(tokens, [5.0] * 5, 3.0) is None
+    assert crossover.crossing(tokens, [1.0] * 5, 3.0) is None
+    assert crossover.crossing(tokens, [5, 4, 2, 1, 1], 3.0) is None
+    # where no point crosses, the sweep goes on past the end the crossing must lie beyond
+    curve = [{"tokens_per_rank": t, "backward_ms": b, "all_reduce_ms": 3.0} for t, b in zip(tokens, affine)]
+    assert crossover.beyond(curve[:2]) == [40] and crossover.beyond(curve[3:]) == [40]
+    assert crossover.beyond(curve) == [] and crossover.beyond([{**curve[4], "tokens_per_rank": 1}]) == []
+    points = crossover.sweep(49, 7)
+    assert points == sorted(points) and points[0] == 12 and points[-1] == 196 and len(points) == 7
+
+
+def test_one_small_run_writes_measured_beside_predicted(tmp_path, capfd):
+    folder = tmp_path / "results"
+    plant_results(folder)
+    crossover.main(["--tokens", "2,64", "--seq", "16", "--warmup", "0", "--steps", "2"])
+    out = capfd.readouterr().out
+    assert "crossover measured:" in out and "crossover predicted:" in out
+    rows = list(csv.DictReader(open(folder / "crossover.csv")))
+    assert [row["point"] for row in rows] == ["0", "1", "crossover"]
+    assert [int(row["tokens_per_rank"]) for row in rows[:2]] == [2, 64]
+    assert [(row["rows"], row["seq"]) for row in rows[:2]] == [("1", "2"), ("4", "16")]
+    assert all(float(row["backward_ms"]) > 0 and float(row["all_reduce_ms"]) > 0 for row in rows[:2])
+    assert float(rows[2]["predicted_tokens"]) == pytest.approx(run_planning.box_crossover(2)["tokens"])
+
+
+def test_make_benchs_deadline_stops_the_sweep_and_says_so(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 0.01:.3f}")   # passed by the second point
+    crossover.main(["--tokens", "2,64", "--seq", "16", "--warmup", "0", "--steps", "1"])
+    assert "stopped before 64 tokens a rank" in capfd.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "results" / "crossover.csv")))
+    assert [row["point"] for row in rows] == ["0", "crossover"] and rows[1]["tokens_per_rank"] == ""
