@@ -285,9 +285,8 @@ class _Streams:
 
 def _rank(rank, worker, config, args, environ, streams):
     """A started rank (torch's wrapper around it records its traceback if it raises)."""
-    # torch sends SIGINT when this rank's parent dies: let it end the rank, even in a collective.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank, even in a collective
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # and its parent's end (not SIGINT)
     if streams is not None:  # forked by the fork server
         streams.take()
         # Close our copy of the server's "alive" pipe: the server ends with the launcher.

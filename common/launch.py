@@ -14,6 +14,7 @@ The lab's bench/supervisor.py adds what an unwatched run needs (stalls, Ctrl-C, 
 import argparse
 import datetime
 import math
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -171,6 +172,8 @@ def run_rank(worker, rank, world_size, local_rank, backend, device, args):  # un
 
 def _rank(rank, worker, config, args, environ):  # environ: the fork server's is older
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent's death (torch asks Linux) ends it
+    server = multiprocessing.forkserver._forkserver  # our parent: it ends when the launcher does,
+    os.close(server._forkserver_alive_fd)  # once every copy of this pipe is closed, ours too
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.seed()  # ranks forked from one server would share its generator's state
