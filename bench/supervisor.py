@@ -33,7 +33,8 @@ from bench import results
 from common import usage_error
 from common.launch import (Dist, LaunchConfig, Parser, choice_list, free_port, int_list,  # noqa: F401
                            list_of, non_negative_int, positive_float, positive_int,
-                           rank_threads, ranks_on_this_node, under_torchrun)
+                           rank_threads, ranks_on_this_node, ranks_per_gpu,
+                           under_torchrun)
 from common.launch import make_parser as course_parser
 from common.launch import resolve as course_resolve
 
@@ -199,11 +200,10 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
 
 def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
     """One-line usage error when a rank's ``per_rank_bytes`` cannot fit (a shared GPU adds up)."""
-    ranks_here = ranks_on_this_node(config.world_size)
     if config.device != "cuda":
-        check_ranks_fit(ranks_here, per_rank_bytes, what)
+        check_ranks_fit(ranks_on_this_node(config.world_size), per_rank_bytes, what)
         return
-    need = -(-ranks_here // torch.cuda.device_count()) * per_rank_bytes  # ranks per GPU, rounded up
+    need = ranks_per_gpu(config.world_size) * per_rank_bytes
     total = torch.cuda.get_device_properties(0).total_memory
     if need > 0.9 * total:
         usage_error(f"{what} needs about {need / GIB:.1f} GiB per GPU but a GPU has "
