@@ -37,6 +37,7 @@ torch_tp = import_stage("07_parallelism/03_tensor_parallel/torch_tensor_parallel
 RTOL = 1e-4  # t partial sums: a few 1e-7 off; a missing collective: off by the values
 ATOL = 1e-5
 BLOCK_LAYERS = ("attn.qkv", "attn.out", "mlp.0", "mlp.2")
+BLOCK_LABELS = {None: "one process", False: "TP", True: "TP + SP", "torch": "torch TP + SP"}
 FLOAT32 = 4
 
 
@@ -171,13 +172,16 @@ def my_tokens(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x.chunk(world_size, dim=1)[rank]
 
 
-def check_mlp(ctx, cfg: dict, land=None) -> tuple[list[dict], list[dict], list[str]]:
+def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], list[dict], list[str]]:
     """Each of ``cfg["variants"]`` against one process, counted: (check rows, byte rows, this
-    rank's failures); ``land(ctx, cfg, result)`` as each variant lands."""
+    rank's failures); ``land(ctx, cfg, result)`` as each variant lands; each only if
+    ``deadline`` (a ``launch.Deadline``) allows."""
     checks = []
     byte_rows = []
     failures = []
     for variant in cfg["variants"]:
+        if deadline is not None and not deadline.allows(ctx, f"MLP, {variant}, and after"):
+            break
         torch.manual_seed(0)  # every rank builds the same full MLP and data, keeps its shards
         reference = tp.MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
         x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -255,7 +259,7 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
     world_size = dist.get_world_size(group)
     ours = configuration != "torch"
     sequence_parallel = configuration is not False
-    label = {False: "TP", True: "TP + SP", "torch": "torch TP + SP"}[configuration]
+    label = BLOCK_LABELS[configuration]
 
     def mine(key: str) -> torch.Tensor:  # with sequence parallelism, this rank's seq/t tokens
         if sequence_parallel:
@@ -315,10 +319,12 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
             "failures": failed_rows(label, checks) + failures + saved_failures(ctx, saved)}
 
 
-def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None) -> dict:
+def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
+                deadline=None) -> dict:
     """The block on one process (seed 0 on every rank; a random probe as dL/d(output) uses
     every gradient), in TP, TP + SP and torch's TP + SP, on ``group``: {"checks", "bytes",
-    "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands."""
+    "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands,
+    each only if ``deadline`` allows."""
     torch.manual_seed(0)
     full = models.Block(cfg["d_model"], cfg["d_ff"], cfg["heads"]).to(ctx.device)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -336,6 +342,9 @@ def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None) 
     if with_torch:
         configurations.append("torch")
     for configuration in configurations:
+        what = f"block, {BLOCK_LABELS[configuration]}, and after"
+        if deadline is not None and not deadline.allows(ctx, what):
+            break
         part = one_process
         if configuration is not None:
             part = check_parallel_block(ctx, cfg, group, reference, configuration)
@@ -395,8 +404,9 @@ def land_block(ctx, cfg: dict, part: dict) -> None:
 
 def bench_main(ctx, cfg: dict) -> None:
     """Both MLP variants and the block, each written as it lands; the tables; one verdict."""
-    checks, mlp_bytes, failures = check_mlp(ctx, cfg, land=land_variant)
-    block = check_block(ctx, cfg, with_torch=cfg["with_torch"], land=land_block)
+    deadline = launch.Deadline()
+    checks, mlp_bytes, failures = check_mlp(ctx, cfg, land=land_variant, deadline=deadline)
+    block = check_block(ctx, cfg, with_torch=cfg["with_torch"], land=land_block, deadline=deadline)
     failures = agree(failures + block["failures"])
     if ctx.is_main:
         where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"

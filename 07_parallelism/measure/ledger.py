@@ -267,8 +267,12 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     optimizer_seconds = [[] for _ in cases]
     counted = [None] * len(cases)
     rows = [None] * len(cases)
+    deadline = launch.Deadline()
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
+            if not deadline.allows(ctx, f"round {round_number}, {impl}, checkpointing "
+                                        f"{checkpointing}, and after"):
+                break
             count = counted[index] is None  # count each case once, in its first round
             case_seconds, case_optimizer, case_counted = measure_case(ctx, impl, build, checkpointing == "on",
                                                                       args, count)
@@ -282,6 +286,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                                    optimizer_seconds[index])
             if ctx.is_main:  # the rows so far, their rounds pooled
                 path = results.upsert_csv(csv_name, [row for row in rows if row is not None], key=CSV_KEY)
+    rows = [row for row in rows if row is not None]  # past make bench's deadline: the ones run
     if ctx.is_main:
         kinds = list(KINDS)
         if ctx.device.type == "cuda":
