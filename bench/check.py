@@ -3,21 +3,15 @@
     make check                  # = python bench/check.py --device cpu
     make check DEVICE=cuda      # on a GPU box: the first command to run there
 
-Each stage script and each 07 lesson's demo checks itself against one process and exits 0
-only when everything matched. This runs them one after another on ``--device`` (the backend
-is the script's default for the box: Gloo on a CPU, ranks sharing one GPU over Gloo, NCCL with
-a GPU per rank), prints each one's output as it comes, and ends with a table: stage, device,
-outcome, seconds. A script that cannot carry this backend/device pair refuses up front in one
-line with exit status 2 (``prog: error: ...``); that is "refused", not a failure, and the line
-is shown. Anything else non-zero (a traceback, a failed check, a wrong flag, a timeout) is
-FAILED, and make check exits 1. The scripts write their result files into a temporary
-folder (``RESULTS_DIR``), removed at the end: a check never touches results/. Stopped by
-Ctrl-C or SIGTERM, it ends the running script and its ranks, removes that folder and says so
-in one line; killed (SIGKILL), its script follows it (Linux's parent-death signal) and the
-next run removes the folder left behind.
+Each script below checks itself against one process and exits 0 only when everything matched.
+They run one after another on ``--device`` (with the box's default backend), their output shown
+as it comes, then a table: stage, device, outcome, seconds. Exit 2 with one last line
+``prog: error: ...`` is "refused" (the script cannot carry this backend/device pair), not a
+failure; anything else non-zero (a traceback, a failed check, a timeout) is FAILED: exit 1.
+Result files go to a temporary ``RESULTS_DIR``, removed at the end. Ctrl-C or SIGTERM ends the
+running script and its ranks, in one line; SIGKILL: its script follows (Linux's parent-death
+signal) and the next run removes the folder left behind.
 """
-
-from __future__ import annotations
 
 import argparse
 import ctypes

@@ -251,9 +251,10 @@ def test_ranks_end_when_their_launcher_is_killed(tmp_path):
 
 
 ORPHANED_RANK = """
-import multiprocessing, sys
+import multiprocessing, os, sys
 sys.path.insert(0, sys.argv[1])
 from bench import supervisor
+multiprocessing.forkserver._forkserver._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
 
 class Gone:
     def is_alive(self):
@@ -262,7 +263,7 @@ class Gone:
 multiprocessing.parent_process = Gone
 environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(supervisor.free_port()), "WORLD_SIZE": "1"}
 supervisor._rank(0, print, supervisor.LaunchConfig(1, "gloo", "cpu"), ("the worker ran",), environ,
-                 None)
+                 supervisor._Streams())
 """
 
 

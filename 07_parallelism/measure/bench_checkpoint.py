@@ -7,8 +7,6 @@ median) and bytes per rank. Rows go to results/checkpoint.csv.
     python 07_parallelism/measure/bench_checkpoint.py --bench --model course --world-size 4
 """
 
-from __future__ import annotations
-
 import math
 import os
 import shutil
@@ -39,9 +37,6 @@ def one_folder(ctx, given: str | None, prefix: str) -> Path:
     shared = [name]
     dist.broadcast_object_list(shared, src=0)
     return Path(shared[0])
-
-
-# --------------------------------------------------------------------------- --bench
 
 
 def bench_state(full_lm, rank: int, world_size: int, device) -> tuple[list, dict]:
@@ -88,9 +83,7 @@ def as_dtensors(tensors: dict, mesh) -> dict:
             state[name] = local                 # a plain tensor: replicated, saved once
             continue
         if len(full_shape) >= 2:
-            rows = 0
-            for local_box, _ in boxes:
-                rows = local_box[0][1]
+            rows = boxes[0][0][0][1] if boxes else 0  # this rank's rows, none past the end
             stride = torch.empty(full_shape, device="meta").stride()
             state[name] = DTensor.from_local(local[:rows], mesh, [Shard(0)], run_check=False,
                                              shape=torch.Size(full_shape), stride=stride)
@@ -177,10 +170,8 @@ def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, state
                 if iteration >= args.warmup:
                     times.append(elapsed)
                     counted.append(count)
-                    if op == "save":
-                        kernel.append(written_after - written_before)
-                    else:
-                        kernel.append(read_after - read_before)
+                    kernel.append(written_after - written_before if op == "save"
+                                  else read_after - read_before)
             dist.barrier()
             if ctx.is_main and op == "save" and impl == "torch_dcp" \
                     and iteration < args.warmup + args.iters - 1:
@@ -222,32 +213,21 @@ def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) 
     everyone = [None] * ctx.world_size
     dist.all_gather_object(everyone, mine)
     ran = everyone[:size]
-    medians = []
-    all_times = []
-    data_bytes = []
-    manifest_bytes = []
-    kernel_bytes = []
-    for theirs in ran:
-        medians.append(statistics.median(theirs["times"]))
-        all_times.extend(theirs["times"])
-        kernel_bytes.append(theirs["kernel"][-1])
-        counted_here = theirs["counted"][-1]
-        if counted_here is not None:
-            data_bytes.append(counted_here["data"])
-            manifest_bytes.append(counted_here["manifest"])
-            if counted_here.get("needed", counted_here["data"]) != counted_here["data"]:
-                raise AssertionError(f"{impl} {op}: a rank read {counted_here['data']} bytes "
-                                     f"for an overlap of {counted_here['needed']}")
-    row = {"impl": impl, "op": op, "saved_at": saved_at, "loaded_at": loaded_at, "ranks": size,
-           "time_ms_median": 1000 * max(medians), "time_ms_min": 1000 * min(all_times),
-           "time_ms_max": 1000 * max(all_times), "data_bytes_max": "", "data_bytes_total": "",
-           "manifest_bytes": "", "kernel_bytes_max": max(kernel_bytes),
-           "kernel_bytes_total": sum(kernel_bytes)}
-    if data_bytes:
-        row["data_bytes_max"] = max(data_bytes)
-        row["data_bytes_total"] = sum(data_bytes)
-        row["manifest_bytes"] = max(manifest_bytes)
-    return row
+    all_times = [t for theirs in ran for t in theirs["times"]]
+    kernel_bytes = [theirs["kernel"][-1] for theirs in ran]
+    counted = [theirs["counted"][-1] for theirs in ran if theirs["counted"][-1] is not None]
+    for here in counted:
+        if here.get("needed", here["data"]) != here["data"]:
+            raise AssertionError(f"{impl} {op}: a rank read {here['data']} bytes for an overlap "
+                                 f"of {here['needed']}")
+    data_bytes = [here["data"] for here in counted]
+    return {"impl": impl, "op": op, "saved_at": saved_at, "loaded_at": loaded_at, "ranks": size,
+            "time_ms_median": 1000 * max(statistics.median(theirs["times"]) for theirs in ran),
+            "time_ms_min": 1000 * min(all_times), "time_ms_max": 1000 * max(all_times),
+            "data_bytes_max": max(data_bytes, default=""), "data_bytes_total":
+            sum(data_bytes) if data_bytes else "", "manifest_bytes":
+            max((here["manifest"] for here in counted), default=""),
+            "kernel_bytes_max": max(kernel_bytes), "kernel_bytes_total": sum(kernel_bytes)}
 
 
 def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
@@ -258,9 +238,7 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
         row.update({"model": args.model, "backend": dist.get_backend(),
                     "device": str(args.device_used), "machine": machine,
                     "run_id": results.run_id()})
-    by_key = {}
-    for row in rows:
-        by_key[(row["impl"], row["op"], row["saved_at"], row["loaded_at"])] = row
+    by_key = {(row["impl"], row["op"], row["saved_at"], row["loaded_at"]): row for row in rows}
     for row in rows:
         theirs = by_key.get(("torch_dcp", row["op"], row["saved_at"], row["loaded_at"]))
         row["ratio_vs_torch"] = float("nan")   # torch's not run on a pair that cannot carry it
@@ -296,9 +274,6 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
             print(f"target: {row['op']} {row['saved_at']} -> {row['loaded_at']} ranks at most "
                   f"1.5x torch.distributed.checkpoint: measured {row['ratio_vs_torch']:.2f}x "
                   f"({verdict}; {machine})", flush=True)
-
-
-# --------------------------------------------------------------------------- command line
 
 
 def main(argv=None) -> None:

@@ -11,8 +11,6 @@ Run:
     python 07_parallelism/measure/bench_expert_parallel.py --bench --world-size 4 --num-experts 8
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import os

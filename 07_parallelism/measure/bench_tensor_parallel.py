@@ -10,8 +10,7 @@ collectives (``common.launch.carries_point_to_point``). The demo's flags, and ``
     python 07_parallelism/measure/bench_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
 """
 
-from __future__ import annotations
-
+import os
 import sys
 from pathlib import Path
 
@@ -88,11 +87,7 @@ def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
 def saved_formula(cfg: dict, world_size: int, sequence_parallel: bool) -> tuple[int, int]:
     """(LayerNorms', everything else's) bytes saved for backward by one block on one rank,
     float32, no dropout, world_size 1 being one process (the README derives it)."""
-    b = cfg["batch"]
-    s = cfg["seq"]
-    h = cfg["d_model"]
-    f = cfg["d_ff"]
-    a = cfg["heads"]
+    b, s, h, f, a = (cfg[key] for key in ("batch", "seq", "d_model", "d_ff", "heads"))
     t = world_size
     layernorms = 2 * b * s * h + 4 * b * s
     if sequence_parallel:
@@ -373,10 +368,8 @@ def land_variant(ctx, cfg: dict, result: dict) -> None:
         return
     same = mlp_columns(ctx, cfg)
     rows = [{**same, **row, "run_id": results.run_id()} for row in result["bytes"]]
-    path = results.upsert_csv("tensor_parallel.csv", rows,
-                              key=[*same, "variant", "layer", "phase"])
-    path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path  # shorter
-    ctx.print(f"MLP, {rows[0]['variant']}: rows in {path}", all_ranks=False)
+    path = results.upsert_csv("tensor_parallel.csv", rows, key=[*same, "variant", "layer", "phase"])
+    ctx.print(f"MLP, {rows[0]['variant']}: rows in {os.path.relpath(path)}", all_ranks=False)
 
 
 def land_block(ctx, cfg: dict, part: dict) -> None:
@@ -396,10 +389,8 @@ def land_block(ctx, cfg: dict, part: dict) -> None:
         rows.append({**same, "what": f"saved {kind}", "block": saved["block"], "phase": "forward",
                      "collectives": "", "bytes": saved[kind], "formula": saved[f"{kind} formula"],
                      "ring_bytes_sent_per_rank": "", "run_id": results.run_id()})
-    path = results.upsert_csv("sequence_parallel.csv", rows,
-                              key=[*same, "what", "block", "phase"])
-    path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
-    ctx.print(f"block, {part['label']}: rows in {path}", all_ranks=False)
+    path = results.upsert_csv("sequence_parallel.csv", rows, key=[*same, "what", "block", "phase"])
+    ctx.print(f"block, {part['label']}: rows in {os.path.relpath(path)}", all_ranks=False)
 
 
 def bench_main(ctx, cfg: dict) -> None:
@@ -440,20 +431,17 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     world_size = config.world_size
     # One line and exit 2 for sizes the split cannot take, before any worker starts.
-    if args.d_ff % world_size:
-        parser.error(f"--d-ff {args.d_ff} is not divisible by the tensor-parallel size "
-                     f"(world size) {world_size}")
-    if "allgather" in args.variants and args.d_model % world_size:
-        parser.error(f"--d-model {args.d_model} is not divisible by the world size {world_size} "
-                     "(the all-gather variant splits fc2's outputs)")
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
-    if args.heads % world_size:
-        parser.error(f"--heads {args.heads} is not divisible by the world size {world_size} "
-                     "(each rank holds whole heads)")
-    if args.seq % world_size:
-        parser.error(f"--seq {args.seq} is not divisible by the world size {world_size} "
-                     "(sequence parallelism gives each rank seq / t tokens)")
+    world = "the world size"
+    for flag, size, name, by, why in (
+            ("--d-ff", args.d_ff, "the tensor-parallel size (world size)", world_size, ""),
+            ("--d-model", args.d_model if "allgather" in args.variants else 0, world, world_size,
+             " (the all-gather variant splits fc2's outputs)"),
+            ("--d-model", args.d_model, "--heads", args.heads, ""),
+            ("--heads", args.heads, world, world_size, " (each rank holds whole heads)"),
+            ("--seq", args.seq, world, world_size, " (sequence parallelism gives each rank seq / t "
+                                                   "tokens)")):
+        if size % by:
+            parser.error(f"{flag} {size} is not divisible by {name} {by}{why}")
     # A rank's rough peak: MLP, block, gradients, slices, torch's copy, 3 blocks' activations
     weights = 2 * args.d_model * args.d_ff + 4 * args.d_model * args.d_model
     tokens = args.batch * args.seq

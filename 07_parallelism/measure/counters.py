@@ -12,8 +12,6 @@ collectives) and ``GatheredWeights`` (the most full weights lesson 2's FSDP hold
     print(comm.sent_bytes, comm.by_label, comm.by_axis)
 """
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 

@@ -9,8 +9,6 @@ compute lesson 9's check predicts the others from). For each, one step is counte
 step times measure its host path, and ``comm_path`` in the CSV says so.
 """
 
-from __future__ import annotations
-
 import contextlib
 import gc
 
@@ -188,15 +186,12 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
     if count:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
+        gathered = GatheredWeights(wrapper) if ours else contextlib.nullcontext()
         if ours:  # weights, not activations
-            def gathered_now():
-                return gathered_storage_keys(wrapper)
-            gathered = GatheredWeights(wrapper)
+            saved = SavedActivations(model, exclude_now=lambda: gathered_storage_keys(wrapper))
         else:  # torch's fully_shard puts its gathered weights into the modules while they run
-            def gathered_now():
-                return {storage_key(param) for param in model.parameters()}
-            gathered = contextlib.nullcontext()
-        saved = SavedActivations(model, exclude_now=gathered_now)
+            saved = SavedActivations(model, exclude_now=lambda: {storage_key(p) for p in
+                                                                 model.parameters()})
         with CommCounter() as comm, gathered:
             step(saved)
         counted["param"] = state_bytes(model.parameters())
@@ -255,10 +250,8 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         ctx.print(f"torch_fsdp: left out on {ctx.backend}/{ctx.device.type}, which cannot carry "
                   "DTensor's coalesced collectives", all_ranks=False)
         strategies = [strategy for strategy in strategies if strategy[0] != "torch_fsdp"]
-    cases = []
-    for impl, build in strategies:
-        for checkpointing in args.checkpointing:
-            cases.append((impl, build, checkpointing))
+    cases = [(impl, build, checkpointing) for impl, build in strategies
+             for checkpointing in args.checkpointing]
     # The first case timed ran slow (the control without checkpointing slower than with it in
     # 4 of 6 runs): it runs once, untimed, first.
     impl, build, checkpointing = cases[0]
@@ -288,9 +281,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                 path = results.upsert_csv(csv_name, [row for row in rows if row is not None], key=CSV_KEY)
     rows = [row for row in rows if row is not None]  # past make bench's deadline: the ones run
     if ctx.is_main:
-        kinds = list(KINDS)
-        if ctx.device.type == "cuda":
-            kinds.append("cuda_peak")
+        kinds = [*KINDS, "cuda_peak"] if ctx.device.type == "cuda" else KINDS
         table = []
         for row in rows:
             line = {"impl": row["impl"], "ckpt": row["checkpointing"], "step_ms": row["step_ms"]}
