@@ -126,10 +126,9 @@ def run_one(argv: list[str], timeout_s: float, results_dir: str) -> tuple[int, s
 def summary(rows: list[tuple[str, str, str, float, str]]) -> str:
     """The closing table: stage, device, outcome, seconds (and the line behind each outcome)."""
     width = max(len(stage) for stage, *_ in rows)
-    lines = [f"{'stage':<{width}}  device  outcome   seconds  note"]
-    for stage, device, status, seconds, note in rows:
-        lines.append(f"{stage:<{width}}  {device:<6}  {status:<8}  {seconds:7.1f}  {note}")
-    return "\n".join(lines)
+    return "\n".join([f"{'stage':<{width}}  device  outcome   seconds  note"] +
+                     [f"{stage:<{width}}  {device:<6}  {status:<8}  {seconds:7.1f}  {note}"
+                      for stage, device, status, seconds, note in rows])
 
 
 SCRATCH_PREFIX = "make-check-"

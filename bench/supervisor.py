@@ -326,8 +326,7 @@ def _rank(rank, worker, config, args, environ, streams):
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
     """Run ``worker(ctx, *args)`` on every rank, supervised; ``timeout_s`` bounds the run."""
     if under_torchrun():
-        if not faulthandler.is_enabled():
-            faulthandler.enable()
+        faulthandler.enable()
         check_environment()
         wait_for_rank_0(int(os.environ["RANK"]))
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
@@ -336,7 +335,6 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     addr = master_addr()
     environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
-    store = None
     if master_port() is None:
         # The ranks' store, held here on a port the OS keeps for it; they join as clients.
         store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,

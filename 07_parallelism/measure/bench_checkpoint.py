@@ -43,8 +43,7 @@ def bench_state(full_lm, rank: int, world_size: int, device) -> tuple[list, dict
     """The LM in FSDP's padded row blocks at ``world_size`` ranks, with AdamW moments (random
     values: what matters is their size) and steps: (layout for this lesson, the same shards as
     DTensors for torch.distributed.checkpoint). Rank ``rank`` of the group."""
-    layout = []
-    tensors = {}
+    layout, tensors = [], {}
     generator = torch.Generator().manual_seed(7)
     for name, p in full_lm.named_parameters():
         full_shape = list(p.shape)
@@ -115,8 +114,7 @@ def bench_main(ctx, args) -> None:
     block_columns = layouts.lm_block_columns(names, preset)
     world_size = ctx.world_size
     groups = {2: dist.new_group([0, 1]), world_size: dist.group.WORLD}
-    meshes = {}
-    states = {}
+    meshes, states = {}, {}
     for size, group in groups.items():
         if ctx.rank < size:
             meshes[size] = DeviceMesh.from_group(group, ctx.device.type)
@@ -152,9 +150,7 @@ def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, state
     folder = root / f"{impl}_{saved_at}"
     for op, size in (("save", saved_at), ("load", loaded_at)):
         group = groups[size]
-        times = []
-        counted = []
-        kernel = []
+        times, counted, kernel = [], [], []
         for iteration in range(args.warmup + args.iters):
             if ctx.rank < size:
                 layout, tensors = states[size]
@@ -239,20 +235,16 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
                     "device": str(args.device_used), "machine": machine,
                     "run_id": results.run_id()})
     by_key = {(row["impl"], row["op"], row["saved_at"], row["loaded_at"]): row for row in rows}
-    for row in rows:
+    for row in rows:  # NaN: torch's not run (a pair that cannot carry it, or past the deadline)
         theirs = by_key.get(("torch_dcp", row["op"], row["saved_at"], row["loaded_at"]))
-        row["ratio_vs_torch"] = float("nan")   # torch's not run on a pair that cannot carry it
-        if theirs is not None:
-            row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"]
-    shown = []
-    for row in rows:
-        shown.append({"impl": row["impl"], "op": row["op"],
-                      "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
-                      "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
-                      "x torch": row["ratio_vs_torch"],
-                      "data bytes/rank (max)": row["data_bytes_max"],
-                      "manifest bytes": row["manifest_bytes"],
-                      "kernel bytes/rank (max)": row["kernel_bytes_max"]})
+        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"] if theirs \
+            else float("nan")
+    shown = [{"impl": row["impl"], "op": row["op"],
+              "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
+              "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
+              "x torch": row["ratio_vs_torch"], "data bytes/rank (max)": row["data_bytes_max"],
+              "manifest bytes": row["manifest_bytes"],
+              "kernel bytes/rank (max)": row["kernel_bytes_max"]} for row in rows]
     results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW "
                                      f"({machine})")
     path = results.upsert_csv("checkpoint.csv", rows, key=["model", "backend", "device", "impl",

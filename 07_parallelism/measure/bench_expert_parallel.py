@@ -7,7 +7,6 @@ beside the formula. Then the expert bytes per rank (exactly 1/W) and the load at
 count for each routing and capacity factor, drawn to results/expert_parallel_load.png.
 Under Gloo the exchange times describe its host path; the bytes and loads are exact anywhere.
 
-Run:
     python 07_parallelism/measure/bench_expert_parallel.py --bench --world-size 4 --num-experts 8
 """
 
@@ -214,10 +213,9 @@ def bench_main(ctx, cfg: dict) -> None:
         if predicted_s is not None and cfg["budget_s"] is not None:
             decision = [time.monotonic() - start + predicted_s <= cfg["budget_s"]]
             dist.broadcast_object_list(decision, src=0)   # rank 0 decides, every rank follows
-            if ctx.is_main and not decision[0]:
-                print(f"  {tokens} tokens per rank and more skipped: about {predicted_s:.0f} s predicted, "
-                      f"past --budget-s {cfg['budget_s']:g}", flush=True)
             if not decision[0]:
+                ctx.print(f"{tokens} tokens per rank and more skipped: about {predicted_s:.0f} s "
+                          f"predicted, past --budget-s {cfg['budget_s']:g}", all_ranks=False)
                 break
         if not deadline.allows(ctx, f"{tokens} tokens per rank and more, and the loads",
                                predicted_s):
@@ -305,14 +303,10 @@ def parse(argv=None):
                      "each rank holds num_experts / ranks experts")
     if args.top_k > num_experts:
         parser.error(f"--top-k {args.top_k} is more than --num-experts {num_experts}")
-    cfg = {"d_model": args.d_model, "d_ff": args.d_ff, "num_experts": num_experts,
-           "top_k": args.top_k, "tokens": args.tokens,
-           "capacity_factors": args.capacity_factors, "warmup": args.warmup,
-           "iters": args.iters, "budget_s": args.budget_s}
+    cfg = {**vars(args), "num_experts": num_experts}  # d_model, d_ff, top_k, tokens, ...
     # A rank's rough peak, float32: the MoE, its gradients and this rank's copies; the routing's
     # int64 one-hot [top_k x tokens, E] and its count; both layers' activations.
-    d_model = args.d_model
-    d_ff = args.d_ff
+    d_model, d_ff = args.d_model, args.d_ff
     experts = num_experts * (2 * d_model * d_ff + d_model + d_ff)
     tokens = max(args.tokens)
     rows = args.top_k * tokens

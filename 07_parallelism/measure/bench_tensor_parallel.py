@@ -2,10 +2,9 @@
 formulas of ``07_parallelism/03_tensor_parallel/README.md``: the MLP's bytes per layer and
 phase (both variants) beside ``predicted_comm`` (results/tensor_parallel.csv); a Transformer
 block's (TP, TP + SP, torch's ``parallelize_module`` as the control) beside
-``predicted_block_comm``, and its bytes saved for backward beside ``saved_formula``
-(results/sequence_parallel.csv). Each is checked against one process and written as it lands.
-torch's control is left out, in one line, where the pair cannot carry its coalesced
-collectives (``common.launch.carries_point_to_point``). The demo's flags, and ``--bench``.
+``predicted_block_comm``, its bytes saved for backward beside ``saved_formula``
+(results/sequence_parallel.csv). Each is checked against one process and written as it lands;
+torch's is left out where the pair cannot carry it. The demo's flags, and ``--bench``.
 
     python 07_parallelism/measure/bench_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
 """
@@ -123,10 +122,8 @@ def count_saved(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[
     def close_counter(module, args, output):
         inside[-1].__exit__(None, None, None)
 
-    handles = []
-    for norm in (block.norm1, block.norm2):
-        handles.append(norm.register_forward_pre_hook(open_counter))
-        handles.append(norm.register_forward_hook(close_counter))
+    handles = [hook for norm in (block.norm1, block.norm2) for hook in
+               (norm.register_forward_pre_hook(open_counter), norm.register_forward_hook(close_counter))]
     with SavedActivations(block) as elsewhere:
         output = block(x)
     for handle in handles:
@@ -142,8 +139,7 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
 def compare_bytes(counted: dict, predicted: dict, world_size: int,
                   what: str) -> tuple[list[dict], list[str]]:
     """(rows, failures): each layer and phase's collectives, counted beside predicted."""
-    rows = []
-    failures = []
+    rows, failures = [], []
     for (layer, phase), (op, want) in predicted.items():
         got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
         want_ops = [op] if want else []
@@ -171,9 +167,7 @@ def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], lis
     """Each of ``cfg["variants"]`` against one process, counted: (check rows, byte rows, this
     rank's failures); ``land(ctx, cfg, result)`` as each variant lands; each only if
     ``deadline`` (a ``launch.Deadline``) allows."""
-    checks = []
-    byte_rows = []
-    failures = []
+    checks, byte_rows, failures = [], [], []
     for variant in cfg["variants"]:
         if deadline is not None and not deadline.allows(ctx, f"MLP, {variant}, and after"):
             break
@@ -234,41 +228,29 @@ def phase_totals(label: str, calls: list[dict], world_size: int) -> list[dict]:
     """Per phase: the collectives of ``calls`` labelled with it, payload, ring bytes per rank."""
     table = []
     for phase in ("forward", "backward"):
-        ops = []
-        payload = 0
-        sent = 0.0
-        for call in calls:
-            if call["label"] == phase and call["payload_bytes"]:
-                ops.append(call["op"])
-                payload += call["payload_bytes"]
-                sent += ring_send_bytes(call["op"], call["payload_bytes"], world_size)
-        table.append({"block": label, "phase": phase, "collectives": " ".join(ops),
-                      "payload bytes": payload, "ring bytes sent per rank": sent})
+        mine = [call for call in calls if call["label"] == phase and call["payload_bytes"]]
+        sent = sum((ring_send_bytes(c["op"], c["payload_bytes"], world_size) for c in mine), 0.0)
+        table.append({"block": label, "phase": phase, "collectives": " ".join(c["op"] for c in mine),
+                      "payload bytes": sum(c["payload_bytes"] for c in mine),
+                      "ring bytes sent per rank": sent})
     return table
 
 
 def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) -> dict:
     """Our TP (configuration False), TP + SP (True) or torch's TP + SP ("torch") block, one
     forward + backward on ``reference``'s data, checked against it and counted."""
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     ours = configuration != "torch"
     sequence_parallel = configuration is not False
     label = BLOCK_LABELS[configuration]
 
     def mine(key: str) -> torch.Tensor:  # with sequence parallelism, this rank's seq/t tokens
-        if sequence_parallel:
-            return my_tokens(reference[key], rank, world_size)
-        return reference[key]
+        return my_tokens(reference[key], rank, world_size) if sequence_parallel else reference[key]
 
     x_mine = mine("x").clone().requires_grad_(True)
-    if ours:
-        block = tp.TensorParallelBlock(reference["full"], group, sequence_parallel)
-        counter = CommCounter()
-    else:
-        block = torch_tp.parallelize_block(reference["full"], group, ctx.device.type)
-        counter = FunctionalCommCounter()  # torch's DTensor collectives, labelled per phase
-    with counter as comm:
+    block = tp.TensorParallelBlock(reference["full"], group, sequence_parallel) if ours else \
+        torch_tp.parallelize_block(reference["full"], group, ctx.device.type)
+    with (CommCounter() if ours else FunctionalCommCounter()) as comm:  # torch's: DTensor's ops
         handles = label_layers(comm, block, BLOCK_LAYERS if ours else ())
         comm.current = "forward"
         out, saved = count_saved(block, x_mine)
@@ -333,10 +315,7 @@ def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
     one_process["failures"] = saved_failures(ctx, one_process["saved"])
     result = {"checks": [], "bytes": [], "totals": [], "saved": [], "failures": [],
               "world_size": dist.get_world_size(group)}
-    configurations = [None, False, True]
-    if with_torch:
-        configurations.append("torch")
-    for configuration in configurations:
+    for configuration in [None, False, True] + (["torch"] if with_torch else []):
         what = f"block, {BLOCK_LABELS[configuration]}, and after"
         if deadline is not None and not deadline.allows(ctx, what):
             break

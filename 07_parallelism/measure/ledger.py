@@ -113,16 +113,11 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
         return predicted
 
     ours = impl == "fsdp"
-    padded = {}  # id(tensor) -> float32 bytes of N ceil(rows / N) rows, for the sharded tensors
-    for tensor in lm.parameters():
-        if tensor.dim() >= 2 or not ours:
-            padded[id(tensor)] = 4 * -(-tensor.shape[0] // n) * n * tensor[0].numel()
-    kept = []  # the tensors that stay gathered from forward to backward
-    if ours:
-        kept.extend(lm.blocks[-1].parameters())
-    for name, tensor in lm.named_parameters():
-        if not name.startswith("blocks."):
-            kept.append(tensor)
+    # id(tensor) -> float32 bytes of N ceil(rows / N) rows, for the sharded tensors
+    padded = {id(tensor): 4 * -(-tensor.shape[0] // n) * n * tensor[0].numel()
+              for tensor in lm.parameters() if tensor.dim() >= 2 or not ours}
+    kept = [*(lm.blocks[-1].parameters() if ours else []),  # stay gathered, forward to backward
+            *(tensor for name, tensor in lm.named_parameters() if not name.startswith("blocks."))]
     W = sum(padded.values())  # the sharded tensors' padded bytes
     K = sum(padded.get(id(tensor), 0) for tensor in kept)  # ... of those kept gathered
     sharded_unpadded = 4 * sum(tensor.numel() for tensor in lm.parameters() if id(tensor) in padded)
@@ -237,9 +232,9 @@ def comm_path(ctx) -> str:
     """What the step times' communication went through (the CSV's ``comm_path``)."""
     if ctx.backend == "nccl":
         return "nccl"
-    if ctx.device.type == "cuda":
-        return "gloo host path (GPU -> host memory -> loopback TCP -> GPU)"
-    return "gloo host path (host memory, loopback TCP)"
+    path = "GPU -> host memory -> loopback TCP -> GPU" if ctx.device.type == "cuda" else \
+        "host memory, loopback TCP"
+    return f"gloo host path ({path})"
 
 
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
