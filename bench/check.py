@@ -174,13 +174,11 @@ def main(argv=None) -> int:
     rows = []
     start = time.monotonic()
     sweep_stale_scratch()
-    # the scripts' result files, thrown away
-    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")  # results, thrown away
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for stage, script in CHECKS:
-            if wanted and not any(stage.startswith(p.strip()) for p in wanted):
-                continue
+        for stage, script in [(stage, script) for stage, script in CHECKS
+                              if not wanted or any(stage.startswith(p) for p in wanted)]:
             command = [*script, "--device", args.device]
             print(f"\n[check] {stage} on {args.device}\n  $ python {' '.join(command)}",
                   flush=True)
@@ -203,8 +201,7 @@ def main(argv=None) -> int:
     failed = [stage for stage, _, status, *_ in rows if status == "FAILED"]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -79,12 +79,10 @@ def master_addr() -> str:
 def master_port() -> int | None:
     """``MASTER_PORT``: a TCP port from 1 to 65535; None when unset or empty (pick a free one)."""
     text = os.environ.get("MASTER_PORT", "").strip()
-    if not text:
-        return None
-    if not (text.isdecimal() and 1 <= int(text) <= 65535):
+    if text and not (text.isdecimal() and 1 <= int(text) <= 65535):
         usage_error(f"MASTER_PORT={text!r}: give a TCP port from 1 to 65535, or leave it unset "
                     "(a free port is picked)")
-    return int(text)
+    return int(text) if text else None
 
 
 def torchrun_ranks() -> None:
@@ -210,9 +208,7 @@ class Deadline:
     still fits, rank 0 deciding for all. Past it, one line names what is skipped: all the rest."""
 
     def __init__(self):
-        self.started = None
-        self.longest = 0.0
-        self.stopped = False
+        self.started, self.longest, self.stopped = None, 0.0, False
 
     def allows(self, ctx, what: str, estimate_s: float | None = None) -> bool:
         from bench.step_bench import time_left_for  # it imports this module
@@ -427,11 +423,8 @@ def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
         if os.path.exists(path):
             with open(path, "rb") as f:
                 text = pickle.load(f).rstrip("\n")  # our own rank's file, in our temporary folder
-            body, _, when = text.rpartition("\n" + RAISED_AT)
-            if body:
-                raised.append((float(when), rank, body))
-            else:  # Python 3.10 has no notes: when torch wrote the file
-                raised.append((os.stat(path).st_mtime, rank, text))
+            body, _, when = text.rpartition("\n" + RAISED_AT)  # Python 3.10, no notes: the file's time
+            raised.append((float(when), rank, body) if body else (os.stat(path).st_mtime, rank, text))
     raised.sort()  # the first one first
     silent = [rank for rank in failed if not os.path.exists(error_files[rank])]
     if not raised and all(codes[rank] == 2 for rank in failed):

@@ -50,9 +50,7 @@ def bench_state(full_lm, rank: int, world_size: int, device) -> tuple[list, dict
         moments = {"exp_avg": torch.randn(full_shape, generator=generator),
                    "exp_avg_sq": torch.rand(full_shape, generator=generator)}
         for key, full in [("model", p.detach())] + list(moments.items()):
-            full_name = f"model.{name}"
-            if key != "model":
-                full_name = f"optimizer.{name}.{key}"
+            full_name = f"model.{name}" if key == "model" else f"optimizer.{name}.{key}"
             if len(full_shape) >= 2:
                 rows_per_rank = math.ceil(full_shape[0] / world_size)
                 local = torch.zeros([rows_per_rank] + full_shape[1:], device=device)

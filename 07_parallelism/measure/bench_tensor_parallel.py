@@ -69,11 +69,9 @@ def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
     if sequence_parallel:
         column = (("all_gather", activation), ("reduce_scatter", activation))
         row = (("reduce_scatter", activation), ("all_gather", activation))
-    predicted = {}
-    for layer, ops in (("attn.qkv", column), ("mlp.0", column), ("attn.out", row), ("mlp.2", row)):
-        predicted[(layer, "forward")] = ops[0]
-        predicted[(layer, "backward")] = ops[1]
-    return predicted
+    return {(layer, phase): op
+            for layer, ops in (("attn.qkv", column), ("mlp.0", column), ("attn.out", row), ("mlp.2", row))
+            for phase, op in zip(("forward", "backward"), ops)}
 
 
 def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
@@ -352,22 +350,18 @@ def land_variant(ctx, cfg: dict, result: dict) -> None:
 
 
 def land_block(ctx, cfg: dict, part: dict) -> None:
-    """One block configuration's bytes per phase and saved bytes, into
-    results/sequence_parallel.csv (rank 0)."""
+    """One block configuration's bytes per phase and saved bytes: results/sequence_parallel.csv."""
     if not ctx.is_main:
         return
     same = {**mlp_columns(ctx, cfg), "heads": cfg["heads"]}
-    rows = []
-    for row in part["totals"]:
-        rows.append({**same, "what": "bytes", "block": row["block"], "phase": row["phase"],
-                     "collectives": row["collectives"], "bytes": row["payload bytes"],
-                     "formula": "", "ring_bytes_sent_per_rank": row["ring bytes sent per rank"],
-                     "run_id": results.run_id()})
     saved = part["saved"]
-    for kind in ("layernorms", "rest"):
-        rows.append({**same, "what": f"saved {kind}", "block": saved["block"], "phase": "forward",
-                     "collectives": "", "bytes": saved[kind], "formula": saved[f"{kind} formula"],
-                     "ring_bytes_sent_per_rank": "", "run_id": results.run_id()})
+    rows = [{**same, "what": "bytes", "block": row["block"], "phase": row["phase"],
+             "collectives": row["collectives"], "bytes": row["payload bytes"], "formula": "",
+             "ring_bytes_sent_per_rank": row["ring bytes sent per rank"]} for row in part["totals"]]
+    rows += [{**same, "what": f"saved {kind}", "block": saved["block"], "phase": "forward",
+              "collectives": "", "bytes": saved[kind], "formula": saved[f"{kind} formula"],
+              "ring_bytes_sent_per_rank": ""} for kind in ("layernorms", "rest")]
+    rows = [{**row, "run_id": results.run_id()} for row in rows]
     path = results.upsert_csv("sequence_parallel.csv", rows, key=[*same, "what", "block", "phase"])
     ctx.print(f"block, {part['label']}: rows in {os.path.relpath(path)}", all_ranks=False)
 

@@ -189,11 +189,9 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
                                                                  model.parameters()})
         with CommCounter() as comm, gathered:
             step(saved)
-        counted["param"] = state_bytes(model.parameters())
-        counted["activation"] = saved.bytes
-        counted["sent"] = comm.sent_bytes
-        # a sharded optimizer: its inner one holds this rank's state
-        counted["optim"] = optimizer_state_bytes(getattr(optimizer, "optim", optimizer))
+        counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
+                       sent=comm.sent_bytes,  # a sharded optimizer: its inner one holds our state
+                       optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)))
         if ours:  # the shards held, plus the most full weights gathered at once
             counted["peak"] = counted["param"] + counted["grad"] + counted["optim"] + gathered.peak_bytes
         if ctx.device.type == "cuda":
@@ -277,16 +275,8 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     rows = [row for row in rows if row is not None]  # past make bench's deadline: the ones run
     if ctx.is_main:
         kinds = [*KINDS, "cuda_peak"] if ctx.device.type == "cuda" else KINDS
-        table = []
-        for row in rows:
-            line = {"impl": row["impl"], "ckpt": row["checkpointing"], "step_ms": row["step_ms"]}
-            for kind in kinds:  # counted (predicted), '-' where not counted
-                got = row[f"{kind}_bytes"]
-                want = row.get(f"{kind}_bytes_predicted")
-                line[f"{kind} MiB"] = "-" if got == "" else f"{got / 2**20:.2f}"
-                if want is not None:
-                    line[f"{kind} MiB"] += f" ({want / 2**20:.2f})"
-            table.append(line)
+        table = [{"impl": row["impl"], "ckpt": row["checkpointing"], "step_ms": row["step_ms"],
+                  **{f"{kind} MiB": mib(row, kind) for kind in kinds}} for row in rows]
         results.print_table(table, floatfmt=".1f",
                             title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
                                   f"rank's median step; {args.model} LM, AdamW, {ctx.world_size} ranks, "
@@ -297,6 +287,12 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                   f"true on any interconnect.", flush=True)
         print(f"wrote {path}\n" + "\n".join(target_lines(rows)), flush=True)
     return rows
+
+
+def mib(row: dict, kind: str) -> str:
+    """Counted (predicted) MiB; '-' where not counted."""
+    got, want = row[f"{kind}_bytes"], row.get(f"{kind}_bytes_predicted")
+    return ("-" if got == "" else f"{got / 2**20:.2f}") + ("" if want is None else f" ({want / 2**20:.2f})")
 
 
 def target_lines(rows: list[dict]) -> list[str]:
@@ -311,9 +307,7 @@ def target_lines(rows: list[dict]) -> list[str]:
               "zero1": ("torch_zero1", 1.10, "the same job: AdamW state sharded, gradients "
                         "all-reduced, parameters sent from their owners")}
     for (impl, checkpointing), row in by_case.items():
-        if impl not in rivals:
-            continue
-        rival, cap, differs = rivals[impl]
+        rival, cap, differs = rivals.get(impl, (None, None, None))
         if (rival, checkpointing) in by_case:
             ratio = row["step_ms"] / by_case[rival, checkpointing]["step_ms"]
             lines.append(f"{impl} step / {rival}'s, checkpointing {checkpointing}: {ratio:.2f}x "
