@@ -14,6 +14,7 @@ signal) and the next run removes the folder left behind.
 """
 
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -81,16 +82,13 @@ def outcome(returncode: int, output: str) -> tuple[str, str]:
 
 
 def kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # nothing left in it
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # nothing left in it
 
 
 def die_with_parent() -> None:
     """In the child, before exec: Linux sends it SIGKILL when check.py dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 RUNNING = {"pgid": None}  # the running script's process group, for the signal handler

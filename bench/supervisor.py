@@ -111,8 +111,7 @@ def check_environment() -> None:
     """Every environment variable a run reads, checked up front (one line, exit 2)."""
     timeout_s()
     torchrun_ranks()
-    addr = master_addr()
-    port = master_port()
+    addr, port = master_addr(), master_port()
     if port is not None and not under_torchrun():  # a MASTER_PORT given by hand: rank 0 binds it
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -127,8 +126,7 @@ def wait_for_rank_0(rank: int) -> None:
     """Under torchrun, a rank other than 0 waits for rank 0, saying so once, till DIST_TIMEOUT_S."""
     if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
-    addr = master_addr()
-    port = master_port()
+    addr, port = master_addr(), master_port()
     limit = time.monotonic() + timeout_s()
     for attempt in itertools.count():
         try:

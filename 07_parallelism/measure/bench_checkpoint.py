@@ -18,10 +18,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from common import import_stage  # noqa: E402  (the repository root is on the path now)
+from bench import results, timing  # noqa: E402  (the repository root is on the path now)
+from bench import supervisor as launch  # noqa: E402
+from common import import_stage, models  # noqa: E402
+from common.launch import carries_point_to_point  # noqa: E402
 
 checkpoint = import_stage("07_parallelism/08_checkpoints/checkpoint")
 layouts = import_stage("07_parallelism/08_checkpoints/layouts")
@@ -31,10 +37,7 @@ VOCAB = 256
 
 def one_folder(ctx, given: str | None, prefix: str) -> Path:
     """The folder every rank works in: ``given``, or one rank 0 makes in the temp folder."""
-    name = None
-    if ctx.is_main:
-        name = given or tempfile.mkdtemp(prefix=prefix)
-    shared = [name]
+    shared = [(given or tempfile.mkdtemp(prefix=prefix)) if ctx.is_main else None]
     dist.broadcast_object_list(shared, src=0)
     return Path(shared[0])
 
@@ -73,7 +76,6 @@ def bench_state(full_lm, rank: int, world_size: int, device) -> tuple[list, dict
 def as_dtensors(tensors: dict, mesh) -> dict:
     """The same shards as DTensors: Shard(0) (torch's even split: ceil(rows / N) rows each,
     the last ones shorter, as FSDP's blocks without their padding), 1-D ones Replicate()."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
     state = {}
     for name, (local, full_shape, boxes) in tensors.items():
         if boxes is None:
@@ -102,14 +104,10 @@ def io_counts() -> tuple[int, int]:
 
 def bench_main(ctx, args) -> None:
     """Save at 2 ranks and load at W, save at W and load at 2; ours and torch's alternately."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import DeviceMesh
-    from common import models
     root = one_folder(ctx, args.dir, "checkpoint-bench-")
     full_lm = models.TransformerLM(args.model, vocab_size=VOCAB, context_length=256)
-    preset = models.PRESETS[args.model]
-    names = [name for name, _ in full_lm.named_parameters()]
-    block_columns = layouts.lm_block_columns(names, preset)
+    block_columns = layouts.lm_block_columns([name for name, _ in full_lm.named_parameters()],
+                                             models.PRESETS[args.model])
     world_size = ctx.world_size
     groups = {2: dist.new_group([0, 1]), world_size: dist.group.WORLD}
     meshes, states = {}, {}
@@ -117,9 +115,7 @@ def bench_main(ctx, args) -> None:
         if ctx.rank < size:
             meshes[size] = DeviceMesh.from_group(group, ctx.device.type)
             states[size] = bench_state(full_lm, dist.get_rank(group), size, ctx.device)
-    from common.launch import carries_point_to_point
     torch_too = carries_point_to_point(ctx.backend, ctx.device.type)  # DTensor: coalesced ops
-    from bench import supervisor as launch
     deadline = launch.Deadline()
     rows = []
     for saved_at, loaded_at in ((2, world_size), (world_size, 2)):
@@ -127,10 +123,9 @@ def bench_main(ctx, args) -> None:
             if not deadline.allows(ctx, f"{impl} {saved_at} -> {loaded_at} ranks, and after"):
                 break
             rows += bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes,
-                               states, block_columns, dcp)
-    full_bytes = 0                  # the state, each element once: weights, 2 moments, a step
-    for p in full_lm.parameters():
-        full_bytes += 3 * p.numel() * 4 + 4
+                               states, block_columns)
+    # the state, each element once: weights, 2 moments, a step
+    full_bytes = sum(3 * p.numel() * 4 + 4 for p in full_lm.parameters())
     if ctx.is_main:
         finish_bench(args, rows, full_bytes)
     dist.barrier()
@@ -139,11 +134,10 @@ def bench_main(ctx, args) -> None:
 
 
 def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, states,
-               block_columns, dcp) -> list[dict]:
+               block_columns) -> list[dict]:
     """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many
     loads of the last one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's
     median and each rank's bytes."""
-    from bench import timing
     rows = []
     folder = root / f"{impl}_{saved_at}"
     for op, size in (("save", saved_at), ("load", loaded_at)):
@@ -157,7 +151,7 @@ def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, state
                 read_before, written_before = io_counts()
                 start = time.perf_counter()
                 count = run_op(impl, op, folder, iteration, layout, tensors, meshes[size],
-                               group, block_columns, dcp)
+                               group, block_columns)
                 timing.synchronize(ctx.device)
                 elapsed = time.perf_counter() - start
                 read_after, written_after = io_counts()
@@ -178,10 +172,8 @@ def dcp_folder(folder: Path, iteration: int) -> Path:
     return folder / f"dcp_{iteration:03d}"
 
 
-def run_op(impl, op, folder, iteration, layout, tensors, mesh, group, block_columns,
-           dcp) -> dict | None:
-    """One save or load; returns the bytes this lesson counted: {"data", "manifest"} (None
-    for torch's)."""
+def run_op(impl, op, folder, iteration, layout, tensors, mesh, group, block_columns) -> dict | None:
+    """One save or load: the bytes this lesson counted, {"data", "manifest"} (torch's: None)."""
     if impl == "ours" and op == "save":
         stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {},
                                 block_columns, group=group)
@@ -226,7 +218,6 @@ def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) 
 
 def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
     """Rank 0: the table, the targets measured beside their values, results/checkpoint.csv."""
-    from bench import results
     machine = results.machine_name()
     for row in rows:
         row.update({"model": args.model, "backend": dist.get_backend(),
@@ -267,9 +258,6 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
 
 
 def main(argv=None) -> None:
-    from common import models
-    from bench import results
-    from bench import supervisor as launch
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",

@@ -127,12 +127,8 @@ def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
     all_gather, reduce_scatter (N: the full tensor), broadcast, reduce (n-1)/n N; send N."""
     if op == "send":
         return float(payload)
-    if world_size == 1:
-        return 0.0
-    share = (world_size - 1) / world_size * payload
-    if op == "all_reduce":
-        return 2 * share
-    return share
+    share = (world_size - 1) / world_size * payload  # 0.0 on one rank
+    return 2 * share if op == "all_reduce" else share
 
 
 def tensor_bytes(t) -> int:

@@ -131,8 +131,7 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
 
 
 def add_ledger_args(parser) -> None:
-    """The ledger's flags, sized for ``make bench`` on 2 cores; the LM is ``course``, whose
-    blocks (not its logits, as the tiny LM's) dominate the saved activations."""
+    """The ledger's flags, for 2 cores; the course LM: its blocks dominate its saved activations."""
     group = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
     group.add_argument("--bench", action="store_true", help="the ledger of DDP, ZeRO-1/2, FSDP, "
                        "torch's and a control (none): bytes and time per step to results/sharding.csv")
@@ -174,10 +173,9 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         optimizer.step()
 
     seconds = timing.measure(step, ctx.device, warmup=args.warmup, iters=args.steps, barrier=True)
-    optimizer_seconds = []
-    if impl == "none":  # the last step's gradients are still there: the same AdamW step again
-        optimizer_seconds = timing.measure(optimizer.step, ctx.device, warmup=0, iters=args.steps,
-                                           barrier=True)
+    # the control: the last step's gradients are still there, so the same AdamW step again
+    optimizer_seconds = timing.measure(optimizer.step, ctx.device, warmup=0, iters=args.steps,
+                                       barrier=True) if impl == "none" else []
     if count:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -215,9 +213,8 @@ def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], cou
         row[f"{kind}_bytes"] = int(value) if value >= 0 else ""  # -1: not counted here
         if kind in counted["predicted"]:
             row[f"{kind}_bytes_predicted"] = int(counted["predicted"][kind])
-    optimizer_ms = ""
-    if optimizer_seconds:  # the control's only; the same on every rank: the gather is a collective
-        optimizer_ms = timing.gather_times(optimizer_seconds).median * 1e3
+    # the control's only; the same on every rank: the gather is a collective
+    optimizer_ms = timing.gather_times(optimizer_seconds).median * 1e3 if optimizer_seconds else ""
     params = models.lm_parameter_count(args.model, context_length=args.context_length)
     row.update(step_ms_min=stats.min * 1e3, step_ms_max=stats.max * 1e3, optimizer_ms=optimizer_ms,
                params=params, batch_size=args.batch_size, context_length=args.context_length,
