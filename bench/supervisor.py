@@ -303,7 +303,7 @@ def _rank(rank, worker, config, args, environ, streams):
     streams.take()
     # Close our copy of the server's "alive" pipe: the server, our parent, ends with the launcher.
     os.close(multiprocessing.forkserver._forkserver._forkserver_alive_fd)
-    faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
+    faulthandler.enable(file=2)  # a segfault prints every thread's Python stack on stderr (fd 2)
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))  # the launcher's, now
     torch.seed()  # forked ranks would all share the server's generator state
@@ -320,7 +320,8 @@ def _rank(rank, worker, config, args, environ, streams):
 def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) -> None:
     """Run ``worker(ctx, *args)`` on every rank, supervised; ``timeout_s`` bounds the run."""
     if under_torchrun():
-        faulthandler.enable()
+        if not faulthandler.is_enabled():
+            faulthandler.enable()
         check_environment()
         wait_for_rank_0(int(os.environ["RANK"]))
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
