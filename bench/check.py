@@ -3,23 +3,18 @@
     make check                  # = python bench/check.py --device cpu
     make check DEVICE=cuda      # on a GPU box: the first command to run there
 
-Each stage script and each 07 lesson's demo checks itself against one process and exits 0
-only when everything matched. This runs them one after another on ``--device`` (the backend
-is the script's default for the box: Gloo on a CPU, ranks sharing one GPU over Gloo, NCCL with
-a GPU per rank), prints each one's output as it comes, and ends with a table: stage, device,
-outcome, seconds. A script that cannot carry this backend/device pair refuses up front in one
-line with exit status 2 (``prog: error: ...``); that is "refused", not a failure, and the line
-is shown. Anything else non-zero (a traceback, a failed check, a wrong flag, a timeout) is
-FAILED, and make check exits 1. The scripts write their result files into a temporary
-folder (``RESULTS_DIR``), removed at the end: a check never touches results/. Stopped by
-Ctrl-C or SIGTERM, it ends the running script and its ranks, removes that folder and says so
-in one line; killed (SIGKILL), its script follows it (Linux's parent-death signal) and the
-next run removes the folder left behind.
+Each script below checks itself against one process and exits 0 only when everything matched.
+They run one after another on ``--device`` (with the box's default backend), their output shown
+as it comes, then a table: stage, device, outcome, seconds. Exit 2 with one last line
+``prog: error: ...`` is "refused" (the script cannot carry this backend/device pair), not a
+failure; anything else non-zero (a traceback, a failed check, a timeout) is FAILED: exit 1.
+Result files go to a temporary ``RESULTS_DIR``, removed at the end. Ctrl-C or SIGTERM ends the
+running script and its ranks, in one line; SIGKILL: its script follows (Linux's parent-death
+signal) and the next run removes the folder left behind.
 """
 
-from __future__ import annotations
-
 import argparse
+import contextlib
 import ctypes
 import os
 import re
@@ -87,16 +82,13 @@ def outcome(returncode: int, output: str) -> tuple[str, str]:
 
 
 def kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):  # nothing left in it
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass  # nothing left in it
 
 
 def die_with_parent() -> None:
     """In the child, before exec: Linux sends it SIGKILL when check.py dies, however it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 RUNNING = {"pgid": None}  # the running script's process group, for the signal handler
@@ -132,10 +124,9 @@ def run_one(argv: list[str], timeout_s: float, results_dir: str) -> tuple[int, s
 def summary(rows: list[tuple[str, str, str, float, str]]) -> str:
     """The closing table: stage, device, outcome, seconds (and the line behind each outcome)."""
     width = max(len(stage) for stage, *_ in rows)
-    lines = [f"{'stage':<{width}}  device  outcome   seconds  note"]
-    for stage, device, status, seconds, note in rows:
-        lines.append(f"{stage:<{width}}  {device:<6}  {status:<8}  {seconds:7.1f}  {note}")
-    return "\n".join(lines)
+    return "\n".join([f"{'stage':<{width}}  device  outcome   seconds  note"] +
+                     [f"{stage:<{width}}  {device:<6}  {status:<8}  {seconds:7.1f}  {note}"
+                      for stage, device, status, seconds, note in rows])
 
 
 SCRATCH_PREFIX = "make-check-"
@@ -181,13 +172,11 @@ def main(argv=None) -> int:
     rows = []
     start = time.monotonic()
     sweep_stale_scratch()
-    # the scripts' result files, thrown away
-    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")
+    scratch = tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-")  # results, thrown away
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for stage, script in CHECKS:
-            if wanted and not any(stage.startswith(p.strip()) for p in wanted):
-                continue
+        for stage, script in [(stage, script) for stage, script in CHECKS
+                              if not wanted or any(stage.startswith(p) for p in wanted)]:
             command = [*script, "--device", args.device]
             print(f"\n[check] {stage} on {args.device}\n  $ python {' '.join(command)}",
                   flush=True)
@@ -210,8 +199,7 @@ def main(argv=None) -> int:
     failed = [stage for stage, _, status, *_ in rows if status == "FAILED"]
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

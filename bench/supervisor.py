@@ -11,9 +11,10 @@ import argparse
 import datetime
 import faulthandler
 import gc
-import math
+import itertools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import pickle
 import select
@@ -22,7 +23,6 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing import reduction
 
 import torch
@@ -32,8 +32,8 @@ import torch.multiprocessing
 from bench import results
 from common import usage_error
 from common.launch import (Dist, LaunchConfig, Parser, choice_list, free_port, int_list,  # noqa: F401
-                           list_of, non_negative_int, positive_float, positive_int,
-                           rank_threads, ranks_on_this_node, under_torchrun)
+                           list_of, non_negative_int, positive_float, positive_int, rank_threads,
+                           ranks_on_this_node, ranks_per_gpu, under_torchrun)
 from common.launch import make_parser as course_parser
 from common.launch import resolve as course_resolve
 
@@ -79,30 +79,26 @@ def master_addr() -> str:
 def master_port() -> int | None:
     """``MASTER_PORT``: a TCP port from 1 to 65535; None when unset or empty (pick a free one)."""
     text = os.environ.get("MASTER_PORT", "").strip()
-    if not text:
-        return None
-    if not (text.isdecimal() and 1 <= int(text) <= 65535):
+    if text and not (text.isdecimal() and 1 <= int(text) <= 65535):
         usage_error(f"MASTER_PORT={text!r}: give a TCP port from 1 to 65535, or leave it unset "
                     "(a free port is picked)")
-    return int(text)
+    return int(text) if text else None
 
 
 def torchrun_ranks() -> None:
     """torchrun's variables, when any is set: whole numbers in range, and where to meet."""
     given = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
              if name in os.environ]
-    if not given:
-        return
     missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
-    if missing:
+    if given and missing:
         usage_error(f"{given[0]} is set but {missing[0]} is not: set RANK, WORLD_SIZE and "
                     "LOCAL_RANK together (torchrun does), or none of them")
-    value = {}
     for name in given:
-        text = os.environ[name]
-        if not text.isdecimal() or len(text) > 9:
-            usage_error(f"{name}={text!r}: give a whole number >= 0 (torchrun sets it)")
-        value[name] = int(text)
+        if not os.environ[name].isdecimal() or len(os.environ[name]) > 9:
+            usage_error(f"{name}={os.environ[name]!r}: give a whole number >= 0 (torchrun sets it)")
+    if not given:
+        return
+    value = {name: int(os.environ[name]) for name in given}
     if not value["RANK"] < value["WORLD_SIZE"]:
         usage_error(f"RANK={value['RANK']} with WORLD_SIZE={value['WORLD_SIZE']}: a rank counts "
                     "from 0 to WORLD_SIZE - 1")
@@ -115,8 +111,7 @@ def check_environment() -> None:
     """Every environment variable a run reads, checked up front (one line, exit 2)."""
     timeout_s()
     torchrun_ranks()
-    addr = master_addr()
-    port = master_port()
+    addr, port = master_addr(), master_port()
     if port is not None and not under_torchrun():  # a MASTER_PORT given by hand: rank 0 binds it
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
@@ -131,23 +126,19 @@ def wait_for_rank_0(rank: int) -> None:
     """Under torchrun, a rank other than 0 waits for rank 0, saying so once, till DIST_TIMEOUT_S."""
     if rank == 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return
-    addr = master_addr()
-    port = master_port()
+    addr, port = master_addr(), master_port()
     limit = time.monotonic() + timeout_s()
-    noted = False
-    while True:
+    for attempt in itertools.count():
         try:
             socket.create_connection((addr, port), timeout=1).close()
             return
         except OSError:
             if time.monotonic() > limit:
-                print(f"error: rank {rank}: rank 0 never listened at {addr}:{port} within "
-                      f"DIST_TIMEOUT_S = {timeout_s():g} s", file=sys.stderr, flush=True)
-                raise SystemExit(1)
-            if not noted:
+                raise SystemExit(f"error: rank {rank}: rank 0 never listened at {addr}:{port} "
+                                 f"within DIST_TIMEOUT_S = {timeout_s():g} s") from None
+            if attempt == 0:
                 print(f"[rank {rank}] waiting for rank 0 at {addr}:{port} (up to "
                       f"DIST_TIMEOUT_S = {timeout_s():g} s)", file=sys.stderr, flush=True)
-                noted = True
             time.sleep(0.5)
 
 
@@ -199,15 +190,37 @@ def check_ranks_fit(ranks_here: int, per_rank_bytes: int = 0, what: str = "") ->
 
 def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
     """One-line usage error when a rank's ``per_rank_bytes`` cannot fit (a shared GPU adds up)."""
-    ranks_here = ranks_on_this_node(config.world_size)
     if config.device != "cuda":
-        check_ranks_fit(ranks_here, per_rank_bytes, what)
+        check_ranks_fit(ranks_on_this_node(config.world_size), per_rank_bytes, what)
         return
-    need = -(-ranks_here // torch.cuda.device_count()) * per_rank_bytes  # ranks per GPU, rounded up
+    need = ranks_per_gpu(config.world_size) * per_rank_bytes
     total = torch.cuda.get_device_properties(0).total_memory
     if need > 0.9 * total:
         usage_error(f"{what} needs about {need / GIB:.1f} GiB per GPU but a GPU has "
                     f"{total / GIB:.1f} GiB; use smaller sizes")
+
+
+class Deadline:
+    """make bench's deadline for a step (BENCH_STEP_DEADLINE): ``allows(ctx, what)`` before each
+    configuration. The first always runs; a later one if the longest so far (or ``estimate_s``)
+    still fits, rank 0 deciding for all. Past it, one line names what is skipped: all the rest."""
+
+    def __init__(self):
+        self.started, self.longest, self.stopped = None, 0.0, False
+
+    def allows(self, ctx, what: str, estimate_s: float | None = None) -> bool:
+        from bench.step_bench import time_left_for  # it imports this module
+        now = time.perf_counter()
+        if self.started is not None and not self.stopped:
+            self.longest = max(self.longest, now - self.started)
+            estimate_s = self.longest if estimate_s is None else estimate_s
+            self.stopped = not time_left_for(ctx, estimate_s)
+            if self.stopped:
+                ctx.print(f"{what}: skipped, about {estimate_s:.3g} s each would run past make "
+                          "bench's deadline for this step (the rows measured are written)",
+                          all_ranks=False)
+        self.started = now
+        return not self.stopped
 
 
 # --------------------------------------------------------------------------- one rank
@@ -259,9 +272,7 @@ READER_GONE = 141  # a rank's exit status when the reader of the output left (12
 
 def _start_method() -> str:
     """The fork server (never this process, whose threads may hold a lock at the fork); a rank
-    keeps its hash seed and torch's import-time variables. Spawn where there is none (Windows)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
+    keeps its hash seed and torch's import-time variables."""
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "bench.supervisor",
                                             "bench.fork_server"])
     return "forkserver"
@@ -285,24 +296,14 @@ class _Streams:
 
 def _rank(rank, worker, config, args, environ, streams):
     """A started rank (torch's wrapper around it records its traceback if it raises)."""
-    # torch sends SIGINT when this rank's parent dies: let it end the rank, even in a collective.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a rank forked here has the launcher's
-    if streams is not None:  # forked by the fork server
-        streams.take()
-        # Close our copy of the server's "alive" pipe: the server ends with the launcher.
-        from multiprocessing import forkserver  # not on every platform
-        server = forkserver._forkserver
-        if server._forkserver_alive_fd is not None:
-            os.close(server._forkserver_alive_fd)
-            server._forkserver_alive_fd = None
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank, even in a collective
+    torch.multiprocessing._prctl_pr_set_pdeathsig(signal.SIGKILL)  # and its parent's end (not SIGINT)
     if not multiprocessing.parent_process().is_alive():
         os._exit(1)  # the launcher died while this rank started, before that request was made
-    try:
-        faulthandler.enable()  # a segfault prints every thread's Python stack on stderr
-    except (AttributeError, ValueError, RuntimeError):  # sys.stderr without a file descriptor
-        if sys.__stderr__ is not None:
-            faulthandler.enable(file=sys.__stderr__)
+    streams.take()
+    # Close our copy of the server's "alive" pipe: the server, our parent, ends with the launcher.
+    os.close(multiprocessing.forkserver._forkserver._forkserver_alive_fd)
+    faulthandler.enable(file=2)  # a segfault prints every thread's Python stack on stderr (fd 2)
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))  # the launcher's, now
     torch.seed()  # forked ranks would all share the server's generator state
@@ -326,18 +327,15 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
         _run_worker(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                     int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
         return
-    start_method = _start_method()
     addr = master_addr()
     environ = {**os.environ, "MASTER_ADDR": addr, "WORLD_SIZE": str(config.world_size),
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
-    store = None
     if master_port() is None:
         # The ranks' store, held here on a port the OS keeps for it; they join as clients.
         store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
                               timeout=rendezvous_timeout())
         environ["MASTER_PORT"] = str(store.port)
         environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
-    streams = _Streams() if start_method == "forkserver" else None  # noqa
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
     on_main_thread = threading.current_thread() is threading.main_thread()
     old = {s: signal.signal(s, lambda signum, _: stop.update(signum=signum))
@@ -345,8 +343,8 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
     ranks = None
     try:
         ranks = torch.multiprocessing.start_processes(
-            _rank, (worker, config, args, environ, streams), nprocs=config.world_size,
-            join=False, start_method=start_method)
+            _rank, (worker, config, args, environ, _Streams()), nprocs=config.world_size,
+            join=False, start_method=_start_method())
         _supervise(ranks, timeout_s, stop)
     finally:
         for s, handler in old.items():
@@ -405,6 +403,12 @@ def _supervise(ranks, timeout_s, stop: dict) -> None:
                                         timeout=0.5)
 
 
+WHY_KILLED = {"SIGKILL": "sent from outside, by the out-of-memory killer or kill -9: no stack "
+                         "can be printed", **dict.fromkeys(
+                             ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"),
+                             "a crash in native code: its Python stack, from faulthandler, is above")}
+
+
 def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
     """Name the root cause, then exit: ranks killed by a signal, stalled ranks, ranks that exited
     without a traceback, and the traceback of the rank that raised first."""
@@ -418,27 +422,16 @@ def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:
         if os.path.exists(path):
             with open(path, "rb") as f:
                 text = pickle.load(f).rstrip("\n")  # our own rank's file, in our temporary folder
-            body, _, when = text.rpartition("\n" + RAISED_AT)
-            if body:
-                raised.append((float(when), rank, body))
-            else:  # Python 3.10 has no notes: when torch wrote the file
-                raised.append((os.stat(path).st_mtime, rank, text))
+            body, _, when = text.rpartition("\n" + RAISED_AT)  # Python 3.10, no notes: the file's time
+            raised.append((float(when), rank, body) if body else (os.stat(path).st_mtime, rank, text))
     raised.sort()  # the first one first
     silent = [rank for rank in failed if not os.path.exists(error_files[rank])]
     if not raised and all(codes[rank] == 2 for rank in failed):
         raise SystemExit(2)  # bad input only the ranks could see, said by them in one line
     lines = []
     for rank in [rank for rank in silent if codes[rank] < 0]:
-        try:
-            name = signal.Signals(-codes[rank]).name
-        except ValueError:
-            name = f"signal {-codes[rank]}"
-        why = "sent from outside"
-        if name in ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"):  # faulthandler printed it
-            why = "a crash in native code: its Python stack, from faulthandler, is above"
-        elif name == "SIGKILL":
-            why = ("sent from outside, by the out-of-memory killer or kill -9: no stack can be "
-                   "printed")
+        name = next((s.name for s in signal.Signals if s == -codes[rank]), f"signal {-codes[rank]}")
+        why = WHY_KILLED.get(name, "sent from outside")
         lines.append(f"error: rank {rank} was killed by {name} ({why})")
     if stalled:
         lines.append(f"error: rank(s) {stalled} stalled (stopped by a signal, SIGSTOP?); the "

@@ -3,17 +3,16 @@
     config = launch.resolve(parser.parse_args())   # --world-size, --backend, --device
     launch.launch(worker, config, *args)            # worker(ctx, *args) on every rank
 
-Under torchrun this process is one rank. Otherwise it starts --world-size ranks here, forked
-from Python's fork server (which imported torch once, and never ran a thread of ours to hold
-a lock at the fork); the first rank to raise ends the run with its traceback. Defaults: no
-GPU, Gloo on the CPU; fewer GPUs than ranks on this node, Gloo sharing them (NCCL refuses two
-ranks on one GPU); a GPU per rank, NCCL. Collectives time out after DIST_TIMEOUT_S (300 s).
-The lab's bench/supervisor.py adds what an unwatched run needs (stalls, Ctrl-C, refusals).
+Under torchrun this process is one rank; otherwise it forks --world-size ranks from Python's
+fork server (no thread of ours holds a lock there). Defaults: no GPU, Gloo on the CPU; ranks
+sharing a GPU, Gloo (NCCL refuses); a GPU per rank, NCCL. Collectives wait DIST_TIMEOUT_S (300).
 """
 
 import argparse
 import datetime
+import functools
 import math
+import multiprocessing.forkserver
 import os
 import signal
 import socket
@@ -21,8 +20,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing
+import torch.distributed as dist  # torch imports torch.multiprocessing too
 
 from common import usage_error
 
@@ -83,18 +81,14 @@ def list_of(item, allowed=None):  # a flag type: a comma-separated list of item 
     return parse
 
 
-def choice_list(allowed):  # a flag type: a comma-separated subset of ``allowed``
-    return list_of(str, allowed)
-
-
 positive_int = _number(int, 1, "a whole number >= 1")
 non_negative_int = _number(int, 0, "a whole number >= 0")
 positive_float = _number(float, math.nextafter(0.0, 1.0), "a finite number > 0")
 int_list = list_of(positive_int)  # '1,2,4' -> [1, 2, 4]
+choice_list = functools.partial(list_of, str)  # choice_list(allowed): a subset of allowed
 
 
-def make_parser(doc: str | None, world_size: int = 2) -> Parser:
-    """The flags every lesson shares; ``--help`` shows the whole docstring."""
+def make_parser(doc: str | None, world_size: int = 2) -> Parser:  # the flags every lesson shares
     parser = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=positive_int, default=world_size,
                         help=f"ranks to start here (under torchrun: WORLD_SIZE); default {world_size}")
@@ -115,37 +109,44 @@ def ranks_on_this_node(world_size: int) -> int:  # torchrun says it: LOCAL_WORLD
     return world_size
 
 
+def ranks_per_gpu(world_size: int) -> int:  # ranks on this node sharing a GPU, rounded up
+    visible, n_gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ""), torch.cuda.device_count()
+    if under_torchrun() and n_gpus == 1 and (visible.strip() and "," not in visible
+                                             or os.environ.get("SLURM_GPUS_PER_TASK") == "1"):
+        return 1  # Slurm's --gpus-per-task=1: each process sees its own GPU, alone
+    return -(-ranks_on_this_node(world_size) // max(1, n_gpus))
+
+
 def rank_threads(world_size: int) -> int:  # the cores shared out, as torchrun does
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-RANK_BYTES = 400 * 2**20  # a rank with torch imported, before any model: about 300-400 MiB
-
-
 def check_ranks_fit(ranks: int) -> None:  # more ranks than memory holds: one line (Linux)
+    need = ranks * 400 * 2**20  # a rank with torch imported, before any model: 300-400 MiB
     try:
         with open("/proc/meminfo") as f:
             have = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return
-    if ranks * RANK_BYTES > have:
-        usage_error(f"{ranks} ranks need about {ranks * RANK_BYTES / 2**30:.1f} GiB of host memory "
+    if need > have:
+        usage_error(f"{ranks} ranks need about {need / 2**30:.1f} GiB of host memory "
                     f"but {have / 2**30:.1f} GiB is available; use a smaller --world-size")
 
 
 def resolve(args: argparse.Namespace) -> LaunchConfig:  # the machine's defaults filled in
     world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    ranks_here = ranks_on_this_node(world_size)
     if not under_torchrun():
         check_ranks_fit(world_size)
     n_gpus = torch.cuda.device_count()
     device = args.device or ("cuda" if n_gpus > 0 else "cpu")
-    backend = args.backend or ("nccl" if device == "cuda" and n_gpus >= ranks_here else "gloo")
+    gpu_each = ranks_per_gpu(world_size) == 1
+    backend = args.backend or ("nccl" if device == "cuda" and gpu_each else "gloo")
     if device == "cuda" and n_gpus == 0:
         usage_error("--device cuda needs a GPU and none is visible; use --device cpu")
-    if backend == "nccl" and (device != "cuda" or n_gpus < ranks_here):
-        usage_error(f"--backend nccl needs --device cuda and one GPU per rank: {ranks_here} "
-                    f"ranks on this node, {n_gpus} GPU(s); use --backend gloo")
+    if backend == "nccl" and (device != "cuda" or not gpu_each):
+        usage_error(f"--backend nccl needs --device cuda and one GPU per rank: "
+                    f"{ranks_on_this_node(world_size)} ranks on this node, {n_gpus} GPU(s); "
+                    "use --backend gloo")
     return LaunchConfig(world_size=world_size, backend=backend, device=device)
 
 
@@ -155,27 +156,31 @@ def carries_point_to_point(backend: str, device: str) -> bool:
     return not (backend == "gloo" and device == "cuda")
 
 
-def run_rank(worker, rank, world_size, local_rank, backend, device, args):  # under torchrun too
+def run_rank(worker, config: LaunchConfig, args):  # one rank: which, from torchrun's variables
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     dev = torch.device("cpu")
-    if device == "cuda":
+    if config.device == "cuda":
         dev = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=float(os.environ.get("DIST_TIMEOUT_S", "300")))
-    dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout,
-                            **({"device_id": dev} if backend == "nccl" else {}))
+    dist.init_process_group(config.backend, rank=rank, world_size=config.world_size,
+                            timeout=timeout,
+                            **({"device_id": dev} if config.backend == "nccl" else {}))
     try:
-        return worker(Dist(rank, world_size, local_rank, backend, dev), *args)
+        return worker(Dist(rank, config.world_size, local_rank, config.backend, dev), *args)
     finally:
         dist.destroy_process_group()
 
 
 def _rank(rank, worker, config, args, environ):  # environ: the fork server's is older
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # the parent's death (torch asks Linux) ends it
+    server = multiprocessing.forkserver._forkserver  # our parent: it ends when the launcher does,
+    os.close(server._forkserver_alive_fd)  # once every copy of this pipe is closed, ours too
     os.environ.clear()
     os.environ.update(environ, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.seed()  # ranks forked from one server would share its generator's state
     torch.set_num_threads(rank_threads(config.world_size))
-    run_rank(worker, rank, config.world_size, rank, config.backend, config.device, args)
+    run_rank(worker, config, args)
 
 
 def free_port() -> int:  # a port the OS just found free: runs side by side never meet
@@ -186,19 +191,15 @@ def free_port() -> int:  # a port the OS just found free: runs side by side neve
 
 def launch(worker, config: LaunchConfig, *args) -> None:  # worker(ctx, *args) on every rank
     if under_torchrun():
-        run_rank(worker, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                 int(os.environ["LOCAL_RANK"]), config.backend, config.device, args)
-        return
+        return run_rank(worker, config, args)
     environ = {**os.environ, "MASTER_ADDR": os.environ.get("MASTER_ADDR") or "127.0.0.1",
                "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()),
                "WORLD_SIZE": str(config.world_size), "LOCAL_WORLD_SIZE": str(config.world_size)}
     try:
         torch.multiprocessing.start_processes(_rank, (worker, config, args, environ),
                                               nprocs=config.world_size, start_method="forkserver")
-    except torch.multiprocessing.ProcessRaisedException as e:
-        print(f"error: rank {e.error_index} failed:{e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except torch.multiprocessing.ProcessExitedException as e:
-        if e.exit_code != 2:  # 2: bad input a rank saw, said by it in one line
-            print(f"error: rank {e.error_index} {e}", file=sys.stderr, flush=True)
-        raise SystemExit(2 if e.exit_code == 2 else 1) from None
+    except (torch.multiprocessing.ProcessRaisedException,
+            torch.multiprocessing.ProcessExitedException) as e:  # the first failed rank torch saw
+        if getattr(e, "exit_code", None) == 2:  # bad input, said by the rank in one line
+            raise SystemExit(2) from None
+        raise SystemExit(f"error: rank {e.error_index} failed: {e}") from None  # exit status 1

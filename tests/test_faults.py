@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -210,6 +211,84 @@ def test_ctrl_c_to_the_parent_alone_ends_every_rank_and_keeps_finished_rows(tmp_
     rows = results.read_csv("allreduce.csv", results_dir)
     assert 6 <= len(rows) < 21 and all(float(r["busbw_gbps"]) > 0 for r in rows), out
     assert "fit of the backend's times" in out  # the report of what finished
+
+
+def _rank_pids(proc, world_size: int = 2) -> list[int]:
+    """The pids the ranks of a fault_worker.py run print once they have all joined."""
+    lines = []
+    while len(re.findall(r"\] pid \d+", "".join(lines))) < world_size:
+        wait_for_line(proc, r"\] pid \d+", lines)
+    return [int(pid) for pid in re.findall(r"\] pid (\d+)", "".join(lines))]
+
+
+def _gone_within(pids: list[int], seconds: float) -> list[int]:
+    """Wait up to ``seconds`` for every pid to end; the ones still alive (SIGKILLed, to leave
+    nothing behind)."""
+    deadline = time.monotonic() + seconds
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+def test_ranks_end_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL to the launcher while its ranks wait inside collectives (in C++, where no Python
+    signal handler runs): under the course's launcher they went on till the collectives'
+    timeout, holding the fork server, their parent, alive. Now every rank ends within 20 s,
+    under the course's launcher and the lab's, whose ranks here ignore SIGINT (the
+    parent-death signal torch asks for; the lab's asks for SIGKILL)."""
+    common = [FAULTS, "--fault", "hang", "--backend", "gloo", "--device", "cpu"]
+    runs = {"course": start_script([*common, "--launcher", "course"], tmp_path / "course"),
+            "lab": start_script([*common, "--ignore-sigint"], tmp_path / "lab")}
+    ranks = {name: _rank_pids(proc) for name, proc in runs.items()}
+    for proc in runs.values():
+        proc.kill()
+        proc.wait(timeout=30)
+    left = _gone_within(ranks["course"] + ranks["lab"], 20)
+    assert left == [], (left, ranks)
+
+
+ORPHANED_RANK = """
+import multiprocessing, os, sys
+sys.path.insert(0, sys.argv[1])
+from bench import supervisor
+multiprocessing.forkserver._forkserver._forkserver_alive_fd = os.open(os.devnull, os.O_RDONLY)
+
+class Gone:
+    def is_alive(self):
+        return False
+
+multiprocessing.parent_process = Gone
+environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(supervisor.free_port()), "WORLD_SIZE": "1"}
+supervisor._rank(0, print, supervisor.LaunchConfig(1, "gloo", "cpu"), ("the worker ran",), environ,
+                 supervisor._Streams())
+"""
+
+
+def test_a_rank_whose_launcher_died_before_it_started_never_runs(tmp_path):
+    """The launcher can die while a rank is being forked, before the rank asked Linux for its
+    parent-death signal: the rank checks, once asked, that the launcher is still there."""
+    result = subprocess.run([sys.executable, "-c", ORPHANED_RANK, str(REPO)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "the worker ran" not in result.stdout, result
+
+
+def test_ctrl_c_ends_ranks_that_ignore_sigint(tmp_path):
+    """A terminal's Ctrl-C (SIGINT to the launcher, its fork server and its ranks at once) with
+    ranks that ignore SIGINT: the launcher still ends every one (SIGKILL), exits 130 and says
+    so. (The Ctrl-C test above: ranks that SIGINT alone would end.)"""
+    proc = subprocess.Popen([sys.executable, FAULTS, "--fault", "busy", "--ignore-sigint",
+                             "--backend", "gloo", "--device", "cpu"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    ranks = _rank_pids(proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, err = proc.wait(timeout=60), proc.stderr.read()
+    left = _gone_within(ranks, 5)
+    assert code == 130 and "stopped by SIGINT: all 2 ranks ended" in err, (code, err[-2000:])
+    assert left == [], left
 
 
 def fit_file_worker(ctx, folder: str):
@@ -411,3 +490,35 @@ def test_a_killed_rank_beside_a_refusal_is_named_not_hidden(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         launch._report_failure([2, 2], missing, [])
     assert e.value.code == 2 and capsys.readouterr().err == ""  # the refusals said it already
+
+
+def test_one_gpu_visible_to_each_process_is_a_gpu_per_rank(capsys, monkeypatch):
+    """Slurm's --gpus-per-task=1 under torchrun: each of 8 ranks on a node sees one GPU, its
+    own (CUDA_VISIBLE_DEVICES names one device). That defaulted to Gloo, refused NCCL and
+    counted 8 ranks on one GPU; now it is a GPU per rank. The negative control: one GPU
+    visible to every rank (no CUDA_VISIBLE_DEVICES) is one GPU shared by 8 ranks."""
+    from common import launch as course
+
+    class Props:
+        total_memory = 2**30
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: Props())
+    for name, value in {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3",
+                        "LOCAL_WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "3"}.items():
+        monkeypatch.setenv(name, value)
+    args = course.make_parser(None).parse_args([])
+    config = course.resolve(args)
+    assert (config.world_size, config.backend, config.device) == (16, "nccl", "cuda"), config
+    assert course.resolve(course.make_parser(None).parse_args(["--backend", "nccl"])) == config
+    launch.check_fits(config, int(0.6 * 2**30), "the test's sizes")  # one rank on this GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")  # Slurm's variable alone says it too
+    assert course.resolve(args).backend == "nccl"
+    monkeypatch.delenv("SLURM_GPUS_PER_TASK")
+    assert course.resolve(args).backend == "gloo"  # one GPU for 8 ranks
+    with pytest.raises(SystemExit) as refused:
+        launch.check_fits(config, int(0.6 * 2**30), "the test's sizes")
+    assert refused.value.code == 2 and "4.8 GiB per GPU" in capsys.readouterr().err
+    assert_main_usage_error(course.resolve, args.__class__(world_size=2, backend="nccl",
+                                                           device=None), capsys,
+                            "--backend nccl needs --device cuda and one GPU per rank: 8 ranks")

@@ -7,11 +7,8 @@ beside the formula. Then the expert bytes per rank (exactly 1/W) and the load at
 count for each routing and capacity factor, drawn to results/expert_parallel_load.png.
 Under Gloo the exchange times describe its host path; the bytes and loads are exact anywhere.
 
-Run:
     python 07_parallelism/measure/bench_expert_parallel.py --bench --world-size 4 --num-experts 8
 """
-
-from __future__ import annotations
 
 import argparse
 import math
@@ -206,18 +203,23 @@ def bench_main(ctx, cfg: dict) -> None:
     memory = {"expert_bytes_replicated": full, "expert_bytes_per_rank": held,
               "share": held / full, "router_bytes": router}
     time_rows = []
+    deadline = launch.Deadline()  # make bench's, as --budget-s: rank 0 decides for every rank
     for tokens in sorted(cfg["tokens"]):      # smallest first; each row saved as it lands
-        if time_rows and cfg["budget_s"] is not None:  # predicted in proportion from the last
+        predicted_s = None
+        if time_rows:  # predicted in proportion from the last
             last = time_rows[-1]
             per_step_s = (last["replicated_ms"] + last["expert_parallel_ms"]) / 1e3
             predicted_s = (cfg["warmup"] + cfg["iters"]) * per_step_s * tokens / last["tokens_per_rank"]
+        if predicted_s is not None and cfg["budget_s"] is not None:
             decision = [time.monotonic() - start + predicted_s <= cfg["budget_s"]]
             dist.broadcast_object_list(decision, src=0)   # rank 0 decides, every rank follows
-            if ctx.is_main and not decision[0]:
-                print(f"  {tokens} tokens per rank and more skipped: about {predicted_s:.0f} s predicted, "
-                      f"past --budget-s {cfg['budget_s']:g}", flush=True)
             if not decision[0]:
+                ctx.print(f"{tokens} tokens per rank and more skipped: about {predicted_s:.0f} s "
+                          f"predicted, past --budget-s {cfg['budget_s']:g}", all_ranks=False)
                 break
+        if not deadline.allows(ctx, f"{tokens} tokens per rank and more, and the loads",
+                               predicted_s):
+            break
         row = time_one(ctx, cfg, tokens, failures)
         time_rows.append(row)
         if ctx.is_main:
@@ -227,13 +229,16 @@ def bench_main(ctx, cfg: dict) -> None:
                   f"expert parallel {row['expert_parallel_ms']:.3g} ms", flush=True)
     cfg = {**cfg, "load_tokens": time_rows[-1]["tokens_per_rank"]}   # the largest measured
     load_rows = []
-    for routing in ("random", "skewed"):
-        for capacity_factor in cfg["capacity_factors"]:
-            row = load_one(ctx, cfg, routing, capacity_factor)
-            load_rows.append(row)
-            if ctx.is_main:
-                results.upsert_csv(CSV, [{**same, "measure": "load",
-                                          "tokens_per_rank": cfg["load_tokens"], **row}], key=KEY)
+    for routing, capacity_factor in [(r, c) for r in ("random", "skewed")
+                                     for c in cfg["capacity_factors"]]:
+        what = f"load, {routing} routing, capacity factor {capacity_factor}, and after"
+        if not deadline.allows(ctx, what, time_rows[-1]["expert_parallel_ms"] / 1e3):  # > a forward
+            break
+        row = load_one(ctx, cfg, routing, capacity_factor)
+        load_rows.append(row)
+        if ctx.is_main:
+            results.upsert_csv(CSV, [{**same, "measure": "load",
+                                      "tokens_per_rank": cfg["load_tokens"], **row}], key=KEY)
     failures = verify.agree_on_problems(failures)
     if ctx.is_main:  # the tables, targets and picture (the rows are already in the CSV)
         results.print_table(time_rows, "\nStep (forward + backward), slowest rank's median; bytes "
@@ -298,14 +303,10 @@ def parse(argv=None):
                      "each rank holds num_experts / ranks experts")
     if args.top_k > num_experts:
         parser.error(f"--top-k {args.top_k} is more than --num-experts {num_experts}")
-    cfg = {"d_model": args.d_model, "d_ff": args.d_ff, "num_experts": num_experts,
-           "top_k": args.top_k, "tokens": args.tokens,
-           "capacity_factors": args.capacity_factors, "warmup": args.warmup,
-           "iters": args.iters, "budget_s": args.budget_s}
+    cfg = {**vars(args), "num_experts": num_experts}  # d_model, d_ff, top_k, tokens, ...
     # A rank's rough peak, float32: the MoE, its gradients and this rank's copies; the routing's
     # int64 one-hot [top_k x tokens, E] and its count; both layers' activations.
-    d_model = args.d_model
-    d_ff = args.d_ff
+    d_model, d_ff = args.d_model, args.d_ff
     experts = num_experts * (2 * d_model * d_ff + d_model + d_ff)
     tokens = max(args.tokens)
     rows = args.top_k * tokens

@@ -2,14 +2,12 @@
 
 ``--bench``: the sharding ledger (ledger.py), all six ways to train the LM (DDP, ZeRO-1/2, our
 FSDP, torch's ZeroRedundancyOptimizer and fully_shard) and the compute-only control, bytes
-counted beside the formulas and the step time, to results/sharding.csv. ``--profile``: one step of FSDP (a unit per block) in
-stage 05's timeline, to show the all-gathers running while the blocks compute.
+counted beside the formulas and the step time, to results/sharding.csv. ``--profile``: one
+step of FSDP (a unit per block) in stage 05's timeline: the all-gathers run while blocks compute.
 
     python 07_parallelism/measure/bench_fsdp.py --bench
     python 07_parallelism/measure/bench_fsdp.py --profile
 """
-
-from __future__ import annotations
 
 import sys
 from pathlib import Path
@@ -35,14 +33,15 @@ def bench_main(ctx, args) -> None:
         ledger.run_ledger(ctx, ledger.strategies(), args)  # the control and all six, in one run
 
 
-def main(argv=None) -> None:
-    parser = launch.make_parser(__doc__)
+def main(argv=None, doc=__doc__, worker=bench_main, profile=True) -> None:  # bench_zero's too
+    parser = launch.make_parser(doc)
     ledger.add_ledger_args(parser)
-    profiling.add_profile_args(parser)
+    if profile:
+        profiling.add_profile_args(parser)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     step_bench.check_step_bench_args(args, config)  # batch, memory, results/: one line, exit 2
-    launch.launch(bench_main, config, args)
+    launch.launch(worker, config, args)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,14 @@
 formulas of ``07_parallelism/03_tensor_parallel/README.md``: the MLP's bytes per layer and
 phase (both variants) beside ``predicted_comm`` (results/tensor_parallel.csv); a Transformer
 block's (TP, TP + SP, torch's ``parallelize_module`` as the control) beside
-``predicted_block_comm``, and its bytes saved for backward beside ``saved_formula``
-(results/sequence_parallel.csv). Each is checked against one process and written as it lands.
-torch's control is left out, in one line, where the pair cannot carry its coalesced
-collectives (``common.launch.carries_point_to_point``). The demo's flags, and ``--bench``.
+``predicted_block_comm``, its bytes saved for backward beside ``saved_formula``
+(results/sequence_parallel.csv). Each is checked against one process and written as it lands;
+torch's is left out where the pair cannot carry it. The demo's flags, and ``--bench``.
 
     python 07_parallelism/measure/bench_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
 """
 
-from __future__ import annotations
-
+import os
 import sys
 from pathlib import Path
 
@@ -37,6 +35,7 @@ torch_tp = import_stage("07_parallelism/03_tensor_parallel/torch_tensor_parallel
 RTOL = 1e-4  # t partial sums: a few 1e-7 off; a missing collective: off by the values
 ATOL = 1e-5
 BLOCK_LAYERS = ("attn.qkv", "attn.out", "mlp.0", "mlp.2")
+BLOCK_LABELS = {None: "one process", False: "TP", True: "TP + SP", "torch": "torch TP + SP"}
 FLOAT32 = 4
 
 
@@ -70,11 +69,9 @@ def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
     if sequence_parallel:
         column = (("all_gather", activation), ("reduce_scatter", activation))
         row = (("reduce_scatter", activation), ("all_gather", activation))
-    predicted = {}
-    for layer, ops in (("attn.qkv", column), ("mlp.0", column), ("attn.out", row), ("mlp.2", row)):
-        predicted[(layer, "forward")] = ops[0]
-        predicted[(layer, "backward")] = ops[1]
-    return predicted
+    return {(layer, phase): op
+            for layer, ops in (("attn.qkv", column), ("mlp.0", column), ("attn.out", row), ("mlp.2", row))
+            for phase, op in zip(("forward", "backward"), ops)}
 
 
 def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
@@ -87,11 +84,7 @@ def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
 def saved_formula(cfg: dict, world_size: int, sequence_parallel: bool) -> tuple[int, int]:
     """(LayerNorms', everything else's) bytes saved for backward by one block on one rank,
     float32, no dropout, world_size 1 being one process (the README derives it)."""
-    b = cfg["batch"]
-    s = cfg["seq"]
-    h = cfg["d_model"]
-    f = cfg["d_ff"]
-    a = cfg["heads"]
+    b, s, h, f, a = (cfg[key] for key in ("batch", "seq", "d_model", "d_ff", "heads"))
     t = world_size
     layernorms = 2 * b * s * h + 4 * b * s
     if sequence_parallel:
@@ -127,10 +120,8 @@ def count_saved(block: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tuple[
     def close_counter(module, args, output):
         inside[-1].__exit__(None, None, None)
 
-    handles = []
-    for norm in (block.norm1, block.norm2):
-        handles.append(norm.register_forward_pre_hook(open_counter))
-        handles.append(norm.register_forward_hook(close_counter))
+    handles = [hook for norm in (block.norm1, block.norm2) for hook in
+               (norm.register_forward_pre_hook(open_counter), norm.register_forward_hook(close_counter))]
     with SavedActivations(block) as elsewhere:
         output = block(x)
     for handle in handles:
@@ -146,8 +137,7 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
 def compare_bytes(counted: dict, predicted: dict, world_size: int,
                   what: str) -> tuple[list[dict], list[str]]:
     """(rows, failures): each layer and phase's collectives, counted beside predicted."""
-    rows = []
-    failures = []
+    rows, failures = [], []
     for (layer, phase), (op, want) in predicted.items():
         got = counted.get(f"{layer} {phase}", {"ops": [], "payload_bytes": 0})
         want_ops = [op] if want else []
@@ -171,13 +161,14 @@ def my_tokens(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x.chunk(world_size, dim=1)[rank]
 
 
-def check_mlp(ctx, cfg: dict, land=None) -> tuple[list[dict], list[dict], list[str]]:
+def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], list[dict], list[str]]:
     """Each of ``cfg["variants"]`` against one process, counted: (check rows, byte rows, this
-    rank's failures); ``land(ctx, cfg, result)`` as each variant lands."""
-    checks = []
-    byte_rows = []
-    failures = []
+    rank's failures); ``land(ctx, cfg, result)`` as each variant lands; each only if
+    ``deadline`` (a ``launch.Deadline``) allows."""
+    checks, byte_rows, failures = [], [], []
     for variant in cfg["variants"]:
+        if deadline is not None and not deadline.allows(ctx, f"MLP, {variant}, and after"):
+            break
         torch.manual_seed(0)  # every rank builds the same full MLP and data, keeps its shards
         reference = tp.MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
         x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -223,9 +214,8 @@ def saved_row(cfg: dict, label: str, world_size: int, sequence_parallel: bool,
 
 def saved_failures(ctx, row: dict) -> list[str]:
     """Saved bytes against the formula, on the CPU only (a GPU's attention saves others)."""
-    if ctx.device.type != "cpu":
-        return []
-    if row["layernorms"] == row["layernorms formula"] and row["rest"] == row["rest formula"]:
+    if ctx.device.type != "cpu" or (row["layernorms"] == row["layernorms formula"]
+                                    and row["rest"] == row["rest formula"]):
         return []
     return [f"{row['block']}: saved {row['layernorms']} B in the LayerNorms and {row['rest']} B "
             f"elsewhere; the formula says {row['layernorms formula']} and {row['rest formula']}"]
@@ -235,41 +225,29 @@ def phase_totals(label: str, calls: list[dict], world_size: int) -> list[dict]:
     """Per phase: the collectives of ``calls`` labelled with it, payload, ring bytes per rank."""
     table = []
     for phase in ("forward", "backward"):
-        ops = []
-        payload = 0
-        sent = 0.0
-        for call in calls:
-            if call["label"] == phase and call["payload_bytes"]:
-                ops.append(call["op"])
-                payload += call["payload_bytes"]
-                sent += ring_send_bytes(call["op"], call["payload_bytes"], world_size)
-        table.append({"block": label, "phase": phase, "collectives": " ".join(ops),
-                      "payload bytes": payload, "ring bytes sent per rank": sent})
+        mine = [call for call in calls if call["label"] == phase and call["payload_bytes"]]
+        sent = sum((ring_send_bytes(c["op"], c["payload_bytes"], world_size) for c in mine), 0.0)
+        table.append({"block": label, "phase": phase, "collectives": " ".join(c["op"] for c in mine),
+                      "payload bytes": sum(c["payload_bytes"] for c in mine),
+                      "ring bytes sent per rank": sent})
     return table
 
 
 def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) -> dict:
     """Our TP (configuration False), TP + SP (True) or torch's TP + SP ("torch") block, one
     forward + backward on ``reference``'s data, checked against it and counted."""
-    rank = dist.get_rank(group)
-    world_size = dist.get_world_size(group)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     ours = configuration != "torch"
     sequence_parallel = configuration is not False
-    label = {False: "TP", True: "TP + SP", "torch": "torch TP + SP"}[configuration]
+    label = BLOCK_LABELS[configuration]
 
     def mine(key: str) -> torch.Tensor:  # with sequence parallelism, this rank's seq/t tokens
-        if sequence_parallel:
-            return my_tokens(reference[key], rank, world_size)
-        return reference[key]
+        return my_tokens(reference[key], rank, world_size) if sequence_parallel else reference[key]
 
     x_mine = mine("x").clone().requires_grad_(True)
-    if ours:
-        block = tp.TensorParallelBlock(reference["full"], group, sequence_parallel)
-        counter = CommCounter()
-    else:
-        block = torch_tp.parallelize_block(reference["full"], group, ctx.device.type)
-        counter = FunctionalCommCounter()  # torch's DTensor collectives, labelled per phase
-    with counter as comm:
+    block = tp.TensorParallelBlock(reference["full"], group, sequence_parallel) if ours else \
+        torch_tp.parallelize_block(reference["full"], group, ctx.device.type)
+    with (CommCounter() if ours else FunctionalCommCounter()) as comm:  # torch's: DTensor's ops
         handles = label_layers(comm, block, BLOCK_LAYERS if ours else ())
         comm.current = "forward"
         out, saved = count_saved(block, x_mine)
@@ -315,10 +293,12 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
             "failures": failed_rows(label, checks) + failures + saved_failures(ctx, saved)}
 
 
-def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None) -> dict:
+def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
+                deadline=None) -> dict:
     """The block on one process (seed 0 on every rank; a random probe as dL/d(output) uses
     every gradient), in TP, TP + SP and torch's TP + SP, on ``group``: {"checks", "bytes",
-    "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands."""
+    "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands,
+    each only if ``deadline`` allows."""
     torch.manual_seed(0)
     full = models.Block(cfg["d_model"], cfg["d_ff"], cfg["heads"]).to(ctx.device)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -332,10 +312,10 @@ def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None) 
     one_process["failures"] = saved_failures(ctx, one_process["saved"])
     result = {"checks": [], "bytes": [], "totals": [], "saved": [], "failures": [],
               "world_size": dist.get_world_size(group)}
-    configurations = [None, False, True]
-    if with_torch:
-        configurations.append("torch")
-    for configuration in configurations:
+    for configuration in [None, False, True] + (["torch"] if with_torch else []):
+        what = f"block, {BLOCK_LABELS[configuration]}, and after"
+        if deadline is not None and not deadline.allows(ctx, what):
+            break
         part = one_process
         if configuration is not None:
             part = check_parallel_block(ctx, cfg, group, reference, configuration)
@@ -364,39 +344,32 @@ def land_variant(ctx, cfg: dict, result: dict) -> None:
         return
     same = mlp_columns(ctx, cfg)
     rows = [{**same, **row, "run_id": results.run_id()} for row in result["bytes"]]
-    path = results.upsert_csv("tensor_parallel.csv", rows,
-                              key=[*same, "variant", "layer", "phase"])
-    path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path  # shorter
-    ctx.print(f"MLP, {rows[0]['variant']}: rows in {path}", all_ranks=False)
+    path = results.upsert_csv("tensor_parallel.csv", rows, key=[*same, "variant", "layer", "phase"])
+    ctx.print(f"MLP, {rows[0]['variant']}: rows in {os.path.relpath(path)}", all_ranks=False)
 
 
 def land_block(ctx, cfg: dict, part: dict) -> None:
-    """One block configuration's bytes per phase and saved bytes, into
-    results/sequence_parallel.csv (rank 0)."""
+    """One block configuration's bytes per phase and saved bytes: results/sequence_parallel.csv."""
     if not ctx.is_main:
         return
     same = {**mlp_columns(ctx, cfg), "heads": cfg["heads"]}
-    rows = []
-    for row in part["totals"]:
-        rows.append({**same, "what": "bytes", "block": row["block"], "phase": row["phase"],
-                     "collectives": row["collectives"], "bytes": row["payload bytes"],
-                     "formula": "", "ring_bytes_sent_per_rank": row["ring bytes sent per rank"],
-                     "run_id": results.run_id()})
     saved = part["saved"]
-    for kind in ("layernorms", "rest"):
-        rows.append({**same, "what": f"saved {kind}", "block": saved["block"], "phase": "forward",
-                     "collectives": "", "bytes": saved[kind], "formula": saved[f"{kind} formula"],
-                     "ring_bytes_sent_per_rank": "", "run_id": results.run_id()})
-    path = results.upsert_csv("sequence_parallel.csv", rows,
-                              key=[*same, "what", "block", "phase"])
-    path = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
-    ctx.print(f"block, {part['label']}: rows in {path}", all_ranks=False)
+    rows = [{**same, "what": "bytes", "block": row["block"], "phase": row["phase"],
+             "collectives": row["collectives"], "bytes": row["payload bytes"], "formula": "",
+             "ring_bytes_sent_per_rank": row["ring bytes sent per rank"]} for row in part["totals"]]
+    rows += [{**same, "what": f"saved {kind}", "block": saved["block"], "phase": "forward",
+              "collectives": "", "bytes": saved[kind], "formula": saved[f"{kind} formula"],
+              "ring_bytes_sent_per_rank": ""} for kind in ("layernorms", "rest")]
+    rows = [{**row, "run_id": results.run_id()} for row in rows]
+    path = results.upsert_csv("sequence_parallel.csv", rows, key=[*same, "what", "block", "phase"])
+    ctx.print(f"block, {part['label']}: rows in {os.path.relpath(path)}", all_ranks=False)
 
 
 def bench_main(ctx, cfg: dict) -> None:
     """Both MLP variants and the block, each written as it lands; the tables; one verdict."""
-    checks, mlp_bytes, failures = check_mlp(ctx, cfg, land=land_variant)
-    block = check_block(ctx, cfg, with_torch=cfg["with_torch"], land=land_block)
+    deadline = launch.Deadline()
+    checks, mlp_bytes, failures = check_mlp(ctx, cfg, land=land_variant, deadline=deadline)
+    block = check_block(ctx, cfg, with_torch=cfg["with_torch"], land=land_block, deadline=deadline)
     failures = agree(failures + block["failures"])
     if ctx.is_main:
         where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
@@ -430,20 +403,17 @@ def main(argv=None) -> None:
     config = launch.resolve(args)
     world_size = config.world_size
     # One line and exit 2 for sizes the split cannot take, before any worker starts.
-    if args.d_ff % world_size:
-        parser.error(f"--d-ff {args.d_ff} is not divisible by the tensor-parallel size "
-                     f"(world size) {world_size}")
-    if "allgather" in args.variants and args.d_model % world_size:
-        parser.error(f"--d-model {args.d_model} is not divisible by the world size {world_size} "
-                     "(the all-gather variant splits fc2's outputs)")
-    if args.d_model % args.heads:
-        parser.error(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
-    if args.heads % world_size:
-        parser.error(f"--heads {args.heads} is not divisible by the world size {world_size} "
-                     "(each rank holds whole heads)")
-    if args.seq % world_size:
-        parser.error(f"--seq {args.seq} is not divisible by the world size {world_size} "
-                     "(sequence parallelism gives each rank seq / t tokens)")
+    world = "the world size"
+    for flag, size, name, by, why in (
+            ("--d-ff", args.d_ff, "the tensor-parallel size (world size)", world_size, ""),
+            ("--d-model", args.d_model if "allgather" in args.variants else 0, world, world_size,
+             " (the all-gather variant splits fc2's outputs)"),
+            ("--d-model", args.d_model, "--heads", args.heads, ""),
+            ("--heads", args.heads, world, world_size, " (each rank holds whole heads)"),
+            ("--seq", args.seq, world, world_size, " (sequence parallelism gives each rank seq / t "
+                                                   "tokens)")):
+        if size % by:
+            parser.error(f"{flag} {size} is not divisible by {name} {by}{why}")
     # A rank's rough peak: MLP, block, gradients, slices, torch's copy, 3 blocks' activations
     weights = 2 * args.d_model * args.d_ff + 4 * args.d_model * args.d_model
     tokens = args.batch * args.seq

@@ -12,8 +12,6 @@ collectives) and ``GatheredWeights`` (the most full weights lesson 2's FSDP hold
     print(comm.sent_bytes, comm.by_label, comm.by_axis)
 """
 
-from __future__ import annotations
-
 import contextlib
 import inspect
 
@@ -26,9 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 def local_part(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank; any other tensor itself."""
-    if hasattr(t, "to_local"):
-        return t.to_local()
-    return t
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def storage_key(t: torch.Tensor) -> tuple:
@@ -38,22 +34,15 @@ def storage_key(t: torch.Tensor) -> tuple:
 
 def state_bytes(tensors) -> int:
     """Bytes held by ``tensors`` (None skipped), each storage counted once."""
-    size_of = {}
-    for t in tensors:
-        if t is None:
-            continue
-        size_of[storage_key(t)] = local_part(t).untyped_storage().nbytes()
+    size_of = {storage_key(t): local_part(t).untyped_storage().nbytes()
+               for t in tensors if t is not None}
     return sum(size_of.values())
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer.state`` (AdamW: exp_avg, exp_avg_sq, step)."""
-    tensors = []
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-    return state_bytes(tensors)
+    return state_bytes(value for state in optimizer.state.values() for value in state.values()
+                       if isinstance(value, torch.Tensor))
 
 
 class SavedActivations(contextlib.ExitStack):
@@ -105,12 +94,8 @@ def gathered_bytes(fsdp) -> int:
 
 def gathered_storage_keys(fsdp) -> set:
     """Storage keys of the full weights lesson 2's FSDP holds now: weights, not activations."""
-    keys = set()
-    for unit in fsdp.units:
-        for full in unit.full:
-            if full.untyped_storage().nbytes() > 0:
-                keys.add(storage_key(full))
-    return keys
+    return {storage_key(full) for unit in fsdp.units for full in unit.full
+            if full.untyped_storage().nbytes() > 0}
 
 
 class GatheredWeights(contextlib.ExitStack):
@@ -142,12 +127,8 @@ def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
     all_gather, reduce_scatter (N: the full tensor), broadcast, reduce (n-1)/n N; send N."""
     if op == "send":
         return float(payload)
-    if world_size == 1:
-        return 0.0
-    share = (world_size - 1) / world_size * payload
-    if op == "all_reduce":
-        return 2 * share
-    return share
+    share = (world_size - 1) / world_size * payload  # 0.0 on one rank
+    return 2 * share if op == "all_reduce" else share
 
 
 def tensor_bytes(t) -> int:
@@ -214,10 +195,7 @@ def total(calls: list[dict], key: str) -> dict[str, dict]:
 def batch_sent(arguments: dict) -> tuple:
     """(payload, bytes sent, tensors sent) of ``batch_isend_irecv``: its isend operations'.
     Counted here, not at ``dist.isend``: a ``P2POp`` accepts only torch's own ``isend``."""
-    sent = []
-    for op in arguments["p2p_op_list"]:
-        if op.op.__name__ == "isend":
-            sent.append(op.tensor)
+    sent = [op.tensor for op in arguments["p2p_op_list"] if op.op.__name__ == "isend"]
     return tensor_bytes(sent), tensor_bytes(sent), sent
 
 

@@ -9,8 +9,6 @@ compute lesson 9's check predicts the others from). For each, one step is counte
 step times measure its host path, and ``comm_path`` in the CSV says so.
 """
 
-from __future__ import annotations
-
 import contextlib
 import gc
 
@@ -115,16 +113,11 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
         return predicted
 
     ours = impl == "fsdp"
-    padded = {}  # id(tensor) -> float32 bytes of N ceil(rows / N) rows, for the sharded tensors
-    for tensor in lm.parameters():
-        if tensor.dim() >= 2 or not ours:
-            padded[id(tensor)] = 4 * -(-tensor.shape[0] // n) * n * tensor[0].numel()
-    kept = []  # the tensors that stay gathered from forward to backward
-    if ours:
-        kept.extend(lm.blocks[-1].parameters())
-    for name, tensor in lm.named_parameters():
-        if not name.startswith("blocks."):
-            kept.append(tensor)
+    # id(tensor) -> float32 bytes of N ceil(rows / N) rows, for the sharded tensors
+    padded = {id(tensor): 4 * -(-tensor.shape[0] // n) * n * tensor[0].numel()
+              for tensor in lm.parameters() if tensor.dim() >= 2 or not ours}
+    kept = [*(lm.blocks[-1].parameters() if ours else []),  # stay gathered, forward to backward
+            *(tensor for name, tensor in lm.named_parameters() if not name.startswith("blocks."))]
     W = sum(padded.values())  # the sharded tensors' padded bytes
     K = sum(padded.get(id(tensor), 0) for tensor in kept)  # ... of those kept gathered
     sharded_unpadded = 4 * sum(tensor.numel() for tensor in lm.parameters() if id(tensor) in padded)
@@ -138,8 +131,7 @@ def predicted_bytes(impl: str, lm: nn.Module, world_size: int) -> dict[str, floa
 
 
 def add_ledger_args(parser) -> None:
-    """The ledger's flags, sized for ``make bench`` on 2 cores; the LM is ``course``, whose
-    blocks (not its logits, as the tiny LM's) dominate the saved activations."""
+    """The ledger's flags, for 2 cores; the course LM: its blocks dominate its saved activations."""
     group = parser.add_argument_group("memory and communication ledger (--bench, --profile)")
     group.add_argument("--bench", action="store_true", help="the ledger of DDP, ZeRO-1/2, FSDP, "
                        "torch's and a control (none): bytes and time per step to results/sharding.csv")
@@ -181,29 +173,23 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         optimizer.step()
 
     seconds = timing.measure(step, ctx.device, warmup=args.warmup, iters=args.steps, barrier=True)
-    optimizer_seconds = []
-    if impl == "none":  # the last step's gradients are still there: the same AdamW step again
-        optimizer_seconds = timing.measure(optimizer.step, ctx.device, warmup=0, iters=args.steps,
-                                           barrier=True)
+    # the control: the last step's gradients are still there, so the same AdamW step again
+    optimizer_seconds = timing.measure(optimizer.step, ctx.device, warmup=0, iters=args.steps,
+                                       barrier=True) if impl == "none" else []
     if count:
         if ctx.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(ctx.device)
+        gathered = GatheredWeights(wrapper) if ours else contextlib.nullcontext()
         if ours:  # weights, not activations
-            def gathered_now():
-                return gathered_storage_keys(wrapper)
-            gathered = GatheredWeights(wrapper)
+            saved = SavedActivations(model, exclude_now=lambda: gathered_storage_keys(wrapper))
         else:  # torch's fully_shard puts its gathered weights into the modules while they run
-            def gathered_now():
-                return {storage_key(param) for param in model.parameters()}
-            gathered = contextlib.nullcontext()
-        saved = SavedActivations(model, exclude_now=gathered_now)
+            saved = SavedActivations(model, exclude_now=lambda: {storage_key(p) for p in
+                                                                 model.parameters()})
         with CommCounter() as comm, gathered:
             step(saved)
-        counted["param"] = state_bytes(model.parameters())
-        counted["activation"] = saved.bytes
-        counted["sent"] = comm.sent_bytes
-        # a sharded optimizer: its inner one holds this rank's state
-        counted["optim"] = optimizer_state_bytes(getattr(optimizer, "optim", optimizer))
+        counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
+                       sent=comm.sent_bytes,  # a sharded optimizer: its inner one holds our state
+                       optim=optimizer_state_bytes(getattr(optimizer, "optim", optimizer)))
         if ours:  # the shards held, plus the most full weights gathered at once
             counted["peak"] = counted["param"] + counted["grad"] + counted["optim"] + gathered.peak_bytes
         if ctx.device.type == "cuda":
@@ -227,9 +213,8 @@ def make_row(ctx, args, impl: str, checkpointing: str, seconds: list[float], cou
         row[f"{kind}_bytes"] = int(value) if value >= 0 else ""  # -1: not counted here
         if kind in counted["predicted"]:
             row[f"{kind}_bytes_predicted"] = int(counted["predicted"][kind])
-    optimizer_ms = ""
-    if optimizer_seconds:  # the control's only; the same on every rank: the gather is a collective
-        optimizer_ms = timing.gather_times(optimizer_seconds).median * 1e3
+    # the control's only; the same on every rank: the gather is a collective
+    optimizer_ms = timing.gather_times(optimizer_seconds).median * 1e3 if optimizer_seconds else ""
     params = models.lm_parameter_count(args.model, context_length=args.context_length)
     row.update(step_ms_min=stats.min * 1e3, step_ms_max=stats.max * 1e3, optimizer_ms=optimizer_ms,
                params=params, batch_size=args.batch_size, context_length=args.context_length,
@@ -242,9 +227,9 @@ def comm_path(ctx) -> str:
     """What the step times' communication went through (the CSV's ``comm_path``)."""
     if ctx.backend == "nccl":
         return "nccl"
-    if ctx.device.type == "cuda":
-        return "gloo host path (GPU -> host memory -> loopback TCP -> GPU)"
-    return "gloo host path (host memory, loopback TCP)"
+    path = "GPU -> host memory -> loopback TCP -> GPU" if ctx.device.type == "cuda" else \
+        "host memory, loopback TCP"
+    return f"gloo host path ({path})"
 
 
 def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[dict]:
@@ -255,10 +240,8 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         ctx.print(f"torch_fsdp: left out on {ctx.backend}/{ctx.device.type}, which cannot carry "
                   "DTensor's coalesced collectives", all_ranks=False)
         strategies = [strategy for strategy in strategies if strategy[0] != "torch_fsdp"]
-    cases = []
-    for impl, build in strategies:
-        for checkpointing in args.checkpointing:
-            cases.append((impl, build, checkpointing))
+    cases = [(impl, build, checkpointing) for impl, build in strategies
+             for checkpointing in args.checkpointing]
     # The first case timed ran slow (the control without checkpointing slower than with it in
     # 4 of 6 runs): it runs once, untimed, first.
     impl, build, checkpointing = cases[0]
@@ -267,8 +250,12 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     optimizer_seconds = [[] for _ in cases]
     counted = [None] * len(cases)
     rows = [None] * len(cases)
+    deadline = launch.Deadline()
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
+            if not deadline.allows(ctx, f"round {round_number}, {impl}, checkpointing "
+                                        f"{checkpointing}, and after"):
+                break
             count = counted[index] is None  # count each case once, in its first round
             case_seconds, case_optimizer, case_counted = measure_case(ctx, impl, build, checkpointing == "on",
                                                                       args, count)
@@ -282,20 +269,11 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                                    optimizer_seconds[index])
             if ctx.is_main:  # the rows so far, their rounds pooled
                 path = results.upsert_csv(csv_name, [row for row in rows if row is not None], key=CSV_KEY)
+    rows = [row for row in rows if row is not None]  # past make bench's deadline: the ones run
     if ctx.is_main:
-        kinds = list(KINDS)
-        if ctx.device.type == "cuda":
-            kinds.append("cuda_peak")
-        table = []
-        for row in rows:
-            line = {"impl": row["impl"], "ckpt": row["checkpointing"], "step_ms": row["step_ms"]}
-            for kind in kinds:  # counted (predicted), '-' where not counted
-                got = row[f"{kind}_bytes"]
-                want = row.get(f"{kind}_bytes_predicted")
-                line[f"{kind} MiB"] = "-" if got == "" else f"{got / 2**20:.2f}"
-                if want is not None:
-                    line[f"{kind} MiB"] += f" ({want / 2**20:.2f})"
-            table.append(line)
+        kinds = [*KINDS, "cuda_peak"] if ctx.device.type == "cuda" else KINDS
+        table = [{"impl": row["impl"], "ckpt": row["checkpointing"], "step_ms": row["step_ms"],
+                  **{f"{kind} MiB": mib(row, kind) for kind in kinds}} for row in rows]
         results.print_table(table, floatfmt=".1f",
                             title=f"\nPer rank, counted (predicted): the largest rank's bytes, the slowest "
                                   f"rank's median step; {args.model} LM, AdamW, {ctx.world_size} ranks, "
@@ -306,6 +284,12 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
                   f"true on any interconnect.", flush=True)
         print(f"wrote {path}\n" + "\n".join(target_lines(rows)), flush=True)
     return rows
+
+
+def mib(row: dict, kind: str) -> str:
+    """Counted (predicted) MiB; '-' where not counted."""
+    got, want = row[f"{kind}_bytes"], row.get(f"{kind}_bytes_predicted")
+    return ("-" if got == "" else f"{got / 2**20:.2f}") + ("" if want is None else f" ({want / 2**20:.2f})")
 
 
 def target_lines(rows: list[dict]) -> list[str]:
@@ -320,9 +304,7 @@ def target_lines(rows: list[dict]) -> list[str]:
               "zero1": ("torch_zero1", 1.10, "the same job: AdamW state sharded, gradients "
                         "all-reduced, parameters sent from their owners")}
     for (impl, checkpointing), row in by_case.items():
-        if impl not in rivals:
-            continue
-        rival, cap, differs = rivals[impl]
+        rival, cap, differs = rivals.get(impl, (None, None, None))
         if (rival, checkpointing) in by_case:
             ratio = row["step_ms"] / by_case[rival, checkpointing]["step_ms"]
             lines.append(f"{impl} step / {rival}'s, checkpointing {checkpointing}: {ratio:.2f}x "
