@@ -200,29 +200,6 @@ def check_fits(config: LaunchConfig, per_rank_bytes: int, what: str) -> None:
                     f"{total / GIB:.1f} GiB; use smaller sizes")
 
 
-class Deadline:
-    """make bench's deadline for a step (BENCH_STEP_DEADLINE): ``allows(ctx, what)`` before each
-    configuration. The first always runs; a later one if the longest so far (or ``estimate_s``)
-    still fits, rank 0 deciding for all. Past it, one line names what is skipped: all the rest."""
-
-    def __init__(self):
-        self.started, self.longest, self.stopped = None, 0.0, False
-
-    def allows(self, ctx, what: str, estimate_s: float | None = None) -> bool:
-        from bench.step_bench import time_left_for  # it imports this module
-        now = time.perf_counter()
-        if self.started is not None and not self.stopped:
-            self.longest = max(self.longest, now - self.started)
-            estimate_s = self.longest if estimate_s is None else estimate_s
-            self.stopped = not time_left_for(ctx, estimate_s)
-            if self.stopped:
-                ctx.print(f"{what}: skipped, about {estimate_s:.3g} s each would run past make "
-                          "bench's deadline for this step (the rows measured are written)",
-                          all_ranks=False)
-        self.started = now
-        return not self.stopped
-
-
 # --------------------------------------------------------------------------- one rank
 def rendezvous_timeout() -> datetime.timedelta:  # ``launch`` has a parameter named timeout_s
     return datetime.timedelta(seconds=timeout_s())

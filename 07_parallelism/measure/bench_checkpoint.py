@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from bench import results, timing  # noqa: E402  (the repository root is on the path now)
+from bench import results, step_bench, timing  # noqa: E402  (the repository root is on the path now)
 from bench import supervisor as launch  # noqa: E402
 from common import import_stage, models  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
@@ -116,11 +116,11 @@ def bench_main(ctx, args) -> None:
             meshes[size] = DeviceMesh.from_group(group, ctx.device.type)
             states[size] = bench_state(full_lm, dist.get_rank(group), size, ctx.device)
     torch_too = carries_point_to_point(ctx.backend, ctx.device.type)  # DTensor: coalesced ops
-    deadline = launch.Deadline()
+    deadline = step_bench.Deadline(ctx)
     rows = []
     for saved_at, loaded_at in ((2, world_size), (world_size, 2)):
         for impl in ("ours", "torch_dcp") if torch_too else ("ours",):
-            if not deadline.allows(ctx, f"{impl} {saved_at} -> {loaded_at} ranks, and after"):
+            if not deadline.allows(f"{impl} {saved_at} -> {loaded_at} ranks, and after"):
                 break
             rows += bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes,
                                states, block_columns)

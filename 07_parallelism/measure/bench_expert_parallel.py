@@ -26,7 +26,7 @@ for folder in (REPO, REPO / "07_parallelism" / "06_expert_parallel"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from bench import results, timing  # noqa: E402
+from bench import results, step_bench, timing  # noqa: E402
 from bench import supervisor as launch  # noqa: E402
 from common import import_stage, verify  # noqa: E402
 from expert_parallel import ExpertParallelMoE, MoE, expert_capacity  # noqa: E402
@@ -203,7 +203,7 @@ def bench_main(ctx, cfg: dict) -> None:
     memory = {"expert_bytes_replicated": full, "expert_bytes_per_rank": held,
               "share": held / full, "router_bytes": router}
     time_rows = []
-    deadline = launch.Deadline()  # make bench's, as --budget-s: rank 0 decides for every rank
+    deadline = step_bench.Deadline(ctx)  # make bench's, as --budget-s: rank 0 decides for every rank
     for tokens in sorted(cfg["tokens"]):      # smallest first; each row saved as it lands
         predicted_s = None
         if time_rows:  # predicted in proportion from the last
@@ -217,7 +217,7 @@ def bench_main(ctx, cfg: dict) -> None:
                 ctx.print(f"{tokens} tokens per rank and more skipped: about {predicted_s:.0f} s "
                           f"predicted, past --budget-s {cfg['budget_s']:g}", all_ranks=False)
                 break
-        if not deadline.allows(ctx, f"{tokens} tokens per rank and more, and the loads",
+        if not deadline.allows(f"{tokens} tokens per rank and more, and the loads",
                                predicted_s):
             break
         row = time_one(ctx, cfg, tokens, failures)
@@ -232,7 +232,7 @@ def bench_main(ctx, cfg: dict) -> None:
     for routing, capacity_factor in [(r, c) for r in ("random", "skewed")
                                      for c in cfg["capacity_factors"]]:
         what = f"load, {routing} routing, capacity factor {capacity_factor}, and after"
-        if not deadline.allows(ctx, what, time_rows[-1]["expert_parallel_ms"] / 1e3):  # > a forward
+        if not deadline.allows(what, time_rows[-1]["expert_parallel_ms"] / 1e3):  # > a forward
             break
         row = load_one(ctx, cfg, routing, capacity_factor)
         load_rows.append(row)

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench import results  # noqa: E402 (after the path)
+from bench import results, step_bench  # noqa: E402 (after the path)
 from bench import supervisor as launch  # noqa: E402
 from common import import_stage, models  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
@@ -164,10 +164,10 @@ def my_tokens(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], list[dict], list[str]]:
     """Each of ``cfg["variants"]`` against one process, counted: (check rows, byte rows, this
     rank's failures); ``land(ctx, cfg, result)`` as each variant lands; each only if
-    ``deadline`` (a ``launch.Deadline``) allows."""
+    ``deadline`` (a ``step_bench.Deadline``) allows."""
     checks, byte_rows, failures = [], [], []
     for variant in cfg["variants"]:
-        if deadline is not None and not deadline.allows(ctx, f"MLP, {variant}, and after"):
+        if deadline is not None and not deadline.allows(f"MLP, {variant}, and after"):
             break
         torch.manual_seed(0)  # every rank builds the same full MLP and data, keeps its shards
         reference = tp.MLP(cfg["d_model"], cfg["d_ff"]).to(ctx.device)
@@ -314,7 +314,7 @@ def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
               "world_size": dist.get_world_size(group)}
     for configuration in [None, False, True] + (["torch"] if with_torch else []):
         what = f"block, {BLOCK_LABELS[configuration]}, and after"
-        if deadline is not None and not deadline.allows(ctx, what):
+        if deadline is not None and not deadline.allows(what):
             break
         part = one_process
         if configuration is not None:
@@ -367,7 +367,7 @@ def land_block(ctx, cfg: dict, part: dict) -> None:
 
 def bench_main(ctx, cfg: dict) -> None:
     """Both MLP variants and the block, each written as it lands; the tables; one verdict."""
-    deadline = launch.Deadline()
+    deadline = step_bench.Deadline(ctx)
     checks, mlp_bytes, failures = check_mlp(ctx, cfg, land=land_variant, deadline=deadline)
     block = check_block(ctx, cfg, with_torch=cfg["with_torch"], land=land_block, deadline=deadline)
     failures = agree(failures + block["failures"])

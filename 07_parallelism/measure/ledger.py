@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from bench import results, timing
+from bench import results, step_bench, timing
 from bench import supervisor as launch
 from common import import_stage, models
 from common.launch import carries_point_to_point
@@ -250,10 +250,10 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     optimizer_seconds = [[] for _ in cases]
     counted = [None] * len(cases)
     rows = [None] * len(cases)
-    deadline = launch.Deadline()
+    deadline = step_bench.Deadline(ctx)
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
-            if not deadline.allows(ctx, f"round {round_number}, {impl}, checkpointing "
+            if not deadline.allows(f"round {round_number}, {impl}, checkpointing "
                                         f"{checkpointing}, and after"):
                 break
             count = counted[index] is None  # count each case once, in its first round
