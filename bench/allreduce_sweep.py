@@ -8,7 +8,6 @@ before, scaled) passes ``--budget-s`` or make bench's deadline, or its memory wo
     python bench/allreduce_sweep.py --backend gloo --device cpu --sizes 1MB,10MB --world-sizes 2,4
 """
 
-import math
 import os
 import sys
 import time
@@ -40,7 +39,7 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int) -> str | None:
     elif ctx.device.type == "cuda":
         torch.cuda.empty_cache()  # else the last configuration's cached blocks count as used
         free = torch.cuda.mem_get_info(ctx.device)[0]  # + 1 GiB for context and buffers
-        per_gpu = math.ceil(ranks_here / torch.cuda.device_count()) * (gpu_per_rank + gib)
+        per_gpu = launch.ranks_per_gpu(ctx.world_size) * (gpu_per_rank + gib)
         if per_gpu > 0.9 * free:
             why = f"needs about {per_gpu / gib:.1f} GiB per GPU, {free / gib:.1f} GiB free"
     flag = torch.tensor([float(why is not None)],

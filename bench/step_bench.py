@@ -63,7 +63,7 @@ def check_step_bench_args(args, config) -> None:
     what = f"--model {args.model}, batch {args.batch_size}, context {args.context_length}"
     ranks_here = launch.ranks_on_this_node(ws)
     if config.device == "cuda":
-        per_gpu = math.ceil(ranks_here / torch.cuda.device_count()) * need
+        per_gpu = launch.ranks_per_gpu(ws) * need
         total = torch.cuda.get_device_properties(0).total_memory
         if per_gpu > 0.9 * total:
             launch.usage_error(f"{what} needs about {per_gpu / 2**30:.1f} GiB per GPU but a GPU "
