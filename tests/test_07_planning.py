@@ -747,6 +747,28 @@ def test_tensor_parallel_collectives_by_hand():
     assert terms_of(SMALL, grid)["tp collectives"] == pytest.approx(expected)
 
 
+
+def test_a_group_among_ranks_sharing_cores_takes_the_link_timed_at_its_size():
+    """dp2 tp2 on 4 ranks sharing 2 cores: the tp pairs and the dp pairs each take the link timed
+    with 2 ranks (0.1 ms a ring step; the world's, timed with 4 ranks taking turns, is 1 ms a
+    step), the loss the world's. By hand: tp 8 (all-gather 1 step + reduce-scatter as an
+    all-reduce 2 steps) + the whole tensors' all-reduce 2 steps; data parallel one all-reduce
+    of 2 steps; loss 6 world steps; bytes at 1 MB/s."""
+    pair = planner.Link(latency=0.0, busbw=1e6, step_latency=1e-4)
+    box = dataclasses.replace(ROUND, overlap=False, cores=2, reduce_scatter_as_all_reduce=True,
+                              inside=planner.Link(latency=0.0, busbw=1e6, step_latency=1e-3),
+                              groups=((2, pair),))
+    grid = planner.Grid(dp=2, tp=2, bucket_bytes=float("inf"), loss_all_reduce=True)
+    terms = terms_of(SMALL, grid, box)
+    payload = 4 * 2 * 4 * 8                        # [2 rows, 4 tokens, 8] float32
+    whole = 4 * sum(v for v, split in planner.rank_tensors(SMALL, grid) if not split)
+    tp = 8 * (3e-4 + payload / 2 / 1e6 + payload / 1e6) + 2e-4 + whole / 1e6
+    assert terms["tp collectives"] == pytest.approx(tp)
+    gradients = sum(planner.rank_tensor_bytes(SMALL, grid))
+    assert terms["dp gradients left after backward"] == pytest.approx(2e-4 + gradients / 1e6)
+    assert terms["loss all-reduce"] == pytest.approx(6e-3 + 2 * 0.75 * 8 / 1e6)
+    assert planner.link_of(box, planner.Grid(dp=2, cp=2), "dp") is box.inside    # 4 ranks
+
 def test_a_first_tensor_larger_than_a_bucket_makes_no_empty_bucket():
     assert planner.gradient_buckets([10, 100], 50) == [100, 10]
     assert planner.gradient_buckets([10, 20, 30], 0) == [30, 20, 10]
@@ -766,8 +788,9 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     from bench import report
     from bench import results
     monkeypatch.setattr(check_prediction, "PROJECTION_MODEL", "tiny")   # the path, not the size
-    measured = check_prediction.StepCalls(all_reduce_s=2e-3, hop=planner.Link(3e-3, 1e8))
-    monkeypatch.setattr(check_prediction, "time_step_calls", lambda *args: measured)  # its own test
+    measured = {ranks: check_prediction.StepCalls(all_reduce_s=ranks * 1e-3, hop=planner.Link(3e-3, 1e8))
+                for ranks in (2, 4)}                # its own test; 4 ranks' calls dearer
+    monkeypatch.setattr(check_prediction, "time_step_calls", lambda ranks, *args: measured[ranks])
     flat = (planner.Link(1e-3, 1e8), planner.Link(2e-3, 5e7))
     monkeypatch.setattr(check_prediction, "time_flat_collectives", lambda *args: flat)
     monkeypatch.setattr(check_prediction, "PROJECTION_SEQ", 16)
@@ -810,6 +833,12 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     # dp2 pp2 is timed a micro-batch (1 row) at a time, not its data rank's 2 rows at once
     assert any(config.startswith("grid dp2 pp2") for config in rows), sorted(rows)
     assert ("tiny", 1, 16) in timed_shapes, timed_shapes
+    # dp2 tp2's tp pairs at 2 ranks' fit and calls, by hand: 8 x (1 + 2 steps) + 2 steps of
+    # (2 ms - 64 KiB / 1 GB/s) / 2; [2, 16, 64] float32 and the whole tensors at 1 GB/s
+    step = (2e-3 - 65536 / 1e9) / 2
+    whole = 4 * (2 * 320 + 256 * 64 + 16 * 64 + 128 + 256 * 64)
+    tp = 26 * step + (8 * 1.5 * 4 * 2 * 16 * 64 + whole) / 1e9
+    assert float(rows["grid dp2 tp2, AdamW, tiny"]["tp_collectives_ms"]) == pytest.approx(tp * 1e3, abs=1e-3)
     for config, row in rows.items():
         if config.startswith("ddp_step"):
             assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)

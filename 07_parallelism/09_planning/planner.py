@@ -336,6 +336,7 @@ class Machine:
     point_to_point: Link | None = None   # sends after compute (ring attention's hops)
     gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors
     scatter: Link | None = None
+    groups: tuple = ()             # (ranks, Link): a group of that many ranks among all of them
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
     gpu: GPU | None = None         # kernel classes at their rates (None: every FLOP at ``flops``)
@@ -379,14 +380,13 @@ def broadcast_time(link: Link, ranks: int, nbytes: float) -> float:
 
 
 def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
-    """The link an axis's group crosses: ranks are laid out (pp, dp, cp, tp), tp innermost, and
-    a group whose span is larger than a node crosses nodes."""
-    inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp * grid.cp, "pp": grid.tp * grid.cp * grid.dp}
-    size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "pp": grid.pp}
-    span = inner[axis] * size[axis]
-    if span > machine.ranks_per_node:
-        return machine.across
-    return machine.inside
+    """The link an axis's group ("dp": dp x cp) crosses: ranks are laid out (pp, dp, cp, tp), tp
+    innermost, and a group whose span is larger than a node crosses nodes; a measured box's
+    link for a group of its size where it has one (ranks sharing cores: the size counts)."""
+    inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp, "pp": grid.tp * grid.cp * grid.dp}
+    size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp * grid.cp, "pp": grid.pp}
+    link = machine.across if inner[axis] * size[axis] > machine.ranks_per_node else machine.inside
+    return dict(machine.groups).get(size[axis], link)
 
 
 # --------------------------------------------------------------------------- overlap

@@ -498,10 +498,17 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         compute_s, optimizer_s, samples = time_rank_compute(row["model"], grid, batch, seq,
                                                             launch.rank_threads(ranks),
                                                             row["device"])
-        calls = time_step_calls(ranks, row["backend"], row["device"])
-        hop = calls.hop if calls is not None else None
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
-                           cores, samples, row["device"], hop)
+        # each group at the calls and fit of as many ranks: where ranks outnumber cores, a
+        # group that fits on them does not wait for a core at every step as the world does
+        calls = {size: time_step_calls(size, row["backend"], row["device"])
+                 for size in {ranks, grid.tp, grid.cp, grid.dp * grid.cp, grid.pp}
+                 if size > 1 and f"{backend_device}/{size}" in fits}
+        groups = tuple((size, link_from_fit(fits[f"{backend_device}/{size}"], size, calls[size]))
+                       for size in calls)
+        hop = calls.get(grid.cp if grid.cp > 1 else grid.pp, calls[ranks])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls[ranks]),
+                           cores, samples, row["device"], hop and hop.hop)
+        machine = dataclasses.replace(machine, groups=groups)
         yield predicted_row(config, "grid.csv", lm, grid, machine, float(row["step_ms"]))
 
 
