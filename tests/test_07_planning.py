@@ -439,6 +439,15 @@ def test_the_check_counts_within_25_percent_both_ways_and_stretches_a_control_on
     assert compute_s == 0.2 and planner.turns(planner.Grid(dp=4), box) == 1.0
 
 
+
+def test_the_summary_quotes_the_median_and_90th_percentile_of_the_errors():
+    """Errors -30%, +5%, 10%, -20%, +40% (as |error| 5, 10, 20, 30, 40%): median 20%; the 90th
+    percentile between the two largest, 30 + 0.6 x 10 = 36% (inclusive quantiles); 3 within 25%."""
+    import check_prediction
+    rows = [{"config": f"c{ratio}", "ratio": ratio} for ratio in (0.7, 1.05, 1.1, 0.8, 1.4)]
+    assert check_prediction.summary(rows) == ("median |error| 20%, 90th percentile 36% over 5 "
+                                              "configurations; within 25%: 3; the worst: c1.4 (+40%)")
+
 def test_the_check_refuses_a_missing_device_and_skips_unreadable_rows(capsys, monkeypatch):
     import check_prediction
     if not torch.cuda.is_available():
