@@ -1,9 +1,10 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
 The planner is fed this machine, every input measured (compute at one rank's shapes, the
-straggler, a copy, stage 02's all-reduce fit, a call in a burst, a hop after compute, FSDP's
-collectives) and set beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
-grid.csv) in results/prediction.csv, every term a column. ``--device cuda`` or ``--project``
+straggler, a copy, stage 02's all-reduce fit, a call in a burst and a hop after compute at each
+group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
+sharding.csv, grid.csv) in results/prediction.csv: every term a column, each error beside the
+measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
 published runs beside the planner's cold predictions (lesson 9's README). A configuration that
 cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
@@ -199,11 +200,13 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
         return None
     hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
     latency, busbw = line_through(hops)
-    print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB "
-          f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
-          + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
-                      for nbytes, seconds in hops.items()))
+    print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB all-reduce in a burst "
+          f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
     return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(latency=latency, busbw=busbw))
+
+
+def ms_at(seconds: dict, unit: int, digits: int) -> str:
+    return ", ".join(f"{size / unit:.{digits - 1}f}: {value * 1e3:.{digits}f}" for size, value in seconds.items())
 
 
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
@@ -245,12 +248,9 @@ def time_flat_collectives(world_size: int, backend: str, device: str,
                               "all-reduce's link", sizes)
     if slowest is None:
         return None
-    gather = {nbytes: slowest[f"gather {nbytes}"] for nbytes in sizes}
-    scatter = {nbytes: slowest[f"scatter {nbytes}"] for nbytes in sizes}
-    print(f"check_prediction: FSDP's flat collectives, {world_size} ranks: all-gather "
-          + ", ".join(f"{nbytes / 2**20:.1f} MiB {value * 1e3:.1f} ms" for nbytes, value in gather.items())
-          + "; reduce-scatter "
-          + ", ".join(f"{nbytes / 2**20:.1f} MiB {value * 1e3:.1f} ms" for nbytes, value in scatter.items()))
+    gather, scatter = ({n: slowest[f"{name} {n}"] for n in sizes} for name in ("gather", "scatter"))
+    print(f"check_prediction: FSDP's flat collectives, {world_size} ranks (MiB: ms): all-gather "
+          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}")
     return link_through(gather, world_size), link_through(scatter, world_size)
 
 
@@ -295,14 +295,10 @@ def this_run(name: str) -> list[dict]:
     """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); bad: a line."""
     rows = results.read_csv(name)
     run = os.environ.get("RESULTS_RUN_ID") or (rows[-1].get("run_id") if rows else None)
-    kept = []
-    for row in (row for row in rows if row.get("run_id") == run):
-        problem = unreadable(row)
-        if problem:
-            print(f"check_prediction: results/{name}: a row skipped: {problem}")
-        else:
-            kept.append(row)
-    return kept
+    rows = [row for row in rows if row.get("run_id") == run]
+    for problem in filter(None, map(unreadable, rows)):
+        print(f"check_prediction: results/{name}: a row skipped: {problem}")
+    return [row for row in rows if not unreadable(row)]
 
 
 def unreadable(row: dict) -> str:
@@ -362,10 +358,8 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
 
 def control_burst(rows: list[dict], row: dict) -> float | None:
     """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``), or None."""
-    control = same_launch_control(rows, row, DDP_SETTINGS)
-    if control is None or not control.get("call_ms"):
-        return None
-    return float(control["call_ms"]) / 1e3
+    control = same_launch_control(rows, row, DDP_SETTINGS) or {}
+    return float(control["call_ms"]) / 1e3 if control.get("call_ms") else None
 
 
 def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
@@ -397,22 +391,16 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     run_rows = this_run("ddp_step.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         impl = row["impl"]
-        if impl in ("bucketed", "torch_ddp"):
-            cap = float(row["bucket_mb"]) * 2**20
-        elif impl in DDP_IMPLS:
-            cap = DDP_IMPLS[impl]
-        else:
+        if impl not in (*DDP_IMPLS, "bucketed", "torch_ddp"):
             continue
-        batch = int(row["batch_size"])
-        seq = int(row["context_length"])
+        cap = float(row["bucket_mb"]) * 2**20 if row["bucket_mb"] else DDP_IMPLS[impl]
+        batch, seq = int(row["batch_size"]), int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
-        control = same_launch_control(run_rows, row, DDP_SETTINGS)
-        if control is not None and control.get("fwd_bwd_ms"):
-            control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3)
-            if cap is None:
-                continue                               # the control itself: the input
-        else:
-            control = None
+        control = same_launch_control(run_rows, row, DDP_SETTINGS) or {}
+        if control.get("fwd_bwd_ms") and cap is None:
+            continue                                   # the control itself: the input
+        control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
+                   ) if control.get("fwd_bwd_ms") else None
         label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
         config = f"ddp_step {label}, {row['model']}, {ranks} ranks"
         if not pace.allows(f"check_prediction: {config} and what follows"):
@@ -423,11 +411,8 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        burst = control_burst(run_rows, row)
-        if burst is not None:      # a call's cost at the moment the rows were measured
-            calls = StepCalls(all_reduce_s=burst, hop=None)
-        else:
-            calls = time_step_calls(ranks, row["backend"], row["device"])
+        burst = control_burst(run_rows, row)          # a call's cost as the rows were measured
+        calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
                            shared_by, samples, row["device"])
         yield predicted_row(config, "ddp_step.csv", lm, grid, machine, row)
@@ -439,8 +424,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         if row["impl"] not in planner.DP_KINDS:
             continue
-        batch = int(row["batch_size"])
-        seq = int(row["context_length"])
+        batch, seq = int(row["batch_size"]), int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
         config = (f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, "
                   f"{row['model']}, {ranks} ranks")
@@ -477,31 +461,27 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             continue
         if row.get("schedule") or row.get("pair"):
             continue                 # the pipeline comparison, torch's controls: not our grids
-        sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
-        parts = row["grid"].split()
-        if not all(part[:2] in sizes and part[2:].isdigit() for part in parts):
-            continue                 # 'pp2 (x2 side by side)'
-        sizes.update({part[:2]: int(part[2:]) for part in parts})
+        try:
+            grid = planner.parse_label(row["grid"])    # 'dp_replicate2 dp_shard2' is no grid's
+        except ValueError:
+            continue
         schedule = next((name for name in ("zbh1", "interleaved", "1f1b", "gpipe")
                          if name in row["setting"]), "1f1b")
         # the data axis all-reduces every gradient in one call; lesson 7 logs the global loss
-        grid = planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
-                            dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
-                            schedule=schedule, micro_batches=int(row["micro_batches"]),
-                            bucket_bytes=float("inf"), loss_all_reduce=True)
+        grid = dataclasses.replace(grid, dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
+                                   schedule=schedule, micro_batches=int(row["micro_batches"]), sp=True,
+                                   bucket_bytes=float("inf"), loss_all_reduce=True)
         if grid.world_size != ranks:
             continue
         config = f"grid {row['grid']}, {row['setting']}, {row['model']}"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
-        batch = int(row["batch_size"])
-        seq = int(row["seq_len"])
+        batch, seq = int(row["batch_size"]), int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
         compute_s, optimizer_s, samples = time_rank_compute(row["model"], grid, batch, seq,
-                                                            launch.rank_threads(ranks),
-                                                            row["device"])
-        # each group at the calls and fit of as many ranks: where ranks outnumber cores, a
-        # group that fits on them does not wait for a core at every step as the world does
+                                                            launch.rank_threads(ranks), row["device"])
+        # each group at its own size's calls and fit: ranks sharing cores, a group no larger
+        # than the cores waits less for one at each step than the world does
         calls = {size: time_step_calls(size, row["backend"], row["device"])
                  for size in {ranks, grid.tp, grid.cp, grid.dp * grid.cp, grid.pp}
                  if size > 1 and f"{backend_device}/{size}" in fits}
@@ -750,8 +730,7 @@ def main(argv=None) -> int:
                      for key in ("measured_min_ms", "measured_max_ms"))
         print(f"{row['config']:58} {row['predicted_ms']:10.2f} {row['measured_ms']:10.2f} "
               f"{row['ratio'] - 1:+6.0%} {low:>5}..{high}")
-    print(summary(rows))
-    print(f"wrote results/{CSV_NAME}")
+    print(f"{summary(rows)}\nwrote results/{CSV_NAME}")
     return 0
 
 
