@@ -727,6 +727,22 @@ def test_the_interleaved_bubble_counts_the_chunks():
     assert planner.bubble_share(planner.Grid(pp=4, micro_batches=8)) == pytest.approx(3 / 11)
 
 
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_each_schedules_bubble_is_lesson_4s_simulation(schedule, stages):
+    """A rank's work, m v chunk steps of F and B (and W where the schedule splits the backward),
+    one unit each, stretched by 1 / (1 - bubble), is the makespan of lesson 4's simulation of
+    the schedule's own tables (m = 8, v = 2 for interleaved and the V schedules): ZB-V and
+    DualPipeV idle p-1 units of 6m + p-1."""
+    import pipeline_schedules
+    v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
+    timed = pipeline_schedules.simulate(pipeline_schedules.all_ranks(schedule, stages, 8, v))
+    makespan = max(end for row in timed for _, end, _ in row)
+    work = 8 * v * (3 if schedule in ("zbh1", "zbv", "dualpipev") else 2)
+    grid = planner.Grid(pp=stages, micro_batches=8, chunks=v, schedule=schedule)
+    assert work / (1 - planner.bubble_share(grid)) == pytest.approx(makespan)
+
 def test_one_f_one_b_holds_at_most_p_micro_batches():
     """1F1B's first rank holds p micro-batches' activations, GPipe all m (here m = 8, p = 2)."""
     grid = planner.Grid(pp=2, micro_batches=8, dp=1)
