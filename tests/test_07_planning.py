@@ -841,7 +841,11 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
                   "step_ms": 70}]
     grid_rows.append({**grid_rows[0], "grid": "dp2 pp2", "setting": "AdamW, 1f1b m2",
                       "micro_batches": 2})
-    results.upsert_csv("grid.csv", grid_rows, key=["grid"])
+    for compute in ("real", "emulated 10 ms"):      # lesson 4's schedules: the emulated one predicted
+        grid_rows.append({**grid_rows[0], "grid": "pp2 (x2 side by side)", "setting": f"gpipe, {compute}",
+                          "model": "8 tiny blocks", "micro_batches": 4, "batch_size": 8, "stages": 2,
+                          "schedule": "gpipe", "compute": compute.split()[0], "step_ms": 100})
+    results.upsert_csv("grid.csv", grid_rows, key=["grid", "setting"])
     timed_shapes = []
     time_compute = check_prediction.time_compute
 
@@ -854,7 +858,7 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
     # the DDP rows' and the ledger's compute is their run's compute-only control (none), which
     # is an input, not a row; torch_fsdp is not modelled as ours
-    assert len(rows) == 3 + 2 + 2, sorted(rows)
+    assert len(rows) == 3 + 2 + 2 + 1, sorted(rows)
     # dp2 pp2 is timed a micro-batch (1 row) at a time, not its data rank's 2 rows at once
     assert any(config.startswith("grid dp2 pp2") for config in rows), sorted(rows)
     assert ("tiny", 1, 16) in timed_shapes, timed_shapes
@@ -864,6 +868,10 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     whole = 4 * (2 * 320 + 256 * 64 + 16 * 64 + 128 + 256 * 64)
     tp = 26 * step + (8 * 1.5 * 4 * 2 * 16 * 64 + whole) / 1e9
     assert float(rows["grid dp2 tp2, AdamW, tiny"]["tp_collectives_ms"]) == pytest.approx(tp * 1e3, abs=1e-3)
+    # gpipe, p = 2, m = 4, F = B = 10 ms: 80 ms of waits, a bubble of 1/5 of the step (20 ms),
+    # and with the waits taking no core, the fill's 2 sends of [2, 16, 64] float32 at the hop's link
+    pipeline = rows["pipeline pp2 (x2 side by side), gpipe, emulated 10 ms, ours"]
+    assert float(pipeline["predicted_ms"]) == pytest.approx(80 + 20 + 2 * (3 + 8192 / 1e8 * 1e3), abs=1e-3)
     for config, row in rows.items():
         if config.startswith("ddp_step"):
             assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)

@@ -110,8 +110,7 @@ def launch_and_read(worker, world_size: int, backend: str, device: str, what: st
         except SystemExit as stopped:
             if stopped.code in (130, 143):
                 raise
-            print(f"check_prediction: {what} not timed ({world_size} ranks failed, their error "
-                  f"above); {instead}")
+            print(f"check_prediction: {what} not timed ({world_size} ranks failed, their error above); {instead}")
             return None
         with open(out_path) as f:
             return json.load(f)
@@ -265,12 +264,9 @@ def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
 def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> planner.Link:
     """Stage 02's t = a + N / w as the planner's all-reduce: busbw w x 2 (n-1)/n, a spread over
     the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes."""
-    steps = 2 * (ranks - 1)
-    latency = fit["a_s"]
-    if calls is not None:
-        latency = max(0.0, calls.all_reduce_s - BURST_BYTES / fit["w_bytes_per_s"])
+    latency = fit["a_s"] if calls is None else max(0.0, calls.all_reduce_s - BURST_BYTES / fit["w_bytes_per_s"])
     return planner.Link(latency=0.0, busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks,
-                        step_latency=latency / steps)
+                        step_latency=latency / (2 * (ranks - 1)))
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
@@ -278,13 +274,11 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
              device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
     """The machine as measured: compute and AdamW as timed, a copy, the straggler of ``samples``."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
-    rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s
-    rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
-    gradients = sum(planner.rank_tensor_bytes(lm, grid))
+    rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s / (grid.tp * grid.pp)
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(lm) / optimizer_s,
-        copy_bandwidth=time_copy(gradients, launch.rank_threads(grid.world_size), device),
+        copy_bandwidth=time_copy(sum(planner.rank_tensor_bytes(lm, grid)), launch.rank_threads(grid.world_size), device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
         reduce_scatter_as_all_reduce=True, point_to_point=hop)
@@ -303,7 +297,7 @@ def this_run(name: str) -> list[dict]:
 
 def unreadable(row: dict) -> str:
     """What in a result row the check cannot use ('' if nothing)."""
-    if row.get("model") not in models.PRESETS:
+    if row.get("model") not in models.PRESETS and not row.get("schedule"):   # lesson 4's: its own
         return f"model {str(row.get('model'))[:40]!r} is not a course preset"
     for column in ("world_size", "batch_size", "context_length", "seq_len"):
         if column in row and not str(row[column]).isdigit():
@@ -346,14 +340,10 @@ def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     """The ledger control's (step less AdamW s, AdamW s); None without one, or for noise."""
-    control = same_launch_control(rows, row, LEDGER_SETTINGS)
-    if control is None or not control.get("optimizer_ms"):
-        return None
-    optimizer_ms = float(control["optimizer_ms"])
-    compute_ms = float(control["step_ms"]) - optimizer_ms
-    if compute_ms <= 0:
-        return None
-    return compute_ms / 1e3, optimizer_ms / 1e3
+    control = same_launch_control(rows, row, LEDGER_SETTINGS) or {}
+    optimizer_ms = float(control.get("optimizer_ms") or "nan")
+    compute_ms = float(control.get("step_ms") or "nan") - optimizer_ms
+    return (compute_ms / 1e3, optimizer_ms / 1e3) if compute_ms > 0 else None    # not NaN, not noise
 
 
 def control_burst(rows: list[dict], row: dict) -> float | None:
@@ -369,11 +359,9 @@ def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
     ranks = int(row["world_size"])
     if control is not None:
         return control[0], control[1], (), max(cores, ranks)
-    compute_s, optimizer_s, samples = time_compute(row["model"], int(row["batch_size"]) // ranks,
-                                                   int(row["context_length"]), models.VOCAB_SIZE,
-                                                   launch.rank_threads(ranks), checkpointing,
-                                                   device=row["device"])
-    return compute_s, optimizer_s, samples, cores
+    return (*time_compute(row["model"], int(row["batch_size"]) // ranks, int(row["context_length"]),
+                          models.VOCAB_SIZE, launch.rank_threads(ranks), checkpointing,
+                          device=row["device"]), cores)
 
 
 def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
@@ -401,8 +389,8 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             continue                                   # the control itself: the input
         control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
                    ) if control.get("fwd_bwd_ms") else None
-        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
-        config = f"ddp_step {label}, {row['model']}, {ranks} ranks"
+        bucket = f" {row['bucket_mb']} MB" if row["bucket_mb"] else ""
+        config = f"ddp_step {impl}{bucket}, {row['model']}, {ranks} ranks"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
@@ -457,10 +445,8 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
 def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
     for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
-        if row.get("impl") != "ours" or not row.get("micro_batches"):
-            continue
-        if row.get("schedule") or row.get("pair"):
-            continue                 # the pipeline comparison, torch's controls: not our grids
+        if row.get("impl") != "ours" or not row.get("micro_batches") or row.get("schedule") or row.get("pair"):
+            continue                 # torch's, the pipeline comparison, torch's controls: not our grids
         try:
             grid = planner.parse_label(row["grid"])    # 'dp_replicate2 dp_shard2' is no grid's
         except ValueError:
@@ -494,6 +480,30 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         yield predicted_row(config, "grid.csv", lm, grid, machine, row)
 
 
+def pipeline_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
+    """Lesson 4's schedules, ours and torch's, from ``grid.csv`` where a chunk's F, B (and W) each
+    wait a set time: a waiting rank takes no core, so sends run beside the waits."""
+    for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
+        p = int(row.get("stages") or 0)
+        if row.get("compute") != "emulated" or f"{backend_device}/{p}" not in fits:
+            continue
+        config = f"pipeline {row['grid']}, {row['setting']}, {row['impl']}"
+        if not pace.allows(f"check_prediction: {config} and what follows"):
+            return
+        v = 2 if row["schedule"] in ("interleaved", "zbv", "dualpipev") else 1
+        grid = planner.Grid(pp=p, schedule=row["schedule"], micro_batches=int(row["micro_batches"]), chunks=v)
+        wait_s = float(row["setting"].split("emulated ")[1].split(" ms")[0]) / 1e3
+        compute_s = grid.micro_batches * v * wait_s * (3 if row["schedule"] in ("zbv", "dualpipev") else 2)
+        blocks, preset, _ = row["model"].split()                     # '8 tiny blocks'
+        lm = dataclasses.replace(course_lm(preset, int(row["batch_size"]), int(row["seq_len"])),
+                                 layers=int(blocks))
+        calls = time_step_calls(p, row["backend"], row["device"])
+        machine = this_box(lm, grid, compute_s, 1.0, link_from_fit(fits[f"{backend_device}/{p}"], p, calls),
+                           0, (), row["device"], calls and calls.hop)
+        machine = dataclasses.replace(machine, overlap=True, memory_bandwidth=float("inf"))   # no AdamW
+        yield predicted_row(config, "grid.csv, pipelines", lm, grid, machine, row)
+
+
 # --------------------------------------------------------------------------- the projection
 PROJECTION_CSV = "projection.csv"
 PROJECTION_MODEL = "small"     # make plan's default LM, sequence and rows a GPU
@@ -509,9 +519,8 @@ def projection_rows(device: str) -> list[dict]:
         compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
                                                  models.VOCAB_SIZE, 1, device=device)
     except (RuntimeError, MemoryError) as error:       # a CUDA error, out of memory included
-        print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at "
-              f"{PROJECTION_ROWS} x {PROJECTION_SEQ} did not run on {device}: "
-              f"{str(error).splitlines()[0]}")
+        print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at {PROJECTION_ROWS} x "
+              f"{PROJECTION_SEQ} did not run on {device}: {str(error).splitlines()[0]}")
         return []
     one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
     rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ / compute_s)
@@ -588,15 +597,11 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
     blocks = lm.layers // p
     activation = (blocks * planner.block_activation_bytes(lm, grid)
                   + planner.edge_activation_bytes(lm, grid, first, last))
-
     rows, tokens = planner.rows_and_tokens(lm, grid)
     gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
     sent_tp = m * blocks * 8 * planner.ring_share(t) * gathered          # lesson 3, forward and back
     sent_tp += 2 * planner.ring_share(t) * planner.FLOAT32 * replicated          # whole tensors' gradients
-    sent_cp = 0.0
-    if c > 1:
-        kv_block = lm.compute_bytes * rows * tokens * lm.d_model / t
-        sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * kv_block  # lesson 5's hops
+    sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * (gathered / t) if c > 1 else 0.0  # lesson 5's K/V hops
     messages = 0
     for stage in stages:
         if stage < p * v - 1 and (stage + 1) % p != pp_rank:
@@ -708,11 +713,10 @@ def main(argv=None) -> int:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
         return 1
-    # ranks take turns on these (one GPU: on it)
-    cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1
+    cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1   # ranks take turns on them
     rows = []
     pace = step_bench.Deadline()
-    for make_rows in (ddp_rows, ledger_rows, grid_rows):
+    for make_rows in (ddp_rows, ledger_rows, grid_rows, pipeline_rows):
         new_rows = []
         for row in make_rows(fits, backend_device, cores, pace):
             new_rows.append(row)
