@@ -205,7 +205,7 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
 
 
 def ms_at(seconds: dict, unit: int, digits: int) -> str:
-    return ", ".join(f"{size / unit:.{digits - 1}f}: {value * 1e3:.{digits}f}" for size, value in seconds.items())
+    return ", ".join(f"{size / unit:.4g}: {value * 1e3:.{digits}f}" for size, value in seconds.items())
 
 
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
