@@ -271,7 +271,7 @@ def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> plan
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
-             device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
+             device: str = "cpu", hop: planner.Link | None = None, groups: tuple = ()) -> planner.Machine:
     """The machine as measured: compute and AdamW as timed, a copy, the straggler of ``samples``."""
     tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
     rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s / (grid.tp * grid.pp)
@@ -281,7 +281,7 @@ def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: 
         copy_bandwidth=time_copy(sum(planner.rank_tensor_bytes(lm, grid)), launch.rank_threads(grid.world_size), device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
-        reduce_scatter_as_all_reduce=True, point_to_point=hop)
+        reduce_scatter_as_all_reduce=True, point_to_point=hop, groups=groups)
 
 
 # --------------------------------------------------------------------------- the rows
@@ -414,8 +414,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             continue
         batch, seq = int(row["batch_size"]), int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
-        config = (f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, "
-                  f"{row['model']}, {ranks} ranks")
+        config = f"ledger {row['impl']}{' checkpointing' * checkpointing}, {row['model']}, {ranks} ranks"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
         lm = course_lm(row["model"], batch, seq)
@@ -475,8 +474,7 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
                        for size in calls)
         hop = calls.get(grid.cp if grid.cp > 1 else grid.pp, calls[ranks])
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls[ranks]),
-                           cores, samples, row["device"], hop and hop.hop)
-        machine = dataclasses.replace(machine, groups=groups)
+                           cores, samples, row["device"], hop and hop.hop, groups)
         yield predicted_row(config, "grid.csv", lm, grid, machine, row)
 
 
