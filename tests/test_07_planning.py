@@ -311,6 +311,21 @@ def test_calls_are_timed_on_the_ranks_as_a_step_makes_them(monkeypatch):
     assert check_prediction.time_step_calls(2, "gloo", "cuda") is None
 
 
+
+def test_a_link_takes_stage_02s_rate_at_its_calls_size():
+    """Stage 02's timings (1 MB 9 ms, 10 MB 12 ms, 100 MB 102 ms): a 50 MB call's rate is the
+    line through 10 and 100 MB, 90 MB / 90 ms = 1 GB/s (busbw on 2 ranks: the same); a 5 MB
+    call's 9 MB / 3 ms = 3 GB/s; past the largest, the last two; without a size, the fit's w.
+    The burst's latency is a 64 KiB call's less its bytes at that rate, over 2 ring steps."""
+    import check_prediction
+    fit = {"a_s": 1e-4, "w_bytes_per_s": 2e9, "points": [
+        {"bytes": 10e6, "time_s": 12e-3}, {"bytes": 1e6, "time_s": 9e-3}, {"bytes": 100e6, "time_s": 102e-3}]}
+    calls = check_prediction.StepCalls(all_reduce_s=1e-3, hop=None)
+    for nbytes, rate in ((50e6, 1e9), (5e6, 3e9), (400e6, 1e9), (0, 2e9)):
+        link = check_prediction.link_from_fit(fit, 2, calls, nbytes)
+        assert link.busbw == pytest.approx(rate), nbytes
+        assert link.step_latency == pytest.approx((1e-3 - 65536 / rate) / 2)
+
 def failing_timing(ctx, out_path):
     raise RuntimeError("a rank's timing failed")
 

@@ -16,6 +16,7 @@ Run:  python 07_parallelism/measure/check_prediction.py          (after make ben
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -198,10 +199,9 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
     if slowest is None:
         return None
     hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
-    latency, busbw = line_through(hops)
     print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB all-reduce in a burst "
           f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
-    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(latency=latency, busbw=busbw))
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)))
 
 
 def ms_at(seconds: dict, unit: int, digits: int) -> str:
@@ -261,20 +261,25 @@ def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
     return max(0.0, statistics.median(slowest) / statistics.median(samples) - 1)
 
 
-def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> planner.Link:
+def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None, nbytes: float = 0) -> planner.Link:
     """Stage 02's t = a + N / w as the planner's all-reduce: busbw w x 2 (n-1)/n, a spread over
-    the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes."""
-    latency = fit["a_s"] if calls is None else max(0.0, calls.all_reduce_s - BURST_BYTES / fit["w_bytes_per_s"])
-    return planner.Link(latency=0.0, busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks,
-                        step_latency=latency / (2 * (ranks - 1)))
+    the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes;
+    with ``nbytes``, w through stage 02's two timings around it (a call's rate at its size)."""
+    w = fit["w_bytes_per_s"]
+    points = sorted((point["bytes"], point["time_s"]) for point in fit.get("points", ()))
+    if nbytes and len(points) > 1:
+        index = min(max(bisect.bisect(points, (nbytes,)), 1), len(points) - 1)
+        w = line_through(dict(points[index - 1:index + 1]))[1]
+    latency = fit["a_s"] if calls is None else max(0.0, calls.all_reduce_s - BURST_BYTES / w)
+    return planner.Link(latency=0.0, busbw=w * 2 * (ranks - 1) / ranks, step_latency=latency / (2 * (ranks - 1)))
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
              device: str = "cpu", hop: planner.Link | None = None, groups: tuple = ()) -> planner.Machine:
     """The machine as measured: compute and AdamW as timed, a copy, the straggler of ``samples``."""
-    tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
-    rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s / (grid.tp * grid.pp)
+    rate = (planner.training_flops_per_token(lm, grid.recompute) * lm.batch * lm.seq / (grid.dp * grid.cp)
+            / compute_s / (grid.tp * grid.pp))   # one data rank's tokens, its tp x pp ranks sharing them
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(lm) / optimizer_s,
@@ -401,7 +406,8 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
         burst = control_burst(run_rows, row)          # a call's cost as the rows were measured
         calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
+        largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
                            shared_by, samples, row["device"])
         yield predicted_row(config, "ddp_step.csv", lm, grid, machine, row)
 
@@ -412,17 +418,17 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         if row["impl"] not in planner.DP_KINDS:
             continue
-        batch, seq = int(row["batch_size"]), int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
         config = f"ledger {row['impl']}{' checkpointing' * checkpointing}, {row['model']}, {ranks} ranks"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
-        lm = course_lm(row["model"], batch, seq)
+        lm = course_lm(row["model"], int(row["batch_size"]), int(row["context_length"]))
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], recompute="full" if checkpointing else "none")
         control = ledger_control(run_rows, row)
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores, checkpointing)
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
+        largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
                            shared_by, samples, row["device"])
         if grid.dp_kind == "fsdp":
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
@@ -559,9 +565,7 @@ def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
         shapes = planner.parameter_shapes(lm)
         last_block = len(shapes) - len(planner.block_parameter_shapes(lm)) - 3   # before the final norm, head
         for index, shape in enumerate(shapes):
-            outside_blocks = index < 2 or index >= len(shapes) - 3
-            in_last_block = last_block <= index < len(shapes) - 3
-            if len(shape) >= 2 and (outside_blocks or in_last_block):
+            if len(shape) >= 2 and (index < 2 or index >= last_block):    # the ends, the last block
                 kept += -(-shape[0] // d) * d * planner.numel(shape[1:])
         W, K, R = (planner.FLOAT32 * values for values in (sharded, kept, replicated))
         return planner.ring_share(d) * (3 * W - K) + 2 * planner.ring_share(d) * R
@@ -590,11 +594,9 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
             owned[rank] += 2 * planner.FLOAT32 * sizes[index] + planner.ADAMW_STEP_BYTES
         optim = owned[data_rank]
     stages = [chunk * p + pp_rank for chunk in range(v)]
-    first = 0 in stages
-    last = p * v - 1 in stages
     blocks = lm.layers // p
     activation = (blocks * planner.block_activation_bytes(lm, grid)
-                  + planner.edge_activation_bytes(lm, grid, first, last))
+                  + planner.edge_activation_bytes(lm, grid, 0 in stages, p * v - 1 in stages))
     rows, tokens = planner.rows_and_tokens(lm, grid)
     gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
     sent_tp = m * blocks * 8 * planner.ring_share(t) * gathered          # lesson 3, forward and back
@@ -688,9 +690,8 @@ def main(argv=None) -> int:
         print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
               "predicted | largest term |\n|---|---|---|---|---|---|---|")
         for row in published_rows():
-            memory = f"{row['memory'] or '-'} / {row['predicted_memory']:.1f}"
-            print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "
-                  f"{row['error']:+.0%} | {memory} | {row['largest']} |")
+            print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | {row['error']:+.0%} | "
+                  f"{row['memory'] or '-'} / {row['predicted_memory']:.1f} | {row['largest']} |")
         return 0
     backend_device = f"{args.backend}/{args.device}"
     if args.device == "cuda" or args.project:
@@ -724,9 +725,9 @@ def main(argv=None) -> int:
     if not rows:
         print("check_prediction: nothing to check: no row of this run that the planner models")
         return 0
-    print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms; error: "
-          "predicted / measured - 1; spread: the measured steps' fastest and slowest, over their median):")
-    print(f"{'configuration':58} {'predicted':>10} {'measured':>10} {'error':>6} {'spread':>12}")
+    print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms; error: predicted / measured - 1;"
+          f" spread: the measured steps' fastest and slowest, over their median):\n{'configuration':58} "
+          f"{'predicted':>10} {'measured':>10} {'error':>6} {'spread':>12}")
     for row in rows:
         low, high = (f"{float(row[key]) / row['measured_ms'] - 1:+.0%}" if row[key] != "" else "?"
                      for key in ("measured_min_ms", "measured_max_ms"))
