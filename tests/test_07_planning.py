@@ -311,6 +311,21 @@ def test_calls_are_timed_on_the_ranks_as_a_step_makes_them(monkeypatch):
     assert check_prediction.time_step_calls(2, "gloo", "cuda") is None
 
 
+
+def test_a_link_takes_stage_02s_rate_at_its_calls_size():
+    """Stage 02's timings (1 MB 9 ms, 10 MB 12 ms, 100 MB 102 ms): a 50 MB call's rate is the
+    line through 10 and 100 MB, 90 MB / 90 ms = 1 GB/s (busbw on 2 ranks: the same); a 5 MB
+    call's 9 MB / 3 ms = 3 GB/s; past the largest, the last two; without a size, the fit's w.
+    The burst's latency is a 64 KiB call's less its bytes at that rate, over 2 ring steps."""
+    import check_prediction
+    fit = {"a_s": 1e-4, "w_bytes_per_s": 2e9, "points": [
+        {"bytes": 10e6, "time_s": 12e-3}, {"bytes": 1e6, "time_s": 9e-3}, {"bytes": 100e6, "time_s": 102e-3}]}
+    calls = check_prediction.StepCalls(all_reduce_s=1e-3, hop=None)
+    for nbytes, rate in ((50e6, 1e9), (5e6, 3e9), (400e6, 1e9), (0, 2e9)):
+        link = check_prediction.link_from_fit(fit, 2, calls, nbytes)
+        assert link.busbw == pytest.approx(rate), nbytes
+        assert link.step_latency == pytest.approx((1e-3 - 65536 / rate) / 2)
+
 def failing_timing(ctx, out_path):
     raise RuntimeError("a rank's timing failed")
 
@@ -438,6 +453,15 @@ def test_the_check_counts_within_25_percent_both_ways_and_stretches_a_control_on
                           ranks_per_node=4, inside=ROUND.inside, across=ROUND.inside, cores=cores)
     assert compute_s == 0.2 and planner.turns(planner.Grid(dp=4), box) == 1.0
 
+
+
+def test_the_summary_quotes_the_median_and_90th_percentile_of_the_errors():
+    """Errors -30%, +5%, 10%, -20%, +40% (as |error| 5, 10, 20, 30, 40%): median 20%; the 90th
+    percentile between the two largest, 30 + 0.6 x 10 = 36% (inclusive quantiles); 3 within 25%."""
+    import check_prediction
+    rows = [{"config": f"c{ratio}", "ratio": ratio} for ratio in (0.7, 1.05, 1.1, 0.8, 1.4)]
+    assert check_prediction.summary(rows) == ("median |error| 20%, 90th percentile 36% over 5 "
+                                              "configurations; within 25%: 3; the worst: c1.4 (+40%)")
 
 def test_the_check_refuses_a_missing_device_and_skips_unreadable_rows(capsys, monkeypatch):
     import check_prediction
@@ -718,6 +742,22 @@ def test_the_interleaved_bubble_counts_the_chunks():
     assert planner.bubble_share(planner.Grid(pp=4, micro_batches=8)) == pytest.approx(3 / 11)
 
 
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_each_schedules_bubble_is_lesson_4s_simulation(schedule, stages):
+    """A rank's work, m v chunk steps of F and B (and W where the schedule splits the backward),
+    one unit each, stretched by 1 / (1 - bubble), is the makespan of lesson 4's simulation of
+    the schedule's own tables (m = 8, v = 2 for interleaved and the V schedules): ZB-V and
+    DualPipeV idle p-1 units of 6m + p-1."""
+    import pipeline_schedules
+    v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
+    timed = pipeline_schedules.simulate(pipeline_schedules.all_ranks(schedule, stages, 8, v))
+    makespan = max(end for row in timed for _, end, _ in row)
+    work = 8 * v * (3 if schedule in ("zbh1", "zbv", "dualpipev") else 2)
+    grid = planner.Grid(pp=stages, micro_batches=8, chunks=v, schedule=schedule)
+    assert work / (1 - planner.bubble_share(grid)) == pytest.approx(makespan)
+
 def test_one_f_one_b_holds_at_most_p_micro_batches():
     """1F1B's first rank holds p micro-batches' activations, GPipe all m (here m = 8, p = 2)."""
     grid = planner.Grid(pp=2, micro_batches=8, dp=1)
@@ -747,6 +787,28 @@ def test_tensor_parallel_collectives_by_hand():
     assert terms_of(SMALL, grid)["tp collectives"] == pytest.approx(expected)
 
 
+
+def test_a_group_among_ranks_sharing_cores_takes_the_link_timed_at_its_size():
+    """dp2 tp2 on 4 ranks sharing 2 cores: the tp pairs and the dp pairs each take the link timed
+    with 2 ranks (0.1 ms a ring step; the world's, timed with 4 ranks taking turns, is 1 ms a
+    step), the loss the world's. By hand: tp 8 (all-gather 1 step + reduce-scatter as an
+    all-reduce 2 steps) + the whole tensors' all-reduce 2 steps; data parallel one all-reduce
+    of 2 steps; loss 6 world steps; bytes at 1 MB/s."""
+    pair = planner.Link(latency=0.0, busbw=1e6, step_latency=1e-4)
+    box = dataclasses.replace(ROUND, overlap=False, cores=2, reduce_scatter_as_all_reduce=True,
+                              inside=planner.Link(latency=0.0, busbw=1e6, step_latency=1e-3),
+                              groups=((2, pair),))
+    grid = planner.Grid(dp=2, tp=2, bucket_bytes=float("inf"), loss_all_reduce=True)
+    terms = terms_of(SMALL, grid, box)
+    payload = 4 * 2 * 4 * 8                        # [2 rows, 4 tokens, 8] float32
+    whole = 4 * sum(v for v, split in planner.rank_tensors(SMALL, grid) if not split)
+    tp = 8 * (3e-4 + payload / 2 / 1e6 + payload / 1e6) + 2e-4 + whole / 1e6
+    assert terms["tp collectives"] == pytest.approx(tp)
+    gradients = sum(planner.rank_tensor_bytes(SMALL, grid))
+    assert terms["dp gradients left after backward"] == pytest.approx(2e-4 + gradients / 1e6)
+    assert terms["loss all-reduce"] == pytest.approx(6e-3 + 2 * 0.75 * 8 / 1e6)
+    assert planner.link_of(box, planner.Grid(dp=2, cp=2), "dp") is box.inside    # 4 ranks
+
 def test_a_first_tensor_larger_than_a_bucket_makes_no_empty_bucket():
     assert planner.gradient_buckets([10, 100], 50) == [100, 10]
     assert planner.gradient_buckets([10, 20, 30], 0) == [30, 20, 10]
@@ -766,8 +828,9 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     from bench import report
     from bench import results
     monkeypatch.setattr(check_prediction, "PROJECTION_MODEL", "tiny")   # the path, not the size
-    measured = check_prediction.StepCalls(all_reduce_s=2e-3, hop=planner.Link(3e-3, 1e8))
-    monkeypatch.setattr(check_prediction, "time_step_calls", lambda *args: measured)  # its own test
+    measured = {ranks: check_prediction.StepCalls(all_reduce_s=ranks * 1e-3, hop=planner.Link(3e-3, 1e8))
+                for ranks in (2, 4)}                # its own test; 4 ranks' calls dearer
+    monkeypatch.setattr(check_prediction, "time_step_calls", lambda ranks, *args: measured[ranks])
     flat = (planner.Link(1e-3, 1e8), planner.Link(2e-3, 5e7))
     monkeypatch.setattr(check_prediction, "time_flat_collectives", lambda *args: flat)
     monkeypatch.setattr(check_prediction, "PROJECTION_SEQ", 16)
@@ -793,7 +856,11 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
                   "step_ms": 70}]
     grid_rows.append({**grid_rows[0], "grid": "dp2 pp2", "setting": "AdamW, 1f1b m2",
                       "micro_batches": 2})
-    results.upsert_csv("grid.csv", grid_rows, key=["grid"])
+    for compute in ("real", "emulated 10 ms"):      # lesson 4's schedules: the emulated one predicted
+        grid_rows.append({**grid_rows[0], "grid": "pp2 (x2 side by side)", "setting": f"gpipe, {compute}",
+                          "model": "8 tiny blocks", "micro_batches": 4, "batch_size": 8, "stages": 2,
+                          "schedule": "gpipe", "compute": compute.split()[0], "step_ms": 100})
+    results.upsert_csv("grid.csv", grid_rows, key=["grid", "setting"])
     timed_shapes = []
     time_compute = check_prediction.time_compute
 
@@ -806,10 +873,20 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
     # the DDP rows' and the ledger's compute is their run's compute-only control (none), which
     # is an input, not a row; torch_fsdp is not modelled as ours
-    assert len(rows) == 3 + 2 + 2, sorted(rows)
+    assert len(rows) == 3 + 2 + 2 + 1, sorted(rows)
     # dp2 pp2 is timed a micro-batch (1 row) at a time, not its data rank's 2 rows at once
     assert any(config.startswith("grid dp2 pp2") for config in rows), sorted(rows)
     assert ("tiny", 1, 16) in timed_shapes, timed_shapes
+    # dp2 tp2's tp pairs at 2 ranks' fit and calls, by hand: 8 x (1 + 2 steps) + 2 steps of
+    # (2 ms - 64 KiB / 1 GB/s) / 2; [2, 16, 64] float32 and the whole tensors at 1 GB/s
+    step = (2e-3 - 65536 / 1e9) / 2
+    whole = 4 * (2 * 320 + 256 * 64 + 16 * 64 + 128 + 256 * 64)
+    tp = 26 * step + (8 * 1.5 * 4 * 2 * 16 * 64 + whole) / 1e9
+    assert float(rows["grid dp2 tp2, AdamW, tiny"]["tp_collectives_ms"]) == pytest.approx(tp * 1e3, abs=1e-3)
+    # gpipe, p = 2, m = 4, F = B = 10 ms: 80 ms of waits, a bubble of 1/5 of the step (20 ms),
+    # and with the waits taking no core, the fill's 2 sends of [2, 16, 64] float32 at the hop's link
+    pipeline = rows["pipeline pp2 (x2 side by side), gpipe, emulated 10 ms, ours"]
+    assert float(pipeline["predicted_ms"]) == pytest.approx(80 + 20 + 2 * (3 + 8192 / 1e8 * 1e3), abs=1e-3)
     for config, row in rows.items():
         if config.startswith("ddp_step"):
             assert float(row["compute_ms"]) == pytest.approx(30, abs=1e-3)

@@ -120,7 +120,7 @@ class Grid:
     pp: int = 1
     cp: int = 1
     dp_kind: str = "ddp"           # ddp, zero1, zero2, fsdp
-    schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zbh1
+    schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev
     micro_batches: int = 1
     chunks: int = 1                # interleaved 1F1B: model chunks per pipeline rank
     recompute: str = "none"        # none, selective, full (training_flops_per_token)
@@ -139,7 +139,8 @@ def ring_share(ranks: int) -> float:
 
 
 def bubble_share(grid: Grid) -> float:
-    """The share of a step a pipeline rank idles (lesson 4; ZB-H1 with F = B = W)."""
+    """The share of a step a pipeline rank idles (lesson 4; ZB-H1, ZB-V, DualPipeV: F = B = W,
+    the V schedules' p-1 units of a chunk, half a stage, for m >= 2p)."""
     p = grid.pp
     m = grid.micro_batches
     v = grid.chunks
@@ -147,15 +148,15 @@ def bubble_share(grid: Grid) -> float:
         return (p - 1) / (v * m + p - 1)
     if grid.schedule == "zbh1":
         return 1 - 3 * m / max(3 * m + p - 1, 2 * (m + p - 1) + 1)
+    if grid.schedule in ("zbv", "dualpipev"):
+        return (p - 1) / (6 * m + p - 1)
     return (p - 1) / (m + p - 1)
 
 
 def micro_batches_in_flight(grid: Grid) -> int:
     """Micro-batches whose activations the first pipeline rank holds at once: GPipe all m,
     1F1B at most p (lesson 4; interleaved, a bound)."""
-    if grid.schedule == "gpipe":
-        return grid.micro_batches
-    return min(grid.micro_batches, grid.pp)
+    return grid.micro_batches if grid.schedule == "gpipe" else min(grid.micro_batches, grid.pp)
 
 
 # --------------------------------------------------------------------------- memory per rank
@@ -336,6 +337,7 @@ class Machine:
     point_to_point: Link | None = None   # sends after compute (ring attention's hops)
     gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors
     scatter: Link | None = None
+    groups: tuple = ()             # (ranks, Link): a group of that many ranks among all of them
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
     gpu: GPU | None = None         # kernel classes at their rates (None: every FLOP at ``flops``)
@@ -379,14 +381,13 @@ def broadcast_time(link: Link, ranks: int, nbytes: float) -> float:
 
 
 def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
-    """The link an axis's group crosses: ranks are laid out (pp, dp, cp, tp), tp innermost, and
-    a group whose span is larger than a node crosses nodes."""
-    inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp * grid.cp, "pp": grid.tp * grid.cp * grid.dp}
-    size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp, "pp": grid.pp}
-    span = inner[axis] * size[axis]
-    if span > machine.ranks_per_node:
-        return machine.across
-    return machine.inside
+    """The link an axis's group ("dp": dp x cp) crosses: ranks are laid out (pp, dp, cp, tp), tp
+    innermost, and a group whose span is larger than a node crosses nodes; a measured box's
+    link for a group of its size where it has one (ranks sharing cores: the size counts)."""
+    inner = {"tp": 1, "cp": grid.tp, "dp": grid.tp, "pp": grid.tp * grid.cp * grid.dp}
+    size = {"tp": grid.tp, "cp": grid.cp, "dp": grid.dp * grid.cp, "pp": grid.pp}
+    link = machine.across if inner[axis] * size[axis] > machine.ranks_per_node else machine.inside
+    return dict(machine.groups).get(size[axis], link)
 
 
 # --------------------------------------------------------------------------- overlap
@@ -430,9 +431,7 @@ def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
 
 def turns(grid: Grid, machine: Machine) -> float:
     """W / cores where W ranks take turns on fewer cores (this course's CPU box), else 1."""
-    if machine.cores and grid.world_size > machine.cores:
-        return grid.world_size / machine.cores
-    return 1.0
+    return grid.world_size / machine.cores if machine.cores and grid.world_size > machine.cores else 1.0
 
 
 def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:

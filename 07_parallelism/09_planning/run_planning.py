@@ -144,10 +144,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     lm = args.lm
     machine = args.machine
-    if args.grid is not None:
-        grids = [args.grid]
-    else:
-        grids = list(planner.candidate_grids(lm, machine.ranks, machine.ranks_per_node))
+    grids = [args.grid] if args.grid else list(planner.candidate_grids(lm, machine.ranks, machine.ranks_per_node))
     predictions = [planner.predict(lm, grid, machine) for grid in grids]
     fitting = sorted((p for p in predictions if p["fits"] or args.grid), key=lambda p: p["step_s"])
     if args.json:

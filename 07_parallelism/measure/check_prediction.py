@@ -1,9 +1,10 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
 The planner is fed this machine, every input measured (compute at one rank's shapes, the
-straggler, a copy, stage 02's all-reduce fit, a call in a burst, a hop after compute, FSDP's
-collectives) and set beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
-grid.csv) in results/prediction.csv, every term a column. ``--device cuda`` or ``--project``
+straggler, a copy, stage 02's all-reduce fit, a call in a burst and a hop after compute at each
+group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
+sharding.csv, grid.csv) in results/prediction.csv: every term a column, each error beside the
+measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
 published runs beside the planner's cold predictions (lesson 9's README). A configuration that
 cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
@@ -15,6 +16,7 @@ Run:  python 07_parallelism/measure/check_prediction.py          (after make ben
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -109,8 +111,7 @@ def launch_and_read(worker, world_size: int, backend: str, device: str, what: st
         except SystemExit as stopped:
             if stopped.code in (130, 143):
                 raise
-            print(f"check_prediction: {what} not timed ({world_size} ranks failed, their error "
-                  f"above); {instead}")
+            print(f"check_prediction: {what} not timed ({world_size} ranks failed, their error above); {instead}")
             return None
         with open(out_path) as f:
             return json.load(f)
@@ -198,12 +199,13 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
     if slowest is None:
         return None
     hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
-    latency, busbw = line_through(hops)
-    print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB "
-          f"all-reduce in a burst {slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute "
-          + ", ".join(f"{nbytes // 2**10} KiB {seconds * 1e3:.2f} ms"
-                      for nbytes, seconds in hops.items()))
-    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(latency=latency, busbw=busbw))
+    print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB all-reduce in a burst "
+          f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)))
+
+
+def ms_at(seconds: dict, unit: int, digits: int) -> str:
+    return ", ".join(f"{size / unit:.4g}: {value * 1e3:.{digits}f}" for size, value in seconds.items())
 
 
 def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
@@ -245,12 +247,9 @@ def time_flat_collectives(world_size: int, backend: str, device: str,
                               "all-reduce's link", sizes)
     if slowest is None:
         return None
-    gather = {nbytes: slowest[f"gather {nbytes}"] for nbytes in sizes}
-    scatter = {nbytes: slowest[f"scatter {nbytes}"] for nbytes in sizes}
-    print(f"check_prediction: FSDP's flat collectives, {world_size} ranks: all-gather "
-          + ", ".join(f"{nbytes / 2**20:.1f} MiB {value * 1e3:.1f} ms" for nbytes, value in gather.items())
-          + "; reduce-scatter "
-          + ", ".join(f"{nbytes / 2**20:.1f} MiB {value * 1e3:.1f} ms" for nbytes, value in scatter.items()))
+    gather, scatter = ({n: slowest[f"{name} {n}"] for n in sizes} for name in ("gather", "scatter"))
+    print(f"check_prediction: FSDP's flat collectives, {world_size} ranks (MiB: ms): all-gather "
+          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}")
     return link_through(gather, world_size), link_through(scatter, world_size)
 
 
@@ -262,32 +261,32 @@ def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
     return max(0.0, statistics.median(slowest) / statistics.median(samples) - 1)
 
 
-def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None) -> planner.Link:
+def link_from_fit(fit: dict, ranks: int, calls: StepCalls | None = None, nbytes: float = 0) -> planner.Link:
     """Stage 02's t = a + N / w as the planner's all-reduce: busbw w x 2 (n-1)/n, a spread over
-    the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes."""
-    steps = 2 * (ranks - 1)
-    latency = fit["a_s"]
-    if calls is not None:
-        latency = max(0.0, calls.all_reduce_s - BURST_BYTES / fit["w_bytes_per_s"])
-    return planner.Link(latency=0.0, busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks,
-                        step_latency=latency / steps)
+    the ring's 2 (n-1) steps; with ``calls``, a is a 64 KiB call's in a burst less its bytes;
+    with ``nbytes``, w through stage 02's two timings around it (a call's rate at its size)."""
+    w = fit["w_bytes_per_s"]
+    points = sorted((point["bytes"], point["time_s"]) for point in fit.get("points", ()))
+    if nbytes and len(points) > 1:
+        index = min(max(bisect.bisect(points, (nbytes,)), 1), len(points) - 1)
+        w = line_through(dict(points[index - 1:index + 1]))[1]
+    latency = fit["a_s"] if calls is None else max(0.0, calls.all_reduce_s - BURST_BYTES / w)
+    return planner.Link(latency=0.0, busbw=w * 2 * (ranks - 1) / ranks, step_latency=latency / (2 * (ranks - 1)))
 
 
 def this_box(lm: planner.LM, grid: planner.Grid, compute_s: float, optimizer_s: float,
              link: planner.Link, cores: int, samples: tuple[float, ...] = (),
-             device: str = "cpu", hop: planner.Link | None = None) -> planner.Machine:
+             device: str = "cpu", hop: planner.Link | None = None, groups: tuple = ()) -> planner.Machine:
     """The machine as measured: compute and AdamW as timed, a copy, the straggler of ``samples``."""
-    tokens_worth = lm.batch * lm.seq / (grid.dp * grid.cp)       # one data rank's tokens
-    rate = planner.training_flops_per_token(lm, grid.recompute) * tokens_worth / compute_s
-    rate = rate / (grid.tp * grid.pp)                             # its tp x pp ranks share them
-    gradients = sum(planner.rank_tensor_bytes(lm, grid))
+    rate = (planner.training_flops_per_token(lm, grid.recompute) * lm.batch * lm.seq / (grid.dp * grid.cp)
+            / compute_s / (grid.tp * grid.pp))   # one data rank's tokens, its tp x pp ranks sharing them
     return planner.Machine(
         name="this box", flops=rate, memory=float("inf"),
         memory_bandwidth=planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(lm) / optimizer_s,
-        copy_bandwidth=time_copy(gradients, launch.rank_threads(grid.world_size), device),
+        copy_bandwidth=time_copy(sum(planner.rank_tensor_bytes(lm, grid)), launch.rank_threads(grid.world_size), device),
         ranks_per_node=grid.world_size, inside=link, across=link, overlap=False,
         cores=cores, straggler=straggler_share(samples, grid.world_size),
-        reduce_scatter_as_all_reduce=True, point_to_point=hop)
+        reduce_scatter_as_all_reduce=True, point_to_point=hop, groups=groups)
 
 
 # --------------------------------------------------------------------------- the rows
@@ -295,19 +294,15 @@ def this_run(name: str) -> list[dict]:
     """``results/<name>``'s rows of this run (``RESULTS_RUN_ID``, else the newest); bad: a line."""
     rows = results.read_csv(name)
     run = os.environ.get("RESULTS_RUN_ID") or (rows[-1].get("run_id") if rows else None)
-    kept = []
-    for row in (row for row in rows if row.get("run_id") == run):
-        problem = unreadable(row)
-        if problem:
-            print(f"check_prediction: results/{name}: a row skipped: {problem}")
-        else:
-            kept.append(row)
-    return kept
+    rows = [row for row in rows if row.get("run_id") == run]
+    for problem in filter(None, map(unreadable, rows)):
+        print(f"check_prediction: results/{name}: a row skipped: {problem}")
+    return [row for row in rows if not unreadable(row)]
 
 
 def unreadable(row: dict) -> str:
     """What in a result row the check cannot use ('' if nothing)."""
-    if row.get("model") not in models.PRESETS:
+    if row.get("model") not in models.PRESETS and not row.get("schedule"):   # lesson 4's: its own
         return f"model {str(row.get('model'))[:40]!r} is not a course preset"
     for column in ("world_size", "batch_size", "context_length", "seq_len"):
         if column in row and not str(row[column]).isdigit():
@@ -325,12 +320,14 @@ def course_lm(preset: str, batch: int, seq: int, vocab: int = models.VOCAB_SIZE)
                       heads=shape["num_heads"], vocab=vocab, seq=seq, batch=batch)
 
 
-def predicted_row(config: str, source: str, lm, grid, machine, measured_ms: float) -> dict:
+def predicted_row(config: str, source: str, lm, grid, machine, measured: dict) -> dict:
+    """The planner's terms beside the bench row's step (median) and its fastest and slowest."""
     terms = planner.step_time(lm, grid, machine)
     predicted = sum(seconds for _, seconds, _ in terms) * 1e3
     row = {"config": config, "source": source, "world_size": grid.world_size,
-           "predicted_ms": round(predicted, 3), "measured_ms": round(measured_ms, 3),
-           "ratio": round(predicted / measured_ms, 3)}
+           "predicted_ms": round(predicted, 3), "measured_ms": round(float(measured["step_ms"]), 3),
+           "ratio": round(predicted / float(measured["step_ms"]), 3),
+           "measured_min_ms": measured.get("step_ms_min", ""), "measured_max_ms": measured.get("step_ms_max", "")}
     row.update({name.replace(" ", "_") + "_ms": round(seconds * 1e3, 3) for name, seconds, _ in terms})
     row.update(machine=results.machine_name(), run_id=results.run_id())
     return row
@@ -348,22 +345,16 @@ def same_launch_control(rows: list[dict], row: dict, settings: tuple) -> dict | 
 
 def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     """The ledger control's (step less AdamW s, AdamW s); None without one, or for noise."""
-    control = same_launch_control(rows, row, LEDGER_SETTINGS)
-    if control is None or not control.get("optimizer_ms"):
-        return None
-    optimizer_ms = float(control["optimizer_ms"])
-    compute_ms = float(control["step_ms"]) - optimizer_ms
-    if compute_ms <= 0:
-        return None
-    return compute_ms / 1e3, optimizer_ms / 1e3
+    control = same_launch_control(rows, row, LEDGER_SETTINGS) or {}
+    optimizer_ms = float(control.get("optimizer_ms") or "nan")
+    compute_ms = float(control.get("step_ms") or "nan") - optimizer_ms
+    return (compute_ms / 1e3, optimizer_ms / 1e3) if compute_ms > 0 else None    # not NaN, not noise
 
 
 def control_burst(rows: list[dict], row: dict) -> float | None:
     """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``), or None."""
-    control = same_launch_control(rows, row, DDP_SETTINGS)
-    if control is None or not control.get("call_ms"):
-        return None
-    return float(control["call_ms"]) / 1e3
+    control = same_launch_control(rows, row, DDP_SETTINGS) or {}
+    return float(control["call_ms"]) / 1e3 if control.get("call_ms") else None
 
 
 def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
@@ -373,11 +364,9 @@ def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
     ranks = int(row["world_size"])
     if control is not None:
         return control[0], control[1], (), max(cores, ranks)
-    compute_s, optimizer_s, samples = time_compute(row["model"], int(row["batch_size"]) // ranks,
-                                                   int(row["context_length"]), models.VOCAB_SIZE,
-                                                   launch.rank_threads(ranks), checkpointing,
-                                                   device=row["device"])
-    return compute_s, optimizer_s, samples, cores
+    return (*time_compute(row["model"], int(row["batch_size"]) // ranks, int(row["context_length"]),
+                          models.VOCAB_SIZE, launch.rank_threads(ranks), checkpointing,
+                          device=row["device"]), cores)
 
 
 def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
@@ -395,24 +384,18 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     run_rows = this_run("ddp_step.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         impl = row["impl"]
-        if impl in ("bucketed", "torch_ddp"):
-            cap = float(row["bucket_mb"]) * 2**20
-        elif impl in DDP_IMPLS:
-            cap = DDP_IMPLS[impl]
-        else:
+        if impl not in (*DDP_IMPLS, "bucketed", "torch_ddp"):
             continue
-        batch = int(row["batch_size"])
-        seq = int(row["context_length"])
+        cap = float(row["bucket_mb"]) * 2**20 if row["bucket_mb"] else DDP_IMPLS[impl]
+        batch, seq = int(row["batch_size"]), int(row["context_length"])
         lm = course_lm(row["model"], batch, seq)
-        control = same_launch_control(run_rows, row, DDP_SETTINGS)
-        if control is not None and control.get("fwd_bwd_ms"):
-            control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3)
-            if cap is None:
-                continue                               # the control itself: the input
-        else:
-            control = None
-        label = f"{impl} {row['bucket_mb']} MB" if impl in ("bucketed", "torch_ddp") else impl
-        config = f"ddp_step {label}, {row['model']}, {ranks} ranks"
+        control = same_launch_control(run_rows, row, DDP_SETTINGS) or {}
+        if control.get("fwd_bwd_ms") and cap is None:
+            continue                                   # the control itself: the input
+        control = (float(control["fwd_bwd_ms"]) / 1e3, float(control["optimizer_ms"]) / 1e3
+                   ) if control.get("fwd_bwd_ms") else None
+        bucket = f" {row['bucket_mb']} MB" if row["bucket_mb"] else ""
+        config = f"ddp_step {impl}{bucket}, {row['model']}, {ranks} ranks"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores)
@@ -421,14 +404,12 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        burst = control_burst(run_rows, row)
-        if burst is not None:      # a call's cost at the moment the rows were measured
-            calls = StepCalls(all_reduce_s=burst, hop=None)
-        else:
-            calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
+        burst = control_burst(run_rows, row)          # a call's cost as the rows were measured
+        calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
+        largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
                            shared_by, samples, row["device"])
-        yield predicted_row(config, "ddp_step.csv", lm, grid, machine, float(row["step_ms"]))
+        yield predicted_row(config, "ddp_step.csv", lm, grid, machine, row)
 
 
 def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
@@ -437,25 +418,23 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
         if row["impl"] not in planner.DP_KINDS:
             continue
-        batch = int(row["batch_size"])
-        seq = int(row["context_length"])
         checkpointing = row["checkpointing"] == "on"
-        config = (f"ledger {row['impl']}{' checkpointing' if checkpointing else ''}, "
-                  f"{row['model']}, {ranks} ranks")
+        config = f"ledger {row['impl']}{' checkpointing' * checkpointing}, {row['model']}, {ranks} ranks"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
-        lm = course_lm(row["model"], batch, seq)
+        lm = course_lm(row["model"], int(row["batch_size"]), int(row["context_length"]))
         grid = planner.Grid(dp=ranks, dp_kind=row["impl"], recompute="full" if checkpointing else "none")
         control = ledger_control(run_rows, row)
         compute_s, optimizer_s, samples, shared_by = compute_for(control, row, cores, checkpointing)
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
+        largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
                            shared_by, samples, row["device"])
         if grid.dp_kind == "fsdp":
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
                 machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
-        yield predicted_row(config, "sharding.csv", lm, grid, machine, float(row["step_ms"]))
+        yield predicted_row(config, "sharding.csv", lm, grid, machine, row)
 
 
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
@@ -471,38 +450,62 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
 def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
     """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
     for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
-        if row.get("impl") != "ours" or not row.get("micro_batches"):
+        if row.get("impl") != "ours" or not row.get("micro_batches") or row.get("schedule") or row.get("pair"):
+            continue                 # torch's, the pipeline comparison, torch's controls: not our grids
+        try:
+            grid = planner.parse_label(row["grid"])    # 'dp_replicate2 dp_shard2' is no grid's
+        except ValueError:
             continue
-        if row.get("schedule") or row.get("pair"):
-            continue                 # the pipeline comparison, torch's controls: not our grids
-        sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1}
-        parts = row["grid"].split()
-        if not all(part[:2] in sizes and part[2:].isdigit() for part in parts):
-            continue                 # 'pp2 (x2 side by side)'
-        sizes.update({part[:2]: int(part[2:]) for part in parts})
         schedule = next((name for name in ("zbh1", "interleaved", "1f1b", "gpipe")
                          if name in row["setting"]), "1f1b")
         # the data axis all-reduces every gradient in one call; lesson 7 logs the global loss
-        grid = planner.Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
-                            dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
-                            schedule=schedule, micro_batches=int(row["micro_batches"]),
-                            bucket_bytes=float("inf"), loss_all_reduce=True)
+        grid = dataclasses.replace(grid, dp_kind="zero1" if row["setting"].startswith("ZeRO-1") else "ddp",
+                                   schedule=schedule, micro_batches=int(row["micro_batches"]), sp=True,
+                                   bucket_bytes=float("inf"), loss_all_reduce=True)
         if grid.world_size != ranks:
             continue
         config = f"grid {row['grid']}, {row['setting']}, {row['model']}"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
-        batch = int(row["batch_size"])
-        seq = int(row["seq_len"])
+        batch, seq = int(row["batch_size"]), int(row["seq_len"])
         lm = course_lm(row["model"], batch, seq, GRID_VOCAB)
         compute_s, optimizer_s, samples = time_rank_compute(row["model"], grid, batch, seq,
-                                                            launch.rank_threads(ranks),
-                                                            row["device"])
-        calls = time_step_calls(ranks, row["backend"], row["device"])
-        hop = calls.hop if calls is not None else None
-        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls),
-                           cores, samples, row["device"], hop)
-        yield predicted_row(config, "grid.csv", lm, grid, machine, float(row["step_ms"]))
+                                                            launch.rank_threads(ranks), row["device"])
+        # each group at its own size's calls and fit: ranks sharing cores, a group no larger
+        # than the cores waits less for one at each step than the world does
+        calls = {size: time_step_calls(size, row["backend"], row["device"])
+                 for size in {ranks, grid.tp, grid.cp, grid.dp * grid.cp, grid.pp}
+                 if size > 1 and f"{backend_device}/{size}" in fits}
+        groups = tuple((size, link_from_fit(fits[f"{backend_device}/{size}"], size, calls[size]))
+                       for size in calls)
+        hop = calls.get(grid.cp if grid.cp > 1 else grid.pp, calls[ranks])
+        machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls[ranks]),
+                           cores, samples, row["device"], hop and hop.hop, groups)
+        yield predicted_row(config, "grid.csv", lm, grid, machine, row)
+
+
+def pipeline_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
+    """Lesson 4's schedules, ours and torch's, from ``grid.csv`` where a chunk's F, B (and W) each
+    wait a set time: a waiting rank takes no core, so sends run beside the waits."""
+    for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
+        p = int(row.get("stages") or 0)
+        if row.get("compute") != "emulated" or f"{backend_device}/{p}" not in fits:
+            continue
+        config = f"pipeline {row['grid']}, {row['setting']}, {row['impl']}"
+        if not pace.allows(f"check_prediction: {config} and what follows"):
+            return
+        v = 2 if row["schedule"] in ("interleaved", "zbv", "dualpipev") else 1
+        grid = planner.Grid(pp=p, schedule=row["schedule"], micro_batches=int(row["micro_batches"]), chunks=v)
+        wait_s = float(row["setting"].split("emulated ")[1].split(" ms")[0]) / 1e3
+        compute_s = grid.micro_batches * v * wait_s * (3 if row["schedule"] in ("zbv", "dualpipev") else 2)
+        blocks, preset, _ = row["model"].split()                     # '8 tiny blocks'
+        lm = dataclasses.replace(course_lm(preset, int(row["batch_size"]), int(row["seq_len"])),
+                                 layers=int(blocks))
+        calls = time_step_calls(p, row["backend"], row["device"])
+        machine = this_box(lm, grid, compute_s, 1.0, link_from_fit(fits[f"{backend_device}/{p}"], p, calls),
+                           0, (), row["device"], calls and calls.hop)
+        machine = dataclasses.replace(machine, overlap=True, memory_bandwidth=float("inf"))   # no AdamW
+        yield predicted_row(config, "grid.csv, pipelines", lm, grid, machine, row)
 
 
 # --------------------------------------------------------------------------- the projection
@@ -520,9 +523,8 @@ def projection_rows(device: str) -> list[dict]:
         compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
                                                  models.VOCAB_SIZE, 1, device=device)
     except (RuntimeError, MemoryError) as error:       # a CUDA error, out of memory included
-        print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at "
-              f"{PROJECTION_ROWS} x {PROJECTION_SEQ} did not run on {device}: "
-              f"{str(error).splitlines()[0]}")
+        print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at {PROJECTION_ROWS} x "
+              f"{PROJECTION_SEQ} did not run on {device}: {str(error).splitlines()[0]}")
         return []
     one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
     rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ / compute_s)
@@ -563,9 +565,7 @@ def data_parallel_bytes_sent(lm: planner.LM, grid: planner.Grid) -> float:
         shapes = planner.parameter_shapes(lm)
         last_block = len(shapes) - len(planner.block_parameter_shapes(lm)) - 3   # before the final norm, head
         for index, shape in enumerate(shapes):
-            outside_blocks = index < 2 or index >= len(shapes) - 3
-            in_last_block = last_block <= index < len(shapes) - 3
-            if len(shape) >= 2 and (outside_blocks or in_last_block):
+            if len(shape) >= 2 and (index < 2 or index >= last_block):    # the ends, the last block
                 kept += -(-shape[0] // d) * d * planner.numel(shape[1:])
         W, K, R = (planner.FLOAT32 * values for values in (sharded, kept, replicated))
         return planner.ring_share(d) * (3 * W - K) + 2 * planner.ring_share(d) * R
@@ -594,20 +594,14 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
             owned[rank] += 2 * planner.FLOAT32 * sizes[index] + planner.ADAMW_STEP_BYTES
         optim = owned[data_rank]
     stages = [chunk * p + pp_rank for chunk in range(v)]
-    first = 0 in stages
-    last = p * v - 1 in stages
     blocks = lm.layers // p
     activation = (blocks * planner.block_activation_bytes(lm, grid)
-                  + planner.edge_activation_bytes(lm, grid, first, last))
-
+                  + planner.edge_activation_bytes(lm, grid, 0 in stages, p * v - 1 in stages))
     rows, tokens = planner.rows_and_tokens(lm, grid)
     gathered = lm.compute_bytes * rows * tokens * lm.d_model      # one [b, S, h] tensor
     sent_tp = m * blocks * 8 * planner.ring_share(t) * gathered          # lesson 3, forward and back
     sent_tp += 2 * planner.ring_share(t) * planner.FLOAT32 * replicated          # whole tensors' gradients
-    sent_cp = 0.0
-    if c > 1:
-        kv_block = lm.compute_bytes * rows * tokens * lm.d_model / t
-        sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * kv_block  # lesson 5's hops
+    sent_cp = m * blocks * (4 * (c - 1) + 2 * c) * (gathered / t) if c > 1 else 0.0  # lesson 5's K/V hops
     messages = 0
     for stage in stages:
         if stage < p * v - 1 and (stage + 1) % p != pp_rank:
@@ -660,6 +654,17 @@ def within_target(ratio: float) -> bool:
     return abs(ratio - 1) <= TARGET
 
 
+def summary(rows: list[dict]) -> str:
+    """The line a report quotes: median and 90th percentile of |predicted / measured - 1|."""
+    errors = sorted(abs(row["ratio"] - 1) for row in rows)
+    p90 = statistics.quantiles(errors, n=10, method="inclusive")[-1] if len(errors) > 1 else errors[0]
+    worst = max(rows, key=lambda row: abs(row["ratio"] - 1))
+    return (f"median |error| {statistics.median(errors):.0%}, 90th percentile {p90:.0%} over "
+            f"{len(rows)} configurations; within {TARGET:.0%}: "
+            f"{sum(within_target(row['ratio']) for row in rows)}; the worst: {worst['config']} "
+            f"({worst['ratio'] - 1:+.0%})")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     from common.launch import Parser
     parser = Parser(description=__doc__.split("\n\n")[0])
@@ -685,9 +690,8 @@ def main(argv=None) -> int:
         print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
               "predicted | largest term |\n|---|---|---|---|---|---|---|")
         for row in published_rows():
-            memory = f"{row['memory'] or '-'} / {row['predicted_memory']:.1f}"
-            print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | "
-                  f"{row['error']:+.0%} | {memory} | {row['largest']} |")
+            print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | {row['error']:+.0%} | "
+                  f"{row['memory'] or '-'} / {row['predicted_memory']:.1f} | {row['largest']} |")
         return 0
     backend_device = f"{args.backend}/{args.device}"
     if args.device == "cuda" or args.project:
@@ -708,11 +712,10 @@ def main(argv=None) -> int:
         print(f"check_prediction: no all-reduce fit for {backend_device} in "
               "results/allreduce_fit.json: run stage 02 first (make 02, or make bench)")
         return 1
-    # ranks take turns on these (one GPU: on it)
-    cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1
+    cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1   # ranks take turns on them
     rows = []
     pace = step_bench.Deadline()
-    for make_rows in (ddp_rows, ledger_rows, grid_rows):
+    for make_rows in (ddp_rows, ledger_rows, grid_rows, pipeline_rows):
         new_rows = []
         for row in make_rows(fits, backend_device, cores, pace):
             new_rows.append(row)
@@ -722,16 +725,15 @@ def main(argv=None) -> int:
     if not rows:
         print("check_prediction: nothing to check: no row of this run that the planner models")
         return 0
-    print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms):")
-    print(f"{'configuration':58} {'predicted':>10} {'measured':>10} {'ratio':>6}")
+    print(f"predicted beside measured, {backend_device}, {results.machine_name()} (ms; error: predicted / measured - 1;"
+          f" spread: the measured steps' fastest and slowest, over their median):\n{'configuration':58} "
+          f"{'predicted':>10} {'measured':>10} {'error':>6} {'spread':>12}")
     for row in rows:
+        low, high = (f"{float(row[key]) / row['measured_ms'] - 1:+.0%}" if row[key] != "" else "?"
+                     for key in ("measured_min_ms", "measured_max_ms"))
         print(f"{row['config']:58} {row['predicted_ms']:10.2f} {row['measured_ms']:10.2f} "
-              f"{row['ratio']:6.2f}")
-    worst = max(rows, key=lambda row: abs(row["ratio"] - 1))
-    within = sum(1 for row in rows if within_target(row["ratio"]))
-    print(f"within {TARGET:.0%}: {within} of {len(rows)}; the worst: {worst['config']} "
-          f"(predicted {worst['ratio']:.2f}x the measured)")
-    print(f"wrote results/{CSV_NAME}")
+              f"{row['ratio'] - 1:+6.0%} {low:>5}..{high}")
+    print(f"{summary(rows)}\nwrote results/{CSV_NAME}")
     return 0
 
 
