@@ -202,3 +202,21 @@ def test_the_root_readme_states_each_lessons_reading_path():
                       (REPO / "README.md").read_text(encoding="utf-8"), re.MULTILINE)
     stated = {lesson: int(n) for lesson, n in rows}
     assert stated == measure()["paths"], stated
+
+
+def test_each_readmes_reading_order_states_its_files_lines():
+    """Every "| `file.py` | lines |" row and "`file.py` (N lines" in a README is that file's
+    length today (the reading order a learner plans an evening by)."""
+    wrong = []
+    for folder, dirs, names in os.walk(REPO):
+        dirs[:] = [d for d in dirs if d not in SKIP and not d.startswith(".")]
+        if "README.md" not in names:
+            continue
+        text = Path(folder, "README.md").read_text(encoding="utf-8")
+        stated = re.findall(r"\|\s*\[?`([\w/]+\.py)`(?:\]\([^)]*\))?\s*\|\s*(\d+)\s*\|", text)
+        stated += re.findall(r"`([\w/]+\.py)` \((\d+) lines", text)
+        for name, n in stated:
+            path = next((p for p in (Path(folder, name), REPO / name) if p.is_file()), None)
+            if path is None or sum(1 for _ in open(path, encoding="utf-8")) != int(n):
+                wrong.append(f"{Path(folder, 'README.md').relative_to(REPO)}: {name} {n}")
+    assert not wrong, wrong
