@@ -161,11 +161,8 @@ def seconds_left() -> float:
 def time_left_for(ctx, seconds: float) -> bool:
     """Whether ``seconds`` more fit before make bench's deadline for this step (inside a launch:
     rank 0's verdict; ``ctx`` None: the launcher's)."""
-    left = seconds_left()
-    if left == math.inf:
-        return True
-    verdict = [seconds <= left]
-    if ctx is not None:
+    verdict = [seconds <= seconds_left()]
+    if ctx is not None:  # always: a rank that lacks the variable still takes rank 0's verdict
         dist.broadcast_object_list(verdict, src=0)
     return verdict[0]
 
@@ -221,10 +218,15 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
     bursts = []  # seconds a call, in bursts timed beside the control, every round
     by_case = [None] * len(cases)  # each case's row from its steps so far
     rows = []
-    every_case = [i for _ in range(args.rounds) for i in range(len(cases))]
-    for i in until_deadline(ctx, every_case, "the cases and rounds left"):
+    deadline = Deadline(ctx)
+    took = [None] * len(cases)  # each case's last seconds: its next round's estimate
+    for i in [i for _ in range(args.rounds) for i in range(len(cases))]:
+        if not deadline.allows("the cases and rounds left", took[i]):
+            break
         impl, bucket_mb, factory = cases[i]
+        start = time.perf_counter()
         times = time_steps(ctx, factory, args)
+        took[i] = time.perf_counter() - start
         for acc, new in zip(pooled[i], times):
             acc.extend(new)
         ctx.print(f"  {impl}{'' if bucket_mb is None else f' ({bucket_mb} MB)'}: "

@@ -110,9 +110,8 @@ def ranks_on_this_node(world_size: int) -> int:  # torchrun says it: LOCAL_WORLD
 
 
 def ranks_per_gpu(world_size: int) -> int:  # ranks on this node sharing a GPU, rounded up
-    visible, n_gpus = os.environ.get("CUDA_VISIBLE_DEVICES", ""), torch.cuda.device_count()
-    if under_torchrun() and n_gpus == 1 and (visible.strip() and "," not in visible
-                                             or os.environ.get("SLURM_GPUS_PER_TASK") == "1"):
+    n_gpus = torch.cuda.device_count()
+    if under_torchrun() and n_gpus == 1 and os.environ.get("SLURM_GPUS_PER_TASK") == "1":
         return 1  # Slurm's --gpus-per-task=1: each process sees its own GPU, alone
     return -(-ranks_on_this_node(world_size) // max(1, n_gpus))
 

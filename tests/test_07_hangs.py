@@ -167,4 +167,4 @@ def test_recorder_bench():
     assert "TORCH_FR_BUFFER_SIZE=2000  step" in out.stdout
     assert "ranks 0, 1, 2, 3 agree on all" in out.stdout and "disagree" not in out.stdout
     assert "the median of 1 launches; spread" in out.stdout
-    assert "the recorder costs" in out.stdout or "within the noise" in out.stdout
+    assert "one launch a setting, too few to tell" in out.stdout  # --rounds 1: no verdict

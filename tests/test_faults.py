@@ -494,9 +494,9 @@ def test_a_killed_rank_beside_a_refusal_is_named_not_hidden(tmp_path, capsys):
 
 def test_one_gpu_visible_to_each_process_is_a_gpu_per_rank(capsys, monkeypatch):
     """Slurm's --gpus-per-task=1 under torchrun: each of 8 ranks on a node sees one GPU, its
-    own (CUDA_VISIBLE_DEVICES names one device). That defaulted to Gloo, refused NCCL and
-    counted 8 ranks on one GPU; now it is a GPU per rank. The negative control: one GPU
-    visible to every rank (no CUDA_VISIBLE_DEVICES) is one GPU shared by 8 ranks."""
+    own (SLURM_GPUS_PER_TASK=1). That defaulted to Gloo, refused NCCL and counted 8 ranks on
+    one GPU; now it is a GPU per rank. The negative controls: one GPU visible to every rank,
+    named by CUDA_VISIBLE_DEVICES=0 or by nothing, is one GPU shared by 8 ranks."""
     from common import launch as course
 
     class Props:
@@ -504,17 +504,17 @@ def test_one_gpu_visible_to_each_process_is_a_gpu_per_rank(capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: Props())
     for name, value in {"RANK": "11", "WORLD_SIZE": "16", "LOCAL_RANK": "3",
-                        "LOCAL_WORLD_SIZE": "8", "CUDA_VISIBLE_DEVICES": "3"}.items():
+                        "LOCAL_WORLD_SIZE": "8", "SLURM_GPUS_PER_TASK": "1"}.items():
         monkeypatch.setenv(name, value)
     args = course.make_parser(None).parse_args([])
     config = course.resolve(args)
     assert (config.world_size, config.backend, config.device) == (16, "nccl", "cuda"), config
     assert course.resolve(course.make_parser(None).parse_args(["--backend", "nccl"])) == config
     launch.check_fits(config, int(0.6 * 2**30), "the test's sizes")  # one rank on this GPU
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    monkeypatch.setenv("SLURM_GPUS_PER_TASK", "1")  # Slurm's variable alone says it too
-    assert course.resolve(args).backend == "nccl"
     monkeypatch.delenv("SLURM_GPUS_PER_TASK")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # the same device named for every rank
+    assert course.resolve(args).backend == "gloo"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
     assert course.resolve(args).backend == "gloo"  # one GPU for 8 ranks
     with pytest.raises(SystemExit) as refused:
         launch.check_fits(config, int(0.6 * 2**30), "the test's sizes")

@@ -77,8 +77,9 @@ def main(argv=None) -> None:
         apart = min(on) > max(off) or max(on) < min(off)
         paired = [a / b for a, b in zip(on, off)]  # a round's two launches, side by side
         print(f"recorder on / off: {ratio:.3f}x (each round's {min(paired):.3f}..{max(paired):.3f}"
-              "x): " + (f"the recorder costs {ratio - 1:+.1%}" if apart else
-                        "the spreads overlap, within the noise of this box"))
+              "x): " + ("one launch a setting, too few to tell" if len(on) < 2 or len(off) < 2
+                        else f"the recorder costs {ratio - 1:+.1%}" if apart
+                        else "the spreads overlap, within the noise of this box"))
 
 
 if __name__ == "__main__":

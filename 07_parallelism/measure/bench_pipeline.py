@@ -208,7 +208,7 @@ def one_pass(ctx, cfg: dict, model: nn.Sequential, name: str, m: int, emulated_m
     return {**result, "busy_s": TimedRunner.latest.busy_s, "total_s": total_s}
 
 
-def measure_bubble(ctx, cfg: dict, model: nn.Sequential, deadline: Deadline) -> list[dict]:
+def measure_bubble(ctx, cfg: dict, model: nn.Sequential, deadline: step_bench.Deadline) -> list[dict]:
     """Every schedule and m, real compute then emulated: each rank's idle share (median of the
     timed passes), the step time, the most micro-batches held; written after each setting."""
     stages = ctx.world_size

@@ -378,7 +378,7 @@ def on_this_backend(rows: list[dict], backend_device: str, fits: dict):
             yield row, ranks, fits[key]
 
 
-def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
+def ddp_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
     """Stages 03-06 and torch DDP from ``ddp_step.csv``, compute and a call's cost from the same
     launch's control (compute drifts 10-20% between moments here), else timed here."""
     run_rows = this_run("ddp_step.csv")
@@ -412,7 +412,7 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         yield predicted_row(config, "ddp_step.csv", lm, grid, machine, row)
 
 
-def ledger_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
+def ledger_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
     """The ledger's strategies (ours) from ``sharding.csv``, compute from the launch's control."""
     run_rows = this_run("sharding.csv")
     for row, ranks, fit in on_this_backend(run_rows, backend_device, fits):
@@ -447,7 +447,7 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
     return grid.micro_batches * compute_s, optimizer_s, scaled
 
 
-def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
+def grid_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
     """Lesson 7's grids (ours) from ``grid.csv``; a label that is not a grid's is skipped."""
     for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):
         if row.get("impl") != "ours" or not row.get("micro_batches") or row.get("schedule") or row.get("pair"):
@@ -484,7 +484,7 @@ def grid_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
         yield predicted_row(config, "grid.csv", lm, grid, machine, row)
 
 
-def pipeline_rows(fits: dict, backend_device: str, cores: int, pace: Pace):
+def pipeline_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
     """Lesson 4's schedules, ours and torch's, from ``grid.csv`` where a chunk's F, B (and W) each
     wait a set time: a waiting rank takes no core, so sends run beside the waits."""
     for row, ranks, fit in on_this_backend(this_run("grid.csv"), backend_device, fits):

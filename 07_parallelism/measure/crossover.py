@@ -109,12 +109,25 @@ def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
         points.append(time_point(ctx, lm, tokens.pop(0), args))
         last_s = time.perf_counter() - start
         points.sort(key=lambda point: point["tokens_per_rank"])
+        if ctx.is_main:  # each point as it lands: a sweep stopped at its cap keeps them
+            results.upsert_csv("crossover.csv", rows(ctx, args, points), key=KEY)
         if not tokens and extra > 0:
             extra -= 1
             tokens.extend(beyond(points))
     if ctx.is_main:
-        where = {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size, "model": args.model}
-        write([{**where, "point": index, **point} for index, point in enumerate(points)], where, box)
+        write(rows(ctx, args, points), where_of(ctx, args), box)
+
+
+KEY = ["backend", "device", "world_size", "model", "point"]
+
+
+def where_of(ctx, args) -> dict:
+    return {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size, "model": args.model}
+
+
+def rows(ctx, args, points: list[dict]) -> list[dict]:
+    stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
+    return [{**where_of(ctx, args), "point": index, **point, **stamp} for index, point in enumerate(points)]
 
 
 def write(points: list[dict], where: dict, box: dict | None) -> None:
@@ -139,9 +152,8 @@ def write(points: list[dict], where: dict, box: dict | None) -> None:
         rate = row["backward_tokens_per_s"] / row["predicted_backward_tokens_per_s"]
         print(f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; the "
               f"all-reduce {link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s {rate:.2f}x")
-    key = ["backend", "device", "world_size", "model", "point"]
     stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
-    results.upsert_csv("crossover.csv", [{**p, **stamp} for p in (*points, row)], key=key)
+    results.upsert_csv("crossover.csv", [*points, {**row, **stamp}], key=KEY)
     print("wrote results/crossover.csv")
 
 
