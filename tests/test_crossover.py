@@ -94,6 +94,7 @@ def test_one_small_run_writes_measured_beside_predicted(tmp_path, capfd):
 def test_make_benchs_deadline_stops_the_sweep_and_says_so(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("BENCH_STEP_DEADLINE", f"{time.time() + 0.01:.3f}")   # passed by the second point
     crossover.main(["--tokens", "2,64", "--seq", "16", "--warmup", "0", "--steps", "1"])
-    assert "stopped before 64 tokens a rank" in capfd.readouterr().out
+    assert "crossover: 64 tokens a rank and more: skipped: past make bench's deadline" in \
+        capfd.readouterr().out
     rows = list(csv.DictReader(open(tmp_path / "results" / "crossover.csv")))
     assert [row["point"] for row in rows] == ["0", "crossover"] and rows[1]["tokens_per_rank"] == ""

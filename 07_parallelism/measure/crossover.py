@@ -30,10 +30,10 @@ import torch.distributed as dist  # noqa: E402
 from common import import_stage, models  # noqa: E402
 from bench import results, timing
 from bench import supervisor as launch
-from bench.step_bench import time_left_for
+from bench.step_bench import Deadline
 
 run_planning = import_stage("07_parallelism/09_planning/run_planning")
-TARGET = 1.25              # measured within x1.25 of predicted
+TARGET = 1.25  # measured within x1.25 of predicted
 
 
 def crossing(tokens: list[float], backward: list[float], all_reduce: float) -> float | None:
@@ -49,7 +49,9 @@ def crossing(tokens: list[float], backward: list[float], all_reduce: float) -> f
 
 def sweep(center: float, points: int = 7, span: float = 4.0) -> list[int]:
     """``points`` token counts log-spaced from center / span to center x span."""
-    return sorted({max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)})
+    return sorted(
+        {max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)}
+    )
 
 
 def beyond(points: list[dict]) -> list[int]:
@@ -85,13 +87,24 @@ def time_point(ctx, lm, tokens: int, args) -> dict:
         lm.zero_grad()
         loss = models.lm_loss(lm(x), y)
         backward.append(timed(ctx, loss.backward))
-        torch.cat([param.grad.flatten() for param in lm.parameters()], out=flat)   # one bucket
+        torch.cat([param.grad.flatten() for param in lm.parameters()], out=flat)  # one bucket
         all_reduce.append(timed(ctx, lambda: dist.all_reduce(flat)))
-    back_to_back = timing.measure(lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True)
-    return {"tokens_per_rank": rows * (tokens // rows), "rows": rows, "seq": tokens // rows,
-            **{name: timing.gather_times(times[-args.steps:]).median * 1e3 for name, times in (
-                ("backward_ms", backward), ("all_reduce_ms", all_reduce),
-                ("all_reduce_back_to_back_ms", back_to_back))}}
+    back_to_back = timing.measure(
+        lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True
+    )
+    return {
+        "tokens_per_rank": rows * (tokens // rows),
+        "rows": rows,
+        "seq": tokens // rows,
+        **{
+            name: timing.gather_times(times[-args.steps :]).median * 1e3
+            for name, times in (
+                ("backward_ms", backward),
+                ("all_reduce_ms", all_reduce),
+                ("all_reduce_back_to_back_ms", back_to_back),
+            )
+        },
+    }
 
 
 def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
@@ -100,10 +113,10 @@ def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
     torch.manual_seed(0)
     lm = models.TransformerLM(args.model, context_length=args.seq).to(ctx.device)
     points = []
+    deadline = Deadline(ctx)
     last_s = 0.0
-    while tokens:
-        if points and not time_left_for(ctx, 3 * last_s):
-            ctx.print(f"crossover: stopped before {tokens[0]} tokens a rank: make bench's deadline", all_ranks=False)
+    while tokens:  # a point takes up to 3x the one before: at most twice its tokens, + start-up
+        if not deadline.allows(f"crossover: {tokens[0]} tokens a rank and more", 3 * last_s):
             break
         start = time.perf_counter()
         points.append(time_point(ctx, lm, tokens.pop(0), args))
@@ -122,36 +135,66 @@ KEY = ["backend", "device", "world_size", "model", "point"]
 
 
 def where_of(ctx, args) -> dict:
-    return {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size, "model": args.model}
+    return {
+        "backend": ctx.backend,
+        "device": ctx.device.type,
+        "world_size": ctx.world_size,
+        "model": args.model,
+    }
 
 
 def rows(ctx, args, points: list[dict]) -> list[dict]:
     stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
-    return [{**where_of(ctx, args), "point": index, **point, **stamp} for index, point in enumerate(points)]
+    return [
+        {**where_of(ctx, args), "point": index, **point, **stamp}
+        for index, point in enumerate(points)
+    ]
 
 
 def write(points: list[dict], where: dict, box: dict | None) -> None:
     """The table, the crossover measured beside the predicted and its two terms, the CSV."""
-    results.print_table(points, floatfmt=".4g", title=f"DDP crossover sweep, {results.machine_name()}:")
+    results.print_table(
+        points, floatfmt=".4g", title=f"DDP crossover sweep, {results.machine_name()}:"
+    )
     # the same gradients at every point: one all-reduce figure, the median of the points'
     all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
-    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points], all_reduce)
-    row = {**where, "point": "crossover", "tokens_per_rank": measured, "all_reduce_ms": all_reduce,
-           "all_reduce_back_to_back_ms": statistics.median(p["all_reduce_back_to_back_ms"] for p in points),
-           "backward_tokens_per_s": measured and measured / all_reduce * 1e3}
+    measured = crossing(
+        [p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points], all_reduce
+    )
+    row = {
+        **where,
+        "point": "crossover",
+        "tokens_per_rank": measured,
+        "all_reduce_ms": all_reduce,
+        "all_reduce_back_to_back_ms": statistics.median(
+            p["all_reduce_back_to_back_ms"] for p in points
+        ),
+        "backward_tokens_per_s": measured and measured / all_reduce * 1e3,
+    }
     ratio = measured / box["tokens"] if box and measured else None
-    print("crossover measured: " + (f"{measured:.0f} tokens a rank" if measured else "none in the sweep"))
+    print(
+        "crossover measured: "
+        + (f"{measured:.0f} tokens a rank" if measured else "none in the sweep")
+    )
     if box:
-        row.update(predicted_tokens=box["tokens"], ratio=ratio, within=bool(ratio) and 1 / TARGET <= ratio <= TARGET,
-                   predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
-                   predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"])
-        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, allreduce_fit.json)")
+        row.update(
+            predicted_tokens=box["tokens"],
+            ratio=ratio,
+            within=bool(ratio) and 1 / TARGET <= ratio <= TARGET,
+            predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
+            predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"],
+        )
+        print(
+            f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, allreduce_fit.json)"
+        )
     if ratio:
         link = all_reduce / row["predicted_all_reduce_ms"]
         back = row["all_reduce_back_to_back_ms"] / row["predicted_all_reduce_ms"]
         rate = row["backward_tokens_per_s"] / row["predicted_backward_tokens_per_s"]
-        print(f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; the "
-              f"all-reduce {link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s {rate:.2f}x")
+        print(
+            f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; the "
+            f"all-reduce {link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s {rate:.2f}x"
+        )
     stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
     results.upsert_csv("crossover.csv", [*points, {**row, **stamp}], key=KEY)
     print("wrote results/crossover.csv")
@@ -160,17 +203,24 @@ def write(points: list[dict], where: dict, box: dict | None) -> None:
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__)
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny")
-    parser.add_argument("--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens")
-    parser.add_argument("--tokens", type=launch.int_list,
-                        help="exactly these tokens a rank (default: 7 around the prediction, more where none crosses)")
+    parser.add_argument(
+        "--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=launch.int_list,
+        help="exactly these tokens a rank (default: 7 around the prediction, more where none crosses)",
+    )
     parser.add_argument("--warmup", type=launch.non_negative_int, default=3)
     parser.add_argument("--steps", type=launch.positive_int, default=9)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     box = run_planning.box_crossover(config.world_size)
     if box and (box["model"] != args.model or (config.backend, config.device) != ("gloo", "cpu")):
-        print(f"crossover: no prediction for LM {args.model} on {config.backend}/{config.device}: "
-              f"results/ holds LM {box['model']} on gloo/cpu")
+        print(
+            f"crossover: no prediction for LM {args.model} on {config.backend}/{config.device}: "
+            f"results/ holds LM {box['model']} on gloo/cpu"
+        )
         box = None
     tokens = args.tokens or sweep(box["tokens"] if box else 64)
     launch.launch(worker, config, args, sorted(tokens), box, 0 if args.tokens else 6)
