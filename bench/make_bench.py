@@ -411,6 +411,7 @@ def die_with_this_process():
     pr_set_pdeathsig = 1  # from <linux/prctl.h>
 
     def arm() -> None:  # runs in the child, between fork and exec
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # `make bench &` ignores Ctrl-C: not its steps
         if prctl is not None:
             prctl(pr_set_pdeathsig, signal.SIGKILL)
         if os.getppid() != parent:  # make bench died before prctl: too late for the signal

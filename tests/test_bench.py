@@ -319,6 +319,7 @@ def test_environment_variables_and_a_tiny_budget_are_refused_before_anything_run
 
 
 def test_a_script_past_its_cap_gets_ctrl_c_then_the_bench_goes_on(tmp_path):
+    """Even where make bench was started with Ctrl-C ignored (`make bench &` in a script)."""
     flag = tmp_path / "wrote_rows"
     script = tmp_path / "slow.py"
     script.write_text(textwrap.dedent(f"""
@@ -331,7 +332,11 @@ def test_a_script_past_its_cap_gets_ctrl_c_then_the_bench_goes_on(tmp_path):
     """))
     step = make_bench.Step("slow", "a slow script", [str(script)], share_s=60, min_s=1)
     start = time.monotonic()
-    make_bench.run_step(step, env=None, cap_s=1)
+    ignored = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as `make bench &` starts: its
+    try:                                                    # steps must still take the Ctrl-C
+        make_bench.run_step(step, env=None, cap_s=1)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     assert step.status == "stopped at its 1 s cap (exit 130)" and flag.read_text() == "rows"
     assert time.monotonic() - start < 20
 
