@@ -1316,3 +1316,20 @@ def test_make_check_covers_every_stage_and_lesson_and_reads_a_refusal():
     table = check.summary([("01 collectives", "cuda", "ok", 9.0, ""),
                            ("07.5 context parallel", "cuda", "refused", 3.0, refusal.splitlines()[-1])])
     assert "refused" in table and "07.5 context parallel" in table and "cuda" in table
+
+
+def test_until_deadline_outside_a_launch_yields_while_the_one_before_fits(monkeypatch, capsys):
+    """The launcher's own verdict (``ctx`` None): no deadline, every configuration; a deadline
+    that the first one's time would pass, the first only and one line."""
+    from bench import step_bench
+
+    def run(deadline):
+        monkeypatch.setenv("BENCH_STEP_DEADLINE", deadline)
+        done = []
+        for n in step_bench.until_deadline(None, [1, 2, 3], "the launches left"):
+            time.sleep(0.05)
+            done.append(n)
+        return done
+    assert run("") == [1, 2, 3] and capsys.readouterr().out == ""
+    assert run(f"{time.time() + 0.07:.3f}") == [1]
+    assert "the launches left: skipped: past make bench's deadline" in capsys.readouterr().out
