@@ -248,6 +248,7 @@ def test_ring_attention_and_the_lm_on_4_ranks_with_planted_bugs(tmp_path, monkey
     assert "ring bytes sent per rank equal the formula in every row: True" in out, out[-3000:]
     assert "Ulysses bytes sent per rank equal the formula in every row: True" in out, out[-3000:]
     assert "seq 16 and longer: skipped" in out, out[-3000:]
+    assert "at seq 8: longer lengths were skipped at make bench's deadline" in out, out[-3000:]
     rows = [row for row in csv.DictReader((tmp_path / "context_parallel.csv").open())
             if row["seq"] == "16"]  # (seq 8: the deadline's run)
     assert sorted((r["impl"], r["W"], r["layout"], r["compute"]) for r in rows) == sorted(
