@@ -1,4 +1,4 @@
-"""Not a lesson: lesson 9's DDP crossover on this box, predicted then measured, to results/crossover.csv.
+"""Not a lesson: lesson 9's DDP crossover on this box, predicted then measured.
 
 The planner (``run_planning.box_crossover``) predicts the tokens per rank T* above which DDP's
 gradient all-reduce hides under backward (the Scaling Book's C/W rule), from make bench's
@@ -66,16 +66,6 @@ def beyond(points: list[dict]) -> list[int]:
     return []
 
 
-def timed(ctx, work) -> float:
-    """Seconds ``work()`` takes on this rank, the ranks lined up first."""
-    dist.barrier()
-    timing.synchronize(ctx.device)
-    start = time.perf_counter()
-    work()
-    timing.synchronize(ctx.device)
-    return time.perf_counter() - start
-
-
 def time_point(ctx, lm, tokens: int, args) -> dict:
     """Backward and the all-reduce after it, ms, at ``tokens`` a rank in rows of at most
     ``args.seq``; the all-reduce also back to back, as stage 02 times it."""
@@ -83,12 +73,13 @@ def time_point(ctx, lm, tokens: int, args) -> dict:
     x, y = models.random_tokens(rows, tokens // rows, seed=ctx.rank, device=ctx.device)
     flat = torch.empty(sum(param.numel() for param in lm.parameters()), device=ctx.device)
     backward, all_reduce = [], []
-    for attempt in range(args.warmup + args.steps):
+    for _ in range(args.warmup + args.steps):  # each timed once, the ranks lined up first
         lm.zero_grad()
         loss = models.lm_loss(lm(x), y)
-        backward.append(timed(ctx, loss.backward))
+        backward += timing.measure(loss.backward, ctx.device, warmup=0, iters=1, barrier=True)
         torch.cat([param.grad.flatten() for param in lm.parameters()], out=flat)  # one bucket
-        all_reduce.append(timed(ctx, lambda: dist.all_reduce(flat)))
+        all_reduce += timing.measure(lambda: dist.all_reduce(flat), ctx.device, warmup=0,
+                                     iters=1, barrier=True)
     back_to_back = timing.measure(
         lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True
     )
@@ -123,46 +114,38 @@ def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
         last_s = time.perf_counter() - start
         points.sort(key=lambda point: point["tokens_per_rank"])
         if ctx.is_main:  # each point as it lands: a sweep stopped at its cap keeps them
-            results.upsert_csv("crossover.csv", rows(ctx, args, points), key=KEY)
+            results.upsert_csv("crossover.csv", numbered(ctx, args, points), key=KEY)
         if not tokens and extra > 0:
             extra -= 1
             tokens.extend(beyond(points))
     if ctx.is_main:
-        write(rows(ctx, args, points), where_of(ctx, args), box)
+        write(ctx, args, points, box)
 
 
 KEY = ["backend", "device", "world_size", "model", "point"]
 
 
-def where_of(ctx, args) -> dict:
-    return {
-        "backend": ctx.backend,
-        "device": ctx.device.type,
-        "world_size": ctx.world_size,
-        "model": args.model,
-    }
+def row_of(ctx, args, row: dict) -> dict:
+    """A CSV row: where it ran, then ``row``, then the machine and the run."""
+    return {"backend": ctx.backend, "device": ctx.device.type, "world_size": ctx.world_size,
+            "model": args.model, **row,
+            "machine": results.machine_name(), "run_id": results.run_id()}
 
 
-def rows(ctx, args, points: list[dict]) -> list[dict]:
-    stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
-    return [
-        {**where_of(ctx, args), "point": index, **point, **stamp}
-        for index, point in enumerate(points)
-    ]
+def numbered(ctx, args, points: list[dict]) -> list[dict]:
+    return [row_of(ctx, args, {"point": index, **point}) for index, point in enumerate(points)]
 
 
-def write(points: list[dict], where: dict, box: dict | None) -> None:
+def write(ctx, args, points: list[dict], box: dict | None) -> None:
     """The table, the crossover measured beside the predicted and its two terms, the CSV."""
-    results.print_table(
-        points, floatfmt=".4g", title=f"DDP crossover sweep, {results.machine_name()}:"
-    )
+    results.print_table(numbered(ctx, args, points), floatfmt=".4g",
+                        title=f"DDP crossover sweep, {results.machine_name()}:")
     # the same gradients at every point: one all-reduce figure, the median of the points'
     all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
     measured = crossing(
         [p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points], all_reduce
     )
     row = {
-        **where,
         "point": "crossover",
         "tokens_per_rank": measured,
         "all_reduce_ms": all_reduce,
@@ -184,19 +167,18 @@ def write(points: list[dict], where: dict, box: dict | None) -> None:
             predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
             predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"],
         )
-        print(
-            f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, allreduce_fit.json)"
-        )
+        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, "
+              "allreduce_fit.json)")
     if ratio:
         link = all_reduce / row["predicted_all_reduce_ms"]
         back = row["all_reduce_back_to_back_ms"] / row["predicted_all_reduce_ms"]
         rate = row["backward_tokens_per_s"] / row["predicted_backward_tokens_per_s"]
-        print(
-            f"measured / predicted {ratio:.2f}: {'within' if row['within'] else 'NOT within'} x{TARGET}; the "
-            f"all-reduce {link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s {rate:.2f}x"
-        )
-    stamp = {"machine": results.machine_name(), "run_id": results.run_id()}
-    results.upsert_csv("crossover.csv", [*points, {**row, **stamp}], key=KEY)
+        verdict = "within" if row["within"] else "NOT within"
+        print(f"measured / predicted {ratio:.2f}: {verdict} x{TARGET}; the all-reduce "
+              f"{link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s "
+              f"{rate:.2f}x")
+    results.upsert_csv("crossover.csv", [*numbered(ctx, args, points), row_of(ctx, args, row)],
+                       key=KEY)
     print("wrote results/crossover.csv")
 
 
@@ -209,7 +191,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--tokens",
         type=launch.int_list,
-        help="exactly these tokens a rank (default: 7 around the prediction, more where none crosses)",
+        help="exactly these tokens a rank (default: 7 around the prediction, more where none "
+             "crosses)",
     )
     parser.add_argument("--warmup", type=launch.non_negative_int, default=3)
     parser.add_argument("--steps", type=launch.positive_int, default=9)
