@@ -296,7 +296,8 @@ def expert_parallel_argv(setup: Setup, quick: bool, world_size: int) -> list[str
     if setup.gpus:
         nccl = "nccl" in where
         tokens = "4096,16384,32768" if nccl else "1024,4096"
-        warmup, iters = [[("2", "5"), ("3", "10")], [("1", "3"), ("2", "5")]][quick][nccl]
+        warmup, iters = {(True, True): ("2", "5"), (True, False): ("1", "3"),   # (quick, nccl)
+                         (False, True): ("3", "10"), (False, False): ("2", "5")}[quick, nccl]
         sizes = ["--d-model", "1024", "--d-ff", "4096", "--tokens",
                  tokens.rsplit(",", 1)[0] if quick else tokens, "--warmup", warmup, "--iters", iters]
     return ["07_parallelism/measure/bench_expert_parallel.py", "--bench",

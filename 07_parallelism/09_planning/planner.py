@@ -170,9 +170,15 @@ def split_over_tp(lm: LM) -> list[bool]:
 
 def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
     """(W, R): lesson 2's padded shards of the tensors of 2+ dimensions, and the 1-D ones whole."""
-    shapes = parameter_shapes(lm)
-    sharded = sum(-(-shape[0] // dp) * dp * numel(shape[1:]) for shape in shapes if len(shape) >= 2)
-    return sharded, sum(numel(shape) for shape in shapes if len(shape) == 1)
+    sharded = 0
+    replicated = 0
+    for shape in parameter_shapes(lm):
+        if len(shape) >= 2:
+            rows_per_rank = -(-shape[0] // dp)
+            sharded += rows_per_rank * dp * numel(shape[1:])
+        else:
+            replicated += numel(shape)
+    return sharded, replicated
 
 
 def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
@@ -431,7 +437,9 @@ def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
 
 def turns(grid: Grid, machine: Machine) -> float:
     """W / cores where W ranks take turns on fewer cores (this course's CPU box), else 1."""
-    return grid.world_size / machine.cores if machine.cores and grid.world_size > machine.cores else 1.0
+    if machine.cores and grid.world_size > machine.cores:
+        return grid.world_size / machine.cores
+    return 1.0
 
 
 def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
