@@ -106,9 +106,10 @@ def box_crossover(ranks: int = 2) -> dict | None:
         backward = planner.training_flops_per_token(lm) * 2 / 3 * int(row["batch_size"]) * lm.seq
         rate = backward / (float(row["bwd_ms"]) / 1e3) / ranks
         link = planner.Link(latency=fit["a_s"], busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks)
+        gradients = planner.FLOAT32 * planner.parameter_count(lm)
         return {"tokens": planner.dp_crossover_tokens(lm, rate, link, ranks), "rate": rate,
-                "model": row["model"], "ranks": ranks, "all_reduce_s": planner.all_reduce_time(
-                    link, ranks, planner.FLOAT32 * planner.parameter_count(lm))}
+                "model": row["model"], "ranks": ranks,
+                "all_reduce_s": planner.all_reduce_time(link, ranks, gradients)}
     except (OSError, LookupError, ValueError, TypeError):
         return None
 
@@ -144,7 +145,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     lm = args.lm
     machine = args.machine
-    grids = [args.grid] if args.grid else list(planner.candidate_grids(lm, machine.ranks, machine.ranks_per_node))
+    grids = [args.grid] if args.grid else list(
+        planner.candidate_grids(lm, machine.ranks, machine.ranks_per_node))
     predictions = [planner.predict(lm, grid, machine) for grid in grids]
     fitting = sorted((p for p in predictions if p["fits"] or args.grid), key=lambda p: p["step_s"])
     if args.json:
