@@ -49,6 +49,7 @@ class LM:
     gated_mlp: bool = False        # SwiGLU: three d_model x d_ff matrices instead of two
     position_embedding: bool = True   # False: rotary positions
     compute_bytes: int = FLOAT32   # activations and what tp/cp/pp send: 4 float32, 2 bfloat16
+    eager: bool = False            # Llama's norms, rotary, SwiGLU op by op (torchtitan's code)
 
 
 def block_parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
@@ -444,8 +445,8 @@ def turns(grid: Grid, machine: Machine) -> float:
 
 def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
     """(class, FLOP, bytes) of each kernel of one block's forward, one micro-batch on one rank:
-    the matmuls, attention, and the memory-bound work read and written once (two norms, two
-    residual adds, the MLP's activation, rotary on q and k)."""
+    the matmuls, attention, and the memory-bound work (two norms, two residual adds, the MLP's
+    activation, rotary on q and k) read and written once, or ``eager``: op by op, as the code runs."""
     rows, tokens = rows_and_tokens(lm, grid)
     T = rows * tokens                         # tokens this rank runs attention and the MLP on
     t = grid.tp
@@ -459,12 +460,15 @@ def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
             out, inp = shape
             kernels.append(("matmul", 2 * T * out * inp / t, c * (T * inp + out * inp + T * out) / t))
     kernels.append(("attention", T * attention_flops_per_token(lm) / t, c * T * (2 * h + 2 * kv) / t))
-    touched = [2 * Tn * h, 2 * Tn * h, 3 * Tn * h, 3 * Tn * h]
-    touched.append((3 if lm.gated_mlp else 2) * T * lm.d_ff / t)
-    if not lm.position_embedding:
-        touched.extend([2 * T * h / t, 2 * T * kv / t])
-    for values in touched:
-        kernels.append(("memory-bound", 0.0, c * values))
+    norm = 4 * c + 28 if lm.eager else 2 * c  # RMSNorm: .float(), pow, mean, * rsqrt, type_as, * w
+    touched = [norm * Tn * h, norm * Tn * h, 3 * c * Tn * h, 3 * c * Tn * h]
+    touched.append((5 if lm.eager else 3 if lm.gated_mlp else 2) * c * T * lm.d_ff / t)  # silu, * up
+    if not lm.position_embedding:             # rotary on q and k: float(), complex multiply, type_as
+        rotary = 2 * c + 16 if lm.eager else 2 * c
+        touched.extend([rotary * T * h / t, rotary * T * kv / t])
+    if lm.eager:                              # k, v copied to all heads; the output made contiguous
+        touched.append(2 * c * T * (h + (kv + h) * (kv < h)) / t)
+    kernels.extend(("memory-bound", 0.0, nbytes) for nbytes in touched)
     return kernels
 
 
@@ -476,11 +480,11 @@ def edge_kernels(lm: LM, grid: Grid, first: bool, last: bool) -> list[tuple[str,
     kernels = []
     if first:
         kernels.append(("memory-bound", 0.0, c * T * lm.d_model))
-    if last:
-        kernels.append(("memory-bound", 0.0, c * 2 * T * lm.d_model))
+    if last:                                  # eager: the final RMSNorm, then the logits made float32
+        kernels.append(("memory-bound", 0.0, (4 * c + 28 if lm.eager else 2 * c) * T * lm.d_model))
         kernels.append(("matmul", 2 * T * lm.vocab * lm.d_model,
                         c * (T * lm.d_model + lm.vocab * lm.d_model + T * lm.vocab)))
-        kernels.append(("memory-bound", 0.0, c * 2 * T * lm.vocab))
+        kernels.append(("memory-bound", 0.0, (c + 12 if lm.eager else 2 * c) * T * lm.vocab))
     return kernels
 
 
@@ -818,13 +822,9 @@ def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
                 dp = ranks // (tp * pp * cp)
                 if lm.batch % dp:
                     continue
-                micro_batch_counts = [1]
-                if pp > 1:
-                    micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if lm.batch // dp % m == 0]
-                kinds = ("ddp",)
-                if dp * cp > 1:
-                    kinds = DP_KINDS
-                for m in micro_batch_counts:
+                micro_batch_counts = [m for m in (pp, 2 * pp, 4 * pp) if lm.batch // dp % m == 0]
+                kinds = DP_KINDS if dp * cp > 1 else ("ddp",)
+                for m in micro_batch_counts if pp > 1 else [1]:
                     for kind in kinds:
                         for recompute in RECOMPUTE:
                             yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind, sp=tp > 1,
@@ -880,6 +880,8 @@ GPUS = {
                 nvlink=300e9, network=25e9, matmul_share=271.2 / 312, attention_share=0.6 * FA),
     "H100": GPU("H100 SXM", peak=989e12, memory=80e9, memory_bandwidth=3.35e12,
                 nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
+    "H100-HBM2e": GPU("H100 96GB HBM2e, 500 W", peak=989e12, memory=96e9, memory_bandwidth=2.4e12,
+                      nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
     "H200": GPU("H200 SXM", peak=989e12, memory=141e9, memory_bandwidth=4.8e12,
                 nvlink=450e9, network=50e9, matmul_share=794.5 / 989, attention_share=0.35 * FA),
     "B200": GPU("B200 (HGX)", peak=2250e12, memory=180e9, memory_bandwidth=7.7e12,
@@ -905,4 +907,5 @@ CLUSTERS = {"8xH100-nvlink": cluster("H100", 8), "16xH100-ib": cluster("H100", 1
 
 # torchtitan's Llama 3.1 8B (bfloat16), at its published sequence and global batch on 8 GPUs.
 LLAMA3_8B = LM(layers=32, d_model=4096, d_ff=14336, heads=32, kv_heads=8, vocab=128256,
-               seq=8192, batch=16, gated_mlp=True, position_embedding=False, compute_bytes=2)
+               seq=8192, batch=16, gated_mlp=True, position_embedding=False, compute_bytes=2,
+               eager=True)

@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                             help="overrides the preset's (--batch: sequences a step, all GPUs)")
     parser.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (Llama)")
     parser.add_argument("--no-position-embedding", action="store_true", help="rotary (Llama)")
+    parser.add_argument("--compiled", action="store_true", help="Llama's element-wise ops fused (torch.compile)")
     parser.add_argument("--cluster", default="8xH100-nvlink", choices=list(planner.CLUSTERS))
     parser.add_argument("--gpu", choices=list(planner.GPUS), help="overrides the cluster's GPU")
     parser.add_argument("--gpus", "--ranks", type=up_to(GPUS), help="GPUs in all")
@@ -90,7 +91,8 @@ def model_of(args, default_batch: int) -> planner.LM:
     given = {flag: getattr(args, flag) for flag in SHAPE if getattr(args, flag) is not None}
     return dataclasses.replace(lm, **{"batch": default_batch, **given},
                                gated_mlp=lm.gated_mlp or args.gated_mlp,
-                               position_embedding=lm.position_embedding and not args.no_position_embedding)
+                               position_embedding=lm.position_embedding and not args.no_position_embedding,
+                               eager=lm.eager and not args.compiled)
 
 
 def box_crossover(ranks: int = 2) -> dict | None:
@@ -156,14 +158,10 @@ def main(argv=None) -> int:
           f"d_model {lm.d_model}, {lm.heads} heads, {lm.batch} sequences of {lm.seq} tokens a step")
     print(f"cluster: {machine.name} ({machine.source})")
     print("every figure below is PREDICTED from the formulas and the presets, not measured\n")
-    if not predictions:
-        print(f"no grid of {machine.ranks} GPUs splits this model: the batch of {lm.batch} must "
-              f"split over the data ranks, the {lm.heads} heads over tp (at most a node), the "
-              f"{lm.layers} layers over pp")
-        return 1
     if not fitting:
-        print(f"no grid of {machine.ranks} GPUs fits this model in {machine.memory / 1e9:.0f} GB "
-              f"a GPU ({len(predictions)} tried): more GPUs, a smaller batch, or a shorter sequence")
+        print(f"no grid of {machine.ranks} GPUs fits this model in {machine.memory / 1e9:.0f} GB a GPU "
+              f"({len(predictions)} split the batch over dp, the heads over tp, the layers over pp): "
+              "more GPUs, a smaller batch, or a shorter sequence")
         return 1
     print(f"{len(fitting)} grids fit ({len(predictions) - len(fitting)} do not); the "
           f"{min(args.top, len(fitting))} fastest:")

@@ -620,29 +620,42 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
 
 # --------------------------------------------------------------------------- published runs
 # Published training runs, predicted cold from the planner's presets (lesson 9's README cites
-# each): (run, GPU preset, GPUs, Llama 3 8B's global batch and sequence, grid, published
-# tokens/s a GPU, published memory GiB or None). None of these tuned a preset.
+# each): (run, model, GPU preset, GPUs, global batch, sequence, grid, published tokens/s a GPU,
+# published memory GiB or None). None of these tuned a preset. torchtitan ran without
+# torch.compile (eager) but for the long-sequence row.
+LLAMA3_70B = dataclasses.replace(planner.LLAMA3_8B, layers=80, d_model=8192, heads=64, d_ff=28672)
 PUBLISHED = [
-    ("torchtitan, Llama 3.1 8B, 8 x H100, FSDP, local batch 2", "H100", 8, 16, 8192,
-     "dp8 fsdp sel", 5762, 82.4),
-    ("torchtitan, Llama 3.1 8B, 128 x H100, FSDP, local batch 2", "H100", 128, 256, 8192,
-     "dp128 fsdp sel", 5605, 67.0),
-    ("torchtitan, Llama 3.1 8B, 8 x H100, FSDP 1 x CP 8, sequence 262,144", "H100", 8, 1, 262144,
+    ("torchtitan, Llama 3.1 8B, 8 x H100, FSDP, local batch 2", planner.LLAMA3_8B, "H100-HBM2e", 8,
+     16, 8192, "dp8 fsdp sel", 5762, 82.4),
+    ("torchtitan, Llama 3.1 8B, 128 x H100, FSDP, local batch 2", planner.LLAMA3_8B, "H100-HBM2e",
+     128, 256, 8192, "dp128 fsdp sel", 5605, 67.0),
+    ("torchtitan, Llama 3.1 8B, 8 x H100, FSDP 1 x CP 8, sequence 262,144",
+     dataclasses.replace(planner.LLAMA3_8B, eager=False), "H100-HBM2e", 8, 1, 262144,
      "dp1 fsdp cp8 ckpt", 548, 84.5),
-    ("torchtitan, Llama 3 8B, 64 x A100, FSDP, local batch 1", "A100", 64, 64, 8192,
-     "dp64 fsdp sel", 2973, None),
+    ("torchtitan, Llama 3 8B, 64 x A100, FSDP, local batch 1", planner.LLAMA3_8B, "A100", 64, 64,
+     8192, "dp64 fsdp sel", 2973, None),
+    ("torchtitan, Llama 3 70B, 64 x A100, FSDP, local batch 1", LLAMA3_70B, "A100", 64, 64, 8192,
+     "dp64 fsdp ckpt", 331, None),
 ]
+NVL_PEAK = 835e12   # H100 NVL's datasheet bf16: torchtitan's H100s peak "between SXM and NVL"
 
 
 def published_rows() -> list[dict]:
-    """Each published run as the planner predicts it from the presets alone."""
+    """Each published run as the planner predicts it from the presets alone; on torchtitan's
+    H100s also at the NVL's peak, the low end of what torchtitan says theirs is."""
     rows = []
-    for run, gpu, gpus, batch, seq, label, published, memory in PUBLISHED:
-        lm = dataclasses.replace(planner.LLAMA3_8B, batch=batch, seq=seq)
-        prediction = planner.predict(lm, planner.parse_label(label), planner.cluster(gpu, gpus))
+    for run, lm, gpu, gpus, batch, seq, label, published, memory in PUBLISHED:
+        lm = dataclasses.replace(lm, batch=batch, seq=seq)
+        grid = planner.parse_label(label)
+        machine = planner.cluster(gpu, gpus)
+        prediction = planner.predict(lm, grid, machine)
+        low = None
+        if gpu == "H100-HBM2e":
+            nvl = dataclasses.replace(machine, gpu=dataclasses.replace(machine.gpu, peak=NVL_PEAK))
+            low = planner.predict(lm, grid, nvl)["tokens_per_s_per_rank"]
         terms = sorted(prediction["terms"], key=lambda term: -term[1])
-        rows.append({"run": run, "grid": label, "published": published,
-                     "predicted": prediction["tokens_per_s_per_rank"],
+        rows.append({"run": run, "grid": label, "gpu": gpu, "published": published,
+                     "predicted": prediction["tokens_per_s_per_rank"], "predicted_nvl": low,
                      "error": prediction["tokens_per_s_per_rank"] / published - 1,
                      "memory": memory, "predicted_memory": prediction["memory"]["total"] / 2**30,
                      "largest": f"{terms[0][0]} {terms[0][1] * 1e3:.0f} ms"})
@@ -687,11 +700,15 @@ def main(argv=None) -> int:
               f"{torch.__version__}); check its rows with --device cpu")
         return 2
     if args.published:
-        print("| run | grid | published tokens/s/GPU | predicted | error | memory GiB published / "
-              "predicted | largest term |\n|---|---|---|---|---|---|---|")
+        print("| run | grid | GPU preset | published tokens/s/GPU | predicted | error | at the NVL's "
+              "peak | memory GiB published / predicted | largest term |\n|---|---|---|---|---|---|---|---|---|")
         for row in published_rows():
-            print(f"| {row['run']} | `{row['grid']}` | {row['published']:,} | {row['predicted']:,.0f} | {row['error']:+.0%} | "
-                  f"{row['memory'] or '-'} / {row['predicted_memory']:.1f} | {row['largest']} |")
+            nvl = "-"
+            if row["predicted_nvl"]:
+                nvl = f"{row['predicted_nvl']:,.0f} ({row['predicted_nvl'] / row['published'] - 1:+.0%})"
+            print(f"| {row['run']} | `{row['grid']}` | {row['gpu']} | {row['published']:,} | "
+                  f"{row['predicted']:,.0f} | {row['error']:+.0%} | {nvl} | {row['memory'] or '-'} / "
+                  f"{row['predicted_memory']:.1f} | {row['largest']} |")
         return 0
     backend_device = f"{args.backend}/{args.device}"
     if args.device == "cuda" or args.project:
