@@ -3,8 +3,9 @@
 The planner is fed this machine, every input measured (compute at one rank's shapes, the
 straggler, a copy, stage 02's all-reduce fit, a call in a burst and a hop after compute at each
 group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
-sharding.csv, grid.csv) in results/prediction.csv: every term a column, each error beside the
-measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
+sharding.csv, grid.csv, context_parallel.csv, expert_parallel.csv) in results/prediction.csv: every
+term a column, each error beside the measured step's spread, the median and 90th percentile of
+|error|. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
 published runs beside the planner's cold predictions (lesson 9's README). A configuration that
 cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
@@ -563,9 +564,8 @@ def context_parallel_rows(fits: dict, backend_device: str, cores: int, pace: ste
         hop = calls and calls.hop or link_from_fit(fit, ranks)
         lm = planner.LM(layers=1, d_model=heads * width, d_ff=0, heads=heads, vocab=0, seq=seq, batch=batch)
         grid = planner.Grid(cp=ranks)
-        machine = planner.Machine(name="this box", flops=12 * batch * seq**2 * lm.d_model / ranks / compute_s,
-                                  memory=0, memory_bandwidth=0, ranks_per_node=ranks, inside=hop, across=hop,
-                                  overlap=False, cores=cores)
+        machine = planner.Machine("this box", 12 * batch * seq**2 * lm.d_model / ranks / compute_s, 0, 0,
+                                  ranks, hop, hop, overlap=False, cores=cores)
         terms = [("compute", compute_s * planner.turns(grid, machine), "chunk kernels and merges timed alone"),
                  planner.ring_attention_term(lm, grid, machine)]
         yield predicted_row(config, "context_parallel.csv", lm, grid, machine, row, terms)
