@@ -533,17 +533,18 @@ def pipeline_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.
 
 @functools.lru_cache(maxsize=None)
 def time_ring_attention(batch: int, heads: int, seq: int, head_dim: int, ranks: int, layout: str,
-                        threads: int) -> float:
+                        threads: int, device: str = "cpu") -> float:
     """Median s of lesson 5's causal ring attention, forward + backward, float32, as its busiest
     rank (contiguous: the last; zig-zag: any) computes it alone (``ring_alone``)."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
-    q, k, v, grad_out = (torch.randn(batch, heads, seq // ranks, head_dim, generator=generator) for _ in "qkvo")
+    q, k, v, grad_out = (torch.randn(batch, heads, seq // ranks, head_dim, generator=generator).to(device)
+                         for _ in "qkvo")
     leaves = [tensor.requires_grad_() for tensor in (q, k, v)]
     with ring_alone(ranks, ranks - 1 if layout == "contiguous" else 0):
         seconds = timing.measure(lambda: cp.ring_attention(*leaves, layout=layout).backward(grad_out),
-                                 torch.device("cpu"), warmup=1, iters=5)
+                                 torch.device(device), warmup=1, iters=5)
     torch.set_num_threads(threads_before)
     return statistics.median(seconds)
 
@@ -559,7 +560,8 @@ def context_parallel_rows(fits: dict, backend_device: str, cores: int, pace: ste
         config = f"ring attention W={ranks} {row['layout']}, seq {seq}"
         if not pace.allows(f"check_prediction: {config} and what follows"):
             return
-        compute_s = time_ring_attention(batch, heads, seq, width, ranks, row["layout"], launch.rank_threads(ranks))
+        compute_s = time_ring_attention(batch, heads, seq, width, ranks, row["layout"], launch.rank_threads(ranks),
+                                        row["device"])
         calls = time_step_calls(ranks, row["backend"], row["device"])
         hop = calls and calls.hop or link_from_fit(fit, ranks)
         lm = planner.LM(layers=1, d_model=heads * width, d_ff=0, heads=heads, vocab=0, seq=seq, batch=batch)
