@@ -425,8 +425,8 @@ def test_a_pipeline_ranks_compute_is_timed_a_micro_batch_at_a_time(monkeypatch):
     import check_prediction
     asked = []
 
-    def fake_time_compute(model, rows, seq, vocab, threads, device="cpu"):
-        asked.append((rows, seq))
+    def fake_time_compute(model, rows, seq, vocab, threads, device="cpu", ring=1):
+        asked.append((rows, seq) if ring == 1 else (rows, seq, ring))
         return 1e-3 + 1e-4 * rows, 5e-3, (1e-3, 2e-3)      # a fixed cost, and a cost a row
 
     monkeypatch.setattr(check_prediction, "time_compute", fake_time_compute)
@@ -438,7 +438,70 @@ def test_a_pipeline_ranks_compute_is_timed_a_micro_batch_at_a_time(monkeypatch):
     assert optimizer == 5e-3
     assert samples == pytest.approx((4e-3, 8e-3))
     check_prediction.time_rank_compute("tiny", planner.Grid(dp=2, cp=2), 16, 64, 1, "cpu")
-    assert asked[-1] == (8, 32)                              # no pipeline: the data rank's rows
+    assert asked[-1] == (8, 32, 2)         # no pipeline: the data rank's rows; its ring of 2 ranks
+
+
+class CountedChunks:
+    """Lesson 5's chunk kernels, counted (forward, backward), while the ``with`` lasts."""
+
+    def __init__(self, monkeypatch, cp):
+        self.forward = self.backward = 0
+        kernels = cp.chunk_attention, cp.chunk_attention_backward
+
+        def forward(*args):
+            self.forward += 1
+            return kernels[0](*args)
+
+        def backward(*args):
+            self.backward += 1
+            return kernels[1](*args)
+        monkeypatch.setattr(cp, "chunk_attention", forward)
+        monkeypatch.setattr(cp, "chunk_attention_backward", backward)
+
+
+def test_a_context_parallel_ranks_compute_runs_its_ring_attention(monkeypatch):
+    """A cp rank's compute is timed as its ring runs it: by hand, zig-zag over 2 ranks, rank 0
+    holds chunks 0 and 3 of 4 and meets its own (pairs 0-0, 3-0, 3-3; 0-3 is in the future), then
+    rank 1's 1 and 2 (3-1, 3-2): 5 chunk kernels a layer forward, 5 backward, 2 layers, 3 steps
+    (two warm-ups, one timed). The negative control: the dense LM at S/c tokens (what the check
+    timed before) runs none, only torch's fused kernel over its own shard."""
+    import check_prediction
+    counted = CountedChunks(monkeypatch, check_prediction.cp)
+    check_prediction.time_compute("tiny", 1, 16, check_prediction.GRID_VOCAB, 1, repeats=1, ring=2)
+    assert (counted.forward, counted.backward) == (3 * 2 * 5, 3 * 2 * 5)
+    assert check_prediction.cp.dist is check_prediction.dist             # the ring put back
+    dense = CountedChunks(monkeypatch, check_prediction.cp)
+    check_prediction.time_compute("tiny", 1, 16, check_prediction.GRID_VOCAB, 1, repeats=1)
+    assert (dense.forward, dense.backward) == (0, 0)
+
+
+def test_ring_attention_is_timed_as_its_busiest_rank_computes_it(monkeypatch):
+    """Contiguous over 2 ranks the last rank is the busiest: its own chunk and rank 0's, 2 pairs
+    a step, where rank 0 has 1 (the negative control: rank 0's count); zig-zag: any rank, 5 (as
+    above). One warm-up and 5 timed steps each."""
+    import check_prediction
+    counted = CountedChunks(monkeypatch, check_prediction.cp)
+    check_prediction.time_ring_attention(1, 2, 8, 4, 2, "contiguous", 1)
+    assert (counted.forward, counted.backward) == (6 * 2, 6 * 2)
+    counted.forward = 0
+    with check_prediction.ring_alone(2, rank=0):
+        q, k, v = (torch.randn(1, 2, 4, 4, requires_grad=True) for _ in range(3))
+        check_prediction.cp.ring_attention(q, k, v, layout="contiguous").sum().backward()
+    assert counted.forward == 1
+    counted.forward = 0
+    check_prediction.time_ring_attention(1, 2, 8, 4, 2, "zigzag", 1)
+    assert counted.forward == 6 * 5
+
+
+def test_an_all_to_all_is_n_minus_1_sends_of_a_nth_by_hand():
+    """n ranks each holding b bytes send b/n to each of the n-1 others: 4 ranks, 400 kB at 1 ms
+    and 1 MB/s, 3 x (1 ms + 0.1 s); 2 ranks, one send of half. The negative control: the whole
+    400 kB as one send (a broadcast's cost) is 32% dearer, past the check's 25%."""
+    link = planner.Link(1e-3, 1e6)
+    assert check_prediction.all_to_all_time(link, 4, 4e5) == pytest.approx(3 * (1e-3 + 1e5 / 1e6))
+    assert check_prediction.all_to_all_time(link, 2, 4e5) == pytest.approx(1e-3 + 2e5 / 1e6)
+    assert check_prediction.all_to_all_time(link, 1, 4e5) == 0
+    assert planner.send_time(link, 4e5) / check_prediction.all_to_all_time(link, 4, 4e5) - 1 > TOLERANCE
 
 
 def test_the_check_counts_within_25_percent_both_ways_and_stretches_a_control_once():
@@ -889,6 +952,19 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
                           "model": "8 tiny blocks", "micro_batches": 4, "batch_size": 8, "stages": 2,
                           "schedule": "gpipe", "compute": compute.split()[0], "step_ms": 100})
     results.upsert_csv("grid.csv", grid_rows, key=["grid", "setting"])
+    shape = {"backend": "gloo", "device": "cpu", "seq": 8, "batch": 1, "heads": 2, "head_dim": 4,
+             "impl": "ring", "layout": "zigzag", "compute": "real", "step_ms": 20}
+    ring_rows = [{**shape, "W": 2}, {**shape, "W": 4}, {**shape, "W": 1, "impl": "full, our kernel"},
+                 {**shape, "W": 2, "compute": "emulated 400 ms"}]          # neither predicted
+    results.upsert_csv("context_parallel.csv", ring_rows, key=["W", "impl", "compute"])
+    monkeypatch.setattr(check_prediction, "time_ring_attention", lambda *args: 10e-3)
+    monkeypatch.setattr(check_prediction.os, "cpu_count", lambda: 2)
+    expert = {"backend": "gloo", "device": "cpu", "world_size": 2, "num_experts": 8,
+              "tokens_per_rank": 16, "measure": "step", "replicated_ms": 5, "expert_parallel_ms": 20,
+              "expert_parallel_min_ms": 18, "expert_parallel_max_ms": 25,
+              "bytes_sent_counted": 32 + 4 * 4000}      # the counts' 8 x 8 B / 2, then 4 x 4000 B
+    results.upsert_csv("expert_parallel.csv", [expert, {**expert, "measure": "load", "replicated_ms": "",
+                                                        "expert_parallel_ms": ""}], key=["measure"])
     timed_shapes = []
     time_compute = check_prediction.time_compute
 
@@ -901,7 +977,18 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     rows = {row["config"]: row for row in results.read_csv("prediction.csv")}
     # the DDP rows' and the ledger's compute is their run's compute-only control (none), which
     # is an input, not a row; torch_fsdp is not modelled as ours
-    assert len(rows) == 3 + 2 + 2 + 1, sorted(rows)
+    assert len(rows) == 3 + 2 + 2 + 1 + 2 + 1, sorted(rows)
+    # ring attention alone, by hand: K and V of [1, 2, 8 / W, 4] float32 at the hop's 3 ms and
+    # 100 MB/s, 2 (W-1) + W hops; 10 ms of compute, twice at W = 4 (4 ranks on 2 cores)
+    for ranks in (2, 4):
+        hops = (2 * (ranks - 1) + ranks) * (3e-3 + 2 * 4 * 2 * (8 // ranks) * 4 / 1e8)
+        row = rows[f"ring attention W={ranks} zigzag, seq 8"]
+        assert float(row["predicted_ms"]) == pytest.approx((10e-3 * ranks / 2 + hops) * 1e3, abs=1e-3)
+    # expert parallel, by hand: 5 ms replicated, then 5 all-to-alls of 1 send each (2 ranks) at
+    # the hop: the counts' 32 B, and 4 x 4000 B
+    row = rows["expert parallel ep2, 16 tokens a rank"]
+    assert float(row["predicted_ms"]) == pytest.approx(5 + (5 * 3e-3 + (32 + 4 * 4000) / 1e8) * 1e3, abs=1e-3)
+    assert (float(row["measured_min_ms"]), float(row["measured_max_ms"])) == (18, 25)
     # dp2 pp2 is timed a micro-batch (1 row) at a time, not its data rank's 2 rows at once
     assert any(config.startswith("grid dp2 pp2") for config in rows), sorted(rows)
     assert ("tiny", 1, 16) in timed_shapes, timed_shapes

@@ -199,12 +199,15 @@ def run_step(q, k, v, grad_out, attention, kernel=None):
         out.backward(grad_out)
 
 
-def measure_case(ctx, cfg: dict, step, members: list[int]) -> float:
-    """The slowest member's median seconds of ``step()``; the others keep the barriers company."""
+def measure_case(ctx, cfg: dict, step, members: list[int]) -> dict:
+    """step_ms: the slowest member's median of ``step()``; step_ms_min, step_ms_max: the fastest
+    and slowest step a member took. The others keep the barriers company."""
     inside = ctx.rank in members
     times = timing.measure(step if inside else lambda: None, ctx.device, warmup=cfg["warmup"],
                            iters=cfg["iters"], barrier=True)
-    return timing.gather_times(times if inside else [0.0] * len(times)).median
+    stats = timing.gather_times(times if inside else [0.0] * len(times))
+    fastest = timing.gather_times(times if inside else [float("inf")] * len(times)).min
+    return {"step_ms": stats.median * 1e3, "step_ms_min": fastest * 1e3, "step_ms_max": stats.max * 1e3}
 
 
 def saved_and_peak(ctx, step) -> tuple[int, int]:
@@ -231,12 +234,12 @@ def bench_sequence(ctx, cfg: dict, seq: int, rings: dict, single, rows: list, fa
                                                    layout="contiguous")}
     for impl, attention in impls.items():
         step = functools.partial(run_step, q, k, v, grad_out, attention)
-        seconds = measure_case(ctx, cfg, step, [0])
+        steps = measure_case(ctx, cfg, step, [0])
         saved, peak = saved_and_peak(ctx, step) if ctx.rank == 0 else (0, 0)
         everyone = [None] * ctx.world_size
         dist.all_gather_object(everyone, {"saved": saved, "peak": peak})
         rows.append({**same, "impl": impl, "W": 1, "layout": "-", "compute": "real",
-                     "step_ms": seconds * 1e3, "sent_bytes": 0, "bytes_formula": 0,
+                     **steps, "sent_bytes": 0, "bytes_formula": 0,
                      "imbalance": 1.0, "imbalance_formula": 1.0,
                      "saved_bytes": everyone[0]["saved"],
                      "saved_formula": saved_bytes_formula(batch_heads, seq, cfg["head_dim"], 4),
@@ -295,7 +298,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
            "saved_bytes": max(numbers["saved"] for numbers in everyone),
            "saved_formula": targets["saved_formula"],
            "peak_bytes": max(numbers["peak"] for numbers in everyone)}
-    row["step_ms"] = measure_case(ctx, cfg, real_step, members) * 1e3
+    row.update(measure_case(ctx, cfg, real_step, members))
     rows.append(row)
     if seq == max(cfg["seqs"]):  # emulated compute: the same at every length
         all_scores = cfg["batch"] * cfg["heads"] * seq * (seq + 1) / 2
@@ -303,7 +306,7 @@ def bench_parallel(ctx, cfg: dict, same: dict, world_size: int, impl: str, layou
         emulated_step = functools.partial(run_step, q, k, v, grad_out, attention, kernel)
         emulated_row = dict(row)
         emulated_row["compute"] = f"emulated {cfg['emulate_ms']:g} ms"
-        emulated_row["step_ms"] = measure_case(ctx, cfg, emulated_step, members) * 1e3
+        emulated_row.update(measure_case(ctx, cfg, emulated_step, members))
         rows.append(emulated_row)
 
 

@@ -121,6 +121,8 @@ def time_one(ctx, cfg: dict, tokens: int, failures: list[str]) -> dict:
     return {"tokens_per_rank": tokens,
             "replicated_ms": 1e3 * replicated.median,
             "expert_parallel_ms": 1e3 * expert_parallel.median,
+            "expert_parallel_min_ms": 1e3 * expert_parallel.min,    # the fastest step on any rank
+            "expert_parallel_max_ms": 1e3 * expert_parallel.max,    # and the slowest
             "ep_over_replicated": expert_parallel.median / replicated.median,
             "bytes_sent_counted": sum(counted), "bytes_sent_formula": sum(want),
             "dispatch_bytes": counted[1],  # beside uniform routing's: top_k T d (W-1)/W bytes

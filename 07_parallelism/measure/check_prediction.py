@@ -3,8 +3,9 @@
 The planner is fed this machine, every input measured (compute at one rank's shapes, the
 straggler, a copy, stage 02's all-reduce fit, a call in a burst and a hop after compute at each
 group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
-sharding.csv, grid.csv) in results/prediction.csv: every term a column, each error beside the
-measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
+sharding.csv, grid.csv, context_parallel.csv, expert_parallel.csv) in results/prediction.csv: every
+term a column, each error beside the measured step's spread, the median and 90th percentile of
+|error|. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
 published runs beside the planner's cold predictions (lesson 9's README). A configuration that
 cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
@@ -26,7 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,10 +38,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
-from common import models  # noqa: E402
+from common import import_stage, models  # noqa: E402
 from bench import results, step_bench, timing
 from bench.timing import synchronize
 from bench import supervisor as launch
+
+cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
 
 CSV_NAME = "prediction.csv"
 TARGET = 0.25              # predicted within 25% of measured
@@ -54,18 +59,35 @@ FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM na
 
 
 # --------------------------------------------------------------------------- this machine
+def exchange_alone(send, receive, group=None) -> list:
+    """A hop on one process: each receive a copy of its send, nothing left to wait for."""
+    for tensor, into in zip(send, receive):
+        into.copy_(tensor)
+    return []
+
+
+def ring_alone(ranks: int, rank: int = 0):
+    """Lesson 5's ring attention on one process as rank ``rank`` of ``ranks`` computes it: its
+    chunk kernels and merges, ``ranks`` steps forward and back (its hops: the planner's term)."""
+    ring = types.SimpleNamespace(get_rank=lambda group=None: rank, get_world_size=lambda group=None: ranks)
+    return mock.patch.multiple(cp, dist=ring, post_exchange=exchange_alone)
+
+
 @functools.lru_cache(maxsize=None)
 def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
-                 repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
+                 repeats: int = 9, ring: int = 1) -> tuple[float, float, tuple[float, ...]]:
     """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
-    process, medians after two warm-ups; once per shape: equal shapes get equal compute."""
+    process, medians after two warm-ups; once per shape: equal shapes get equal compute. ``ring``
+    > 1: its attention a context-parallel rank's (``ring_alone``; lesson 7's zig-zag layout)."""
     on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
                               checkpoint_activations=checkpointing).to(on)
+    if ring > 1:
+        cp.use_ring_attention(lm, layout="zigzag")
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     tokens = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(on)
     compute, stepping = [], []
@@ -73,7 +95,8 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
         optimizer.zero_grad(set_to_none=True)
         synchronize(on)
         start = time.perf_counter()
-        models.lm_loss(lm(tokens[:, :-1]), tokens[:, 1:]).backward()
+        with ring_alone(ring):
+            models.lm_loss(lm(tokens[:, :-1]), tokens[:, 1:]).backward()
         synchronize(on)
         middle = time.perf_counter()
         optimizer.step()
@@ -301,14 +324,14 @@ def this_run(name: str) -> list[dict]:
 
 
 def unreadable(row: dict) -> str:
-    """What in a result row the check cannot use ('' if nothing)."""
-    if row.get("model") not in models.PRESETS and not row.get("schedule"):   # lesson 4's: its own
+    """What in a result row the check cannot use ('' if nothing; lessons 5 and 6 name no model)."""
+    if "model" in row and row["model"] not in models.PRESETS and not row.get("schedule"):  # lesson 4's
         return f"model {str(row.get('model'))[:40]!r} is not a course preset"
     for column in ("world_size", "batch_size", "context_length", "seq_len"):
         if column in row and not str(row[column]).isdigit():
             return f"{column} {str(row[column])[:40]!r} is not a whole number"
     try:
-        float(row.get("step_ms", ""))
+        float(row.get("step_ms", row.get("expert_parallel_ms") or "0"))   # 6's loads: no step
     except ValueError:
         return f"step_ms {str(row.get('step_ms'))[:40]!r} is not a number"
     return ""
@@ -320,9 +343,9 @@ def course_lm(preset: str, batch: int, seq: int, vocab: int = models.VOCAB_SIZE)
                       heads=shape["num_heads"], vocab=vocab, seq=seq, batch=batch)
 
 
-def predicted_row(config: str, source: str, lm, grid, machine, measured: dict) -> dict:
-    """The planner's terms beside the bench row's step (median) and its fastest and slowest."""
-    terms = planner.step_time(lm, grid, machine)
+def predicted_row(config: str, source: str, lm, grid, machine, measured: dict, terms=None) -> dict:
+    """The planner's terms (or ``terms``) beside the bench row's step (median), fastest, slowest."""
+    terms = terms or planner.step_time(lm, grid, machine)
     predicted = sum(seconds for _, seconds, _ in terms) * 1e3
     row = {"config": config, "source": source, "world_size": grid.world_size,
            "predicted_ms": round(predicted, 3), "measured_ms": round(float(measured["step_ms"]), 3),
@@ -442,7 +465,7 @@ def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, thre
     """``time_compute`` at one rank's shapes, a micro-batch at a time (forward, backward x m)."""
     rows = batch // grid.dp // grid.micro_batches
     compute_s, optimizer_s, samples = time_compute(model, rows, seq // grid.cp, GRID_VOCAB,
-                                                   threads, device=device)
+                                                   threads, device=device, ring=grid.cp)
     scaled = tuple(grid.micro_batches * seconds for seconds in samples)
     return grid.micro_batches * compute_s, optimizer_s, scaled
 
@@ -506,6 +529,75 @@ def pipeline_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.
                            0, (), row["device"], calls and calls.hop)
         machine = dataclasses.replace(machine, overlap=True, memory_bandwidth=float("inf"))   # no AdamW
         yield predicted_row(config, "grid.csv, pipelines", lm, grid, machine, row)
+
+
+@functools.lru_cache(maxsize=None)
+def time_ring_attention(batch: int, heads: int, seq: int, head_dim: int, ranks: int, layout: str,
+                        threads: int, device: str = "cpu") -> float:
+    """Median s of lesson 5's causal ring attention, forward + backward, float32, as its busiest
+    rank (contiguous: the last; zig-zag: any) computes it alone (``ring_alone``)."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad_out = (torch.randn(batch, heads, seq // ranks, head_dim, generator=generator).to(device)
+                         for _ in "qkvo")
+    leaves = [tensor.requires_grad_() for tensor in (q, k, v)]
+    with ring_alone(ranks, ranks - 1 if layout == "contiguous" else 0):
+        seconds = timing.measure(lambda: cp.ring_attention(*leaves, layout=layout).backward(grad_out),
+                                 torch.device(device), warmup=1, iters=5)
+    torch.set_num_threads(threads_before)
+    return statistics.median(seconds)
+
+
+def context_parallel_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
+    """Lesson 5's ring attention alone (``context_parallel.csv``): its busiest rank's compute timed
+    here (W chunks, backward 2x forward: a chunk's a 3W-th), the planner's term at the hop measured."""
+    for row in this_run("context_parallel.csv"):
+        ranks, batch, heads, seq, width = (int(row[key]) for key in ("W", "batch", "heads", "seq", "head_dim"))
+        fit = fits.get(f"{backend_device}/{ranks}")
+        if (row["impl"], row["compute"], f"{row['backend']}/{row['device']}") != ("ring", "real", backend_device) or not fit:
+            continue
+        config = f"ring attention W={ranks} {row['layout']}, seq {seq}"
+        if not pace.allows(f"check_prediction: {config} and what follows"):
+            return
+        compute_s = time_ring_attention(batch, heads, seq, width, ranks, row["layout"], launch.rank_threads(ranks),
+                                        row["device"])
+        calls = time_step_calls(ranks, row["backend"], row["device"])
+        hop = calls and calls.hop or link_from_fit(fit, ranks)
+        lm = planner.LM(layers=1, d_model=heads * width, d_ff=0, heads=heads, vocab=0, seq=seq, batch=batch)
+        grid = planner.Grid(cp=ranks)
+        machine = planner.Machine("this box", 12 * batch * seq**2 * lm.d_model / ranks / compute_s, 0, 0,
+                                  ranks, hop, hop, overlap=False, cores=cores)
+        terms = [("compute", compute_s * planner.turns(grid, machine), "chunk kernels and merges timed alone"),
+                 planner.ring_attention_term(lm, grid, machine)]
+        yield predicted_row(config, "context_parallel.csv", lm, grid, machine, row, terms)
+
+
+def all_to_all_time(link: planner.Link, ranks: int, nbytes: float) -> float:
+    """An all-to-all of ``nbytes`` a rank, pairwise: n-1 sends of nbytes / n (1/n stays home)."""
+    return (ranks - 1) * planner.send_time(link, nbytes / ranks)
+
+
+def expert_parallel_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
+    """Lesson 6's layer, forward + backward (``expert_parallel.csv``): the replicated MoE's step (the
+    same launch, no exchange) and five all-to-alls at the hop measured: the counts (E int64), then
+    dispatch and combine forward and back, each a quarter of the rows' bytes a rank sent (counted)."""
+    for row, ranks, fit in on_this_backend(this_run("expert_parallel.csv"), backend_device, fits):
+        if row["measure"] != "step":
+            continue
+        config = f"expert parallel ep{ranks}, {row['tokens_per_rank']} tokens a rank"
+        if not pace.allows(f"check_prediction: {config} and what follows"):
+            return
+        calls = time_step_calls(ranks, row["backend"], row["device"])
+        hop = calls and calls.hop or link_from_fit(fit, ranks)
+        counts = 8 * int(row["num_experts"])
+        rows = (float(row["bytes_sent_counted"]) - counts * (ranks - 1) / ranks) / 4 * ranks / (ranks - 1)
+        terms = [("compute", float(row["replicated_ms"]) / 1e3, "the replicated MoE's step, the same launch"),
+                 ("expert all-to-alls", all_to_all_time(hop, ranks, counts) + 4 * all_to_all_time(hop, ranks, rows),
+                  f"the counts, then 4 of {rows / 2**20:.3g} MiB a rank")]
+        measured = {"step_ms": row["expert_parallel_ms"], "step_ms_min": row.get("expert_parallel_min_ms", ""),
+                    "step_ms_max": row.get("expert_parallel_max_ms", "")}
+        yield predicted_row(config, "expert_parallel.csv", None, planner.Grid(dp=ranks), None, measured, terms)
 
 
 # --------------------------------------------------------------------------- the projection
@@ -732,7 +824,8 @@ def main(argv=None) -> int:
     cores = torch.cuda.device_count() if args.device == "cuda" else os.cpu_count() or 1   # ranks take turns on them
     rows = []
     pace = step_bench.Deadline()
-    for make_rows in (ddp_rows, ledger_rows, grid_rows, pipeline_rows):
+    for make_rows in (ddp_rows, ledger_rows, grid_rows, pipeline_rows, context_parallel_rows,
+                      expert_parallel_rows):
         new_rows = []
         for row in make_rows(fits, backend_device, cores, pace):
             new_rows.append(row)
