@@ -138,7 +138,7 @@ def kernel_text(table: dict) -> str:
     peak = table["peak_flops_per_s"]
     return ", ".join(f"{kind} {table[kind + '_flops_per_s'] / 1e12:.3g} TFLOP/s ({table[kind + '_flops_per_s'] / peak:.0%} "
                      f"of {peak / 1e12:.3g})" for kind in ("matmul", "attention")) + (
-        f", add {table['memory_bound_bytes_per_s'] / 1e9:.3g} GB/s, launch floor {table['launch_s'] * 1e6:.3g} us")
+        f", add {table['memory_bound_bytes_per_s'] / 1e9:.4g} GB/s, launch floor {table['launch_s'] * 1e6:.3g} us")
 
 
 def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device,

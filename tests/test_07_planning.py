@@ -964,6 +964,10 @@ def test_projection_runs_the_kernel_classes_at_the_table_measured_here(monkeypat
     rows = check_prediction.projection_rows("cpu")
     assert rows and all("measured here at small's shapes, bfloat16: matmul 50 TFLOP/s (50% of 100)"
                         in row["compute_from"] for row in rows), rows[0]["compute_from"]
+    results.upsert_csv("projection.csv", rows, key=["cluster"])
+    from bench import report
+    where = report.Where(out=results.results_dir(), draw=results.results_dir(), run_id=None, machine="")
+    assert "attention 25 TFLOP/s (25% of 100), add 1000 GB/s, launch floor 4 us" in report.prediction_section(where)[0]
     monkeypatch.setenv("RESULTS_RUN_ID", "r2")                       # an older run's table: not used
     monkeypatch.setattr(check_prediction, "time_compute", lambda *args, **kwargs: (0.1, 0.01, ()))
     assert all("no kernel table" in row["compute_from"] for row in check_prediction.projection_rows("cpu"))
