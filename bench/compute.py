@@ -6,17 +6,16 @@
 Where ranks share one GPU over Gloo, stages 03-07's step times measure Gloo's host path as much
 as the GPU; this measures the device alone, at one rank's shapes. First the peaks MFU is against,
 timed here (a spec sheet's wrong peak is how MFU comes out above 100%): a float32 matmul (on a
-GPU TF32 and bfloat16 too) and the copy bandwidth, the limit of the optimizer step. Then the
-LM's forward, backward and AdamW timed apart, its peak memory, tokens/s and MFU labelled with its
-peak; on a GPU one more row at a batch that saturates it (the course LM, 32 x 1024, bfloat16
-autocast) against the bfloat16 peak measured here and the datasheet's.
-
-FLOPs per token (PaLM appendix B, torchtitan, picotron): 6 N + 12 L H Q T. N: the parameters
-outside the embedding tables; L layers, H heads, Q head dimension, T context (attention counted
-whole, although a causal mask skips half). MFU = FLOPs per token x tokens/s / peak FLOP/s.
-
-Writes ``results/compute.csv`` (a row per model, as each lands) and ``results/matmul_peak.json``;
-a model that would not end before make bench's deadline for the step is skipped with a note.
+GPU TF32 and bfloat16 too) and the copy bandwidth, the limit of the optimizer step; lesson 9's
+kernel table at the last LM's shapes (``kernel_table``). Then the LM's forward, backward and AdamW
+timed apart, its peak memory, tokens/s and MFU labelled with its peak; on a GPU one more row at a
+batch that saturates it (the course LM, 32 x 1024, bfloat16 autocast) against the bfloat16 peak
+measured here and the datasheet's. FLOPs per token (PaLM appendix B, torchtitan, picotron):
+6 N + 12 L H Q T. N: the parameters outside the embedding tables; L layers, H heads, Q head
+dimension, T context (attention counted whole, although a causal mask skips half). MFU = FLOPs
+per token x tokens/s / peak FLOP/s. Writes ``results/compute.csv`` (a row per model, as each
+lands) and ``results/matmul_peak.json``; a model that would not end before make bench's deadline
+for the step is skipped with a note.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ CSV_NAME = "compute.csv"
 PEAK_JSON = "matmul_peak.json"
 ADAMW_BYTES_PER_PARAM = 28  # float32: read+write param, exp_avg, exp_avg_sq (24), read grad (4)
 SATURATING = ("course", 32, 1024)   # model, rows, tokens: enough work to fill a GPU
-LARGE_BYTES = {"cuda": 2 ** 30, "cpu": 2 ** 26}   # a tensor far larger than any cache
+LARGE_BYTES = {"cuda": 2 ** 30, "cpu": 2 ** 26}   # a large copy's or add's tensors (a GPU's L2: tens of MB)
 DATASHEET_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense
 
 
@@ -141,13 +140,16 @@ def kernel_text(table: dict) -> str:
         f", add {table['memory_bound_bytes_per_s'] / 1e9:.4g} GB/s, launch floor {table['launch_s'] * 1e6:.3g} us")
 
 
-def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device,
-               warmup: int, steps: int, bf16: bool = False) -> dict:
-    """Forward, backward, optimizer median seconds and peak memory of a step (``bf16``: autocast)."""
+def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device, warmup: int,
+               steps: int, bf16: bool = False, vocab: int = models.VOCAB_SIZE, checkpointing: bool = False) -> dict:
+    """Forward, backward, optimizer median seconds and peak memory of a step (``bf16``: autocast),
+    and each step's forward + backward seconds (``forward_backward``)."""
     torch.manual_seed(0)
-    model = models.TransformerLM(preset, context_length=context_length).to(device)
+    model = models.TransformerLM(preset, vocab_size=vocab, context_length=context_length,
+                                 checkpoint_activations=checkpointing).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = models.random_tokens(batch_size, context_length, seed=0, device=device)
+    tokens = torch.randint(vocab, (batch_size, context_length + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases = {"forward": [], "backward": [], "optimizer": []}
@@ -174,7 +176,8 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
     if device.type == "cuda":
         torch.cuda.empty_cache()
     medians = {k: statistics.median(v) for k, v in phases.items()}
-    return {**medians, "params": params, "max_memory_allocated": memory}
+    forward_backward = tuple(f + b for f, b in zip(phases["forward"], phases["backward"]))
+    return {**medians, "params": params, "max_memory_allocated": memory, "forward_backward": forward_backward}
 
 
 def make_row(preset: str, batch_size: int, context_length: int, device: torch.device,

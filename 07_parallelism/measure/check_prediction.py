@@ -25,7 +25,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -37,8 +36,7 @@ sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
 from common import models  # noqa: E402
 from bench import results, step_bench, timing
-from bench.compute import copy_bandwidth, kernel_text
-from bench.timing import synchronize
+from bench.compute import copy_bandwidth, kernel_text, measure_lm
 from bench import supervisor as launch
 
 CSV_NAME = "prediction.csv"
@@ -60,31 +58,12 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
                  checkpointing: bool = False, device: str = "cpu",
                  repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
     """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
-    process, medians after two warm-ups; once per shape: equal shapes get equal compute."""
-    on = torch.device(device)
+    process (bench/compute.py's), medians after two warm-ups; once per shape: equal shapes get equal compute."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
-                              checkpoint_activations=checkpointing).to(on)
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
-    tokens = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(on)
-    compute, stepping = [], []
-    for attempt in range(2 + repeats):
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(on)
-        start = time.perf_counter()
-        models.lm_loss(lm(tokens[:, :-1]), tokens[:, 1:]).backward()
-        synchronize(on)
-        middle = time.perf_counter()
-        optimizer.step()
-        synchronize(on)
-        end = time.perf_counter()
-        if attempt >= 2:
-            compute.append(middle - start)
-            stepping.append(end - middle)
+    measured = measure_lm(preset, batch, seq, torch.device(device), 2, repeats, vocab=vocab, checkpointing=checkpointing)
     torch.set_num_threads(threads_before)
-    return statistics.median(compute), statistics.median(stepping), tuple(compute)
+    return statistics.median(measured["forward_backward"]), measured["optimizer"], measured["forward_backward"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,14 +494,11 @@ PROJECTION_TOP = 3             # grids a preset
 
 
 def measured_gpu(table: dict, preset: planner.GPU, where: str) -> planner.GPU:
-    """A preset's GPU with bench/compute.py's kernel table (results/matmul_peak.json) in place of its
-    datasheet rates: the peak, each class's share of it, the add's bandwidth, the launch floor; the
-    preset's memory, NVLink and network."""
+    """A preset's GPU (its memory, NVLink and network) at the rates of bench/compute.py's kernel table."""
     peak = table["peak_flops_per_s"]
-    return dataclasses.replace(preset, name=f"{where}, measured here", peak=peak,
-                               memory_bandwidth=table["memory_bound_bytes_per_s"], launch_s=table["launch_s"],
-                               matmul_share=table["matmul_flops_per_s"] / peak,
-                               attention_share=table["attention_flops_per_s"] / peak)
+    return dataclasses.replace(preset, name=f"{where}, measured here", peak=peak, launch_s=table["launch_s"],
+                               memory_bandwidth=table["memory_bound_bytes_per_s"],
+                               matmul_share=table["matmul_flops_per_s"] / peak, attention_share=table["attention_flops_per_s"] / peak)
 
 
 def projection_rows(device: str) -> list[dict]:
