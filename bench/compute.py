@@ -149,7 +149,6 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
                                  checkpoint_activations=checkpointing).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(vocab, (batch_size, context_length + 1), generator=torch.Generator().manual_seed(0)).to(device)
-    x, y = tokens[:, :-1], tokens[:, 1:]
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases = {"forward": [], "backward": [], "optimizer": []}
@@ -161,7 +160,7 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
         t0 = clock()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = models.lm_loss(model(x), y)
+            loss = models.lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         t1 = clock()
         loss.backward()
         t2 = clock()

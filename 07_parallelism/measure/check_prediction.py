@@ -54,9 +54,8 @@ FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM na
 
 # --------------------------------------------------------------------------- this machine
 @functools.lru_cache(maxsize=None)
-def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
-                 checkpointing: bool = False, device: str = "cpu",
-                 repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
+def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int, checkpointing: bool = False,
+                 device: str = "cpu", repeats: int = 9) -> tuple[float, float, tuple[float, ...]]:
     """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
     process (bench/compute.py's), medians after two warm-ups; once per shape: equal shapes get equal compute."""
     threads_before = torch.get_num_threads()
@@ -497,8 +496,8 @@ def measured_gpu(table: dict, preset: planner.GPU, where: str) -> planner.GPU:
     """A preset's GPU (its memory, NVLink and network) at the rates of bench/compute.py's kernel table."""
     peak = table["peak_flops_per_s"]
     return dataclasses.replace(preset, name=f"{where}, measured here", peak=peak, launch_s=table["launch_s"],
-                               memory_bandwidth=table["memory_bound_bytes_per_s"],
-                               matmul_share=table["matmul_flops_per_s"] / peak, attention_share=table["attention_flops_per_s"] / peak)
+                               memory_bandwidth=table["memory_bound_bytes_per_s"], matmul_share=table["matmul_flops_per_s"] / peak,
+                               attention_share=table["attention_flops_per_s"] / peak)
 
 
 def projection_rows(device: str) -> list[dict]:
