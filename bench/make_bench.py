@@ -207,8 +207,8 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     checkpoint = checkpoint_argv(setup, quick)
     models_list = f"{model},small" if gpus > 0 and not quick and model != "small" else model
     planned = [  # first the device alone, before any step can run over and leave it no time
-        step("compute", "compute on one device at world size 1: the matmul peak, the LM's "
-                        "forward, backward, optimizer, memory, MFU",
+        step("compute", "compute on one device at world size 1: the matmul peak, lesson 9's kernel "
+                        "table, the LM's forward, backward, optimizer, memory, MFU",
              ["bench/compute.py", "--device", setup.device, "--models", models_list,
               "--batch-size", str(int(_flag(lm, "--batch-size")) // ws),
               "--context-length", _flag(lm, "--context-length"),
