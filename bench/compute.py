@@ -6,17 +6,16 @@
 Where ranks share one GPU over Gloo, stages 03-07's step times measure Gloo's host path as much
 as the GPU; this measures the device alone, at one rank's shapes. First the peaks MFU is against,
 timed here (a spec sheet's wrong peak is how MFU comes out above 100%): a float32 matmul (on a
-GPU TF32 and bfloat16 too) and the copy bandwidth, the limit of the optimizer step. Then the
-LM's forward, backward and AdamW timed apart, its peak memory, tokens/s and MFU labelled with its
-peak; on a GPU one more row at a batch that saturates it (the course LM, 32 x 1024, bfloat16
-autocast) against the bfloat16 peak measured here and the datasheet's.
-
-FLOPs per token (PaLM appendix B, torchtitan, picotron): 6 N + 12 L H Q T. N: the parameters
-outside the embedding tables; L layers, H heads, Q head dimension, T context (attention counted
-whole, although a causal mask skips half). MFU = FLOPs per token x tokens/s / peak FLOP/s.
-
-Writes ``results/compute.csv`` (a row per model, as each lands) and ``results/matmul_peak.json``;
-a model that would not end before make bench's deadline for the step is skipped with a note.
+GPU TF32 and bfloat16 too) and the copy bandwidth, the limit of the optimizer step; lesson 9's
+kernel table at the last LM's shapes (``kernel_table``). Then the LM's forward, backward and AdamW
+timed apart, its peak memory, tokens/s and MFU labelled with its peak; on a GPU one more row at a
+batch that saturates it (the course LM, 32 x 1024, bfloat16 autocast) against the bfloat16 peak
+measured here and the datasheet's. FLOPs per token (PaLM appendix B, torchtitan, picotron):
+6 N + 12 L H Q T. N: the parameters outside the embedding tables; L layers, H heads, Q head
+dimension, T context (attention counted whole, although a causal mask skips half). MFU = FLOPs
+per token x tokens/s / peak FLOP/s. Writes ``results/compute.csv`` (a row per model, as each
+lands) and ``results/matmul_peak.json``; a model that would not end before make bench's deadline
+for the step is skipped with a note.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ CSV_NAME = "compute.csv"
 PEAK_JSON = "matmul_peak.json"
 ADAMW_BYTES_PER_PARAM = 28  # float32: read+write param, exp_avg, exp_avg_sq (24), read grad (4)
 SATURATING = ("course", 32, 1024)   # model, rows, tokens: enough work to fill a GPU
+LARGE_BYTES = {"cuda": 2 ** 30, "cpu": 2 ** 26}   # a large copy's or add's tensors (a GPU's L2: tens of MB)
 DATASHEET_BF16 = {"A100": 312e12, "H100": 989e12, "H200": 989e12, "B200": 2250e12}  # dense
 
 
@@ -100,21 +100,58 @@ def step_bytes(preset: str, batch_size: int, context_length: int) -> int:
     return 20 * models.lm_parameter_count(preset, context_length=context_length) + acts
 
 
-def copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a large copy: each byte read once and written once."""
-    src = torch.empty(nbytes // 4, device=device)
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Bytes/s of a copy: each byte read once and written once (the source written first: a page
+    never written reads as the kernel's one zero page, from cache)."""
+    src = torch.ones(max(1, nbytes // 4), device=device)
     dst = torch.empty_like(src)
-    seconds = statistics.median(timing.measure(lambda: dst.copy_(src), device, warmup=3, iters=10))
-    return 2 * nbytes / seconds
+    return 2 * src.nbytes / statistics.median(timing.measure(lambda: dst.copy_(src), device, warmup=3, iters=iters))
 
 
-def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device,
-               warmup: int, steps: int, bf16: bool = False) -> dict:
-    """Forward, backward, optimizer median seconds and peak memory of a step (``bf16``: autocast)."""
+def kernel_table(preset: str, rows: int, seq: int, device: torch.device, peak: dict) -> dict:
+    """Lesson 9's kernel classes timed at this LM's shapes in the dtype a GPU trains in (bfloat16; a
+    CPU float32): a matmul [rows x seq, d_model] @ [d_model, d_ff]; causal attention's forward and
+    backward, counted as the planner counts it (3 forwards of 4 s h a token a layer, halved); an add
+    of two large tensors (bytes read and written a second); the launch floor, a tiny add in a burst."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = models.PRESETS[preset]
+    d, heads, tokens = shape["d_model"], shape["num_heads"], rows * seq
+    x, w = torch.randn(tokens, d, device=device, dtype=dtype), torch.randn(d, shape["d_ff"], device=device, dtype=dtype)
+    q, k, v, grad = (torch.randn(rows, heads, seq, d // heads, device=device, dtype=dtype, requires_grad=True)
+                     for _ in range(4))
+    big, tiny = [torch.ones(LARGE_BYTES[device.type] // 4, device=device) for _ in range(3)], torch.zeros(1, device=device)
+
+    def median(fn) -> float:
+        return statistics.median(timing.measure(fn, device, warmup=3, iters=10))
+    return {"model": preset, "rows": rows, "seq": seq, "dtype": str(dtype).removeprefix("torch."),
+            "peak_flops_per_s": peak["bf16_flops_per_s" if device.type == "cuda" else "matmul_flops_per_s"],
+            "matmul_flops_per_s": 2 * tokens * d * shape["d_ff"] / median(lambda: x @ w),
+            "attention_flops_per_s": 3 * tokens * 4 * seq * d / 2 / median(lambda: torch.autograd.grad(
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)),
+            "memory_bound_bytes_per_s": 3 * big[0].nbytes / median(lambda: torch.add(*big[:2], out=big[2])),
+            "launch_s": median(lambda: [tiny.add_(1) for _ in range(100)]) / 100}
+
+
+def kernel_text(table: dict) -> str:
+    """The kernel table in one line, each FLOP rate beside its share of the peak."""
+    peak = table["peak_flops_per_s"]
+    return ", ".join(f"{kind} {table[kind + '_flops_per_s'] / 1e12:.3g} TFLOP/s ({table[kind + '_flops_per_s'] / peak:.0%} "
+                     f"of {peak / 1e12:.3g})" for kind in ("matmul", "attention")) + (
+        f", add {table['memory_bound_bytes_per_s'] / 1e9:.4g} GB/s, launch floor {table['launch_s'] * 1e6:.3g} us")
+
+
+def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.device, warmup: int,
+               steps: int, bf16: bool = False, vocab: int = models.VOCAB_SIZE, checkpointing: bool = False,
+               setup=None) -> dict:
+    """Forward, backward, optimizer median seconds and peak memory of a step (``bf16``: autocast),
+    and each step's forward + backward seconds (``forward_backward``); ``setup(model)`` first."""
     torch.manual_seed(0)
-    model = models.TransformerLM(preset, context_length=context_length).to(device)
+    model = models.TransformerLM(preset, vocab_size=vocab, context_length=context_length,
+                                 checkpoint_activations=checkpointing).to(device)
+    if setup:
+        setup(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x, y = models.random_tokens(batch_size, context_length, seed=0, device=device)
+    tokens = torch.randint(vocab, (batch_size, context_length + 1), generator=torch.Generator().manual_seed(0)).to(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases = {"forward": [], "backward": [], "optimizer": []}
@@ -126,7 +163,7 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
         t0 = clock()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = models.lm_loss(model(x), y)
+            loss = models.lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         t1 = clock()
         loss.backward()
         t2 = clock()
@@ -141,7 +178,8 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
     if device.type == "cuda":
         torch.cuda.empty_cache()
     medians = {k: statistics.median(v) for k, v in phases.items()}
-    return {**medians, "params": params, "max_memory_allocated": memory}
+    forward_backward = tuple(f + b for f, b in zip(phases["forward"], phases["backward"]))
+    return {**medians, "params": params, "max_memory_allocated": memory, "forward_backward": forward_backward}
 
 
 def make_row(preset: str, batch_size: int, context_length: int, device: torch.device,
@@ -220,8 +258,7 @@ def measure_peaks(device: torch.device, n: int) -> dict:
     """The matmul peaks of this run (float32; TF32 and bfloat16 on a GPU) and the copy bandwidth."""
     peak = {"device": device.type, "dtype": "float32", "matmul_n": n,
             "matmul_flops_per_s": matmul_peak(device, n),
-            "copy_bytes_per_s": copy_bandwidth(device, 2 ** 30 if device.type == "cuda"
-                                               else 2 ** 26),
+            "copy_bytes_per_s": copy_bandwidth(device, LARGE_BYTES[device.type]),
             "machine": results.machine_name(), "run_id": results.run_id()}
     said = f"float32 matmul {n}^3: {peak['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s"
     if device.type == "cuda":
@@ -252,6 +289,8 @@ def run(argv=None) -> None:
     results.check_writable()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     peak = measure_peaks(device, args.matmul_n)
+    peak["kernels"] = kernel_table(args.presets[-1], args.batch_size, args.context_length, device, peak)
+    print(f"kernels at {args.presets[-1]}'s shapes, {peak['kernels']['dtype']}: {kernel_text(peak['kernels'])}", flush=True)
     results.update_json(PEAK_JSON, {device.type: peak})
     cases = [(preset, args.batch_size, args.context_length, "float32") for preset in args.presets]
     if device.type == "cuda":

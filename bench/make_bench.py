@@ -11,7 +11,6 @@ reports this run's rows only. To add a step: a row in ``SHARES`` and a ``step(..
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import os
@@ -28,6 +27,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from bench.report import STAGE_PICTURES, write_report  # noqa: E402
 from common import models  # noqa: E402
 from bench import results
+from bench.check import kill_group  # noqa: E402
 from common import usage_error  # noqa: E402
 
 # The whole run, every stop included (a GPU box's quick run pays a CUDA start-up a step).
@@ -207,8 +207,8 @@ def plan(setup: Setup, quick: bool, model: str, trace_dir: str = "results/traces
     checkpoint = checkpoint_argv(setup, quick)
     models_list = f"{model},small" if gpus > 0 and not quick and model != "small" else model
     planned = [  # first the device alone, before any step can run over and leave it no time
-        step("compute", "compute on one device at world size 1: the matmul peak, the LM's "
-                        "forward, backward, optimizer, memory, MFU",
+        step("compute", "compute on one device at world size 1: the matmul peak, lesson 9's kernel "
+                        "table, the LM's forward, backward, optimizer, memory, MFU",
              ["bench/compute.py", "--device", setup.device, "--models", models_list,
               "--batch-size", str(int(_flag(lm, "--batch-size")) // ws),
               "--context-length", _flag(lm, "--context-length"),
@@ -450,11 +450,6 @@ def stop(proc: subprocess.Popen, signum: int, grace_s: float) -> int:
     except subprocess.TimeoutExpired:
         kill_group(proc.pid)
         return proc.wait(timeout=KILL_WAIT_S)
-
-
-def kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):  # nothing left in it
-        os.killpg(pgid, signal.SIGKILL)
 
 
 def take_the_lock(out: Path):

@@ -1042,6 +1042,63 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     assert len(said) == 1 and "projection skipped" in said[0] and "out of memory" in said[0]
 
 
+KERNEL_TABLE = {"model": "small", "rows": 4, "seq": 2048, "dtype": "bfloat16", "peak_flops_per_s": 100e12,
+                "matmul_flops_per_s": 50e12, "attention_flops_per_s": 25e12,
+                "memory_bound_bytes_per_s": 1e12, "launch_s": 4e-6}
+
+
+def test_projection_runs_the_kernel_classes_at_the_table_measured_here(monkeypatch):
+    """bench/compute.py's kernel table made a GPU: the measured peak, each share of it, the add's
+    bandwidth, the floor, the preset's memory and links. Worked by hand on 2 blocks of d 1024,
+    d_ff 4096, 4 x 2048 tokens (T = 8192) in bfloat16, one rank: attention 3 passes x 2 blocks x
+    T x 4 x 2048 x 1024 / 2 FLOP at 25 TFLOP/s = 8.246 ms; the matmuls (every one compute-bound
+    here) 3 x (2 x 2 T (4 d^2 + 2 d d_ff) + 2 T x 1000 x d) FLOP at 50 TFLOP/s. Negative
+    control: the attention rate halved doubles the attention term and leaves the matmuls'."""
+    gpu = check_prediction.measured_gpu(KERNEL_TABLE, planner.GPUS["H100"], "a box")
+    assert (gpu.peak, gpu.matmul_share, gpu.attention_share) == (100e12, 0.5, 0.25)
+    assert (gpu.memory_bandwidth, gpu.launch_s) == (1e12, 4e-6) and "measured here" in gpu.name
+    assert (gpu.memory, gpu.nvlink, gpu.network) == (80e9, 450e9, 50e9)
+    lm = planner.LM(layers=2, d_model=1024, d_ff=4096, heads=8, vocab=1000, seq=2048, batch=4, compute_bytes=2)
+    T, d = 8192, 1024
+
+    def terms(table):
+        machine = dataclasses.replace(planner.cluster("H100", 1), gpu=check_prediction.measured_gpu(
+            table, planner.GPUS["H100"], "a box"))
+        return {name: seconds for name, seconds, _ in planner.compute_terms(lm, planner.Grid(), machine)}
+    seconds = terms(KERNEL_TABLE)
+    assert seconds["compute: attention"] == pytest.approx(3 * 2 * T * 4 * 2048 * d / 2 / 25e12, rel=1e-12)
+    matmul = 3 * (2 * 2 * T * (4 * d * d + 2 * d * 4096) + 2 * T * 1000 * d) / 50e12
+    assert seconds["compute: matmul"] == pytest.approx(matmul, rel=1e-12)
+    halved = terms({**KERNEL_TABLE, "attention_flops_per_s": 12.5e12})
+    assert halved["compute: attention"] == pytest.approx(2 * seconds["compute: attention"], rel=1e-12)
+    assert halved["compute: matmul"] == seconds["compute: matmul"]
+    from bench import results      # the projection: the table of this run, labelled measured here
+    results.write_json("matmul_peak.json", {"cpu": {"run_id": "r1", "kernels": KERNEL_TABLE}})
+    monkeypatch.setenv("RESULTS_RUN_ID", "r1")
+    monkeypatch.setattr(check_prediction, "time_compute", None)     # nothing timed: the table is the input
+    rows = check_prediction.projection_rows("cpu")
+    assert rows and all("measured here at small's shapes, bfloat16: matmul 50 TFLOP/s (50% of 100)"
+                        in row["compute_from"] for row in rows), rows[0]["compute_from"]
+    results.upsert_csv("projection.csv", rows, key=["cluster"])
+    from bench import report
+    where = report.Where(out=results.results_dir(), draw=results.results_dir(), run_id=None, machine="")
+    assert "attention 25 TFLOP/s (25% of 100), add 1000 GB/s, launch floor 4 us" in report.prediction_section(where)[0]
+    monkeypatch.setenv("RESULTS_RUN_ID", "r2")                       # an older run's table: not used
+    monkeypatch.setattr(check_prediction, "time_compute", lambda *args, **kwargs: (0.1, 0.01, ()))
+    assert all("no kernel table" in row["compute_from"] for row in check_prediction.projection_rows("cpu"))
+
+
+def test_compute_measures_the_kernel_table_at_the_lms_shapes(monkeypatch):
+    from bench import compute
+    monkeypatch.setitem(compute.LARGE_BYTES, "cpu", 2 ** 20)     # the path, not the size
+    table = compute.kernel_table("tiny", 1, 16, torch.device("cpu"), {"matmul_flops_per_s": 1e11})
+    assert (table["model"], table["rows"], table["seq"], table["dtype"]) == ("tiny", 1, 16, "float32")
+    assert table["peak_flops_per_s"] == 1e11
+    for key in ("matmul_flops_per_s", "attention_flops_per_s", "memory_bound_bytes_per_s", "launch_s"):
+        assert 0 < table[key] < float("inf"), key
+    assert "launch floor" in compute.kernel_text(table)
+
+
 def test_check_stops_at_make_bench_deadline_keeping_what_it_predicted(capsys, monkeypatch):
     """Issue 45: make bench's deadline for the step already past: the first configuration is
     predicted and written, the next one is skipped in one line, and the check ends with 0."""

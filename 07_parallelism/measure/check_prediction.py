@@ -26,7 +26,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import types
 from pathlib import Path
 from unittest import mock
@@ -40,7 +39,7 @@ sys.path.insert(0, str(ROOT / "07_parallelism" / "09_planning"))
 import planner  # noqa: E402
 from common import import_stage, models  # noqa: E402
 from bench import results, step_bench, timing
-from bench.timing import synchronize
+from bench.compute import copy_bandwidth, kernel_text, measure_lm
 from bench import supervisor as launch
 
 cp = import_stage("07_parallelism/05_context_parallel/context_parallel")
@@ -74,52 +73,29 @@ def ring_alone(ranks: int, rank: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int,
-                 checkpointing: bool = False, device: str = "cpu",
-                 repeats: int = 9, ring: int = 1) -> tuple[float, float, tuple[float, ...]]:
+def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int, checkpointing: bool = False,
+                 device: str = "cpu", repeats: int = 9, ring: int = 1) -> tuple[float, float, tuple[float, ...]]:
     """(forward + backward s, AdamW step s, every forward + backward timed) of the LM on one
-    process, medians after two warm-ups; once per shape: equal shapes get equal compute. ``ring``
-    > 1: its attention a context-parallel rank's (``ring_alone``; lesson 7's zig-zag layout)."""
-    on = torch.device(device)
+    process (bench/compute.py's), medians after two warm-ups; once per shape: equal shapes get equal
+    compute. ``ring`` > 1: its attention a context-parallel rank's (``ring_alone``, zig-zag)."""
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    torch.manual_seed(0)
-    lm = models.TransformerLM(preset, vocab_size=vocab, context_length=seq,
-                              checkpoint_activations=checkpointing).to(on)
-    if ring > 1:
-        cp.use_ring_attention(lm, layout="zigzag")
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4)
-    tokens = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(0)).to(on)
-    compute, stepping = [], []
-    for attempt in range(2 + repeats):
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(on)
-        start = time.perf_counter()
-        with ring_alone(ring):
-            models.lm_loss(lm(tokens[:, :-1]), tokens[:, 1:]).backward()
-        synchronize(on)
-        middle = time.perf_counter()
-        optimizer.step()
-        synchronize(on)
-        end = time.perf_counter()
-        if attempt >= 2:
-            compute.append(middle - start)
-            stepping.append(end - middle)
+    setup = (lambda lm: cp.use_ring_attention(lm, layout="zigzag")) if ring > 1 else None
+    with ring_alone(ring):
+        measured = measure_lm(preset, batch, seq, torch.device(device), 2, repeats, vocab=vocab,
+                              checkpointing=checkpointing, setup=setup)
     torch.set_num_threads(threads_before)
-    return statistics.median(compute), statistics.median(stepping), tuple(compute)
+    return statistics.median(measured["forward_backward"]), measured["optimizer"], measured["forward_backward"]
 
 
 @functools.lru_cache(maxsize=None)
 def time_copy(nbytes: int, threads: int, device: str = "cpu", repeats: int = 5) -> float:
     """Bytes read and written per second copying ``nbytes`` (at the wrappers' size: caches count)."""
-    on = torch.device(device)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    source = torch.ones(max(1, nbytes // 4), device=on)
-    target = torch.empty_like(source)
-    seconds = timing.measure(lambda: target.copy_(source), on, warmup=1, iters=repeats)
+    rate = copy_bandwidth(torch.device(device), nbytes, repeats)
     torch.set_num_threads(threads_before)
-    return 2 * source.numel() * 4 / statistics.median(seconds)
+    return rate
 
 
 def launch_and_read(worker, world_size: int, backend: str, device: str, what: str,
@@ -608,26 +584,45 @@ PROJECTION_ROWS = 2
 PROJECTION_TOP = 3             # grids a preset
 
 
+def measured_gpu(table: dict, preset: planner.GPU, where: str) -> planner.GPU:
+    """A preset's GPU (its memory, NVLink and network) at the rates of bench/compute.py's kernel table."""
+    peak = table["peak_flops_per_s"]
+    return dataclasses.replace(preset, name=f"{where}, measured here", peak=peak, launch_s=table["launch_s"],
+                               memory_bandwidth=table["memory_bound_bytes_per_s"], matmul_share=table["matmul_flops_per_s"] / peak,
+                               attention_share=table["attention_flops_per_s"] / peak)
+
+
 def projection_rows(device: str) -> list[dict]:
-    """The planner on each cluster preset with this device's compute (the LM at world size 1,
-    float32, one thread) and the preset's links; a device that cannot run it: one line, no rows."""
-    try:
-        compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
-                                                 models.VOCAB_SIZE, 1, device=device)
-    except (RuntimeError, MemoryError) as error:       # a CUDA error, out of memory included
-        print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at {PROJECTION_ROWS} x "
-              f"{PROJECTION_SEQ} did not run on {device}: {str(error).splitlines()[0]}")
-        return []
-    one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
-    rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ / compute_s)
-    bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
+    """The planner on each cluster preset with this device's kernel table (bench/compute.py's, this
+    run's) and the preset's links; without one, the LM at world size 1 (float32, one thread) as one
+    rate; a device that cannot run it: one line, no rows."""
     where = torch.cuda.get_device_name(0) if device == "cuda" else results.machine_name()
-    compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "
-                    f"{bandwidth / 1e9:.3g} GB/s (measured)")
+    entry, run = results.read_json("matmul_peak.json").get(device, {}), os.environ.get("RESULTS_RUN_ID")
+    table = entry.get("kernels") if not (run and entry.get("run_id") != run) else None
+    bytes_ = 2 if table and table["dtype"] == "bfloat16" else planner.FLOAT32
+    if table:
+        rate, bandwidth = table["peak_flops_per_s"], table["memory_bound_bytes_per_s"]
+        compute_from = f"{where}, measured here at {table['model']}'s shapes, {table['dtype']}: {kernel_text(table)}"
+    else:
+        try:
+            compute_s, optimizer_s, _ = time_compute(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ,
+                                                     models.VOCAB_SIZE, 1, device=device)
+        except (RuntimeError, MemoryError) as error:       # a CUDA error, out of memory included
+            print(f"check_prediction: projection skipped: the {PROJECTION_MODEL} LM at {PROJECTION_ROWS} x "
+                  f"{PROJECTION_SEQ} did not run on {device}: {str(error).splitlines()[0]}")
+            return []
+        one_rank = course_lm(PROJECTION_MODEL, PROJECTION_ROWS, PROJECTION_SEQ)
+        rate = (planner.training_flops_per_token(one_rank) * PROJECTION_ROWS * PROJECTION_SEQ / compute_s)
+        bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
+        compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "
+                        f"{bandwidth / 1e9:.3g} GB/s (measured), every FLOP at that rate: no kernel table of this "
+                        "run in results/matmul_peak.json")
     rows = []
     for name, cluster in planner.CLUSTERS.items():
-        lm = course_lm(PROJECTION_MODEL, PROJECTION_ROWS * cluster.ranks, PROJECTION_SEQ)
-        machine = dataclasses.replace(cluster, flops=rate, memory_bandwidth=bandwidth, gpu=None)
+        lm = dataclasses.replace(course_lm(PROJECTION_MODEL, PROJECTION_ROWS * cluster.ranks, PROJECTION_SEQ),
+                                 compute_bytes=bytes_)
+        machine = dataclasses.replace(cluster, flops=rate, memory_bandwidth=bandwidth,
+                                      gpu=measured_gpu(table, cluster.gpu, where) if table else None)
         predictions = [planner.predict(lm, grid, machine)
                        for grid in planner.candidate_grids(lm, cluster.ranks, cluster.ranks_per_node)]
         fitting = sorted((one for one in predictions if one["fits"]), key=lambda one: one["step_s"])
