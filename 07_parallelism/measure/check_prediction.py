@@ -550,8 +550,9 @@ def context_parallel_rows(fits: dict, backend_device: str, cores: int, pace: ste
 
 
 def all_to_all_time(link: planner.Link, ranks: int, nbytes: float) -> float:
-    """An all-to-all of ``nbytes`` a rank, pairwise: n-1 sends of nbytes / n (1/n stays home)."""
-    return (ranks - 1) * planner.send_time(link, nbytes / ranks)
+    """An all-to-all of ``nbytes`` a rank as Gloo's ``alltoallv`` runs it: the n-1 sends of
+    nbytes / n posted at once, then waited for (one latency, (n-1)/n of the bytes); 0 alone."""
+    return planner.send_time(link, (ranks - 1) / ranks * nbytes) if ranks > 1 else 0.0
 
 
 def expert_parallel_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
