@@ -399,6 +399,33 @@ def test_the_ddp_rows_take_the_burst_timed_beside_their_control():
     assert check_prediction.control_burst([control], {**naive, "world_size": "4"}) is None
 
 
+def test_stage_05s_calls_cost_the_asynchronous_burst_and_the_synchronous_one_is_47_percent_high():
+    """Stage 05 launches its 25 all-reduces (a tensor each) without waiting: each costs the
+    control's asynchronous burst (``async_call_ms``), nothing hidden (ranks share the cores),
+    by hand at the committed run's figures (tiny, 8 x 64 tokens, 2 ranks): 25 x (0.42 ms - 64
+    KiB / 3 GB/s) + 4 bytes x 1,383,680 parameters / 3 GB/s. Negative control: charged at the
+    synchronous burst (1.27 ms, stage 03's), the +47% comes back."""
+    common = {"backend": "gloo", "device": "cpu", "world_size": "2", "model": "tiny",
+              "batch_size": "8", "context_length": "64", "bucket_mb": "", "run_id": "r"}
+    control = {**common, "impl": "none", "step_ms": "23.9", "fwd_bwd_ms": "17.02",
+               "optimizer_ms": "7.02", "call_ms": "1.27", "async_call_ms": "0.42"}
+    overlap = {**common, "impl": "overlap", "step_ms": "39.25", "fwd_bwd_ms": "19.9",
+               "optimizer_ms": "7.5", "call_ms": "", "async_call_ms": ""}
+    fits = {"gloo/cpu/2": {"a_s": 3e-4, "w_bytes_per_s": 3e9}}
+
+    def predicted(rows):
+        check_prediction.results.upsert_csv("ddp_step.csv", rows, key=["impl"])
+        row, = check_prediction.ddp_rows(fits, "gloo/cpu", 2, check_prediction.step_bench.Deadline())
+        return row
+
+    row = predicted([control, overlap])
+    by_hand = 25 * (0.42e-3 - 65536 / 3e9) + 4 * 1_383_680 / 3e9
+    assert float(row["dp_gradients_left_after_backward_ms"]) == pytest.approx(by_hand * 1e3, abs=1e-3)
+    assert float(row["compute_ms"]) == pytest.approx(17.02) and abs(row["ratio"] - 1) < 0.1
+    waited = predicted([{**control, "async_call_ms": "1.27"}, overlap])
+    assert waited["ratio"] > 1.4, waited
+
+
 def test_fsdps_collectives_are_timed_at_its_units_sizes(monkeypatch):
     """The flat collectives' two timings sit at FSDP's smallest and largest unit, by hand for
     the ledger's course LM (d 512, ffn 1344, vocabulary 10,000, 32 tokens): a block's four

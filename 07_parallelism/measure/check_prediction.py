@@ -1,8 +1,8 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
 The planner is fed this machine, every input measured (compute at one rank's shapes, the
-straggler, a copy, stage 02's all-reduce fit, a call in a burst and a hop after compute at each
-group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
+straggler, a copy, stage 02's all-reduce fit, a call in a burst (waited for, or launched
+asynchronously as stage 05 does) and a hop after compute at each group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
 sharding.csv, grid.csv) in results/prediction.csv: every term a column, each error beside the
 measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
@@ -151,6 +151,7 @@ class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
     all_reduce_s: float    # one all-reduce of BURST_BYTES inside a burst of back-to-back calls
     hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
+    async_all_reduce_s: float = 0.0   # the same burst all launched before any is waited for
 
 
 def step_calls_worker(ctx, out_path: str) -> None:
@@ -159,13 +160,15 @@ def step_calls_worker(ctx, out_path: str) -> None:
     torch.set_num_threads(1)              # a rank's share of this box's cores
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
+    timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2, asynchronous=True)
+    launched = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS, asynchronous=True)
     weights = torch.randn(256, 256, device=ctx.device)
     one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device,
                                                   warmup=3, iters=20))
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
-    mine = {"all_reduce": statistics.median(per_call)}
+    mine = {"all_reduce": statistics.median(per_call), "async": statistics.median(launched)}
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
@@ -200,8 +203,10 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
         return None
     hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
     print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB all-reduce in a burst "
-          f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
-    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)))
+          f"{slowest['all_reduce'] * 1e3:.2f} ms ({slowest['async'] * 1e3:.2f} launched asynchronously); "
+          f"a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)),
+                     async_all_reduce_s=slowest["async"])
 
 
 def ms_at(seconds: dict, unit: int, digits: int) -> str:
@@ -351,10 +356,11 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     return (compute_ms / 1e3, optimizer_ms / 1e3) if compute_ms > 0 else None    # not NaN, not noise
 
 
-def control_burst(rows: list[dict], row: dict) -> float | None:
-    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``), or None."""
+def control_burst(rows: list[dict], row: dict, column: str = "call_ms") -> float | None:
+    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``; launched
+    asynchronously, ``async_call_ms``), or None."""
     control = same_launch_control(rows, row, DDP_SETTINGS) or {}
-    return float(control["call_ms"]) / 1e3 if control.get("call_ms") else None
+    return float(control[column]) / 1e3 if control.get(column) else None
 
 
 def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
@@ -404,8 +410,14 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadl
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        burst = control_burst(run_rows, row)          # a call's cost as the rows were measured
+        # a call's cost as the rows were measured; stage 05 launches a call a gradient without
+        # waiting, faster than one ends: Gloo's worker runs them back to back, each at the
+        # asynchronous burst's cost (buckets, fewer and spread over backward, are waited for alone)
+        asynchronous = impl == "overlap"
+        burst = control_burst(run_rows, row, "async_call_ms" if asynchronous else "call_ms")
         calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
+        if asynchronous and not burst and calls:
+            calls = StepCalls(calls.async_all_reduce_s, None)
         largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
                            shared_by, samples, row["device"])
