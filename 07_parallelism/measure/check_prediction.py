@@ -2,8 +2,9 @@
 
 The planner is fed this machine, every input measured (compute at one rank's shapes, the
 straggler, a copy, stage 02's all-reduce fit, a call in a burst (waited for, or launched
-asynchronously as stage 05 does) and a hop after compute at each group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
-sharding.csv, grid.csv) in results/prediction.csv: every term a column, each error beside the
+asynchronously as stage 05 does) and a hop after compute at each group's size, FSDP's
+collectives) beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
+grid.csv) in results/prediction.csv: every term a column, each error beside the
 measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
 also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
 published runs beside the planner's cold predictions (lesson 9's README). A configuration that
