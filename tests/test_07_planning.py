@@ -219,6 +219,27 @@ def test_fsdp_takes_the_machines_own_gather_and_scatter_links():
     assert ring["fsdp gathers and reduce-scatters not hidden"] < 0.5 * measured
 
 
+def test_fsdp_hides_the_measured_share_of_what_its_prefetch_can_hide():
+    """A share of FSDP's collectives measured to run beside compute (``gather_overlap``) hides
+    that share of what the overlap rule hides, on a box where nothing else overlaps. By hand:
+    units computing 2 s each, gathers of 1 s and 3 s: the second, prefetched while the first
+    computes, ends at 4 s, so compute ends at 6 s, 2 s waited of the 4 s gathered; half of
+    it hidden, 3 s. Pieces of 1 s ready at 1 s and 2 s of 2 s: 1 s left of 2; half hidden, 1.5.
+    Negative control: a share of 0 is every collective waited for, 1 the overlap rule."""
+    assert planner.prefetched_wait([2, 2], [1, 3], 1) == pytest.approx(2)
+    assert planner.prefetched_wait([2, 2], [1, 3], 0.5) == pytest.approx(3)
+    assert planner.prefetched_wait([2, 2], [1, 3], 0) == 4
+    assert planner.overlapped_tail(2, [1, 1], 0.5) == pytest.approx(1.5)
+    grid = planner.Grid(dp=2, dp_kind="fsdp")
+    box = dataclasses.replace(ROUND, overlap=False)
+    name = "fsdp gathers and reduce-scatters not hidden"
+    waited, rule, half = (terms_of(SMALL, grid, dataclasses.replace(box, gather_overlap=share))[name]
+                          for share in (0.0, 1.0, 0.5))
+    assert waited == pytest.approx(terms_of(SMALL, grid, box)[name])
+    assert rule == pytest.approx(terms_of(SMALL, grid)[name]) and rule < waited
+    assert half == pytest.approx((waited + rule) / 2)
+
+
 def test_one_f_one_b_pipeline_by_hand():
     grid = planner.Grid(pp=2, micro_batches=2)
     compute = 3 * 2336 * 16 / 2 / 1e7
@@ -351,9 +372,14 @@ def test_fsdps_collectives_are_timed_on_the_ranks(monkeypatch):
     import check_prediction
     odd = (4 * 2**20 + 4, 8 * 2**20 + 12)            # an odd count of values: padded to the ranks
     read = record_timings(check_prediction, monkeypatch)
-    gather, scatter = check_prediction.time_flat_collectives(2, "gloo", "cpu", odd)
+    gather, scatter, share = check_prediction.time_flat_collectives(2, "gloo", "cpu", odd)
     timed = read[0]
-    assert all(0 < seconds < float("inf") for seconds in timed.values()), timed
+    assert all(0 < timed[name] < float("inf") for name in timed if "beside" not in name), timed
+    assert share == check_prediction.hidden_share(timed) and 0 <= share <= 1
+    # beside compute: 1 - added / alone, summed; none hidden where a call added more than alone
+    assert check_prediction.hidden_share({"gather 1": 3, "scatter 1": 1, "beside gather 1": 1,
+                                          "beside scatter 1": 0}) == pytest.approx(0.75)
+    assert check_prediction.hidden_share({"gather 1": 3, "beside gather 1": 4}) == 0.0
     through_the_timings(gather, {n: timed[f"gather {n}"] for n in odd}, 1 / 2)
     through_the_timings(scatter, {n: timed[f"scatter {n}"] for n in odd}, 1 / 2)
     line = check_prediction.link_through({1e6: 3e-3, 9e6: 7e-3}, 2)
@@ -858,7 +884,7 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     measured = {ranks: check_prediction.StepCalls(all_reduce_s=ranks * 1e-3, hop=planner.Link(3e-3, 1e8))
                 for ranks in (2, 4)}                # its own test; 4 ranks' calls dearer
     monkeypatch.setattr(check_prediction, "time_step_calls", lambda ranks, *args: measured[ranks])
-    flat = (planner.Link(1e-3, 1e8), planner.Link(2e-3, 5e7))
+    flat = (planner.Link(1e-3, 1e8), planner.Link(2e-3, 5e7), 0.0)
     monkeypatch.setattr(check_prediction, "time_flat_collectives", lambda *args: flat)
     monkeypatch.setattr(check_prediction, "PROJECTION_SEQ", 16)
     results.upsert_csv("prediction.csv", [{"config": "ddp_step torch_ddp, tiny, 2 ranks",

@@ -222,10 +222,14 @@ def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
-    """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them."""
+    """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them:
+    alone, then launched (``async_op``) beside as many matmuls as it took alone (rank 0's count),
+    less those matmuls timed alone: what it adds where a prefetch puts it."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    weights = torch.randn(256, 256, device=ctx.device)
+    one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device, warmup=3, iters=20))
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
@@ -240,23 +244,49 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
                                                 iters=1, barrier=True)
         for name, taken in seconds.items():
             mine[f"{name} {nbytes}"] = statistics.median(taken[1:])     # one to warm up
+        for name, call, out, given in calls:
+            count = torch.tensor([max(1, round(mine[f"{name} {nbytes}"] / one_matmul))], device=ctx.device)
+            dist.broadcast(count, 0)
+
+            def compute():
+                for _ in range(int(count.item())):
+                    weights @ weights
+
+            def beside():
+                work = call(out, given, async_op=True)
+                compute()
+                work.wait()
+
+            alone, both = (timing.measure(f, ctx.device, warmup=1, iters=REPEATS // 3, barrier=True)
+                           for f in (compute, beside))
+            mine[f"beside {name} {nbytes}"] = statistics.median(both) - statistics.median(alone)
     write_slowest(ctx, mine, out_path)
 
 
 @functools.lru_cache(maxsize=None)
-def time_flat_collectives(world_size: int, backend: str, device: str,
-                          sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link] | None:
+def time_flat_collectives(world_size: int, backend: str, device: str, sizes: tuple[int, int] = FLAT_SIZES
+                          ) -> tuple[planner.Link, planner.Link, float] | None:
     """(all-gather, reduce-scatter) links for FSDP, timed at ``sizes`` (Gloo is no ring: 2 ranks,
-    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce). None, with a line."""
+    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce), and the share of their
+    time that runs beside compute (``hidden_share``). None, with a line."""
     slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
                               "FSDP's collectives", "they are assumed to be rings on the "
                               "all-reduce's link", sizes)
     if slowest is None:
         return None
     gather, scatter = ({n: slowest[f"{name} {n}"] for n in sizes} for name in ("gather", "scatter"))
+    share = hidden_share(slowest)
     print(f"check_prediction: FSDP's flat collectives, {world_size} ranks (MiB: ms): all-gather "
-          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}")
-    return link_through(gather, world_size), link_through(scatter, world_size)
+          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}; beside compute, "
+          f"{share:.0%} of their time hidden")
+    return link_through(gather, world_size), link_through(scatter, world_size), share
+
+
+def hidden_share(timed: dict) -> float:
+    """1 - (what the calls added beside compute) / (their time alone), summed, within [0, 1]."""
+    alone = sum(seconds for name, seconds in timed.items() if not name.startswith("beside"))
+    added = sum(seconds for name, seconds in timed.items() if name.startswith("beside"))
+    return min(1.0, max(0.0, 1 - added / alone))
 
 
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
@@ -446,7 +476,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.De
         if grid.dp_kind == "fsdp":
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
-                machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
+                machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1], gather_overlap=flat[2])
         yield predicted_row(config, "sharding.csv", lm, grid, machine, row)
 
 
