@@ -4,9 +4,8 @@ A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM as
 beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'s denominator).
 A step is split into forward + backward (where overlapped communication hides: that clock waits
 for the compute stream only), the communication left after it and the optimizer; ``--rounds``
-pools each case's steps. Beside ``none`` a burst of small all-reduces is timed, each waited for
-(``call_ms``) and all launched before any is waited for (``async_call_ms``, stage 05's way), for
-lesson 9's prediction. Slowest rank's medians, upserted into results/ddp_step.csv.
+pools each case's steps. Beside ``none``, small all-reduces in a burst: each waited for (``call_ms``),
+all launched at once (``async_call_ms``). Slowest rank's medians, upserted into results/ddp_step.csv.
 """
 
 import gc

@@ -1,14 +1,14 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
-The planner is fed this machine, every input measured (compute at one rank's shapes, the
-straggler, a copy, stage 02's all-reduce fit, a call in a burst (waited for, or launched
-asynchronously as stage 05 does) and a hop after compute at each group's size, FSDP's
-collectives) beside the steps make bench measured (results/ddp_step.csv, sharding.csv,
-grid.csv) in results/prediction.csv: every term a column, each error beside the
-measured step's spread, and the median and 90th percentile of |error|. ``--device cuda`` or ``--project``
-also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
-published runs beside the planner's cold predictions (lesson 9's README). A configuration that
-cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
+The planner is fed this machine, every input measured (compute at one rank's shapes, the straggler,
+a copy, stage 02's all-reduce fit, a call in a burst (also launched asynchronously) and a hop after
+compute at each group's size, FSDP's collectives) beside the steps make bench measured
+(results/ddp_step.csv, sharding.csv, grid.csv) in results/prediction.csv: every term a column, each
+error beside the measured step's spread, and the median and 90th percentile of |error|. ``--device
+cuda`` or ``--project`` also projects onto the cluster presets (results/projection.csv);
+``--published`` prints the published runs beside the planner's cold predictions (lesson 9's
+README). A configuration that cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is
+skipped with a line.
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
       python 07_parallelism/measure/check_prediction.py --published
@@ -152,7 +152,6 @@ class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
     all_reduce_s: float    # one all-reduce of BURST_BYTES inside a burst of back-to-back calls
     hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
-    async_all_reduce_s: float = 0.0   # the same burst all launched before any is waited for
 
 
 def step_calls_worker(ctx, out_path: str) -> None:
@@ -161,15 +160,13 @@ def step_calls_worker(ctx, out_path: str) -> None:
     torch.set_num_threads(1)              # a rank's share of this box's cores
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
-    timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2, asynchronous=True)
-    launched = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS, asynchronous=True)
     weights = torch.randn(256, 256, device=ctx.device)
     one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device,
                                                   warmup=3, iters=20))
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
-    mine = {"all_reduce": statistics.median(per_call), "async": statistics.median(launched)}
+    mine = {"all_reduce": statistics.median(per_call)}
     for nbytes in HOP_SIZES:
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
@@ -204,10 +201,8 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
         return None
     hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
     print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB all-reduce in a burst "
-          f"{slowest['all_reduce'] * 1e3:.2f} ms ({slowest['async'] * 1e3:.2f} launched asynchronously); "
-          f"a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
-    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)),
-                     async_all_reduce_s=slowest["async"])
+          f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)))
 
 
 def ms_at(seconds: dict, unit: int, digits: int) -> str:
@@ -223,8 +218,7 @@ def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them:
-    alone, then launched (``async_op``) beside as many matmuls as it took alone (rank 0's count),
-    less those matmuls timed alone: what it adds where a prefetch puts it."""
+    alone, and what each adds launched (``async_op``) beside as many matmuls as it took alone."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -264,29 +258,22 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def time_flat_collectives(world_size: int, backend: str, device: str, sizes: tuple[int, int] = FLAT_SIZES
-                          ) -> tuple[planner.Link, planner.Link, float] | None:
+def time_flat_collectives(world_size: int, backend: str, device: str,
+                          sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link, float] | None:
     """(all-gather, reduce-scatter) links for FSDP, timed at ``sizes`` (Gloo is no ring: 2 ranks,
-    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce), and the share of their
-    time that runs beside compute (``hidden_share``). None, with a line."""
+    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce), the share hidden beside compute. None, with a line."""
     slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
                               "FSDP's collectives", "they are assumed to be rings on the "
                               "all-reduce's link", sizes)
     if slowest is None:
         return None
     gather, scatter = ({n: slowest[f"{name} {n}"] for n in sizes} for name in ("gather", "scatter"))
-    share = hidden_share(slowest)
+    alone, added = (sum(seconds for name, seconds in slowest.items() if name.startswith("beside") == beside)
+                    for beside in (False, True))
+    share = min(1.0, max(0.0, 1 - added / alone))
     print(f"check_prediction: FSDP's flat collectives, {world_size} ranks (MiB: ms): all-gather "
-          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}; beside compute, "
-          f"{share:.0%} of their time hidden")
+          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}; {share:.0%} hidden beside compute")
     return link_through(gather, world_size), link_through(scatter, world_size), share
-
-
-def hidden_share(timed: dict) -> float:
-    """1 - (what the calls added beside compute) / (their time alone), summed, within [0, 1]."""
-    alone = sum(seconds for name, seconds in timed.items() if not name.startswith("beside"))
-    added = sum(seconds for name, seconds in timed.items() if name.startswith("beside"))
-    return min(1.0, max(0.0, 1 - added / alone))
 
 
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
@@ -388,8 +375,7 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
 
 
 def control_burst(rows: list[dict], row: dict, column: str = "call_ms") -> float | None:
-    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``; launched
-    asynchronously, ``async_call_ms``), or None."""
+    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``, or ``column``), or None."""
     control = same_launch_control(rows, row, DDP_SETTINGS) or {}
     return float(control[column]) / 1e3 if control.get(column) else None
 
@@ -441,14 +427,10 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadl
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        # a call's cost as the rows were measured; stage 05 launches a call a gradient without
-        # waiting, faster than one ends: Gloo's worker runs them back to back, each at the
-        # asynchronous burst's cost (buckets, fewer and spread over backward, are waited for alone)
-        asynchronous = impl == "overlap"
-        burst = control_burst(run_rows, row, "async_call_ms" if asynchronous else "call_ms")
+        # a call's cost as the rows were measured: stage 05 launches one a gradient, faster than one
+        # ends, and Gloo runs them back to back (buckets, few and spread out, are each waited for)
+        burst = control_burst(run_rows, row, "async_call_ms" if impl == "overlap" else "call_ms")
         calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
-        if asynchronous and not burst and calls:
-            calls = StepCalls(calls.async_all_reduce_s, None)
         largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
                            shared_by, samples, row["device"])
