@@ -401,8 +401,8 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
 
 
 def overlapped_tail(compute: float, pieces: list[float], overlap: float) -> float:
-    """Communication left after ``compute`` when piece i is ready at (i+1)/n of it, one at a
-    time (stage 06's simulation), of what it hides the share ``overlap`` (1 all, 0 none)."""
+    """Communication left after ``compute`` when piece i is ready at (i+1)/n of it, one at a time
+    (stage 06's simulation), hiding the share ``overlap`` of what overlap can hide (1 all, 0 none)."""
     finish = 0.0
     for index, seconds in enumerate(pieces):
         ready = compute * (index + 1) / len(pieces)
@@ -412,8 +412,8 @@ def overlapped_tail(compute: float, pieces: list[float], overlap: float) -> floa
 
 
 def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: float) -> float:
-    """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2), of what that
-    hides the share ``overlap`` (1 all, 0 none: every gather waited for)."""
+    """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2), hiding the share
+    ``overlap`` of what the prefetch can hide (1 all, 0 none: every gather waited for)."""
     gather_done = 0.0
     compute_done = 0.0
     previous_start = 0.0
