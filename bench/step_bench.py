@@ -4,8 +4,8 @@ A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM as
 beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'s denominator).
 A step is split into forward + backward (where overlapped communication hides: that clock waits
 for the compute stream only), the communication left after it and the optimizer; ``--rounds``
-pools each case's steps. Beside ``none`` a burst of small all-reduces is timed (``call_ms``, for
-lesson 9's prediction). Slowest rank's medians, upserted into results/ddp_step.csv.
+pools each case's steps. Beside ``none``, small all-reduces in a burst: each waited for (``call_ms``),
+all launched at once (``async_call_ms``). Slowest rank's medians, upserted into results/ddp_step.csv.
 """
 
 import gc
@@ -215,7 +215,7 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
               f"{args.steps} timed steps x {args.rounds} round(s), AdamW, {ctx.world_size} "
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
-    bursts = []  # seconds a call, in bursts timed beside the control, every round
+    bursts = ([], [])  # seconds a call, waited and asynchronous, beside the control, every round
     by_case = [None] * len(cases)  # each case's row from its steps so far
     rows = []
     deadline = Deadline(ctx)
@@ -233,8 +233,10 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
                   f"{statistics.median(times[3]) * 1e3:.1f} ms/step on rank 0", all_ranks=False)
         by_case[i] = make_row(ctx, args, impl, bucket_mb, pooled[i])
         if impl == "none":  # the same ranks, the same moment: what a small call costs now
-            bursts += timing.call_in_burst(ctx.device)
-            by_case[i]["call_ms"] = timing.gather_times(bursts).median * 1e3
+            for column, asynchronous, seconds in zip(("call_ms", "async_call_ms"), (False, True), bursts):
+                timing.call_in_burst(ctx.device, bursts=1, asynchronous=asynchronous)   # warm-up
+                seconds += timing.call_in_burst(ctx.device, asynchronous=asynchronous)
+                by_case[i][column] = timing.gather_times(seconds).median * 1e3
         rows = [r for r in by_case if r is not None]
         ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
         for r in rows:  # none until torch DDP's case has run

@@ -42,17 +42,19 @@ def measure(fn, device: torch.device, warmup: int = 5, iters: int = 10,
 
 
 def call_in_burst(device: torch.device, nbytes: int = 64 * 2**10, calls: int = 20,
-                  bursts: int = 5) -> list[float]:
+                  bursts: int = 5, asynchronous: bool = False) -> list[float]:
     """Seconds an all-reduce of ``nbytes`` takes inside a burst of ``calls``, one figure per burst,
-    the ranks lined up before each burst only: what each of a step's many small calls costs."""
-    small = torch.ones(nbytes // 4, device=device)
+    the ranks lined up before each burst only: what each of a step's many small calls costs;
+    ``asynchronous``: all launched (``async_op``, a tensor each) before any is waited for (stage 05)."""
+    smalls = [torch.ones(nbytes // 4, device=device) for _ in range(calls if asynchronous else 1)]
     per_call = []
     for _ in range(bursts):
         dist.barrier()
         synchronize(device)
         start = time.perf_counter()
-        for _ in range(calls):
-            dist.all_reduce(small)
+        works = [dist.all_reduce(smalls[index % len(smalls)], async_op=asynchronous) for index in range(calls)]
+        for work in filter(None, works):      # a synchronous call returns no work
+            work.wait()
         synchronize(device)
         per_call.append((time.perf_counter() - start) / calls)
     return per_call

@@ -426,6 +426,7 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     assert float(rows[1]["ratio_vs_torch_ddp"]) == 1.0
     # beside the control, every round: a small call's cost in a burst; on its row only
     assert float(rows[0]["call_ms"]) > 0 and rows[1]["call_ms"] == ""
+    assert float(rows[0]["async_call_ms"]) > 0 and rows[1]["async_call_ms"] == ""   # stage 05's way
 
 
 def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path, capsys):

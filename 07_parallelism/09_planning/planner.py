@@ -344,6 +344,7 @@ class Machine:
     point_to_point: Link | None = None   # sends after compute (ring attention's hops)
     gather: Link | None = None     # FSDP's all-gather and reduce-scatter of flat tensors
     scatter: Link | None = None
+    gather_overlap: float | None = None   # their share that runs beside compute (None: ``overlap``)
     groups: tuple = ()             # (ranks, Link): a group of that many ranks among all of them
     source: str = ""
     ranks: int = 0                 # a cluster preset's GPUs in all (0: not a preset)
@@ -400,23 +401,20 @@ def link_of(machine: Machine, grid: Grid, axis: str) -> Link:
 # --------------------------------------------------------------------------- overlap
 
 
-def overlapped_tail(compute: float, pieces: list[float], overlap: bool) -> float:
-    """Communication left after ``compute`` when piece i is ready at (i+1)/n of it, one at a
-    time (stage 06's simulation); without overlap, all of it."""
-    if not overlap:
-        return sum(pieces)
+def overlapped_tail(compute: float, pieces: list[float], overlap: float) -> float:
+    """Communication left after ``compute`` when piece i is ready at (i+1)/n of it, one at a time
+    (stage 06's simulation), hiding the share ``overlap`` of what overlap can hide (1 all, 0 none)."""
     finish = 0.0
     for index, seconds in enumerate(pieces):
         ready = compute * (index + 1) / len(pieces)
         finish = max(finish, ready) + seconds
-    return max(0.0, finish - compute)
+    hidden = sum(pieces) - max(0.0, finish - compute)
+    return sum(pieces) - overlap * hidden
 
 
-def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: bool) -> float:
-    """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2); without
-    overlap every gather is waited for."""
-    if not overlap:
-        return sum(gathers)
+def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: float) -> float:
+    """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2), hiding the share
+    ``overlap`` of what the prefetch can hide (1 all, 0 none: every gather waited for)."""
     gather_done = 0.0
     compute_done = 0.0
     previous_start = 0.0
@@ -425,7 +423,7 @@ def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: bo
         start = max(compute_done, gather_done)
         previous_start = start
         compute_done = start + seconds
-    return compute_done - sum(unit_seconds)
+    return sum(gathers) - overlap * (sum(unit_seconds) + sum(gathers) - compute_done)
 
 
 # --------------------------------------------------------------------------- step time, a term each
@@ -716,9 +714,10 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
     gathers = [all_gather_time(machine.gather or link, replicas, lm.compute_bytes * v)
                for v in unit_values]
-    waited = prefetched_wait(forward_units, gathers, machine.overlap)
+    share = machine.overlap if machine.gather_overlap is None else machine.gather_overlap
+    waited = prefetched_wait(forward_units, gathers, share)
     regathered = gathers[1:-1]                           # not the root, not the last block
-    waited += prefetched_wait(backward_units[1:-1], regathered, machine.overlap)
+    waited += prefetched_wait(backward_units[1:-1], regathered, share)
     # Backward reaches the blocks last to first, each reduce-scattered as its backward ends;
     # the root's gradients are complete only when the token embedding's is, as backward ends
     # (lesson 2 wraps the whole model, pp = 1; a pipeline stage's root is charged the same, a
@@ -727,7 +726,7 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
                       for v in unit_values[1:]]
     root_scatter = reduce_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0],
                                        machine.scatter)
-    waited += overlapped_tail(compute * 2 / 3, block_scatters, machine.overlap) + root_scatter
+    waited += overlapped_tail(compute * 2 / 3, block_scatters, share) + root_scatter
     replicated = FLOAT32 * (block_replicated * blocks + 2 * lm.d_model)
     waited += all_reduce_time(link, replicas, replicated)
     return ("fsdp gathers and reduce-scatters not hidden", waited,

@@ -1,14 +1,14 @@
 """Measurement, not a lesson: lesson 9's planner checked against this box, and published runs.
 
-The planner is fed this machine, every input measured (compute at one rank's shapes, the
-straggler, a copy, stage 02's all-reduce fit, a call in a burst and a hop after compute at each
-group's size, FSDP's collectives) beside the steps make bench measured (results/ddp_step.csv,
-sharding.csv, grid.csv, context_parallel.csv, expert_parallel.csv) in results/prediction.csv: every
-term a column, each error beside the measured step's spread, the median and 90th percentile of
-|error|. ``--device cuda`` or ``--project``
-also projects onto the cluster presets (results/projection.csv); ``--published`` prints the
-published runs beside the planner's cold predictions (lesson 9's README). A configuration that
-cannot end before make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
+The planner is fed this machine, every input measured (compute at one rank's shapes, the straggler,
+a copy, stage 02's all-reduce fit, a call in a burst (also launched asynchronously) and a hop after
+compute at each group's size, FSDP's collectives) beside the steps make bench measured
+(results/ddp_step.csv, sharding.csv, grid.csv, context_parallel.csv, expert_parallel.csv) in
+results/prediction.csv: every term a column, each error beside the measured step's spread, and the
+median and 90th percentile of |error|. ``--device cuda`` or ``--project`` also projects onto the
+cluster presets (results/projection.csv); ``--published`` prints the published runs beside the
+planner's cold predictions (lesson 9's README). A configuration that cannot end before make bench's
+deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
 
 Run:  python 07_parallelism/measure/check_prediction.py          (after make bench, or its steps)
       python 07_parallelism/measure/check_prediction.py --published
@@ -215,10 +215,13 @@ def flat_sizes(lm: planner.LM, grid: planner.Grid) -> tuple[int, int]:
 
 
 def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
-    """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them."""
+    """All-gather and reduce-scatter of flat tensors at each of ``sizes``, as lesson 2 makes them:
+    alone, and what each adds launched (``async_op``) beside as many matmuls as it took alone."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    weights = torch.randn(256, 256, device=ctx.device)
+    one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device, warmup=3, iters=20))
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
@@ -233,23 +236,42 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
                                                 iters=1, barrier=True)
         for name, taken in seconds.items():
             mine[f"{name} {nbytes}"] = statistics.median(taken[1:])     # one to warm up
+        for name, call, out, given in calls:
+            count = torch.tensor([max(1, round(mine[f"{name} {nbytes}"] / one_matmul))], device=ctx.device)
+            dist.broadcast(count, 0)
+
+            def compute():
+                for _ in range(int(count.item())):
+                    weights @ weights
+
+            def beside():
+                work = call(out, given, async_op=True)
+                compute()
+                work.wait()
+
+            alone, both = (timing.measure(f, ctx.device, warmup=1, iters=REPEATS // 3, barrier=True)
+                           for f in (compute, beside))
+            mine[f"beside {name} {nbytes}"] = statistics.median(both) - statistics.median(alone)
     write_slowest(ctx, mine, out_path)
 
 
 @functools.lru_cache(maxsize=None)
 def time_flat_collectives(world_size: int, backend: str, device: str,
-                          sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link] | None:
+                          sizes: tuple[int, int] = FLAT_SIZES) -> tuple[planner.Link, planner.Link, float] | None:
     """(all-gather, reduce-scatter) links for FSDP, timed at ``sizes`` (Gloo is no ring: 2 ranks,
-    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce). None, with a line."""
+    39 MiB: 44-55 ms to gather, 53-57 to scatter, 27-28 to all-reduce), the share hidden beside compute. None, with a line."""
     slowest = launch_and_read(flat_collectives_worker, world_size, backend, device,
                               "FSDP's collectives", "they are assumed to be rings on the "
                               "all-reduce's link", sizes)
     if slowest is None:
         return None
     gather, scatter = ({n: slowest[f"{name} {n}"] for n in sizes} for name in ("gather", "scatter"))
+    alone, added = (sum(seconds for name, seconds in slowest.items() if name.startswith("beside") == beside)
+                    for beside in (False, True))
+    share = min(1.0, max(0.0, 1 - added / alone))
     print(f"check_prediction: FSDP's flat collectives, {world_size} ranks (MiB: ms): all-gather "
-          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}")
-    return link_through(gather, world_size), link_through(scatter, world_size)
+          f"{ms_at(gather, 2**20, 1)}; reduce-scatter {ms_at(scatter, 2**20, 1)}; {share:.0%} hidden beside compute")
+    return link_through(gather, world_size), link_through(scatter, world_size), share
 
 
 def straggler_share(samples: tuple[float, ...], ranks: int) -> float:
@@ -350,10 +372,10 @@ def ledger_control(rows: list[dict], row: dict) -> tuple[float, float] | None:
     return (compute_ms / 1e3, optimizer_ms / 1e3) if compute_ms > 0 else None    # not NaN, not noise
 
 
-def control_burst(rows: list[dict], row: dict) -> float | None:
-    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``), or None."""
+def control_burst(rows: list[dict], row: dict, column: str = "call_ms") -> float | None:
+    """A small all-reduce's seconds in a burst beside the DDP control (``call_ms``, or ``column``), or None."""
     control = same_launch_control(rows, row, DDP_SETTINGS) or {}
-    return float(control["call_ms"]) / 1e3 if control.get("call_ms") else None
+    return float(control[column]) / 1e3 if control.get(column) else None
 
 
 def compute_for(control: tuple[float, float] | None, row: dict, cores: int,
@@ -403,7 +425,9 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadl
             lm = course_lm(row["model"], batch // ranks, seq)
         else:
             grid = planner.Grid(dp=ranks, bucket_bytes=cap)
-        burst = control_burst(run_rows, row)          # a call's cost as the rows were measured
+        # a call's cost as the rows were measured: stage 05 launches one a gradient, faster than one
+        # ends, and Gloo runs them back to back (buckets, few and spread out, are each waited for)
+        burst = control_burst(run_rows, row, "async_call_ms" if impl == "overlap" else "call_ms")
         calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
         largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
@@ -432,7 +456,7 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.De
         if grid.dp_kind == "fsdp":
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
-                machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1])
+                machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1], gather_overlap=flat[2])
         yield predicted_row(config, "sharding.csv", lm, grid, machine, row)
 
 
