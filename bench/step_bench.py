@@ -5,7 +5,7 @@ beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'
 A step is split into forward + backward (where overlapped communication hides: that clock waits
 for the compute stream only), the communication left after it and the optimizer; ``--rounds``
 pools each case's steps. Beside ``none`` a burst of small all-reduces is timed (``call_ms``, for
-lesson 9's prediction), and backward at one token and at one row and an all-reduce right after
+lesson 9's prediction), and backward at one row and at two rows and an all-reduce right after
 it (``backward_at``: lesson 9's crossover). Slowest rank's medians, upserted into results/ddp_step.csv.
 """
 
@@ -137,15 +137,15 @@ def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
 
 
 def backward_at(ctx, args, repeats: int = 7) -> dict:
-    """Lesson 9's crossover, beside the control: a rank's backward at one token and at one row of
-    ``context_length`` (a floor and a slope), and the all-reduce of the flat gradients right after
-    the row's, the ranks sharing the box as in a step, lined up before each: seconds, by column."""
+    """Lesson 9's crossover, beside the control: a rank's backward at one row and at two rows of
+    ``context_length`` (a line: a floor and a slope), and the all-reduce of the flat gradients right
+    after the two rows', the ranks sharing the box as in a step, lined up before each: seconds."""
     model = models.TransformerLM(args.model, context_length=args.context_length).to(ctx.device)
     flat = torch.empty(sum(param.numel() for param in model.parameters()), device=ctx.device)
-    seconds = {"bwd_one_token_ms": [], "bwd_one_row_ms": [], "all_reduce_after_backward_ms": []}
+    seconds = {"bwd_one_row_ms": [], "bwd_two_rows_ms": [], "all_reduce_after_backward_ms": []}
     for _ in range(2 + repeats):  # two to warm up
-        for name, tokens in (("bwd_one_token_ms", 1), ("bwd_one_row_ms", args.context_length)):
-            x, y = models.random_tokens(1, tokens, seed=ctx.rank, device=ctx.device)
+        for name, rows in (("bwd_one_row_ms", 1), ("bwd_two_rows_ms", 2)):
+            x, y = models.random_tokens(rows, args.context_length, seed=ctx.rank, device=ctx.device)
             model.zero_grad()
             loss = models.lm_loss(model(x), y)
             seconds[name] += timing.measure(loss.backward, ctx.device, warmup=0, iters=1, barrier=True)

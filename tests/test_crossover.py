@@ -39,19 +39,19 @@ def test_the_prediction_equals_a_hand_computation():
     assert planner.dp_crossover_tokens(PAPER, 1e9, link, 4, floor=5e-3) == 0
 
 
-def plant_results(folder, token_ms=1.0, row_ms=2.26, all_reduce_ms=4.0, w=4e9, ranks=2) -> None:
+def plant_results(folder, row_ms=2.26, rows_ms=3.54, all_reduce_ms=4.0, w=4e9, ranks=2) -> None:
     """make bench's DDP control (ddp_step.csv, a row from another world size beside it) and stage
     02's fit: what box_crossover reads."""
     folder.mkdir(parents=True, exist_ok=True)
-    columns = ["backend", "device", "world_size", "model", "impl", "context_length", "bwd_one_token_ms",
-               "bwd_one_row_ms", "all_reduce_after_backward_ms", "run_id"]
+    columns = ["backend", "device", "world_size", "model", "impl", "context_length", "bwd_one_row_ms",
+               "bwd_two_rows_ms", "all_reduce_after_backward_ms", "run_id"]
     with open(folder / "ddp_step.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, columns)
         writer.writeheader()
         for world_size, scale in ((ranks, 1), (ranks + 2, 10)):
             writer.writerow({"backend": "gloo", "device": "cpu", "world_size": world_size, "model": "tiny",
-                             "impl": "none", "context_length": 64, "bwd_one_token_ms": token_ms * scale,
-                             "bwd_one_row_ms": row_ms * scale, "all_reduce_after_backward_ms": all_reduce_ms,
+                             "impl": "none", "context_length": 64, "bwd_one_row_ms": row_ms * scale,
+                             "bwd_two_rows_ms": rows_ms * scale, "all_reduce_after_backward_ms": all_reduce_ms,
                              "run_id": "r"})
     (folder / "allreduce_fit.json").write_text(json.dumps({f"gloo/cpu/{ranks}": {"a_s": 1e-3, "w_bytes_per_s": w}}))
 
@@ -61,8 +61,8 @@ def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
     assert run_planning.box_crossover(2) is None               # before make bench: none
     plant_results(tmp_path)
     box = run_planning.box_crossover(2)
-    # backward at 1 token 1 ms, at a row of 64 tokens 2.26 ms: 0.02 ms a token above a floor of
-    # 0.98 ms; it reaches the 4 ms all-reduce after backward at (4 - 0.98) / 0.02 = 151 tokens
+    # backward at a row of 64 tokens 2.26 ms, at two rows 3.54 ms: 0.02 ms a token above a floor
+    # of 0.98 ms; it reaches the 4 ms all-reduce after backward at (4 - 0.98) / 0.02 = 151 tokens
     assert box["tokens"] == pytest.approx(151, rel=1e-9)
     assert box["floor_s"] == pytest.approx(0.98e-3, rel=1e-12) and box["all_reduce_s"] == 4e-3
     lm = run_planning.course_lm("tiny", 64, compute_bytes=4)
@@ -72,7 +72,7 @@ def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
     link = planner.Link(latency=4e-3 - gradients / 4e9, busbw=4e9)
     assert planner.all_reduce_time(link, 2, gradients) == pytest.approx(4e-3, rel=1e-12)
     assert run_planning.box_crossover(4) is None                # a control, no fit for 4 ranks
-    plant_results(tmp_path, row_ms="")                          # a control from before these columns
+    plant_results(tmp_path, rows_ms="")                          # a control from before these columns
     assert run_planning.box_crossover(2) is None
 
 

@@ -2,7 +2,7 @@
 
 The planner (``run_planning.box_crossover``) predicts the tokens per rank T* above which DDP's
 gradient all-reduce hides under backward (the Scaling Book's C/W rule with backward's floor),
-from the DDP bench's control (backward at one token and at one row, an all-reduce after a
+from the DDP bench's control (backward at one row and at two rows, an all-reduce after a
 backward: results/ddp_step.csv). This sweeps T around T* on the LM with a plain DDP step
 (backward, then one all-reduce of the flat gradients, each timed alone: warm-up, medians, the
 slowest rank; the all-reduce also back to back, as stage 02 times it), finds where backward
