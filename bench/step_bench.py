@@ -5,8 +5,8 @@ beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'
 A step is split into forward + backward (where overlapped communication hides: that clock waits
 for the compute stream only), the communication left after it and the optimizer; ``--rounds``
 pools each case's steps. Beside ``none`` a burst of small all-reduces is timed (``call_ms``, for
-lesson 9's prediction), and backward at one row and at two rows and an all-reduce right after
-it (``backward_at``: lesson 9's crossover). Slowest rank's medians, upserted into results/ddp_step.csv.
+lesson 9's prediction), and backward at one row and at two with an all-reduce after it (lesson
+9's crossover: ``backward_at``). Slowest rank's medians, upserted into results/ddp_step.csv.
 """
 
 import gc

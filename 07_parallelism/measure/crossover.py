@@ -169,7 +169,7 @@ def write(ctx, args, points: list[dict], box: dict | None) -> None:
             predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"],
         )
         print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/ddp_step.csv's "
-              "control, allreduce_fit.json)")
+              "control)")
     if ratio:
         link = all_reduce / row["predicted_all_reduce_ms"]
         back = row["all_reduce_back_to_back_ms"] / row["predicted_all_reduce_ms"]
