@@ -4,8 +4,10 @@ A case is ``(impl, bucket_mb, factory)``, ``factory(module)`` wrapping the LM as
 beside ``none`` (no wrapper) and ``torch_ddp`` at 25 MB (``ratio_vs_torch_ddp``'s denominator).
 A step is split into forward + backward (where overlapped communication hides: that clock waits
 for the compute stream only), the communication left after it and the optimizer; ``--rounds``
-pools each case's steps. Beside ``none``, small all-reduces in a burst: each waited for (``call_ms``),
-all launched at once (``async_call_ms``). Slowest rank's medians, upserted into results/ddp_step.csv.
+pools each case's steps. Beside ``none``: small all-reduces in a burst, each waited for (``call_ms``)
+and all launched at once (``async_call_ms``), for lesson 9's prediction; backward at one row and at
+two with an all-reduce after it (lesson 9's crossover: ``backward_at``). Slowest rank's medians,
+upserted into results/ddp_step.csv.
 """
 
 import gc
@@ -135,6 +137,25 @@ def time_steps(ctx, factory, args) -> tuple[list[float], ...]:
     return times
 
 
+def backward_at(ctx, args, repeats: int = 7) -> dict:
+    """Lesson 9's crossover, beside the control: a rank's backward at one row and at two rows of
+    ``context_length`` (a line: a floor and a slope), and the all-reduce of the flat gradients right
+    after the two rows', the ranks sharing the box as in a step, lined up before each: seconds."""
+    model = models.TransformerLM(args.model, context_length=args.context_length).to(ctx.device)
+    flat = torch.empty(sum(param.numel() for param in model.parameters()), device=ctx.device)
+    seconds = {"bwd_one_row_ms": [], "bwd_two_rows_ms": [], "all_reduce_after_backward_ms": []}
+    for _ in range(2 + repeats):  # two to warm up
+        for name, rows in (("bwd_one_row_ms", 1), ("bwd_two_rows_ms", 2)):
+            x, y = models.random_tokens(rows, args.context_length, seed=ctx.rank, device=ctx.device)
+            model.zero_grad()
+            loss = models.lm_loss(model(x), y)
+            seconds[name] += timing.measure(loss.backward, ctx.device, warmup=0, iters=1, barrier=True)
+        torch.cat([param.grad.flatten() for param in model.parameters()], out=flat)
+        seconds["all_reduce_after_backward_ms"] += timing.measure(
+            lambda: dist.all_reduce(flat), ctx.device, warmup=0, iters=1, barrier=True)
+    return {name: times[2:] for name, times in seconds.items()}
+
+
 def make_row(ctx, args, impl: str, bucket_mb, times) -> dict:
     """The CSV row for one case from its pooled seconds; a collective (every rank gets it)."""
     s_fb, s_comm, s_opt, s_step = (timing.gather_times(list(t)) for t in times)
@@ -216,6 +237,7 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
               f"ranks, {ctx.backend}/{ctx.device.type}", all_ranks=False)
     pooled = [([], [], [], []) for _ in cases]
     bursts = ([], [])  # seconds a call, waited and asynchronous, beside the control, every round
+    crossover = {}  # backward_at's seconds, every round's
     by_case = [None] * len(cases)  # each case's row from its steps so far
     rows = []
     deadline = Deadline(ctx)
@@ -237,6 +259,9 @@ def run_step_bench(ctx, cases, args, after_case=None) -> list[dict]:
                 timing.call_in_burst(ctx.device, bursts=1, asynchronous=asynchronous)   # warm-up
                 seconds += timing.call_in_burst(ctx.device, asynchronous=asynchronous)
                 by_case[i][column] = timing.gather_times(seconds).median * 1e3
+            for name, seconds in backward_at(ctx, args).items():  # every round's pooled
+                crossover[name] = crossover.get(name, []) + seconds
+                by_case[i][name] = timing.gather_times(crossover[name]).median * 1e3
         rows = [r for r in by_case if r is not None]
         ref = next((r for r in rows if (r["impl"], r["bucket_mb"]) == refs[1][:2]), None)
         for r in rows:  # none until torch DDP's case has run

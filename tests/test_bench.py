@@ -427,6 +427,8 @@ def test_a_capped_ddp_step_keeps_the_rows_it_measured_and_rounds_pool(monkeypatc
     # beside the control, every round: a small call's cost in a burst; on its row only
     assert float(rows[0]["call_ms"]) > 0 and rows[1]["call_ms"] == ""
     assert float(rows[0]["async_call_ms"]) > 0 and rows[1]["async_call_ms"] == ""   # stage 05's way
+    # and lesson 9's crossover inputs: backward at one row and at two rows, an all-reduce after it
+    assert all(float(rows[0][k]) > 0 for k in ("bwd_one_row_ms", "bwd_two_rows_ms", "all_reduce_after_backward_ms"))
 
 
 def test_a_step_stopped_at_its_cap_still_writes_its_derived_files(monkeypatch, tmp_path, capsys):

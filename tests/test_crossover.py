@@ -1,9 +1,9 @@
 """Lesson 9's DDP crossover: the planner's prediction against a hand computation (from the LM's
-parameters and FLOPs, and from make bench's files), the lab's finder against planted curves (a
-curve with no crossing is reported as none), and one run of crossover.py at the tiniest sizes."""
+parameters and FLOPs, and from make bench's files; the old inputs' 2.9x as a negative control),
+the lab's finder against planted curves (a curve with no crossing is reported as none), and one
+run of crossover.py at the tiniest sizes."""
 
 import csv
-import json
 import time
 
 import pytest
@@ -11,7 +11,6 @@ import pytest
 import crossover
 import planner
 import run_planning
-from common import models
 
 # One block, d_model 8, d_ff 32, 2 heads, vocab 16, 4 tokens: on paper
 #   matrices 3*8*8 + 8*8 + 32*8 + 8*32 = 768; forward a token 2*768 + 2*16*8 + 4*4*8/2 = 1856;
@@ -32,16 +31,27 @@ def test_the_prediction_equals_a_hand_computation():
         2 * 0.75 * 4 * 1e9 / 1e9 / (3712 / 1144), rel=1e-12)
     # one rank sends nothing: never communication-bound
     assert planner.dp_crossover_tokens(PAPER, 1e9, link, 1) == 0
+    # backward's floor (0.5 ms at no tokens) leaves less all-reduce to hide: (4.4 - 0.5) ms at
+    # 3712 FLOP a token and 1 GFLOP/s; a floor longer than the all-reduce hides it at any size
+    assert planner.dp_crossover_tokens(PAPER, 1e9, link, 4, floor=0.5e-3) == pytest.approx(
+        (1e-3 + 2 * 0.75 * 4576 / 1e9 - 0.5e-3) * 1e9 / 3712, rel=1e-12)
+    assert planner.dp_crossover_tokens(PAPER, 1e9, link, 4, floor=5e-3) == 0
 
 
-def plant_results(folder, bwd_ms=10.0, a_s=1e-3, w=4e9) -> None:
+def plant_results(folder, row_ms=2.26, rows_ms=3.54, all_reduce_ms=4.0, ranks=2) -> None:
+    """make bench's DDP control (ddp_step.csv), a row from another world size beside it: what
+    box_crossover reads."""
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "compute.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, ["device", "model", "batch_size", "context_length", "bwd_ms", "run_id"])
+    columns = ["backend", "device", "world_size", "model", "impl", "context_length", "bwd_one_row_ms",
+               "bwd_two_rows_ms", "all_reduce_after_backward_ms", "run_id"]
+    with open(folder / "ddp_step.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
         writer.writeheader()
-        writer.writerow({"device": "cpu", "model": "tiny", "batch_size": 4, "context_length": 64,
-                         "bwd_ms": bwd_ms, "run_id": "r"})
-    (folder / "allreduce_fit.json").write_text(json.dumps({"gloo/cpu/2": {"a_s": a_s, "w_bytes_per_s": w}}))
+        for world_size, scale in ((ranks, 1), (ranks + 2, 10)):
+            writer.writerow({"backend": "gloo", "device": "cpu", "world_size": world_size, "model": "tiny",
+                             "impl": "none", "context_length": 64, "bwd_one_row_ms": row_ms * scale,
+                             "bwd_two_rows_ms": rows_ms * scale, "all_reduce_after_backward_ms": all_reduce_ms,
+                             "run_id": "r"})
 
 
 def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
@@ -49,12 +59,29 @@ def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
     assert run_planning.box_crossover(2) is None               # before make bench: none
     plant_results(tmp_path)
     box = run_planning.box_crossover(2)
-    # backward: 4 x 64 tokens in 10 ms on one process, 12,800 tokens/s a rank of two; times the
-    # all-reduce of the float32 gradients, 1 ms + N x 4 B / 4 GB/s (stage 02's t = a + N / w)
-    gradients = 4 * models.lm_parameter_count("tiny", 64)
-    assert box["all_reduce_s"] == pytest.approx(1e-3 + gradients / 4e9, rel=1e-12)
-    assert box["tokens"] == pytest.approx(256 / 10e-3 / 2 * (1e-3 + gradients / 4e9), rel=1e-12)
-    assert run_planning.box_crossover(4) is None                # no fit for 4 ranks
+    # backward at a row of 64 tokens 2.26 ms, at two rows 3.54 ms: 0.02 ms a token above a floor
+    # of 0.98 ms; it reaches the 4 ms all-reduce after backward at (4 - 0.98) / 0.02 = 151 tokens
+    assert box["tokens"] == pytest.approx(151, rel=1e-9)
+    assert box["floor_s"] == pytest.approx(0.98e-3, rel=1e-12) and box["all_reduce_s"] == 4e-3
+    lm = run_planning.course_lm("tiny", 64, compute_bytes=4)
+    assert box["rate"] == pytest.approx(planner.training_flops_per_token(lm) * 2 / 3 / 0.02e-3, rel=1e-12)
+    # the 4-rank control's own row: a floor of 9.8 ms outlasts its 4 ms all-reduce: never bound by it
+    assert run_planning.box_crossover(4)["tokens"] == 0 and run_planning.box_crossover(3) is None
+    plant_results(tmp_path, rows_ms="")                          # a control from before these columns
+    assert run_planning.box_crossover(2) is None
+
+
+def test_the_old_inputs_give_the_old_error():
+    """Negative control: the committed make bench run's old inputs (one process's backward at 4 x 64
+    tokens in 7.276 ms, halved for 2 ranks, no floor; stage 02's back-to-back fit as the link)
+    predict 37 tokens a rank; the sweep measured 106: 2.90x, NOT within x1.25."""
+    lm = run_planning.course_lm("tiny", 64, compute_bytes=4)
+    rate = planner.training_flops_per_token(lm) * 2 / 3 * 4 * 64 / 7.27554799959762e-3 / 2
+    link = planner.Link(latency=0.00027770710497150965, busbw=3062383335.6500854)
+    old = planner.dp_crossover_tokens(lm, rate, link, 2)
+    assert old == pytest.approx(36.68232653266248, rel=1e-9)   # crossover.csv's predicted_tokens
+    ratio = 106.37744412730883 / old
+    assert ratio == pytest.approx(2.90, abs=0.005) and not 1 / crossover.TARGET <= ratio <= crossover.TARGET
 
 
 def test_the_finder_on_planted_curves():

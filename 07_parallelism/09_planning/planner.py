@@ -787,12 +787,12 @@ def predict(lm: LM, grid: Grid, machine: Machine) -> dict:
             "mfu": useful / machine.flops}
 
 
-def dp_crossover_tokens(lm: LM, rate: float, link: Link, ranks: int) -> float:
-    """Tokens per rank above which DDP's all-reduce of the float32 gradients (b = 4 bytes a
-    parameter) hides under backward (2/3 of the FLOPs, about 4N a token, at ``rate`` FLOP/s a
-    rank): the Scaling Book's C/W rule. Without latency, T* = 2(W-1)/W x b C / (4 busbw)."""
+def dp_crossover_tokens(lm: LM, rate: float, link: Link, ranks: int, floor: float = 0.0) -> float:
+    """Tokens per rank above which DDP's all-reduce of float32 gradients (b = 4 bytes a parameter)
+    hides under backward (about 4N FLOP a token at ``rate`` FLOP/s a rank, after ``floor`` s: fixed
+    costs, 0 on a GPU): the Scaling Book's C/W rule; without latency, T* = 2(W-1)/W x b C / (4 busbw)."""
     all_reduce = all_reduce_time(link, ranks, FLOAT32 * parameter_count(lm))
-    return all_reduce * rate / (training_flops_per_token(lm) * 2 / 3)
+    return max(0.0, all_reduce - floor) * rate / (training_flops_per_token(lm) * 2 / 3)
 
 
 # --------------------------------------------------------------------------- every grid

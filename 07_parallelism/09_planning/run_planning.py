@@ -96,22 +96,22 @@ def model_of(args, default_batch: int) -> planner.LM:
 
 
 def box_crossover(ranks: int = 2) -> dict | None:
-    """This box's DDP crossover on Gloo/CPU from make bench's results/ (None before it ran): the
-    LM's backward at one process's shapes (compute.csv), its rate shared out over the ranks, and
-    stage 02's all-reduce t = a + N / w (allreduce_fit.json)."""
+    """This box's DDP crossover on Gloo/CPU from make bench's results/ (None before it ran): from the
+    DDP bench's control (ddp_step.csv), a rank's backward at one row and at two (a line: a floor and
+    a rate) and the all-reduce of its gradients right after a backward, as a step makes it."""
     folder = Path(os.environ.get("RESULTS_DIR") or Path(__file__).resolve().parents[2] / "results")
     try:
-        row = [r for r in csv.DictReader((folder / "compute.csv").read_text().splitlines())
-               if r["device"] == "cpu"][-1]
-        fit = json.loads((folder / "allreduce_fit.json").read_text())[f"gloo/cpu/{ranks}"]
+        row = [r for r in csv.DictReader((folder / "ddp_step.csv").read_text().splitlines()) if r["impl"] == "none"
+               and (r["backend"], r["device"], r["world_size"]) == ("gloo", "cpu", str(ranks))][-1]
         lm = course_lm(row["model"], int(row["context_length"]), compute_bytes=4)
-        backward = planner.training_flops_per_token(lm) * 2 / 3 * int(row["batch_size"]) * lm.seq
-        rate = backward / (float(row["bwd_ms"]) / 1e3) / ranks
-        link = planner.Link(latency=fit["a_s"], busbw=fit["w_bytes_per_s"] * 2 * (ranks - 1) / ranks)
-        gradients = planner.FLOAT32 * planner.parameter_count(lm)
-        return {"tokens": planner.dp_crossover_tokens(lm, rate, link, ranks), "rate": rate,
-                "model": row["model"], "ranks": ranks,
-                "all_reduce_s": planner.all_reduce_time(link, ranks, gradients)}
+        one_row, two_rows, all_reduce = (float(row[k]) / 1e3 for k in (
+            "bwd_one_row_ms", "bwd_two_rows_ms", "all_reduce_after_backward_ms"))
+        slope = (two_rows - one_row) / lm.seq               # backward: floor + tokens x slope
+        link = planner.Link(latency=all_reduce, busbw=float("inf"))   # the step's all-reduce, whole
+        rate = planner.training_flops_per_token(lm) * 2 / 3 / slope
+        floor = 2 * one_row - two_rows                       # the line at no tokens
+        return {"tokens": planner.dp_crossover_tokens(lm, rate, link, ranks, floor), "rate": rate,
+                "floor_s": floor, "model": row["model"], "ranks": ranks, "all_reduce_s": all_reduce}
     except (OSError, LookupError, ValueError, TypeError):
         return None
 
@@ -180,8 +180,8 @@ def main(argv=None) -> int:
     box = box_crossover()
     if box:
         print(f"\nthis box (results/): DDP over {box['ranks']} ranks stops being communication-bound "
-              f"at {box['tokens']:.0f} tokens a rank (LM {box['model']}: backward {box['rate'] / 1e9:.3g} "
-              f"GFLOP/s a rank, a {box['all_reduce_s'] * 1e3:.3g} ms all-reduce), predicted")
+              f"at {box['tokens']:.0f} tokens a rank (LM {box['model']}: backward {box['floor_s'] * 1e3:.2g} ms + "
+              f"{box['rate'] / 1e9:.3g} GFLOP/s a rank, a {box['all_reduce_s'] * 1e3:.3g} ms all-reduce), predicted")
     return 0
 
 

@@ -1,8 +1,9 @@
 """Not a lesson: lesson 9's DDP crossover on this box, predicted then measured.
 
 The planner (``run_planning.box_crossover``) predicts the tokens per rank T* above which DDP's
-gradient all-reduce hides under backward (the Scaling Book's C/W rule), from make bench's
-compute and all-reduce figures. This sweeps T around T* on the LM with a plain DDP step
+gradient all-reduce hides under backward (the Scaling Book's C/W rule with backward's floor),
+from the DDP bench's control (backward at one row and at two rows, an all-reduce after a
+backward: results/ddp_step.csv). This sweeps T around T* on the LM with a plain DDP step
 (backward, then one all-reduce of the flat gradients, each timed alone: warm-up, medians, the
 slowest rank; the all-reduce also back to back, as stage 02 times it), finds where backward
 takes as long as the all-reduce (the points' median: the same bytes at each; log-space
@@ -167,8 +168,8 @@ def write(ctx, args, points: list[dict], box: dict | None) -> None:
             predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
             predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"],
         )
-        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/compute.csv, "
-              "allreduce_fit.json)")
+        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/ddp_step.csv's "
+              "control)")
     if ratio:
         link = all_reduce / row["predicted_all_reduce_ms"]
         back = row["all_reduce_back_to_back_ms"] / row["predicted_all_reduce_ms"]
