@@ -42,8 +42,7 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int) -> str | None:
         per_gpu = launch.ranks_per_gpu(ctx.world_size) * (gpu_per_rank + gib)
         if per_gpu > 0.9 * free:
             why = f"needs about {per_gpu / gib:.1f} GiB per GPU, {free / gib:.1f} GiB free"
-    flag = torch.tensor([float(why is not None)],
-                        device=ctx.device if ctx.backend == "nccl" else "cpu")
+    flag = torch.tensor([float(why is not None)], device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return (why or "memory is short on another rank") if flag.item() else None
 
@@ -112,8 +111,7 @@ def fits_of(rows: list[dict]) -> dict:
 def report(rows: list[dict], machine: str) -> None:
     """The table, the fits (to allreduce_fit.json) and the plot."""
     fits = fits_of(rows)
-    error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items()
-             for p in f["points"]}
+    error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items() for p in f["points"]}
     rows = sorted(rows, key=lambda r: (r["backend"], r["device"], int(r["world_size"]),
                                        int(r["bytes"]), r["impl"]))
     results.print_table([{
@@ -173,8 +171,7 @@ def main(argv=None) -> None:
     stopped = None
     try:
         for config in configs:
-            launch.launch(sweep_worker, config, args,
-                          timeout_s=args.budget_s * len(args.sizes) * 3 + 120)
+            launch.launch(sweep_worker, config, args, timeout_s=args.budget_s * len(args.sizes) * 3 + 120)
     except launch.Stopped as e:  # Ctrl-C or SIGTERM: report what finished, then stop
         stopped = e
     finally:
@@ -183,8 +180,7 @@ def main(argv=None) -> None:
     if not launch.under_torchrun() or os.environ["RANK"] == "0":
         rows = [r for r in results.read_csv("allreduce.csv") if r.get("run_id") == results.run_id()]
         if not rows:
-            print("nothing was measured: every configuration was skipped (reasons above)",
-                  file=sys.stderr)
+            print("nothing was measured: every configuration was skipped (reasons above)", file=sys.stderr)
             raise SystemExit(stopped.code if stopped else 1)
         report(rows, results.machine_name())
     if stopped:

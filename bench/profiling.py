@@ -28,8 +28,7 @@ COMM_COLOR = "#e6550d"
 PROFILE_CSV = "ddp_profile.csv"
 GLOO_COLLECTIVE = re.compile(r"gloo:.*(all_?reduce|all_?gather|reduce_?scatter)")  # lower case
 # what the CSV and the table keep of a step's timeline (the rest is for drawing it)
-SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms",
-           "comm_after_backward_ms")
+SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms", "comm_after_backward_ms")
 
 
 def add_profile_args(parser):

@@ -175,8 +175,7 @@ def dcp_folder(folder: Path, iteration: int) -> Path:
 def run_op(impl, op, folder, iteration, layout, tensors, mesh, group, block_columns) -> dict | None:
     """One save or load: the bytes this lesson counted, {"data", "manifest"} (torch's: None)."""
     if impl == "ours" and op == "save":
-        stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {},
-                                block_columns, group=group)
+        stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {}, block_columns, group=group)
         return {"data": stats["bytes_written"], "manifest": stats["manifest_bytes"]}
     if impl == "ours":
         stats = checkpoint.load(checkpoint.latest_checkpoint(folder), layout, group=group)
@@ -226,16 +225,14 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
     by_key = {(row["impl"], row["op"], row["saved_at"], row["loaded_at"]): row for row in rows}
     for row in rows:  # NaN: torch's not run (a pair that cannot carry it, or past the deadline)
         theirs = by_key.get(("torch_dcp", row["op"], row["saved_at"], row["loaded_at"]))
-        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"] if theirs \
-            else float("nan")
+        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"] if theirs else float("nan")
     shown = [{"impl": row["impl"], "op": row["op"],
               "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
               "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
               "x torch": row["ratio_vs_torch"], "data bytes/rank (max)": row["data_bytes_max"],
               "manifest bytes": row["manifest_bytes"],
               "kernel bytes/rank (max)": row["kernel_bytes_max"]} for row in rows]
-    results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW "
-                                     f"({machine})")
+    results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW ({machine})")
     path = results.upsert_csv("checkpoint.csv", rows, key=["model", "backend", "device", "impl",
                                                           "op", "saved_at", "loaded_at"])
     print(f"wrote {path}", flush=True)
@@ -260,12 +257,9 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
-    parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",
-                        help="the LM preset")
-    parser.add_argument("--warmup", type=launch.non_negative_int, default=1,
-                        help="untimed saves and loads")
-    parser.add_argument("--iters", type=launch.positive_int, default=3,
-                        help="timed saves and loads")
+    parser.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="the LM preset")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=1, help="untimed saves and loads")
+    parser.add_argument("--iters", type=launch.positive_int, default=3, help="timed saves and loads")
     parser.add_argument("--dir", default=None,
                         help="where checkpoints go (kept); default: a temporary folder, removed")
     args = parser.parse_args(argv)
@@ -282,8 +276,7 @@ def main(argv=None) -> None:
             parser.error(f"--dir {args.dir}: not a folder")
         Path(args.dir).mkdir(parents=True, exist_ok=True)
         if any(Path(args.dir).iterdir()):
-            parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty "
-                         "folder")
+            parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty folder")
     args.device_used = config.device
     results.check_writable()
     launch.launch(bench_main, config, args)

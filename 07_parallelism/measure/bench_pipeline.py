@@ -381,8 +381,7 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
         if gap > 0.05:
             verdict = (f"no, {gap:.3f} (each message's delay on a busy box adds to it; a larger "
                        "--emulate-ms shrinks its share)")
-        print(f"\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
-              f"{verdict}")
+        print(f"\nemulated compute: measured idle within 0.05 of the simulation on every rank: {verdict}")
     for name in cfg["schedules"]:
         m = max(cfg["micro_batches"])
         if not schedule_refuses(name, stages, m, cfg["v"][name]):

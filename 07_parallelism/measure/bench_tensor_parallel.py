@@ -74,8 +74,7 @@ def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
             for phase, op in zip(("forward", "backward"), ops)}
 
 
-def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
-                               element_size: int = FLOAT32) -> int:
+def predicted_replicated_grads(d_model: int, sequence_parallel: bool, element_size: int = FLOAT32) -> int:
     """Bytes ``all_reduce_replicated_grads`` all-reduces per block: with sequence parallelism
     norm1's and norm2's weight and bias and mlp.2's bias, d_model each; without it nothing."""
     return 5 * d_model * element_size if sequence_parallel else 0
@@ -134,8 +133,7 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
             "ok": torch.allclose(got, want, rtol=RTOL, atol=ATOL)}
 
 
-def compare_bytes(counted: dict, predicted: dict, world_size: int,
-                  what: str) -> tuple[list[dict], list[str]]:
+def compare_bytes(counted: dict, predicted: dict, world_size: int, what: str) -> tuple[list[dict], list[str]]:
     """(rows, failures): each layer and phase's collectives, counted beside predicted."""
     rows, failures = [], []
     for (layer, phase), (op, want) in predicted.items():
@@ -183,8 +181,7 @@ def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], lis
             F.mse_loss(out, target).backward()
         for handle in handles:
             handle.remove()
-        mine = [compare("output", out, reference(x_ref)),
-                compare("input.grad", x_tp.grad, x_ref.grad)]
+        mine = [compare("output", out, reference(x_ref)), compare("input.grad", x_tp.grad, x_ref.grad)]
         for name, param in model.named_parameters():  # each against its part of the full grad
             layer_name, param_name = name.split(".")
             full_grad = getattr(getattr(reference, layer_name), param_name).grad
@@ -259,8 +256,7 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
             block.all_reduce_replicated_grads()
     for handle in handles:
         handle.remove()
-    checks = [compare("output", out, mine("out")),
-              compare("input.grad", x_mine.grad, mine("x_grad"))]
+    checks = [compare("output", out, mine("out")), compare("input.grad", x_mine.grad, mine("x_grad"))]
     for name, param in block.named_parameters() if ours else ():  # the full block's names
         full_grad = reference["full"].get_parameter(name).grad
         owner = block.get_submodule(name.rsplit(".", 1)[0])
@@ -293,8 +289,7 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
             "failures": failed_rows(label, checks) + failures + saved_failures(ctx, saved)}
 
 
-def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
-                deadline=None) -> dict:
+def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None, deadline=None) -> dict:
     """The block on one process (seed 0 on every rank; a random probe as dL/d(output) uses
     every gradient), in TP, TP + SP and torch's TP + SP, on ``group``: {"checks", "bytes",
     "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands,
@@ -375,8 +370,7 @@ def bench_main(ctx, cfg: dict) -> None:
         where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
         print(f"\nTensor-parallel MLP on {ctx.world_size} ranks: d_model {cfg['d_model']}, "
               f"d_ff {cfg['d_ff']}, {cfg['batch'] * cfg['seq']} tokens, {where}")
-        results.print_table(mlp_bytes, "\nBytes per layer, one forward + backward (float32):",
-                            floatfmt=".0f")
+        results.print_table(mlp_bytes, "\nBytes per layer, one forward + backward (float32):", floatfmt=".0f")
         print(f"\nA Transformer block of the course LM (d_model {cfg['d_model']}, d_ff "
               f"{cfg['d_ff']}, {cfg['heads']} heads, batch {cfg['batch']}, seq {cfg['seq']}) on "
               f"{ctx.world_size} ranks, {where}:")

@@ -129,8 +129,7 @@ def ring_share(ranks: int) -> float:
     return (ranks - 1) / ranks
 
 
-def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
-                     dp_cp_rank: int = 0) -> dict:
+def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int, dp_cp_rank: int = 0) -> dict:
     """The bytes per rank at pp_rank (ZeRO-1: dp_cp_rank in its group), by ALL_KINDS."""
     h, f, vocab, seq = shape["h"], shape["f"], shape["vocab"], shape["seq"]
     d, p, c, t = spec["dp"], spec["pp"], spec["cp"], spec["tp"]
@@ -357,8 +356,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
     if spec.get("dp_shard", 1) > 1:
         losses.append(built["step"]()["loss"])
     # the group of a collective names its axis
-    axes = {axis: grid.group(axis) for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard",
-                                                "dp_replicate")}
+    axes = {axis: grid.group(axis) for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard", "dp_replicate")}
     with CommCounter(axes=axes) as comm:
         result = built["step"]()
     losses.append(result["loss"])
@@ -372,8 +370,7 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
     counted.update({f"sent_{axis}": sent.get(axis, 0.0) for axis in AXES})
     if "dp" in sent:             # the formula sends nothing on dp alone: it goes under "other"
         counted["sent_other"] += sent["dp"]
-    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size,
-                               grid.rank("dp_cp"))
+    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size, grid.rank("dp_cp"))
     worst, worst_kind = worst_difference(counted, formula)
     return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
             "formula": formula, "worst": worst, "worst_kind": worst_kind,
@@ -461,8 +458,7 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
             parallelize_module(block, tp_mesh, lessons.torch_tp.block_plan())
         fully_shard(block, mesh=data_mesh)
     fully_shard(lm, mesh=data_mesh)
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
-                                  eps=lessons.train.ADAM_EPS)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, eps=lessons.train.ADAM_EPS)
     inputs, targets = random_batch(sizes)
     data_rank = 0
     for dim in range(data_mesh.ndim):            # row-major over the data mesh's dims
@@ -565,8 +561,7 @@ def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]
         seconds[name] = []
     for _ in range(sizes["rounds"]):
         for name, step in steps.items():
-            seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"],
-                                            barrier=True)
+            seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"], barrier=True)
     return seconds
 
 
@@ -655,16 +650,14 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
                 if not deadline.allows(f"{label} {schedule_name}, {compute} and what follows"):
                     break
                 built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
-                seconds = measure_alternating(ctx, {"ours": built["ours"],
-                                                    "torch": built["torch"]}, sizes)
+                seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]}, sizes)
                 difference = float("nan")
                 if compute == "real":        # the largest on any rank
                     difference = max(timing.gather_times([gradient_difference(built)]).rank_medians)
                 emulated_ms = setting["emulate_ms"] if compute == "emulated" else 0.0
                 words = f"{schedule_name}, {bench_pipeline.compute_of(emulated_ms)}"
                 for impl, name in (("ours", "our executor"), ("torch", "torch.distributed.pipelining")):
-                    row = timed_row(ctx, sizes, impl, label, words,
-                                    seconds[impl], setting["micro_batches"])
+                    row = timed_row(ctx, sizes, impl, label, words, seconds[impl], setting["micro_batches"])
                     batch = setting["rows"] * setting["micro_batches"]
                     row.update(batch_size=batch, seq_len=setting["seq_len"],
                                model=f"{setting['layers']} {sizes['model']} blocks",

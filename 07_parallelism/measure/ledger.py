@@ -183,8 +183,7 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         if ours:  # weights, not activations
             saved = SavedActivations(model, exclude_now=lambda: gathered_storage_keys(wrapper))
         else:  # torch's fully_shard puts its gathered weights into the modules while they run
-            saved = SavedActivations(model, exclude_now=lambda: {storage_key(p) for p in
-                                                                 model.parameters()})
+            saved = SavedActivations(model, exclude_now=lambda: {storage_key(p) for p in model.parameters()})
         with CommCounter() as comm, gathered:
             step(saved)
         counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
@@ -253,8 +252,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     deadline = step_bench.Deadline(ctx)
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
-            if not deadline.allows(f"round {round_number}, {impl}, checkpointing "
-                                        f"{checkpointing}, and after"):
+            if not deadline.allows(f"round {round_number}, {impl}, checkpointing {checkpointing}, and after"):
                 break
             count = counted[index] is None  # count each case once, in its first round
             case_seconds, case_optimizer, case_counted = measure_case(ctx, impl, build, checkpointing == "on",

@@ -63,8 +63,7 @@ def check_order(lists: list) -> None:
             peers = {FORWARD: (previous_rank, next_rank), BACKWARD: (next_rank, previous_rank),
                      WEIGHT: (None, None)}[step.op]
             if (step.recv_from, step.send_to) != peers:
-                raise ValueError(f"rank {rank} step {label(step, chunks)} has the wrong peers: "
-                                 f"{step}")
+                raise ValueError(f"rank {rank} step {label(step, chunks)} has the wrong peers: {step}")
             if step.op != FORWARD:
                 before = ops[ops.index(step.op) - 1]      # B needs its F, W its B
                 if position[(before, step.chunk, step.micro_batch)] > index:
@@ -99,8 +98,7 @@ def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int 
                 where[(kind, sent)] = n
     for rank, steps in enumerate(lists):
         for k, step in enumerate(steps):
-            for kind, peer, after_step in (("recv", step.recv_from, False),
-                                           ("send", step.send_to, True)):
+            for kind, peer, after_step in (("recv", step.recv_from, False), ("send", step.send_to, True)):
                 if peer is None or peer == rank:
                     continue
                 n = where.get((kind, message(step, after_step)))
@@ -200,8 +198,7 @@ def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
         raise ValueError(f"{layers} layers do not split into {stages * chunks} equal chunks "
                          f"({stages} stages x {chunks} chunks per stage)")
     if batch is not None and batch % micro_batches:
-        raise ValueError(f"a batch of {batch} rows does not split into {micro_batches} "
-                         "equal micro-batches")
+        raise ValueError(f"a batch of {batch} rows does not split into {micro_batches} equal micro-batches")
     lists = schedules.all_ranks(name, stages, micro_batches, chunks)
     check_order(lists)
     try:
