@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import bench_pipeline  # first: it puts the repository on the path
+from bench_pipeline import gradient_difference
 from bench import results, step_bench, timing
 from bench import supervisor as launch
 from common import import_stage, models
@@ -610,15 +611,6 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
                                         targets, stages, pp_rank, grid.group("pp"))
     built["ideal_s"] = built["makespan"] * emulate_s       # the simulation x the emulated wait
     return built
-
-
-def gradient_difference(built: dict) -> float:
-    """Largest |our gradient - torch's| on this rank after a step of each (real compute)."""
-    worst = 0.0
-    for chunk, stage in zip(built["our_chunks"], built["torch_stages"]):
-        for ours, theirs in zip(chunk.parameters(), stage.submod.parameters()):
-            worst = max(worst, (ours.grad - theirs.grad).abs().max().item())
-    return worst
 
 
 def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
