@@ -194,9 +194,8 @@ def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) 
     """One row: the slowest rank's median time and the spread, and the most bytes any rank
     moved (counted here: the data, and the manifest; and by the kernel: every read or write
     call of the process meanwhile, /proc/self/io), from every rank of the group that ran it."""
-    mine = {"times": times, "counted": counted, "kernel": kernel}
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, {"times": times, "counted": counted, "kernel": kernel})
     ran = everyone[:size]
     all_times = [t for theirs in ran for t in theirs["times"]]
     kernel_bytes = [theirs["kernel"][-1] for theirs in ran]
@@ -219,18 +218,16 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
     """Rank 0: the table, the targets measured beside their values, results/checkpoint.csv."""
     machine = results.machine_name()
     for row in rows:
-        row.update({"model": args.model, "backend": dist.get_backend(),
-                    "device": str(args.device_used), "machine": machine,
-                    "run_id": results.run_id()})
+        row.update({"model": args.model, "backend": dist.get_backend(), "device": str(args.device_used),
+                    "machine": machine, "run_id": results.run_id()})
     by_key = {(row["impl"], row["op"], row["saved_at"], row["loaded_at"]): row for row in rows}
     for row in rows:  # NaN: torch's not run (a pair that cannot carry it, or past the deadline)
         theirs = by_key.get(("torch_dcp", row["op"], row["saved_at"], row["loaded_at"]))
         row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"] if theirs else float("nan")
     shown = [{"impl": row["impl"], "op": row["op"],
-              "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
-              "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
-              "x torch": row["ratio_vs_torch"], "data bytes/rank (max)": row["data_bytes_max"],
-              "manifest bytes": row["manifest_bytes"],
+              "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}", "ranks": row["ranks"],
+              "ms (median)": row["time_ms_median"], "x torch": row["ratio_vs_torch"],
+              "data bytes/rank (max)": row["data_bytes_max"], "manifest bytes": row["manifest_bytes"],
               "kernel bytes/rank (max)": row["kernel_bytes_max"]} for row in rows]
     results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW ({machine})")
     path = results.upsert_csv("checkpoint.csv", rows, key=["model", "backend", "device", "impl",
@@ -239,13 +236,11 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
     for row in rows:
         if row["impl"] == "ours" and row["op"] == "save":
             verdict = "met" if row["data_bytes_total"] == full_bytes else "NOT met"
-            print(f"target: bytes written at {row['saved_at']} ranks, all ranks together, "
-                  f"exactly the state once ({full_bytes}): measured {row['data_bytes_total']} "
-                  f"({verdict})", flush=True)
+            print(f"target: bytes written at {row['saved_at']} ranks, all ranks together, exactly the state "
+                  f"once ({full_bytes}): measured {row['data_bytes_total']} ({verdict})", flush=True)
         if row["impl"] == "ours" and row["op"] == "load":
             print(f"target: bytes read per rank exactly the overlap with what it holds, at "
-                  f"{row['loaded_at']} ranks: met on every rank (checked at each load)",
-                  flush=True)
+                  f"{row['loaded_at']} ranks: met on every rank (checked at each load)", flush=True)
     for row in rows:
         if row["impl"] == "ours" and not math.isnan(row["ratio_vs_torch"]):  # torch's ran too
             verdict = "met" if row["ratio_vs_torch"] <= 1.5 else "NOT met"
