@@ -152,8 +152,7 @@ def text_timeline(label: str, tl: dict, width: int = 72) -> str:
     """Two rows of characters on one time axis: the main thread's phases, and communication."""
     scale = width / max(tl["step_ms"], 1e-9)
     text = (f"{label}: step {tl['step_ms']:.1f} ms; communication during backward "
-            f"{tl['comm_during_backward_ms']:.1f} ms, after it "
-            f"{tl['comm_after_backward_ms']:.1f} ms")
+            f"{tl['comm_during_backward_ms']:.1f} ms, after it {tl['comm_after_backward_ms']:.1f} ms")
     for row, spans in (("compute", [(t, d, PHASES[n][2]) for n, t, d in tl["phases"]]),
                        ("comm   ", [(t, d, "#") for t, d, _ in tl["comm"]])):
         cells = [" "] * width

@@ -303,10 +303,9 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
             rows.append(dict(
                 backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size,
                 **{key: cfg[key] for key in SIZE_COLUMNS}, schedule=name,
-                torch_schedule=TORCH_SCHEDULES[name], micro_batches=m, chunks=v,
-                emulated_ms=emulated_ms, ours_ms=ours_s * 1e3, torch_ms=torch_s * 1e3,
-                ratio=ours_s / torch_s, ideal_ms=ideal_ms, gradient_max_difference=difference,
-                run_id=results.run_id(), machine=results.machine_name()))
+                torch_schedule=TORCH_SCHEDULES[name], micro_batches=m, chunks=v, emulated_ms=emulated_ms,
+                ours_ms=ours_s * 1e3, torch_ms=torch_s * 1e3, ratio=ours_s / torch_s, ideal_ms=ideal_ms,
+                gradient_max_difference=difference, run_id=results.run_id(), machine=results.machine_name()))
     return rows
 
 

@@ -78,9 +78,8 @@ def check_order(lists: list) -> None:
     for channel in sorted(set(sent) | set(received)):
         if sent.get(channel) != received.get(channel):
             source, destination, op, virtual_stage = channel
-            raise ValueError(f"channel rank {source} -> rank {destination} ({op} into virtual "
-                             f"stage {virtual_stage}): sent {sent.get(channel)}, received "
-                             f"{received.get(channel)}")
+            raise ValueError(f"channel rank {source} -> rank {destination} ({op} into virtual stage "
+                             f"{virtual_stage}): sent {sent.get(channel)}, received {received.get(channel)}")
 
 
 def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int = 2**30,
