@@ -2,11 +2,10 @@
 ``python 07_parallelism/measure/bench_fsdp.py --bench`` (its ZeRO rows: ``bench_zero.py``).
 
 Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1, ZeRO-2, our FSDP, torch's
-ZeroRedundancyOptimizer and fully_shard; and a control, ``none``, that sends nothing (the
-compute lesson 9's check predicts the others from). For each, one step is counted with
-``counters.py`` beside the lessons' formula (``predicted_bytes``) and timed; the rows go to
-``results/sharding.csv``. The bytes are counts, true on any interconnect; under Gloo the
-step times measure its host path, and ``comm_path`` in the CSV says so.
+ZeroRedundancyOptimizer and fully_shard; and a control, ``none``, that sends nothing (the compute lesson 9's
+check predicts the others from). For each, one step is counted with ``counters.py`` beside the lessons'
+formula (``predicted_bytes``) and timed; the rows go to ``results/sharding.csv``. The bytes are counts, true
+on any interconnect; under Gloo the step times measure its host path, and ``comm_path`` in the CSV says so.
 """
 
 import contextlib
