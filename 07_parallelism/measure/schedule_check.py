@@ -1,11 +1,10 @@
 """Not a lesson: lesson 4's schedules checked and simulated as data (no processes, no torch).
 
-``check_order``: every rank runs each F, B (and W) once per chunk and micro-batch, F before its
-B before its W, with the right peers, and every channel (src -> dst, F or B, into one virtual
-stage) receives its messages in the order they are sent. ``check_grouped_p2p``: ``p2p_plan``'s
-groups cannot deadlock under NCCL's completion rule. ``peak_held``, ``idle_shares``,
-``bubble_formula``, ``describe``: what the README derives, from the unit-time simulation.
-``check_setting``: all of it for one setting, in one line.
+``check_order``: every rank runs each F, B (and W) once per chunk and micro-batch, F before its B before its
+W, with the right peers, and every channel (src -> dst, F or B, into one virtual stage) receives its
+messages in the order they are sent. ``check_grouped_p2p``: ``p2p_plan``'s groups cannot deadlock under
+NCCL's completion rule. ``peak_held``, ``idle_shares``, ``bubble_formula``, ``describe``: what the README
+derives, from the unit-time simulation. ``check_setting``: all of it for one setting, in one line.
 """
 
 from __future__ import annotations
