@@ -101,10 +101,9 @@ def fits_of(rows: list[dict]) -> dict:
     for (backend, device, ws), points in groups.items():
         if len(points) >= 2:
             a, w = stage02.fit_latency_bandwidth(*zip(*points))
-            fits[f"{backend}/{device}/{ws}"] = dict(
-                backend=backend, device=device, world_size=ws, a_s=a, w_bytes_per_s=w,
-                run_id=rows[0]["run_id"], points=[{"bytes": n, "time_s": t, "rel_error":
-                                                   (a + n / w) / t - 1} for n, t in points])
+            errors = [{"bytes": n, "time_s": t, "rel_error": (a + n / w) / t - 1} for n, t in points]
+            fits[f"{backend}/{device}/{ws}"] = dict(backend=backend, device=device, world_size=ws, a_s=a,
+                                                    w_bytes_per_s=w, run_id=rows[0]["run_id"], points=errors)
     return fits
 
 
@@ -126,10 +125,9 @@ def report(rows: list[dict], machine: str) -> None:
     if not fits:
         return print("fit: needs two sizes or more of one backend/device/world size")
     results.print_table([{"backend/device/ws": key, "a (latency) us": f["a_s"] * 1e6,
-                          "w (bandwidth) GB/s": f["w_bytes_per_s"] / 1e9}
-                         for key, f in fits.items()],
-                        title="\nfit of the backend's times: t = a + N / w (least squares on "
-                              "relative error; a < 0: add smaller sizes)")
+                          "w (bandwidth) GB/s": f["w_bytes_per_s"] / 1e9} for key, f in fits.items()],
+                        title="\nfit of the backend's times: t = a + N / w (least squares on relative error; "
+                              "a < 0: add smaller sizes)")
     print(f"fit written to {results.update_json('allreduce_fit.json', fits)}")
     plt = results.pyplot()
     if plt is None:
