@@ -22,8 +22,7 @@ from common import models
 
 # range name: (legend, colour, mark in the text timeline)
 PHASES = {"ddp:forward": ("forward", "#9ecae1", "f"), "ddp:backward": ("backward", "#3182bd", "B"),
-          "ddp:finish": ("wait for comm", "#fdae6b", "w"),
-          "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
+          "ddp:finish": ("wait for comm", "#fdae6b", "w"), "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
 COMM_COLOR = "#e6550d"
 PROFILE_CSV = "ddp_profile.csv"
 GLOO_COLLECTIVE = re.compile(r"gloo:.*(all_?reduce|all_?gather|reduce_?scatter)")  # lower case
