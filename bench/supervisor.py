@@ -375,10 +375,9 @@ def _supervise(ranks, timeout_s, stop: dict) -> None:
         multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=0.5)
 
 
-WHY_KILLED = {"SIGKILL": "sent from outside, by the out-of-memory killer or kill -9: no stack "
-                         "can be printed", **dict.fromkeys(
-                             ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"),
-                             "a crash in native code: its Python stack, from faulthandler, is above")}
+WHY_KILLED = {"SIGKILL": "sent from outside, by the out-of-memory killer or kill -9: no stack can be printed",
+              **dict.fromkeys(("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"),
+                              "a crash in native code: its Python stack, from faulthandler, is above")}
 
 
 def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:

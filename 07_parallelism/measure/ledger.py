@@ -240,8 +240,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         strategies = [strategy for strategy in strategies if strategy[0] != "torch_fsdp"]
     cases = [(impl, build, checkpointing) for impl, build in strategies
              for checkpointing in args.checkpointing]
-    # The first case timed ran slow (the control without checkpointing slower than with it in
-    # 4 of 6 runs): it runs once, untimed, first.
+    # The first case timed runs slow: it runs once, untimed, first.
     impl, build, checkpointing = cases[0]
     measure_case(ctx, impl, build, checkpointing == "on", args, count=False)
     seconds = [[] for _ in cases]
