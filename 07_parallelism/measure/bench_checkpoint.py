@@ -135,9 +135,8 @@ def bench_main(ctx, args) -> None:
 
 def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, states,
                block_columns) -> list[dict]:
-    """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many
-    loads of the last one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's
-    median and each rank's bytes."""
+    """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many loads of the last
+    one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's median and each rank's bytes."""
     rows = []
     folder = root / f"{impl}_{saved_at}"
     for op, size in (("save", saved_at), ("load", loaded_at)):

@@ -25,6 +25,7 @@ from bench import results, step_bench  # noqa: E402 (after the path)
 from bench import supervisor as launch  # noqa: E402
 from common import import_stage, models  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
+from common.verify import agree_on_problems as agree  # noqa: E402  (one verdict on every rank)
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # noqa: E402
                       ring_send_bytes)
 
@@ -310,12 +311,6 @@ def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None, 
             result[key] += part[key]
         result["saved"].append(part["saved"])
     return result
-
-
-def agree(failures: list[str], group=None) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
-    from common import verify
-    return verify.agree_on_problems(failures, group)
 
 
 def mlp_columns(ctx, cfg: dict) -> dict:
