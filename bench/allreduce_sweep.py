@@ -42,8 +42,7 @@ def memory_shortfall(ctx, host_per_rank: int, gpu_per_rank: int) -> str | None:
         per_gpu = launch.ranks_per_gpu(ctx.world_size) * (gpu_per_rank + gib)
         if per_gpu > 0.9 * free:
             why = f"needs about {per_gpu / gib:.1f} GiB per GPU, {free / gib:.1f} GiB free"
-    flag = torch.tensor([float(why is not None)],
-                        device=ctx.device if ctx.backend == "nccl" else "cpu")
+    flag = torch.tensor([float(why is not None)], device=ctx.device if ctx.backend == "nccl" else "cpu")
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return (why or "memory is short on another rank") if flag.item() else None
 
@@ -102,18 +101,16 @@ def fits_of(rows: list[dict]) -> dict:
     for (backend, device, ws), points in groups.items():
         if len(points) >= 2:
             a, w = stage02.fit_latency_bandwidth(*zip(*points))
-            fits[f"{backend}/{device}/{ws}"] = dict(
-                backend=backend, device=device, world_size=ws, a_s=a, w_bytes_per_s=w,
-                run_id=rows[0]["run_id"], points=[{"bytes": n, "time_s": t, "rel_error":
-                                                   (a + n / w) / t - 1} for n, t in points])
+            errors = [{"bytes": n, "time_s": t, "rel_error": (a + n / w) / t - 1} for n, t in points]
+            fits[f"{backend}/{device}/{ws}"] = dict(backend=backend, device=device, world_size=ws, a_s=a,
+                                                    w_bytes_per_s=w, run_id=rows[0]["run_id"], points=errors)
     return fits
 
 
 def report(rows: list[dict], machine: str) -> None:
     """The table, the fits (to allreduce_fit.json) and the plot."""
     fits = fits_of(rows)
-    error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items()
-             for p in f["points"]}
+    error = {(key, p["bytes"]): f"{p['rel_error']:+.0%}" for key, f in fits.items() for p in f["points"]}
     rows = sorted(rows, key=lambda r: (r["backend"], r["device"], int(r["world_size"]),
                                        int(r["bytes"]), r["impl"]))
     results.print_table([{
@@ -128,10 +125,9 @@ def report(rows: list[dict], machine: str) -> None:
     if not fits:
         return print("fit: needs two sizes or more of one backend/device/world size")
     results.print_table([{"backend/device/ws": key, "a (latency) us": f["a_s"] * 1e6,
-                          "w (bandwidth) GB/s": f["w_bytes_per_s"] / 1e9}
-                         for key, f in fits.items()],
-                        title="\nfit of the backend's times: t = a + N / w (least squares on "
-                              "relative error; a < 0: add smaller sizes)")
+                          "w (bandwidth) GB/s": f["w_bytes_per_s"] / 1e9} for key, f in fits.items()],
+                        title="\nfit of the backend's times: t = a + N / w (least squares on relative error; "
+                              "a < 0: add smaller sizes)")
     print(f"fit written to {results.update_json('allreduce_fit.json', fits)}")
     plt = results.pyplot()
     if plt is None:
@@ -173,8 +169,7 @@ def main(argv=None) -> None:
     stopped = None
     try:
         for config in configs:
-            launch.launch(sweep_worker, config, args,
-                          timeout_s=args.budget_s * len(args.sizes) * 3 + 120)
+            launch.launch(sweep_worker, config, args, timeout_s=args.budget_s * len(args.sizes) * 3 + 120)
     except launch.Stopped as e:  # Ctrl-C or SIGTERM: report what finished, then stop
         stopped = e
     finally:
@@ -183,8 +178,7 @@ def main(argv=None) -> None:
     if not launch.under_torchrun() or os.environ["RANK"] == "0":
         rows = [r for r in results.read_csv("allreduce.csv") if r.get("run_id") == results.run_id()]
         if not rows:
-            print("nothing was measured: every configuration was skipped (reasons above)",
-                  file=sys.stderr)
+            print("nothing was measured: every configuration was skipped (reasons above)", file=sys.stderr)
             raise SystemExit(stopped.code if stopped else 1)
         report(rows, results.machine_name())
     if stopped:

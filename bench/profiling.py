@@ -22,14 +22,12 @@ from common import models
 
 # range name: (legend, colour, mark in the text timeline)
 PHASES = {"ddp:forward": ("forward", "#9ecae1", "f"), "ddp:backward": ("backward", "#3182bd", "B"),
-          "ddp:finish": ("wait for comm", "#fdae6b", "w"),
-          "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
+          "ddp:finish": ("wait for comm", "#fdae6b", "w"), "ddp:optimizer": ("optimizer", "#a1d99b", "o")}
 COMM_COLOR = "#e6550d"
 PROFILE_CSV = "ddp_profile.csv"
 GLOO_COLLECTIVE = re.compile(r"gloo:.*(all_?reduce|all_?gather|reduce_?scatter)")  # lower case
 # what the CSV and the table keep of a step's timeline (the rest is for drawing it)
-SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms",
-           "comm_after_backward_ms")
+SUMMARY = ("step_ms", "backward_ms", "collectives", "comm_during_backward_ms", "comm_after_backward_ms")
 
 
 def add_profile_args(parser):
@@ -153,8 +151,7 @@ def text_timeline(label: str, tl: dict, width: int = 72) -> str:
     """Two rows of characters on one time axis: the main thread's phases, and communication."""
     scale = width / max(tl["step_ms"], 1e-9)
     text = (f"{label}: step {tl['step_ms']:.1f} ms; communication during backward "
-            f"{tl['comm_during_backward_ms']:.1f} ms, after it "
-            f"{tl['comm_after_backward_ms']:.1f} ms")
+            f"{tl['comm_during_backward_ms']:.1f} ms, after it {tl['comm_after_backward_ms']:.1f} ms")
     for row, spans in (("compute", [(t, d, PHASES[n][2]) for n, t, d in tl["phases"]]),
                        ("comm   ", [(t, d, "#") for t, d, _ in tl["comm"]])):
         cells = [" "] * width

@@ -87,8 +87,7 @@ def master_port() -> int | None:
 
 def torchrun_ranks() -> None:
     """torchrun's variables, when any is set: whole numbers in range, and where to meet."""
-    given = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-             if name in os.environ]
+    given = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if name in os.environ]
     missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if name not in os.environ]
     if given and missing:
         usage_error(f"{given[0]} is set but {missing[0]} is not: set RANK, WORLD_SIZE and "
@@ -161,8 +160,7 @@ def host_available_bytes() -> int:
     """Host memory a new allocation can still get: Linux's MemAvailable, else free pages."""
     try:
         with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f
-                        if line.startswith("MemAvailable:"))
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration):
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -309,8 +307,7 @@ def launch(worker, config: LaunchConfig, *args, timeout_s: float | None = None) 
                "LOCAL_WORLD_SIZE": str(config.world_size)}  # as torchrun sets them
     if master_port() is None:
         # The ranks' store, held here on a port the OS keeps for it; they join as clients.
-        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                              timeout=rendezvous_timeout())
+        store = dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=rendezvous_timeout())
         environ["MASTER_PORT"] = str(store.port)
         environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     stop = {"signum": None}  # SIGINT / SIGTERM set it; the supervisor acts on it
@@ -360,8 +357,7 @@ def _supervise(ranks, timeout_s, stop: dict) -> None:
         codes = [p.exitcode for p in processes]  # read once: every decision below uses them
         if all(code == 0 for code in codes):
             return
-        stalled = [rank for rank, p in enumerate(processes)
-                   if codes[rank] is None and _stopped(p.pid)]
+        stalled = [rank for rank, p in enumerate(processes) if codes[rank] is None and _stopped(p.pid)]
         if stop["signum"] is not None:
             _end(processes)
             print(f"stopped by {signal.Signals(stop['signum']).name}: all {len(processes)} ranks "
@@ -376,14 +372,12 @@ def _supervise(ranks, timeout_s, stop: dict) -> None:
                   + (f" (rank(s) {stalled} were stopped by a signal)" if stalled else ""),
                   file=sys.stderr, flush=True)
             raise SystemExit(1)
-        multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None],
-                                        timeout=0.5)
+        multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=0.5)
 
 
-WHY_KILLED = {"SIGKILL": "sent from outside, by the out-of-memory killer or kill -9: no stack "
-                         "can be printed", **dict.fromkeys(
-                             ("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"),
-                             "a crash in native code: its Python stack, from faulthandler, is above")}
+WHY_KILLED = {"SIGKILL": "sent from outside, by the out-of-memory killer or kill -9: no stack can be printed",
+              **dict.fromkeys(("SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT"),
+                              "a crash in native code: its Python stack, from faulthandler, is above")}
 
 
 def _report_failure(codes: list, error_files: list, stalled: list[int]) -> None:

@@ -135,9 +135,8 @@ def bench_main(ctx, args) -> None:
 
 def bench_pair(ctx, args, root, impl, saved_at, loaded_at, groups, meshes, states,
                block_columns) -> list[dict]:
-    """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many
-    loads of the last one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's
-    median and each rank's bytes."""
+    """Time ``args.iters`` saves at ``saved_at`` ranks (after ``args.warmup``), then as many loads of the last
+    one at ``loaded_at`` ranks, by ``impl``; rows of the slowest rank's median and each rank's bytes."""
     rows = []
     folder = root / f"{impl}_{saved_at}"
     for op, size in (("save", saved_at), ("load", loaded_at)):
@@ -175,8 +174,7 @@ def dcp_folder(folder: Path, iteration: int) -> Path:
 def run_op(impl, op, folder, iteration, layout, tensors, mesh, group, block_columns) -> dict | None:
     """One save or load: the bytes this lesson counted, {"data", "manifest"} (torch's: None)."""
     if impl == "ours" and op == "save":
-        stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {},
-                                block_columns, group=group)
+        stats = checkpoint.save(folder, layout, iteration + 1, "fsdp", {}, block_columns, group=group)
         return {"data": stats["bytes_written"], "manifest": stats["manifest_bytes"]}
     if impl == "ours":
         stats = checkpoint.load(checkpoint.latest_checkpoint(folder), layout, group=group)
@@ -195,9 +193,8 @@ def bench_row(ctx, impl, op, saved_at, loaded_at, times, counted, kernel, size) 
     """One row: the slowest rank's median time and the spread, and the most bytes any rank
     moved (counted here: the data, and the manifest; and by the kernel: every read or write
     call of the process meanwhile, /proc/self/io), from every rank of the group that ran it."""
-    mine = {"times": times, "counted": counted, "kernel": kernel}
     everyone = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, {"times": times, "counted": counted, "kernel": kernel})
     ran = everyone[:size]
     all_times = [t for theirs in ran for t in theirs["times"]]
     kernel_bytes = [theirs["kernel"][-1] for theirs in ran]
@@ -220,35 +217,29 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
     """Rank 0: the table, the targets measured beside their values, results/checkpoint.csv."""
     machine = results.machine_name()
     for row in rows:
-        row.update({"model": args.model, "backend": dist.get_backend(),
-                    "device": str(args.device_used), "machine": machine,
-                    "run_id": results.run_id()})
+        row.update({"model": args.model, "backend": dist.get_backend(), "device": str(args.device_used),
+                    "machine": machine, "run_id": results.run_id()})
     by_key = {(row["impl"], row["op"], row["saved_at"], row["loaded_at"]): row for row in rows}
     for row in rows:  # NaN: torch's not run (a pair that cannot carry it, or past the deadline)
         theirs = by_key.get(("torch_dcp", row["op"], row["saved_at"], row["loaded_at"]))
-        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"] if theirs \
-            else float("nan")
+        row["ratio_vs_torch"] = row["time_ms_median"] / theirs["time_ms_median"] if theirs else float("nan")
     shown = [{"impl": row["impl"], "op": row["op"],
-              "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}",
-              "ranks": row["ranks"], "ms (median)": row["time_ms_median"],
-              "x torch": row["ratio_vs_torch"], "data bytes/rank (max)": row["data_bytes_max"],
-              "manifest bytes": row["manifest_bytes"],
+              "saved at -> loaded at": f"{row['saved_at']} -> {row['loaded_at']}", "ranks": row["ranks"],
+              "ms (median)": row["time_ms_median"], "x torch": row["ratio_vs_torch"],
+              "data bytes/rank (max)": row["data_bytes_max"], "manifest bytes": row["manifest_bytes"],
               "kernel bytes/rank (max)": row["kernel_bytes_max"]} for row in rows]
-    results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW "
-                                     f"({machine})")
+    results.print_table(shown, title=f"checkpoint save and load, the {args.model} LM + AdamW ({machine})")
     path = results.upsert_csv("checkpoint.csv", rows, key=["model", "backend", "device", "impl",
                                                           "op", "saved_at", "loaded_at"])
     print(f"wrote {path}", flush=True)
     for row in rows:
         if row["impl"] == "ours" and row["op"] == "save":
             verdict = "met" if row["data_bytes_total"] == full_bytes else "NOT met"
-            print(f"target: bytes written at {row['saved_at']} ranks, all ranks together, "
-                  f"exactly the state once ({full_bytes}): measured {row['data_bytes_total']} "
-                  f"({verdict})", flush=True)
+            print(f"target: bytes written at {row['saved_at']} ranks, all ranks together, exactly the state "
+                  f"once ({full_bytes}): measured {row['data_bytes_total']} ({verdict})", flush=True)
         if row["impl"] == "ours" and row["op"] == "load":
             print(f"target: bytes read per rank exactly the overlap with what it holds, at "
-                  f"{row['loaded_at']} ranks: met on every rank (checked at each load)",
-                  flush=True)
+                  f"{row['loaded_at']} ranks: met on every rank (checked at each load)", flush=True)
     for row in rows:
         if row["impl"] == "ours" and not math.isnan(row["ratio_vs_torch"]):  # torch's ran too
             verdict = "met" if row["ratio_vs_torch"] <= 1.5 else "NOT met"
@@ -260,12 +251,9 @@ def finish_bench(args, rows: list[dict], full_bytes: int) -> None:
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__, world_size=4)
     parser.add_argument("--bench", action="store_true", help="accepted (make bench passes it)")
-    parser.add_argument("--model", choices=list(models.PRESETS), default="tiny",
-                        help="the LM preset")
-    parser.add_argument("--warmup", type=launch.non_negative_int, default=1,
-                        help="untimed saves and loads")
-    parser.add_argument("--iters", type=launch.positive_int, default=3,
-                        help="timed saves and loads")
+    parser.add_argument("--model", choices=list(models.PRESETS), default="tiny", help="the LM preset")
+    parser.add_argument("--warmup", type=launch.non_negative_int, default=1, help="untimed saves and loads")
+    parser.add_argument("--iters", type=launch.positive_int, default=3, help="timed saves and loads")
     parser.add_argument("--dir", default=None,
                         help="where checkpoints go (kept); default: a temporary folder, removed")
     args = parser.parse_args(argv)
@@ -282,8 +270,7 @@ def main(argv=None) -> None:
             parser.error(f"--dir {args.dir}: not a folder")
         Path(args.dir).mkdir(parents=True, exist_ok=True)
         if any(Path(args.dir).iterdir()):
-            parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty "
-                         "folder")
+            parser.error(f"--dir {args.dir}: already used (not empty); give a new or empty folder")
     args.device_used = config.device
     results.check_writable()
     launch.launch(bench_main, config, args)

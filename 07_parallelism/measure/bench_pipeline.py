@@ -1,13 +1,12 @@
 """Not a lesson: lesson 4's bubble, measured (each rank's idle share per schedule and m).
 
 ``TimedRunner`` (the executor's runner) clocks each step's compute, two barriers the pass:
-idle = 1 - busy / pass. Then with emulated compute (each F, B, W only waits; the messages stay
-real), which tests the executor against the unit-time simulation on any machine (verdict:
-within 0.05). Writes ``results/pipeline_bubble.csv`` as each setting lands; prints the table
-and timelines. Then ZB-V and DualPipeV beside torch's ``ScheduleZBVZeroBubble`` and
-``ScheduleDualPipeV`` on the same chunks (target: ours at most 1.10x torch's):
-``results/pipeline_vs_torch.csv``. A setting that cannot end before make bench's deadline
-(``BENCH_STEP_DEADLINE``) is skipped with a line.
+idle = 1 - busy / pass. Then with emulated compute (each F, B, W only waits; the messages stay real), which
+tests the executor against the unit-time simulation on any machine (verdict: within 0.05). Writes
+``results/pipeline_bubble.csv`` as each setting lands; prints the table and timelines. Then ZB-V and
+DualPipeV beside torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` on the same chunks (target:
+ours at most 1.10x torch's): ``results/pipeline_vs_torch.csv``. A setting that cannot end before make
+bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line.
 
 Run:  python 07_parallelism/measure/bench_pipeline.py --micro-batches 4,8,16 --emulate-ms 50
 """
@@ -168,6 +167,15 @@ def beside_torch(ctx, name: str, m: int, ours: list, modules: list, inputs, targ
             "torch_stages": torch_stages, "makespan": makespan}
 
 
+def gradient_difference(built: dict) -> float:
+    """Largest |our gradient - torch's| on this rank after a step of each (real compute)."""
+    worst = 0.0
+    for chunk, stage in zip(built["our_chunks"], built["torch_stages"]):
+        for ours, theirs in zip(chunk.parameters(), stage.submod.parameters()):
+            worst = max(worst, (ours.grad - theirs.grad).abs().max().item())
+    return worst
+
+
 def layers_of(cfg: dict, name: str, ctx) -> list[range]:
     """This rank's layers, one range per chunk, as schedule ``name`` lays them out."""
     return pipeline_parallel.chunk_layers(cfg["layers"], ctx.world_size, ctx.rank, cfg["v"][name],
@@ -283,11 +291,8 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
             built["ours"]()
             built["torch"]()
             difference = float("nan")
-            if emulated_ms == 0.0:  # |our gradient - torch's|, largest over the ranks
-                difference = max((mine.grad - other.grad).abs().max().item() for chunk, module
-                                 in zip(ours, theirs) for mine, other
-                                 in zip(chunk.parameters(), module.parameters()))
-                difference = max(timing.gather_times([difference]).rank_medians)
+            if emulated_ms == 0.0:  # the largest over the ranks
+                difference = max(timing.gather_times([gradient_difference(built)]).rank_medians)
             seconds = {"ours": [], "torch": []}
             for _ in range(cfg["iters"]):
                 for impl in ("ours", "torch"):
@@ -298,10 +303,9 @@ def compare_with_torch(ctx, cfg: dict, model: nn.Sequential, deadline=None) -> l
             rows.append(dict(
                 backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size,
                 **{key: cfg[key] for key in SIZE_COLUMNS}, schedule=name,
-                torch_schedule=TORCH_SCHEDULES[name], micro_batches=m, chunks=v,
-                emulated_ms=emulated_ms, ours_ms=ours_s * 1e3, torch_ms=torch_s * 1e3,
-                ratio=ours_s / torch_s, ideal_ms=ideal_ms, gradient_max_difference=difference,
-                run_id=results.run_id(), machine=results.machine_name()))
+                torch_schedule=TORCH_SCHEDULES[name], micro_batches=m, chunks=v, emulated_ms=emulated_ms,
+                ours_ms=ours_s * 1e3, torch_ms=torch_s * 1e3, ratio=ours_s / torch_s, ideal_ms=ideal_ms,
+                gradient_max_difference=difference, run_id=results.run_id(), machine=results.machine_name()))
     return rows
 
 
@@ -347,13 +351,11 @@ def report_torch(ctx, cfg: dict, rows: list[dict]) -> None:
 def write_rows(ctx, cfg: dict, rows: list[dict]):
     """Rank 0: upsert the settings measured so far into results/pipeline_bubble.csv."""
     csv_rows = [dict(backend=ctx.backend, device=ctx.device.type, world_size=ctx.world_size,
-                     **{key: cfg[key] for key in SIZE_COLUMNS},
-                     schedule=row["schedule"], micro_batches=row["m"], rank=rank,
-                     idle_share=row["idle"][rank], idle_share_simulated=row["sim"][rank],
-                     idle_share_formula=row["formula"], peak_held=row["peak"][rank],
-                     step_ms=row["step_ms"], run_id=results.run_id(),
-                     emulated_ms=row["emulated_ms"], chunks=row["v"],
-                     machine=results.machine_name())
+                     **{key: cfg[key] for key in SIZE_COLUMNS}, schedule=row["schedule"],
+                     micro_batches=row["m"], rank=rank, idle_share=row["idle"][rank],
+                     idle_share_simulated=row["sim"][rank], idle_share_formula=row["formula"],
+                     peak_held=row["peak"][rank], step_ms=row["step_ms"], run_id=results.run_id(),
+                     emulated_ms=row["emulated_ms"], chunks=row["v"], machine=results.machine_name())
                 for row in rows for rank in range(ctx.world_size)]
     key = ["backend", "device", "world_size", *SIZE_COLUMNS, "schedule", "micro_batches",
            "chunks", "emulated_ms", "rank"]
@@ -372,17 +374,15 @@ def report(ctx, cfg: dict, rows: list[dict]) -> None:
               "simulated": statistics.fmean(row["sim"]), "formula": row["formula"],
               "max gap": row["gap"], "step_ms": row["step_ms"],
               "peak held per rank": " ".join(str(count) for count in row["peak"])} for row in rows]
-    results.print_table(table, f"Idle share per rank (median of {cfg['iters']} passes) beside "
-                        "the unit-time simulation and the formula; activations held at once:",
-                        floatfmt=".3f")
+    results.print_table(table, f"Idle share per rank (median of {cfg['iters']} passes) beside the unit-time "
+                        "simulation and the formula; activations held at once:", floatfmt=".3f")
     gap = max((row["gap"] for row in rows if row["emulated_ms"]), default=None)
     if gap is not None:        # none where make bench's deadline stopped the emulated settings
         verdict = f"yes (largest gap {gap:.3f})"
         if gap > 0.05:
             verdict = (f"no, {gap:.3f} (each message's delay on a busy box adds to it; a larger "
                        "--emulate-ms shrinks its share)")
-        print(f"\nemulated compute: measured idle within 0.05 of the simulation on every rank: "
-              f"{verdict}")
+        print(f"\nemulated compute: measured idle within 0.05 of the simulation on every rank: {verdict}")
     for name in cfg["schedules"]:
         m = max(cfg["micro_batches"])
         if not schedule_refuses(name, stages, m, cfg["v"][name]):
@@ -419,8 +419,7 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batches", type=launch.int_list, default=None,
                         help="micro-batch counts m; default: 2p")
     parser.add_argument("--schedules", type=launch.choice_list(names), default=None,
-                        help="subset of " + ",".join(names) + "; default: all, each at the m "
-                        "it allows")
+                        help="subset of " + ",".join(names) + "; default: all, each at the m it allows")
     parser.add_argument("--chunks", type=launch.positive_int, default=2,
                         help="v, model chunks per rank (interleaved only); at most layers / p")
     parser.add_argument("--emulate-ms", type=emulate_ms_flag, default=20.0,

@@ -1,10 +1,9 @@
-"""Not a lesson: lesson 3's measurements, tensor and sequence parallelism counted beside the
-formulas of ``07_parallelism/03_tensor_parallel/README.md``: the MLP's bytes per layer and
-phase (both variants) beside ``predicted_comm`` (results/tensor_parallel.csv); a Transformer
-block's (TP, TP + SP, torch's ``parallelize_module`` as the control) beside
-``predicted_block_comm``, its bytes saved for backward beside ``saved_formula``
-(results/sequence_parallel.csv). Each is checked against one process and written as it lands;
-torch's is left out where the pair cannot carry it. The demo's flags, and ``--bench``.
+"""Not a lesson: lesson 3's measurements, tensor and sequence parallelism counted beside the formulas of
+``07_parallelism/03_tensor_parallel/README.md``: the MLP's bytes per layer and phase (both variants) beside
+``predicted_comm`` (results/tensor_parallel.csv); a Transformer block's (TP, TP + SP, torch's
+``parallelize_module`` as the control) beside ``predicted_block_comm``, its bytes saved for backward beside
+``saved_formula`` (results/sequence_parallel.csv). Each is checked against one process and written as it
+lands; torch's is left out where the pair cannot carry it. The demo's flags, and ``--bench``.
 
     python 07_parallelism/measure/bench_tensor_parallel.py --world-size 4 --d-model 128 --heads 8
 """
@@ -26,6 +25,7 @@ from bench import results, step_bench  # noqa: E402 (after the path)
 from bench import supervisor as launch  # noqa: E402
 from common import import_stage, models  # noqa: E402
 from common.launch import carries_point_to_point  # noqa: E402
+from common.verify import agree_on_problems as agree  # noqa: E402  (one verdict on every rank)
 from counters import (CommCounter, FunctionalCommCounter, SavedActivations,  # noqa: E402
                       ring_send_bytes)
 
@@ -46,15 +46,11 @@ def predicted_comm(variant: str, tokens: int, d_model: int, d_ff: int,
     activation = tokens * d_model * element_size  # one [tokens, d_model] tensor
     hidden = tokens * d_ff * element_size         # one [tokens, d_ff] tensor
     if variant == "megatron":
-        return {("fc1", "forward"): ("-", 0),
-                ("fc1", "backward"): ("all_reduce", activation),
-                ("fc2", "forward"): ("all_reduce", activation),
-                ("fc2", "backward"): ("-", 0)}
+        return {("fc1", "forward"): ("-", 0), ("fc1", "backward"): ("all_reduce", activation),
+                ("fc2", "forward"): ("all_reduce", activation), ("fc2", "backward"): ("-", 0)}
     if variant == "allgather":
-        return {("fc1", "forward"): ("all_gather", hidden),
-                ("fc1", "backward"): ("all_reduce", activation),
-                ("fc2", "forward"): ("all_gather", activation),
-                ("fc2", "backward"): ("all_reduce", hidden)}
+        return {("fc1", "forward"): ("all_gather", hidden), ("fc1", "backward"): ("all_reduce", activation),
+                ("fc2", "forward"): ("all_gather", activation), ("fc2", "backward"): ("all_reduce", hidden)}
     raise ValueError(f"unknown variant {variant!r}; allowed: {', '.join(tp.VARIANTS)}")
 
 
@@ -74,8 +70,7 @@ def predicted_block_comm(tokens: int, d_model: int, sequence_parallel: bool,
             for phase, op in zip(("forward", "backward"), ops)}
 
 
-def predicted_replicated_grads(d_model: int, sequence_parallel: bool,
-                               element_size: int = FLOAT32) -> int:
+def predicted_replicated_grads(d_model: int, sequence_parallel: bool, element_size: int = FLOAT32) -> int:
     """Bytes ``all_reduce_replicated_grads`` all-reduces per block: with sequence parallelism
     norm1's and norm2's weight and bias and mlp.2's bias, d_model each; without it nothing."""
     return 5 * d_model * element_size if sequence_parallel else 0
@@ -134,8 +129,7 @@ def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> dict:
             "ok": torch.allclose(got, want, rtol=RTOL, atol=ATOL)}
 
 
-def compare_bytes(counted: dict, predicted: dict, world_size: int,
-                  what: str) -> tuple[list[dict], list[str]]:
+def compare_bytes(counted: dict, predicted: dict, world_size: int, what: str) -> tuple[list[dict], list[str]]:
     """(rows, failures): each layer and phase's collectives, counted beside predicted."""
     rows, failures = [], []
     for (layer, phase), (op, want) in predicted.items():
@@ -145,9 +139,8 @@ def compare_bytes(counted: dict, predicted: dict, world_size: int,
             failures.append(f"{what} {layer} {phase}: counted {got['ops']} "
                             f"{got['payload_bytes']} B, predicted {op} {want} B")
         sent = ring_send_bytes(op, want, world_size) if want else 0
-        rows.append({"layer": layer, "phase": phase, "collective": op,
-                     "bytes_counted": got["payload_bytes"], "bytes_predicted": want,
-                     "ring_bytes_sent_per_rank": sent})
+        rows.append({"layer": layer, "phase": phase, "collective": op, "bytes_counted": got["payload_bytes"],
+                     "bytes_predicted": want, "ring_bytes_sent_per_rank": sent})
     return rows, failures
 
 
@@ -183,8 +176,7 @@ def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], lis
             F.mse_loss(out, target).backward()
         for handle in handles:
             handle.remove()
-        mine = [compare("output", out, reference(x_ref)),
-                compare("input.grad", x_tp.grad, x_ref.grad)]
+        mine = [compare("output", out, reference(x_ref)), compare("input.grad", x_tp.grad, x_ref.grad)]
         for name, param in model.named_parameters():  # each against its part of the full grad
             layer_name, param_name = name.split(".")
             full_grad = getattr(getattr(reference, layer_name), param_name).grad
@@ -204,12 +196,10 @@ def check_mlp(ctx, cfg: dict, land=None, deadline=None) -> tuple[list[dict], lis
     return checks, byte_rows, failures
 
 
-def saved_row(cfg: dict, label: str, world_size: int, sequence_parallel: bool,
-              saved: tuple[int, int]) -> dict:
+def saved_row(cfg: dict, label: str, world_size: int, sequence_parallel: bool, saved: tuple) -> dict:
     layernorms_formula, rest_formula = saved_formula(cfg, world_size, sequence_parallel)
-    return {"block": label, "t": world_size, "layernorms": saved[0],
-            "layernorms formula": layernorms_formula, "rest": saved[1],
-            "rest formula": rest_formula, "total": saved[0] + saved[1]}
+    return {"block": label, "t": world_size, "layernorms": saved[0], "layernorms formula": layernorms_formula,
+            "rest": saved[1], "rest formula": rest_formula, "total": saved[0] + saved[1]}
 
 
 def saved_failures(ctx, row: dict) -> list[str]:
@@ -259,8 +249,7 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
             block.all_reduce_replicated_grads()
     for handle in handles:
         handle.remove()
-    checks = [compare("output", out, mine("out")),
-              compare("input.grad", x_mine.grad, mine("x_grad"))]
+    checks = [compare("output", out, mine("out")), compare("input.grad", x_mine.grad, mine("x_grad"))]
     for name, param in block.named_parameters() if ours else ():  # the full block's names
         full_grad = reference["full"].get_parameter(name).grad
         owner = block.get_submodule(name.rsplit(".", 1)[0])
@@ -286,19 +275,16 @@ def check_parallel_block(ctx, cfg: dict, group, reference: dict, configuration) 
     rows.append({"layer": "replicated grads", "phase": "after backward",
                  "collective": "all_reduce" if want_replicated else "-",
                  "bytes_counted": replicated["payload_bytes"], "bytes_predicted": want_replicated,
-                 "ring_bytes_sent_per_rank": ring_send_bytes("all_reduce", want_replicated,
-                                                             world_size)})
+                 "ring_bytes_sent_per_rank": ring_send_bytes("all_reduce", want_replicated, world_size)})
     return {"label": label, "checks": checks, "bytes": [{"block": label, **row} for row in rows],
             "saved": saved, "totals": phase_totals(label, calls, world_size),
             "failures": failed_rows(label, checks) + failures + saved_failures(ctx, saved)}
 
 
-def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
-                deadline=None) -> dict:
-    """The block on one process (seed 0 on every rank; a random probe as dL/d(output) uses
-    every gradient), in TP, TP + SP and torch's TP + SP, on ``group``: {"checks", "bytes",
-    "totals", "saved", "failures" (this rank's)}; ``land(ctx, cfg, part)`` as each lands,
-    each only if ``deadline`` allows."""
+def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None, deadline=None) -> dict:
+    """The block on one process (seed 0 on every rank; a random probe as dL/d(output) uses every gradient),
+    in TP, TP + SP and torch's TP + SP, on ``group``: {"checks", "bytes", "totals", "saved", "failures" (this
+    rank's)}; ``land(ctx, cfg, part)`` as each lands, each only if ``deadline`` allows."""
     torch.manual_seed(0)
     full = models.Block(cfg["d_model"], cfg["d_ff"], cfg["heads"]).to(ctx.device)
     x = torch.randn(cfg["batch"], cfg["seq"], cfg["d_model"], device=ctx.device)
@@ -325,12 +311,6 @@ def check_block(ctx, cfg: dict, group=None, with_torch: bool = True, land=None,
             result[key] += part[key]
         result["saved"].append(part["saved"])
     return result
-
-
-def agree(failures: list[str], group=None) -> list[str]:
-    """Every rank's problems on every rank, named by rank: one verdict (common/verify.py)."""
-    from common import verify
-    return verify.agree_on_problems(failures, group)
 
 
 def mlp_columns(ctx, cfg: dict) -> dict:
@@ -375,18 +355,16 @@ def bench_main(ctx, cfg: dict) -> None:
         where = f"{ctx.backend}/{ctx.device.type} ({results.machine_name()})"
         print(f"\nTensor-parallel MLP on {ctx.world_size} ranks: d_model {cfg['d_model']}, "
               f"d_ff {cfg['d_ff']}, {cfg['batch'] * cfg['seq']} tokens, {where}")
-        results.print_table(mlp_bytes, "\nBytes per layer, one forward + backward (float32):",
-                            floatfmt=".0f")
-        print(f"\nA Transformer block of the course LM (d_model {cfg['d_model']}, d_ff "
-              f"{cfg['d_ff']}, {cfg['heads']} heads, batch {cfg['batch']}, seq {cfg['seq']}) on "
-              f"{ctx.world_size} ranks, {where}:")
-        results.print_table(block["bytes"], "\nBytes per parallel layer, one forward + "
-                            "backward (float32; payload = the full tensor):", floatfmt=".0f")
-        results.print_table(block["totals"], "\nPer block: ours beside torch's "
-                            "parallelize_module (SequenceParallel, ColwiseParallel, "
-                            "RowwiseParallel):", floatfmt=".0f")
-        results.print_table(block["saved"], "\nBytes saved for backward per rank, counted "
-                            "(saved-tensor hooks) beside the formula:", floatfmt=".0f")
+        results.print_table(mlp_bytes, "\nBytes per layer, one forward + backward (float32):", floatfmt=".0f")
+        print(f"\nA Transformer block of the course LM (d_model {cfg['d_model']}, d_ff {cfg['d_ff']}, "
+              f"{cfg['heads']} heads, batch {cfg['batch']}, seq {cfg['seq']}) on {ctx.world_size} ranks, "
+              f"{where}:")
+        results.print_table(block["bytes"], "\nBytes per parallel layer, one forward + backward (float32; "
+                            "payload = the full tensor):", floatfmt=".0f")
+        results.print_table(block["totals"], "\nPer block: ours beside torch's parallelize_module "
+                            "(SequenceParallel, ColwiseParallel, RowwiseParallel):", floatfmt=".0f")
+        results.print_table(block["saved"], "\nBytes saved for backward per rank, counted (saved-tensor "
+                            "hooks) beside the formula:", floatfmt=".0f")
     if failures:
         raise AssertionError("tensor-parallel check failed:\n  " + "\n  ".join(failures))
     ctx.print(f"all checks passed on every rank: {len(checks) + len(block['checks'])} outputs "
@@ -410,8 +388,7 @@ def main(argv=None) -> None:
              " (the all-gather variant splits fc2's outputs)"),
             ("--d-model", args.d_model, "--heads", args.heads, ""),
             ("--heads", args.heads, world, world_size, " (each rank holds whole heads)"),
-            ("--seq", args.seq, world, world_size, " (sequence parallelism gives each rank seq / t "
-                                                   "tokens)")):
+            ("--seq", args.seq, world, world_size, " (sequence parallelism gives each rank seq / t tokens)")):
         if size % by:
             parser.error(f"{flag} {size} is not divisible by {name} {by}{why}")
     # A rank's rough peak: MLP, block, gradients, slices, torch's copy, 3 blocks' activations

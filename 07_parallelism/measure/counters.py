@@ -34,8 +34,7 @@ def storage_key(t: torch.Tensor) -> tuple:
 
 def state_bytes(tensors) -> int:
     """Bytes held by ``tensors`` (None skipped), each storage counted once."""
-    size_of = {storage_key(t): local_part(t).untyped_storage().nbytes()
-               for t in tensors if t is not None}
+    size_of = {storage_key(t): local_part(t).untyped_storage().nbytes() for t in tensors if t is not None}
     return sum(size_of.values())
 
 

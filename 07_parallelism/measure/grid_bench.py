@@ -3,16 +3,15 @@
     python 07_parallelism/measure/grid_bench.py --bench                   # 4 ranks, CPU sizes
     python 07_parallelism/measure/grid_bench.py --bench --bench-sizes gpu --world-size 8
 
-Into results/grid.csv, in one launch: (1) our grids (``GRIDS``): train.py's step, timed in
-rounds (the slowest rank's median), and per rank the bytes held and sent per axis, counted
-(``counters.py``) beside ``combined_formula``; (2) torch's composition (``parallelize_module``
-then ``fully_shard``) as the control, in pairs (the ``pair`` column): ``replicated_tp``,
-``fsdp_tp`` (ours ZeRO-1) and ``hsdp``; (3) the pipeline axis against
-``torch.distributed.pipelining`` on pp = 2 and 4, real compute (gradients compared) and emulated
-(a fixed wait per F, B and W), beside the simulation. A row holds the largest rank's count and
-formula, and the worst relative difference of any rank in any column. What cannot end before
-make bench's deadline (``BENCH_STEP_DEADLINE``) is skipped with a line. torch's context
-parallelism has no CPU path in torch 2.13: no row.
+Into results/grid.csv, in one launch: (1) our grids (``GRIDS``): train.py's step, timed in rounds (the
+slowest rank's median), and per rank the bytes held and sent per axis, counted (``counters.py``) beside
+``combined_formula``; (2) torch's composition (``parallelize_module`` then ``fully_shard``) as the control,
+in pairs (the ``pair`` column): ``replicated_tp``, ``fsdp_tp`` (ours ZeRO-1) and ``hsdp``; (3) the pipeline
+axis against ``torch.distributed.pipelining`` on pp = 2 and 4, real compute (gradients compared) and
+emulated (a fixed wait per F, B and W), beside the simulation. A row holds the largest rank's count and
+formula, and the worst relative difference of any rank in any column. What cannot end before make bench's
+deadline (``BENCH_STEP_DEADLINE``) is skipped with a line. torch's context parallelism has no CPU path in
+torch 2.13: no row.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import bench_pipeline  # first: it puts the repository on the path
+from bench_pipeline import gradient_difference
 from bench import results, step_bench, timing
 from bench import supervisor as launch
 from common import import_stage, models
@@ -78,11 +78,9 @@ PIPELINE = {"stages": [2, 4], "schedules": ["gpipe", "1f1b", "interleaved", "zbv
             "compute": ["real", "emulated"], "layers": 8, "micro_batches": 8}
 SIZES = {
     "cpu": {"model": "tiny", "batch_size": 16, "seq_len": 64, "warmup": 1, "iters": 4,
-            "rounds": 2, "lr": 3e-3,
-            "pipeline": {**PIPELINE, "rows": 2, "seq_len": 64, "emulate_ms": 10.0}},
+            "rounds": 2, "lr": 3e-3, "pipeline": {**PIPELINE, "rows": 2, "seq_len": 64, "emulate_ms": 10.0}},
     "gpu": {"model": "small", "batch_size": 32, "seq_len": 1024, "warmup": 2, "iters": 5,
-            "rounds": 2, "lr": 3e-3,
-            "pipeline": {**PIPELINE, "rows": 4, "seq_len": 1024, "emulate_ms": 5.0}},
+            "rounds": 2, "lr": 3e-3, "pipeline": {**PIPELINE, "rows": 4, "seq_len": 1024, "emulate_ms": 5.0}},
 }
 
 
@@ -129,8 +127,7 @@ def ring_share(ranks: int) -> float:
     return (ranks - 1) / ranks
 
 
-def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int,
-                     dp_cp_rank: int = 0) -> dict:
+def combined_formula(shape: dict, spec: dict, pp_rank: int, world_size: int, dp_cp_rank: int = 0) -> dict:
     """The bytes per rank at pp_rank (ZeRO-1: dp_cp_rank in its group), by ALL_KINDS."""
     h, f, vocab, seq = shape["h"], shape["f"], shape["vocab"], shape["seq"]
     d, p, c, t = spec["dp"], spec["pp"], spec["cp"], spec["tp"]
@@ -303,10 +300,9 @@ def random_batch(sizes: dict, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor
 
 def train_args(sizes: dict, spec: dict) -> argparse.Namespace:
     """What train.py's build reads."""
-    return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0,
-                              lr=sizes["lr"], **{key: spec.get(key, 1) for key in (
-                                  "dp", "pp", "cp", "tp", "dp_shard", "chunks")},
-                              fsdp=spec["fsdp"])
+    degrees = {key: spec.get(key, 1) for key in ("dp", "pp", "cp", "tp", "dp_shard", "chunks")}
+    return argparse.Namespace(model=sizes["model"], seq_len=sizes["seq_len"], seed=0, lr=sizes["lr"],
+                              fsdp=spec["fsdp"], **degrees)
 
 
 def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, targets, device) -> int:
@@ -357,27 +353,23 @@ def count_grid(ctx, spec: dict, sizes: dict, built: dict, lessons) -> dict:
     if spec.get("dp_shard", 1) > 1:
         losses.append(built["step"]()["loss"])
     # the group of a collective names its axis
-    axes = {axis: grid.group(axis) for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard",
-                                                "dp_replicate")}
+    axes = {axis: grid.group(axis) for axis in ("tp", "cp", "pp", "dp_cp", "dp", "dp_shard", "dp_replicate")}
     with CommCounter(axes=axes) as comm:
         result = built["step"]()
     losses.append(result["loss"])
     counted = {"param": state_bytes(built["params"]),
                "grad": state_bytes(p.grad for p in built["params"]),
                "optim": optimizer_state_bytes(built["optimizer"]),
-               "activation": saved_one_micro_batch(built["chunks"], grid, lessons.parallel_lm,
-                                                   spec, sizes, built["inputs"],
-                                                   built["targets"], ctx.device)}
+               "activation": saved_one_micro_batch(built["chunks"], grid, lessons.parallel_lm, spec, sizes,
+                                                   built["inputs"], built["targets"], ctx.device)}
     sent = {axis: entry["sent_bytes"] for axis, entry in comm.by_axis.items()}
     counted.update({f"sent_{axis}": sent.get(axis, 0.0) for axis in AXES})
     if "dp" in sent:             # the formula sends nothing on dp alone: it goes under "other"
         counted["sent_other"] += sent["dp"]
-    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size,
-                               grid.rank("dp_cp"))
+    formula = combined_formula(lm_shape(sizes), spec, grid.rank("pp"), ctx.world_size, grid.rank("dp_cp"))
     worst, worst_kind = worst_difference(counted, formula)
-    return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted,
-            "formula": formula, "worst": worst, "worst_kind": worst_kind,
-            "loss": losses[0], "peak_held": result["peak_held"]}
+    return {"rank": ctx.rank, "coordinate": dict(grid.coordinate), "counted": counted, "formula": formula,
+            "worst": worst, "worst_kind": worst_kind, "loss": losses[0], "peak_held": result["peak_held"]}
 
 
 def everyone(mine):
@@ -406,10 +398,9 @@ def timed_row(ctx, sizes: dict, impl: str, grid: str, setting: str, seconds: lis
     stats = timing.gather_times(seconds)
     tokens = sizes["batch_size"] * sizes["seq_len"]
     return {"impl": impl, "pair": "", "grid": grid, "setting": setting, "model": sizes["model"],
-            "batch_size": sizes["batch_size"], "seq_len": sizes["seq_len"],
-            "micro_batches": micro_batches, "world_size": ctx.world_size,
-            "backend": ctx.backend, "device": ctx.device.type, "step_ms": stats.median * 1e3,
-            "step_ms_min": stats.min * 1e3, "step_ms_max": stats.max * 1e3,
+            "batch_size": sizes["batch_size"], "seq_len": sizes["seq_len"], "micro_batches": micro_batches,
+            "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
+            "step_ms": stats.median * 1e3, "step_ms_min": stats.min * 1e3, "step_ms_max": stats.max * 1e3,
             "tokens_per_s": tokens / stats.median, "steps_timed": len(seconds),
             "machine": results.machine_name(), "run_id": results.run_id()}
 
@@ -452,8 +443,7 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
     if tp_mesh is not None:     # torch's tutorial's plan around the blocks, for our names
         sequence_out = {"input_layouts": Replicate(), "output_layouts": Shard(1)}
         plan = {"token_embedding": RowwiseParallel(**sequence_out),
-                "position_embedding": RowwiseParallel(**sequence_out),
-                "norm": SequenceParallel(),
+                "position_embedding": RowwiseParallel(**sequence_out), "norm": SequenceParallel(),
                 "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
         parallelize_module(lm, tp_mesh, plan)
     for block in lm.blocks:
@@ -461,8 +451,7 @@ def build_torch(ctx, sizes: dict, lessons, data_mesh, tp_mesh=None) -> dict:
             parallelize_module(block, tp_mesh, lessons.torch_tp.block_plan())
         fully_shard(block, mesh=data_mesh)
     fully_shard(lm, mesh=data_mesh)
-    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0,
-                                  eps=lessons.train.ADAM_EPS)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=args.lr, weight_decay=0.0, eps=lessons.train.ADAM_EPS)
     inputs, targets = random_batch(sizes)
     data_rank = 0
     for dim in range(data_mesh.ndim):            # row-major over the data mesh's dims
@@ -496,8 +485,7 @@ def count_torch(ctx, built: dict, axes: dict, second: bool, formula: dict) -> di
             loss = built["step"]()
     first = (loss if first is None else first).detach().reshape(1) / ctx.world_size
     dist.all_reduce(first)
-    counted = {"param": state_bytes(lm.parameters()),
-               "grad": state_bytes(p.grad for p in lm.parameters()),
+    counted = {"param": state_bytes(lm.parameters()), "grad": state_bytes(p.grad for p in lm.parameters()),
                "optim": optimizer_state_bytes(built["optimizer"])}
     counted.update({f"sent_{axis}": 0.0 for axis in [*AXES, "dp"]})
     for counter in (comm, functional):
@@ -565,8 +553,7 @@ def measure_alternating(ctx, steps: dict, sizes: dict) -> dict[str, list[float]]
         seconds[name] = []
     for _ in range(sizes["rounds"]):
         for name, step in steps.items():
-            seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"],
-                                            barrier=True)
+            seconds[name] += timing.measure(step, ctx.device, warmup=0, iters=sizes["iters"], barrier=True)
     return seconds
 
 
@@ -626,15 +613,6 @@ def build_pipelines(ctx, grid, sizes: dict, schedule_name: str, compute: str, le
     return built
 
 
-def gradient_difference(built: dict) -> float:
-    """Largest |our gradient - torch's| on this rank after a step of each (real compute)."""
-    worst = 0.0
-    for chunk, stage in zip(built["our_chunks"], built["torch_stages"]):
-        for ours, theirs in zip(chunk.parameters(), stage.submod.parameters()):
-            worst = max(worst, (ours.grad - theirs.grad).abs().max().item())
-    return worst
-
-
 def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
     """Every (stages, schedule, compute) of ``sizes["pipeline"]``: ours and torch's rows."""
     setting = sizes["pipeline"]
@@ -655,23 +633,20 @@ def compare_pipelines(ctx, sizes: dict, lessons, deadline) -> list[dict]:
                 if not deadline.allows(f"{label} {schedule_name}, {compute} and what follows"):
                     break
                 built = build_pipelines(ctx, grid, sizes, schedule_name, compute, lessons)
-                seconds = measure_alternating(ctx, {"ours": built["ours"],
-                                                    "torch": built["torch"]}, sizes)
+                seconds = measure_alternating(ctx, {"ours": built["ours"], "torch": built["torch"]}, sizes)
                 difference = float("nan")
                 if compute == "real":        # the largest on any rank
                     difference = max(timing.gather_times([gradient_difference(built)]).rank_medians)
                 emulated_ms = setting["emulate_ms"] if compute == "emulated" else 0.0
                 words = f"{schedule_name}, {bench_pipeline.compute_of(emulated_ms)}"
                 for impl, name in (("ours", "our executor"), ("torch", "torch.distributed.pipelining")):
-                    row = timed_row(ctx, sizes, impl, label, words,
-                                    seconds[impl], setting["micro_batches"])
+                    row = timed_row(ctx, sizes, impl, label, words, seconds[impl], setting["micro_batches"])
                     batch = setting["rows"] * setting["micro_batches"]
                     row.update(batch_size=batch, seq_len=setting["seq_len"],
                                model=f"{setting['layers']} {sizes['model']} blocks",
                                tokens_per_s=batch * setting["seq_len"] / (row["step_ms"] / 1e3),
-                               schedule=schedule_name, compute=compute, stages=stages,
-                               implementation=name, ideal_ms=built["ideal_s"] * 1e3,
-                               gradient_max_difference=difference)
+                               schedule=schedule_name, compute=compute, stages=stages, implementation=name,
+                               ideal_ms=built["ideal_s"] * 1e3, gradient_max_difference=difference)
                     rows.append(row)
         grid.destroy()
     return rows
@@ -724,9 +699,8 @@ def bench_worker(ctx, sizes: dict, grids: list[dict], out_path: str | None = Non
         with open(out_path, "w") as f:
             details = [{"grid": timed["row"]["grid"], "setting": timed["row"]["setting"],
                         "spec": timed["spec"], "per_rank": timed["per_rank"]} for timed in timed_grids]
-            json.dump({"grid_rows": grid_rows, "torch_rows": torch_rows,
-                       "pipeline_rows": pipeline_rows, "details": details,
-                       "reference_loss": reference, "csv": str(path)}, f)
+            json.dump({"grid_rows": grid_rows, "torch_rows": torch_rows, "pipeline_rows": pipeline_rows,
+                       "details": details, "reference_loss": reference, "csv": str(path)}, f)
 
 
 def percent(share: float) -> str:
@@ -758,8 +732,7 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
         return {f"{kind} {unit_name}": counted_and_formula(row, kind, unit) for kind in kinds}
 
     ours = [{"grid": row["grid"], "setting": row["setting"], "step ms": row["step_ms"],
-             **bytes_of(row, ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp",
-                              "sent_dp_cp")),
+             **bytes_of(row, ("param", "optim", "activation", "sent_tp", "sent_cp", "sent_pp", "sent_dp_cp")),
              "worst difference": percent(row["worst_difference"])} for row in our_rows]
     results.print_table(ours, floatfmt=".0f", title="\nOur grids, the largest rank, counted "
                         "(formula); activation: one micro-batch; sent: per step:")
@@ -796,8 +769,7 @@ def report(ctx, sizes: dict, our_rows: list[dict], torch_rows: list[dict],
         ratio = ours["step_ms"] / theirs["step_ms"]
         verdict = "met" if ratio <= TARGET_TORCH_TP else "NOT met"
         print(f"  {ours['pair']}: our {ours['grid']} step / torch's: {ours['step_ms']:.1f} / "
-              f"{theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= {TARGET_TORCH_TP}x: "
-              f"{verdict})")
+              f"{theirs['step_ms']:.1f} ms = {ratio:.2f}x (target <= {TARGET_TORCH_TP}x: {verdict})")
     for ours, theirs in pairs:
         if ours["compute"] == "emulated" and ours["stages"] == 4:
             print(f"  our pipeline / torch's, {ours['schedule']}, pp 4, emulated: "

@@ -2,11 +2,10 @@
 ``python 07_parallelism/measure/bench_fsdp.py --bench`` (its ZeRO rows: ``bench_zero.py``).
 
 Six ways to train the same LM on N ranks: DDP (stage 06), ZeRO-1, ZeRO-2, our FSDP, torch's
-ZeroRedundancyOptimizer and fully_shard; and a control, ``none``, that sends nothing (the
-compute lesson 9's check predicts the others from). For each, one step is counted with
-``counters.py`` beside the lessons' formula (``predicted_bytes``) and timed; the rows go to
-``results/sharding.csv``. The bytes are counts, true on any interconnect; under Gloo the
-step times measure its host path, and ``comm_path`` in the CSV says so.
+ZeroRedundancyOptimizer and fully_shard; and a control, ``none``, that sends nothing (the compute lesson 9's
+check predicts the others from). For each, one step is counted with ``counters.py`` beside the lessons'
+formula (``predicted_bytes``) and timed; the rows go to ``results/sharding.csv``. The bytes are counts, true
+on any interconnect; under Gloo the step times measure its host path, and ``comm_path`` in the CSV says so.
 """
 
 import contextlib
@@ -183,8 +182,7 @@ def measure_case(ctx, impl: str, build, checkpointing: bool, args, count: bool):
         if ours:  # weights, not activations
             saved = SavedActivations(model, exclude_now=lambda: gathered_storage_keys(wrapper))
         else:  # torch's fully_shard puts its gathered weights into the modules while they run
-            saved = SavedActivations(model, exclude_now=lambda: {storage_key(p) for p in
-                                                                 model.parameters()})
+            saved = SavedActivations(model, exclude_now=lambda: {storage_key(p) for p in model.parameters()})
         with CommCounter() as comm, gathered:
             step(saved)
         counted.update(param=state_bytes(model.parameters()), activation=saved.bytes,
@@ -242,8 +240,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
         strategies = [strategy for strategy in strategies if strategy[0] != "torch_fsdp"]
     cases = [(impl, build, checkpointing) for impl, build in strategies
              for checkpointing in args.checkpointing]
-    # The first case timed ran slow (the control without checkpointing slower than with it in
-    # 4 of 6 runs): it runs once, untimed, first.
+    # The first case timed runs slow: it runs once, untimed, first.
     impl, build, checkpointing = cases[0]
     measure_case(ctx, impl, build, checkpointing == "on", args, count=False)
     seconds = [[] for _ in cases]
@@ -253,8 +250,7 @@ def run_ledger(ctx, strategies, args, csv_name: str = "sharding.csv") -> list[di
     deadline = step_bench.Deadline(ctx)
     for round_number in range(1, args.rounds + 1):  # interleaved: background load hits every case alike
         for index, (impl, build, checkpointing) in enumerate(cases):
-            if not deadline.allows(f"round {round_number}, {impl}, checkpointing "
-                                        f"{checkpointing}, and after"):
+            if not deadline.allows(f"round {round_number}, {impl}, checkpointing {checkpointing}, and after"):
                 break
             count = counted[index] is None  # count each case once, in its first round
             case_seconds, case_optimizer, case_counted = measure_case(ctx, impl, build, checkpointing == "on",

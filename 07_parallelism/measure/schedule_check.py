@@ -1,11 +1,10 @@
 """Not a lesson: lesson 4's schedules checked and simulated as data (no processes, no torch).
 
-``check_order``: every rank runs each F, B (and W) once per chunk and micro-batch, F before its
-B before its W, with the right peers, and every channel (src -> dst, F or B, into one virtual
-stage) receives its messages in the order they are sent. ``check_grouped_p2p``: ``p2p_plan``'s
-groups cannot deadlock under NCCL's completion rule. ``peak_held``, ``idle_shares``,
-``bubble_formula``, ``describe``: what the README derives, from the unit-time simulation.
-``check_setting``: all of it for one setting, in one line.
+``check_order``: every rank runs each F, B (and W) once per chunk and micro-batch, F before its B before its
+W, with the right peers, and every channel (src -> dst, F or B, into one virtual stage) receives its
+messages in the order they are sent. ``check_grouped_p2p``: ``p2p_plan``'s groups cannot deadlock under
+NCCL's completion rule. ``peak_held``, ``idle_shares``, ``bubble_formula``, ``describe``: what the README
+derives, from the unit-time simulation. ``check_setting``: all of it for one setting, in one line.
 """
 
 from __future__ import annotations
@@ -63,8 +62,7 @@ def check_order(lists: list) -> None:
             peers = {FORWARD: (previous_rank, next_rank), BACKWARD: (next_rank, previous_rank),
                      WEIGHT: (None, None)}[step.op]
             if (step.recv_from, step.send_to) != peers:
-                raise ValueError(f"rank {rank} step {label(step, chunks)} has the wrong peers: "
-                                 f"{step}")
+                raise ValueError(f"rank {rank} step {label(step, chunks)} has the wrong peers: {step}")
             if step.op != FORWARD:
                 before = ops[ops.index(step.op) - 1]      # B needs its F, W its B
                 if position[(before, step.chunk, step.micro_batch)] > index:
@@ -79,9 +77,8 @@ def check_order(lists: list) -> None:
     for channel in sorted(set(sent) | set(received)):
         if sent.get(channel) != received.get(channel):
             source, destination, op, virtual_stage = channel
-            raise ValueError(f"channel rank {source} -> rank {destination} ({op} into virtual "
-                             f"stage {virtual_stage}): sent {sent.get(channel)}, received "
-                             f"{received.get(channel)}")
+            raise ValueError(f"channel rank {source} -> rank {destination} ({op} into virtual stage "
+                             f"{virtual_stage}): sent {sent.get(channel)}, received {received.get(channel)}")
 
 
 def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int = 2**30,
@@ -99,8 +96,7 @@ def check_grouped_p2p(lists: list, plan: list | None = None, message_bytes: int 
                 where[(kind, sent)] = n
     for rank, steps in enumerate(lists):
         for k, step in enumerate(steps):
-            for kind, peer, after_step in (("recv", step.recv_from, False),
-                                           ("send", step.send_to, True)):
+            for kind, peer, after_step in (("recv", step.recv_from, False), ("send", step.send_to, True)):
                 if peer is None or peer == rank:
                     continue
                 n = where.get((kind, message(step, after_step)))
@@ -200,8 +196,7 @@ def check_setting(name: str, stages: int, micro_batches: int, chunks: int = 1,
         raise ValueError(f"{layers} layers do not split into {stages * chunks} equal chunks "
                          f"({stages} stages x {chunks} chunks per stage)")
     if batch is not None and batch % micro_batches:
-        raise ValueError(f"a batch of {batch} rows does not split into {micro_batches} "
-                         "equal micro-batches")
+        raise ValueError(f"a batch of {batch} rows does not split into {micro_batches} equal micro-batches")
     lists = schedules.all_ranks(name, stages, micro_batches, chunks)
     check_order(lists)
     try:
