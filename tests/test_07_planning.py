@@ -553,6 +553,16 @@ def test_ring_attention_is_timed_as_its_busiest_rank_computes_it(monkeypatch):
     assert counted.forward == 6 * 5
 
 
+def test_a_hop_after_compute_leaves_the_slice_to_the_compute_term_by_hand():
+    """4 ranks on 2 cores: a 2 ms slice takes 4 ms of turns, and the hop after it waits for the
+    neighbour's turn; what the planner charges as compute (2 turns x 2 ms) is taken out once.
+    The negative control: the slice taken out without its turns leaves the neighbour's 2 ms in."""
+    assert check_prediction.hop_after_turns(4.5e-3, 2e-3, 4, 2) == pytest.approx(0.5e-3)
+    assert check_prediction.hop_after_turns(2.5e-3, 2e-3, 2, 2) == pytest.approx(0.5e-3)
+    assert check_prediction.hop_after_turns(3e-3, 2e-3, 4, 2) == 1e-6           # noise: a floor
+    assert check_prediction.hop_after_turns(4.5e-3, 2e-3, 2, 2) / 0.5e-3 - 1 > TOLERANCE
+
+
 def test_an_all_to_all_is_n_minus_1_sends_of_a_nth_posted_at_once_by_hand():
     """n ranks each holding b bytes send b/n to each of the n-1 others, all posted before any is
     waited for (gloo/alltoallv.cc): 4 ranks, 400 kB at 0.1 s and 1 MB/s, 0.1 s + 0.3 s; 2 ranks,
