@@ -816,6 +816,9 @@ def test_eager_llama_layer_touches_each_ops_bytes_by_hand():
         edges = [b for kind, _, b in planner.edge_kernels(lm, planner.Grid(), False, True)
                  if kind == "memory-bound"]
         assert edges == ([36 * T * h, 14 * T * 10] if eager else [2 * c * T * h, 2 * c * T * 10])
+    fused = dataclasses.replace(llama, eager=True, fused_norm=True)   # torchtitan's fused_rmsnorm
+    assert [b for kind, _, b in planner.block_kernels(fused, planner.Grid())
+            if kind == "memory-bound"][:2] == [2 * c * T * h, 2 * c * T * h]
     mha = dataclasses.replace(llama, kv_heads=2, eager=True)     # nothing to repeat: the output only
     assert planner.block_kernels(mha, planner.Grid())[-1] == ("memory-bound", 0.0, 2 * c * T * h)
 
@@ -1050,10 +1053,11 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     # the DDP rows' and the ledger's compute is their run's compute-only control (none), which
     # is an input, not a row; torch_fsdp is not modelled as ours
     assert len(rows) == 3 + 2 + 2 + 1 + 2 + 1, sorted(rows)
-    # ring attention alone, by hand: K and V of [1, 2, 8 / W, 4] float32 at the hop's 3 ms and
-    # 100 MB/s, 2 (W-1) + W hops; 10 ms of compute, twice at W = 4 (4 ranks on 2 cores)
+    # ring attention alone, by hand from lesson 5's schedule: 2W exchanges (W-1 forward; W back,
+    # K, V with dK, dV in one batch; dK, dV home) at the hop's 3 ms, moving 3W-2 blocks of K and V,
+    # [1, 2, 8 / W, 4] float32, at 100 MB/s; 10 ms of compute, twice at W = 4 (4 ranks, 2 cores)
     for ranks in (2, 4):
-        hops = (2 * (ranks - 1) + ranks) * (3e-3 + 2 * 4 * 2 * (8 // ranks) * 4 / 1e8)
+        hops = 2 * ranks * 3e-3 + (3 * ranks - 2) * 2 * 4 * 2 * (8 // ranks) * 4 / 1e8
         row = rows[f"ring attention W={ranks} zigzag, seq 8"]
         assert float(row["predicted_ms"]) == pytest.approx((10e-3 * ranks / 2 + hops) * 1e3, abs=1e-3)
     # expert parallel, by hand: 5 ms replicated, then 5 all-to-alls of 1 send each (2 ranks) at

@@ -50,6 +50,7 @@ class LM:
     position_embedding: bool = True   # False: rotary positions
     compute_bytes: int = FLOAT32   # activations and what tp/cp/pp send: 4 float32, 2 bfloat16
     eager: bool = False            # Llama's norms, rotary, SwiGLU op by op (torchtitan's code)
+    fused_norm: bool = False       # eager but for RMSNorm (torchtitan's fused_rmsnorm)
 
 
 def block_parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
@@ -415,9 +416,7 @@ def overlapped_tail(compute: float, pieces: list[float], overlap: float) -> floa
 def prefetched_wait(unit_seconds: list[float], gathers: list[float], overlap: float) -> float:
     """How long compute waits for FSDP's gathers, one unit prefetched (lesson 2), hiding the share
     ``overlap`` of what the prefetch can hide (1 all, 0 none: every gather waited for)."""
-    gather_done = 0.0
-    compute_done = 0.0
-    previous_start = 0.0
+    gather_done = compute_done = previous_start = 0.0
     for seconds, gather in zip(unit_seconds, gathers):
         gather_done = max(gather_done, previous_start) + gather
         start = max(compute_done, gather_done)
@@ -458,9 +457,9 @@ def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
             out, inp = shape
             kernels.append(("matmul", 2 * T * out * inp / t, c * (T * inp + out * inp + T * out) / t))
     kernels.append(("attention", T * attention_flops_per_token(lm) / t, c * T * (2 * h + 2 * kv) / t))
-    norm = 4 * c + 28 if lm.eager else 2 * c  # RMSNorm: .float(), pow, mean, * rsqrt, type_as, * w
+    norm = 2 * c if lm.fused_norm or not lm.eager else 4 * c + 28   # eager RMSNorm: 6 ops, float32
     touched = [norm * Tn * h, norm * Tn * h, 3 * c * Tn * h, 3 * c * Tn * h]
-    touched.append((5 if lm.eager else 3 if lm.gated_mlp else 2) * c * T * lm.d_ff / t)  # silu, * up
+    touched.append(((5 if lm.eager else 3) if lm.gated_mlp else 2) * c * T * lm.d_ff / t)  # silu, * up
     if not lm.position_embedding:             # rotary on q and k: float(), complex multiply, type_as
         rotary = 2 * c + 16 if lm.eager else 2 * c
         touched.extend([rotary * T * h / t, rotary * T * kv / t])
@@ -479,7 +478,8 @@ def edge_kernels(lm: LM, grid: Grid, first: bool, last: bool) -> list[tuple[str,
     if first:
         kernels.append(("memory-bound", 0.0, c * T * lm.d_model))
     if last:                                  # eager: the final RMSNorm, then the logits made float32
-        kernels.append(("memory-bound", 0.0, (4 * c + 28 if lm.eager else 2 * c) * T * lm.d_model))
+        norm = 2 * c if lm.fused_norm or not lm.eager else 4 * c + 28
+        kernels.append(("memory-bound", 0.0, norm * T * lm.d_model))
         kernels.append(("matmul", 2 * T * lm.vocab * lm.d_model,
                         c * (T * lm.d_model + lm.vocab * lm.d_model + T * lm.vocab)))
         kernels.append(("memory-bound", 0.0, (c + 12 if lm.eager else 2 * c) * T * lm.vocab))
@@ -588,18 +588,17 @@ def tensor_parallel_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, flo
 
 
 def ring_attention_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
-    """Lesson 5: K, V c-1 hops forward, K, V c-1 and dK, dV c backward, each beside a chunk's attention."""
+    """Lesson 5: 2c exchanges a layer by a chunk's attention each: K, V; K, V with dK, dV; dK, dV home."""
     c = grid.cp
     link = machine.point_to_point or link_of(machine, grid, "cp")
     rows, tokens = rows_and_tokens(lm, grid)
     kv = 2 * lm.compute_bytes * rows * tokens * lm.d_model / grid.tp
-    hops = grid.micro_batches * (lm.layers // grid.pp) * (2 * (c - 1) + c)
-    hop = send_time(link, kv)
-    hidden = 0.0
-    if machine.overlap:
-        hidden = 4 * rows * tokens * tokens * lm.d_model / grid.tp / machine.flops
-    return ("ring attention hops", hops * max(0.0, hop - hidden),
-            f"{hops} hops of {kv / 2**20:.3g} MiB, each beside one chunk's attention (lesson 5)")
+    exchanges = grid.micro_batches * (lm.layers // grid.pp) * 2 * c
+    hop = send_time(link, kv * (3 * c - 2) / (2 * c))     # 3c - 2 blocks of K, V or dK, dV in all
+    chunk = 4 * rows * tokens * tokens * lm.d_model / grid.tp / machine.flops   # q k^T, weighted v
+    hidden = chunk if machine.overlap else 0.0
+    return ("ring attention hops", exchanges * max(0.0, hop - hidden),
+            f"{exchanges} exchanges of {kv / 2**20:.3g} MiB blocks, each by a chunk's attention (lesson 5)")
 
 
 def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:

@@ -49,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                             help="overrides the preset's (--batch: sequences a step, all GPUs)")
     parser.add_argument("--gated-mlp", action="store_true", help="SwiGLU MLP (Llama)")
     parser.add_argument("--no-position-embedding", action="store_true", help="rotary (Llama)")
-    parser.add_argument("--compiled", action="store_true", help="Llama's element-wise ops fused (torch.compile)")
+    parser.add_argument("--compiled", action="store_true", help="Llama's element-wise ops fused")
     parser.add_argument("--cluster", default="8xH100-nvlink", choices=list(planner.CLUSTERS))
     parser.add_argument("--gpu", choices=list(planner.GPUS), help="overrides the cluster's GPU")
     parser.add_argument("--gpus", "--ranks", type=up_to(GPUS), help="GPUs in all")
@@ -159,9 +159,11 @@ def main(argv=None) -> int:
     print(f"cluster: {machine.name} ({machine.source})")
     print("every figure below is PREDICTED from the formulas and the presets, not measured\n")
     if not fitting:
-        print(f"no grid of {machine.ranks} GPUs fits this model in {machine.memory / 1e9:.0f} GB a GPU "
-              f"({len(predictions)} split the batch over dp, the heads over tp, the layers over pp): "
-              "more GPUs, a smaller batch, or a shorter sequence")
+        print(f"no grid of {machine.ranks} GPUs " + (
+            f"fits this model in {machine.memory / 1e9:.0f} GB a GPU ({len(predictions)} tried): more "
+            "GPUs, a smaller batch, or a shorter sequence" if predictions else f"splits this model: the "
+            f"batch of {lm.batch} must split over the data ranks, the {lm.heads} heads over tp (at most "
+            f"a node), the {lm.layers} layers over pp"))
         return 1
     print(f"{len(fitting)} grids fit ({len(predictions) - len(fitting)} do not); the "
           f"{min(args.top, len(fitting))} fastest:")
@@ -179,9 +181,9 @@ def main(argv=None) -> int:
                                            for kind in ("param", "grad", "optim", "activation")))
     box = box_crossover()
     if box:
-        print(f"\nthis box (results/): DDP over {box['ranks']} ranks stops being communication-bound "
-              f"at {box['tokens']:.0f} tokens a rank (LM {box['model']}: backward {box['floor_s'] * 1e3:.2g} ms + "
-              f"{box['rate'] / 1e9:.3g} GFLOP/s a rank, a {box['all_reduce_s'] * 1e3:.3g} ms all-reduce), predicted")
+        print(f"\nthis box: DDP over {box['ranks']} ranks stops being communication-bound at {box['tokens']:.0f}"
+              f" tokens a rank (LM {box['model']}: backward {box['floor_s'] * 1e3:.2g} ms + {box['rate'] / 1e9:.3g}"
+              f" GFLOP/s a rank, a {box['all_reduce_s'] * 1e3:.3g} ms all-reduce), predicted")
     return 0
 
 
