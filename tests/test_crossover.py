@@ -71,17 +71,19 @@ def test_this_boxs_prediction_from_make_benchs_files(tmp_path, monkeypatch):
     assert run_planning.box_crossover(2) is None
 
 
-def test_the_old_inputs_give_the_old_error():
-    """Negative control: the committed make bench run's old inputs (one process's backward at 4 x 64
-    tokens in 7.276 ms, halved for 2 ranks, no floor; stage 02's back-to-back fit as the link)
-    predict 37 tokens a rank; the sweep measured 106: 2.90x, NOT within x1.25."""
+def test_without_backwards_floor_the_planted_crossing_is_missed(tmp_path, monkeypatch):
+    """Negative control on the planted control row: backward as 4NT/C through one row alone (no
+    floor: the C/W rule's own form) puts the crossing at 4 / 2.26 x 64 = 113 tokens a rank, not
+    within x1.25 of the 151 that the line through one row and two gives."""
+    monkeypatch.setenv("RESULTS_DIR", str(tmp_path))
+    plant_results(tmp_path)
+    box = run_planning.box_crossover(2)
     lm = run_planning.course_lm("tiny", 64, compute_bytes=4)
-    rate = planner.training_flops_per_token(lm) * 2 / 3 * 4 * 64 / 7.27554799959762e-3 / 2
-    link = planner.Link(latency=0.00027770710497150965, busbw=3062383335.6500854)
-    old = planner.dp_crossover_tokens(lm, rate, link, 2)
-    assert old == pytest.approx(36.68232653266248, rel=1e-9)   # crossover.csv's predicted_tokens
-    ratio = 106.37744412730883 / old
-    assert ratio == pytest.approx(2.90, abs=0.005) and not 1 / crossover.TARGET <= ratio <= crossover.TARGET
+    one_row_rate = planner.training_flops_per_token(lm) * 2 / 3 * 64 / 2.26e-3
+    no_floor = planner.dp_crossover_tokens(lm, one_row_rate, planner.Link(4e-3, float("inf")), 2)
+    assert no_floor == pytest.approx(4 / 2.26 * 64, rel=1e-9)
+    ratio = box["tokens"] / no_floor
+    assert not 1 / crossover.TARGET <= ratio <= crossover.TARGET
 
 
 def test_the_finder_on_planted_curves():

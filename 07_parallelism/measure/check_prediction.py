@@ -467,7 +467,9 @@ def ledger_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.De
             flat = time_flat_collectives(ranks, row["backend"], row["device"], flat_sizes(lm, grid))
             if flat is not None:
                 machine = dataclasses.replace(machine, gather=flat[0], scatter=flat[1], gather_overlap=flat[2])
-        yield predicted_row(config, "sharding.csv", lm, grid, machine, row)
+        prediction = predicted_row(config, "sharding.csv", lm, grid, machine, row)
+        share = machine.gather_overlap       # measured for FSDP's rows only
+        yield prediction | ({} if share is None else {"fsdp_hidden_share": round(share, 3)})
 
 
 def time_rank_compute(model: str, grid: planner.Grid, batch: int, seq: int, threads: int,
