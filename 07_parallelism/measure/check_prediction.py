@@ -168,8 +168,10 @@ def step_calls_worker(ctx, out_path: str) -> None:
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
     weights = torch.randn(256, 256, device=ctx.device)
-    one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device,
-                                                  warmup=3, iters=20))
+    for turn in range(ctx.world_size):    # one rank at a time: a matmul alone, no turns in it
+        dist.barrier()
+        if ctx.rank == turn:
+            one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device, warmup=3, iters=20))
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
