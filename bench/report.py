@@ -648,7 +648,8 @@ def crossover_section(where: Where, rows: list[dict]):
     points = [r for r in rows if r["point"] != "crossover"]
     found = next(r for r in rows if r["point"] == "crossover")
     text = ("Lesson 9's planner predicts the tokens per rank above which DDP's gradient all-reduce hides under backward "
-            "(the Scaling Book's C/W rule with backward's floor, from backward at one row and at two rows and an all-reduce after a backward, timed beside the DDP step's control above); the lab sweeps them, "
+            "(the Scaling Book's C/W rule with backward's floor, from backward at one row and at two rows "
+            "and an all-reduce after a backward, timed beside the DDP step's control above); the lab sweeps them, "
             f"backward and the all-reduce each timed alone, the crossing where backward reaches the all-reduce's median "
             f"({machine_of(where, rows)}, {on(found)}, {found['world_size']} ranks, LM {found['model']}):\n\n" + md_table(
                 ["tokens a rank", "rows x seq", "backward ms", "all-reduce ms"],
