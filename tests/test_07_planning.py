@@ -480,8 +480,7 @@ def test_a_pipeline_ranks_compute_is_timed_a_micro_batch_at_a_time(monkeypatch):
     """``time_rank_compute``: a grid's rank is timed at its data rank's rows and context shard,
     and a pipeline's at one micro-batch's rows, its forward and backward times m (each
     operation's fixed cost is paid per micro-batch); the AdamW step once. The fake timing has a
-    fixed cost a call, so the data rank's 8 rows timed at once (what the check did before)
-    would give 1.8 ms, not 4.8."""
+    fixed cost a call, so the data rank's 8 rows timed at once would give 1.8 ms, not 4.8."""
     import check_prediction
     asked = []
 
@@ -523,8 +522,8 @@ def test_a_context_parallel_ranks_compute_runs_its_ring_attention(monkeypatch):
     """A cp rank's compute is timed as its ring runs it: by hand, zig-zag over 2 ranks, rank 0
     holds chunks 0 and 3 of 4 and meets its own (pairs 0-0, 3-0, 3-3; 0-3 is in the future), then
     rank 1's 1 and 2 (3-1, 3-2): 5 chunk kernels a layer forward, 5 backward, 2 layers, 3 steps
-    (two warm-ups, one timed). The negative control: the dense LM at S/c tokens (what the check
-    timed before) runs none, only torch's fused kernel over its own shard."""
+    (two warm-ups, one timed). The negative control: the dense LM at S/c tokens runs none, only
+    torch's fused kernel over its own shard."""
     import check_prediction
     counted = CountedChunks(monkeypatch, check_prediction.cp)
     check_prediction.time_compute("tiny", 1, 16, check_prediction.GRID_VOCAB, 1, repeats=1, ring=2)
