@@ -1148,7 +1148,8 @@ def test_projection_runs_the_kernel_classes_at_the_table_measured_here(monkeypat
     assert halved["compute: attention"] == pytest.approx(2 * seconds["compute: attention"], rel=1e-12)
     assert halved["compute: matmul"] == seconds["compute: matmul"]
     from bench import results      # the projection: the table of this run, labelled measured here
-    results.write_json("matmul_peak.json", {"cpu": {"run_id": "r1", "kernels": KERNEL_TABLE}})
+    here = {"run_id": "r1", "machine": results.machine_name(), "kernels": KERNEL_TABLE}
+    results.write_json("matmul_peak.json", {"cpu": here})
     monkeypatch.setenv("RESULTS_RUN_ID", "r1")
     monkeypatch.setattr(check_prediction, "time_compute", None)     # nothing timed: the table is the input
     rows = check_prediction.projection_rows("cpu")
@@ -1158,8 +1159,11 @@ def test_projection_runs_the_kernel_classes_at_the_table_measured_here(monkeypat
     from bench import report
     where = report.Where(out=results.results_dir(), draw=results.results_dir(), run_id=None, machine="")
     assert "attention 25 TFLOP/s (25% of 100), add 1000 GB/s, launch floor 4 us" in report.prediction_section(where)[0]
-    monkeypatch.setenv("RESULTS_RUN_ID", "r2")                       # an older run's table: not used
     monkeypatch.setattr(check_prediction, "time_compute", lambda *args, **kwargs: (0.1, 0.01, ()))
+    results.write_json("matmul_peak.json", {"cpu": {**here, "machine": "another box"}})  # not used
+    assert all("no kernel table" in row["compute_from"] for row in check_prediction.projection_rows("cpu"))
+    results.write_json("matmul_peak.json", {"cpu": here})
+    monkeypatch.setenv("RESULTS_RUN_ID", "r2")                       # an older run's table: not used
     assert all("no kernel table" in row["compute_from"] for row in check_prediction.projection_rows("cpu"))
 
 

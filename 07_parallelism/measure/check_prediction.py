@@ -636,8 +636,10 @@ def projection_rows(device: str) -> list[dict]:
     run's) and the preset's links; without one, the LM at world size 1 (float32, one thread) as one
     rate; a device that cannot run it: one line, no rows."""
     where = torch.cuda.get_device_name(0) if device == "cuda" else results.machine_name()
-    entry, run = results.read_json("matmul_peak.json").get(device, {}), os.environ.get("RESULTS_RUN_ID")
-    table = entry.get("kernels") if not (run and entry.get("run_id") != run) else None
+    entry = results.read_json("matmul_peak.json").get(device, {})
+    run = os.environ.get("RESULTS_RUN_ID")
+    here = entry.get("machine") == results.machine_name() and not (run and entry.get("run_id") != run)
+    table = entry.get("kernels") if here else None
     bytes_ = 2 if table and table["dtype"] == "bfloat16" else planner.FLOAT32
     if table:
         rate, bandwidth = table["peak_flops_per_s"], table["memory_bound_bytes_per_s"]
@@ -655,7 +657,7 @@ def projection_rows(device: str) -> list[dict]:
         bandwidth = planner.ADAMW_BYTES_TOUCHED * planner.parameter_count(one_rank) / optimizer_s
         compute_from = (f"{where}, world size 1, float32: {rate / 1e12:.3g} TFLOP/s, AdamW at "
                         f"{bandwidth / 1e9:.3g} GB/s (measured), every FLOP at that rate: no kernel table of this "
-                        "run in results/matmul_peak.json")
+                        "run and machine in results/matmul_peak.json")
     rows = []
     for name, cluster in planner.CLUSTERS.items():
         lm = dataclasses.replace(course_lm(PROJECTION_MODEL, PROJECTION_ROWS * cluster.ranks, PROJECTION_SEQ),
