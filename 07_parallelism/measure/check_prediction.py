@@ -440,6 +440,8 @@ def ddp_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadl
         # a call's cost as the rows were measured: stage 05 launches one a gradient, faster than one
         # ends, and Gloo runs them back to back (buckets, few and spread out, are each waited for)
         burst = control_burst(run_rows, row, "async_call_ms" if impl == "overlap" else "call_ms")
+        if impl == "overlap" and burst is None:
+            print(f"check_prediction: {config}: no async_call_ms beside its control: its calls charged as waited for")
         calls = StepCalls(burst, None) if burst else time_step_calls(ranks, row["backend"], row["device"])
         largest = max(planner.gradient_buckets(planner.rank_tensor_bytes(lm, grid), grid.bucket_bytes))
         machine = this_box(lm, grid, compute_s, optimizer_s, link_from_fit(fit, ranks, calls, largest),
