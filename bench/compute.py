@@ -115,11 +115,15 @@ def kernel_table(preset: str, rows: int, seq: int, device: torch.device, peak: d
     of two large tensors (bytes read and written a second); the launch floor, a tiny add in a burst."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = models.PRESETS[preset]
-    d, heads, tokens = shape["d_model"], shape["num_heads"], rows * seq
-    x, w = torch.randn(tokens, d, device=device, dtype=dtype), torch.randn(d, shape["d_ff"], device=device, dtype=dtype)
+    d = shape["d_model"]
+    tokens = rows * seq
+    x = torch.randn(tokens, d, device=device, dtype=dtype)
+    w = torch.randn(d, shape["d_ff"], device=device, dtype=dtype)
+    heads = shape["num_heads"]
     q, k, v, grad = (torch.randn(rows, heads, seq, d // heads, device=device, dtype=dtype, requires_grad=True)
                      for _ in range(4))
-    big, tiny = [torch.ones(LARGE_BYTES[device.type] // 4, device=device) for _ in range(3)], torch.zeros(1, device=device)
+    big = [torch.ones(LARGE_BYTES[device.type] // 4, device=device) for _ in range(3)]
+    tiny = torch.zeros(1, device=device)
 
     def median(fn) -> float:
         return statistics.median(timing.measure(fn, device, warmup=3, iters=10))
@@ -151,7 +155,7 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
     if setup:
         setup(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(vocab, (batch_size, context_length + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    x, y = models.random_tokens(batch_size, context_length, seed=0, device=device, vocab_size=vocab)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     phases = {"forward": [], "backward": [], "optimizer": []}
@@ -163,7 +167,7 @@ def measure_lm(preset: str, batch_size: int, context_length: int, device: torch.
         t0 = clock()
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss = models.lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+            loss = models.lm_loss(model(x), y)
         t1 = clock()
         loss.backward()
         t2 = clock()

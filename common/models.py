@@ -142,7 +142,7 @@ def lm_loss(logits, targets):
 
 
 def random_tokens(batch_size: int, context_length: int = CONTEXT_LENGTH, seed: int = 0,
-                  device="cpu"):  # random (inputs, next-token targets) [batch, context]
+                  device="cpu", vocab_size: int = VOCAB_SIZE):  # (inputs, targets) [batch, context]
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(VOCAB_SIZE, (batch_size, context_length + 1), generator=g).to(device)
+    tokens = torch.randint(vocab_size, (batch_size, context_length + 1), generator=g).to(device)
     return tokens[:, :-1], tokens[:, 1:]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -81,7 +82,7 @@ def time_compute(preset: str, batch: int, seq: int, vocab: int, threads: int, ch
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     setup = (lambda lm: cp.use_ring_attention(lm, layout="zigzag")) if ring > 1 else None
-    with ring_alone(ring):
+    with ring_alone(ring) if ring > 1 else contextlib.nullcontext():
         measured = measure_lm(preset, batch, seq, torch.device(device), 2, repeats, vocab=vocab,
                               checkpointing=checkpointing, setup=setup)
     torch.set_num_threads(threads_before)
@@ -152,6 +153,15 @@ class StepCalls:
     hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
 
 
+def matmul_alone(ctx, weights: torch.Tensor) -> float:
+    """Median s of ``weights @ weights``, each rank timing it while the others wait (no turns in it)."""
+    for turn in range(ctx.world_size):
+        dist.barrier()
+        if ctx.rank == turn:
+            seconds = statistics.median(timing.measure(lambda: weights @ weights, ctx.device, warmup=3, iters=20))
+    return seconds
+
+
 def hop_after_turns(slice_and_hop: float, slice_alone: float, ranks: int, cores: int) -> float:
     """A hop timed with the compute slice before it, less that slice as the planner charges it:
     W / cores turns of its time alone where W ranks share fewer cores (at least a microsecond)."""
@@ -168,10 +178,7 @@ def step_calls_worker(ctx, out_path: str) -> None:
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
     weights = torch.randn(256, 256, device=ctx.device)
-    for turn in range(ctx.world_size):    # one rank at a time: a matmul alone, no turns in it
-        dist.barrier()
-        if ctx.rank == turn:
-            one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device, warmup=3, iters=20))
+    one_matmul = matmul_alone(ctx, weights)
     count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
     dist.broadcast(count, 0)
     matmuls = int(count.item())
@@ -233,7 +240,7 @@ def flat_collectives_worker(ctx, out_path: str, sizes: tuple[int, ...]) -> None:
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     weights = torch.randn(256, 256, device=ctx.device)
-    one_matmul = statistics.median(timing.measure(lambda: weights @ weights, ctx.device, warmup=3, iters=20))
+    one_matmul = matmul_alone(ctx, weights)
     mine = {}
     for nbytes in sizes:
         shard_numel = -(-(nbytes // 4) // ctx.world_size)  # rounded up: lesson 2 pads to the ranks
