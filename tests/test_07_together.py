@@ -228,7 +228,13 @@ def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
             "--save-full", str(saved)]
     procs = [subprocess.Popen(node, cwd=tmp_path, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    outs = [p.communicate(timeout=240)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    except subprocess.TimeoutExpired:     # both nodes stopped (torchrun stops its ranks), both shown
+        for p in procs:
+            p.terminate()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        pytest.fail("two nodes still running after 240 s:\n" + "\n".join(o[-3000:] for o in outs))
     assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
     text = "\n".join(outs)
     assert "check: 2 steps on the grid equal 2 steps of one process" in text, text[-3000:]
@@ -236,6 +242,23 @@ def test_eight_ranks_on_two_torchrun_nodes_train_equal_to_one_process(tmp_path):
     from common import models
     lm = models.TransformerLM("tiny", vocab_size=256, context_length=32)
     lm.load_state_dict(torch.load(saved))  # the single-process LM's names and shapes
+
+
+def test_ranks_probing_one_save_full_path_at_once_do_not_trip_each_other(tmp_path, monkeypatch):
+    """Every rank parses --save-full and probes that it can write there: another rank's whole
+    probe between this one's create and remove (8 ranks on two torchrun nodes raced so, one
+    rank's error hung the other node) leaves this one's file to remove; nothing left behind."""
+    argv = ["--world-size", "1", "--save-full", str(tmp_path / "model.pt")]
+    remove = os.remove
+
+    def another_rank_in_between(path):
+        monkeypatch.setattr(os, "remove", remove)
+        train_py.parse(argv)
+        remove(path)
+
+    monkeypatch.setattr(os, "remove", another_rank_in_between)
+    train_py.parse(argv)
+    assert os.remove is remove and list(tmp_path.iterdir()) == []
 
 
 def one_rank(args, checkpoints_class=None) -> None:

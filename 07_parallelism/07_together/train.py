@@ -89,11 +89,12 @@ def parse(argv=None, parser=None):
     if args.data is not None and not os.path.isfile(args.data):
         parser.error(f"--data {args.data[:200]!r}: not a regular file")
     if args.save_full is not None:
-        try:      # a FIFO would hang the save, /dev/full lose the model; .tmp: finish() writes it
+        try:      # a FIFO would hang the save, /dev/full lose it; each rank a probe of its own
             if os.path.lexists(args.save_full) and not os.path.isfile(args.save_full):
                 raise OSError(0, "not a regular file")
-            open(args.save_full + ".tmp", "wb").close()
-            os.remove(args.save_full + ".tmp")
+            probe = f"{args.save_full}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
+            open(probe, "wb").close()
+            os.remove(probe)
         except OSError as error:
             parser.error(f"--save-full {args.save_full[:200]!r}: {error.strerror}")
     return args, config
