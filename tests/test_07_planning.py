@@ -323,6 +323,7 @@ def test_calls_are_timed_on_the_ranks_as_a_step_makes_them(monkeypatch):
     assert all(0 < seconds < float("inf") for seconds in timed.values()), timed
     assert calls.all_reduce_s == timed["all_reduce"]
     through_the_timings(calls.hop, {n: timed[f"hop {n}"] for n in check_prediction.HOP_SIZES}, 1)
+    through_the_timings(calls.short_hop, {n: timed[f"short hop {n}"] for n in check_prediction.HOP_SIZES}, 1)
     fit = {"a_s": 1e-6, "w_bytes_per_s": 1e9}
     burst = check_prediction.link_from_fit(fit, 2, calls)
     lined_up = check_prediction.link_from_fit(fit, 2)
@@ -331,6 +332,23 @@ def test_calls_are_timed_on_the_ranks_as_a_step_makes_them(monkeypatch):
     assert burst.step_latency == pytest.approx(expected) and burst.busbw == lined_up.busbw
     assert check_prediction.time_step_calls(2, "gloo", "cuda") is None
 
+
+
+def test_a_hop_after_a_slice_of_compute_is_on_the_line_through_the_two_slices_timed():
+    """1 ms after the long slice (2 ms), 0.2 ms after the short (0.25 ms): after 1.125 ms, halfway,
+    0.6 ms; shorter than the short or longer than the long: theirs (no line drawn past them);
+    the bandwidth the long slice's; one slice timed: that one's hop. Negative control: the long
+    slice's latency is not what a short chunk's hop costs."""
+    import check_prediction
+    long, short = planner.Link(1e-3, 1e9), planner.Link(0.2e-3, 5e8)
+    calls = check_prediction.StepCalls(all_reduce_s=1e-3, hop=long, short_hop=short)
+    assert check_prediction.SHORT_SLICE_S == pytest.approx(0.25e-3) and check_prediction.HOP_SLICE_S == 2e-3
+    assert calls.hop_after(1.125e-3) == planner.Link(pytest.approx(0.6e-3), 1e9)
+    assert calls.hop_after(1e-6).latency == pytest.approx(0.2e-3)
+    assert calls.hop_after(1.0).latency == pytest.approx(1e-3)
+    assert check_prediction.StepCalls(1e-3, long).hop_after(1e-6) == long
+    assert check_prediction.StepCalls(1e-3, None, short).hop_after(1e-6) is None
+    assert calls.hop_after(0.25e-3).latency / long.latency - 1 < -TOLERANCE
 
 
 def test_a_link_takes_stage_02s_rate_at_its_calls_size():

@@ -54,6 +54,7 @@ BURST_BYTES = 64 * 2**10    # a small all-reduce: what a call costs, its bytes a
 BURST_CALLS = 20            # (both as timing.call_in_burst's defaults, which the DDP bench uses)
 HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
 HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
+SHORT_SLICE_S = HOP_SLICE_S / 8   # and a short chunk's (lesson 5's at 256 tokens)
 REPEATS = 15
 FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM names them
 
@@ -151,6 +152,16 @@ class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
     all_reduce_s: float    # one all-reduce of BURST_BYTES inside a burst of back-to-back calls
     hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
+    short_hop: planner.Link | None = None   # the same after SHORT_SLICE_S
+
+    def hop_after(self, slice_s: float) -> planner.Link | None:
+        """The hop after ``slice_s`` of compute: its latency on the line through the two slices
+        timed (a partner's slice ends late in proportion to it), within them."""
+        if self.short_hop is None or self.hop is None:
+            return self.hop
+        share = min(1.0, max(0.0, (slice_s - SHORT_SLICE_S) / (HOP_SLICE_S - SHORT_SLICE_S)))
+        latency = self.short_hop.latency + share * (self.hop.latency - self.short_hop.latency)
+        return dataclasses.replace(self.hop, latency=latency)
 
 
 def matmul_alone(ctx, weights: torch.Tensor) -> float:
@@ -170,8 +181,8 @@ def hop_after_turns(slice_and_hop: float, slice_alone: float, ranks: int, cores:
 
 def step_calls_worker(ctx, out_path: str) -> None:
     """Bursts of 64 KiB all-reduces, then at each of ``HOP_SIZES`` a hop (send to the next rank,
-    receive from the previous) after ``HOP_SLICE_S`` of matmuls (rank 0's count), timed with the
-    slice, less the slice as the planner charges compute: its time alone x the turns ranks take
+    receive from the previous) after ``HOP_SLICE_S`` of matmuls (rank 0's count), and after
+    ``SHORT_SLICE_S``, timed with the slice, less the slice as the planner charges compute: its time alone x the turns ranks take
     on the cores (else a hop would also carry the wait for a neighbour's turn)."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     cores = torch.cuda.device_count() if ctx.device.type == "cuda" else os.cpu_count() or 1
@@ -179,11 +190,12 @@ def step_calls_worker(ctx, out_path: str) -> None:
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
     weights = torch.randn(256, 256, device=ctx.device)
     one_matmul = matmul_alone(ctx, weights)
-    count = torch.tensor([max(1, round(HOP_SLICE_S / one_matmul))], device=ctx.device)
-    dist.broadcast(count, 0)
-    matmuls = int(count.item())
     mine = {"all_reduce": statistics.median(per_call)}
-    for nbytes in HOP_SIZES:
+    slices = {"hop": HOP_SLICE_S, "short hop": SHORT_SLICE_S}
+    for (name, slice_s), nbytes in itertools.product(slices.items(), HOP_SIZES):
+        count = torch.tensor([max(1, round(slice_s / one_matmul))], device=ctx.device)
+        dist.broadcast(count, 0)
+        matmuls = int(count.item())
         send = torch.ones(nbytes // 4, device=ctx.device)
         receive = torch.empty_like(send)
         operations = [dist.P2POp(dist.isend, send, (ctx.rank + 1) % ctx.world_size),
@@ -199,7 +211,7 @@ def step_calls_worker(ctx, out_path: str) -> None:
         for _ in range(2 + REPEATS):
             dist.barrier()
             seconds += timing.measure(slice_then_hop, ctx.device, warmup=0, iters=1)
-        mine[f"hop {nbytes}"] = hop_after_turns(statistics.median(seconds[2:]), matmuls * one_matmul,
+        mine[f"{name} {nbytes}"] = hop_after_turns(statistics.median(seconds[2:]), matmuls * one_matmul,
                                                 ctx.world_size, cores)       # two to warm up
     write_slowest(ctx, mine, out_path)
 
@@ -217,9 +229,12 @@ def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | N
     if slowest is None:
         return None
     hops = {nbytes: slowest[f"hop {nbytes}"] for nbytes in HOP_SIZES}
+    short = {nbytes: slowest[f"short hop {nbytes}"] for nbytes in HOP_SIZES}
     print(f"check_prediction: calls as a step makes them, {world_size} ranks: a 64 KiB all-reduce in a burst "
-          f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after compute (KiB: ms) {ms_at(hops, 2**10, 2)}")
-    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)))
+          f"{slowest['all_reduce'] * 1e3:.2f} ms; a hop after {HOP_SLICE_S * 1e3:.3g} ms of compute (KiB: ms) "
+          f"{ms_at(hops, 2**10, 2)}; after {SHORT_SLICE_S * 1e3:.3g} ms {ms_at(short, 2**10, 2)}")
+    return StepCalls(all_reduce_s=slowest["all_reduce"], hop=planner.Link(*line_through(hops)),
+                     short_hop=planner.Link(*line_through(short)))
 
 
 def ms_at(seconds: dict, unit: int, digits: int) -> str:
@@ -574,7 +589,8 @@ def time_ring_attention(batch: int, heads: int, seq: int, head_dim: int, ranks: 
 
 def context_parallel_rows(fits: dict, backend_device: str, cores: int, pace: step_bench.Deadline):
     """Lesson 5's ring attention alone (``context_parallel.csv``): its busiest rank's compute timed
-    here (W chunks, backward 2x forward: a chunk's a 3W-th), the planner's term at the hop measured."""
+    here, the planner's term at the hop after a chunk (W chunks, backward 2x forward: a hop follows
+    a chunk's forward or backward, on average a 2W-th of the compute)."""
     for row in this_run("context_parallel.csv"):
         ranks, batch, heads, seq, width = (int(row[key]) for key in ("W", "batch", "heads", "seq", "head_dim"))
         fit = fits.get(f"{backend_device}/{ranks}")
@@ -586,7 +602,7 @@ def context_parallel_rows(fits: dict, backend_device: str, cores: int, pace: ste
         compute_s = time_ring_attention(batch, heads, seq, width, ranks, row["layout"], launch.rank_threads(ranks),
                                         row["device"])
         calls = time_step_calls(ranks, row["backend"], row["device"])
-        hop = calls and calls.hop or link_from_fit(fit, ranks)
+        hop = calls and calls.hop_after(compute_s / (2 * ranks)) or link_from_fit(fit, ranks)
         lm = planner.LM(layers=1, d_model=heads * width, d_ff=0, heads=heads, vocab=0, seq=seq, batch=batch)
         grid = planner.Grid(cp=ranks)
         machine = planner.Machine("this box", 12 * batch * seq**2 * lm.d_model / ranks / compute_s, 0, 0,

@@ -50,9 +50,7 @@ def crossing(tokens: list[float], backward: list[float], all_reduce: float) -> f
 
 def sweep(center: float, points: int = 7, span: float = 4.0) -> list[int]:
     """``points`` token counts log-spaced from center / span to center x span."""
-    return sorted(
-        {max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)}
-    )
+    return sorted({max(1, round(center * span ** (2 * i / (points - 1) - 1))) for i in range(points)})
 
 
 def beyond(points: list[dict]) -> list[int]:
@@ -81,22 +79,10 @@ def time_point(ctx, lm, tokens: int, args) -> dict:
         torch.cat([param.grad.flatten() for param in lm.parameters()], out=flat)  # one bucket
         all_reduce += timing.measure(lambda: dist.all_reduce(flat), ctx.device, warmup=0,
                                      iters=1, barrier=True)
-    back_to_back = timing.measure(
-        lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True
-    )
-    return {
-        "tokens_per_rank": rows * (tokens // rows),
-        "rows": rows,
-        "seq": tokens // rows,
-        **{
-            name: timing.gather_times(times[-args.steps :]).median * 1e3
-            for name, times in (
-                ("backward_ms", backward),
-                ("all_reduce_ms", all_reduce),
-                ("all_reduce_back_to_back_ms", back_to_back),
-            )
-        },
-    }
+    back_to_back = timing.measure(lambda: dist.all_reduce(flat), ctx.device, args.warmup, args.steps, barrier=True)
+    named = (("backward_ms", backward), ("all_reduce_ms", all_reduce), ("all_reduce_back_to_back_ms", back_to_back))
+    return {"tokens_per_rank": rows * (tokens // rows), "rows": rows, "seq": tokens // rows,
+            **{name: timing.gather_times(times[-args.steps:]).median * 1e3 for name, times in named}}
 
 
 def worker(ctx, args, tokens: list[int], box: dict | None, extra: int) -> None:
@@ -143,33 +129,17 @@ def write(ctx, args, points: list[dict], box: dict | None) -> None:
                         title=f"DDP crossover sweep, {results.machine_name()}:")
     # the same gradients at every point: one all-reduce figure, the median of the points'
     all_reduce = statistics.median(p["all_reduce_ms"] for p in points)
-    measured = crossing(
-        [p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points], all_reduce
-    )
-    row = {
-        "point": "crossover",
-        "tokens_per_rank": measured,
-        "all_reduce_ms": all_reduce,
-        "all_reduce_back_to_back_ms": statistics.median(
-            p["all_reduce_back_to_back_ms"] for p in points
-        ),
-        "backward_tokens_per_s": measured and measured / all_reduce * 1e3,
-    }
+    measured = crossing([p["tokens_per_rank"] for p in points], [p["backward_ms"] for p in points], all_reduce)
+    row = {"point": "crossover", "tokens_per_rank": measured, "all_reduce_ms": all_reduce,
+           "all_reduce_back_to_back_ms": statistics.median(p["all_reduce_back_to_back_ms"] for p in points),
+           "backward_tokens_per_s": measured and measured / all_reduce * 1e3}
     ratio = measured / box["tokens"] if box and measured else None
-    print(
-        "crossover measured: "
-        + (f"{measured:.0f} tokens a rank" if measured else "none in the sweep")
-    )
+    print("crossover measured: " + (f"{measured:.0f} tokens a rank" if measured else "none in the sweep"))
     if box:
-        row.update(
-            predicted_tokens=box["tokens"],
-            ratio=ratio,
-            within=bool(ratio) and 1 / TARGET <= ratio <= TARGET,
-            predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
-            predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"],
-        )
-        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/ddp_step.csv's "
-              "control)")
+        row.update(predicted_tokens=box["tokens"], ratio=ratio, within=bool(ratio) and 1 / TARGET <= ratio <= TARGET,
+                   predicted_all_reduce_ms=box["all_reduce_s"] * 1e3,
+                   predicted_backward_tokens_per_s=box["tokens"] / box["all_reduce_s"])
+        print(f"crossover predicted: {box['tokens']:.0f} tokens a rank (results/ddp_step.csv's control)")
     if ratio:
         link = all_reduce / row["predicted_all_reduce_ms"]
         back = row["all_reduce_back_to_back_ms"] / row["predicted_all_reduce_ms"]
@@ -178,33 +148,24 @@ def write(ctx, args, points: list[dict], box: dict | None) -> None:
         print(f"measured / predicted {ratio:.2f}: {verdict} x{TARGET}; the all-reduce "
               f"{link:.2f}x the predicted (back to back {back:.2f}x), backward's tokens/s "
               f"{rate:.2f}x")
-    results.upsert_csv("crossover.csv", [*numbered(ctx, args, points), row_of(ctx, args, row)],
-                       key=KEY)
+    results.upsert_csv("crossover.csv", [*numbered(ctx, args, points), row_of(ctx, args, row)], key=KEY)
     print("wrote results/crossover.csv")
 
 
 def main(argv=None) -> None:
     parser = launch.make_parser(__doc__)
     parser.add_argument("--model", choices=list(models.PRESETS), default="tiny")
-    parser.add_argument(
-        "--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens"
-    )
-    parser.add_argument(
-        "--tokens",
-        type=launch.int_list,
-        help="exactly these tokens a rank (default: 7 around the prediction, more where none "
-             "crosses)",
-    )
+    parser.add_argument("--seq", type=launch.positive_int, default=64, help="the LM's context, a row's most tokens")
+    parser.add_argument("--tokens", type=launch.int_list,
+                        help="exactly these tokens a rank (default: 7 around the prediction, more where none crosses)")
     parser.add_argument("--warmup", type=launch.non_negative_int, default=3)
     parser.add_argument("--steps", type=launch.positive_int, default=9)
     args = parser.parse_args(argv)
     config = launch.resolve(args)
     box = run_planning.box_crossover(config.world_size)
     if box and (box["model"] != args.model or (config.backend, config.device) != ("gloo", "cpu")):
-        print(
-            f"crossover: no prediction for LM {args.model} on {config.backend}/{config.device}: "
-            f"results/ holds LM {box['model']} on gloo/cpu"
-        )
+        print(f"crossover: no prediction for LM {args.model} on {config.backend}/{config.device}: "
+              f"results/ holds LM {box['model']} on gloo/cpu")
         box = None
     tokens = args.tokens or sweep(box["tokens"] if box else 64)
     launch.launch(worker, config, args, sorted(tokens), box, 0 if args.tokens else 6)
