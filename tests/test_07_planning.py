@@ -1011,7 +1011,8 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     from bench import report
     from bench import results
     monkeypatch.setattr(check_prediction, "PROJECTION_MODEL", "tiny")   # the path, not the size
-    measured = {ranks: check_prediction.StepCalls(all_reduce_s=ranks * 1e-3, hop=planner.Link(3e-3, 1e8))
+    measured = {ranks: check_prediction.StepCalls(all_reduce_s=ranks * 1e-3, hop=planner.Link(3e-3, 1e8),
+                                                  short_hop=planner.Link(1e-3, 1e8))
                 for ranks in (2, 4)}                # its own test; 4 ranks' calls dearer
     monkeypatch.setattr(check_prediction, "time_step_calls", lambda ranks, *args: measured[ranks])
     flat = (planner.Link(1e-3, 1e8), planner.Link(2e-3, 5e7), 0.0)
@@ -1071,10 +1072,12 @@ def test_check_on_this_box_reads_the_bench_rows_and_writes_predictions(capsys, m
     # is an input, not a row; torch_fsdp is not modelled as ours
     assert len(rows) == 3 + 2 + 2 + 1 + 2 + 1, sorted(rows)
     # ring attention alone, by hand from lesson 5's schedule: 2W exchanges (W-1 forward; W back,
-    # K, V with dK, dV in one batch; dK, dV home) at the hop's 3 ms, moving 3W-2 blocks of K and V,
-    # [1, 2, 8 / W, 4] float32, at 100 MB/s; 10 ms of compute, twice at W = 4 (4 ranks, 2 cores)
-    for ranks in (2, 4):
-        hops = 2 * ranks * 3e-3 + (3 * ranks - 2) * 2 * 4 * 2 * (8 // ranks) * 4 / 1e8
+    # K, V with dK, dV in one batch; dK, dV home) at the hop after a chunk, moving 3W-2 blocks of
+    # K and V, [1, 2, 8 / W, 4] float32, at 100 MB/s; 10 ms of compute, twice at W = 4 (4 ranks,
+    # 2 cores). A chunk is 10 ms / 2W: W = 2, 2.5 ms, past the 2 ms slice: its hop's 3 ms; W = 4,
+    # 1.25 ms, 4/7 of the way from the 0.25 ms slice's 1 ms to the 2 ms slice's 3 ms
+    for ranks, latency in ((2, 3e-3), (4, 1e-3 + 4 / 7 * 2e-3)):
+        hops = 2 * ranks * latency + (3 * ranks - 2) * 2 * 4 * 2 * (8 // ranks) * 4 / 1e8
         row = rows[f"ring attention W={ranks} zigzag, seq 8"]
         assert float(row["predicted_ms"]) == pytest.approx((10e-3 * ranks / 2 + hops) * 1e3, abs=1e-3)
     # expert parallel, by hand: 5 ms replicated, then 5 all-to-alls of 1 send each (2 ranks) at

@@ -21,9 +21,11 @@ loop with checkpoints.
 from __future__ import annotations
 
 import csv
+import errno
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -89,12 +91,13 @@ def parse(argv=None, parser=None):
     if args.data is not None and not os.path.isfile(args.data):
         parser.error(f"--data {args.data[:200]!r}: not a regular file")
     if args.save_full is not None:
-        try:      # a FIFO would hang the save, /dev/full lose it; each rank a probe of its own
+        try:      # a FIFO would hang the save, /dev/full lose the model; finish() writes .tmp first
             if os.path.lexists(args.save_full) and not os.path.isfile(args.save_full):
                 raise OSError(0, "not a regular file")
-            probe = f"{args.save_full}.{os.getpid()}-{os.urandom(4).hex()}.tmp"
-            open(probe, "wb").close()
-            os.remove(probe)
+            folder = os.path.dirname(args.save_full) or "."
+            if len(os.path.basename(args.save_full) + ".tmp") > os.pathconf(folder, "PC_NAME_MAX"):
+                raise OSError(errno.ENAMETOOLONG, os.strerror(errno.ENAMETOOLONG))
+            tempfile.TemporaryFile(dir=folder).close()    # every rank parses: a file of its own
         except OSError as error:
             parser.error(f"--save-full {args.save_full[:200]!r}: {error.strerror}")
     return args, config

@@ -54,7 +54,7 @@ BURST_BYTES = 64 * 2**10    # a small all-reduce: what a call costs, its bytes a
 BURST_CALLS = 20            # (both as timing.call_in_burst's defaults, which the DDP bench uses)
 HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks and activations
 HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
-SHORT_SLICE_S = HOP_SLICE_S / 8   # and a short chunk's (lesson 5's at 256 tokens)
+SHORT_SLICE_S = HOP_SLICE_S / 8   # and below lesson 5's shortest chunk here (about 0.5 ms)
 REPEATS = 15
 FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM names them
 
@@ -151,12 +151,12 @@ def link_through(seconds: dict, ranks: int) -> planner.Link:
 class StepCalls:
     """Calls timed as a step makes them (``time_step_calls``)."""
     all_reduce_s: float    # one all-reduce of BURST_BYTES inside a burst of back-to-back calls
-    hop: planner.Link | None   # a point-to-point hop after a slice of compute (None: not timed)
+    hop: planner.Link | None   # a point-to-point hop after HOP_SLICE_S of compute (None: not timed)
     short_hop: planner.Link | None = None   # the same after SHORT_SLICE_S
 
     def hop_after(self, slice_s: float) -> planner.Link | None:
         """The hop after ``slice_s`` of compute: its latency on the line through the two slices
-        timed (a partner's slice ends late in proportion to it), within them."""
+        timed (its partner may end a longer slice later), held within them."""
         if self.short_hop is None or self.hop is None:
             return self.hop
         share = min(1.0, max(0.0, (slice_s - SHORT_SLICE_S) / (HOP_SLICE_S - SHORT_SLICE_S)))
@@ -182,13 +182,14 @@ def hop_after_turns(slice_and_hop: float, slice_alone: float, ranks: int, cores:
 def step_calls_worker(ctx, out_path: str) -> None:
     """Bursts of 64 KiB all-reduces, then at each of ``HOP_SIZES`` a hop (send to the next rank,
     receive from the previous) after ``HOP_SLICE_S`` of matmuls (rank 0's count), and after
-    ``SHORT_SLICE_S``, timed with the slice, less the slice as the planner charges compute: its time alone x the turns ranks take
-    on the cores (else a hop would also carry the wait for a neighbour's turn)."""
+    ``SHORT_SLICE_S``, timed with the slice, less the slice as the planner charges compute: its
+    time alone x the turns ranks take on the cores (else a hop would also carry the wait for a
+    neighbour's turn)."""
     torch.set_num_threads(1)              # a rank's share of this box's cores
     cores = torch.cuda.device_count() if ctx.device.type == "cuda" else os.cpu_count() or 1
     timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=2)         # warm-up
     per_call = timing.call_in_burst(ctx.device, BURST_BYTES, BURST_CALLS, bursts=REPEATS)
-    weights = torch.randn(256, 256, device=ctx.device)
+    weights = torch.randn(128, 128, device=ctx.device)      # small: a slice close to its length
     one_matmul = matmul_alone(ctx, weights)
     mine = {"all_reduce": statistics.median(per_call)}
     slices = {"hop": HOP_SLICE_S, "short hop": SHORT_SLICE_S}
@@ -212,15 +213,15 @@ def step_calls_worker(ctx, out_path: str) -> None:
             dist.barrier()
             seconds += timing.measure(slice_then_hop, ctx.device, warmup=0, iters=1)
         mine[f"{name} {nbytes}"] = hop_after_turns(statistics.median(seconds[2:]), matmuls * one_matmul,
-                                                ctx.world_size, cores)       # two to warm up
+                                                   ctx.world_size, cores)       # two to warm up
     write_slowest(ctx, mine, out_path)
 
 
 @functools.lru_cache(maxsize=None)
 def time_step_calls(world_size: int, backend: str, device: str) -> StepCalls | None:
     """Calls as a step makes them, slowest rank's medians: a 64 KiB all-reduce in a burst of 20
-    (not lined up by a barrier, as stage 02's are) and a hop after compute (ranks sharing cores
-    wait for one). None, with a line, where Gloo cannot send the tensors."""
+    (not lined up by a barrier, as stage 02's are) and a hop after a long and a short slice of
+    compute (ranks sharing cores wait for one). None, with a line, where Gloo cannot send the tensors."""
     if backend == "gloo" and device == "cuda":
         print("check_prediction: calls not timed (Gloo sends CPU tensors only): stage 02's fit")
         return None
