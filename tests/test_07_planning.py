@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import check_prediction
+import pipeline_schedules
 import ledger
 import planner
 from common import models
@@ -1260,3 +1261,88 @@ def test_compute_stopped_by_ctrl_c_says_so_in_one_line(capsys, monkeypatch, tmp_
     assert compute.main(["--context-length", "32", "--batch-size", "1"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
         "compute.py: stopped (Ctrl-C); the rows measured so far are in results/compute.csv"]
+
+
+# --------------------------------------------------------------------------- a hostile pass's findings
+
+
+def peak_held(steps) -> int:
+    """The most chunk-forwards a rank holds at once (forwards begun, backwards not yet done)."""
+    held = peak = 0
+    for step in steps:
+        held += {pipeline_schedules.FORWARD: 1, pipeline_schedules.BACKWARD: -1}.get(step.op, 0)
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (4, 2, 4), (4, 3, 8), (8, 3, 64), (3, 4, 3)])
+def test_the_micro_batches_in_flight_are_lesson_4s_schedules_own(p, v, m):
+    """The first rank's peak in lesson 4's tables, in micro-batches (a chunk is 1/v of one): the
+    interleaved one holds p (1 + (p-1)/(pv)), Korthikanti et al.'s, not 1F1B's p (was counted so)."""
+    interleaved = planner.Grid(pp=p, chunks=v, micro_batches=m, schedule="interleaved")
+    held = peak_held(pipeline_schedules.interleaved_schedule(0, p, v, m))
+    assert planner.micro_batches_in_flight(interleaved) == held / v
+    assert held / v == min(p * (1 + (p - 1) / (p * v)), m)
+    if m > p:                                          # negative control: 1F1B's count is short
+        assert held / v > p
+    for name, schedule in (("1f1b", pipeline_schedules.one_f_one_b_schedule),
+                           ("gpipe", pipeline_schedules.gpipe_schedule)):
+        grid = planner.Grid(pp=p, micro_batches=m, schedule=name)
+        assert planner.micro_batches_in_flight(grid) == peak_held(schedule(0, p, m))
+
+
+def test_full_recomputation_without_sp_keeps_each_blocks_whole_input():
+    """Without sequence parallelism every tp rank holds a block's input whole, [b, S, h]: only sp
+    cuts it to S/t (it was cut by t either way)."""
+    lm = dataclasses.replace(planner.LLAMA3_8B, batch=1)
+    with_sp, without_sp = (planner.activations_per_rank(lm, planner.Grid(tp=8, sp=sp, recompute="full"))
+                           for sp in (True, False))
+    block_input = lm.compute_bytes * lm.seq * lm.d_model
+    kept = lm.layers * (block_input - block_input // 8)
+    one_block = (planner.block_activation_bytes(lm, planner.Grid(tp=8, sp=False))
+                 - planner.block_activation_bytes(lm, planner.Grid(tp=8, sp=True)))
+    assert without_sp - with_sp == kept + one_block and kept > 0
+
+
+def test_grouped_query_attention_narrows_k_and_v_with_or_without_a_gated_mlp():
+    lm = dataclasses.replace(SMALL, heads=4, kv_heads=2)     # k, v: 4 of the 8 columns each
+    assert planner.block_parameter_shapes(lm)[2] == (8 + 2 * 4, 8)
+    assert planner.parameter_count(lm) == planner.parameter_count(SMALL) - SMALL.layers * 2 * 4 * 8
+    assert planner.training_flops_per_token(lm) < planner.training_flops_per_token(SMALL)
+
+
+def test_a_grid_label_says_every_token_it_was_given_and_refuses_a_second_of_one():
+    for text in ("dp8 m4", "dp2 fsdp tp2 sp pp2 v2 m4 cp2 ckpt", "dp4 zero2 m2 sel"):
+        assert planner.parse_label(planner.label(planner.parse_label(text))) == planner.parse_label(text)
+    assert planner.label(planner.parse_label("m4 dp8")) == "dp8 ddp m4"   # m was dropped without pp
+    for text, named in (("dp8 zero1 fsdp", "'fsdp': a second data-parallel kind"),
+                        ("dp8 sel ckpt", "'ckpt': a second recomputation"),
+                        ("dp4 dp2", "'dp2': a second dp"), ("tp2 sp sp", "'sp': a second sp")):
+        with pytest.raises(ValueError, match=named):
+            planner.parse_label(text)
+
+
+def test_plan_refuses_a_grid_the_lessons_cannot_run_and_counts_one_that_does_not_fit(capsys, monkeypatch):
+    bad_input = [(["--grid", "dp8 v2"], "v2: interleaved 1F1B needs pp"),
+                 (["--grid", "dp1 pp2 v2 m3", "--gpus", "2"], "micro-batches a multiple"),
+                 (["--heads", "16", "--gpus", "16", "--grid", "dp1 tp16"], "tp16 crosses nodes of 8"),
+                 (["--gpus", "8", "--gpus-per-node", "3"], "not whole nodes of 3"),
+                 (["--heads", "7"], "--heads 7: must divide --d-model 768")]
+    for argv, named in bad_input:
+        assert run_plan(argv, monkeypatch) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0] and "kv-heads" not in err[0], (argv, err)
+    assert run_plan(["--grid", "dp8", "--seq", "1000000"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "0 grids fit (1 do not)" in out and "does not fit" in out
+
+
+def test_zero2_reduces_every_micro_batchs_gradients():
+    """A ZeRO-2 rank keeps only its shard of the gradients, so each micro-batch's leave it (as
+    DeepSpeed's stage 2 does); with nothing hidden, m micro-batches cost m times one (were once)."""
+    lm = dataclasses.replace(SMALL, batch=8)
+    serial = dataclasses.replace(ROUND, overlap=False)
+    name = "dp gradients reduced to their owners, left after backward"
+    one, four = (terms_of(lm, planner.Grid(dp=2, dp_kind="zero2", micro_batches=m), serial)[name]
+                 for m in (1, 4))
+    assert one > 0 and four == pytest.approx(4 * one)

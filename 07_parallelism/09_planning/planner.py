@@ -27,7 +27,6 @@ from dataclasses import dataclass
 FLOAT32 = 4
 INT64 = 8                  # token ids and positions
 ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
-ADAMW_STEP_BYTES = 4       # torch's AdamW keeps its step count as a float32 tensor per parameter
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -57,11 +56,11 @@ def block_parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
     """One block's parameter tensors, in registration order (common/models.Block)."""
     h = lm.d_model
     f = lm.d_ff
+    kv = h * (lm.kv_heads or lm.heads) // lm.heads     # k's and v's width (grouped-query)
     if lm.gated_mlp:               # Llama: RMSNorm weights, q, k, v, o, gate, up, down
-        kv = h * (lm.kv_heads or lm.heads) // lm.heads
         return [(h,), (h, h), (kv, h), (kv, h), (h, h), (h,), (f, h), (f, h), (h, f)]
     # LayerNorm weight and bias, qkv, out, LayerNorm, fc1 weight and bias, fc2 weight and bias
-    return [(h,), (h,), (3 * h, h), (h, h), (h,), (h,), (f, h), (f,), (h, f), (h,)]
+    return [(h,), (h,), (h + 2 * kv, h), (h, h), (h,), (h,), (f, h), (f,), (h, f), (h,)]
 
 
 def parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
@@ -155,10 +154,13 @@ def bubble_share(grid: Grid) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def micro_batches_in_flight(grid: Grid) -> int:
-    """Micro-batches whose activations the first pipeline rank holds at once: GPipe all m,
-    1F1B at most p (lesson 4; interleaved, a bound)."""
-    return grid.micro_batches if grid.schedule == "gpipe" else min(grid.micro_batches, grid.pp)
+def micro_batches_in_flight(grid: Grid) -> float:
+    """Micro-batches whose activations the first pipeline rank holds at once: GPipe m, 1F1B p;
+    interleaved, lesson 4's 2(p-1) + (v-1)p + 1 chunks of 1/v: p (1 + (p-1)/(pv)), Korthikanti's."""
+    p, v, m = grid.pp, grid.chunks, grid.micro_batches
+    if grid.schedule == "interleaved":
+        return min(2 * (p - 1) + (v - 1) * p + 1, m * v) / v
+    return m if grid.schedule == "gpipe" else min(m, p)
 
 
 # --------------------------------------------------------------------------- memory per rank
@@ -194,10 +196,8 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     if lm.position_embedding:
         embeddings += lm.seq * lm.d_model
     head = lm.vocab * lm.d_model + 2 * lm.d_model
-    if grid.pp == 1:
-        values = blocks * block_values + embeddings + head
-    else:
-        values = blocks * block_values + max(embeddings, head)
+    ends = embeddings + head if grid.pp == 1 else max(embeddings, head)   # pp: one end a rank
+    values = blocks * block_values + ends
     d = grid.dp * grid.cp           # the ranks holding the same parameters
     params = FLOAT32 * values
     grads = FLOAT32 * values
@@ -231,8 +231,7 @@ def block_activation_bytes(lm: LM, grid: Grid) -> int:
     per_block += rows * (lm.heads // t) * tokens                      # log-sum-exp
     per_block += (3 if lm.gated_mlp else 2) * rows * tokens * lm.d_ff // t   # fc1's output, GELU's
     if grid.cp > 1:
-        per_block += rows * tokens * h // t    # ring attention's output is [b, heads, S, hd]:
-                                               # the out projection keeps a transposed copy
+        per_block += rows * tokens * h // t    # ring attention's [b, heads, S, hd], transposed
     return lm.compute_bytes * per_block
 
 
@@ -255,14 +254,13 @@ def activations_per_rank(lm: LM, grid: Grid) -> float:
     """Bytes saved for backward on the first pipeline rank at its peak, times the micro-batches
     in flight. Full recomputation keeps each block's input (one block's set alive in backward);
     selective drops only the [s, s] scores, which flash attention never keeps: as none here."""
-    rows = lm.batch // (grid.dp * grid.micro_batches)
-    tokens = lm.seq // grid.cp
+    rows, tokens = rows_and_tokens(lm, grid)
     per_block_bytes = block_activation_bytes(lm, grid)
     edges = edge_activation_bytes(lm, grid, first=True, last=grid.pp == 1)
     blocks = lm.layers // grid.pp
     in_flight = micro_batches_in_flight(grid)
     if grid.recompute == "full":
-        kept_input = lm.compute_bytes * rows * tokens * lm.d_model // grid.tp
+        kept_input = lm.compute_bytes * rows * tokens * lm.d_model // (grid.tp if grid.sp else 1)
         return in_flight * (blocks * kept_input + edges) + per_block_bytes
     return in_flight * (blocks * per_block_bytes + edges)
 
@@ -435,9 +433,7 @@ def rows_and_tokens(lm: LM, grid: Grid) -> tuple[int, int]:
 
 def turns(grid: Grid, machine: Machine) -> float:
     """W / cores where W ranks take turns on fewer cores (this course's CPU box), else 1."""
-    if machine.cores and grid.world_size > machine.cores:
-        return grid.world_size / machine.cores
-    return 1.0
+    return max(1.0, grid.world_size / machine.cores) if machine.cores else 1.0
 
 
 def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
@@ -516,11 +512,8 @@ def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool
             if seconds < gpu.launch_s:
                 classes["launch floor"][2] += count
                 classes["launch floor"][3] += count * (gpu.launch_s - seconds)
-        row = classes[kind]
-        row[0] += count * flops
-        row[1] += count * nbytes
-        row[2] += count
-        row[3] += count * seconds
+        for column, value in enumerate((flops, nbytes, 1, seconds)):    # a kernel's, count times
+            classes[kind][column] += count * value
     return classes
 
 
@@ -554,8 +547,7 @@ def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float
 
 
 def straggler_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
-    """A collective ends when its last rank comes: the slowest of W ranks' compute (0 on a quiet
-    GPU box)."""
+    """A collective ends when its last rank comes: the slowest of W ranks' compute (0: a GPU box)."""
     return ("waiting for the slowest rank", compute * machine.straggler,
             f"the slowest of {grid.world_size} ranks computes {machine.straggler:.0%} longer")
 
@@ -563,7 +555,7 @@ def straggler_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, f
 def bubble_term(grid: Grid, machine: Machine, compute: float) -> tuple[str, float, str]:
     """Lesson 4: compute stretched by 1 / (1 - bubble); ranks sharing cores fill each other's."""
     bubble = bubble_share(grid)
-    if machine.cores and grid.world_size > machine.cores:
+    if turns(grid, machine) > 1:
         return ("pipeline bubble", 0.0, f"{grid.schedule}: an idle rank's core runs another rank")
     return ("pipeline bubble", compute * bubble / (1 - bubble),
             f"{grid.schedule}: idle {bubble:.3f} of the step (lesson 4)")
@@ -609,9 +601,7 @@ def pipeline_hops_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
         link = link_of(machine, grid, "pp")
     rows, tokens = rows_and_tokens(lm, grid)
     activation = lm.compute_bytes * rows * tokens // grid.tp * lm.d_model
-    sends = 2 * grid.micro_batches
-    if machine.overlap:
-        sends = 2 * (grid.pp - 1)
+    sends = 2 * (grid.pp - 1) if machine.overlap else 2 * grid.micro_batches
     return ("pipeline hops", sends * send_time(link, activation),
             f"{sends} sends of {activation / 2**20:.3g} MiB (lesson 4)")
 
@@ -649,12 +639,13 @@ def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
         terms.append(("dp gradients left after backward",
                       overlapped_tail(backward, pieces, machine.overlap),
                       f"{len(buckets)} all-reduces, {whole / 2**20:.3g} MiB, under backward (stage 06)"))
-    if grid.dp_kind == "zero2":
+    if grid.dp_kind == "zero2":     # every micro-batch's: a rank keeps only its shard (DeepSpeed's)
         buckets = gradient_buckets(sizes, whole / replicas)    # one bucket an owner
         pieces = [send_time(link, nbytes) for nbytes in buckets]
+        m = grid.micro_batches
         terms.append(("dp gradients reduced to their owners, left after backward",
-                      overlapped_tail(backward, pieces, machine.overlap),
-                      f"{len(buckets)} reduces, {whole / 2**20:.3g} MiB, under backward (lesson 1)"))
+                      m * overlapped_tail(backward / m, pieces, machine.overlap),
+                      f"{m} x {len(buckets)} reduces, {whole / 2**20:.3g} MiB, under backward (lesson 1)"))
     if grid.dp_kind in ("zero1", "zero2"):
         terms.append(("dp parameters broadcast by their owners",
                       replicas * broadcast_time(link, replicas, whole / replicas),
@@ -674,9 +665,7 @@ def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
     gradients = sum(rank_tensor_bytes(lm, grid))
     copied = 0.0
     if grid.dp_kind in ("ddp", "zero1"):
-        copied = 4 * gradients
-        if grid.bucket_bytes == 0:
-            copied = 2 * gradients
+        copied = (2 if grid.bucket_bytes == 0 else 4) * gradients    # a call a tensor: no buckets
     if grid.dp_kind == "zero2":
         copied = 2 * gradients
     if grid.dp_kind in ("zero1", "zero2"):
@@ -717,10 +706,8 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     waited = prefetched_wait(forward_units, gathers, share)
     regathered = gathers[1:-1]                           # not the root, not the last block
     waited += prefetched_wait(backward_units[1:-1], regathered, share)
-    # Backward reaches the blocks last to first, each reduce-scattered as its backward ends;
-    # the root's gradients are complete only when the token embedding's is, as backward ends
-    # (lesson 2 wraps the whole model, pp = 1; a pipeline stage's root is charged the same, a
-    # bound), so its reduce-scatter comes after all of backward, behind the blocks'.
+    # The root's gradients are complete only with the token embedding's, as backward ends (a
+    # pipeline stage's root is charged the same, a bound): its reduce-scatter comes after all.
     block_scatters = [reduce_scatter_time(machine, link, replicas, FLOAT32 * v, machine.scatter)
                       for v in unit_values[1:]]
     root_scatter = reduce_scatter_time(machine, link, replicas, FLOAT32 * unit_values[0],
@@ -745,9 +732,7 @@ def optimizer_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, st
 
 def loss_term(grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """One float64 all-reduced over every rank, so each logs the global loss."""
-    link = machine.inside
-    if grid.world_size > machine.ranks_per_node:
-        link = machine.across
+    link = machine.across if grid.world_size > machine.ranks_per_node else machine.inside
     return ("loss all-reduce", all_reduce_time(link, grid.world_size, 8),
             f"8 bytes over all {grid.world_size} ranks")
 
@@ -836,7 +821,9 @@ def label(grid: Grid) -> str:
     if grid.tp > 1:
         parts.append(f"tp{grid.tp}" + " sp" * grid.sp)
     if grid.pp > 1:
-        parts.append(f"pp{grid.pp}" + f" v{grid.chunks}" * (grid.chunks > 1) + f" m{grid.micro_batches}")
+        parts.append(f"pp{grid.pp}" + f" v{grid.chunks}" * (grid.chunks > 1))
+    if grid.micro_batches > 1:
+        parts.append(f"m{grid.micro_batches}")
     if grid.cp > 1:
         parts.append(f"cp{grid.cp}")
     parts.append({"none": "", "selective": "sel", "full": "ckpt"}[grid.recompute])
@@ -848,8 +835,13 @@ def parse_label(text: str) -> Grid:
     vN (chunks: interleaved 1F1B), sp, ckpt (full) or sel (selective recomputation)."""
     sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "m": 1, "v": 1}
     grid = {"dp_kind": "ddp", "sp": False, "recompute": "none"}
+    seen = set()
     for token in text.split():
         name = token.rstrip("0123456789")
+        kind = "data-parallel kind" if token in DP_KINDS else "recomputation" if token in ("sel", "ckpt") else name
+        if kind in seen:
+            raise ValueError(f"{token!r}: a second {kind} token")
+        seen.add(kind)
         if token in DP_KINDS:
             grid["dp_kind"] = token
         elif token in ("sp", "sel", "ckpt"):

@@ -25,9 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 from common import models  # noqa: E402
 from common.launch import Parser  # noqa: E402  (argparse, a usage error in one line, exit 2)
 
-SHAPE = {"layers": 10**4, "d_model": 10**6, "heads": 10**5, "d_ff": 10**7, "vocab": 10**8,
+SHAPE = {"layers": 10**3, "d_model": 10**6, "heads": 10**5, "d_ff": 10**7, "vocab": 10**8,
          "seq": 10**8, "batch": 10**9, "kv_heads": 10**5}   # each flag's largest value
 GPUS = 10**6
+MAX_GRIDS = 10**4          # ranked in a minute at the most layers (each grid walks every layer)
 
 
 def up_to(largest: int):
@@ -64,17 +65,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                                    args.gpus_per_node or preset.ranks_per_node)
     args.lm = model_of(args, default_batch=2 * args.machine.ranks)
     if args.lm.d_model % args.lm.heads or args.lm.heads % (args.lm.kv_heads or args.lm.heads):
-        parser.error(f"--heads {args.lm.heads}: must divide --d-model {args.lm.d_model} and be a "
-                     f"multiple of --kv-heads {args.lm.kv_heads}")
+        parser.error(f"--heads {args.lm.heads}: must divide --d-model {args.lm.d_model}"
+                     + f" and be a multiple of --kv-heads {args.lm.kv_heads}" * bool(args.lm.kv_heads))
+    if args.machine.ranks % min(args.machine.ranks, args.machine.ranks_per_node):
+        parser.error(f"--gpus {args.machine.ranks}: not whole nodes of {args.machine.ranks_per_node}")
     if args.grid is not None:
         try:
             grid = planner.parse_label(args.grid)
         except ValueError as error:
             parser.error(f"--grid {args.grid!r}: {error}")
-        problem = grid_problem(args.lm, grid, args.machine.ranks)
+        problem = grid_problem(args.lm, grid, args.machine.ranks, args.machine.ranks_per_node)
         if problem:
             parser.error(f"--grid {args.grid!r}: {problem}")
         args.grid = grid
+    elif sum(1 for _ in planner.candidate_grids(args.lm, args.machine.ranks, args.machine.ranks_per_node)) > MAX_GRIDS:
+        parser.error(f"more than {MAX_GRIDS:,} grids of {args.machine.ranks} GPUs to rank: name one with --grid")
     return args
 
 
@@ -116,7 +121,7 @@ def box_crossover(ranks: int = 2) -> dict | None:
         return None
 
 
-def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int) -> str:
+def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int, gpus_per_node: int = 8) -> str:
     """Why ``grid`` cannot run ``lm`` on ``gpus`` GPUs, in one line ('' if it can)."""
     rows = lm.batch // grid.dp
     checks = [
@@ -127,6 +132,9 @@ def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int) -> str:
          f"pp{grid.pp} x v{grid.chunks} does not divide the {lm.layers} layers"),
         (grid.pp == 1 or grid.micro_batches >= grid.pp,
          f"m{grid.micro_batches}: fewer micro-batches than the {grid.pp} stages"),
+        (grid.chunks == 1 or (grid.pp > 1 and grid.micro_batches % grid.pp == 0),
+         f"v{grid.chunks}: interleaved 1F1B needs pp and micro-batches a multiple of the stages"),
+        (grid.tp <= gpus_per_node, f"tp{grid.tp} crosses nodes of {gpus_per_node} GPUs"),
         (lm.batch % grid.dp == 0 and rows % grid.micro_batches == 0 and rows >= grid.micro_batches,
          f"the batch of {lm.batch} does not split into dp{grid.dp} x m{grid.micro_batches}"),
         (grid.cp == 1 or lm.seq % (2 * grid.cp) == 0,
@@ -165,8 +173,8 @@ def main(argv=None) -> int:
             f"batch of {lm.batch} must split over the data ranks, the {lm.heads} heads over tp (at most "
             f"a node), the {lm.layers} layers over pp"))
         return 1
-    print(f"{len(fitting)} grids fit ({len(predictions) - len(fitting)} do not); the "
-          f"{min(args.top, len(fitting))} fastest:")
+    fit = sum(p["fits"] for p in predictions)
+    print(f"{fit} grids fit ({len(predictions) - fit} do not); the {min(args.top, len(fitting))} fastest:")
     print(f"{'grid':34} {'GiB/GPU':>8} {'step ms':>9} {'tokens/s/GPU':>13} {'MFU':>6}")
     for prediction in fitting[:args.top]:
         print(f"{planner.label(prediction['grid']):34} {prediction['memory']['total'] / 2**30:8.1f} "

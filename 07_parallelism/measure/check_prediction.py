@@ -56,6 +56,7 @@ HOP_SIZES = (16 * 2**10, 256 * 2**10, 2**20)   # bytes: the lessons' K/V blocks 
 HOP_SLICE_S = 2e-3         # the compute a hop follows, about one block's share of a step here
 SHORT_SLICE_S = HOP_SLICE_S / 8   # and below lesson 5's shortest chunk here (about 0.5 ms)
 REPEATS = 15
+ADAMW_STEP_BYTES = 4       # torch's AdamW keeps a float32 step count for each parameter tensor
 FLAT_SIZES = (4 * 2**20, 16 * 2**20)   # bytes of a gathered unit where no LM names them
 
 
@@ -736,7 +737,7 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
     tensors = planner.rank_tensors(lm, grid, pp_rank)
     params = sum(values for values, _ in tensors)
     replicated = sum(values for values, split in tensors if not split)
-    optim = 2 * planner.FLOAT32 * params + planner.ADAMW_STEP_BYTES * len(tensors)
+    optim = 2 * planner.FLOAT32 * params + ADAMW_STEP_BYTES * len(tensors)
     if grid.dp_kind == "zero1":
         # lesson 1's deal, as grid_bench.py's: whole tensors, largest first, each to the rank
         # holding the fewest bytes (ties: the lowest), which keeps AdamW's moments and step count
@@ -745,7 +746,7 @@ def rank_bytes(lm: planner.LM, grid: planner.Grid, pp_rank: int = 0, data_rank: 
         for index in sorted(range(len(sizes)), key=lambda index: -sizes[index]):
             rank = loads.index(min(loads))
             loads[rank] += planner.FLOAT32 * sizes[index]
-            owned[rank] += 2 * planner.FLOAT32 * sizes[index] + planner.ADAMW_STEP_BYTES
+            owned[rank] += 2 * planner.FLOAT32 * sizes[index] + ADAMW_STEP_BYTES
         optim = owned[data_rank]
     stages = [chunk * p + pp_rank for chunk in range(v)]
     blocks = lm.layers // p
