@@ -1324,7 +1324,7 @@ def test_a_grid_label_says_every_token_it_was_given_and_refuses_a_second_of_one(
 
 def test_plan_refuses_a_grid_the_lessons_cannot_run_and_counts_one_that_does_not_fit(capsys, monkeypatch):
     bad_input = [(["--grid", "dp8 v2"], "v2: interleaved 1F1B needs pp"),
-                 (["--grid", "dp1 pp2 v2 m3", "--gpus", "2"], "micro-batches a multiple"),
+                 (["--grid", "dp1 pp2 v2 m3", "--gpus", "2", "--batch", "6"], "micro-batches a multiple"),
                  (["--heads", "16", "--gpus", "16", "--grid", "dp1 tp16"], "tp16 crosses nodes of 8"),
                  (["--gpus", "8", "--gpus-per-node", "3"], "not whole nodes of 3"),
                  (["--heads", "7"], "--heads 7: must divide --d-model 768")]
@@ -1346,3 +1346,18 @@ def test_zero2_reduces_every_micro_batchs_gradients():
     one, four = (terms_of(lm, planner.Grid(dp=2, dp_kind="zero2", micro_batches=m), serial)[name]
                  for m in (1, 4))
     assert one > 0 and four == pytest.approx(4 * one)
+
+
+def test_the_ranked_grids_split_the_kv_heads_over_tp_as_a_named_grid_must():
+    """``--grid`` refuses tp that does not divide the kv heads; the ranked list offered them."""
+    lm = dataclasses.replace(planner.LLAMA3_8B, kv_heads=2)
+    assert {grid.tp for grid in planner.candidate_grids(lm, 8, 8)} == {1, 2}
+    assert {grid.tp for grid in planner.candidate_grids(planner.LLAMA3_8B, 8, 8)} == {1, 2, 4, 8}
+
+
+def test_zero2_copies_every_micro_batchs_gradients_into_its_buckets():
+    lm = dataclasses.replace(SMALL, batch=8)
+    one, four = (terms_of(lm, planner.Grid(dp=2, dp_kind="zero2", micro_batches=m))["dp buffer copies"]
+                 for m in (1, 4))
+    gradients = sum(planner.rank_tensor_bytes(lm, planner.Grid(dp=2)))
+    assert four - one == pytest.approx(3 * 2 * gradients / ROUND.memory_bandwidth)

@@ -659,7 +659,7 @@ def data_parallel_terms(lm: LM, grid: Grid, machine: Machine,
 
 def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float, str]:
     """Bytes the data-parallel wrappers copy into their buffers and back, at the copy bandwidth:
-    DDP 4G (in and out of buckets; a call a tensor 2G), ZeRO-2 2G, ZeRO-1/2 owners' flat
+    DDP 4G (in and out of buckets; a call a tensor 2G), ZeRO-2 2G a micro-batch, ZeRO-1/2 owners' flat
     buffers 2G/d + 2G, FSDP each gathered unit out of its buffer and gradients into theirs."""
     d = grid.dp * grid.cp
     gradients = sum(rank_tensor_bytes(lm, grid))
@@ -667,7 +667,7 @@ def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
     if grid.dp_kind in ("ddp", "zero1"):
         copied = (2 if grid.bucket_bytes == 0 else 4) * gradients    # a call a tensor: no buckets
     if grid.dp_kind == "zero2":
-        copied = 2 * gradients
+        copied = 2 * grid.micro_batches * gradients
     if grid.dp_kind in ("zero1", "zero2"):
         copied += 2 * gradients / d + 2 * gradients
     if grid.dp_kind == "fsdp":
@@ -795,7 +795,7 @@ def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
     """Every grid of ``ranks`` the LM's shape allows (tp divides the heads within a node, pp the
     layers, cp > 1 the sequence in 2 cp halves, dp the batch), each with every data-parallel
     kind and recomputation; the loops run over the model's divisors, not the ranks'."""
-    for tp in divisors(math.gcd(lm.heads, ranks)):
+    for tp in divisors(math.gcd(lm.kv_heads or lm.heads, ranks)):   # kv heads divide the heads
         if tp > ranks_per_node:
             continue
         for pp in divisors(math.gcd(lm.layers, ranks // tp)):
