@@ -1361,3 +1361,16 @@ def test_zero2_copies_every_micro_batchs_gradients_into_its_buckets():
                  for m in (1, 4))
     gradients = sum(planner.rank_tensor_bytes(lm, planner.Grid(dp=2)))
     assert four - one == pytest.approx(3 * 2 * gradients / ROUND.memory_bandwidth)
+
+
+def test_plan_piped_into_a_reader_that_stops_ends_quietly():
+    """`make plan | head` ended in a BrokenPipeError traceback; now SIGPIPE ends it, as Unix tools."""
+    import signal
+    import subprocess
+    argv = [sys.executable, str(PLAN), "--model", "llama3-8b", "--gpus", "1024", "--batch", "1024",
+            "--top", "100000"]                          # some 200 KB: more than a pipe holds
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"model:")
+    proc.stdout.close()                                 # the reader has what it wanted
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == -signal.SIGPIPE and b"Traceback" not in err, err[-300:]

@@ -244,8 +244,7 @@ def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
     if first:
         saved += INT64 * (rows * between + between)
     if last:
-        values = rows * between * (lm.d_model + 2) + rows * between * lm.d_model
-        values += rows * between * lm.vocab
+        values = rows * between * (lm.d_model + 2 + lm.d_model + lm.vocab)   # norm, head, log-softmax
         saved += lm.compute_bytes * values + INT64 * rows * between + FLOAT32
     return saved
 

@@ -16,6 +16,7 @@ import csv
 import dataclasses
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -85,9 +86,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def course_lm(preset: str, seq: int, compute_bytes: int = 2) -> planner.LM:
     shape = models.PRESETS[preset]
-    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"],
-                      heads=shape["num_heads"], vocab=models.VOCAB_SIZE, seq=seq, batch=0,
-                      compute_bytes=compute_bytes)
+    return planner.LM(layers=shape["num_layers"], d_model=shape["d_model"], d_ff=shape["d_ff"], heads=shape["num_heads"],
+                      vocab=models.VOCAB_SIZE, seq=seq, batch=0, compute_bytes=compute_bytes)
 
 
 def model_of(args, default_batch: int) -> planner.LM:
@@ -152,6 +152,7 @@ def as_json(prediction: dict) -> dict:
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)    # `make plan | head`: ends quietly, as Unix tools do
     args = parse_args(argv)
     lm = args.lm
     machine = args.machine
