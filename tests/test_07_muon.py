@@ -60,10 +60,33 @@ class RowsToTheWrongRank(muon.FSDPMuon):
         return super().from_owners(params, rolled)
 
 
+class GradientsSummedNotAveraged(muon.Replicated):
+    """The all-reduced gradients left as the sum: the weights come out as one process's (the
+    iteration scales its input to norm 1), the momentum N times one process's."""
+
+    @torch.no_grad()
+    def step(self):
+        for param, _ in self.matrices():
+            dist.all_reduce(param.grad, group=self.group)
+        muon.Muon.step(self)
+
+
+class RanksRoundApart(muon.Replicated):
+    """Each rank's weights nudged by rank x 1e-15 a step: within the tolerance of one process,
+    but no longer bitwise the same on every rank."""
+
+    @torch.no_grad()
+    def step(self):
+        super().step()
+        for param, _ in self.matrices():
+            param.add_(dist.get_rank(self.group) * 1e-15)
+
+
 CONTROLS = {
     "owner orthogonalizes its shard": (OwnerOrthogonalizesItsShard, False),
     "momentum not reduced before the iteration": (MomentumNotReduced, False),
     "all-to-all returns rows to the wrong rank": (RowsToTheWrongRank, True),
+    "gradients summed, not averaged": (GradientsSummedNotAveraged, False),
 }
 
 # --------------------------------------------------------------------------- the launch
@@ -130,12 +153,21 @@ def subgroup_diffs(ctx) -> dict:
     return diffs
 
 
+def ranks_differ(weights: torch.Tensor) -> int:
+    """How many ranks' flat weights are not bitwise this rank's."""
+    everyone = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, weights)
+    return sum(not torch.equal(theirs, weights) for theirs in everyone)
+
+
 def worker(ctx, out_path):
     findings = {}
     shapes = [tuple(m.weight.shape) for m in run_muon.matrices_model("cpu") if hasattr(m, "weight")]
     dealt = run_muon.flops_per_rank(shapes, ctx.world_size)
     for name, make in run_muon.design_makers().items():
-        findings[f"{name} equals one process"] = run_muon.train_matrices(ctx, make, fsdp=name == "fsdp")["diff"]
+        trained = run_muon.train_matrices(ctx, make, fsdp=name == "fsdp")
+        findings[f"{name} equals one process"] = max(trained["diff"], trained["momentum_diff"])
+        findings[f"{name} ranks differ"] = ranks_differ(trained["weights"])
         sent, flops = counted_step(ctx, name, make)
         findings[f"{name} bytes"] = sent
         findings[f"{name} flops"] = [flops, dealt[name][ctx.rank]]
@@ -146,8 +178,21 @@ def worker(ctx, out_path):
         else:
             def make(params, design=design):
                 return design(params, lr=run_muon.LR, weight_decay=0.1)
-        findings[name] = run_muon.train_matrices(ctx, make, fsdp=fsdp)["diff"]
+        trained = run_muon.train_matrices(ctx, make, fsdp=fsdp)
+        findings[name] = max(trained["diff"], trained["momentum_diff"])
+        findings[f"{name}, weights alone"] = trained["diff"]
+    rounded = run_muon.train_matrices(ctx, lambda params: RanksRoundApart(params, lr=run_muon.LR, weight_decay=0.1))
+    findings["ranks round apart"] = [rounded["diff"], ranks_differ(rounded["weights"])]
     findings["subgroup"] = subgroup_diffs(ctx) if ctx.world_size == 4 else {}
+    newer = {name: getattr(dist, name) for name in ("reduce_scatter_single", "all_gather_single")}
+    for name in newer:                   # torch before these names (a GPU box's 2.11, say)
+        delattr(dist, name)
+    try:
+        older = run_muon.train_matrices(ctx, run_muon.design_makers()["sharded"])
+    finally:
+        for name, function in newer.items():
+            setattr(dist, name, function)
+    findings["sharded on an older torch"] = max(older["diff"], older["momentum_diff"])
     if ctx.world_size == 2:
         for name in run_muon.design_makers():
             findings[f"{name} LM"] = run_muon.train_lm(ctx, name, steps=2)
@@ -171,9 +216,12 @@ def found(world_size: int, tmp_path) -> dict:
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("design", ["replicated", "owner", "sharded", "fsdp"])
 def test_design_equals_one_process(world_size, design, tmp_path):
+    """The weights and each rank's momentum (its rows, where sharded) within the tolerance of one
+    process, and the weights bitwise the same on every rank."""
     for rank, findings in enumerate(found(world_size, tmp_path)["ranks"]):
         diff = findings[f"{design} equals one process"]
         assert diff <= TOLERANCE, f"{design}, {world_size} ranks, rank {rank}: off by {diff:.2e}"
+        assert findings[f"{design} ranks differ"] == 0, f"{design}, rank {rank}: ranks not bitwise equal"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -181,6 +229,25 @@ def test_design_equals_one_process(world_size, design, tmp_path):
 def test_negative_control_fails(world_size, control, tmp_path):
     diffs = [findings[control] for findings in found(world_size, tmp_path)["ranks"]]
     assert max(diffs) > 1e3 * TOLERANCE, f"the control '{control}' passed the check: off by {max(diffs):.2e}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_sharded_runs_on_a_torch_without_the_single_names(world_size, tmp_path):
+    """``dist.reduce_scatter_single`` and ``all_gather_single`` are torch 2.13's; without them
+    (older torch) the designs take ``reduce_scatter_tensor`` and ``all_gather_into_tensor``."""
+    for findings in found(world_size, tmp_path)["ranks"]:
+        assert findings["sharded on an older torch"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_the_momentum_and_bitwise_checks_catch_what_the_weights_miss(world_size, tmp_path):
+    """Gradients summed, not averaged: the weights pass, the momentum does not. Ranks a rounding
+    apart: within the tolerance, not bitwise."""
+    ranks = found(world_size, tmp_path)["ranks"]
+    summed = [f["gradients summed, not averaged, weights alone"] for f in ranks]
+    rounded = [f["ranks round apart"] for f in ranks]
+    assert max(summed) <= TOLERANCE, summed
+    assert all(diff <= TOLERANCE and differ > 0 for diff, differ in rounded), rounded
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -263,3 +330,16 @@ def test_bench_stops_before_make_benchs_deadline(tmp_path):
     assert ("3 ranks, tiny LM" in out.stdout) != bool(deadline_s), out.stdout
     assert ("skipped: past make bench's deadline" in out.stdout) == bool(deadline_s), out.stdout
     assert "fsdp" in (tmp_path / "muon.csv").read_text()
+
+
+def test_muon_refuses_what_would_run_silently_wrong():
+    matrix = torch.nn.Parameter(torch.zeros(3, 3))
+    for bad in (dict(lr=-1), dict(lr=float("nan")), dict(lr=0.1, momentum=1), dict(lr=0.1, momentum=-0.1),
+                dict(lr=0.1, weight_decay=-1), dict(lr=0.1, ns_steps=0), dict(lr=0.1, ns_steps=2.5)):
+        with pytest.raises(ValueError, match="want lr >= 0"):
+            muon.Muon([matrix], **bad)
+    optimizer = muon.Muon([matrix], lr=0.1, momentum=0, weight_decay=0)   # the edges are fine
+    with pytest.raises(ValueError, match="2-D parameters only"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    with pytest.raises(ValueError, match="2-D parameters only"):
+        muon.Muon([torch.nn.Parameter(torch.zeros(2, 2, 2))], lr=0.1)

@@ -54,8 +54,8 @@ import torch.distributed as dist
 
 
 def newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """The quintic Newton-Schulz iteration (Jordan et al. 2024): G's singular values move
-    towards 1 (into about [0.7, 1.2]), its singular vectors stay. In G's dtype; G is not changed."""
+    """The quintic Newton-Schulz iteration (Jordan et al. 2024): G's singular values move towards
+    1 (most into about [0.7, 1.2]), its singular vectors stay. In G's dtype; G is not changed."""
     a, b, c = (3.4445, -4.7750, 2.0315)
     tall = G.size(0) > G.size(1)
     X = G.T if tall else G  # the wide side: X X^T is the smaller square
@@ -112,9 +112,18 @@ class Muon(torch.optim.Optimizer):
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
                         weight_decay=weight_decay)
         super().__init__(params, defaults)
-        for param, _ in self.matrices():
-            if param.ndim != 2:
-                raise ValueError(f"Muon: 2-D parameters only, got {tuple(param.shape)}; give it to AdamW")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, refusing what would run silently wrong (torch.optim.Muon refuses most of it)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        shapes = [tuple(param.shape) for param in group["params"] if param.ndim != 2]
+        if shapes:
+            raise ValueError(f"Muon: 2-D parameters only, got {shapes}; give them to AdamW")
+        lr, momentum, decay, steps = (group[key] for key in ("lr", "momentum", "weight_decay", "ns_steps"))
+        if not (lr >= 0 and 0 <= momentum < 1 and decay >= 0 and isinstance(steps, int) and steps >= 1):
+            raise ValueError(f"Muon: want lr >= 0, 0 <= momentum < 1, weight_decay >= 0 and a whole "
+                             f"ns_steps >= 1; got {lr}, {momentum}, {decay}, {steps}")
 
     def matrices(self) -> list:
         """(parameter, its group) for every parameter, in order."""
@@ -243,13 +252,15 @@ class Sharded(Muon):
         for param in params:
             k = self.rows(param)
             grad = param.grad.new_empty(k, param.shape[1])
-            dist.reduce_scatter_single(grad, self.padded(param, param.grad), group=self.group)
+            scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # older torch's name
+            scatter(grad, self.padded(param, param.grad), group=self.group)
             grads.append(grad / self.world_size)
             shards.append(self.padded(param, param)[self.rank * k:(self.rank + 1) * k])
         self.update_shards(params, shards, grads)
         for param, shard in zip(params, shards):
             full = shard.new_empty(self.world_size * shard.shape[0], shard.shape[1])  # [N k, cols]
-            dist.all_gather_single(full, shard, group=self.group)
+            gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # older torch's name
+            gather(full, shard, group=self.group)
             param.copy_(full[:param.shape[0]])
 
     def update_shards(self, params, shards, grads) -> None:
