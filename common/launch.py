@@ -55,13 +55,13 @@ class Parser(argparse.ArgumentParser):
         usage_error(message, prog=self.prog)
 
 
-def _number(kind, lowest, what: str):  # a flag type: a kind >= lowest, never NaN or inf
+def number(kind, lowest, what: str, highest=math.inf):  # a flag type: a kind in [lowest, highest], finite
     def parse(text: str):
         try:
             value = kind(text)
         except (ValueError, OverflowError):
             value = float("nan")
-        if not math.isfinite(value) or value < lowest:
+        if not math.isfinite(value) or not lowest <= value <= highest:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
     return parse
@@ -81,9 +81,9 @@ def list_of(item, allowed=None):  # a flag type: a comma-separated list of item 
     return parse
 
 
-positive_int = _number(int, 1, "a whole number >= 1")
-non_negative_int = _number(int, 0, "a whole number >= 0")
-positive_float = _number(float, math.nextafter(0.0, 1.0), "a finite number > 0")
+positive_int = number(int, 1, "a whole number >= 1")
+non_negative_int = number(int, 0, "a whole number >= 0")
+positive_float = number(float, math.nextafter(0.0, 1.0), "a finite number > 0")
 int_list = list_of(positive_int)  # '1,2,4' -> [1, 2, 4]
 choice_list = functools.partial(list_of, str)  # choice_list(allowed): a subset of allowed
 

@@ -1,12 +1,16 @@
 """Lesson 07/10 (hangs): every planted failure named in one line (the rank, the op and the
 collective's number that were planted), no alarm on the same code without its plant, the
-straggler called slow and not hung, each within a bounded time; and diagnose.py's contract on
-hand-made dump folders (agree: exit 0; disagree: exit 1; one line either way)."""
+straggler called slow and not hung, no process left behind; and diagnose.py's contract on
+hand-made dump folders (agree: exit 0; disagree: exit 1; one line either way; a file that is
+not a dump: exit 2, one line)."""
 
+import os
 import pickle
 import shutil
+import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -38,16 +42,31 @@ PLANTED = {
 }
 
 
-def demo_processes(dumps) -> list[int]:
-    """The live processes started with this run's arguments (the launcher and its ranks)."""
+def demo_processes(token: str) -> list[int]:
+    """The live processes whose environment holds ``HANGS_RUN=<token>``: the launcher, the
+    forkserver it starts and the ranks forked from it (a rank's command line is the
+    forkserver's, so the run's arguments cannot find it; the environment it started with can)."""
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for environ in Path("/proc").glob("[0-9]*/environ"):
         try:
-            if str(dumps).encode() in cmdline.read_bytes():
-                found.append(int(cmdline.parent.name))
+            if f"HANGS_RUN={token}".encode() in environ.read_bytes().split(b"\0"):
+                found.append(int(environ.parent.name))
         except OSError:
-            continue  # gone meanwhile
+            continue  # gone meanwhile, or not ours to read
     return found
+
+
+def test_demo_processes_finds_a_process_of_the_run():
+    """The negative control of the check that the demo leaves nothing running."""
+    token = uuid.uuid4().hex
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               env={**os.environ, "HANGS_RUN": token})
+    try:
+        assert demo_processes(token) == [sleeper.pid]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert demo_processes(token) == []
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +74,10 @@ def run(tmp_path_factory):
     """One launch of the demo: all nine plants and their controls, on 4 ranks."""
     dumps = tmp_path_factory.mktemp("hangs")
     start = time.monotonic()
+    token = uuid.uuid4().hex
     out = run_script(LESSON / "run_hangs.py", "--timeout", TIMEOUT_S, "--dumps", dumps,
-                     timeout=180, env={"DIST_TIMEOUT_S": "60"})
-    assert not demo_processes(dumps), "the demo left processes running"
+                     timeout=180, env={"DIST_TIMEOUT_S": "60", "HANGS_RUN": token})
+    assert not demo_processes(token), "the demo left processes running"
     lines = {}
     for line in out.stdout.splitlines():
         name, _, rest = line.partition(" ")
@@ -168,3 +188,51 @@ def test_recorder_bench():
     assert "ranks 0, 1, 2, 3 agree on all" in out.stdout and "disagree" not in out.stdout
     assert "the median of 1 launches; spread" in out.stdout
     assert "one launch a setting, too few to tell" in out.stdout  # --rounds 1: no verdict
+
+
+def test_a_rank_that_never_reached_a_groups_first_collective_is_named(tmp_path):
+    """The dumps' table of groups (``pg_config``) lists a group's ranks: one with no entry at
+    all is a rank that never got there (without the table, it looked like no member: "agree")."""
+    group = {"1": {"name": "1", "desc": "mine", "ranks": "[0, 1, 2]"}}
+    called = [dict(entry(1), process_group=("1", "mine"))]
+    dumps = {0: {"entries": called, "pg_config": group}, 1: {"entries": [], "pg_config": group},
+             2: {"entries": called, "pg_config": group}}
+    agree, line = diagnose.diagnose(dumps)
+    assert not agree and "#1 of group 1 (mine)" in line and "rank 1 never did (stopped after #0)" in line, line
+    for dump in dumps.values():
+        del dump["pg_config"]
+    assert diagnose.diagnose(dumps)[0]    # the control: without the table, no way to tell
+
+
+def test_groups_are_read_in_number_order_not_name_order():
+    """Group "2" before group "10": the first difference in time, not in the alphabet."""
+    early = [dict(entry(1), process_group=("2", "early")), dict(entry(1), process_group=("10", "late"))]
+    odd = [dict(entry(1, dtype="Long"), process_group=("2", "early")),
+           dict(entry(1, sizes=[(3,)]), process_group=("10", "late"))]
+    agree, line = diagnose.diagnose({0: {"entries": early}, 1: {"entries": odd}})
+    assert not agree and "group 2 (early): dtype differs" in line, line
+
+
+def test_a_file_that_is_not_a_dump_is_refused_in_one_line(tmp_path):
+    for name, data in (("truncated", pickle.dumps({"entries": []})[:-3]), ("text", b"hello"),
+                       ("a list", pickle.dumps([1, 2]))):
+        folder = tmp_path / name.replace(" ", "_")
+        folder.mkdir()
+        (folder / "rank_0").write_bytes(data)
+        (folder / "rank_0.bak").write_bytes(b"ignored")   # not <prefix><rank>
+        out = run_script(LESSON / "diagnose.py", folder, timeout=60)
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and "is not a Flight Recorder dump" in err[-1] and "Traceback" not in out.stderr, out
+
+
+def test_the_demo_refuses_a_timeout_out_of_range_in_one_line():
+    """0.001 s failed in making the group, 1e300 s in timedelta: both tracebacks."""
+    import argparse
+    from common import launch
+    seconds = launch.number(float, 0.5, "seconds from 0.5 to 3600", 3600)
+    assert seconds("0.5") == 0.5 and seconds("3600") == 3600
+    for value in ("0.1", "1e300", "nan", "3600.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match="seconds from 0.5 to 3600"):
+            seconds(value)
+    out = run_script(LESSON / "run_hangs.py", "--timeout", "1e300", timeout=60)   # the demo's flag
+    assert out.returncode == 2 and "seconds from 0.5 to 3600" in out.stderr and "Traceback" not in out.stderr, out

@@ -19,6 +19,7 @@ A dump is a pickle, and unpickling runs code: read only your own job's dumps.
 """
 
 import argparse
+import ast
 import pickle
 import statistics
 import sys
@@ -29,12 +30,18 @@ STRAGGLER_MIN_MS = 5.0  # below this, a lag is the OS scheduling a busy machine
 
 
 def load(folder, prefix: str = "rank_") -> dict:
-    """{rank: dump} from the files ``<prefix><rank>`` in ``folder``."""
+    """{rank: dump} from the files ``<prefix><rank>`` in ``folder``; ValueError, in one line,
+    for one that is not a dump (truncated by the timeout that ended its rank, say)."""
     dumps = {}
     for path in Path(folder).glob(f"{prefix}*"):
         rank = path.name[len(prefix):]
         if rank.isdecimal():
-            dumps[int(rank)] = pickle.loads(path.read_bytes())
+            try:
+                dumps[int(rank)] = pickle.loads(path.read_bytes())
+            except Exception as error:  # unpickling raises whatever the bytes make it raise
+                raise ValueError(f"{path} is not a Flight Recorder dump ({type(error).__name__}: {error})") from None
+            if not isinstance(dumps[int(rank)], dict) or "entries" not in dumps[int(rank)]:
+                raise ValueError(f"{path} is not a Flight Recorder dump (no entries)")
     return dict(sorted(dumps.items()))
 
 
@@ -61,18 +68,20 @@ def by_value(values: dict) -> list:
 
 
 def collectives(dumps: dict) -> dict:
-    """{group: {rank: {sequence number: entry}}}; a rank with no entry of a group is not in
-    it, except for the default group (named "0"), which every rank is in."""
+    """{group: {rank: {sequence number: entry}}}: a group's ranks are those the dumps' table of
+    groups lists (``pg_config``), every rank for the default group ("0"), else those with an entry."""
     groups = {}
+    members = {"0": list(dumps)}
     for rank, dump in dumps.items():
+        for name, config in dump.get("pg_config", {}).items():
+            members[name] = ast.literal_eval(str(config.get("ranks", "[]")))  # "[0, 1]" (torch writes a string)
         for entry in dump["entries"]:
             if not entry["is_p2p"]:
                 name = entry["process_group"]
                 groups.setdefault(name, {}).setdefault(rank, {})[entry["collective_seq_id"]] = entry
     for name, ranks in groups.items():
-        if name[0] == "0":
-            for rank in dumps:
-                ranks.setdefault(rank, {})
+        for rank in set(members.get(name[0], [])) & set(dumps):
+            ranks.setdefault(rank, {})
     return groups
 
 
@@ -155,7 +164,7 @@ def straggler(ranks: dict) -> str:
 def diagnose(dumps: dict) -> tuple[bool, str]:
     """(whether the ranks agree, one line saying so or naming the first difference)."""
     groups = collectives(dumps)
-    for name, ranks in sorted(groups.items()):
+    for name, ranks in sorted(groups.items(), key=lambda item: (len(item[0][0]), item[0])):  # "2" before "10"
         line = first_difference(ranks, f"{name[0]} ({name[1]})")
         if line:
             return False, line
@@ -172,7 +181,10 @@ def main() -> None:
     parser.add_argument("folder", help="one Flight Recorder dump per rank")
     parser.add_argument("--prefix", default="rank_", help="dump file names: <prefix><rank>")
     args = parser.parse_args()
-    dumps = load(args.folder, args.prefix)
+    try:
+        dumps = load(args.folder, args.prefix)
+    except ValueError as error:
+        parser.error(str(error))
     if not dumps:
         parser.error(f"no files named {args.prefix}<rank> in {args.folder}")
     agree, line = diagnose(dumps)

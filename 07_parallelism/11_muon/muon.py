@@ -268,9 +268,7 @@ class Sharded(Muon):
         if not params:
             return
         groups = dict(self.matrices())
-        updates = []
-        for param, grad in zip(params, grads):
-            updates.append(self.momentum(param, grad, groups[param]))
+        updates = [self.momentum(param, grad, groups[param]) for param, grad in zip(params, grads)]
         for param, shard, rows in zip(params, shards, self.orthogonalized_rows(params, updates)):
             group = groups[param]
             apply_update(shard, rows, group["lr"], group["weight_decay"], self.shape[param])

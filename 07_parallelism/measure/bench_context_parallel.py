@@ -66,9 +66,7 @@ def visible_scores(rank: int, world_size: int, seq_len: int, layout: str, causal
 
 def imbalance_formula(world_size: int, layout: str, causal: bool) -> float:
     """max / mean work over ranks for long sequences: contiguous causal 2 - 1/W, else 1."""
-    if causal and layout == "contiguous":
-        return 2 - 1 / world_size
-    return 1.0
+    return 2 - 1 / world_size if causal and layout == "contiguous" else 1.0
 
 
 def saved_bytes_formula(batch_heads: int, seq_len: int, head_dim: int, element_size: int) -> int:
@@ -342,9 +340,7 @@ def ratio(rows: list[dict], world_size: int, compute: str) -> float | None:
     times = {row["layout"]: row["step_ms"] for row in rows   # ring rows: Ulysses is contiguous too
              if row["impl"] == "ring" and row["seq"] == seq and row["W"] == world_size
              and row["compute"].startswith(compute)}
-    if "zigzag" not in times or "contiguous" not in times:
-        return None
-    return times["zigzag"] / times["contiguous"]
+    return None if "zigzag" not in times or "contiguous" not in times else times["zigzag"] / times["contiguous"]
 
 
 def write_bench_rows(ctx, rows: list[dict]):
@@ -377,9 +373,7 @@ def report_bench(ctx, cfg: dict, rows: list[dict]) -> None:
     for row in rows:
         if row["impl"] != "ring" or row["compute"] != "real" or row["seq"] != longest:
             continue
-        target = f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
-        if row["layout"] == "zigzag":
-            target = "1.00"
+        target = "1.00" if row["layout"] == "zigzag" else f"within 2% of 2 - 1/W = {row['imbalance_formula']:.3f}"
         print(f"  FLOP imbalance (max/mean), W={row['W']} {row['layout']}: "
               f"{row['imbalance']:.3f} (target {target})")
     exact = all(row["sent_bytes"] == row["bytes_formula"] for row in rows if row["impl"] == "ring")

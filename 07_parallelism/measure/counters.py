@@ -132,16 +132,12 @@ def ring_send_bytes(op: str, payload: int, world_size: int) -> float:
 
 def tensor_bytes(t) -> int:
     """Bytes of a tensor, or of a list of tensors."""
-    if isinstance(t, (list, tuple)):
-        return sum(tensor_bytes(x) for x in t)
-    return t.numel() * t.element_size()
+    return sum(tensor_bytes(x) for x in t) if isinstance(t, (list, tuple)) else t.numel() * t.element_size()
 
 
 def tensor_dtype(t):
     """The dtype of a tensor, or of the first of a list of tensors (None for an empty list)."""
-    if isinstance(t, (list, tuple)):
-        return tensor_dtype(t[0]) if t else None
-    return t.dtype
+    return (tensor_dtype(t[0]) if t else None) if isinstance(t, (list, tuple)) else t.dtype
 
 
 # name on torch.distributed -> (the kind of collective, the argument whose size is the payload)
@@ -239,9 +235,7 @@ class CommCounter(contextlib.ExitStack):
         for name, axis_group in self.axes.items():
             if group is axis_group:      # the same object: two axes may hold the same ranks
                 return name
-        if group is None or group is dist.GroupMember.WORLD:
-            return "world"
-        return "other"
+        return "world" if group is None or group is dist.GroupMember.WORLD else "other"
 
     def wrap(self, name: str, original):
         signature = inspect.signature(original)

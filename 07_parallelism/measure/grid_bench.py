@@ -95,9 +95,7 @@ def grid_label(spec: dict) -> str:
 
 def setting_label(spec: dict) -> str:
     """The optimizer, and the schedule when there is a pipeline."""
-    words = ["ZeRO-1 AdamW" if spec["fsdp"] else "AdamW"]
-    if spec.get("dp_shard", 1) > 1:
-        words = ["HSDP AdamW"]
+    words = ["HSDP AdamW"] if spec.get("dp_shard", 1) > 1 else ["ZeRO-1 AdamW" if spec["fsdp"] else "AdamW"]
     if spec["pp"] > 1:
         words.append(f"{spec['schedule']} m{spec['micro_batches']}")
     return ", ".join(words)
@@ -315,9 +313,7 @@ def saved_one_micro_batch(chunks, grid, parallel_lm, spec, sizes, inputs, target
     loss_fn = parallel_lm.scaled_loss_fn(grid)
     total = 0
     for chunk in chunks:
-        x = my_inputs
-        if chunk.embedding is None:
-            x = torch.randn(rows, my_inputs.shape[1], d_model, device=device)
+        x = torch.randn(rows, my_inputs.shape[1], d_model, device=device) if chunk.embedding is None else my_inputs
         gathered = set
         if chunk.sharded_by:             # HSDP: FSDP's gathered weights are weights, not saved
             gathered = functools.partial(gathered_storage_keys, chunk.sharded_by[0])
