@@ -236,3 +236,19 @@ def test_the_demo_refuses_a_timeout_out_of_range_in_one_line():
             seconds(value)
     out = run_script(LESSON / "run_hangs.py", "--timeout", "1e300", timeout=60)   # the demo's flag
     assert out.returncode == 2 and "seconds from 0.5 to 3600" in out.stderr and "Traceback" not in out.stderr, out
+
+
+def test_a_table_of_groups_torch_may_write_is_read_and_a_broken_one_refused(tmp_path):
+    """``pg_config`` ranks as torch writes them ("[0, 1, 2]"), twice encoded (torch's own reader
+    allows for it), absent (None); one that is not a list: one line, exit 2, not 1 ("disagree")."""
+    called = [dict(entry(1), process_group=("1", "mine"))]
+    for ranks in ("[0, 1, 2]", repr("[0, 1, 2]")):
+        table = {"1": {"name": "1", "desc": "mine", "ranks": ranks}}
+        dumps = {rank: {"entries": [] if rank == 1 else called, "pg_config": table} for rank in range(3)}
+        agree, line = diagnose.diagnose(dumps)
+        assert not agree and "rank 1 never did" in line, (ranks, line)
+    assert diagnose.diagnose({0: {"entries": called, "pg_config": None}})[0]
+    folder = write(tmp_path / "broken", {0: called})
+    (folder / "rank_0").write_bytes(pickle.dumps({"entries": called, "pg_config": {"1": {"ranks": "0-3"}}}))
+    out = run_script(LESSON / "diagnose.py", folder, timeout=60)
+    assert out.returncode == 2 and "error:" in out.stderr.strip().splitlines()[-1] and "Traceback" not in out.stderr, out

@@ -150,6 +150,13 @@ def subgroup_diffs(ctx) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         diffs[name] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        for param, ref in zip(model.parameters(), reference.parameters()):   # and the momentum: a
+            if param in optimizer.state:       # design that divides by the world's size, not the group's, passes the weights
+                buf = optimizer.state[param]["momentum_buffer"]
+                want = one_process.state[ref]["momentum_buffer"]
+                if isinstance(optimizer, muon.Sharded):   # its rows, by its place in the group
+                    want = optimizer.padded(param, want)[me * len(buf):(me + 1) * len(buf)]
+                diffs[name] = max(diffs[name], (buf - want).abs().max().item())
     return diffs
 
 
@@ -338,8 +345,14 @@ def test_muon_refuses_what_would_run_silently_wrong():
                 dict(lr=0.1, weight_decay=-1), dict(lr=0.1, ns_steps=0), dict(lr=0.1, ns_steps=2.5)):
         with pytest.raises(ValueError, match="want lr >= 0"):
             muon.Muon([matrix], **bad)
+    for bad in (dict(lr=float("inf")), dict(lr=0.1, weight_decay=float("inf")), dict(lr=0.1, ns_steps=True)):
+        with pytest.raises(ValueError, match="want lr >= 0"):
+            muon.Muon([matrix], **bad)
     optimizer = muon.Muon([matrix], lr=0.1, momentum=0, weight_decay=0)   # the edges are fine
     with pytest.raises(ValueError, match="2-D parameters only"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    with pytest.raises(ValueError, match="want lr >= 0"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2, 2))], "lr": -1})
+    assert len(optimizer.param_groups) == 1     # a refused group is not left behind to step
     with pytest.raises(ValueError, match="2-D parameters only"):
         muon.Muon([torch.nn.Parameter(torch.zeros(2, 2, 2))], lr=0.1)

@@ -73,8 +73,9 @@ def collectives(dumps: dict) -> dict:
     groups = {}
     members = {"0": list(dumps)}
     for rank, dump in dumps.items():
-        for name, config in dump.get("pg_config", {}).items():
-            members[name] = ast.literal_eval(str(config.get("ranks", "[]")))  # "[0, 1]" (torch writes a string)
+        for name, config in (dump.get("pg_config") or {}).items():  # ranks: "[0, 1]", at times twice a string
+            ranks = ast.literal_eval(str(config.get("ranks", "[]")))
+            members[name] = ast.literal_eval(ranks) if isinstance(ranks, str) else ranks
         for entry in dump["entries"]:
             if not entry["is_p2p"]:
                 name = entry["process_group"]
@@ -183,11 +184,11 @@ def main() -> None:
     args = parser.parse_args()
     try:
         dumps = load(args.folder, args.prefix)
-    except ValueError as error:
-        parser.error(str(error))
-    if not dumps:
-        parser.error(f"no files named {args.prefix}<rank> in {args.folder}")
-    agree, line = diagnose(dumps)
+        if not dumps:
+            parser.error(f"no files named {args.prefix}<rank> in {args.folder}")
+        agree, line = diagnose(dumps)
+    except (ValueError, SyntaxError) as error:  # not a dump, or its table of groups unreadable
+        parser.error(f"{args.folder}: {error}")
     print(line)
     sys.exit(0 if agree else 1)
 

@@ -106,7 +106,7 @@ def demo(ctx, cfg: dict) -> None:
                 continue
             print(f"{name:<29} {'planted' if plant else 'control'}: {line}", flush=True)
             if plant and not all(part.format(**who) in line for part in EXPECTED[name]):
-                problems.append(f"{name}: the plant is not named (expected {EXPECTED[name]})")
+                problems.append(f"{name}: the plant is not named (expected {[p.format(**who) for p in EXPECTED[name]]})")
             if not plant and any(alarm in line for alarm in ALARMS):
                 problems.append(f"{name}: a false alarm on the control")
     if not ctx.is_main:

@@ -118,11 +118,12 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         shapes = [tuple(param.shape) for param in group["params"] if param.ndim != 2]
-        if shapes:
-            raise ValueError(f"Muon: 2-D parameters only, got {shapes}; give them to AdamW")
         lr, momentum, decay, steps = (group[key] for key in ("lr", "momentum", "weight_decay", "ns_steps"))
-        if not (lr >= 0 and 0 <= momentum < 1 and decay >= 0 and isinstance(steps, int) and steps >= 1):
-            raise ValueError(f"Muon: want lr >= 0, 0 <= momentum < 1, weight_decay >= 0 and a whole "
+        if shapes or not (0 <= lr < math.inf and 0 <= momentum < 1 and 0 <= decay < math.inf
+                          and type(steps) is int and steps >= 1):
+            self.param_groups.pop()  # refused: not left behind for a caller that catches the error
+            raise ValueError(f"Muon: 2-D parameters only, got {shapes}; give them to AdamW" if shapes else
+                             f"Muon: want lr >= 0, 0 <= momentum < 1, weight_decay >= 0 (finite) and a whole "
                              f"ns_steps >= 1; got {lr}, {momentum}, {decay}, {steps}")
 
     def matrices(self) -> list:

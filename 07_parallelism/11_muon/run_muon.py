@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from muon import DESIGNS, FSDPMuon, Muon, copy_flat, deal, ns_flops
+from muon import DESIGNS, FSDPMuon, Muon, Sharded, copy_flat, deal, ns_flops
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
 
 TOLERANCE = 1e-10  # float64: the sums run in another order, each rounding by 1e-16 relative
@@ -123,7 +123,7 @@ def train_matrices(ctx, make_optimizer, steps: int = 5, fsdp: bool = False) -> d
         if param in optimizer.state:                 # an owner's matrices, or every rank's rows
             buf = optimizer.state[param]["momentum_buffer"]
             want = one_process.state[ref]["momentum_buffer"]
-            if buf.shape != want.shape:              # k rows of the zero-padded [N k, cols]
+            if isinstance(optimizer, Sharded):       # k rows of the zero-padded [N k, cols]
                 want = optimizer.padded(param, want)[ctx.rank * len(buf):(ctx.rank + 1) * len(buf)]
             momentum_diff = max(momentum_diff, (buf - want).abs().max().item())
     held = sum(state["momentum_buffer"].nbytes for state in optimizer.state.values())
@@ -234,7 +234,8 @@ def check_main(ctx) -> None:
     for name, make in design_makers().items():
         found = train_matrices(ctx, make, fsdp=name == "fsdp")
         if max(found["diff"], found["momentum_diff"]) > TOLERANCE:
-            problems.append(f"{name}: off one process by {found['diff']:.2e} (weights), {found['momentum_diff']:.2e} (momentum)")
+            problems.append(f"{name}: off one process by {found['diff']:.2e} (weights), "
+                            f"{found['momentum_diff']:.2e} (momentum)")
         per_rank = "/".join(f"{f / 1e3:.0f}" for f in flops[name])
         sent = step_bytes(name, shapes, n)
         ctx.print(f"  {name:11} {found['diff']:8.1e} {found['momentum_diff']:8.1e}  {sent:10.0f}  "
