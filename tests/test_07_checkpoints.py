@@ -566,6 +566,24 @@ def refused(folder: Path, *needles) -> None:
     assert "\n" not in message and all(needle in message for needle in needles), message
 
 
+def test_a_manifest_of_many_dimensions_or_unprintable_names_is_refused_at_once(tmp_path):
+    """A 1-byte tensor of shape [1] x 24 passed the corner cap (2^24) and made the tiling check
+    take minutes and some 10 GB; a name holding a newline made a two-line error."""
+    one = {"file": "rank_00000.bin", "offset": 0, "crc32": crc32s(b"x")}
+    folder = by_hand(tmp_path / "dims" / "step_000000001", b"x", {
+        "deep": {"shape": [1] * 24, "dtype": "uint8", "block_columns": 1,
+                 "slices": [{**one, "box": [[0, 1]] * 24}]}})
+    refused(folder, "deep: shape", "at most 8 whole numbers")
+    folder = by_hand(tmp_path / "eight" / "step_000000001", b"x", {
+        "deep": {"shape": [1] * 8, "dtype": "uint8", "block_columns": 1,
+                 "slices": [{**one, "box": [[0, 1]] * 8}]}})
+    assert within(20, checkpoint.read_manifest, folder)["tensors"]["deep"]["shape"] == [1] * 8   # 8 pass
+    folder = by_hand(tmp_path / "name" / "step_000000001", b"x", {
+        "a\nforged line": {"shape": [1], "dtype": "uint8", "block_columns": 1,
+                            "slices": [{**one, "box": [[0, 1]]}]}})
+    refused(folder, "naming tensors printably")
+
+
 def test_an_untrusted_manifest_cannot_stall_a_load_or_exhaust_memory(tmp_path, monkeypatch):
     """Issue 44, each case under a time limit. A manifest of 20,000 one-byte slices is checked
     (their tiling was checked pair by pair: 221 s), and a cap on slices x 2^dims is refused; a manifest larger
