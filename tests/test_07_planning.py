@@ -7,6 +7,7 @@ process; the calls' timing replaced by fixed values) run more."""
 import dataclasses
 import json
 import runpy
+import signal
 import sys
 import time
 
@@ -678,10 +679,13 @@ PLAN = REPO / "07_parallelism" / "09_planning" / "run_planning.py"
 def run_plan(argv, monkeypatch) -> int:
     """run_planning.py as __main__ in this process (runpy: run, not imported as a library)."""
     monkeypatch.setattr(sys, "argv", [str(PLAN), *argv])
+    sigpipe = signal.getsignal(signal.SIGPIPE)   # main() sets it to the default: not for pytest
     try:
         runpy.run_path(str(PLAN), run_name="__main__")
     except SystemExit as stop:
         return stop.code
+    finally:
+        signal.signal(signal.SIGPIPE, sigpipe)
     return 0
 
 
@@ -1365,7 +1369,6 @@ def test_zero2_copies_every_micro_batchs_gradients_into_its_buckets():
 
 def test_plan_piped_into_a_reader_that_stops_ends_quietly():
     """`make plan | head` ended in a BrokenPipeError traceback; now SIGPIPE ends it, as Unix tools."""
-    import signal
     import subprocess
     argv = [sys.executable, str(PLAN), "--model", "llama3-8b", "--gpus", "1024", "--batch", "1024",
             "--top", "100000"]                          # some 200 KB: more than a pipe holds

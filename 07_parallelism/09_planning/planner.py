@@ -155,7 +155,7 @@ def bubble_share(grid: Grid) -> float:
 
 
 def micro_batches_in_flight(grid: Grid) -> float:
-    """Micro-batches whose activations the first pipeline rank holds at once: GPipe m, 1F1B p;
+    """Micro-batches whose activations the first pipeline rank holds at once: GPipe m, 1F1B min(m, p);
     interleaved, lesson 4's 2(p-1) + (v-1)p + 1 chunks of 1/v: p (1 + (p-1)/(pv)), Korthikanti's."""
     p, v, m = grid.pp, grid.chunks, grid.micro_batches
     if grid.schedule == "interleaved":

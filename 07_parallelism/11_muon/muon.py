@@ -248,19 +248,19 @@ class Sharded(Muon):
     @torch.no_grad()
     def step(self):
         params = [param for param, _ in self.matrices() if param.grad is not None]
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # older torch: _tensor
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)      # (torch 2.13's names)
         grads = []    # this rank's rows of each averaged gradient: [k, cols]
         shards = []   # ... and of each matrix
         for param in params:
             k = self.rows(param)
             grad = param.grad.new_empty(k, param.shape[1])
-            scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # older torch's name
             scatter(grad, self.padded(param, param.grad), group=self.group)
             grads.append(grad / self.world_size)
             shards.append(self.padded(param, param)[self.rank * k:(self.rank + 1) * k])
         self.update_shards(params, shards, grads)
         for param, shard in zip(params, shards):
             full = shard.new_empty(self.world_size * shard.shape[0], shard.shape[1])  # [N k, cols]
-            gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # older torch's name
             gather(full, shard, group=self.group)
             param.copy_(full[:param.shape[0]])
 
