@@ -24,8 +24,10 @@ import datetime
 import json
 import os
 import resource
+import random
 import runpy
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -821,6 +823,21 @@ def start(tmp_path: Path, name: str, argv: list, env: dict | None = None) -> sub
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment)
 
 
+def quiet_ports(count: int) -> list[int]:
+    """``count`` ports free now and below 32768, where Linux draws no outgoing connection's port.
+    Runs started side by side take their rendezvous port from the ephemeral range (the course
+    launcher's free_port), where one run's connection can take another's between its check and
+    its bind (EADDRINUSE, seen once in some ten suites): here each gets a port of its own."""
+    ports = []
+    for port in random.sample(range(20000, 32768), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:    # nothing listens there
+                ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise AssertionError("no free port below 32768")
+
+
 def finish(process: subprocess.Popen, code: int) -> tuple[str, str]:
     out, err = process.communicate(timeout=240)
     assert process.returncode == code, (process.args, process.returncode, out[-3000:],
@@ -890,13 +907,14 @@ def test_resume_py_resumes_after_a_crash_as_the_same_run(tmp_path):
     assert [step for step, _ in checkpoint.list_checkpoints(crashed)] == [2, 4]
     # 2. restarted beside the run that never stopped, and the demo
     shutil.copytree(crashed, tmp_path / "resumed")
+    ports = [{"MASTER_PORT": str(port)} for port in quiet_ports(3)]   # three runs side by side
     resumed = start(tmp_path, "resumed_results", [RESUME, *train_argv(
         data, "--world-size", "1", "--checkpoint-dir", tmp_path / "resumed", "--save-full",
-        tmp_path / "resumed.pt")])
+        tmp_path / "resumed.pt")], env=ports[0])
     never = start(tmp_path, "never_results", [TRAIN, *train_argv(
-        data, "--world-size", "1", "--save-full", tmp_path / "never_stopped.pt")])
+        data, "--world-size", "1", "--save-full", tmp_path / "never_stopped.pt")], env=ports[1])
     demo = start(tmp_path, "demo_results", [DEMO, "--world-size", "2", "--backend", "gloo",
-                                            "--device", "cpu"])
+                                            "--device", "cpu"], env=ports[2])
     finish(resumed, 0)
     finish(never, 0)
     out, _ = finish(demo, 0)
