@@ -59,10 +59,11 @@ def number(kind, lowest, what: str, highest=math.inf):  # a flag type: a kind in
     def parse(text: str):
         try:
             value = kind(text)
-        except (ValueError, OverflowError):
-            value = float("nan")
-        if not math.isfinite(value) or not lowest <= value <= highest:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+            wrong = not math.isfinite(value) or not lowest <= value <= highest
+        except (ValueError, OverflowError):    # a float or an int too large for a float
+            wrong = True
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{text[:20]!r} is not {what}")
         return value
     return parse
 

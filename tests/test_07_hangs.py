@@ -234,6 +234,8 @@ def test_the_demo_refuses_a_timeout_out_of_range_in_one_line():
     for value in ("0.1", "1e300", "nan", "3600.5"):
         with pytest.raises(argparse.ArgumentTypeError, match="seconds from 0.5 to 3600"):
             seconds(value)
+    with pytest.raises(argparse.ArgumentTypeError, match="whole number"):   # every course's --steps:
+        launch.positive_int("9" * 400)          # was an OverflowError traceback (too large for a float)
     out = run_script(LESSON / "run_hangs.py", "--timeout", "1e300", timeout=60)   # the demo's flag
     assert out.returncode == 2 and "seconds from 0.5 to 3600" in out.stderr and "Traceback" not in out.stderr, out
 

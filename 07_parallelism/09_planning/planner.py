@@ -27,7 +27,8 @@ from dataclasses import dataclass
 FLOAT32 = 4
 INT64 = 8                  # token ids and positions
 ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full")     # make plan's; and "op", torchtitan's, by name
+RECOMPUTE_TOKENS = {"sel": "selective", "ckpt": "full", "op": "op"}
 
 
 # --------------------------------------------------------------------------- what is trained
@@ -78,12 +79,8 @@ def parameter_shapes(lm: LM) -> list[tuple[int, ...]]:
     return shapes
 
 
-def numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)
-
-
 def parameter_count(lm: LM) -> int:
-    return sum(numel(shape) for shape in parameter_shapes(lm))
+    return sum(math.prod(shape) for shape in parameter_shapes(lm))
 
 
 def attention_flops_per_token(lm: LM) -> float:
@@ -93,19 +90,23 @@ def attention_flops_per_token(lm: LM) -> float:
 
 def forward_flops_per_token(lm: LM) -> float:
     """2 x every weight matrix (embeddings are look-ups) plus attention's two products."""
-    matrices = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2)
+    matrices = sum(math.prod(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2)
     per_token = 2 * lm.layers * matrices + 2 * lm.vocab * lm.d_model
     return per_token + lm.layers * attention_flops_per_token(lm)
 
 
 def training_flops_per_token(lm: LM, recompute: str = "none") -> float:
     """Forward, backward at twice it, and what is recomputed: ``full`` every block's forward
-    (not the head's), ``selective`` (Korthikanti et al. 2022) the attention core's."""
+    (not the head's), ``selective`` (Korthikanti et al. 2022) the attention core's, ``op``
+    (torchtitan's per-op policy, which keeps every other matmul's output) the other matmuls."""
     flops = 3 * forward_flops_per_token(lm)
     if recompute == "full":
         flops += forward_flops_per_token(lm) - 2 * lm.vocab * lm.d_model
     if recompute == "selective":
         flops += lm.layers * attention_flops_per_token(lm)
+    if recompute == "op":                  # a block's second, fourth, ... matmul
+        matrices = [math.prod(shape) for shape in block_parameter_shapes(lm) if len(shape) == 2]
+        flops += 2 * lm.layers * sum(matrices[1::2])
     return flops
 
 
@@ -142,9 +143,7 @@ def ring_share(ranks: int) -> float:
 def bubble_share(grid: Grid) -> float:
     """The share of a step a pipeline rank idles (lesson 4; ZB-H1, ZB-V, DualPipeV: F = B = W,
     the V schedules' p-1 units of a chunk, half a stage, for m >= 2p)."""
-    p = grid.pp
-    m = grid.micro_batches
-    v = grid.chunks
+    p, v, m = grid.pp, grid.chunks, grid.micro_batches
     if grid.schedule == "interleaved":
         return (p - 1) / (v * m + p - 1)
     if grid.schedule == "zbh1":
@@ -179,9 +178,9 @@ def fsdp_shard_values(lm: LM, dp: int) -> tuple[int, int]:
     for shape in parameter_shapes(lm):
         if len(shape) >= 2:
             rows_per_rank = -(-shape[0] // dp)
-            sharded += rows_per_rank * dp * numel(shape[1:])
+            sharded += rows_per_rank * dp * math.prod(shape[1:])
         else:
-            replicated += numel(shape)
+            replicated += math.prod(shape)
     return sharded, replicated
 
 
@@ -190,7 +189,7 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     the matrices (lesson 3), pp gives L/p blocks and an end (lesson 4), dp: DDP 16P, ZeRO-1
     8P + 8P/d, ZeRO-2 4P + 12P/d, FSDP 16P/d, its padded shards exactly (lessons 1-2)."""
     blocks = lm.layers // grid.pp
-    block_values = sum(numel(shape) // grid.tp if split else numel(shape)
+    block_values = sum(math.prod(shape) // grid.tp if split else math.prod(shape)
                        for shape, split in zip(block_parameter_shapes(lm), split_over_tp(lm)))
     embeddings = lm.vocab * lm.d_model
     if lm.position_embedding:
@@ -211,9 +210,7 @@ def state_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
     if grid.dp_kind == "fsdp" and grid.tp == 1 and grid.pp == 1:
         sharded, replicated = fsdp_shard_values(lm, d)
         held = FLOAT32 * (sharded / d + replicated)
-        params = held
-        grads = held
-        moments = 2 * held
+        return {"param": held, "grad": held, "optim": 2 * held}
     return {"param": params, "grad": grads, "optim": moments}
 
 
@@ -244,23 +241,28 @@ def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
     if first:
         saved += INT64 * (rows * between + between)
     if last:
-        values = rows * between * (lm.d_model + 2 + lm.d_model + lm.vocab)   # norm, head, log-softmax
-        saved += lm.compute_bytes * values + INT64 * rows * between + FLOAT32
+        values = rows * between * (lm.d_model + 2 + lm.d_model)   # the norm's and the head's inputs
+        saved += lm.compute_bytes * values + FLOAT32 * rows * between * lm.vocab   # log-softmax, float32
+        saved += INT64 * rows * between + FLOAT32
     return saved
 
 
 def activations_per_rank(lm: LM, grid: Grid) -> float:
     """Bytes saved for backward on the first pipeline rank at its peak, times the micro-batches
-    in flight. Full recomputation keeps each block's input (one block's set alive in backward);
-    selective drops only the [s, s] scores, which flash attention never keeps: as none here."""
+    in flight. Full recomputation keeps each block's input, torchtitan's ``op`` more (each with
+    one block's set alive in backward); selective drops only the [s, s] scores, which flash
+    attention never keeps: as none here."""
     rows, tokens = rows_and_tokens(lm, grid)
     per_block_bytes = block_activation_bytes(lm, grid)
     edges = edge_activation_bytes(lm, grid, first=True, last=grid.pp == 1)
     blocks = lm.layers // grid.pp
     in_flight = micro_batches_in_flight(grid)
-    if grid.recompute == "full":
-        kept_input = lm.compute_bytes * rows * tokens * lm.d_model // (grid.tp if grid.sp else 1)
-        return in_flight * (blocks * kept_input + edges) + per_block_bytes
+    kept = lm.compute_bytes * rows * tokens * lm.d_model // (grid.tp if grid.sp else 1)  # the input
+    if grid.recompute == "op":      # and every other matmul's output, attention's and its lse
+        widths = [shape[0] for shape in block_parameter_shapes(lm) if len(shape) == 2][0::2]
+        kept += rows * tokens * (lm.compute_bytes * (sum(widths) + lm.d_model) + FLOAT32 * lm.heads) // grid.tp
+    if grid.recompute in ("full", "op"):
+        return in_flight * (blocks * kept + edges) + per_block_bytes
     return in_flight * (blocks * per_block_bytes + edges)
 
 
@@ -281,7 +283,7 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
                 tensors.append((lm.seq * h, False))
         for _ in range(blocks_per_chunk):
             for shape, split in block:
-                tensors.append((numel(shape) // grid.tp if split else numel(shape), split))
+                tensors.append((math.prod(shape) // grid.tp if split else math.prod(shape), split))
         if stage == p * v - 1:
             tensors.append((h, False))                             # the final norm
             if not lm.gated_mlp:
@@ -291,8 +293,14 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
 
 
 def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
+    """At the peak, the loss's backward: every activation saved, and beside the log-softmax
+    (float32, as torchtitan's cross-entropy) two gradients of the logits."""
     memory = state_per_rank(lm, grid)
     memory["activation"] = activations_per_rank(lm, grid)
+    if grid.dp_kind == "fsdp":     # lesson 2's gathered units at the loss: the root and a block
+        memory["gathered"] = lm.compute_bytes * sum(fsdp_unit_values(lm, grid)[:2])
+    if grid.pp == 1:               # the loss's backward: two float32 [b, S/t, V] gradients
+        memory["loss"] = 2 * FLOAT32 * math.prod(rows_and_tokens(lm, grid)) // grid.tp * lm.vocab
     memory["total"] = sum(memory.values())
     return memory
 
@@ -352,16 +360,14 @@ class Machine:
 def all_reduce_time(link: Link, ranks: int, nbytes: float) -> float:
     if ranks == 1:
         return 0.0
-    steps = 2 * (ranks - 1)
-    return link.latency + steps * link.step_latency + 2 * ring_share(ranks) * nbytes / link.busbw
+    return link.latency + 2 * (ranks - 1) * link.step_latency + 2 * ring_share(ranks) * nbytes / link.busbw
 
 
 def all_gather_time(link: Link, ranks: int, nbytes: float) -> float:
     """An all-gather of a full tensor of ``nbytes`` (each rank contributes 1/n of it)."""
     if ranks == 1:
         return 0.0
-    steps = ranks - 1
-    return link.latency + steps * link.step_latency + ring_share(ranks) * nbytes / link.busbw
+    return link.latency + (ranks - 1) * link.step_latency + ring_share(ranks) * nbytes / link.busbw
 
 
 def reduce_scatter_time(machine: Machine, link: Link, ranks: int, nbytes: float,
@@ -447,10 +453,9 @@ def block_kernels(lm: LM, grid: Grid) -> list[tuple[str, float, float]]:
     kv = h * (lm.kv_heads or lm.heads) // lm.heads
     c = lm.compute_bytes
     kernels = []
-    for shape in block_parameter_shapes(lm):
-        if len(shape) == 2:                   # [T, in] @ [in, out / t] or [T, in / t] @ [in / t, out]
-            out, inp = shape
-            kernels.append(("matmul", 2 * T * out * inp / t, c * (T * inp + out * inp + T * out) / t))
+    for out, inp in [shape for shape in block_parameter_shapes(lm) if len(shape) == 2]:
+        # [T, in] @ [in, out / t] or [T, in / t] @ [in / t, out]
+        kernels.append(("matmul", 2 * T * out * inp / t, c * (T * inp + out * inp + T * out) / t))
     kernels.append(("attention", T * attention_flops_per_token(lm) / t, c * T * (2 * h + 2 * kv) / t))
     norm = 2 * c if lm.fused_norm or not lm.eager else 4 * c + 28   # eager RMSNorm: 6 ops, float32
     touched = [norm * Tn * h, norm * Tn * h, 3 * c * Tn * h, 3 * c * Tn * h]
@@ -498,11 +503,11 @@ def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool
     raises each kernel to ``gpu.launch_s``."""
     blocks = lm.layers // grid.pp
     runs = []                                 # (kernel, how many times it runs a step)
-    for kernel in block_kernels(lm, grid):
-        again = grid.recompute == "full" or (grid.recompute == "selective" and kernel[0] == "attention")
+    for index, kernel in enumerate(block_kernels(lm, grid)):      # the matmuls first, in order
+        again = {"full": True, "selective": kernel[0] == "attention", "op": kernel[0] == "memory-bound"
+                 or (kernel[0] == "matmul" and index % 2 == 1)}.get(grid.recompute, False)
         runs.append((kernel, grid.micro_batches * blocks * (3 + again)))
-    for kernel in edge_kernels(lm, grid, first, last):
-        runs.append((kernel, grid.micro_batches * 3))
+    runs += [(kernel, grid.micro_batches * 3) for kernel in edge_kernels(lm, grid, first, last)]
     classes = {kind: [0.0, 0.0, 0, 0.0] for kind in ("matmul", "attention", "memory-bound", "launch floor")}
     for (kind, flops, nbytes), count in runs:
         seconds = 0.0
@@ -681,7 +686,7 @@ def buffer_copies_term(lm: LM, grid: Grid, machine: Machine) -> tuple[str, float
 
 def fsdp_unit_values(lm: LM, grid: Grid) -> list[int]:
     """Lesson 2's units, in values a tp rank holds: the root (embeddings, head), then the blocks."""
-    block_values = sum(numel(shape) // grid.tp for shape in block_parameter_shapes(lm) if len(shape) == 2)
+    block_values = sum(math.prod(shape) // grid.tp for shape in block_parameter_shapes(lm) if len(shape) == 2)
     root_values = lm.vocab * lm.d_model * 2
     if lm.position_embedding:
         root_values += lm.seq * lm.d_model
@@ -695,7 +700,7 @@ def fsdp_term(lm: LM, grid: Grid, machine: Machine, link: Link,
     backward ends, the root's after all of backward; the 1-D tensors' all-reduced once."""
     replicas = grid.dp * grid.cp
     blocks = lm.layers // grid.pp
-    block_replicated = sum(numel(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
+    block_replicated = sum(math.prod(shape) for shape in block_parameter_shapes(lm) if len(shape) == 1)
     unit_values = fsdp_unit_values(lm, grid)
     forward_units = [0.0] + [compute / 3 / blocks] * blocks
     backward_units = [0.0] + [compute * 2 / 3 / blocks] * blocks
@@ -825,32 +830,31 @@ def label(grid: Grid) -> str:
         parts.append(f"m{grid.micro_batches}")
     if grid.cp > 1:
         parts.append(f"cp{grid.cp}")
-    parts.append({"none": "", "selective": "sel", "full": "ckpt"}[grid.recompute])
+    parts.append({mode: token for token, mode in RECOMPUTE_TOKENS.items()}.get(grid.recompute, ""))
     return " ".join(parts).strip()
 
 
 def parse_label(text: str) -> Grid:
     """A label's tokens in any order: dpN tpN ppN cpN (1 when absent), ddp zero1 zero2 fsdp, mN,
-    vN (chunks: interleaved 1F1B), sp, ckpt (full) or sel (selective recomputation)."""
+    vN (chunks: interleaved 1F1B), sp, and ckpt (full), sel (selective) or op (torchtitan's)."""
     sizes = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "m": 1, "v": 1}
     grid = {"dp_kind": "ddp", "sp": False, "recompute": "none"}
     seen = set()
     for token in text.split():
         name = token.rstrip("0123456789")
-        kind = "data-parallel kind" if token in DP_KINDS else "recomputation" if token in ("sel", "ckpt") else name
+        kind = "data-parallel kind" if token in DP_KINDS else "recomputation" if token in RECOMPUTE_TOKENS else name
         if kind in seen:
             raise ValueError(f"{token!r}: a second {kind} token")
         seen.add(kind)
         if token in DP_KINDS:
             grid["dp_kind"] = token
-        elif token in ("sp", "sel", "ckpt"):
-            grid.update({"sp": {"sp": True}, "sel": {"recompute": "selective"},
-                         "ckpt": {"recompute": "full"}}[token])
+        elif token == "sp" or token in RECOMPUTE_TOKENS:
+            grid.update({"sp": True} if token == "sp" else {"recompute": RECOMPUTE_TOKENS[token]})
         elif name in sizes and token[len(name):].isdigit() and 0 < int(token[len(name):]) < 10**7:
             sizes[name] = int(token[len(name):])
         else:
             raise ValueError(f"{token!r} is not a grid token (dpN tpN ppN cpN mN vN, "
-                             f"{' '.join(DP_KINDS)}, sp, ckpt, sel)")
+                             f"{' '.join(DP_KINDS)}, sp, ckpt, sel, op)")
     schedule = "interleaved" if sizes["v"] > 1 else "1f1b"
     return Grid(dp=sizes["dp"], tp=sizes["tp"], pp=sizes["pp"], cp=sizes["cp"],
                 micro_batches=sizes["m"], chunks=sizes["v"], schedule=schedule, **grid)

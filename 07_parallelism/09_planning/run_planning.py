@@ -6,7 +6,7 @@ the one grid ``--grid`` names. Every figure is a prediction from the presets, no
 Run:  make plan                                           # the course's small LM, 8 x H100
       make plan MODEL=llama3-8b CLUSTER=8xH100-nvlink
       python 07_parallelism/09_planning/run_planning.py --model llama3-8b --gpu A100 --gpus 64 \\
-          --batch 64 --grid "dp64 fsdp sel" --json
+          --batch 64 --grid "dp64 fsdp op" --json
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import planner  # noqa: E402  (the lesson, beside this file)
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: common/
 from common import models  # noqa: E402
-from common.launch import Parser  # noqa: E402  (argparse, a usage error in one line, exit 2)
+from common.launch import Parser, number  # noqa: E402  (argparse, a usage error in one line, exit 2)
 
 SHAPE = {"layers": 10**3, "d_model": 10**6, "heads": 10**5, "d_ff": 10**7, "vocab": 10**8,
          "seq": 10**8, "batch": 10**9, "kv_heads": 10**5}   # each flag's largest value
@@ -32,13 +32,8 @@ GPUS = 10**6
 MAX_GRIDS = 10**4          # ranked in a minute at the most layers (each grid walks every layer)
 
 
-def up_to(largest: int):
-    """An argparse type: a whole number from 1 to ``largest``."""
-    def parse(text: str) -> int:
-        if not text.isdigit() or len(text) > len(str(largest)) or not 1 <= int(text) <= largest:
-            raise argparse.ArgumentTypeError(f"{text[:20]!r} is not a whole number from 1 to {largest:,}")
-        return int(text)
-    return parse
+def up_to(largest: int):          # a flag type (common/launch.py's): a whole number, 1 to largest
+    return number(int, 1, f"a whole number from 1 to {largest:,}", largest)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -187,7 +182,7 @@ def main(argv=None) -> int:
         print(f"  {name:44} {seconds * 1e3:9.2f} ms   {source}")
     memory = best["memory"]
     print("  memory per GPU: " + ", ".join(f"{kind} {memory[kind] / 2**30:.2f} GiB"
-                                           for kind in ("param", "grad", "optim", "activation")))
+                                           for kind in memory if kind != "total"))
     box = box_crossover()
     if box:
         print(f"\nthis box: DDP over {box['ranks']} ranks stops being communication-bound at {box['tokens']:.0f}"
