@@ -27,7 +27,7 @@ from dataclasses import dataclass
 FLOAT32 = 4
 INT64 = 8                  # token ids and positions
 ADAMW_BYTES_TOUCHED = 28   # reads param, grad, two moments; writes param, two moments: 7 x 4
-RECOMPUTE = ("none", "selective", "full")     # make plan's; and "op", torchtitan's, by name
+RECOMPUTE = ("none", "selective", "full")     # and "op", torchtitan's: for its Llama (gated), tp 1
 RECOMPUTE_TOKENS = {"sel": "selective", "ckpt": "full", "op": "op"}
 
 
@@ -125,7 +125,7 @@ class Grid:
     schedule: str = "1f1b"         # gpipe, 1f1b, interleaved, zbh1, zbv, dualpipev
     micro_batches: int = 1
     chunks: int = 1                # interleaved 1F1B: model chunks per pipeline rank
-    recompute: str = "none"        # none, selective, full (training_flops_per_token)
+    recompute: str = "none"        # none, selective, full, op (training_flops_per_token)
     sp: bool = True                # sequence parallelism: norms and residuals on S/t tokens
     bucket_bytes: float = 25 * 2**20   # data-parallel gradient buckets (torch DDP's default)
     loss_all_reduce: bool = False  # the step averages its loss over every rank (lesson 7 does)
@@ -241,9 +241,8 @@ def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
     if first:
         saved += INT64 * (rows * between + between)
     if last:
-        values = rows * between * (lm.d_model + 2 + lm.d_model)   # the norm's and the head's inputs
-        saved += lm.compute_bytes * values + FLOAT32 * rows * between * lm.vocab   # log-softmax, float32
-        saved += INT64 * rows * between + FLOAT32
+        saved += lm.compute_bytes * rows * between * (2 * lm.d_model + 2)   # the norm's, the head's input
+        saved += (FLOAT32 * lm.vocab + INT64) * rows * between + FLOAT32   # log-softmax (float32), targets
     return saved
 
 
@@ -258,9 +257,9 @@ def activations_per_rank(lm: LM, grid: Grid) -> float:
     blocks = lm.layers // grid.pp
     in_flight = micro_batches_in_flight(grid)
     kept = lm.compute_bytes * rows * tokens * lm.d_model // (grid.tp if grid.sp else 1)  # the input
-    if grid.recompute == "op":      # and every other matmul's output, attention's and its lse
+    if grid.recompute == "op":      # and every other matmul's output, attention's and its lse (tp 1)
         widths = [shape[0] for shape in block_parameter_shapes(lm) if len(shape) == 2][0::2]
-        kept += rows * tokens * (lm.compute_bytes * (sum(widths) + lm.d_model) + FLOAT32 * lm.heads) // grid.tp
+        kept += rows * tokens * (lm.compute_bytes * (sum(widths) + lm.d_model) + FLOAT32 * lm.heads)
     if grid.recompute in ("full", "op"):
         return in_flight * (blocks * kept + edges) + per_block_bytes
     return in_flight * (blocks * per_block_bytes + edges)
@@ -293,14 +292,14 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
 
 
 def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
-    """At the peak, the loss's backward: every activation saved, and beside the log-softmax
-    (float32, as torchtitan's cross-entropy) two gradients of the logits."""
+    """A bound: each term at its largest in the step, summed; the loss's backward makes two float32
+    gradients of the logits beside their float32 log-softmax (with pp: the last stage's, added)."""
     memory = state_per_rank(lm, grid)
     memory["activation"] = activations_per_rank(lm, grid)
-    if grid.dp_kind == "fsdp":     # lesson 2's gathered units at the loss: the root and a block
-        memory["gathered"] = lm.compute_bytes * sum(fsdp_unit_values(lm, grid)[:2])
-    if grid.pp == 1:               # the loss's backward: two float32 [b, S/t, V] gradients
-        memory["loss"] = 2 * FLOAT32 * math.prod(rows_and_tokens(lm, grid)) // grid.tp * lm.vocab
+    if grid.dp_kind == "fsdp":     # lesson 2's gathered: the root and the last block, every block with pp
+        memory["gathered"] = lm.compute_bytes * sum(fsdp_unit_values(lm, grid)[:2 if grid.pp == 1 else None])
+    logits = math.prod(rows_and_tokens(lm, grid)) // grid.tp * lm.vocab       # [b, S/t, V]
+    memory["loss"] = (2 if grid.pp == 1 else 3) * FLOAT32 * logits    # and the log-softmax with pp
     memory["total"] = sum(memory.values())
     return memory
 
@@ -498,14 +497,14 @@ def kernel_seconds(kind: str, flops: float, nbytes: float, gpu: GPU) -> float:
 
 def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool) -> dict:
     """{class: [FLOP, bytes, kernels, seconds]} of one rank's step (``first``, ``last``: it holds
-    the model's ends). Backward runs each forward kernel twice over; recomputation adds a
-    forward, ``full`` of every block kernel, ``selective`` of attention's; the launch floor
-    raises each kernel to ``gpu.launch_s``."""
+    the model's ends). Backward runs each forward kernel twice over; recomputation adds a forward,
+    ``full`` of every block kernel, ``selective`` of attention's, ``op`` of the second, fourth, ...
+    matmul and the memory-bound; the launch floor raises each kernel to ``gpu.launch_s``."""
     blocks = lm.layers // grid.pp
     runs = []                                 # (kernel, how many times it runs a step)
     for index, kernel in enumerate(block_kernels(lm, grid)):      # the matmuls first, in order
-        again = {"full": True, "selective": kernel[0] == "attention", "op": kernel[0] == "memory-bound"
-                 or (kernel[0] == "matmul" and index % 2 == 1)}.get(grid.recompute, False)
+        again = {"none": False, "full": True, "selective": kernel[0] == "attention", "op": kernel[0] ==
+                 "memory-bound" or (kernel[0] == "matmul" and index % 2 == 1)}[grid.recompute]
         runs.append((kernel, grid.micro_batches * blocks * (3 + again)))
     runs += [(kernel, grid.micro_batches * 3) for kernel in edge_kernels(lm, grid, first, last)]
     classes = {kind: [0.0, 0.0, 0, 0.0] for kind in ("matmul", "attention", "memory-bound", "launch floor")}
@@ -537,9 +536,8 @@ def compute_terms(lm: LM, grid: Grid, machine: Machine) -> list[tuple[str, float
     stages = [compute_classes(lm, grid, gpu, True, grid.pp == 1),
               compute_classes(lm, grid, gpu, False, True)]
     classes = max(stages, key=lambda stage: sum(row[3] for row in stage.values()))
-    peak = gpu.peak / 1e12
-    sources = {"matmul": f"TFLOP at {gpu.matmul_share:.0%} of {peak:.0f} TFLOP/s or bytes at the bandwidth",
-               "attention": f"TFLOP at {gpu.attention_share:.0%} of {peak:.0f} TFLOP/s",
+    sources = {"matmul": f"TFLOP at {gpu.matmul_share:.0%} of {gpu.peak / 1e12:.0f} TFLOP/s or bytes at the bandwidth",
+               "attention": f"TFLOP at {gpu.attention_share:.0%} of {gpu.peak / 1e12:.0f} TFLOP/s",
                "memory-bound": f"GB at {gpu.memory_bandwidth / 1e12:.3g} TB/s",
                "launch floor": f"shorter than {gpu.launch_s * 1e6:.3g} us, raised to it"}
     terms = []
@@ -813,7 +811,7 @@ def candidate_grids(lm: LM, ranks: int, ranks_per_node: int):
                 kinds = DP_KINDS if dp * cp > 1 else ("ddp",)
                 for m in micro_batch_counts if pp > 1 else [1]:
                     for kind in kinds:
-                        for recompute in RECOMPUTE:
+                        for recompute in RECOMPUTE + ("op",) * (lm.gated_mlp and tp == 1):
                             yield Grid(dp=dp, tp=tp, pp=pp, cp=cp, dp_kind=kind, sp=tp > 1,
                                        micro_batches=m, recompute=recompute)
 
@@ -830,7 +828,7 @@ def label(grid: Grid) -> str:
         parts.append(f"m{grid.micro_batches}")
     if grid.cp > 1:
         parts.append(f"cp{grid.cp}")
-    parts.append({mode: token for token, mode in RECOMPUTE_TOKENS.items()}.get(grid.recompute, ""))
+    parts.append({"none": "", **{mode: token for token, mode in RECOMPUTE_TOKENS.items()}}[grid.recompute])
     return " ".join(parts).strip()
 
 

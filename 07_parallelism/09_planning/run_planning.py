@@ -135,6 +135,8 @@ def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int, gpus_per_node: i
         (grid.cp == 1 or lm.seq % (2 * grid.cp) == 0,
          f"cp{grid.cp} does not split the sequence of {lm.seq} into {2 * grid.cp} halves"),
         (grid.tp > 1 or not grid.sp, "sp without tp"),
+        (grid.recompute != "op" or (grid.tp == 1 and lm.gated_mlp),
+         "op: torchtitan's policy on its Llama (--gated-mlp), counted here without tp"),
     ]
     return next((why for ok, why in checks if not ok), "")
 
