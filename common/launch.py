@@ -60,7 +60,7 @@ def number(kind, lowest, what: str, highest=math.inf):  # a flag type: a kind in
         try:
             value = kind(text)
             wrong = not math.isfinite(value) or not lowest <= value <= highest
-        except (ValueError, OverflowError):    # a float or an int too large for a float
+        except (ValueError, OverflowError):    # not a number, or an int too large for a float
             wrong = True
         if wrong:
             raise argparse.ArgumentTypeError(f"{text[:20]!r} is not {what}")

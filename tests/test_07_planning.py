@@ -877,20 +877,18 @@ def test_torchtitans_per_op_policy_by_hand():
     h, kv, f = 4096, 1024, 14336
     again = planner.training_flops_per_token(lm, "op") - planner.training_flops_per_token(lm)
     assert again == 2 * (h * kv + h * h + f * h)                 # k, o, up: a forward each
-    assert planner.training_flops_per_token(lm, "op") != planner.training_flops_per_token(lm, "full")
     none, op = (planner.compute_classes(lm, planner.Grid(recompute=mode), None, False, False)
                 for mode in ("none", "op"))                      # the block alone: no ends
     assert op["attention"] == none["attention"]                  # attention's output is kept
     assert op["memory-bound"][1] == pytest.approx(4 / 3 * none["memory-bound"][1])   # all again
     assert op["matmul"][0] - none["matmul"][0] == 8192 * again   # one sequence of 8,192 tokens
-    # kept a token: the input (4096), q (4096), v (1024), gate (14336), down (4096) and
-    # attention's output (4096) at 2 bytes, its log-sum-exp at 4 bytes a head
-    kept = 2 * (4096 + 4096 + 1024 + 14336 + 4096 + 4096) + 4 * 32
-    assert kept == 63616
     grid = planner.parse_label("dp1 op")
     edges = planner.edge_activation_bytes(lm, grid, first=True, last=True)
-    assert planner.activations_per_rank(lm, grid) == (
-        8192 * kept + edges + planner.block_activation_bytes(lm, grid))   # one block's set in backward
+    kept = (planner.activations_per_rank(lm, grid) - edges        # less one block's set in backward
+            - planner.block_activation_bytes(lm, grid)) / 8192
+    # a token: the input (4096), q (4096), v (1024), gate (14336), down (4096) and attention's
+    # output (4096) at 2 bytes, its log-sum-exp at 4 bytes a head: the README's 63,616
+    assert kept == 2 * (4096 + 4096 + 1024 + 14336 + 4096 + 4096) + 4 * 32 == 63616
     assert planner.label(grid) == "dp1 ddp op" and grid.recompute == "op"
 
 
@@ -903,7 +901,8 @@ def test_the_peak_holds_the_losss_gradients_and_fsdps_gathered_units():
     dp8 = planner.parse_label("dp8 fsdp op")
     memory = planner.memory_per_rank(lm, dp8)
     assert memory["loss"] == 2 * 4 * logits
-    assert memory["gathered"] == 2 * (2 * 128256 * 4096 + 4096 * (4096 + 1024 + 1024 + 4096 + 3 * 14336))
+    block = 4096 * (4096 + 1024 + 1024 + 4096 + 3 * 14336)
+    assert memory["gathered"] == 2 * (2 * 128256 * 4096 + 2 * block)     # the last block, one prefetched
     last, first = (planner.edge_activation_bytes(lm, dp8, True, last) for last in (True, False))
     assert last - first == 2 * 2 * 8192 * (2 * 4096 + 2) + 4 * logits + 8 * 2 * 8192 + 4
     ddp = planner.memory_per_rank(lm, planner.parse_label("dp8"))
@@ -911,20 +910,18 @@ def test_the_peak_holds_the_losss_gradients_and_fsdps_gathered_units():
     # with pp the last stage holds the loss and its log-softmax: a bound on top of the first's
     pp2 = planner.parse_label("dp4 fsdp pp2 m2")
     assert planner.memory_per_rank(lm, pp2)["loss"] == 3 * 4 * logits      # 2 rows a micro-batch
-    assert planner.memory_per_rank(lm, pp2)["gathered"] == 2 * (2 * 128256 * 4096 + 16 * 4096 * (
-        4096 + 1024 + 1024 + 4096 + 3 * 14336))                  # every block of the stage stays gathered
+    assert planner.memory_per_rank(lm, pp2)["gathered"] == 2 * (2 * 128256 * 4096 + 16 * block)   # all
 
 
 def test_planted_memory_errors_move_a_published_row_past_ten_percent(monkeypatch):
-    """Each memory term the published table needs: without the loss's float32 gradients and
-    log-softmax the long-sequence row (32,768 tokens a GPU over 128,256 logits) falls more than
-    10% short; with torchtitan's policy counted as Korthikanti's selective the FSDP rows'
-    activations are counted twice over."""
+    """Each memory term the published table needs: every row within 10% as modelled; without the
+    loss's float32 gradients and log-softmax every row falls more than 10% short (the long-sequence
+    row most: 32,768 tokens a GPU over 128,256 logits); with torchtitan's policy counted as
+    Korthikanti's selective the two FSDP rows' activations are counted twice over."""
     def errors():
         return [row["predicted_memory"] / row["memory"] - 1 for row in check_prediction.published_rows()
                 if row["memory"]]
-    right = errors()
-    assert max(abs(error) for error in right) < 0.11 and right[2] > -0.10     # the long-sequence row
+    assert all(abs(error) <= 0.10 for error in errors())
     memory_per_rank = planner.memory_per_rank
 
     def no_loss_peak(lm, grid):     # the log-softmax at the logits' width, no gradients beside it
@@ -933,7 +930,7 @@ def test_planted_memory_errors_move_a_published_row_past_ten_percent(monkeypatch
         memory["total"] -= memory.pop("loss") + (4 - lm.compute_bytes) * logits
         return memory
     monkeypatch.setattr(planner, "memory_per_rank", no_loss_peak)
-    assert errors()[2] < -0.10
+    assert all(error < -0.10 for error in errors())
     monkeypatch.undo()
     parse_label = planner.parse_label
 
@@ -941,7 +938,7 @@ def test_planted_memory_errors_move_a_published_row_past_ten_percent(monkeypatch
         grid = parse_label(text)
         return dataclasses.replace(grid, recompute="selective") if grid.recompute == "op" else grid
     monkeypatch.setattr(planner, "parse_label", op_as_selective)
-    assert max(errors()) > 0.10
+    assert all(error > 0.10 for error in errors()[:2])              # the two FSDP rows at 8,192
 
 
 def test_mfu_stays_below_every_presets_measured_matmul_share():
@@ -1409,8 +1406,8 @@ def test_plan_refuses_a_grid_the_lessons_cannot_run_and_counts_one_that_does_not
                  (["--heads", "16", "--gpus", "16", "--grid", "dp1 tp16"], "tp16 crosses nodes of 8"),
                  (["--gpus", "8", "--gpus-per-node", "3"], "not whole nodes of 3"),
                  (["--heads", "7"], "--heads 7: must divide --d-model 768"),
-                 (["--grid", "dp8 op"], "op: torchtitan's policy on its Llama"),     # a biased, GPT-style block
-                 (["--model", "llama3-8b", "--grid", "dp4 tp2 sp op"], "counted here without tp")]
+                 (["--grid", "dp8 op"], "at tp 1, not a GPT-style block"),      # biased linears: addmm
+                 (["--model", "llama3-8b", "--grid", "dp4 tp2 sp op"], "at tp 1, not tp2")]
     for argv, named in bad_input:
         assert run_plan(argv, monkeypatch) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

@@ -292,12 +292,12 @@ def rank_tensors(lm: LM, grid: Grid, pp_rank: int = 0) -> list[tuple[int, bool]]
 
 
 def memory_per_rank(lm: LM, grid: Grid) -> dict[str, float]:
-    """A bound: each term at its largest in the step, summed; the loss's backward makes two float32
-    gradients of the logits beside their float32 log-softmax (with pp: the last stage's, added)."""
-    memory = state_per_rank(lm, grid)
-    memory["activation"] = activations_per_rank(lm, grid)
-    if grid.dp_kind == "fsdp":     # lesson 2's gathered: the root and the last block, every block with pp
-        memory["gathered"] = lm.compute_bytes * sum(fsdp_unit_values(lm, grid)[:2 if grid.pp == 1 else None])
+    """A bound, each term at its largest in the step, summed (not a block's gradients before FSDP's
+    reduce-scatter, nor the allocator's cache); the loss: two float32 gradients of the logits beside
+    their float32 log-softmax (autocast's and torchtitan's; with pp the last stage's, added)."""
+    memory = {**state_per_rank(lm, grid), "activation": activations_per_rank(lm, grid)}
+    if grid.dp_kind == "fsdp":     # lesson 2's: the root, the last block and one prefetched; pp: all
+        memory["gathered"] = lm.compute_bytes * sum(fsdp_unit_values(lm, grid)[:3 if grid.pp == 1 else None])
     logits = math.prod(rows_and_tokens(lm, grid)) // grid.tp * lm.vocab       # [b, S/t, V]
     memory["loss"] = (2 if grid.pp == 1 else 3) * FLOAT32 * logits    # and the log-softmax with pp
     memory["total"] = sum(memory.values())
@@ -503,8 +503,8 @@ def compute_classes(lm: LM, grid: Grid, gpu: GPU | None, first: bool, last: bool
     blocks = lm.layers // grid.pp
     runs = []                                 # (kernel, how many times it runs a step)
     for index, kernel in enumerate(block_kernels(lm, grid)):      # the matmuls first, in order
-        again = {"none": False, "full": True, "selective": kernel[0] == "attention", "op": kernel[0] ==
-                 "memory-bound" or (kernel[0] == "matmul" and index % 2 == 1)}[grid.recompute]
+        again = {"none": False, "full": True, "selective": kernel[0] == "attention",
+                 "op": kernel[0] == "memory-bound" or (kernel[0] == "matmul" and index % 2)}[grid.recompute]
         runs.append((kernel, grid.micro_batches * blocks * (3 + again)))
     runs += [(kernel, grid.micro_batches * 3) for kernel in edge_kernels(lm, grid, first, last)]
     classes = {kind: [0.0, 0.0, 0, 0.0] for kind in ("matmul", "attention", "memory-bound", "launch floor")}

@@ -29,7 +29,7 @@ from common.launch import Parser, number  # noqa: E402  (argparse, a usage error
 SHAPE = {"layers": 10**3, "d_model": 10**6, "heads": 10**5, "d_ff": 10**7, "vocab": 10**8,
          "seq": 10**8, "batch": 10**9, "kv_heads": 10**5}   # each flag's largest value
 GPUS = 10**6
-MAX_GRIDS = 10**4          # ranked in a minute at the most layers (each grid walks every layer)
+MAX_GRIDS = 12_000         # ranked in a minute at the most layers (each grid walks every layer)
 
 
 def up_to(largest: int):          # a flag type (common/launch.py's): a whole number, 1 to largest
@@ -135,8 +135,8 @@ def grid_problem(lm: planner.LM, grid: planner.Grid, gpus: int, gpus_per_node: i
         (grid.cp == 1 or lm.seq % (2 * grid.cp) == 0,
          f"cp{grid.cp} does not split the sequence of {lm.seq} into {2 * grid.cp} halves"),
         (grid.tp > 1 or not grid.sp, "sp without tp"),
-        (grid.recompute != "op" or (grid.tp == 1 and lm.gated_mlp),
-         "op: torchtitan's policy on its Llama (--gated-mlp), counted here without tp"),
+        (grid.recompute != "op" or (grid.tp == 1 and lm.gated_mlp), "op: torchtitan's policy, counted for its "
+         f"Llama (--gated-mlp) at tp 1, not {f'tp{grid.tp}' if lm.gated_mlp else 'a GPT-style block'}"),
     ]
     return next((why for ok, why in checks if not ok), "")
 
