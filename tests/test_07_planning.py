@@ -895,7 +895,8 @@ def test_torchtitans_per_op_policy_by_hand():
 def test_the_peak_holds_the_losss_gradients_and_fsdps_gathered_units():
     """At the loss's backward, beside every saved activation: the log-softmax in float32 (the
     logits are made float32 first) and two float32 gradients of the logits; FSDP (lesson 2)
-    holds the root and a block gathered. Llama 3.1 8B, bf16, 2 sequences of 8,192 tokens a GPU."""
+    holds the root, the last block and the one prefetched gathered (with pp every block). Llama
+    3.1 8B, bf16, 2 sequences of 8,192 tokens a GPU."""
     lm = planner.LLAMA3_8B
     logits = 2 * 8192 * 128256
     dp8 = planner.parse_label("dp8 fsdp op")
