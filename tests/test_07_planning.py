@@ -7,6 +7,7 @@ process; the calls' timing replaced by fixed values) run more."""
 import dataclasses
 import json
 import math
+import re
 import runpy
 import signal
 import sys
@@ -889,6 +890,8 @@ def test_torchtitans_per_op_policy_by_hand():
     # a token: the input (4096), q (4096), v (1024), gate (14336), down (4096) and attention's
     # output (4096) at 2 bytes, its log-sum-exp at 4 bytes a head: the README's 63,616
     assert kept == 2 * (4096 + 4096 + 1024 + 14336 + 4096 + 4096) + 4 * 32 == 63616
+    # the block in backward keeps its log-sum-exp at 4 bytes a head too (flash attention's is float32)
+    assert planner.block_activation_bytes(lm, grid) == 8192 * (2 * (6 * h + 2 * kv + 3 * f + 4) + 4 * 32)
     assert planner.label(grid) == "dp1 ddp op" and grid.recompute == "op"
 
 
@@ -993,6 +996,29 @@ def test_published_runs_are_predicted_from_the_presets():
         assert row["predicted"] > 0 and row["error"] == pytest.approx(row["predicted"] / row["published"] - 1)
         assert (row["predicted_nvl"] or 0) < row["predicted"]        # the NVL's peak is lower
     assert all(abs(row["error"]) <= 0.20 for row in rows if row["gpu"] == "A100")
+
+
+def test_the_readmes_one_code_on_two_parts_is_what_run_planning_prints(capsys, monkeypatch):
+    """Lesson 9's README predicts MPT on 8 H100s and on 8 A100s (llm-foundry's tables, one code)
+    from the shape flags: each predicted figure is run_planning.py's for its row, and the last
+    column the H100 row's error over the A100 row's."""
+    text = (PLAN.parent / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^  \| \d+B \((\d+) x (\d+), (\d+) heads\), ([\d,]+) \| (.+) \| ([\d.]+) \|$",
+                      text, re.MULTILINE)
+    assert len(rows) == 4
+    for layers, d_model, heads, seq, parts, ratio in rows:
+        cells = parts.split(" | ")
+        errors = []
+        for gpu, (batch_grid, published, predicted) in zip(("H100", "A100"), (cells[:3], cells[3:])):
+            batch, grid = batch_grid.split(", ")
+            argv = ["--layers", layers, "--d-model", d_model, "--heads", heads, "--d-ff",
+                    str(4 * int(d_model)), "--vocab", "50368", "--seq", seq.replace(",", ""),
+                    "--batch", batch, "--gpu", gpu, "--gpus", "8", "--grid", grid.strip("`"), "--json"]
+            assert run_plan(argv, monkeypatch) == 0
+            got = json.loads(capsys.readouterr().out)[0]["tokens_per_s_per_gpu"]
+            errors.append(got / int(published.replace(",", "")))
+            assert predicted == f"{got:,.0f} ({errors[-1] - 1:+.0%})"
+        assert ratio == f"{errors[0] / errors[1]:.2f}"
 
 
 # --------------------------------------------------------------------------- issue 44's holes

@@ -225,11 +225,10 @@ def block_activation_bytes(lm: LM, grid: Grid) -> int:
     per_block = (2 * rows * tokens * h + 4 * rows * tokens) // between  # two norms' inputs, stats
     per_block += 2 * rows * tokens * h                                # gathered inputs of qkv, fc1
     per_block += (2 * h + 2 * kv) * rows * tokens // t                # q, k, v, attention's out
-    per_block += rows * (lm.heads // t) * tokens                      # log-sum-exp
     per_block += (3 if lm.gated_mlp else 2) * rows * tokens * lm.d_ff // t   # fc1's output, GELU's
     if grid.cp > 1:
         per_block += rows * tokens * h // t    # ring attention's [b, heads, S, hd], transposed
-    return lm.compute_bytes * per_block
+    return lm.compute_bytes * per_block + FLOAT32 * rows * (lm.heads // t) * tokens   # lse: fp32
 
 
 def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
