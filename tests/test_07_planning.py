@@ -1001,7 +1001,8 @@ def test_published_runs_are_predicted_from_the_presets():
 def test_the_readmes_one_code_on_two_parts_is_what_run_planning_prints(capsys, monkeypatch):
     """Lesson 9's README predicts MPT on 8 H100s and on 8 A100s (llm-foundry's tables, one code)
     from the shape flags: each predicted figure is run_planning.py's for its row, and the last
-    column the H100 row's error over the A100 row's."""
+    column the H100 row's error over the A100 row's; so are the errors it quotes for MPT's 7B at
+    1,024 and 65,536 tokens, beside attention's share of the predicted step."""
     text = (PLAN.parent / "README.md").read_text(encoding="utf-8")
     rows = re.findall(r"^  \| \d+B \((\d+) x (\d+), (\d+) heads\), ([\d,]+) \| (.+) \| ([\d.]+) \|$",
                       text, re.MULTILINE)
@@ -1019,6 +1020,19 @@ def test_the_readmes_one_code_on_two_parts_is_what_run_planning_prints(capsys, m
             errors.append(got / int(published.replace(",", "")))
             assert predicted == f"{got:,.0f} ({errors[-1] - 1:+.0%})"
         assert ratio == f"{errors[0] / errors[1]:.2f}"
+    # MPT 7B at 1,024 and 65,536 tokens: the error grows with attention's share of the step
+    for gpu, seq, batch, published, words in (("A100", 1024, 1024, 4357, "A100 {} (attention {}"),
+                                              ("A100", 65536, 16, 1013, "and {} ({})"),
+                                              ("H100", 1024, 1024, 10203, "H100 {} ({})"),
+                                              ("H100", 65536, 16, 1956, "and {} ({})")):
+        argv = ["--layers", "32", "--d-model", "4096", "--heads", "32", "--d-ff", "16384", "--vocab",
+                "50368", "--seq", str(seq), "--batch", str(batch), "--gpu", gpu, "--gpus", "8",
+                "--grid", "dp8 fsdp m2 ckpt", "--json"]
+        assert run_plan(argv, monkeypatch) == 0
+        got = json.loads(capsys.readouterr().out)[0]
+        share = got["terms_ms"]["compute: attention"] / got["step_ms"]
+        error = f"{got['tokens_per_s_per_gpu'] / published - 1:+.0%}"
+        assert words.format(error, f"{share:.0%}") in " ".join(text.split())    # lines rewrapped
 
 
 # --------------------------------------------------------------------------- issue 44's holes
