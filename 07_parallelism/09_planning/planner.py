@@ -222,13 +222,14 @@ def block_activation_bytes(lm: LM, grid: Grid) -> int:
     t = grid.tp
     rows, tokens = rows_and_tokens(lm, grid)
     between = t if grid.sp else 1
-    per_block = (2 * rows * tokens * h + 4 * rows * tokens) // between  # two norms' inputs, stats
+    per_block = 2 * rows * tokens * h // between                      # two norms' inputs
     per_block += 2 * rows * tokens * h                                # gathered inputs of qkv, fc1
     per_block += (2 * h + 2 * kv) * rows * tokens // t                # q, k, v, attention's out
     per_block += (3 if lm.gated_mlp else 2) * rows * tokens * lm.d_ff // t   # fc1's output, GELU's
     if grid.cp > 1:
         per_block += rows * tokens * h // t    # ring attention's [b, heads, S, hd], transposed
-    return lm.compute_bytes * per_block + FLOAT32 * rows * (lm.heads // t) * tokens   # lse: fp32
+    stats = 4 * rows * tokens // between + rows * (lm.heads // t) * tokens   # norms' mean, 1/std; lse
+    return lm.compute_bytes * per_block + FLOAT32 * stats             # the statistics in float32
 
 
 def edge_activation_bytes(lm: LM, grid: Grid, first: bool, last: bool) -> int:
