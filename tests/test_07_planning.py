@@ -7,7 +7,6 @@ process; the calls' timing replaced by fixed values) run more."""
 import dataclasses
 import json
 import math
-import re
 import runpy
 import signal
 import statistics
