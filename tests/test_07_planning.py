@@ -1062,27 +1062,30 @@ def test_the_readmes_one_code_on_two_parts_is_what_run_planning_prints(capsys, m
             got = json.loads(capsys.readouterr().out)[0]
             error = got["tokens_per_s_per_gpu"] / published
             share = got["terms_ms"]["compute: attention"] / got["step_ms"]
-            predicted[size, seq, gpu] = (8 * micro_batch * accumulation, grid, published, got, error, share)
+            predicted[size, seq, gpu] = {"batch": 8 * micro_batch * accumulation, "grid": grid,
+                                         "published": published, "got": got, "error": error, "share": share}
     for size, seq in [("1B", 2048), ("3B", 4096), ("7B", 2048), ("13B", 2048)]:    # the table
         cells = []
         for gpu in ("H100", "A100"):
-            batch, grid, published, got, error, _ = predicted[size, seq, gpu]
-            cells.append(f"{batch}, `{grid}` | {published:,} | {got['tokens_per_s_per_gpu']:,.0f} ({error - 1:+.0%})")
-        ratio = predicted[size, seq, "H100"][4] / predicted[size, seq, "A100"][4]
+            one = predicted[size, seq, gpu]
+            cells.append(f"{one['batch']}, `{one['grid']}` | {one['published']:,} | "
+                         f"{one['got']['tokens_per_s_per_gpu']:,.0f} ({one['error'] - 1:+.0%})")
+        ratio = predicted[size, seq, "H100"]["error"] / predicted[size, seq, "A100"]["error"]
         layers, d_model, heads = MPT_SHAPES[size]
         row = f"| {size} ({layers} x {d_model}, {heads} heads), {seq:,} | {' | '.join(cells)} | {ratio:.2f} |"
         assert row in text, row
     quoted = []                                  # the 7B at 1,024 and 65,536 tokens, recomputed
     for gpu in ("A100", "H100"):
         for seq in (1024, 65536):
-            *_, error, share = predicted["7B", seq, gpu]
-            quoted.append((f"{error - 1:+.0%}", f"{share:.0%}"))
+            one = predicted["7B", seq, gpu]
+            quoted.append((f"{one['error'] - 1:+.0%}", f"{one['share']:.0%}"))
     assert ("on A100 {} (attention {} of the predicted step) and {} ({}), on H100 {} ({}) and {} ({})"
             .format(*sum(quoted, ())) in text)
-    memory = [predicted["7B", seq, "H100"][3] for seq in (1024, 65536)]     # MPT ran them on 80 GB
+    memory = [predicted["7B", seq, "H100"]["got"] for seq in (1024, 65536)]     # MPT ran them on 80 GB
     assert f"({memory[0]['memory_gib']:.1f} and {memory[1]['memory_gib']:.1f} GiB; 80 GB is 74.5 GiB)" in text
     assert not any(got["fits"] for got in memory)
-    ratios = sorted(predicted[key + ("H100",)][4] / predicted[key + ("A100",)][4] for key in MPT_ON_TWO_PARTS)
+    ratios = sorted(predicted[key + ("H100",)]["error"] / predicted[key + ("A100",)]["error"]
+                    for key in MPT_ON_TWO_PARTS)
     assert f"runs from {ratios[0]:.2f} to {ratios[-1]:.2f}, median {statistics.median(ratios):.2f}" in text
     rows = check_prediction.published_rows()                   # torchtitan: H100 rows 0, 1; A100 3
     torchtitan = [(1 + rows[i]["error"]) / (1 + rows[3]["error"]) for i in (0, 1)]
